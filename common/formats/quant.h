@@ -1,0 +1,28 @@
+// Scalar reference conversions between float and every computable tensor type. Block layouts
+// are ggml's byte for byte (see block_layouts.h), so rows read from hub GGUF files decode here.
+#pragma once
+#include <cstdint>
+
+#include "common/formats/tensor_type.h"
+
+namespace moraine {
+
+// n must be a multiple of the type's block size. Throws std::invalid_argument otherwise or for
+// a type that is not computable.
+void dequantize_row(TensorType t, const void* src, float* dst, int64_t n);
+void quantize_row(TensorType t, const float* src, void* dst, int64_t n);
+
+// The activation format a weight row of type `weight` is dotted against (ggml's pairing):
+// Q8_0 for Q4_0, Q8_0 and MXFP4; Q8_K for the K-quants; F32, F16, BF16 for themselves.
+TensorType dot_activation_type(TensorType weight);
+
+// Scalar reference dot product of one weight row with one activation row already quantized
+// to dot_activation_type(weight). Integer sums are exact; block scales are applied in float.
+float vec_dot_reference(TensorType weight, int64_t n, const void* w_row, const void* act_row);
+
+float fp16_to_fp32(uint16_t h);
+uint16_t fp32_to_fp16(float f);   // round to nearest even
+float bf16_to_fp32(uint16_t h);
+uint16_t fp32_to_bf16(float f);   // round to nearest even, NaN kept quiet
+
+}  // namespace moraine
