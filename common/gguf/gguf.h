@@ -39,6 +39,9 @@ class GgufFile {
  public:
   // Opens a file; a shard named NAME-0000k-of-0000n.gguf opens all n shards as one model.
   static GgufFile open(const std::string& path);
+  // Parses a file image held in memory (the bytes are copied; `name` appears in errors).
+  // No shard joining: the image is one file.
+  static GgufFile from_bytes(const uint8_t* data, size_t size, std::string name);
   GgufFile(GgufFile&&) noexcept;
   GgufFile& operator=(GgufFile&&) noexcept;
   ~GgufFile();
@@ -47,6 +50,7 @@ class GgufFile {
   uint64_t alignment() const;
   const std::vector<std::string>& paths() const;  // one per shard, in order
   uint64_t file_bytes() const;                     // all shards together
+  uint64_t data_offset(uint32_t shard = 0) const;  // start of a shard's (aligned) data section
 
   // Metadata in file order (of the first shard; split.* keys of later shards are not repeated).
   const std::vector<std::pair<std::string, Value>>& metadata() const;
@@ -78,11 +82,14 @@ class GgufWriter {
   const Value* find(std::string_view key) const;
 
   using Fill = std::function<void(uint8_t* dst, uint64_t n_bytes)>;
+  // `data` is not copied: it must stay valid until write() returns. Throws
+  // std::invalid_argument when n_bytes does not match shape and type, or the shape is invalid.
   void add_tensor(std::string name, std::vector<int64_t> shape, TensorType type,
                   const void* data, uint64_t n_bytes);
   void add_tensor(std::string name, std::vector<int64_t> shape, TensorType type, Fill fill);
 
   // Writes to path + ".tmp" then renames, so a failed write never leaves a half file behind.
+  // I/O failures (disk full, ...) throw std::system_error naming the path; the .tmp is removed.
   void write(const std::string& path) const;
 
  private:
@@ -91,8 +98,12 @@ class GgufWriter {
     std::vector<int64_t> shape;
     TensorType type;
     uint64_t n_bytes;
+    const void* bytes;  // not owned: must stay valid until write() returns; null when fill is set
     Fill fill;
   };
+  uint64_t alignment() const;
+  void check_new_tensor(const std::string& name, const std::vector<int64_t>& shape, TensorType type,
+                        uint64_t n_bytes) const;
   std::vector<std::pair<std::string, Value>> metadata_;
   std::vector<PendingTensor> tensors_;
 };

@@ -59,7 +59,9 @@ class Value {
   const std::string* as_string() const;
   const Array* as_array() const;
 
-  std::string to_display(size_t max_items = 8) const;  // short human form for moraine-inspect
+  // Short human form for moraine-inspect: arrays show their first max_items items, strings are
+  // cut at 200 bytes; max_items == SIZE_MAX shows everything.
+  std::string to_display(size_t max_items = 8) const;
 
  private:
   using Storage = std::variant<uint64_t, int64_t, double, bool, std::string,

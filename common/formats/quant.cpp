@@ -1,0 +1,167 @@
+// Type-dispatched entry points of quant.h over the per-format reference routines, plus the
+// plain float types (F32, F16, BF16). Arguments are checked here, once, with messages that name
+// the type and the offending value.
+#include "common/formats/quant.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "common/formats/half_float.h"
+#include "common/formats/quant_formats.h"
+
+namespace moraine {
+namespace {
+
+const TypeTraits& checked_traits(TensorType t, int64_t n, const char* what) {
+  const TypeTraits& tr = type_traits(t);
+  if (!tr.computable) {
+    throw std::invalid_argument(std::string(what) + ": tensor type " + std::string(tr.name) +
+                                " is not supported by moraine's formats");
+  }
+  if (n < 0 || n % tr.block_elems != 0) {
+    throw std::invalid_argument(std::string(what) + ": row of " + std::to_string(n) + " elements is not a multiple of the " +
+                                std::string(tr.name) + " block size " + std::to_string(tr.block_elems));
+  }
+  return tr;
+}
+
+// Quantizers would turn NaN/inf into garbage levels; refuse them and say where.
+void require_finite(const float* x, int64_t n, TensorType t) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) {
+      throw std::invalid_argument("quantize_row: element " + std::to_string(i) + " is " + std::to_string(x[i]) +
+                                  "; " + std::string(type_name(t)) + " can only hold finite values");
+    }
+  }
+}
+
+}  // namespace
+
+namespace formats {
+
+float dot_f32(const float* w, const float* a, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(w[i]) * static_cast<double>(a[i]);
+  return static_cast<float>(acc);
+}
+
+float dot_f16(const uint16_t* w, const uint16_t* a, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(half::fp16_to_fp32(w[i]) * half::fp16_to_fp32(a[i]));
+  return static_cast<float>(acc);
+}
+
+float dot_bf16(const uint16_t* w, const uint16_t* a, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(half::bf16_to_fp32(w[i]) * half::bf16_to_fp32(a[i]));
+  return static_cast<float>(acc);
+}
+
+}  // namespace formats
+
+void dequantize_row(TensorType t, const void* src, float* dst, int64_t n) {
+  const TypeTraits& tr = checked_traits(t, n, "dequantize_row");
+  const int64_t nb = n / tr.block_elems;
+  using namespace formats;
+  switch (t) {
+    case TensorType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case TensorType::F16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = half::fp16_to_fp32(static_cast<const uint16_t*>(src)[i]);
+      return;
+    case TensorType::BF16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = half::bf16_to_fp32(static_cast<const uint16_t*>(src)[i]);
+      return;
+    case TensorType::Q4_0: dequantize_q4_0(static_cast<const BlockQ4_0*>(src), dst, nb); return;
+    case TensorType::Q8_0: dequantize_q8_0(static_cast<const BlockQ8_0*>(src), dst, nb); return;
+    case TensorType::MXFP4: dequantize_mxfp4(static_cast<const BlockMXFP4*>(src), dst, nb); return;
+    case TensorType::Q2_K: dequantize_q2_k(static_cast<const BlockQ2_K*>(src), dst, nb); return;
+    case TensorType::Q3_K: dequantize_q3_k(static_cast<const BlockQ3_K*>(src), dst, nb); return;
+    case TensorType::Q4_K: dequantize_q4_k(static_cast<const BlockQ4_K*>(src), dst, nb); return;
+    case TensorType::Q5_K: dequantize_q5_k(static_cast<const BlockQ5_K*>(src), dst, nb); return;
+    case TensorType::Q6_K: dequantize_q6_k(static_cast<const BlockQ6_K*>(src), dst, nb); return;
+    case TensorType::Q8_K: dequantize_q8_k(static_cast<const BlockQ8_K*>(src), dst, nb); return;
+    default: break;
+  }
+  throw std::logic_error("dequantize_row: computable type " + std::string(tr.name) + " has no decoder");
+}
+
+void quantize_row(TensorType t, const float* src, void* dst, int64_t n) {
+  const TypeTraits& tr = checked_traits(t, n, "quantize_row");
+  const int64_t nb = n / tr.block_elems;
+  using namespace formats;
+  switch (t) {
+    case TensorType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case TensorType::F16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = half::fp32_to_fp16(src[i]);
+      return;
+    case TensorType::BF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = half::fp32_to_bf16(src[i]);
+      return;
+    default: break;
+  }
+  require_finite(src, n, t);
+  switch (t) {
+    case TensorType::Q4_0: quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), nb); return;
+    case TensorType::Q8_0: quantize_q8_0(src, static_cast<BlockQ8_0*>(dst), nb); return;
+    case TensorType::MXFP4: quantize_mxfp4(src, static_cast<BlockMXFP4*>(dst), nb); return;
+    case TensorType::Q2_K: quantize_q2_k(src, static_cast<BlockQ2_K*>(dst), nb); return;
+    case TensorType::Q3_K: quantize_q3_k(src, static_cast<BlockQ3_K*>(dst), nb); return;
+    case TensorType::Q4_K: quantize_q4_k(src, static_cast<BlockQ4_K*>(dst), nb); return;
+    case TensorType::Q5_K: quantize_q5_k(src, static_cast<BlockQ5_K*>(dst), nb); return;
+    case TensorType::Q6_K: quantize_q6_k(src, static_cast<BlockQ6_K*>(dst), nb); return;
+    case TensorType::Q8_K: quantize_q8_k(src, static_cast<BlockQ8_K*>(dst), nb); return;
+    default: break;
+  }
+  throw std::logic_error("quantize_row: computable type " + std::string(tr.name) + " has no encoder");
+}
+
+TensorType dot_activation_type(TensorType weight) {
+  switch (weight) {
+    case TensorType::F32:
+    case TensorType::F16:
+    case TensorType::BF16: return weight;
+    case TensorType::Q4_0:
+    case TensorType::Q8_0:
+    case TensorType::MXFP4: return TensorType::Q8_0;
+    case TensorType::Q2_K:
+    case TensorType::Q3_K:
+    case TensorType::Q4_K:
+    case TensorType::Q5_K:
+    case TensorType::Q6_K: return TensorType::Q8_K;
+    default: break;
+  }
+  throw std::invalid_argument("dot_activation_type: " + std::string(type_name(weight)) +
+                              " is not a weight type moraine can dot");
+}
+
+float vec_dot_reference(TensorType weight, int64_t n, const void* w, const void* a) {
+  const TensorType act = dot_activation_type(weight);
+  const TypeTraits& tr = checked_traits(weight, n, "vec_dot_reference");
+  checked_traits(act, n, "vec_dot_reference (activation)");
+  const int64_t nb = n / tr.block_elems;
+  using namespace formats;
+  switch (weight) {
+    case TensorType::F32: return dot_f32(static_cast<const float*>(w), static_cast<const float*>(a), n);
+    case TensorType::F16: return dot_f16(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(a), n);
+    case TensorType::BF16: return dot_bf16(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(a), n);
+    case TensorType::Q4_0: return dot_q4_0_q8_0(static_cast<const BlockQ4_0*>(w), static_cast<const BlockQ8_0*>(a), nb);
+    case TensorType::Q8_0: return dot_q8_0_q8_0(static_cast<const BlockQ8_0*>(w), static_cast<const BlockQ8_0*>(a), nb);
+    case TensorType::MXFP4: return dot_mxfp4_q8_0(static_cast<const BlockMXFP4*>(w), static_cast<const BlockQ8_0*>(a), nb);
+    case TensorType::Q2_K: return dot_q2_k_q8_k(static_cast<const BlockQ2_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::Q3_K: return dot_q3_k_q8_k(static_cast<const BlockQ3_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::Q4_K: return dot_q4_k_q8_k(static_cast<const BlockQ4_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::Q5_K: return dot_q5_k_q8_k(static_cast<const BlockQ5_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::Q6_K: return dot_q6_k_q8_k(static_cast<const BlockQ6_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    default: break;
+  }
+  throw std::logic_error("vec_dot_reference: no dot for " + std::string(tr.name));
+}
+
+float fp16_to_fp32(uint16_t h) { return half::fp16_to_fp32(h); }
+uint16_t fp32_to_fp16(float f) { return half::fp32_to_fp16(f); }
+float bf16_to_fp32(uint16_t h) { return half::bf16_to_fp32(h); }
+uint16_t fp32_to_bf16(float f) { return half::fp32_to_bf16(f); }
+
+}  // namespace moraine

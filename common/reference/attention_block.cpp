@@ -1,0 +1,74 @@
+// Full (softmax) attention for both families: GQA, per-head RMSNorm on q and k, NEOX RoPE over
+// the first n_rot dims; qwen3next's variant also carries a per-head output gate in the q
+// projection ([query | gate] per head) and multiplies the attention output by sigmoid(gate).
+#include <cmath>
+#include <vector>
+
+#include "common/reference/executor.h"
+#include "common/reference/matmul.h"
+#include "common/reference/ops.h"
+
+namespace moraine::reference {
+
+void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, float* x) {
+  const model::HParams& hp = m_.hp;
+  const model::AttentionWeights& A = m_.layers[il].attn;
+  LayerState& S = state_[il];
+  const int64_t hd = hp.head_dim;
+  const int64_t n_head = hp.n_head;
+  const int64_t kv_dim = hp.n_head_kv * hd;
+  const int64_t q_rows = A.q.n_rows;  // n_head * hd, doubled when the gate rides along
+  const int64_t q_stride = A.q_has_gate ? 2 * hd : hd;
+  const float eps = static_cast<float>(hp.rms_eps);
+
+  std::vector<float> qg(n * q_rows), k(n * kv_dim), v(n * kv_dim);
+  matmul(A.q, h, n, qg.data(), pool_);
+  matmul(A.k, h, n, k.data(), pool_);
+  matmul(A.v, h, n, v.data(), pool_);
+
+  // Normalise and rotate; append k and v to the cache before attending so token t of this
+  // batch sees exactly positions 0..n_past+t, as it would if decoded alone.
+  std::vector<float> q(n * n_head * hd);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = n_past_ + t;
+    for (int64_t hh = 0; hh < n_head; ++hh) {
+      float* qh = q.data() + (t * n_head + hh) * hd;
+      rms_norm(qg.data() + t * q_rows + hh * q_stride, A.q_norm.data(), hd, eps, qh);
+      rope_neox(qh, hp.n_rot, pos, hp.rope_freq_base);
+    }
+    for (int64_t hh = 0; hh < hp.n_head_kv; ++hh) {
+      float* kh = k.data() + t * kv_dim + hh * hd;
+      rms_norm(kh, A.k_norm.data(), hd, eps, kh);
+      rope_neox(kh, hp.n_rot, pos, hp.rope_freq_base);
+    }
+  }
+  S.k_cache.insert(S.k_cache.end(), k.begin(), k.end());
+  S.v_cache.insert(S.v_cache.end(), v.begin(), v.end());
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t group = n_head / hp.n_head_kv;
+  std::vector<float> out(n * n_head * hd);
+  const int64_t n_ctx = n_past_ + n;
+  pool_.parallel_for(n * n_head, n_ctx * hd * 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(n_ctx);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / n_head;
+      const int64_t hh = i % n_head;
+      const int64_t kvh = hh / group;
+      const int64_t n_kv = n_past_ + t + 1;
+      float* o = out.data() + i * hd;
+      attend_one_head(q.data() + i * hd, S.k_cache.data() + kvh * hd, S.v_cache.data() + kvh * hd,
+                      n_kv, kv_dim, hd, scale, scores.data(), o);
+      if (A.q_has_gate) {
+        const float* gate = qg.data() + t * q_rows + hh * q_stride + hd;
+        for (int64_t j = 0; j < hd; ++j) o[j] *= sigmoid(gate[j]);
+      }
+    }
+  });
+
+  std::vector<float> y(n * hp.n_embd);
+  matmul(A.o, out.data(), n, y.data(), pool_);
+  for (int64_t i = 0; i < n * hp.n_embd; ++i) x[i] += y[i];
+}
+
+}  // namespace moraine::reference

@@ -1,0 +1,53 @@
+// The CPU reference executor: one process, float32 accumulation, weights read in place from the
+// mapped GGUF. It is the yardstick faster paths are measured against, so it favours clarity:
+// every token of a batch goes through exactly the same arithmetic as it would alone (rows of a
+// matmul are independent dots; attention and the recurrences run token by token), which makes
+// decode after prefill bit-identical to a fresh prefill of the same tokens.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/reference/thread_pool.h"
+
+namespace moraine::reference {
+
+struct ExecutorOptions {
+  int n_threads = 0;  // <= 0: all hardware threads
+  int64_t min_parallel_work = ThreadPool::kDefaultMinParallelWork;  // see ThreadPool
+};
+
+class ReferenceExecutor {
+ public:
+  explicit ReferenceExecutor(const model::Model& model, ExecutorOptions opt = {});
+
+  // Runs `tokens` at positions n_past() .. n_past() + size - 1 and appends them to the caches.
+  // Returns logits row-major [rows][n_vocab]: one row per token when all_logits, else only the
+  // last token's. Throws std::invalid_argument for a token id outside the vocabulary.
+  std::vector<float> forward(std::span<const int32_t> tokens, bool all_logits);
+
+  void reset();  // forget every cached token
+  int64_t n_past() const { return n_past_; }
+  const model::Model& model() const { return m_; }
+  int64_t n_vocab() const { return m_.hp.n_vocab; }
+
+ private:
+  struct LayerState {
+    std::vector<float> k_cache, v_cache;  // [n_past][n_head_kv * head_dim], post-norm, post-RoPE
+    std::vector<float> conv_state;        // [conv_kernel - 1][conv_dim], oldest first
+    std::vector<float> ssm_state;         // [n_v_heads][head_k_dim][head_v_dim]
+  };
+
+  // Each adds its block's output for n tokens of normalised input h to the residual x.
+  void attention_block(int64_t il, const float* h, int64_t n, float* x);  // attention_block.cpp
+  void delta_net_block(int64_t il, const float* h, int64_t n, float* x);  // delta_net_block.cpp
+  void moe_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
+
+  const model::Model& m_;
+  ThreadPool pool_;
+  std::vector<LayerState> state_;
+  int64_t n_past_ = 0;
+};
+
+}  // namespace moraine::reference

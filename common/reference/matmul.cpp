@@ -1,0 +1,77 @@
+#include "common/reference/matmul.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "common/formats/quant.h"
+#include "kernels/cpu/vec_dot.h"
+
+namespace moraine::reference {
+
+namespace {
+
+// Eight independent float partial sums, combined pairwise at the end: a fixed order (so the
+// result is the same for any batch or thread split) that compilers keep in vector registers.
+float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  for (int j = 0; i < n; ++i, ++j) acc[j] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+}  // namespace
+
+float dot_row(TensorType weight_type, int64_t n, const void* w_row, const void* act_row) {
+  if (weight_type == TensorType::F32) {
+    return dot_f32(static_cast<const float*>(w_row), static_cast<const float*>(act_row), n);
+  }
+  // Quantized and half types: the ISA-dispatched kernel (each one is tested against
+  // vec_dot_reference; integer block sums are exact, so only the float combination may differ).
+  return cpu::vec_dot(weight_type, n, w_row, act_row);
+}
+
+PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
+                                   int64_t n_cols) {
+  PackedActivations p;
+  p.type = dot_activation_type(weight_type);
+  p.n_cols = n_cols;
+  p.n_tokens = n_tokens;
+  p.row_bytes = row_bytes(p.type, n_cols);
+  if (p.type == TensorType::F32) {
+    p.f32 = x;
+    return p;
+  }
+  p.bytes.resize(p.row_bytes * static_cast<size_t>(n_tokens));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    cpu::quantize_activation_row(p.type, x + t * n_cols,
+                                 p.bytes.data() + static_cast<size_t>(t) * p.row_bytes, n_cols);
+  }
+  return p;
+}
+
+void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool) {
+  if (x.n_cols != w.n_cols || x.type != dot_activation_type(w.type)) {
+    throw std::invalid_argument("matmul: activations (" + std::to_string(x.n_cols) +
+                                " cols) do not fit weight " + std::to_string(w.n_cols) + " cols");
+  }
+  const int64_t n_rows = w.n_rows;
+  const int64_t n_tokens = x.n_tokens;
+  // Split over rows: every thread streams a disjoint slice of the weight once for all tokens.
+  pool.parallel_for(n_rows, w.n_cols * n_tokens, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wr = w.row(r);
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        y[t * n_rows + r] = dot_row(w.type, w.n_cols, wr, x.row(t));
+      }
+    }
+  });
+}
+
+void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
+  matmul(w, pack_activations(w.type, x, n_tokens, w.n_cols), y, pool);
+}
+
+}  // namespace moraine::reference

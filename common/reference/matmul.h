@@ -1,0 +1,41 @@
+// Weight-matrix times activations, the way llama.cpp's CPU backend does it: each activation row
+// is first converted to the type the weight is dotted against (dot_activation_type: q8_0 for
+// q4_0/q8_0/mxfp4, q8_K for the K-quants, itself for f32/f16/bf16), then every output is one
+// row-by-row vec_dot. Quantizing activations the same way is what makes logits on a quantized
+// file comparable with llama.cpp's; dequantizing weight rows to float instead would be "more
+// exact" but systematically different from the engine we are compared with.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/model/tensor_binder.h"
+#include "common/reference/thread_pool.h"
+
+namespace moraine::reference {
+
+// Activations converted once for one weight type; reused across the matrices of that type.
+struct PackedActivations {
+  TensorType type = TensorType::F32;
+  int64_t n_cols = 0;
+  int64_t n_tokens = 0;
+  size_t row_bytes = 0;
+  std::vector<uint8_t> bytes;
+  const float* f32 = nullptr;  // when type is F32: the caller's rows, not copied
+
+  const void* row(int64_t t) const {
+    return f32 ? static_cast<const void*>(f32 + t * n_cols)
+               : static_cast<const void*>(bytes.data() + static_cast<size_t>(t) * row_bytes);
+  }
+};
+
+PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
+                                   int64_t n_cols);
+
+// y[t * w.n_rows + r] = dot(w.row(r), x_t) for t < n_tokens.
+void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);
+void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool);
+
+// One dot product of a weight row with a packed activation row (float accumulation for f32).
+float dot_row(TensorType weight_type, int64_t n, const void* w_row, const void* act_row);
+
+}  // namespace moraine::reference

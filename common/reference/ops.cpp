@@ -1,0 +1,105 @@
+#include "common/reference/ops.h"
+
+#include <cmath>
+
+namespace moraine::reference {
+
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * inv * w[i] : x[i] * inv;
+}
+
+void l2_norm(float* x, int64_t n, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base) {
+  const int64_t half = n_rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double theta = static_cast<double>(pos) *
+                         std::pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot));
+    const float c = static_cast<float>(std::cos(theta));
+    const float s = static_cast<float>(std::sin(theta));
+    const float x0 = head[i];
+    const float x1 = head[i + half];
+    head[i] = x0 * c - x1 * s;
+    head[i + half] = x0 * s + x1 * c;
+  }
+}
+
+float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+void attend_one_head(const float* q, const float* k, const float* v, int64_t n_kv,
+                     int64_t kv_stride, int64_t head_dim, float scale, float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float* kj = k + j * kv_stride;
+    float s = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) s += q[d] * kj[d];
+    scores[j] = s * scale;
+    mx = std::fmax(mx, scores[j]);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float p = scores[j] * inv;
+    const float* vj = v + j * kv_stride;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
+  }
+}
+
+void conv1d_silu_step(const float* w, int64_t kernel, int64_t channels, float* state,
+                      const float* x, float* out) {
+  const int64_t hist = kernel - 1;
+  for (int64_t c = 0; c < channels; ++c) {
+    const float* wc = w + c * kernel;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < hist; ++j) acc += wc[j] * state[j * channels + c];
+    acc += wc[hist] * x[c];
+    out[c] = silu(acc);
+  }
+  // Shift the window: drop the oldest input, append x.
+  for (int64_t j = 0; j + 1 < hist; ++j) {
+    for (int64_t c = 0; c < channels; ++c) state[j * channels + c] = state[(j + 1) * channels + c];
+  }
+  if (hist > 0) {
+    for (int64_t c = 0; c < channels; ++c) state[(hist - 1) * channels + c] = x[c];
+  }
+}
+
+void delta_rule_step(float* S, const float* q, const float* k, const float* v, float g,
+                     float beta, int64_t dk, int64_t dv, float scale, float* o) {
+  const float decay = std::exp(g);
+  for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
+  // u = beta * (v - S^T k), computed column by column of S.
+  for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;  // o holds S^T k for now
+  for (int64_t i = 0; i < dk; ++i) {
+    const float ki = k[i];
+    const float* Si = S + i * dv;
+    for (int64_t j = 0; j < dv; ++j) o[j] += Si[j] * ki;
+  }
+  for (int64_t j = 0; j < dv; ++j) o[j] = beta * (v[j] - o[j]);
+  for (int64_t i = 0; i < dk; ++i) {
+    const float ki = k[i];
+    float* Si = S + i * dv;
+    for (int64_t j = 0; j < dv; ++j) Si[j] += ki * o[j];
+  }
+  for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float qi = q[i] * scale;
+    const float* Si = S + i * dv;
+    for (int64_t j = 0; j < dv; ++j) o[j] += Si[j] * qi;
+  }
+}
+
+}  // namespace moraine::reference

@@ -1,0 +1,42 @@
+// Scalar building blocks of the reference forward pass, one token (or one head) at a time, in
+// float with a fixed summation order. Written for clarity; tests check each against a direct
+// formula (tests/reference/ops_test.cpp).
+#pragma once
+#include <cstdint>
+
+namespace moraine::reference {
+
+// out = x / sqrt(mean(x^2) + eps) * w   (w may be null: no weight). out may alias x.
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out);
+
+// x / sqrt(sum(x^2) + eps), in place: the L2 norm the Gated DeltaNet applies to q and k.
+void l2_norm(float* x, int64_t n, float eps);
+
+// NEOX-style rotary embedding on the first n_rot dims of one head, in place: dims i and
+// i + n_rot/2 rotate by pos * base^(-2i/n_rot). Dims from n_rot on are left as they are.
+void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base);
+
+inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }
+// log(1 + e^x), linear above 20 as torch.nn.functional.softplus does.
+float softplus(float x);
+
+// Causal attention of one query head over n_kv cached positions.
+// k and v are strided: position j of this kv head starts at k + j * kv_stride.
+// scores_tmp must hold n_kv floats. out gets head_dim floats.
+void attend_one_head(const float* q, const float* k, const float* v, int64_t n_kv,
+                     int64_t kv_stride, int64_t head_dim, float scale, float* scores_tmp,
+                     float* out);
+
+// Depthwise causal conv1d for one new input column, then SiLU:
+//   out[c] = silu( sum_{j<K-1} w[c][j] * state[j][c] + w[c][K-1] * x[c] )
+// state holds the previous K-1 inputs, oldest first ([K-1][C]); it is shifted to include x.
+void conv1d_silu_step(const float* w, int64_t kernel, int64_t channels, float* state,
+                      const float* x, float* out);
+
+// One gated delta-rule step for one head with state S[dk][dv] (row i: key dim i):
+//   S = exp(g) * S;  u = beta * (v - S^T k);  S += k u^T;  o = scale * S^T q
+void delta_rule_step(float* S, const float* q, const float* k, const float* v, float g,
+                     float beta, int64_t dk, int64_t dv, float scale, float* o);
+
+}  // namespace moraine::reference

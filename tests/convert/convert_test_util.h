@@ -1,0 +1,106 @@
+// Helpers shared by the converter tests: the golden fixtures (tests/golden, made by
+// make_golden.py from Hugging Face transformers), scratch folders and a small safetensors writer
+// for building deliberately broken checkpoints.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace moraine::convert::test {
+
+namespace fs = std::filesystem;
+
+inline const std::vector<std::string>& golden_models() {
+  static const std::vector<std::string> names = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
+  return names;
+}
+
+inline std::string golden_dir(const std::string& model) {
+  return std::string(MORAINE_SOURCE_DIR) + "/tests/golden/" + model;
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  return nlohmann::json::parse(in);
+}
+
+inline std::vector<float> read_f32(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') out += "'\\''";
+    else out += c;
+  }
+  return out + "'";
+}
+
+// A fresh empty folder under the system temp dir, removed by the destructor.
+class Scratch {
+ public:
+  explicit Scratch(const std::string& tag) {
+    std::string templ = (fs::temp_directory_path() / ("moraine-" + tag + "-XXXXXX")).string();
+    if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("cannot create a scratch folder like " + templ);
+    path_ = templ;
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// One tensor of a safetensors file written by tests: raw little-endian bytes.
+struct RawTensor {
+  std::string name;
+  std::string dtype;  // "BF16", "F32", "I64", ...
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+
+inline void write_safetensors(const std::string& path, const std::vector<RawTensor>& tensors) {
+  nlohmann::json header = nlohmann::json::object();
+  uint64_t off = 0;
+  for (const RawTensor& t : tensors) {
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
+    off += t.bytes.size();
+  }
+  std::string h = header.dump();
+  while (h.size() % 8) h += ' ';
+  std::ofstream out(path, std::ios::binary);
+  const uint64_t n = h.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const RawTensor& t : tensors) out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+}
+
+}  // namespace moraine::convert::test

@@ -1,0 +1,117 @@
+// Sampler: the distribution it reports against direct formulas, and the frequencies it draws
+// against that distribution (200k draws, each token within 5 sigma).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/sampling/sampler.h"
+
+namespace moraine::sampling {
+namespace {
+
+std::vector<float> random_logits(uint64_t seed, size_t n) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<float> l(n);
+  for (float& x : l) x = d(rng);
+  return l;
+}
+
+// Expected probabilities by a direct reading of the definitions.
+std::map<int32_t, double> expected(const std::vector<float>& l, float temp, int top_k, float top_p) {
+  std::vector<int32_t> ids(l.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+  if (top_k > 0) ids.resize(std::min<size_t>(ids.size(), top_k));
+  std::vector<double> p;
+  double z = 0;
+  for (int32_t id : ids) z += std::exp(l[id] / double(temp));
+  for (int32_t id : ids) p.push_back(std::exp(l[id] / double(temp)) / z);
+  size_t n = ids.size();
+  double cum = 0;
+  for (size_t i = 0; i < ids.size() && top_p < 1.0f; ++i) {
+    cum += p[i];
+    if (cum >= top_p) {
+      n = i + 1;
+      break;
+    }
+  }
+  double kept = std::accumulate(p.begin(), p.begin() + n, 0.0);
+  std::map<int32_t, double> out;
+  for (size_t i = 0; i < n; ++i) out[ids[i]] = p[i] / kept;
+  return out;
+}
+
+TEST(Sampling, ArgmaxTakesLowestIndexOnTies) {
+  EXPECT_EQ(argmax(std::vector<float>{1, 3, 3, 2}), 1);
+  auto l = random_logits(3, 500);
+  EXPECT_EQ(argmax(l), std::max_element(l.begin(), l.end()) - l.begin());
+  Sampler greedy({0.0f, 5, 0.5f, 9});
+  EXPECT_EQ(greedy.sample(l), argmax(l));
+}
+
+struct Case {
+  float temp;
+  int top_k;
+  float top_p;
+};
+
+TEST(Sampling, DistributionMatchesDefinitions) {
+  const auto l = random_logits(21, 50);
+  for (Case c : {Case{1.0f, 0, 1.0f}, Case{0.7f, 0, 1.0f}, Case{1.3f, 5, 1.0f},
+                 Case{1.0f, 0, 0.8f}, Case{0.8f, 10, 0.6f}}) {
+    Sampler s({c.temp, c.top_k, c.top_p, 1});
+    const auto d = s.distribution(l);
+    const auto e = expected(l, c.temp, c.top_k, c.top_p);
+    ASSERT_EQ(d.size(), e.size()) << "temp " << c.temp << " k " << c.top_k << " p " << c.top_p;
+    double total = 0;
+    for (const auto& [id, p] : d) {
+      ASSERT_TRUE(e.count(id)) << "token " << id << " should have been cut";
+      EXPECT_NEAR(p, e.at(id), 1e-6);
+      total += p;
+    }
+    EXPECT_NEAR(total, 1.0, 1e-6);
+  }
+}
+
+TEST(Sampling, DrawFrequenciesFollowTheDistribution) {
+  const auto l = random_logits(22, 30);
+  for (Case c : {Case{1.0f, 0, 1.0f}, Case{0.9f, 6, 1.0f}, Case{1.2f, 0, 0.7f}}) {
+    Sampler s({c.temp, c.top_k, c.top_p, 12345});
+    const auto e = expected(l, c.temp, c.top_k, c.top_p);
+    const int N = 200000;
+    std::map<int32_t, int> count;
+    for (int i = 0; i < N; ++i) ++count[s.sample(l)];
+    for (const auto& [id, n] : count) ASSERT_TRUE(e.count(id)) << "sampled cut token " << id;
+    for (const auto& [id, p] : e) {
+      const double sigma = std::sqrt(N * p * (1 - p));
+      EXPECT_NEAR(count[id], N * p, 5 * sigma + 1) << "token " << id << " p " << p;
+    }
+  }
+}
+
+TEST(Sampling, SameSeedSameSequenceOtherSeedDiffers) {
+  const auto l = random_logits(23, 100);
+  Sampler a({1.0f, 0, 1.0f, 77}), b({1.0f, 0, 1.0f, 77}), c({1.0f, 0, 1.0f, 78});
+  std::vector<int32_t> sa, sb, sc;
+  for (int i = 0; i < 64; ++i) {
+    sa.push_back(a.sample(l));
+    sb.push_back(b.sample(l));
+    sc.push_back(c.sample(l));
+  }
+  EXPECT_EQ(sa, sb);
+  EXPECT_NE(sa, sc);
+}
+
+TEST(Sampling, BadParametersAreRefused) {
+  EXPECT_THROW(Sampler({1.0f, 0, 0.0f, 1}), std::invalid_argument);
+  EXPECT_THROW(argmax(std::vector<float>{}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine::sampling

@@ -1,0 +1,129 @@
+#include "tools/convert/convert.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/formats/quant.h"
+#include "common/gguf/gguf.h"
+#include "tools/convert/hf_tokenizer.h"
+#include "tools/convert/qwen_plan.h"
+#include "tools/convert/safetensors.h"
+
+namespace moraine::convert {
+
+namespace fs = std::filesystem;
+using gguf::Value;
+
+namespace {
+
+// llama.cpp's general.file_type numbers (LlamaFileType) for the output types we write.
+uint32_t file_type_id(TensorType t) {
+  switch (t) {
+    case TensorType::F32: return 0;
+    case TensorType::F16: return 1;
+    case TensorType::Q8_0: return 7;
+    case TensorType::BF16: return 32;
+    default: throw ConvertError("output type " + std::string(type_name(t)) + " is not one of f32, f16, bf16, q8_0");
+  }
+}
+
+void apply(ElemOp op, float* x, int64_t n) {
+  switch (op) {
+    case ElemOp::None: return;
+    case ElemOp::NegExp:
+      for (int64_t i = 0; i < n; ++i) x[i] = -std::exp(x[i]);
+      return;
+    case ElemOp::PlusOne:
+      for (int64_t i = 0; i < n; ++i) x[i] += 1.0f;
+      return;
+  }
+}
+
+}  // namespace
+
+ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
+  const uint32_t ftype = file_type_id(opt.outtype);
+  const fs::path cfg_path = fs::path(opt.hf_dir) / "config.json";
+  nlohmann::json config;
+  {
+    std::ifstream in(cfg_path, std::ios::binary);
+    if (!in) throw ConvertError(cfg_path.string() + ": cannot open");
+    try {
+      config = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      throw ConvertError(cfg_path.string() + ": invalid JSON: " + e.what());
+    }
+  }
+  if (!config.is_object()) throw ConvertError(cfg_path.string() + ": is not a JSON object");
+
+  const Checkpoint ckpt = Checkpoint::open(opt.hf_dir);
+  ConvertPlan plan = plan_qwen(config, ckpt);
+  ConvertResult result;
+  result.arch = plan.arch;
+  result.n_tensors = plan.tensors.size();
+
+  gguf::GgufWriter w;
+  w.set("general.architecture", Value::string(plan.arch));
+  w.set("general.type", Value::string("model"));
+  std::string name = opt.name;
+  if (name.empty()) name = fs::path(opt.hf_dir).lexically_normal().filename().string();
+  if (name.empty() || name == ".") name = fs::absolute(opt.hf_dir).lexically_normal().parent_path().filename().string();
+  w.set("general.name", Value::string(name));
+  for (auto& [k, v] : plan.metadata) w.set(k, std::move(v));
+  w.set("general.file_type", Value::u32(ftype));
+  w.set("general.quantization_version", Value::u32(2));  // ggml's GGML_QNT_VERSION
+
+  const int64_t vocab = config.at("vocab_size").get<int64_t>();  // checked by plan_qwen
+  if (fs::exists(fs::path(opt.hf_dir) / "tokenizer.json")) {
+    for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab)) w.set(k, std::move(v));
+  } else {
+    result.notes.push_back("no tokenizer.json in " + opt.hf_dir + ": the GGUF has no vocabulary");
+  }
+
+  const size_t n = plan.tensors.size();
+  for (size_t i = 0; i < n; ++i) {
+    const PlannedTensor& t = plan.tensors[i];
+    TensorType type = t.keep_f32 ? TensorType::F32 : opt.outtype;
+    const int64_t row_len = t.shape.at(0);
+    if (row_len % type_traits(type).block_elems != 0) {
+      // Q8_0 needs rows in blocks of 32; like llama.cpp, such tensors stay F16.
+      result.notes.push_back(t.name + ": rows of " + std::to_string(row_len) + " do not fill " +
+                             std::string(type_name(type)) + " blocks; written as f16");
+      type = TensorType::F16;
+    }
+    int64_t n_elems = 1;
+    for (int64_t d : t.shape) n_elems *= d;
+    if (t.n_rows() * row_len != n_elems) {
+      throw ConvertError(t.name + ": planned rows (" + std::to_string(t.n_rows()) + " of " + std::to_string(row_len) +
+                         ") do not fill its shape");
+    }
+    for (const RowSpan& r : t.rows) {
+      if (r.src->row_len() != row_len) {
+        throw ConvertError(t.name + ": source '" + r.src->name + "' has rows of " + std::to_string(r.src->row_len()) +
+                           ", the GGUF tensor needs " + std::to_string(row_len));
+      }
+    }
+    const size_t rb = row_bytes(type, row_len);
+    const uint64_t n_bytes = static_cast<uint64_t>(rb) * static_cast<uint64_t>(t.n_rows());
+    w.add_tensor(t.name, t.shape, type, [&opt, &t, i, n, type, row_len, rb](uint8_t* dst, uint64_t) {
+      if (opt.progress) opt.progress(i + 1, n, t.name);
+      std::vector<float> row(static_cast<size_t>(row_len));
+      uint8_t* out = dst;
+      for (const RowSpan& r : t.rows) {
+        for (int64_t k = 0; k < r.n_rows; ++k) {
+          r.src->read_row(r.first_row + k, row.data());
+          apply(t.op, row.data(), row_len);
+          quantize_row(type, row.data(), out, row_len);
+          out += rb;
+        }
+      }
+    });
+    (void)n_bytes;
+  }
+  w.write(opt.out_path);
+  return result;
+}
+
+}  // namespace moraine::convert
