@@ -133,7 +133,7 @@ int run(const Options& o) {
     j["decode_s"] = decode_s;
     j["prefill_tok_s"] = prefill_s > 0 ? static_cast<double>(prompt.size()) / prefill_s : 0.0;
     j["decode_tok_s"] = decode_s > 0 ? decode_steps / decode_s : 0.0;
-    j["threads"] = o.threads;
+    j["threads"] = exec.n_threads();
     // replace: generated text may end inside a UTF-8 character.
     std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   }

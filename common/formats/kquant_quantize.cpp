@@ -21,6 +21,12 @@ inline int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v
 // Below this a sub-block is treated as all zero (avoids dividing by denormal extremes).
 constexpr float kZeroGroupEps = 1e-15f;
 
+// num / den, or 0 when den is 0 or the quotient overflows (tiny super-block maxima).
+inline float safe_ratio(float num, float den) {
+  const float r = num / den;
+  return den > 0.0f && std::isfinite(r) ? r : 0.0f;
+}
+
 // x ~= scale * L - min with L in 0..nmax, scale >= 0, min >= 0 (so zero stays reachable).
 struct AffineFit {
   float scale;
@@ -37,7 +43,7 @@ AffineFit fit_affine(const float* x, const float* w, int n, int nmax, float rmin
     sum_wx += w[i] * x[i];
   }
   lo = std::min(lo, 0.0f);
-  if (hi == lo) {
+  if (hi - lo < kZeroGroupEps) {  // constant (or vanishing) group: the offset alone says it
     std::fill(L, L + n, uint8_t{0});
     return {0.0f, -lo};
   }
@@ -141,8 +147,8 @@ void fit_q45_k_scales(const float* x, int nmax, float rmin, int nstep, uint16_t&
     max_scale = std::max(max_scale, fit.scale);
     max_min = std::max(max_min, fit.min);
   }
-  const float inv_scale = max_scale > 0.0f ? 63.0f / max_scale : 0.0f;
-  const float inv_min = max_min > 0.0f ? 63.0f / max_min : 0.0f;
+  const float inv_scale = safe_ratio(63.0f, max_scale);
+  const float inv_min = safe_ratio(63.0f, max_min);
   std::memset(packed, 0, kScaleBytesK);
   for (int j = 0; j < 8; ++j) {
     const int sc = clampi(nearest_int(inv_scale * scales[j]), 0, 63);
@@ -178,8 +184,8 @@ void quantize_q2_k(const float* x, BlockQ2_K* y, int64_t nb) {
       max_scale = std::max(max_scale, fit.scale);
       max_min = std::max(max_min, fit.min);
     }
-    const float inv_scale = max_scale > 0.0f ? 15.0f / max_scale : 0.0f;
-    const float inv_min = max_min > 0.0f ? 15.0f / max_min : 0.0f;
+    const float inv_scale = safe_ratio(15.0f, max_scale);
+    const float inv_min = safe_ratio(15.0f, max_min);
     for (int j = 0; j < 16; ++j) {
       const int sc = clampi(nearest_int(inv_scale * scales[j]), 0, 15);
       const int m = clampi(nearest_int(inv_min * mins[j]), 0, 15);
@@ -310,6 +316,10 @@ void quantize_q8_k(const float* x, BlockQ8_K* y, int64_t nb) {
     }
     // ggml maps the extreme to -127 (not -128) so every quant has a positive twin.
     const float iscale = -127.0f / max;
+    if (!std::isfinite(iscale)) {  // |max| below ~4e-37 (ggml leaves this undefined): zero block
+      std::memset(&y[b], 0, sizeof(BlockQ8_K));
+      continue;
+    }
     for (int i = 0; i < kQK_K; ++i) y[b].qs[i] = static_cast<int8_t>(std::min(127, nearest_int(iscale * x[i])));
     for (int g = 0; g < kQK_K / 16; ++g) {
       int sum = 0;

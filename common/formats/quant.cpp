@@ -4,6 +4,7 @@
 #include "common/formats/quant.h"
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -33,6 +34,34 @@ void require_finite(const float* x, int64_t n, TensorType t) {
     if (!std::isfinite(x[i])) {
       throw std::invalid_argument("quantize_row: element " + std::to_string(i) + " is " + std::to_string(x[i]) +
                                   "; " + std::string(type_name(t)) + " can only hold finite values");
+    }
+  }
+}
+
+// A block whose values exceed what its fp16 scale can express gets an infinite scale (e.g.
+// q8_0 past |x| = 65504 * 127); refuse the row instead of writing blocks that decode to inf/NaN.
+void require_finite_scales(TensorType t, const void* dst, int64_t nb) {
+  size_t offsets[2] = {0, 0};
+  int count = 1;
+  switch (t) {
+    case TensorType::Q4_0:
+    case TensorType::Q8_0: break;
+    case TensorType::Q2_K: offsets[0] = offsetof(BlockQ2_K, d), offsets[1] = offsetof(BlockQ2_K, dmin), count = 2; break;
+    case TensorType::Q3_K: offsets[0] = offsetof(BlockQ3_K, d); break;
+    case TensorType::Q4_K: offsets[1] = offsetof(BlockQ4_K, dmin), count = 2; break;
+    case TensorType::Q5_K: offsets[1] = offsetof(BlockQ5_K, dmin), count = 2; break;
+    case TensorType::Q6_K: offsets[0] = offsetof(BlockQ6_K, d); break;
+    default: return;  // MXFP4's exponent and Q8_K's float scale cover every finite input
+  }
+  const size_t block_bytes = type_traits(t).block_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int k = 0; k < count; ++k) {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const uint8_t*>(dst) + static_cast<size_t>(b) * block_bytes + offsets[k], 2);
+      if ((h & 0x7c00u) == 0x7c00u) {
+        throw std::invalid_argument("quantize_row: block " + std::to_string(b) + " of the " + std::string(type_name(t)) +
+                                    " row holds values too large for its fp16 block scale (beyond 65504)");
+      }
     }
   }
 }
@@ -103,18 +132,18 @@ void quantize_row(TensorType t, const float* src, void* dst, int64_t n) {
   }
   require_finite(src, n, t);
   switch (t) {
-    case TensorType::Q4_0: quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), nb); return;
-    case TensorType::Q8_0: quantize_q8_0(src, static_cast<BlockQ8_0*>(dst), nb); return;
-    case TensorType::MXFP4: quantize_mxfp4(src, static_cast<BlockMXFP4*>(dst), nb); return;
-    case TensorType::Q2_K: quantize_q2_k(src, static_cast<BlockQ2_K*>(dst), nb); return;
-    case TensorType::Q3_K: quantize_q3_k(src, static_cast<BlockQ3_K*>(dst), nb); return;
-    case TensorType::Q4_K: quantize_q4_k(src, static_cast<BlockQ4_K*>(dst), nb); return;
-    case TensorType::Q5_K: quantize_q5_k(src, static_cast<BlockQ5_K*>(dst), nb); return;
-    case TensorType::Q6_K: quantize_q6_k(src, static_cast<BlockQ6_K*>(dst), nb); return;
-    case TensorType::Q8_K: quantize_q8_k(src, static_cast<BlockQ8_K*>(dst), nb); return;
-    default: break;
+    case TensorType::Q4_0: quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), nb); break;
+    case TensorType::Q8_0: quantize_q8_0(src, static_cast<BlockQ8_0*>(dst), nb); break;
+    case TensorType::MXFP4: quantize_mxfp4(src, static_cast<BlockMXFP4*>(dst), nb); break;
+    case TensorType::Q2_K: quantize_q2_k(src, static_cast<BlockQ2_K*>(dst), nb); break;
+    case TensorType::Q3_K: quantize_q3_k(src, static_cast<BlockQ3_K*>(dst), nb); break;
+    case TensorType::Q4_K: quantize_q4_k(src, static_cast<BlockQ4_K*>(dst), nb); break;
+    case TensorType::Q5_K: quantize_q5_k(src, static_cast<BlockQ5_K*>(dst), nb); break;
+    case TensorType::Q6_K: quantize_q6_k(src, static_cast<BlockQ6_K*>(dst), nb); break;
+    case TensorType::Q8_K: quantize_q8_k(src, static_cast<BlockQ8_K*>(dst), nb); break;
+    default: throw std::logic_error("quantize_row: computable type " + std::string(tr.name) + " has no encoder");
   }
-  throw std::logic_error("quantize_row: computable type " + std::string(tr.name) + " has no encoder");
+  require_finite_scales(t, dst, nb);
 }
 
 TensorType dot_activation_type(TensorType weight) {

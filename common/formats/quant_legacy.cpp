@@ -22,6 +22,13 @@ float signed_absmax(const float* x, int n) {
   return max;
 }
 
+// 1/d, or 0 when d is 0 or so small that 1/d overflows (its fp16 form is 0 then anyway, so
+// every level must be 0 too). For ordinary d this is exactly ggml's `d ? 1/d : 0`.
+float safe_inverse(float d) {
+  const float r = 1.0f / d;
+  return d != 0.0f && std::isfinite(r) ? r : 0.0f;
+}
+
 float absmax(const float* x, int n) {
   float amax = 0.0f;
   for (int j = 0; j < n; ++j) amax = std::fmax(amax, std::fabs(x[j]));
@@ -48,7 +55,7 @@ void quantize_q4_0(const float* x, BlockQ4_0* y, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, x += kQK) {
     // Mapping the signed extreme to level -8 uses the one extra negative level of the range.
     const float d = signed_absmax(x, kQK) / -8.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = safe_inverse(d);
     y[b].d = half::fp32_to_fp16(d);
     for (int j = 0; j < kQK / 2; ++j) {
       int lo = static_cast<int>(x[j] * id + 8.5f);
@@ -63,7 +70,7 @@ void quantize_q4_0(const float* x, BlockQ4_0* y, int64_t nb) {
 void quantize_q8_0(const float* x, BlockQ8_0* y, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, x += kQK) {
     const float d = absmax(x, kQK) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = safe_inverse(d);
     y[b].d = half::fp32_to_fp16(d);
     for (int j = 0; j < kQK; ++j) y[b].qs[j] = static_cast<int8_t>(std::round(x[j] * id));
   }

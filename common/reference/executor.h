@@ -31,6 +31,7 @@ class ReferenceExecutor {
   int64_t n_past() const { return n_past_; }
   const model::Model& model() const { return m_; }
   int64_t n_vocab() const { return m_.hp.n_vocab; }
+  int n_threads() const { return pool_.size(); }
 
  private:
   struct LayerState {

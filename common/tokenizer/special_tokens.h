@@ -5,6 +5,7 @@
 // text no earlier (longer) token has claimed.
 #pragma once
 #include <array>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -30,8 +31,17 @@ class SpecialTokenMatcher {
   void partition(std::string_view text, std::vector<Fragment>& out) const;
 
  private:
-  std::vector<std::pair<std::string, TokenId>> tokens_;  // longest first, then lowest id
-  std::array<std::vector<uint32_t>, 256> by_first_byte_;  // indices into tokens_
+  // Appends (priority, pos) for every token that occurs at text[pos].
+  void occurrences_at(std::string_view text, size_t pos,
+                      std::vector<std::pair<uint32_t, size_t>>& found) const;
+
+  std::vector<std::pair<std::string, TokenId>> tokens_;  // priority order: longest, then lowest id
+  // Indices into tokens_ sorted by text, so the tokens sharing a prefix form one range that
+  // narrows byte by byte (a trie walk with binary searches). Text like "<|<|<|..." against the
+  // 256 "<|reserved_special_token_N|>" of llama-bpe then costs a few searches per byte instead of
+  // 256 comparisons.
+  std::vector<uint32_t> sorted_;
+  std::array<bool, 256> starts_token_{};
 };
 
 }  // namespace moraine::tokenizer

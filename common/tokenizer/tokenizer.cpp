@@ -10,11 +10,17 @@
 namespace moraine::tokenizer {
 namespace {
 
-// Token texts that end a turn. llama.cpp treats these as end-of-generation and as control tokens
-// even when a converter marked them normal, which changes how text containing them is split.
-constexpr std::array<std::string_view, 12> kEndOfTurnTexts = {
+// Token texts that end generation. llama.cpp treats these as end-of-generation and as control
+// tokens even when a converter marked them normal, which changes how text containing them is
+// split; we do the same so ids agree.
+constexpr std::array<std::string_view, 12> kEndOfGenerationTexts = {
     "<|eot_id|>", "<|im_end|>",      "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>",
     "<|eom_id|>", "<|end_of_text|>", "<EOT>",   "<|return|>",    "<|call|>",      "<eos>",
+};
+// When the file names no EOT token, the first of these in the vocabulary is taken.
+constexpr std::array<std::string_view, 7> kEndOfTurnTexts = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>",
 };
 
 // Pre-tokenizer schemes of the llama3 family: a word that is itself a token is not merged
@@ -74,13 +80,18 @@ Tokenizer::Tokenizer(VocabSpec spec)
   if (add_bos_ && !bos_) throw TokenizerError("tokenizer.ggml.add_bos_token is set but there is no bos_token_id");
   if (add_eos_ && !eos_) throw TokenizerError("tokenizer.ggml.add_eos_token is set but there is no eos_token_id");
 
-  for (std::string_view text : kEndOfTurnTexts) {
-    const auto it = text_to_id_.find(std::string(text));
+  for (std::string_view text : kEndOfGenerationTexts) {
+    const auto it = text_to_id_.find(text);
     if (it == text_to_id_.end()) continue;
     end_of_generation_.insert(it->second);
-    TokenType& t = types_[static_cast<size_t>(it->second)];
-    if (t != TokenType::Control) t = TokenType::Control;
-    if (!eot_ && text != "</s>" && text != "<eos>") eot_ = it->second;  // first in list order
+    types_[static_cast<size_t>(it->second)] = TokenType::Control;
+  }
+  for (std::string_view text : kEndOfTurnTexts) {
+    const auto it = text_to_id_.find(text);
+    if (!eot_ && it != text_to_id_.end()) eot_ = it->second;
+  }
+  if (!eom_) {
+    if (const auto it = text_to_id_.find(std::string_view("<|eom_id|>")); it != text_to_id_.end()) eom_ = it->second;
   }
   for (const auto& id : {eos_, eot_, eom_}) {
     if (id) end_of_generation_.insert(*id);
@@ -91,7 +102,8 @@ Tokenizer::Tokenizer(VocabSpec spec)
   for (size_t i = 0; i < n; ++i) {
     const auto id = static_cast<TokenId>(i);
     switch (types_[i]) {
-      case TokenType::Normal: {
+      case TokenType::Normal:
+      case TokenType::Byte: {
         std::optional<std::string> raw = decode_byte_level(tokens_[i]);
         // A text outside the byte alphabet cannot come out of encode; show it as written.
         bytes_[i] = raw ? std::move(*raw) : tokens_[i];
@@ -108,7 +120,7 @@ Tokenizer::Tokenizer(VocabSpec spec)
         user_defined.emplace_back(tokens_[i], id);
         break;
       default:
-        bytes_[i] = tokens_[i];
+        // Unused and undefined tokens decode to nothing, as in llama.cpp.
         break;
     }
   }
@@ -147,7 +159,7 @@ TokenType Tokenizer::token_type(TokenId id) const {
 }
 
 std::optional<TokenId> Tokenizer::find_token(std::string_view vocab_text) const {
-  const auto it = text_to_id_.find(std::string(vocab_text));
+  const auto it = text_to_id_.find(vocab_text);
   if (it == text_to_id_.end()) return std::nullopt;
   return it->second;
 }
@@ -210,9 +222,7 @@ std::string Tokenizer::token_bytes(TokenId id, bool render_special) const {
   check_id(id);
   const auto i = static_cast<size_t>(id);
   const TokenType t = types_[i];
-  if (!render_special && (t == TokenType::Control || t == TokenType::Unknown || t == TokenType::Unused)) {
-    return {};
-  }
+  if (!render_special && (t == TokenType::Control || t == TokenType::Unknown)) return {};
   return bytes_[i];
 }
 
@@ -222,9 +232,7 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool render_special)
     check_id(id);
     const auto i = static_cast<size_t>(id);
     const TokenType t = types_[i];
-    if (!render_special && (t == TokenType::Control || t == TokenType::Unknown || t == TokenType::Unused)) {
-      continue;
-    }
+    if (!render_special && (t == TokenType::Control || t == TokenType::Unknown)) continue;
     out += bytes_[i];
   }
   return out;

@@ -36,8 +36,9 @@ class Tokenizer {
   std::vector<TokenId> encode(std::string_view text, bool add_special = true,
                               bool parse_special = true) const;
 
-  // Concatenated bytes of the tokens. Control/unknown/unused tokens give their text only when
-  // render_special is set. Throws TokenizerError for an id outside the vocabulary.
+  // Concatenated bytes of the tokens. Control and unknown tokens give their text only when
+  // render_special is set; unused ones never do. Throws TokenizerError for an id outside the
+  // vocabulary.
   std::string decode(std::span<const TokenId> ids, bool render_special = true) const;
   // The bytes of one token (may be part of a UTF-8 character).
   std::string token_bytes(TokenId id, bool render_special = true) const;

@@ -2,6 +2,7 @@
 // same order; the reductions are max and integer sums, which are exact in any order).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "common/formats/block_layouts.h"
@@ -30,7 +31,8 @@ void quantize_q8_0(const float* x, void* dst, int64_t n) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_ps(v0), abs_ps(v1)));
     const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float inv = 1.0f / d;
+    const float id = d != 0.0f && std::isfinite(inv) ? inv : 0.0f;  // as the scalar reference
     y[b].d = half::fp32_to_fp16(d);
     const __m512 vid = _mm512_set1_ps(id);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs), _mm512_cvtepi32_epi8(round_half_away(_mm512_mul_ps(v0, vid))));
@@ -58,6 +60,10 @@ void quantize_q8_k(const float* x, void* dst, int64_t n) {
       }
     }
     const float iscale = -127.0f / max;
+    if (!std::isfinite(iscale)) {  // |max| below ~4e-37: as the scalar reference, a zero block
+      std::memset(&y[b], 0, sizeof(BlockQ8_K));
+      continue;
+    }
     const __m512 vscale = _mm512_set1_ps(iscale);
     for (int g = 0; g < kQK_K / 16; ++g) {
       const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * g), vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -1,9 +1,10 @@
 // Oracle side of the converter tests: llama.cpp (node-llama-cpp on CPU) loads each GGUF that
 // moraine-convert wrote, evaluates the golden prompt and continues it greedily.
 //   node llama_golden.mjs ORACLE_DIR JOB.json
-// JOB.json: [{"gguf": PATH, "tokens": [ids...], "n_greedy": N, "logits_out": PATH}, ...]
+// JOB.json: [{"gguf": PATH, "tokens": [ids...], "n_greedy": N, "logits_out": PATH,
+//             "texts": [strings to tokenize, special tokens parsed]}, ...]
 // Writes logits_out as float32 [n_tokens][n_vocab] (the logits after each prompt position) and
-// prints a JSON report {gguf: {loaded, error, n_vocab, greedy, tensors}} on stdout.
+// prints a JSON report {gguf: {loaded, error, n_vocab, greedy, tokenized, tensors}} on stdout.
 // node-llama-cpp is resolved from ORACLE_DIR (.cache/oracle) because this file lives outside
 // that folder's node_modules. One node start serves every model: starting llama.cpp costs more
 // than evaluating these tiny models.
@@ -31,6 +32,7 @@ for (const job of jobs) {
   try {
     const model = await llama.loadModel({modelPath: job.gguf});
     entry.loaded = true;
+    entry.tokenized = (job.texts ?? []).map((t) => Array.from(model.tokenize(t, true)));
     entry.tensors = Object.fromEntries(
         (model.fileInfo.tensorInfo ?? []).map((t) => [t.name, t.ggmlType]));
     // F32 KV cache and no flash attention: llama.cpp's plainest, most exact CPU path.

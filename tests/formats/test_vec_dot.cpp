@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,8 @@ Case make_case(TensorType t, Dist d, int64_t n, uint32_t seed) {
 
 std::vector<int64_t> lengths_for(TensorType t) {
   if (is_kquant(t)) return {3 * 256, 4096};
-  return {11 * 32, 3 * 256, 4096};
+  if (type_traits(t).block_elems == 1) return {11 * 32, 1007, 4096};  // 1007: masked SIMD tail
+  return {11 * 32, 3 * 256, 4096};                                     // 11 blocks: odd pair tail
 }
 
 double exact_dot(const std::vector<float>& w, const std::vector<float>& a) {
@@ -137,6 +139,16 @@ TEST(VecDotAvx512, MatchesScalarReference) {
   EXPECT_GT(checked, 0);
 }
 
+TEST(VecDotDispatch, NoKernelForUnsupportedTypesOrUnavailableTiers) {
+  EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_1, cpu::CpuIsa::Scalar), nullptr);
+  EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q8_K, cpu::CpuIsa::Scalar), nullptr) << "Q8_K is an activation type";
+  EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_K, cpu::CpuIsa::Avx2), nullptr) << "the AVX2 tier has no kernels yet";
+  if (cpu::detect_cpu_isa() != cpu::CpuIsa::Avx512Vnni) {
+    EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_K, cpu::CpuIsa::Avx512Vnni), nullptr) << "tier above the CPU's";
+  }
+  EXPECT_THROW(cpu::vec_dot(TensorType::Q4_1, 32, nullptr, nullptr), std::invalid_argument);
+}
+
 // The scalar tier is the reference itself, for every type.
 TEST(VecDotDispatch, ScalarTierIsTheReference) {
   for_each_case([](const Case& c) {
@@ -163,6 +175,10 @@ TEST(QuantizeActivation, BitIdenticalToReference) {
   }
   rows.push_back(ties);
   rows.push_back(std::vector<float>(4096, 0.0f));
+  // Subnormal magnitudes, where 1/scale overflows: both must fall back to zero blocks alike.
+  std::vector<float> tiny = test::random_row(Dist::Gaussian, 4096, 10);
+  for (float& v : tiny) v *= 1e-40f;
+  rows.push_back(tiny);
   for (TensorType act : {TensorType::Q8_0, TensorType::Q8_K}) {
     for (size_t r = 0; r < rows.size(); ++r) {
       std::vector<uint8_t> ref(row_bytes(act, 4096)), fast(row_bytes(act, 4096), 0xAB);

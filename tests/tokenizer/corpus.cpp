@@ -89,7 +89,7 @@ constexpr Range kRanges[] = {
 
 }  // namespace
 
-std::vector<std::string> random_corpus(size_t n, uint32_t seed) {
+std::vector<std::string> random_corpus(size_t n, uint32_t seed, size_t max_pieces) {
   const std::vector<std::string> hand = handpicked_corpus();
   std::mt19937 rng(seed);
   const auto uniform = [&](size_t lo, size_t hi) {
@@ -99,7 +99,7 @@ std::vector<std::string> random_corpus(size_t n, uint32_t seed) {
   out.reserve(n);
   for (size_t k = 0; k < n; ++k) {
     std::string s;
-    const size_t pieces = uniform(1, 12);
+    const size_t pieces = uniform(1, max_pieces);
     for (size_t p = 0; p < pieces; ++p) {
       switch (uniform(0, 3)) {
         case 0: {  // a slice of a hand-picked case, cut at code point boundaries

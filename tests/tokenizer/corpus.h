@@ -12,8 +12,8 @@ namespace moraine::tokenizer::test {
 // prose, very long words.
 std::vector<std::string> handpicked_corpus();
 
-// n strings, each a concatenation of random pieces: hand-picked cases cut at code points and
+// n strings, each a concatenation of 1..max_pieces random pieces: hand-picked cases cut at code points and
 // random code points from assigned ranges of many scripts and symbol blocks.
-std::vector<std::string> random_corpus(size_t n, uint32_t seed);
+std::vector<std::string> random_corpus(size_t n, uint32_t seed, size_t max_pieces = 12);
 
 }  // namespace moraine::tokenizer::test

@@ -51,9 +51,9 @@ std::vector<Case> read_cases(const std::string& vocab) {
   return cases;
 }
 
-class LlamaVocabCases : public ::testing::TestWithParam<const char*> {};
+class TokenizerLlamaVocabCases : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(LlamaVocabCases, EveryCaseMatchesAndRoundTrips) {
+TEST_P(TokenizerLlamaVocabCases, EveryCaseMatchesAndRoundTrips) {
   const std::string path = vocab_path(GetParam());
   ASSERT_TRUE(std::filesystem::exists(path)) << missing_oracle_message(path);
   const Tokenizer tok = Tokenizer::from_gguf_path(path);
@@ -67,7 +67,7 @@ TEST_P(LlamaVocabCases, EveryCaseMatchesAndRoundTrips) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Vocabs, LlamaVocabCases, ::testing::ValuesIn(kVocabs),
+INSTANTIATE_TEST_SUITE_P(Vocabs, TokenizerLlamaVocabCases, ::testing::ValuesIn(kVocabs),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            std::replace(n.begin(), n.end(), '-', '_');

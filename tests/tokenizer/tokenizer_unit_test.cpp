@@ -41,7 +41,7 @@ std::string expect_error(const std::function<void()>& f) {
   return {};
 }
 
-TEST(ByteAlphabet, EveryByteRoundTripsAndCodePointsAreDistinct) {
+TEST(TokenizerByteAlphabet, EveryByteRoundTripsAndCodePointsAreDistinct) {
   std::set<uint32_t> seen;
   for (int b = 0; b < 256; ++b) {
     const uint32_t cp = byte_to_code_point(static_cast<uint8_t>(b));
@@ -64,7 +64,7 @@ TEST(ByteAlphabet, EveryByteRoundTripsAndCodePointsAreDistinct) {
   EXPECT_EQ(decode_byte_level("\xE4\xBD\xA0"), std::nullopt);  // U+4F60 is not in the alphabet
 }
 
-TEST(Utf8, ReplacementIsPerBadByte) {
+TEST(TokenizerUtf8, ReplacementIsPerBadByte) {
   EXPECT_TRUE(is_valid_utf8("a\xC3\xA9\xE4\xBD\xA0\xF0\x9F\xA6\x99"));
   EXPECT_EQ(replace_invalid_utf8("a\xFF" "b"), "a\xEF\xBF\xBD" "b");
   EXPECT_EQ(replace_invalid_utf8("\xE4\xBD"), "\xEF\xBF\xBD\xEF\xBF\xBD");   // truncated
@@ -104,7 +104,7 @@ std::vector<TokenId> bytes_of(std::string_view s) {
   return ids;
 }
 
-TEST(SpecialTokens, LongestTokenIsMatchedFirstAnywhereInTheText) {
+TEST(TokenizerSpecialTokens, LongestTokenIsMatchedFirstAnywhereInTheText) {
   // "ab" (256) and "bcd" (257) overlap in "abcd": the longer one wins even though "ab" starts
   // earlier (llama.cpp matches tokens longest first over the whole text).
   const Tokenizer tok(byte_vocab({{"ab", TokenType::Control}, {"bcd", TokenType::Control}}));
@@ -117,7 +117,7 @@ TEST(SpecialTokens, LongestTokenIsMatchedFirstAnywhereInTheText) {
   EXPECT_EQ(tok.encode("abcd", false, false), bytes_of("abcd"));
 }
 
-TEST(SpecialTokens, UserDefinedTokensMatchEvenWithoutParseSpecial) {
+TEST(TokenizerSpecialTokens, UserDefinedTokensMatchEvenWithoutParseSpecial) {
   const Tokenizer tok(byte_vocab({{"<ctl>", TokenType::Control}, {"<usr>", TokenType::UserDefined}}));
   std::vector<TokenId> want = bytes_of("<ctl>x");
   want.push_back(257);
@@ -164,7 +164,7 @@ TEST(Tokenizer, ChatTurnMarkersAreSingleTokensAndEndGeneration) {
   EXPECT_EQ(tok.decode(ids, false), "user\nhi");
 }
 
-TEST(StreamingDecoder, HoldsSplitCharactersAndReassemblesExactly) {
+TEST(TokenizerStreamingDecoder, HoldsSplitCharactersAndReassemblesExactly) {
   size_t held_somewhere = 0;
   for (const char* name : kVocabs) {
     const Tokenizer& tok = vocab(name);

@@ -1,0 +1,98 @@
+#include "common/formats/type_map.h"
+
+#include <optional>
+#include <stdexcept>
+
+namespace moraine {
+
+bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K; }
+
+std::string weight_target_names() {
+  std::string out;
+  for (uint32_t raw = 0; raw < 64; ++raw) {
+    const TypeTraits* tr = find_type_traits(raw);
+    if (tr && is_weight_target(tr->type)) out += (out.empty() ? "" : ", ") + std::string(tr->name);
+  }
+  return out;
+}
+
+TensorType parse_weight_type(const std::string& name, const std::string& where) {
+  const std::optional<TensorType> t = type_from_name(name);
+  if (!t || !is_weight_target(*t)) {
+    throw std::invalid_argument(where + ": '" + name + "' is not a type moraine writes as a weight (use one of: " +
+                                weight_target_names() + ")");
+  }
+  return *t;
+}
+
+TypeRule parse_type_rule(const std::string& text) {
+  const size_t eq = text.rfind('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size()) {
+    throw std::invalid_argument("--map '" + text + "': expected PATTERN=TYPE, e.g. --map \"_exps.=q4_k\"");
+  }
+  return {text.substr(0, eq), parse_weight_type(text.substr(eq + 1), "--map '" + text + "'")};
+}
+
+int effective_dims(const std::vector<int64_t>& shape) {
+  int n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) {
+    if (shape[i] != 1) n = static_cast<int>(i) + 1;
+  }
+  return n;
+}
+
+TypeChoice choose_weight_type(const std::string& name, const std::vector<int64_t>& shape,
+                              const std::vector<TypeRule>& rules, TensorType default_type) {
+  TypeChoice c;
+  if (effective_dims(shape) == 1) return c;  // norms and biases: tiny, and precision there is cheap to keep
+  TensorType want = default_type;
+  for (const TypeRule& r : rules) {
+    if (name.find(r.pattern) != std::string::npos) {
+      want = r.type;
+      break;
+    }
+  }
+  c.type = want;
+  const int64_t row = shape.empty() ? 1 : shape[0];
+  const int64_t block = type_traits(want).block_elems;
+  if (row % block != 0) {
+    c.type = (row % 32 == 0) ? TensorType::Q8_0 : TensorType::F16;
+    c.note = name + ": row length " + std::to_string(row) + " is not a multiple of " + std::to_string(block) + " (" +
+             std::string(type_name(want)) + "); using " + std::string(type_name(c.type));
+  }
+  return c;
+}
+
+uint32_t llama_file_type(TensorType t) {
+  // The table llama.cpp uses to name a file type; a K-quant names its "_M" mix.
+  switch (t) {
+    case TensorType::F32: return 0;
+    case TensorType::F16: return 1;
+    case TensorType::Q4_0: return 2;
+    case TensorType::Q4_1: return 3;
+    case TensorType::Q8_0: return 7;
+    case TensorType::Q5_0: return 8;
+    case TensorType::Q5_1: return 9;
+    case TensorType::Q2_K: return 10;
+    case TensorType::Q3_K: return 12;  // Q3_K_M
+    case TensorType::Q4_K: return 15;  // Q4_K_M
+    case TensorType::Q5_K: return 17;  // Q5_K_M
+    case TensorType::Q6_K: return 18;
+    case TensorType::IQ2_XXS: return 19;
+    case TensorType::IQ2_XS: return 20;
+    case TensorType::IQ3_XXS: return 23;
+    case TensorType::IQ1_S: return 24;
+    case TensorType::IQ4_NL: return 25;
+    case TensorType::IQ3_S: return 26;
+    case TensorType::IQ2_S: return 28;
+    case TensorType::IQ4_XS: return 30;
+    case TensorType::IQ1_M: return 31;
+    case TensorType::BF16: return 32;
+    case TensorType::TQ1_0: return 36;
+    case TensorType::TQ2_0: return 37;
+    case TensorType::MXFP4: return 38;  // MXFP4_MOE
+    default: return 1024;               // LLAMA_FTYPE_GUESSED
+  }
+}
+
+}  // namespace moraine
