@@ -417,7 +417,6 @@ TEST_F(ConvertGolden, LlamaCppReproducesTransformersLogitsAndGreedy) {
     }
     EXPECT_GE(agreed, 16u) << "the fixture's greedy path has a near-tie too early to test much";
   }
-}
 
   // llama.cpp loads the narrow files and sees the types we wrote (ggml ids: 0 F32, 1 F16, 8 Q8_0,
   // 30 BF16); they are only loaded here, their values are checked against the source below.

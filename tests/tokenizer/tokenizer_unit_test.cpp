@@ -117,6 +117,14 @@ TEST(TokenizerSpecialTokens, LongestTokenIsMatchedFirstAnywhereInTheText) {
   EXPECT_EQ(tok.encode("abcd", false, false), bytes_of("abcd"));
 }
 
+TEST(TokenizerSpecialTokens, TokenThatIsAPrefixOfAnotherStillMatchesAlone) {
+  const Tokenizer tok(byte_vocab({{"<a>", TokenType::Control}, {"<a><b>", TokenType::Control}}));
+  std::vector<TokenId> want = {257, 256};
+  const std::vector<TokenId> tail = bytes_of("<a");
+  want.insert(want.end(), tail.begin(), tail.end());
+  EXPECT_EQ(tok.encode("<a><b><a><a", false, true), want);
+}
+
 TEST(TokenizerSpecialTokens, UserDefinedTokensMatchEvenWithoutParseSpecial) {
   const Tokenizer tok(byte_vocab({{"<ctl>", TokenType::Control}, {"<usr>", TokenType::UserDefined}}));
   std::vector<TokenId> want = bytes_of("<ctl>x");

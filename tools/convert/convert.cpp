@@ -106,8 +106,12 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
       }
     }
     const size_t rb = row_bytes(type, row_len);
-    const uint64_t n_bytes = static_cast<uint64_t>(rb) * static_cast<uint64_t>(t.n_rows());
-    w.add_tensor(t.name, t.shape, type, [&opt, &t, i, n, type, row_len, rb](uint8_t* dst, uint64_t) {
+    const uint64_t want_bytes = static_cast<uint64_t>(rb) * static_cast<uint64_t>(t.n_rows());
+    w.add_tensor(t.name, t.shape, type, [&opt, &t, i, n, type, row_len, rb, want_bytes](uint8_t* dst, uint64_t n_bytes) {
+      if (n_bytes != want_bytes) {
+        throw ConvertError(t.name + ": the writer asks for " + std::to_string(n_bytes) + " bytes, the rows make " +
+                           std::to_string(want_bytes));
+      }
       if (opt.progress) opt.progress(i + 1, n, t.name);
       std::vector<float> row(static_cast<size_t>(row_len));
       uint8_t* out = dst;
@@ -120,7 +124,6 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
         }
       }
     });
-    (void)n_bytes;
   }
   w.write(opt.out_path);
   return result;

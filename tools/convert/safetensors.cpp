@@ -211,7 +211,10 @@ Checkpoint Checkpoint::open(const std::string& dir) {
     c.finish();
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       const StTensor* t = c.find(it.key());
-      if (!t) throw ConvertError(index.string() + ": tensor '" + it.key() + "' is not in " + it.value().get<std::string>());
+      const std::string shard = (fs::path(dir) / it.value().get<std::string>()).string();
+      if (!t || t->file != shard) {
+        throw ConvertError(index.string() + ": tensor '" + it.key() + "' is not in " + it.value().get<std::string>());
+      }
     }
     return c;
   }

@@ -27,6 +27,7 @@
 #include "common/formats/type_map.h"
 #include "common/gguf/gguf.h"
 #include "tools/common/tensor_progress.h"
+#include "tools/synth/fast_quantize.h"
 #include "tools/synth/shapes.h"
 #include "tools/synth/vocab_meta.h"
 #include "tools/synth/weight_init.h"
@@ -154,7 +155,7 @@ int run(const Options& opt) {
             scratch.resize(static_cast<size_t>((end - begin) * row));
             init.fill_rows(p.spec, begin, end, scratch.data());
             for (int64_t r = begin; r < end; ++r) {
-              moraine::quantize_row(p.type, scratch.data() + (r - begin) * row, dst + static_cast<size_t>(r) * out_row,
+              fast_quantize_row(p.type, scratch.data() + (r - begin) * row, dst + static_cast<size_t>(r) * out_row,
                                     row);
             }
           },
