@@ -4,7 +4,6 @@
 // each generated token: row i predicts token i + 1); --json prints ids and timings instead.
 #include <CLI/CLI.hpp>
 #include <chrono>
-#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>

@@ -5,9 +5,12 @@
 namespace moraine::reference {
 
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  // Sum of squares in double as llama.cpp's CPU backend does: on quantized files a last-bit
+  // difference here can flip an int8 activation rounding downstream.
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float inv = 1.0f / std::sqrt(mean + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * inv * w[i] : x[i] * inv;
 }
 

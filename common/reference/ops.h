@@ -1,6 +1,6 @@
 // Scalar building blocks of the reference forward pass, one token (or one head) at a time, in
-// float with a fixed summation order. Written for clarity; tests check each against a direct
-// formula (tests/reference/ops_test.cpp).
+// float with a fixed summation order (rms_norm's sum of squares in double, as llama.cpp).
+// Written for clarity; tests check each against a direct formula (tests/reference/ops_test.cpp).
 #pragma once
 #include <cstdint>
 

@@ -129,9 +129,9 @@ std::vector<std::string> PreTokenizer::regexes_for(const std::string& scheme) {
 
 namespace {
 
-// Splits one piece with one regex: matches and the runs between them, in order.
-void split_one(const pcre2_code* code, bool jit, std::string_view piece,
-               std::vector<std::string_view>& out) {
+// Splits one piece with one regex: matches and the runs between them, in order, to `emit`.
+template <class Emit>
+void split_one(const pcre2_code* code, bool jit, std::string_view piece, const Emit& emit) {
   ThreadMatchState& st = thread_match_state();
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
   size_t pos = 0;
@@ -157,28 +157,32 @@ void split_one(const pcre2_code* code, bool jit, std::string_view piece,
       while (pos < piece.size() && (static_cast<uint8_t>(piece[pos]) & 0xC0) == 0x80) ++pos;
       continue;
     }
-    if (start > gap_start) out.push_back(piece.substr(gap_start, start - gap_start));
-    out.push_back(piece.substr(start, end - start));
+    if (start > gap_start) emit(piece.substr(gap_start, start - gap_start));
+    emit(piece.substr(start, end - start));
     pos = gap_start = end;
   }
-  if (gap_start < piece.size()) out.push_back(piece.substr(gap_start));
+  if (gap_start < piece.size()) emit(piece.substr(gap_start));
 }
 
 }  // namespace
 
-void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& out) const {
+void PreTokenizer::for_each_word(std::string_view text,
+                                 const std::function<void(std::string_view)>& sink) const {
   if (text.empty()) return;
-  if (regexes_.size() == 1) {
-    split_one(regexes_[0]->code, regexes_[0]->jit, text, out);
-    return;
-  }
+  // Every regex but the last splits into a list; the last one streams its words to the sink.
   std::vector<std::string_view> current{text}, next;
-  for (const auto& c : regexes_) {
+  for (size_t r = 0; r + 1 < regexes_.size(); ++r) {
     next.clear();
-    for (std::string_view piece : current) split_one(c->code, c->jit, piece, next);
+    const auto push = [&](std::string_view w) { next.push_back(w); };
+    for (std::string_view piece : current) split_one(regexes_[r]->code, regexes_[r]->jit, piece, push);
     current.swap(next);
   }
-  out.insert(out.end(), current.begin(), current.end());
+  const Compiled& last = *regexes_.back();
+  for (std::string_view piece : current) split_one(last.code, last.jit, piece, sink);
+}
+
+void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& out) const {
+  for_each_word(text, [&](std::string_view w) { out.push_back(w); });
 }
 
 }  // namespace moraine::tokenizer

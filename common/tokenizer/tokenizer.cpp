@@ -170,7 +170,6 @@ namespace {
 // call; keeping the cache per call keeps encode free of shared mutable state.
 struct EncodeScratch {
   BpeMerges::Workspace ws;
-  std::vector<std::string_view> words;
   std::unordered_map<std::string_view, std::pair<uint32_t, uint32_t>> cache;  // -> span in ids
   std::vector<TokenId> ids;
 };
@@ -192,26 +191,31 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
   (parse_special ? special_all_ : special_user_defined_).partition(text, fragments);
 
   EncodeScratch s;
+  const auto encode_word = [&](std::string_view word) {
+    // A one-byte word is one byte token (or a whole-word token that is the same thing); no
+    // merge can apply, so skip the cache.
+    if (word.size() == 1) {
+      merges_.encode_word(word, out, s.ws);
+      return;
+    }
+    const auto [it, inserted] = s.cache.try_emplace(word, 0, 0);
+    if (inserted) {
+      const auto begin = static_cast<uint32_t>(s.ids.size());
+      const auto whole = ignore_merges_ ? bytes_to_id_.find(word) : bytes_to_id_.end();
+      if (whole != bytes_to_id_.end()) {
+        s.ids.push_back(whole->second);
+      } else {
+        merges_.encode_word(word, s.ids, s.ws);
+      }
+      it->second = {begin, static_cast<uint32_t>(s.ids.size())};
+    }
+    out.insert(out.end(), s.ids.begin() + it->second.first, s.ids.begin() + it->second.second);
+  };
   for (const auto& f : fragments) {
     if (f.token >= 0) {
       out.push_back(f.token);
-      continue;
-    }
-    s.words.clear();
-    pre_.split(f.text, s.words);
-    for (std::string_view word : s.words) {
-      const auto [it, inserted] = s.cache.try_emplace(word, 0, 0);
-      if (inserted) {
-        const auto begin = static_cast<uint32_t>(s.ids.size());
-        const auto whole = ignore_merges_ ? bytes_to_id_.find(word) : bytes_to_id_.end();
-        if (whole != bytes_to_id_.end()) {
-          s.ids.push_back(whole->second);
-        } else {
-          merges_.encode_word(word, s.ids, s.ws);
-        }
-        it->second = {begin, static_cast<uint32_t>(s.ids.size())};
-      }
-      out.insert(out.end(), s.ids.begin() + it->second.first, s.ids.begin() + it->second.second);
+    } else {
+      pre_.for_each_word(f.text, encode_word);
     }
   }
   if (add_special && add_eos_) out.push_back(*eos_);

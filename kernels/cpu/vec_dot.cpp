@@ -1,17 +1,36 @@
 // ISA detection and kernel dispatch. Scalar kernels wrap the reference in common/formats.
 #include "kernels/cpu/vec_dot.h"
 
-#include <cstdlib>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
 #include "common/formats/half_float.h"
 #include "common/formats/quant.h"
 #include "common/formats/quant_formats.h"
+#include "kernels/cpu/avx2_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
 
 namespace moraine::cpu {
 namespace {
+
+// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25), and the kernel's permission to use
+// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux >= 5.16).
+bool amx_int8_permitted() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 CpuIsa detect_uncached() {
   CpuIsa isa = CpuIsa::Scalar;
@@ -24,18 +43,8 @@ CpuIsa detect_uncached() {
     isa = CpuIsa::Avx512;
     if (__builtin_cpu_supports("avx512vnni")) isa = CpuIsa::Avx512Vnni;
   }
+  if (isa == CpuIsa::Avx512Vnni && amx_int8_permitted()) isa = CpuIsa::Amx;
 #endif
-  // MORAINE_CPU_ISA caps the tier (for A/B runs and for testing the fallbacks).
-  if (const char* cap = std::getenv("MORAINE_CPU_ISA")) {
-    const std::string s(cap);
-    CpuIsa limit = isa;
-    if (s == "scalar") limit = CpuIsa::Scalar;
-    else if (s == "avx2") limit = CpuIsa::Avx2;
-    else if (s == "avx512") limit = CpuIsa::Avx512;
-    else if (s == "avx512vnni") limit = CpuIsa::Avx512Vnni;
-    else throw std::invalid_argument("MORAINE_CPU_ISA=" + s + ": expected scalar, avx2, avx512 or avx512vnni");
-    if (static_cast<int>(limit) < static_cast<int>(isa)) isa = limit;
-  }
   return isa;
 }
 
@@ -62,6 +71,15 @@ VecDotFn scalar_fn(TensorType t) {
   }
 }
 
+VecDotFn avx2_fn(TensorType t) {
+  switch (t) {
+    case TensorType::Q4_K: return avx2::dot_q4_k;
+    case TensorType::Q8_0: return avx2::dot_q8_0;
+    case TensorType::MXFP4: return avx2::dot_mxfp4;
+    default: return nullptr;
+  }
+}
+
 VecDotFn avx512_fn(TensorType t, bool vnni) {
   switch (t) {
     case TensorType::F32: return avx512::dot_f32;
@@ -83,11 +101,30 @@ VecDotFn avx512_fn(TensorType t, bool vnni) {
   }
 }
 
+// The cap set by set_max_cpu_isa; starts at the top tier (no cap).
+std::atomic<CpuIsa> g_max_isa{CpuIsa::Amx};
+
+CpuIsa cpu_isa_hardware() {
+  static const CpuIsa isa = detect_uncached();
+  return isa;
+}
+
 }  // namespace
 
 CpuIsa detect_cpu_isa() {
-  static const CpuIsa isa = detect_uncached();
-  return isa;
+  const CpuIsa hw = cpu_isa_hardware(), cap = g_max_isa.load(std::memory_order_relaxed);
+  return static_cast<int>(cap) < static_cast<int>(hw) ? cap : hw;
+}
+
+CpuIsa hardware_cpu_isa() { return cpu_isa_hardware(); }
+
+void set_max_cpu_isa(CpuIsa cap) { g_max_isa.store(cap, std::memory_order_relaxed); }
+
+std::optional<CpuIsa> parse_isa(std::string_view name) {
+  for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni, CpuIsa::Amx}) {
+    if (isa_name(isa) == name) return isa;
+  }
+  return std::nullopt;
 }
 
 std::string_view isa_name(CpuIsa isa) {
@@ -96,32 +133,40 @@ std::string_view isa_name(CpuIsa isa) {
     case CpuIsa::Avx2: return "avx2";
     case CpuIsa::Avx512: return "avx512";
     case CpuIsa::Avx512Vnni: return "avx512vnni";
+    case CpuIsa::Amx: return "amx";
   }
   return "unknown";
 }
 
-VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa) {
-  if (static_cast<int>(isa) > static_cast<int>(detect_cpu_isa())) return nullptr;  // CPU cannot run it
+namespace {
+
+// The kernel of exactly tier `isa` (no fallback); nullptr when the hardware lacks the tier.
+VecDotFn kernel_for(TensorType weight, CpuIsa isa) {
+  if (static_cast<int>(isa) > static_cast<int>(cpu_isa_hardware())) return nullptr;
   switch (isa) {
     case CpuIsa::Scalar: return scalar_fn(weight);
-    case CpuIsa::Avx2: return nullptr;
+    case CpuIsa::Avx2: return avx2_fn(weight);
     case CpuIsa::Avx512: return avx512_fn(weight, false);
-    case CpuIsa::Avx512Vnni: return avx512_fn(weight, true);
+    case CpuIsa::Avx512Vnni:
+    case CpuIsa::Amx: return avx512_fn(weight, true);
   }
   return nullptr;
 }
 
-namespace {
-
-// Best kernel per type id, resolved once (type ids are < 64).
+// Best kernel per type id for every possible cap, resolved once (type ids are < 64); the
+// current cap picks the row, so set_max_cpu_isa takes effect on the next call.
 struct DispatchTable {
-  VecDotFn fn[64] = {};
+  static constexpr int kTiers = static_cast<int>(CpuIsa::Amx) + 1;
+  VecDotFn fn[kTiers][64] = {};
   DispatchTable() {
-    for (uint32_t id = 0; id < 64; ++id) {
-      const TypeTraits* tr = find_type_traits(id);
-      if (!tr || !tr->computable || tr->type == TensorType::Q8_K) continue;
-      for (int isa = static_cast<int>(detect_cpu_isa()); isa >= 0 && !fn[id]; --isa) {
-        fn[id] = vec_dot_fn(tr->type, static_cast<CpuIsa>(isa));
+    const int hw = static_cast<int>(cpu_isa_hardware());
+    for (int cap = 0; cap < kTiers; ++cap) {
+      for (uint32_t id = 0; id < 64; ++id) {
+        const TypeTraits* tr = find_type_traits(id);
+        if (!tr || !tr->computable || tr->type == TensorType::Q8_K) continue;
+        for (int isa = cap < hw ? cap : hw; isa >= 0 && !fn[cap][id]; --isa) {
+          fn[cap][id] = kernel_for(tr->type, static_cast<CpuIsa>(isa));
+        }
       }
     }
   }
@@ -129,11 +174,20 @@ struct DispatchTable {
 
 }  // namespace
 
-float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_row) {
+VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa) {
+  if (static_cast<int>(isa) > static_cast<int>(detect_cpu_isa())) return nullptr;  // above the CPU or the cap
+  return kernel_for(weight, isa);
+}
+
+VecDotFn best_vec_dot_fn(TensorType weight) {
   static const DispatchTable table;
   const auto id = static_cast<uint32_t>(weight);
-  const VecDotFn fn = id < 64 ? table.fn[id] : nullptr;
-  if (!fn) throw std::invalid_argument("vec_dot: no kernel for tensor type " + std::to_string(id));
+  return id < 64 ? table.fn[static_cast<int>(detect_cpu_isa())][id] : nullptr;
+}
+
+float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_row) {
+  const VecDotFn fn = best_vec_dot_fn(weight);
+  if (!fn) throw std::invalid_argument("vec_dot: no kernel for tensor type " + std::to_string(static_cast<uint32_t>(weight)));
   return fn(n, w_row, act_row);
 }
 

@@ -3,6 +3,7 @@
 // is tested against it. The activation row must already be in dot_activation_type(weight).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "common/formats/tensor_type.h"
@@ -10,18 +11,31 @@
 namespace moraine::cpu {
 
 // Avx512: F+BW+VL (float kernels). Avx512Vnni adds VNNI, which every quantized AVX-512
-// kernel uses (vpdpbusd); CPUs with AVX-512 but without VNNI (Skylake-X) get the scalar
-// quantized kernels. Avx2 is a tier reserved for later: it has no kernels yet.
-enum class CpuIsa { Scalar, Avx2, Avx512, Avx512Vnni };
+// kernel uses (vpdpbusd). Avx2 (+FMA) has kernels for Q4_K, Q8_0 and MXFP4; CPUs with AVX-512
+// but without VNNI (Skylake-X) use those, and the scalar kernels for the other formats.
+// Amx: Avx512Vnni plus AMX-TILE/AMX-INT8 with the OS's permission for tile data; it adds the
+// prefill matmul (matvec.h) and uses the Avx512Vnni kernels for everything else.
+enum class CpuIsa { Scalar, Avx2, Avx512, Avx512Vnni, Amx };
 
-CpuIsa detect_cpu_isa();  // best tier this CPU supports (cached)
+// Best tier this CPU supports, capped by set_max_cpu_isa. Every dispatch below uses it.
+// (Detection asks the kernel for AMX tile-data permission once, arch_prctl; it is per process.)
+CpuIsa detect_cpu_isa();
+CpuIsa hardware_cpu_isa();  // what the CPU supports, ignoring the cap (cached)
+// Caps the tier the dispatchers pick (A/B runs, testing the fallbacks: the benches' --isa flag).
+// Process-wide; takes effect on the next call. A cap above the hardware's tier is no cap.
+void set_max_cpu_isa(CpuIsa cap);
 std::string_view isa_name(CpuIsa isa);
+std::optional<CpuIsa> parse_isa(std::string_view name);  // the names isa_name gives
 
 using VecDotFn = float (*)(int64_t n, const void* w_row, const void* act_row);
 
 // nullptr when `isa` has no kernel for `weight` or the CPU cannot run that tier's kernels.
 // CpuIsa::Scalar always has one for every computable weight type.
 VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa);
+
+// The kernel vec_dot would call now (best tier up to the cap, falling back tier by tier);
+// nullptr for types without any kernel.
+VecDotFn best_vec_dot_fn(TensorType weight);
 
 // Best available kernel. n must be a multiple of the weight's block size (not checked here:
 // this is the hot path; vec_dot_reference checks).

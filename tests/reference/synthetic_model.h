@@ -3,8 +3,6 @@
 // self-consistency (decode after prefill, thread counts, quantized weights).
 #pragma once
 #include <cstdint>
-#include <functional>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -29,13 +27,12 @@ struct SyntheticSpec {
   uint64_t seed = 1;
 };
 
-// Builds the writer (metadata + tensors). `edit` may change tensors before they are added:
-// it gets (name, shape) and returns false to drop the tensor.
+// The metadata and tensor list of a model of `spec`; tests edit either (drop, reshape, add a
+// tensor; set or remove a key) before write() fills the tensors with seeded random values.
 class SyntheticModel {
  public:
   explicit SyntheticModel(SyntheticSpec spec);
 
-  // Shapes by name, in add order; tests edit these, or the metadata, before write().
   std::vector<std::pair<std::string, std::vector<int64_t>>> tensors;
   gguf::GgufWriter meta;  // metadata only; write() adds the tensors
 

@@ -11,6 +11,7 @@
 
 #include "common/gguf/gguf.h"
 #include "common/tokenizer/byte_alphabet.h"
+#include "common/tokenizer/pre_tokenizer.h"
 #include "common/tokenizer/streaming_decoder.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
@@ -74,6 +75,29 @@ TEST(TokenizerUtf8, ReplacementIsPerBadByte) {
   EXPECT_EQ(incomplete_utf8_tail("ab\xF0\x9F\xA6\x99"), 0u);
   EXPECT_EQ(incomplete_utf8_tail("ab\xE4"), 1u);
   EXPECT_EQ(incomplete_utf8_tail("\x80"), 0u);  // a stray continuation byte never completes
+}
+
+TEST(TokenizerPreTokenizer, WordsAreNonEmptyAndConcatenateBackToTheText) {
+  const std::vector<std::string> corpus = random_corpus(150, 4242);
+  for (const std::string scheme : {"qwen2", "qwen35", "gpt-2", "llama-bpe", "default"}) {
+    const PreTokenizer pre(scheme);
+    size_t words = 0;
+    for (const std::string& text : corpus) {
+      std::vector<std::string_view> out;
+      pre.split(text, out);
+      std::string joined;
+      for (std::string_view w : out) {
+        EXPECT_FALSE(w.empty()) << scheme;
+        joined += w;
+      }
+      EXPECT_EQ(joined, text) << scheme;
+      words += out.size();
+    }
+    EXPECT_GT(words, corpus.size() * 3) << scheme;  // it does split
+  }
+  const std::string msg = expect_error([] { PreTokenizer p("qwen9"); });
+  EXPECT_NE(msg.find("'qwen9'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("qwen2"), std::string::npos) << msg;  // and lists what is supported
 }
 
 TEST(Tokenizer, InvalidUtf8IsEncodedAsReplacementCharacters) {

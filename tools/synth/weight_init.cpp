@@ -80,6 +80,15 @@ void WeightInit::fill_rows(const TensorSpec& t, int64_t row_begin, int64_t row_e
         // row so their dot with it has std kLogitNoise, and element j = bias * rms / m.
         const double noise_norm = std::sqrt(static_cast<double>(H - 1) * m.offaxis_var) / m.rms();
         fill_uniform(rng, row, n, static_cast<float>(kLogitNoise / noise_norm));
+        // Give every row the same norm: a row 3% longer than the others would be picked ~13%
+        // more often from the top-k tail (measured: without this, --zipf 0 routed the most
+        // popular of 64 experts 1.8x as often as the least).
+        row[j] = 0.0f;
+        double ss = 0;
+        for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(row[i]) * row[i];
+        const double want = kLogitNoise / noise_norm * std::sqrt(static_cast<double>(n - 1));
+        const float rescale = ss > 0 ? static_cast<float>(want / std::sqrt(ss)) : 0.0f;
+        for (int64_t i = 0; i < n; ++i) row[i] *= rescale;
         const int64_t rank = layer_rank_.at(static_cast<size_t>(t.layer))[static_cast<size_t>(r)];
         row[j] = static_cast<float>(kLogitNoise * rank_bias_[static_cast<size_t>(rank)] * m.rms() / m.massive_value);
         break;

@@ -1,0 +1,35 @@
+// Row-outer, token-inner matrix-vector products over the per-row dot kernels.
+#include "kernels/cpu/matvec.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cpu/amx_kernels.h"
+#include "kernels/cpu/vec_dot.h"
+
+namespace moraine::cpu {
+
+bool matvec_uses_amx(TensorType type, int n_tok) {
+  return n_tok >= kPrefillTokens && detect_cpu_isa() == CpuIsa::Amx && amx::supports(type);
+}
+
+void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
+                   size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride) {
+  const VecDotFn fn = best_vec_dot_fn(type);
+  if (!fn) throw std::invalid_argument("matvec_tokens: no kernel for weight type " + std::string(type_name(type)));
+  if (row_end <= row_begin || n_tok <= 0) return;
+  if (matvec_uses_amx(type, n_tok)) {
+    return amx::matmul_tokens(type, n_cols, w, row_begin, row_end, acts, act_row_bytes, tok, n_tok, y, y_stride);
+  }
+  const size_t wb = row_bytes(type, n_cols);
+  const auto* wrow = static_cast<const uint8_t*>(w) + static_cast<size_t>(row_begin) * wb;
+  const auto* a = static_cast<const uint8_t*>(acts);
+  for (int64_t r = row_begin; r < row_end; ++r, wrow += wb) {
+    for (int t = 0; t < n_tok; ++t) {
+      const size_t ti = tok ? static_cast<size_t>(tok[t]) : static_cast<size_t>(t);
+      y[t * y_stride + r] = fn(n_cols, wrow, a + ti * act_row_bytes);
+    }
+  }
+}
+
+}  // namespace moraine::cpu

@@ -1,0 +1,20 @@
+// A plain streaming read over a buffer: the DRAM bandwidth the expert kernels are measured
+// against (moraine-kernel-bench cpu), with the same threads.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cpu/thread_pool.h"
+
+namespace moraine::cpu {
+
+// Reads every byte of [p, p + bytes) once with the widest loads the CPU has (ignoring the ISA
+// cap: this measures memory, not kernels) and returns a value depending on all of them, so
+// the reads cannot be optimized away. bytes must be a multiple of 64.
+uint64_t stream_read(const void* p, size_t bytes);
+
+// Bytes per second of `passes` full reads of [p, p + bytes) split evenly over the pool's
+// workers (1 MiB chunks from the shared job counter). The best pass counts.
+double measure_read_bandwidth(ThreadPool& pool, const void* p, size_t bytes, int passes);
+
+}  // namespace moraine::cpu

@@ -1,0 +1,290 @@
+// The fused expert FFN against two references:
+//  1. a straightforward dequantize-then-float (double) FFN, within a tolerance derived term by
+//     term below (float summation, SwiGLU rounding, the intermediate's quantization), for every
+//     format and tier;
+//  2. the same pipeline spelled out with the scalar reference quantizers and vec_dot_reference:
+//     bitwise equal for the k-quants, whose kernels equal the reference bitwise.
+// Layers of several experts with different token subsets must equal the sum of the experts,
+// and the result must not depend on the pool's size.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/formats/quant.h"
+#include "kernels/cpu/cpu_topology.h"
+#include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/vec_dot.h"
+#include "tests/cpu_kernels/tiers.h"
+#include "tests/formats/dot_bounds.h"
+#include "tests/formats/random_rows.h"
+
+namespace moraine {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);  // float unit roundoff
+constexpr int64_t kHidden = 512, kFfn = 256;
+// max |d/dz silu(z)| over the reals (attained near z = 2.4).
+constexpr double kSiluSlope = 1.0998;
+
+struct Mat {
+  TensorType type;
+  int64_t rows, cols;
+  std::vector<uint8_t> q;
+  std::vector<float> deq;
+  size_t rb;
+  const uint8_t* row(int64_t r) const { return q.data() + static_cast<size_t>(r) * rb; }
+};
+
+Mat make_mat(TensorType t, int64_t rows, int64_t cols, uint32_t seed) {
+  Mat m{t, rows, cols, std::vector<uint8_t>(row_bytes(t, cols) * static_cast<size_t>(rows)), std::vector<float>(static_cast<size_t>(rows * cols)),
+        row_bytes(t, cols)};
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> x = test::random_row(test::kAllDists[r % 3], cols, seed + static_cast<uint32_t>(r));
+    for (float& v : x) v *= 0.08f;  // weight-like scale: keeps the FFN's values O(1)
+    quantize_row(t, x.data(), m.q.data() + static_cast<size_t>(r) * m.rb, cols);
+    dequantize_row(t, m.row(r), m.deq.data() + r * cols, cols);
+  }
+  return m;
+}
+
+struct Expert {
+  Mat gate, up, down;
+  cpu::ExpertWeights w;
+};
+
+Expert make_expert(TensorType gu, TensorType dn, uint32_t seed) {
+  Expert e{make_mat(gu, kFfn, kHidden, seed), make_mat(gu, kFfn, kHidden, seed + 1000), make_mat(dn, kHidden, kFfn, seed + 2000), {}};
+  e.w = {gu, gu, dn, e.gate.q.data(), e.up.q.data(), e.down.q.data(), kHidden, kFfn};
+  return e;
+}
+
+std::vector<float> deq_act(TensorType act, const float* x, int64_t n) {
+  std::vector<uint8_t> q(row_bytes(act, n));
+  quantize_row(act, x, q.data(), n);
+  std::vector<float> d(static_cast<size_t>(n));
+  dequantize_row(act, q.data(), d.data(), n);
+  return d;
+}
+
+// Reference 1 for one token: value and error bound of FFN(x) (before the route weight),
+// computed in double on dequantized weights and the dequantized activation the kernels are
+// given (quantize_activation_row is bit-identical to quantize_row, tests/formats checks it).
+// Error terms:
+//  - gate/up/down dots: the kernels' float summation, twice the recursive-sum bound;
+//  - SwiGLU: |silu(g')u' - silu(g)u| <= L eg (|u| + eu) + |silu(g)| eu, plus a few ulps of
+//    rounding for exp, the division and the product (8u relative);
+//  - the intermediate's quantization: the reference quantizes its own h with the reference
+//    quantizer; the kernel's h' is within eh of it, so an element's code can only differ where
+//    h lies within eh (plus the block step's own change) of a rounding boundary: there the
+//    value may move by one step, elsewhere only by |q| times the step's change (the step is
+//    amax/127, amax moves by at most max eh, and Q8_0 rounds the step to fp16: one more
+//    2^-10 relative).
+void float_reference(const Expert& e, const float* x, std::vector<double>& y, std::vector<double>& err) {
+  const TensorType at = dot_activation_type(e.w.gate_type), dt = dot_activation_type(e.w.down_type);
+  const std::vector<float> xt = deq_act(at, x, kHidden);
+  std::vector<double> h(kFfn), eh(kFfn);
+  for (int64_t j = 0; j < kFfn; ++j) {
+    double g = 0, u = 0;
+    for (int64_t i = 0; i < kHidden; ++i) {
+      g += static_cast<double>(e.gate.deq[static_cast<size_t>(j * kHidden + i)]) * xt[static_cast<size_t>(i)];
+      u += static_cast<double>(e.up.deq[static_cast<size_t>(j * kHidden + i)]) * xt[static_cast<size_t>(i)];
+    }
+    const double adds = static_cast<double>(kHidden / type_traits(e.w.gate_type).block_elems) + 20.0;
+    const std::vector<float> grow(e.gate.deq.begin() + j * kHidden, e.gate.deq.begin() + (j + 1) * kHidden);
+    const std::vector<float> urow(e.up.deq.begin() + j * kHidden, e.up.deq.begin() + (j + 1) * kHidden);
+    const double eg = 2.0 * adds * kU * test::dot_magnitude(e.w.gate_type, std::vector<uint8_t>(e.gate.row(j), e.gate.row(j) + e.gate.rb), grow, xt);
+    const double eu = 2.0 * adds * kU * test::dot_magnitude(e.w.up_type, std::vector<uint8_t>(e.up.row(j), e.up.row(j) + e.up.rb), urow, xt);
+    const double s = g / (1.0 + std::exp(-g));
+    h[static_cast<size_t>(j)] = s * u;
+    const double mag = (std::fabs(s) + kSiluSlope * eg) * (std::fabs(u) + eu);
+    eh[static_cast<size_t>(j)] = kSiluSlope * eg * (std::fabs(u) + eu) + std::fabs(s) * eu + 8.0 * kU * mag;
+  }
+  const std::vector<float> hf(h.begin(), h.end());
+  const std::vector<float> ht = deq_act(dt, hf.data(), kFfn);
+  const int64_t qb = type_traits(dt).block_elems;
+  std::vector<double> eq(kFfn);
+  for (int64_t b = 0; b < kFfn; b += qb) {
+    double amax = 0, ehmax = 0;
+    for (int64_t j = b; j < b + qb; ++j) {
+      amax = std::max(amax, std::fabs(h[static_cast<size_t>(j)]));
+      ehmax = std::max(ehmax, eh[static_cast<size_t>(j)] + kU * std::fabs(h[static_cast<size_t>(j)]));
+    }
+    const double d = amax / 127.0;
+    const double dd = ehmax / 127.0 + d * std::ldexp(1.0, -10);  // how far the kernel's step can be from d
+    for (int64_t j = b; j < b + qb; ++j) {
+      const double v = std::fabs(h[static_cast<size_t>(j)]);
+      double& ej = eq[static_cast<size_t>(j)];
+      ej = 127.0 * dd;
+      if (d > 0) {
+        const double frac = v / d - std::floor(v / d);
+        const double margin = (eh[static_cast<size_t>(j)] + kU * v + v * dd / d) / d + 1e-4;
+        if (std::fabs(frac - 0.5) < margin) ej += d;  // may round the other way
+      }
+    }
+  }
+  const std::vector<float> hmag = [&] {
+    std::vector<float> m(kFfn);
+    for (int64_t j = 0; j < kFfn; ++j) m[static_cast<size_t>(j)] = std::fabs(ht[static_cast<size_t>(j)]) + static_cast<float>(eq[static_cast<size_t>(j)]);
+    return m;
+  }();
+  y.assign(kHidden, 0.0);
+  err.assign(kHidden, 0.0);
+  for (int64_t r = 0; r < kHidden; ++r) {
+    double v = 0, ev = 0;
+    for (int64_t j = 0; j < kFfn; ++j) {
+      const double w = e.down.deq[static_cast<size_t>(r * kFfn + j)];
+      v += w * ht[static_cast<size_t>(j)];
+      ev += std::fabs(w) * eq[static_cast<size_t>(j)];
+    }
+    const double adds = static_cast<double>(kFfn / type_traits(e.w.down_type).block_elems) + 20.0;
+    const std::vector<float> drow(e.down.deq.begin() + r * kFfn, e.down.deq.begin() + (r + 1) * kFfn);
+    ev += 2.0 * adds * kU * test::dot_magnitude(e.w.down_type, std::vector<uint8_t>(e.down.row(r), e.down.row(r) + e.down.rb), drow, hmag);
+    y[static_cast<size_t>(r)] = v;
+    err[static_cast<size_t>(r)] = ev;
+  }
+}
+
+// Reference 2: the kernel's pipeline with the scalar reference pieces, in float.
+std::vector<float> exact_path(const Expert& e, const float* x) {
+  const TensorType at = dot_activation_type(e.w.gate_type), dt = dot_activation_type(e.w.down_type);
+  std::vector<uint8_t> xq(row_bytes(at, kHidden)), hq(row_bytes(dt, kFfn));
+  quantize_row(at, x, xq.data(), kHidden);
+  std::vector<float> h(kFfn);
+  for (int64_t j = 0; j < kFfn; ++j) {
+    const float g = vec_dot_reference(e.w.gate_type, kHidden, e.gate.row(j), xq.data());
+    const float u = vec_dot_reference(e.w.up_type, kHidden, e.up.row(j), xq.data());
+    h[static_cast<size_t>(j)] = g / (1.0f + std::exp(-g)) * u;
+  }
+  quantize_row(dt, h.data(), hq.data(), kFfn);
+  std::vector<float> y(kHidden);
+  for (int64_t r = 0; r < kHidden; ++r) y[static_cast<size_t>(r)] = vec_dot_reference(e.w.down_type, kFfn, e.down.row(r), hq.data());
+  return y;
+}
+
+bool kquant(TensorType t) { return t != TensorType::Q8_0 && t != TensorType::MXFP4; }
+
+struct FormatPair {
+  TensorType gate_up, down;
+};
+constexpr FormatPair kPairs[] = {{TensorType::Q4_K, TensorType::Q4_K}, {TensorType::Q5_K, TensorType::Q5_K}, {TensorType::Q6_K, TensorType::Q6_K},
+                                 {TensorType::Q8_0, TensorType::Q8_0}, {TensorType::Q2_K, TensorType::Q2_K}, {TensorType::Q3_K, TensorType::Q3_K},
+                                 {TensorType::MXFP4, TensorType::MXFP4}, {TensorType::Q4_K, TensorType::Q6_K}};
+
+TEST(ExpertFfn, MatchesFloatReferenceAndReferencePipeline) {
+  test::IsaCapGuard guard;
+  cpu::ThreadPool pool(cpu::allowed_cpus());
+  for (const FormatPair& fp : kPairs) {
+    const Expert e = make_expert(fp.gate_up, fp.down, 17 * static_cast<uint32_t>(fp.gate_up) + static_cast<uint32_t>(fp.down));
+    for (int n_tok : {1, 3, 16, 33}) {
+      std::vector<float> x(static_cast<size_t>(n_tok * kHidden)), y0(x.size()), rw(static_cast<size_t>(n_tok));
+      for (int t = 0; t < n_tok; ++t) {
+        const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 500 + static_cast<uint32_t>(t));
+        std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+        const std::vector<float> r0 = test::random_row(test::Dist::Gaussian, kHidden, 800 + static_cast<uint32_t>(t));
+        std::copy(r0.begin(), r0.end(), y0.begin() + t * kHidden);
+        rw[static_cast<size_t>(t)] = 0.1f + 0.05f * static_cast<float>(t % 7);
+      }
+      for (cpu::CpuIsa isa : test::available_tiers()) {
+        cpu::set_max_cpu_isa(isa);
+        std::vector<float> y = y0;
+        cpu::expert_ffn(e.w, x.data(), n_tok, rw.data(), y.data(), pool);
+        const std::string where = std::string(type_name(fp.gate_up)) + "/" + std::string(type_name(fp.down)) + " " +
+                                  std::string(cpu::isa_name(isa)) + " n_tok " + std::to_string(n_tok);
+        double sum_tol = 0, sum_sq = 0;
+        for (int t = 0; t < n_tok; ++t) {
+          std::vector<double> ref, err;
+          float_reference(e, x.data() + t * kHidden, ref, err);
+          const std::vector<float> ex = exact_path(e, x.data() + t * kHidden);
+          for (int64_t r = 0; r < kHidden; ++r) {
+            const size_t k = static_cast<size_t>(t * kHidden + r);
+            const double want = y0[k] + static_cast<double>(rw[static_cast<size_t>(t)]) * ref[static_cast<size_t>(r)];
+            // + the final multiply-add's rounding.
+            const double tol = rw[static_cast<size_t>(t)] * err[static_cast<size_t>(r)] + 2.0 * kU * (std::fabs(y0[k]) + std::fabs(want));
+            ASSERT_NEAR(y[k], want, tol) << where << " token " << t << " row " << r;
+            if (kquant(fp.gate_up) && kquant(fp.down)) {
+              ASSERT_EQ(y[k], y0[k] + rw[static_cast<size_t>(t)] * ex[static_cast<size_t>(r)]) << where << " token " << t << " row " << r;
+            }
+            sum_tol += err[static_cast<size_t>(r)];
+            sum_sq += ref[static_cast<size_t>(r)] * ref[static_cast<size_t>(r)];
+          }
+        }
+        // The bound must be able to fail: on average well below the size of the values it guards.
+        const double count = static_cast<double>(n_tok * kHidden), rms = std::sqrt(sum_sq / count), mean_tol = sum_tol / count;
+        EXPECT_LT(mean_tol, 0.25 * rms) << where;
+        if (isa == test::available_tiers().back()) std::printf("%s: mean bound %.3g, rms %.3g\n", where.c_str(), mean_tol, rms);
+      }
+    }
+  }
+}
+
+// A layer of experts with overlapping token subsets equals the experts applied one by one, and
+// does not depend on the number of threads (bitwise: fixed summation order).
+TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
+  const std::vector<int> cpus = cpu::allowed_cpus();
+  cpu::ThreadPool big(cpus), one(std::vector<int>{cpus.front()});
+  std::vector<Expert> experts;
+  const TensorType types[] = {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K};
+  for (int i = 0; i < 4; ++i) experts.push_back(make_expert(types[i], types[(i + 1) % 4], 3000 + 77 * static_cast<uint32_t>(i)));
+  constexpr int kTokens = 9;
+  std::vector<float> x(kTokens * kHidden);
+  for (int t = 0; t < kTokens; ++t) {
+    const std::vector<float> r = test::random_row(test::Dist::Gaussian, kHidden, 40 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  // Expert i takes tokens t with (t + i) % 3 != 0, out of order; expert 3 takes none.
+  std::vector<std::vector<int32_t>> toks(4);
+  std::vector<std::vector<float>> rws(4);
+  for (int i = 0; i < 3; ++i) {
+    for (int t = kTokens - 1; t >= 0; --t) {
+      if ((t + i) % 3 != 0) {
+        toks[static_cast<size_t>(i)].push_back(t);
+        rws[static_cast<size_t>(i)].push_back(0.2f + 0.1f * static_cast<float>(i) + 0.01f * static_cast<float>(t));
+      }
+    }
+  }
+  std::vector<cpu::ExpertAssignment> assign;
+  for (int i = 0; i < 4; ++i) {
+    assign.push_back({&experts[static_cast<size_t>(i)].w, toks[static_cast<size_t>(i)].data(), rws[static_cast<size_t>(i)].data(),
+                      static_cast<int>(toks[static_cast<size_t>(i)].size())});
+  }
+  cpu::MoeFfn ffn;
+  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f);
+  ffn.run(assign, x.data(), y_big.data(), kTokens, kHidden, big);
+  ffn.run(assign, x.data(), y_one.data(), kTokens, kHidden, one);
+  EXPECT_EQ(y_big, y_one) << "the result depends on the thread count";
+  // Expert by expert, each token on its own: same per-element sums in the same expert order.
+  for (int i = 0; i < 4; ++i) {
+    for (size_t k = 0; k < toks[static_cast<size_t>(i)].size(); ++k) {
+      const int t = toks[static_cast<size_t>(i)][k];
+      cpu::expert_ffn(experts[static_cast<size_t>(i)].w, x.data() + t * kHidden, 1, &rws[static_cast<size_t>(i)][k], y_seq.data() + t * kHidden, one);
+    }
+  }
+  EXPECT_EQ(y_big, y_seq);
+  double norm = 0;
+  for (float v : y_big) norm += std::fabs(v);
+  EXPECT_GT(norm, 1.0) << "the layer must produce something";
+}
+
+TEST(MoeFfn, RejectsBadShapesAndTokens) {
+  cpu::ThreadPool pool(std::vector<int>{cpu::allowed_cpus().front()});
+  Expert e = make_expert(TensorType::Q4_K, TensorType::Q4_K, 1);
+  std::vector<float> x(2 * kHidden), y(2 * kHidden);
+  const int32_t bad_tok[] = {0, 5};
+  const float rw[] = {1.0f, 1.0f};
+  cpu::MoeFfn ffn;
+  const cpu::ExpertAssignment out_of_range{&e.w, bad_tok, rw, 2};
+  EXPECT_THROW(ffn.run(std::span(&out_of_range, 1), x.data(), y.data(), 2, kHidden, pool), std::invalid_argument);
+  const cpu::ExpertAssignment ok{&e.w, bad_tok, rw, 1};
+  EXPECT_THROW(ffn.run(std::span(&ok, 1), x.data(), y.data(), 2, kHidden + 256, pool), std::invalid_argument);
+  cpu::ExpertWeights odd = e.w;
+  odd.ffn = 100;  // not a multiple of Q4_K's 256
+  const cpu::ExpertAssignment bad_dims{&odd, bad_tok, rw, 1};
+  EXPECT_THROW(ffn.run(std::span(&bad_dims, 1), x.data(), y.data(), 2, kHidden, pool), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

@@ -1,0 +1,142 @@
+// Every multi-token kernel path (each tier the CPU has, chosen through set_max_cpu_isa) against
+// the scalar reference dot, for every expert format, every batch size 1..16 and a prefill size,
+// odd row counts. K-quant kernels keep exact integer sums and the reference's float order, so
+// they must match bitwise; the Q8_0/MXFP4 SIMD kernels sum block terms per lane instead of in
+// block order, so they may differ by twice the recursive-summation bound
+// (additions + slack) * 2^-24 * sum |block terms| (the same bound tests/formats uses).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/formats/quant.h"
+#include "kernels/cpu/matvec.h"
+#include "kernels/cpu/vec_dot.h"
+#include "tests/cpu_kernels/tiers.h"
+#include "tests/formats/dot_bounds.h"
+#include "tests/formats/random_rows.h"
+
+namespace moraine {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+constexpr TensorType kExpertFormats[] = {TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::Q8_0,
+                                         TensorType::Q2_K, TensorType::Q3_K, TensorType::MXFP4};
+
+bool exact_kernels(TensorType t) { return t != TensorType::Q8_0 && t != TensorType::MXFP4; }
+
+struct Matrix {
+  TensorType type;
+  int64_t rows, cols;
+  std::vector<uint8_t> q;       // rows x row_bytes
+  std::vector<float> deq;       // rows x cols
+  size_t rb;
+};
+
+Matrix random_matrix(TensorType t, int64_t rows, int64_t cols, uint32_t seed) {
+  Matrix m{t, rows, cols, std::vector<uint8_t>(row_bytes(t, cols) * static_cast<size_t>(rows)), std::vector<float>(static_cast<size_t>(rows * cols)),
+           row_bytes(t, cols)};
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto dist = test::kAllDists[r % 3];
+    const std::vector<float> x = test::random_row(dist, cols, seed + static_cast<uint32_t>(r));
+    quantize_row(t, x.data(), m.q.data() + static_cast<size_t>(r) * m.rb, cols);
+    dequantize_row(t, m.q.data() + static_cast<size_t>(r) * m.rb, m.deq.data() + r * cols, cols);
+  }
+  return m;
+}
+
+TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
+  test::IsaCapGuard guard;
+  constexpr int64_t kCols = 512, kRows = 37;  // two super-blocks; an odd row count
+  constexpr int kMaxTok = 40;                 // 1..16 (decode, verify window) and 40 (prefill)
+  int checked = 0, amx_checked = 0;
+  for (TensorType t : kExpertFormats) {
+    const Matrix m = random_matrix(t, kRows, kCols, 100 * static_cast<uint32_t>(t));
+    const TensorType at = dot_activation_type(t);
+    const size_t arb = row_bytes(at, kCols);
+    std::vector<uint8_t> acts(arb * kMaxTok);
+    std::vector<float> a_deq(static_cast<size_t>(kCols * kMaxTok));
+    for (int i = 0; i < kMaxTok; ++i) {
+      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 9000 + static_cast<uint32_t>(i));
+      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
+      dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * kCols, kCols);
+    }
+    // Tokens gathered out of order, as an expert's routed subset is.
+    std::vector<int32_t> tok(kMaxTok);
+    for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 7 + 3) % kMaxTok;
+    for (cpu::CpuIsa isa : test::available_tiers()) {
+      cpu::set_max_cpu_isa(isa);
+      std::vector<int> batches;
+      for (int n = 1; n <= 16; ++n) batches.push_back(n);
+      batches.push_back(kMaxTok);
+      for (int n_tok : batches) {
+        if (cpu::matvec_uses_amx(t, n_tok)) ++amx_checked;
+        std::vector<float> y(static_cast<size_t>(n_tok * kRows), NAN);
+        // Rows [3, 36): a slice not starting at 0, of odd length.
+        cpu::matvec_tokens(t, kCols, m.q.data(), 3, kRows, acts.data(), arb, tok.data(), n_tok, y.data(), kRows);
+        for (int i = 0; i < n_tok; ++i) {
+          const size_t ti = static_cast<size_t>(tok[static_cast<size_t>(i)]);
+          for (int64_t r = 3; r < kRows; ++r) {
+            const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
+            const float ref = vec_dot_reference(t, kCols, wrow, acts.data() + ti * arb);
+            const float got = y[static_cast<size_t>(i * kRows + r)];
+            const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + " n_tok " + std::to_string(n_tok) +
+                                      " row " + std::to_string(r) + " token " + std::to_string(ti);
+            // The AMX prefill path is exact for every format it takes (integer tile sums, the
+            // reference's float expression per block in block order).
+            if (exact_kernels(t) || isa == cpu::CpuIsa::Scalar || cpu::matvec_uses_amx(t, n_tok)) {
+              ASSERT_EQ(got, ref) << where;
+            } else {
+              const std::vector<uint8_t> wq(wrow, wrow + m.rb);
+              const std::vector<float> wd(m.deq.begin() + r * kCols, m.deq.begin() + (r + 1) * kCols);
+              const std::vector<float> ad(a_deq.begin() + static_cast<int64_t>(ti) * kCols, a_deq.begin() + static_cast<int64_t>(ti + 1) * kCols);
+              const double adds = static_cast<double>(kCols / type_traits(t).block_elems) + 16.0;
+              ASSERT_NEAR(got, ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad)) << where;
+            }
+            ++checked;
+          }
+          EXPECT_TRUE(std::isnan(y[static_cast<size_t>(i * kRows + 2)])) << "row 2 is outside the slice and must stay untouched";
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+  if (cpu::hardware_cpu_isa() == cpu::CpuIsa::Amx) {
+    EXPECT_GT(amx_checked, 0) << "this CPU has AMX: the prefill size must have gone through it";
+  } else {
+    std::printf("no AMX on this CPU: the AMX prefill path was not exercised\n");
+  }
+}
+
+// The cap picks the tier: capped at scalar, the dispatched kernel is the reference kernel, and
+// the AVX2 tier serves Q4_K, Q8_0 and MXFP4 when the CPU has it.
+TEST(IsaCap, SelectsTheTierAndFallsBack) {
+  test::IsaCapGuard guard;
+  for (TensorType t : kExpertFormats) {
+    cpu::set_max_cpu_isa(cpu::CpuIsa::Scalar);
+    EXPECT_EQ(cpu::detect_cpu_isa(), cpu::CpuIsa::Scalar);
+    EXPECT_EQ(cpu::best_vec_dot_fn(t), cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
+    EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2), nullptr) << "a tier above the cap has no kernel";
+    if (cpu::hardware_cpu_isa() >= cpu::CpuIsa::Avx2) {
+      cpu::set_max_cpu_isa(cpu::CpuIsa::Avx2);
+      const bool has_avx2 = t == TensorType::Q4_K || t == TensorType::Q8_0 || t == TensorType::MXFP4;
+      EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) != nullptr, has_avx2) << type_name(t);
+      EXPECT_EQ(cpu::best_vec_dot_fn(t), has_avx2 ? cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) : cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
+    }
+  }
+  cpu::set_max_cpu_isa(cpu::CpuIsa::Amx);
+  EXPECT_EQ(cpu::detect_cpu_isa(), cpu::hardware_cpu_isa());
+  EXPECT_EQ(cpu::parse_isa("avx2"), cpu::CpuIsa::Avx2);
+  EXPECT_EQ(cpu::parse_isa("sse9"), std::nullopt);
+}
+
+TEST(MatvecTokens, RejectsTypesWithoutKernel) {
+  std::vector<uint8_t> w(64), a(64);
+  float y = 0.0f;
+  EXPECT_THROW(cpu::matvec_tokens(TensorType::Q4_1, 32, w.data(), 0, 1, a.data(), 34, nullptr, 1, &y, 1), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

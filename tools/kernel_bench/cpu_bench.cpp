@@ -1,0 +1,211 @@
+// moraine-kernel-bench cpu. The expert set is a Qwen3-30B-A3B-shaped layer stack (hidden 2048,
+// FFN 768, 8 routed experts per token) with as many distinct experts as fit in --set-mib,
+// cycled so that no expert is cache-resident when it is used again: each layer call reads its
+// 8 experts from DRAM, as decode on an offloaded model does.
+#include "tools/kernel_bench/cpu_bench.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <stdexcept>
+
+#include "common/formats/quant.h"
+#include "kernels/cpu/cpu_topology.h"
+#include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/numa_memory.h"
+#include "kernels/cpu/stream_read.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/cpu/vec_dot.h"
+
+namespace moraine::kernel_bench {
+namespace {
+
+constexpr int64_t kHidden = 2048, kFfn = 768;
+constexpr int kExpertsPerToken = 8;
+constexpr int kTemplateRows = 64;  // distinct quantized rows, replicated through the set
+
+using Clock = std::chrono::steady_clock;
+
+struct ExpertSet {
+  cpu::NodeMemory memory;
+  std::vector<cpu::ExpertWeights> experts;
+  size_t expert_bytes = 0;
+};
+
+// Quantized template rows of one shape, then every matrix of every expert filled with them
+// (shifted per expert), so the set holds valid blocks without quantizing a GiB.
+ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node) {
+  std::mt19937 rng(2024);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  auto make_template = [&](int64_t cols) {
+    std::vector<uint8_t> rows(row_bytes(t, cols) * kTemplateRows);
+    std::vector<float> f(static_cast<size_t>(cols));
+    for (int r = 0; r < kTemplateRows; ++r) {
+      for (float& v : f) v = dist(rng);
+      quantize_row(t, f.data(), rows.data() + static_cast<size_t>(r) * row_bytes(t, cols), cols);
+    }
+    return rows;
+  };
+  const std::vector<uint8_t> wide = make_template(kHidden), narrow = make_template(kFfn);
+  const size_t wide_row = row_bytes(t, kHidden), narrow_row = row_bytes(t, kFfn);
+  const size_t mat_wide = wide_row * kFfn, mat_narrow = narrow_row * kHidden;
+  const size_t expert_bytes = 2 * mat_wide + mat_narrow;
+  const size_t n_experts = std::max<size_t>(2 * kExpertsPerToken, set_bytes / expert_bytes);
+  ExpertSet set{cpu::NodeMemory(n_experts * expert_bytes, node), {}, expert_bytes};
+  auto* base = static_cast<uint8_t*>(set.memory.data());
+  for (size_t e = 0; e < n_experts; ++e) {
+    uint8_t* p = base + e * expert_bytes;
+    cpu::ExpertWeights w;
+    w.gate_type = w.up_type = w.down_type = t;
+    w.hidden = kHidden;
+    w.ffn = kFfn;
+    w.gate = p;
+    w.up = p + mat_wide;
+    w.down = p + 2 * mat_wide;
+    for (int m = 0; m < 2; ++m) {
+      for (int64_t r = 0; r < kFfn; ++r) {
+        std::memcpy(p + m * mat_wide + static_cast<size_t>(r) * wide_row, wide.data() + ((static_cast<size_t>(r) + e * 7 + m) % kTemplateRows) * wide_row, wide_row);
+      }
+    }
+    for (int64_t r = 0; r < kHidden; ++r) {
+      std::memcpy(p + 2 * mat_wide + static_cast<size_t>(r) * narrow_row, narrow.data() + ((static_cast<size_t>(r) + e * 5) % kTemplateRows) * narrow_row, narrow_row);
+    }
+    set.experts.push_back(w);
+  }
+  return set;
+}
+
+struct Point {
+  std::string format;
+  int tokens = 0;
+  double gbps = 0.0, seconds = 0.0;
+  int64_t layers = 0;
+};
+
+// GB/s of expert bytes consumed: whole sweeps over the set (8 distinct experts per layer call)
+// until min_seconds have passed.
+Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, cpu::ThreadPool& pool) {
+  const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / kExpertsPerToken;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n_tok * kHidden)), y(x.size(), 0.0f);
+  for (float& v : x) v = dist(rng);
+  std::vector<int32_t> tokens(static_cast<size_t>(n_tok));
+  for (int i = 0; i < n_tok; ++i) tokens[static_cast<size_t>(i)] = i;
+  const std::vector<float> route(static_cast<size_t>(n_tok), 1.0f / kExpertsPerToken);
+  std::vector<cpu::ExpertAssignment> assign(kExpertsPerToken);
+  cpu::MoeFfn ffn;
+  auto layer = [&](int64_t l) {
+    for (int k = 0; k < kExpertsPerToken; ++k) {
+      assign[static_cast<size_t>(k)] = {&set.experts[static_cast<size_t>(l * kExpertsPerToken + k)], tokens.data(), route.data(), n_tok};
+    }
+    ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
+  };
+  layer(n_layers - 1);  // warm-up (scratch sized, threads awake); the sweep starts at layer 0
+  const auto t0 = Clock::now();
+  int64_t done = 0;
+  double s = 0.0;
+  do {
+    for (int64_t l = 0; l < n_layers; ++l) layer(l);
+    done += n_layers;
+    s = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (s < min_seconds);
+  Point p;
+  p.format = std::string(type_name(t));
+  p.tokens = n_tok;
+  p.layers = done;
+  p.seconds = s;
+  p.gbps = static_cast<double>(done) * kExpertsPerToken * static_cast<double>(set.expert_bytes) / s / 1e9;
+  return p;
+}
+
+}  // namespace
+
+void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
+  CLI::App* cpu = app.add_subcommand("cpu", "CPU expert FFN GB/s per format at 1, 4, 16 tokens vs the DRAM read bandwidth");
+  cpu->add_flag("--json", opt.json, "print one JSON object instead of the table");
+  cpu->add_option("--threads", opt.threads, "worker threads, one per physical core from the first (default: all physical cores)")
+      ->check(CLI::PositiveNumber);
+  cpu->add_option("--cpus", opt.cpus, "explicit CPU list for the workers, e.g. 0-7 (overrides --threads)");
+  cpu->add_option("--isa", opt.isa, "cap the kernel tier")->check(CLI::IsMember({"scalar", "avx2", "avx512", "avx512vnni", "amx"}));
+  cpu->add_option("--set-mib", opt.set_mib, "distinct expert bytes per format, MiB (keep it far above the LLC)")
+      ->check(CLI::Range(16, 1 << 20));
+  cpu->add_option("--formats", opt.formats, "weight formats")->delimiter(',');
+  cpu->add_option("--tokens", opt.tokens, "tokens per layer call")->delimiter(',')->check(CLI::Range(1, 4096));
+  cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
+}
+
+int run_cpu_bench(const CpuBenchOptions& opt) {
+  if (!opt.isa.empty()) cpu::set_max_cpu_isa(*cpu::parse_isa(opt.isa));
+  std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
+  if (opt.cpus.empty() && opt.threads > 0) {
+    if (opt.threads > static_cast<int>(cpus.size())) {
+      throw std::invalid_argument("--threads " + std::to_string(opt.threads) + ": this process has " + std::to_string(cpus.size()) +
+                                  " physical cores");
+    }
+    cpus.resize(static_cast<size_t>(opt.threads));
+  }
+  std::vector<TensorType> types;
+  for (const std::string& f : opt.formats) {
+    const auto t = type_from_name(f);
+    if (!t || !cpu::best_vec_dot_fn(*t) || *t == TensorType::Q8_K) throw std::invalid_argument("--formats: no CPU kernel for '" + f + "'");
+    types.push_back(*t);
+  }
+  cpu::ThreadPool pool(cpus);
+  const int node = cpu::numa_node_of_cpu_id(cpus.front());
+  const size_t set_bytes = static_cast<size_t>(opt.set_mib) << 20;
+
+  double dram = 0.0;
+  {
+    cpu::NodeMemory buf(set_bytes, node);
+    dram = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3) / 1e9;
+  }
+  if (!opt.json) {
+    std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format\n", pool.size(),
+                cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib);
+    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused)\n", static_cast<long long>(kHidden),
+                static_cast<long long>(kFfn), kExpertsPerToken);
+    std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n\n", dram);
+    std::printf("%-7s %14s", "format", "bytes/expert");
+    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share)", t);
+    std::printf("\n");
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (TensorType t : types) {
+    const ExpertSet set = make_expert_set(t, set_bytes, node);
+    if (!opt.json) std::printf("%-7s %14zu", std::string(type_name(t)).c_str(), set.expert_bytes);
+    for (int n_tok : opt.tokens) {
+      const Point p = measure(set, t, n_tok, opt.min_seconds, pool);
+      if (!opt.json) {
+        std::printf("   %13.1f (%5.1f%%)", p.gbps, 100.0 * p.gbps / dram);
+        std::fflush(stdout);
+      }
+      rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"gb_per_s", p.gbps}, {"share_of_dram", p.gbps / dram},
+                      {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()}, {"layer_calls", p.layers},
+                      {"seconds", p.seconds}});
+    }
+    if (!opt.json) std::printf("\n");
+  }
+  if (opt.json) {
+    const nlohmann::json out = {{"threads", pool.size()},
+                                {"cpus", cpu::format_cpu_list(cpus)},
+                                {"numa_node", node},
+                                {"isa", std::string(cpu::isa_name(cpu::detect_cpu_isa()))},
+                                {"hidden", kHidden},
+                                {"ffn", kFfn},
+                                {"experts_per_layer", kExpertsPerToken},
+                                {"set_mib", opt.set_mib},
+                                {"dram_read_gb_per_s", dram},
+                                {"results", rows}};
+    std::cout << out.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace moraine::kernel_bench

@@ -1,0 +1,27 @@
+// `moraine-kernel-bench cpu`: expert FFN throughput (GB/s of expert weight bytes consumed) per
+// format and token count, beside the DRAM read bandwidth measured with the same threads.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace moraine::kernel_bench {
+
+struct CpuBenchOptions {
+  bool json = false;
+  int threads = 0;           // 0: one per physical core
+  std::string cpus;          // explicit CPU list (overrides threads)
+  std::string isa;           // cap; empty = best the CPU has
+  int set_mib = 1024;        // distinct expert bytes cycled per format; >> LLC
+  std::vector<std::string> formats{"q4_k", "q5_k", "q6_k", "q8_0", "q2_k", "q3_k", "mxfp4"};
+  std::vector<int> tokens{1, 4, 16};
+  double min_seconds = 0.25;  // per measurement point
+};
+
+void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);
+int run_cpu_bench(const CpuBenchOptions& opt);
+
+}  // namespace moraine::kernel_bench

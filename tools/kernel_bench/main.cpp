@@ -1,0 +1,22 @@
+// moraine-kernel-bench: one subcommand per kernel backend.
+#include <CLI/CLI.hpp>
+
+#include <exception>
+#include <iostream>
+
+#include "tools/kernel_bench/cpu_bench.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moraine-kernel-bench: kernel throughput against the memory bandwidth it is bound by"};
+  app.require_subcommand(1);
+  moraine::kernel_bench::CpuBenchOptions cpu;
+  moraine::kernel_bench::add_cpu_subcommand(app, cpu);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (app.got_subcommand("cpu")) return moraine::kernel_bench::run_cpu_bench(cpu);
+  } catch (const std::exception& e) {
+    std::cerr << "moraine-kernel-bench: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
