@@ -41,17 +41,32 @@ int effective_dims(const std::vector<int64_t>& shape) {
   return n;
 }
 
+bool llama_keeps_unquantized(const std::string& name) {
+  // llama.cpp's quantizer (llama-quant.cpp) leaves these alone: names not ending in "weight",
+  // norms, MoE routers (a quantized router moves expert choices), and the conv1d of
+  // linear-attention/SSM blocks (llama.cpp's ssm_conv reads it as F32 only and aborts on F16).
+  if (name.size() < 6 || name.compare(name.size() - 6, 6, "weight") != 0) return true;
+  for (const char* keep : {"_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight"}) {
+    if (name.find(keep) != std::string::npos) return true;
+  }
+  return false;
+}
+
 TypeChoice choose_weight_type(const std::string& name, const std::vector<int64_t>& shape,
                               const std::vector<TypeRule>& rules, TensorType default_type) {
   TypeChoice c;
   if (effective_dims(shape) == 1) return c;  // norms and biases: tiny, and precision there is cheap to keep
   TensorType want = default_type;
+  bool matched = false;
   for (const TypeRule& r : rules) {
     if (name.find(r.pattern) != std::string::npos) {
       want = r.type;
+      matched = true;
       break;
     }
   }
+  // An explicit rule may still quantize them (to study a quantized router); --default may not.
+  if (!matched && llama_keeps_unquantized(name)) return c;
   c.type = want;
   const int64_t row = shape.empty() ? 1 : shape[0];
   const int64_t block = type_traits(want).block_elems;

@@ -4,8 +4,10 @@
 //   --map "_exps.=q4_k" --map "attn_v=q6_k" --default q8_0
 //
 // The first rule whose PATTERN is a substring of the tensor name wins, else the default.
-// 1-D tensors (norms, biases) are always F32. A row length that is not a multiple of the chosen
-// type's block falls back to q8_0, or to f16 when it is not a multiple of 32 either.
+// 1-D tensors (norms, biases) are always F32; the 2-D+ ones llama.cpp never quantizes
+// (llama_keeps_unquantized) are F32 unless a rule names them. A row length that is not a
+// multiple of the chosen type's block falls back to q8_0, or to f16 when it is not a multiple of
+// 32 either.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -31,6 +33,10 @@ TypeRule parse_type_rule(const std::string& text);  // "PATTERN=TYPE" (the last 
 
 // Dimensions as ggml counts them: trailing 1s do not count, so a [n, 1] tensor is 1-D.
 int effective_dims(const std::vector<int64_t>& shape);
+
+// True for the tensors llama.cpp's quantizer keeps unquantized: names not ending in "weight",
+// norms, MoE routers (ffn_gate_inp) and SSM / short-conv conv1d taps.
+bool llama_keeps_unquantized(const std::string& name);
 
 struct TypeChoice {
   TensorType type = TensorType::F32;

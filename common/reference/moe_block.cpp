@@ -4,6 +4,8 @@
 // read once per batch; each token's outputs are summed in its own top-k order, so a token gets
 // the same sum whatever else is in the batch.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -57,6 +59,12 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
       return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
     });
+    if (getenv("ABL_MARGIN") && k < ne) {
+      std::vector<int64_t> o2(order.begin(), order.end());
+      std::partial_sort(o2.begin(), o2.begin() + k + 1, o2.end(), [&](int64_t a, int64_t b) { return prob[a] > prob[b]; });
+      const float gap = lt[o2[k - 1]] - lt[o2[k]];
+      if (gap < 2e-2f) fprintf(stderr, "MARGIN layer %lld token %lld: logit gap k/k+1 %.3g (experts %lld %lld)\n", (long long)il, (long long)(t), gap, (long long)o2[k-1], (long long)o2[k]);
+    }
     float wsum = 0.0f;
     for (int64_t s = 0; s < k; ++s) wsum += prob[order[s]];
     for (int64_t s = 0; s < k; ++s) {

@@ -1,6 +1,7 @@
 // AVX-512 kernels (internal). Each group lives in its own .cpp compiled with AVX-512 flags;
 // nothing here may be called unless detect_cpu_isa() reports the tier named in the comment.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace moraine::cpu::avx512 {
@@ -21,9 +22,14 @@ float dot_q3_k(int64_t n, const void* w, const void* a);
 float dot_q4_k(int64_t n, const void* w, const void* a);
 float dot_q5_k(int64_t n, const void* w, const void* a);
 float dot_q6_k(int64_t n, const void* w, const void* a);
+// Four consecutive Q4_K rows (row_stride bytes apart) against one activation row; out[r] is
+// bitwise dot_q4_k of row r. Used by matvec_tokens.
+void dot_q4_k_x4(int64_t n, const void* w, size_t row_stride, const void* a, float* out);
 
 // Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar quantizers.
 void quantize_q8_0(const float* x, void* dst, int64_t n);
 void quantize_q8_k(const float* x, void* dst, int64_t n);
+// Tier Avx512: quantize_activation_avx512.cpp; bit-identical to quantize_activation_llama_x86.cpp's scalar.
+void quantize_q8_0_llama_x86(const float* x, void* dst, int64_t n);
 
 }  // namespace moraine::cpu::avx512

@@ -1,8 +1,10 @@
-// moraine-vec-dot-bench: weight-row throughput of every CPU dot kernel, scalar vs AVX-512.
+// moraine-vec-dot-bench: weight-row throughput of every CPU dot kernel, scalar vs AVX2 vs
+// AVX-512, up to the tier --isa allows.
 // One "iteration" dots a 1024 x 4096 weight matrix (random gaussian, quantized once) with one
 // activation row, the shape of one expert projection; GB/s counts weight bytes (1e9 base).
 #include <benchmark/benchmark.h>
 
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -55,11 +57,29 @@ void run(benchmark::State& state, TensorType t, moraine::cpu::VecDotFn fn) {
 
 int main(int argc, char** argv) {
   using moraine::cpu::CpuIsa;
+  // --isa NAME caps the tiers registered (the rest of argv goes to Google Benchmark).
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    std::string value;
+    if (arg == "--isa" && i + 1 < argc) value = argv[i + 1];
+    else if (arg.rfind("--isa=", 0) == 0) value = arg.substr(6);
+    else continue;
+    const auto isa = moraine::cpu::parse_isa(value);
+    if (!isa) {
+      std::fprintf(stderr, "moraine-vec-dot-bench: --isa %s: expected scalar, avx2, avx512, avx512vnni or amx\n", value.c_str());
+      return 2;
+    }
+    moraine::cpu::set_max_cpu_isa(*isa);
+    const int consumed = arg == "--isa" ? 2 : 1;
+    for (int j = i; j + consumed < argc; ++j) argv[j] = argv[j + consumed];
+    argc -= consumed;
+    --i;
+  }
   const TensorType types[] = {TensorType::F32,  TensorType::F16,  TensorType::BF16, TensorType::Q8_0,
                               TensorType::Q4_0, TensorType::MXFP4, TensorType::Q2_K, TensorType::Q3_K,
                               TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K};
   for (TensorType t : types) {
-    for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx512, CpuIsa::Avx512Vnni}) {
+    for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni}) {
       moraine::cpu::VecDotFn fn = moraine::cpu::vec_dot_fn(t, isa);
       // Float kernels are registered under Avx512 only; the VNNI tier returns the same ones.
       if (!fn || (isa == CpuIsa::Avx512Vnni && fn == moraine::cpu::vec_dot_fn(t, CpuIsa::Avx512))) continue;

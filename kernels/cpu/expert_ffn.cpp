@@ -20,6 +20,7 @@ namespace {
 // evenly, large enough that the per-job overhead (one atomic increment) is noise.
 constexpr int64_t kGateUpRows = 16;
 constexpr int64_t kDownRows = 32;
+constexpr size_t kDownPrefetchBytes = 4096;  // as in matvec.cpp
 // Activation rows quantized by the calling thread instead of the pool (about 1 us each at
 // hidden 2048, less than one wake-up of the pool).
 constexpr int64_t kInlineQuantizeJobs = 4;
@@ -168,7 +169,11 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
       const size_t wb = row_bytes(w.down_type, w.ffn);
       const auto* row = static_cast<const uint8_t*>(w.down) + static_cast<size_t>(r0) * wb;
       const uint8_t* hq = hq_.data() + p.q_offset;
+      const uint8_t* const end = row + static_cast<size_t>(r1 - r0) * wb;
+      const uint8_t* pf = row;
+      for (; pf < row + kDownPrefetchBytes && pf < end; pf += 64) __builtin_prefetch(pf, 0, 3);
       for (int64_t r = r0; r < r1; ++r, row += wb) {
+        for (; pf < row + wb + kDownPrefetchBytes && pf < end; pf += 64) __builtin_prefetch(pf, 0, 3);
         for (int i = 0; i < a.n_tok; ++i) {
           y_accum[static_cast<int64_t>(a.tokens[i]) * hidden + r] += a.route_weight[i] * fn(w.ffn, row, hq + static_cast<size_t>(i) * p.q_row_bytes);
         }

@@ -40,6 +40,20 @@ void quantize_q8_0(const float* x, void* dst, int64_t n) {
   }
 }
 
+// llama.cpp's x86 rule (quantize_activation_llama_x86.cpp): scale 127/amax, round half to even
+// (cvtps_epi32 in the default rounding mode), saturate to int8 as its two packs do.
+void quantize_q8_0_llama_x86(const float* x, void* dst, int64_t n) {
+  auto* y = static_cast<BlockQ8_0*>(dst);
+  for (int64_t b = 0; b < n / kQK; ++b, x += kQK) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_ps(v0), abs_ps(v1)));
+    y[b].d = half::fp32_to_fp16(amax / 127.0f);
+    const __m512 vid = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid))));
+  }
+}
+
 void quantize_q8_k(const float* x, void* dst, int64_t n) {
   auto* y = static_cast<BlockQ8_K*>(dst);
   for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {

@@ -46,4 +46,11 @@ float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_r
 // are not checked here (hot path); quantize_row rejects them.
 void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n);
 
+// What llama.cpp's CPU backend computes for activations at run time on x86 (its AVX/AVX2/AVX-512
+// builds, the ones node-llama-cpp loads here), so the reference executor's logits on quantized
+// files can match llama.cpp's. Differs from quantize_activation_row only for q8_0: scale
+// 127/amax (not 1/(amax/127)) and round half to even (not half away from zero); q8_K and the
+// float types are as quantize_activation_row. Weights keep the reference rule (quantize_row).
+void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n);
+
 }  // namespace moraine::cpu

@@ -208,3 +208,66 @@ float dot_q6_k(int64_t n, const void* vw, const void* va) {
 }
 
 }  // namespace moraine::cpu::avx512
+
+namespace moraine::cpu::avx512 {
+namespace {
+
+// Sums of each of four vectors' 16 lanes, as lanes 0..3 (exact: integer adds).
+inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  auto fold = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
+  const __m256i h01 = _mm256_hadd_epi32(fold(v0), fold(v1));
+  const __m256i h23 = _mm256_hadd_epi32(fold(v2), fold(v3));
+  const __m256i h = _mm256_hadd_epi32(h01, h23);  // per 128-bit lane: partial sums of v0..v3
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+}  // namespace
+
+// dot_q4_k for four rows at once: the activation vectors are joined once per block for all
+// four rows and the eight horizontal sums share one reduction tree. Per row, the integer sums
+// and the float expression are dot_q4_k's, so each result is bitwise equal to it.
+void dot_q4_k_x4(int64_t n, const void* vw, size_t row_stride, const void* va, float* out) {
+  const auto* base = static_cast<const uint8_t*>(vw);
+  const auto* a = static_cast<const BlockQ8_K*>(va);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    const int8_t* q8 = a[b].qs;
+    __m512i a_lo[2], a_hi[2];
+    for (int half = 0; half < 2; ++half) {
+      const int p0 = 2 * half, p1 = 2 * half + 1;
+      a_lo[half] = join256(load256(q8 + 64 * p0), load256(q8 + 64 * p1));
+      a_hi[half] = join256(load256(q8 + 64 * p0 + 32), load256(q8 + 64 * p1 + 32));
+    }
+    const __m256i bsums = load256(a[b].bsums);
+    __m512i isum[4], msum[4];
+    float d[4], dmin[4];
+    for (int r = 0; r < 4; ++r) {
+      const BlockQ4_K& w = reinterpret_cast<const BlockQ4_K*>(base + static_cast<size_t>(r) * row_stride)[b];
+      uint64_t sc64, mn64;
+      q45k_scales_mins(w.scales, sc64, mn64);
+      auto sc = [sc64](int j) { return static_cast<int>((sc64 >> (8 * j)) & 0xff); };
+      __m512i s = _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half) {
+        const __m512i bytes = load512(w.qs + 64 * half);
+        const __m512i q_lo = _mm512_and_si512(bytes, low4);
+        const __m512i q_hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        const int p0 = 2 * half, p1 = 2 * half + 1;
+        s = _mm512_add_epi32(s, _mm512_mullo_epi32(dpbusd(q_lo, a_lo[half]), scales_x8(sc(2 * p0), sc(2 * p1))));
+        s = _mm512_add_epi32(s, _mm512_mullo_epi32(dpbusd(q_hi, a_hi[half]), scales_x8(sc(2 * p0 + 1), sc(2 * p1 + 1))));
+      }
+      isum[r] = s;
+      const __m128i mins8 = _mm_cvtsi64_si128(static_cast<long long>(mn64));
+      msum[r] = _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(mins8, mins8)), bsums));
+      d[r] = fp16(w.d) * a[b].d;
+      dmin[r] = fp16(w.dmin) * a[b].d;
+    }
+    alignas(16) int it[4], mt[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(it), reduce4(isum[0], isum[1], isum[2], isum[3]));
+    _mm_store_si128(reinterpret_cast<__m128i*>(mt), reduce4(msum[0], msum[1], msum[2], msum[3]));
+    for (int r = 0; r < 4; ++r) acc[r] += d[r] * static_cast<float>(it[r]) - dmin[r] * static_cast<float>(mt[r]);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = acc[r];
+}
+
+}  // namespace moraine::cpu::avx512

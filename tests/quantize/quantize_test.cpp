@@ -122,7 +122,7 @@ const std::map<std::string, TensorType> kExpectedTypes = {
     {"blk.0.attn_q_norm.weight", TensorType::F32},
     {"blk.0.attn_k_norm.weight", TensorType::F32},
     {"blk.0.ffn_norm.weight", TensorType::F32},
-    {"blk.0.ffn_gate_inp.weight", TensorType::Q4_0},  // --default
+    {"blk.0.ffn_gate_inp.weight", TensorType::F32},  // no rule names it: a router stays F32, as llama.cpp keeps it
     {"blk.0.ffn_gate_exps.weight", TensorType::Q4_K},
     {"blk.0.ffn_up_exps.weight", TensorType::Q4_K},
     {"blk.0.ffn_down_exps.weight", TensorType::F16},  // q4_k wanted; 80 is not a multiple of 32
