@@ -25,6 +25,42 @@ void ReferenceExecutor::reset() {
   n_past_ = 0;
 }
 
+void ReferenceExecutor::embed(std::span<const int32_t> tokens, float* x) const {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd;
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    const int32_t id = tokens[t];
+    if (id < 0 || id >= hp.n_vocab) {
+      throw std::invalid_argument("token id " + std::to_string(id) + " at position " +
+                                  std::to_string(n_past_ + static_cast<int64_t>(t)) +
+                                  " is outside the vocabulary [0, " + std::to_string(hp.n_vocab) + ")");
+    }
+    dequantize_row(m_.tok_embd.type, m_.tok_embd.row(id), x + t * d, d);
+  }
+}
+
+void ReferenceExecutor::mixer_step(int64_t il, float* x, int64_t n, float* h) {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd;
+  const float eps = static_cast<float>(hp.rms_eps);
+  const model::LayerWeights& L = m_.layers[il];
+  for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.attn_norm.data(), d, eps, h + t * d);
+  if (L.recurrent) {
+    delta_net_block(il, h, n, x);
+  } else {
+    attention_block(il, h, n, x);
+  }
+  for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.ffn_norm.data(), d, eps, h + t * d);
+}
+
+void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, float* logits) {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd;
+  const float eps = static_cast<float>(hp.rms_eps);
+  for (int64_t t = 0; t < rows; ++t) rms_norm(x + t * d, m_.output_norm.data(), d, eps, h + t * d);
+  matmul(m_.output, h, rows, logits, pool_);
+}
+
 std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, bool all_logits) {
   const model::HParams& hp = m_.hp;
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -32,38 +68,18 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   const int64_t d = hp.n_embd;
 
   std::vector<float> x(n * d);
-  for (int64_t t = 0; t < n; ++t) {
-    const int32_t id = tokens[t];
-    if (id < 0 || id >= hp.n_vocab) {
-      throw std::invalid_argument("token id " + std::to_string(id) + " at position " +
-                                  std::to_string(n_past_ + t) + " is outside the vocabulary [0, " +
-                                  std::to_string(hp.n_vocab) + ")");
-    }
-    dequantize_row(m_.tok_embd.type, m_.tok_embd.row(id), x.data() + t * d, d);
-  }
-
+  embed(tokens, x.data());
   std::vector<float> h(n * d);
-  const float eps = static_cast<float>(hp.rms_eps);
   for (int64_t il = 0; il < hp.n_layer; ++il) {
-    const model::LayerWeights& L = m_.layers[il];
-    for (int64_t t = 0; t < n; ++t) rms_norm(x.data() + t * d, L.attn_norm.data(), d, eps, h.data() + t * d);
-    if (L.recurrent) {
-      delta_net_block(il, h.data(), n, x.data());
-    } else {
-      attention_block(il, h.data(), n, x.data());
-    }
-    for (int64_t t = 0; t < n; ++t) rms_norm(x.data() + t * d, L.ffn_norm.data(), d, eps, h.data() + t * d);
+    mixer_step(il, x.data(), n, h.data());
     moe_block(il, h.data(), n, x.data());
   }
-  n_past_ += n;
+  advance(n);
 
   const int64_t first = all_logits ? 0 : n - 1;
   const int64_t rows = n - first;
-  for (int64_t t = first; t < n; ++t) {
-    rms_norm(x.data() + t * d, m_.output_norm.data(), d, eps, h.data() + (t - first) * d);
-  }
   std::vector<float> logits(rows * hp.n_vocab);
-  matmul(m_.output, h.data(), rows, logits.data(), pool_);
+  output_logits(x.data() + first * d, rows, h.data(), logits.data());
   return logits;
 }
 

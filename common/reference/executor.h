@@ -27,6 +27,19 @@ class ReferenceExecutor {
   // last token's. Throws std::invalid_argument for a token id outside the vocabulary.
   std::vector<float> forward(std::span<const int32_t> tokens, bool all_logits);
 
+  // Layer-step entry points for a process that runs the routed experts elsewhere (gpu_worker's
+  // CPU backend): the same arithmetic forward() does, cut where the MoE block leaves the process.
+  // embed: x[t] = token_embd row of tokens[t].
+  void embed(std::span<const int32_t> tokens, float* x) const;
+  // Layer il's token mixer over n rows of residual x at positions n_past() .. (adds its output
+  // to x, appends to the caches), then the normalised MoE input into h.
+  void mixer_step(int64_t il, float* x, int64_t n, float* h);
+  // Marks the n rows of the step as cached (after the last layer).
+  void advance(int64_t n) { n_past_ += n; }
+  // Final norm and lm head over `rows` rows of x: logits [rows][n_vocab]; h is rows * n_embd scratch.
+  void output_logits(const float* x, int64_t rows, float* h, float* logits);
+  ThreadPool& pool() { return pool_; }
+
   void reset();  // forget every cached token
   int64_t n_past() const { return n_past_; }
   const model::Model& model() const { return m_; }

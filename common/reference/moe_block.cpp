@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "common/formats/quant.h"
 #include "common/reference/executor.h"
 #include "common/reference/matmul.h"
 #include "common/reference/ops.h"
@@ -44,6 +45,13 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
 
   std::vector<float> logits(n * ne);
   matmul(W.router, h, n, logits.data(), pool_);
+  if (getenv("ABL_RF32") && W.router.type != TensorType::F32) {
+    std::vector<float> wr(d);
+    for (int64_t e = 0; e < ne; ++e) {
+      dequantize_row(W.router.type, W.router.row(e), wr.data(), d);
+      for (int64_t t = 0; t < n; ++t) { double s = 0; for (int64_t i = 0; i < d; ++i) s += double(wr[i]) * h[t*d+i]; logits[t*ne+e] = float(s); }
+    }
+  }
 
   std::vector<int64_t> chosen(n * k);
   std::vector<float> weight(n * k);
@@ -59,6 +67,11 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
       return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
     });
+    if (getenv("ABL_TRACE")) {
+      fprintf(stderr, "TRACE layer %lld token %lld logits", (long long)il, (long long)t);
+      for (int64_t e = 0; e < ne; ++e) fprintf(stderr, " %.9g", lt[e]);
+      fprintf(stderr, "\n");
+    }
     if (getenv("ABL_MARGIN") && k < ne) {
       std::vector<int64_t> o2(order.begin(), order.end());
       std::partial_sort(o2.begin(), o2.begin() + k + 1, o2.end(), [&](int64_t a, int64_t b) { return prob[a] > prob[b]; });

@@ -1,0 +1,87 @@
+#include "common/reference/moe_parts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/reference/matmul.h"
+#include "common/reference/ops.h"
+
+namespace moraine::reference {
+
+void RouterScratch::reserve(const model::HParams& hp, int64_t max_tokens) {
+  logits.resize(static_cast<size_t>(max_tokens * hp.n_expert));
+  prob.resize(static_cast<size_t>(hp.n_expert));
+  order.resize(static_cast<size_t>(hp.n_expert));
+}
+
+void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool) {
+  const int64_t ne = hp.n_expert;
+  const int64_t k = hp.n_expert_used;
+  matmul(W.router, h, n, scratch.logits.data(), pool);
+  std::vector<float>& prob = scratch.prob;
+  std::vector<int64_t>& order = scratch.order;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* lt = scratch.logits.data() + t * ne;
+    const float mx = *std::max_element(lt, lt + ne);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < ne; ++e) sum += (prob[e] = std::exp(lt[e] - mx));
+    for (int64_t e = 0; e < ne; ++e) prob[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+      return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
+    });
+    float wsum = 0.0f;
+    for (int64_t s = 0; s < k; ++s) wsum += prob[order[s]];
+    for (int64_t s = 0; s < k; ++s) {
+      chosen[t * k + s] = static_cast<int32_t>(order[s]);
+      weight[t * k + s] = hp.norm_topk_prob ? prob[order[s]] / wsum : prob[order[s]];
+    }
+  }
+}
+
+void ExpertScratch::reserve(int64_t max_rows, int64_t ff) {
+  g.resize(static_cast<size_t>(max_rows * ff));
+  u.resize(static_cast<size_t>(max_rows * ff));
+}
+
+void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const model::Matrix& down,
+                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool) {
+  const int64_t ff = gate.n_rows;
+  float* g = scratch.g.data();
+  float* u = scratch.u.data();
+  PackedActivations px = pack_activations(gate.type, x, m, gate.n_cols);
+  matmul(gate, px, g, pool);
+  if (up.type == gate.type) {
+    matmul(up, px, u, pool);
+  } else {
+    matmul(up, x, m, u, pool);
+  }
+  for (int64_t i = 0; i < m * ff; ++i) g[i] = silu(g[i]) * u[i];
+  matmul(down, g, m, y, pool);
+}
+
+void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                 const float* weight, const float* const* slot_rows, const float* shared, float* x) {
+  const int64_t d = hp.n_embd;
+  const int64_t k = hp.n_expert_used;
+  // Per element: the slots in top-k order, then the shared expert, then into the residual;
+  // the same order of float additions as moe_block's acc, so the sums are bit-identical.
+  for (int64_t t = 0; t < n; ++t) {
+    float* xt = x + t * d;
+    float g = 0.0f;
+    if (shared != nullptr) {
+      for (int64_t i = 0; i < d; ++i) g += h[t * d + i] * W.shared_router[i];
+      g = sigmoid(g);
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < k; ++s) acc += weight[t * k + s] * slot_rows[t * k + s][i];
+      if (shared != nullptr) acc += g * shared[t * d + i];
+      xt[i] += acc;
+    }
+  }
+}
+
+}  // namespace moraine::reference

@@ -1,0 +1,41 @@
+// The MoE block of moe_block.cpp cut into the pieces that run in different processes of the
+// group: routing and the final sum on the gpu_worker, routed experts on the cpu_expert_workers.
+// Same arithmetic as ReferenceExecutor::moe_block (softmax router, top-k with ties to the lower
+// id, renormalised weights, SwiGLU, sum in top-k order, shared expert last), so the group's
+// logits are bit-identical to the reference (tests/group checks it). moe_block.cpp keeps its own
+// copy while its owner has ablation switches in it; it should call these once they are gone.
+// Scratch buffers are caller-owned and sized once, so a step allocates nothing of its own.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/reference/thread_pool.h"
+
+namespace moraine::reference {
+
+struct RouterScratch {
+  std::vector<float> logits, prob;   // [max_tokens * n_expert], [n_expert]
+  std::vector<int64_t> order;        // [n_expert]
+  void reserve(const model::HParams& hp, int64_t max_tokens);
+};
+
+// chosen[t * k + s] / weight[t * k + s]: the s-th expert of token t and its router weight.
+void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool);
+
+struct ExpertScratch {
+  std::vector<float> g, u;   // [max_rows * ff]
+  void reserve(int64_t max_rows, int64_t ff);
+};
+
+// y[m][n_embd] = down(silu(gate x) * up x) for m rows of x.
+void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const model::Matrix& down,
+                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool);
+
+// x[t] += sum_s weight[t,s] * slot_rows[t * k + s] (+ sigmoid(h . shared_router) * shared[t]).
+// slot_rows[i] points at slot i's expert output row; shared is null when the model has none.
+void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                 const float* weight, const float* const* slot_rows, const float* shared, float* x);
+
+}  // namespace moraine::reference

@@ -1,0 +1,107 @@
+// What every process of the group derives the same way from the model and the manifest: where
+// the sockets are, how the exchange segment is carved, where each layer's experts sit in the
+// arena, which worker owns which expert, and how one layer's routing becomes expert jobs.
+// The coordinator creates the segments and writes the manifest (<socket-dir>/group.json) last,
+// so a worker that can read the manifest can map everything it names.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/shm/shm_layout.h"
+
+namespace moraine::group {
+
+struct GroupManifest {
+  std::string model_path;
+  std::string group_prefix;
+  std::string exchange_locator;
+  std::string arena_locator;
+  std::uint32_t coordinator_pid = 0;
+  std::uint64_t coordinator_start_ticks = 0;
+  int n_cpu_workers = 1;
+  int max_tokens = 0;           // rows of one step (prefill chunk)
+  bool zmq_handoff = false;     // per-layer GPU<->CPU hand-off over ZeroMQ instead of doorbells
+
+  void write(const std::string& path) const;   // atomically (temp file + rename)
+  static GroupManifest read(const std::string& path);  // throws std::runtime_error naming the file
+};
+
+std::string manifest_path(const std::string& socket_dir);
+// gRPC Control endpoint of an instance ("unix:<dir>/<instance>.sock"); instance names have no '/'.
+std::string control_address(const std::string& socket_dir, const std::string& instance);
+// ZeroMQ data-plane endpoint ("ipc://<dir>/<instance>.jobs").
+std::string jobs_endpoint(const std::string& socket_dir, const std::string& instance);
+// Shared-memory name prefix of the group living in socket_dir: stable across restarts so the
+// next start reclaims what a killed coordinator left.
+std::string group_prefix_for(const std::string& socket_dir);
+std::string cpu_worker_instance(int index);   // "cpu_expert_worker-<index>"
+inline constexpr const char* kCoordinatorInstance = "coordinator";
+inline constexpr const char* kGpuWorkerInstance = "gpu_worker-0";
+
+// Written by the coordinator before it sends a step to the gpu_worker.
+struct StepHeader {
+  std::uint64_t step_seq;
+  std::uint32_t n_tokens;
+  std::uint32_t logit_rows;   // last logit_rows rows of the step get logits (1 or n_tokens)
+  std::uint32_t reset;        // 1: forget the cached sequence before this step
+  std::uint32_t first_position;
+};
+
+// Written by the gpu_worker before it rings the workers' request doorbells.
+struct ExpertRequest {
+  std::uint64_t seq;
+  std::uint32_t layer;
+  std::uint32_t n_tokens;
+};
+
+// Segment ids announced for job validation (ShmRef.segment_id).
+inline constexpr std::uint32_t kExchangeSegmentId = 1;
+
+// The exchange segment: small headers, then the per-step tensors, then one request and one done
+// doorbell per cpu_expert_worker.
+struct ExchangeLayout {
+  shm::ShmLayout layout;
+  static ExchangeLayout build(const model::HParams& hp, int max_tokens, int n_cpu_workers);
+  const shm::Region& region(const char* name) const { return layout.region(name); }
+  static std::size_t request_bell(int worker) { return static_cast<std::size_t>(2 * worker); }
+  static std::size_t done_bell(int worker) { return static_cast<std::size_t>(2 * worker + 1); }
+};
+// Region names: "step" StepHeader, "expert_req" ExpertRequest, "tokens" int32[max_tokens],
+// "hidden" float[max_tokens][n_embd] (normalised MoE input), "chosen" int32[max_tokens][k],
+// "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
+// see ExpertPlan), "logits" float[max_tokens][n_vocab], "bells" doorbells.
+
+// Where each layer's gate/up/down expert tensors sit in the arena segment (4 KiB aligned, the
+// bracket O_DIRECT reads need when the io_worker fills them).
+struct ArenaLayout {
+  struct Slice { std::size_t offset = 0; std::size_t bytes = 0; };
+  std::vector<std::array<Slice, 3>> layers;   // [layer][gate, up, down]
+  std::size_t total_bytes = 0;
+  static ArenaLayout build(const model::Model& m);
+  // The model's expert tensor `which` (0 gate, 1 up, 2 down) of layer il, reading from arena.
+  model::ExpertTensor bind(const model::Model& m, std::int64_t il, int which,
+                           const std::byte* arena) const;
+};
+
+// Interleaved so that both workers get a share of every layer's popular low ids.
+inline int expert_owner(std::int64_t expert, int n_cpu_workers) {
+  return static_cast<int>(expert % n_cpu_workers);
+}
+
+// One layer's routing as expert jobs: slots (t * k + s) grouped by expert in ascending id, each
+// expert's rows packed contiguously in expert_out in ascending slot order. Both the gpu_worker
+// (to build job lists and to find slot outputs) and the workers (doorbell path) compute it.
+struct ExpertPlan {
+  std::vector<std::int32_t> start;     // [n_expert + 1]: packed row range of expert e
+  std::vector<std::int32_t> slot_of;   // [max_tokens * k]: packed row -> slot
+  std::vector<std::int32_t> row_of;    // [max_tokens * k]: slot -> packed row
+  void reserve(std::int64_t n_expert, std::int64_t max_slots);
+  void build(const std::int32_t* chosen, std::int64_t n_slots, std::int64_t n_expert);
+  std::int32_t count(std::int64_t e) const { return start[e + 1] - start[e]; }
+};
+
+}  // namespace moraine::group
