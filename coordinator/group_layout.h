@@ -99,6 +99,7 @@ struct ExpertPlan {
   std::vector<std::int32_t> start;     // [n_expert + 1]: packed row range of expert e
   std::vector<std::int32_t> slot_of;   // [max_tokens * k]: packed row -> slot
   std::vector<std::int32_t> row_of;    // [max_tokens * k]: slot -> packed row
+  std::vector<std::int32_t> cursor;    // [n_expert]: fill position while building
   void reserve(std::int64_t n_expert, std::int64_t max_slots);
   void build(const std::int32_t* chosen, std::int64_t n_slots, std::int64_t n_expert);
   std::int32_t count(std::int64_t e) const { return start[e + 1] - start[e]; }

@@ -4,13 +4,10 @@
 // read once per batch; each token's outputs are summed in its own top-k order, so a token gets
 // the same sum whatever else is in the batch.
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cmath>
 #include <numeric>
 #include <vector>
 
-#include "common/formats/quant.h"
 #include "common/reference/executor.h"
 #include "common/reference/matmul.h"
 #include "common/reference/ops.h"
@@ -45,13 +42,6 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
 
   std::vector<float> logits(n * ne);
   matmul(W.router, h, n, logits.data(), pool_);
-  if (getenv("ABL_RF32") && W.router.type != TensorType::F32) {
-    std::vector<float> wr(d);
-    for (int64_t e = 0; e < ne; ++e) {
-      dequantize_row(W.router.type, W.router.row(e), wr.data(), d);
-      for (int64_t t = 0; t < n; ++t) { double s = 0; for (int64_t i = 0; i < d; ++i) s += double(wr[i]) * h[t*d+i]; logits[t*ne+e] = float(s); }
-    }
-  }
 
   std::vector<int64_t> chosen(n * k);
   std::vector<float> weight(n * k);
@@ -67,17 +57,6 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
       return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
     });
-    if (getenv("ABL_TRACE")) {
-      fprintf(stderr, "TRACE layer %lld token %lld logits", (long long)il, (long long)t);
-      for (int64_t e = 0; e < ne; ++e) fprintf(stderr, " %.9g", lt[e]);
-      fprintf(stderr, "\n");
-    }
-    if (getenv("ABL_MARGIN") && k < ne) {
-      std::vector<int64_t> o2(order.begin(), order.end());
-      std::partial_sort(o2.begin(), o2.begin() + k + 1, o2.end(), [&](int64_t a, int64_t b) { return prob[a] > prob[b]; });
-      const float gap = lt[o2[k - 1]] - lt[o2[k]];
-      if (gap < 2e-2f) fprintf(stderr, "MARGIN layer %lld token %lld: logit gap k/k+1 %.3g (experts %lld %lld)\n", (long long)il, (long long)(t), gap, (long long)o2[k-1], (long long)o2[k]);
-    }
     float wsum = 0.0f;
     for (int64_t s = 0; s < k; ++s) wsum += prob[order[s]];
     for (int64_t s = 0; s < k; ++s) {

@@ -1,7 +1,6 @@
 #include "common/reference/ops.h"
 
 #include <cmath>
-#include <cstdlib>
 
 namespace moraine::reference {
 
@@ -9,7 +8,7 @@ void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) 
   // Sum of squares in double as llama.cpp's CPU backend does: on quantized files a last-bit
   // difference here can flip an int8 activation rounding downstream.
   double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += getenv("ABL_SQF") ? static_cast<double>(x[i] * x[i]) : static_cast<double>(x[i]) * x[i];
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
   const float mean = static_cast<float>(ss / static_cast<double>(n));
   const float inv = 1.0f / std::sqrt(mean + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * inv * w[i] : x[i] * inv;

@@ -29,7 +29,7 @@ void dot_q4_k_x4(int64_t n, const void* w, size_t row_stride, const void* a, flo
 // Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar quantizers.
 void quantize_q8_0(const float* x, void* dst, int64_t n);
 void quantize_q8_k(const float* x, void* dst, int64_t n);
-// Tier Avx512: quantize_activation_avx512.cpp; bit-identical to quantize_activation_llama_x86.cpp's scalar.
+// Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar llama_x86 rule.
 void quantize_q8_0_llama_x86(const float* x, void* dst, int64_t n);
 
 }  // namespace moraine::cpu::avx512

@@ -49,8 +49,10 @@ void quantize_q8_0_llama_x86(const float* x, void* dst, int64_t n) {
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_ps(v0), abs_ps(v1)));
     y[b].d = half::fp32_to_fp16(amax / 127.0f);
     const __m512 vid = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid))));
+    const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)));
+    const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs), q0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs + 16), q1);
   }
 }
 

@@ -1,10 +1,13 @@
 // Activation quantization as llama.cpp's CPU backend does it at run time on x86 (see vec_dot.h).
 // Only q8_0 differs from the reference rule: ggml's x86 quantize_row_q8_0 (AVX/AVX2 code, also
-// used by its AVX-512 builds) scales by 127/amax instead of 1/(amax/127), which is a different
-// float for about a third of the amax values, and rounds with the current (nearest-even) mode
-// where the reference uses roundf (half away from zero). Its q8_K quantizer on x86 is the
-// reference one (but for the sign of a zero scale, below). Measured on this machine against node-llama-cpp's own libggml-cpu quantizers
-// (tests/reference/llama_oracle_test.cpp, ActivationQuantizers): bit-identical.
+// used by its AVX-512 builds) scales by 127/amax instead of 1/(amax/127), a different float for
+// 27% of amax values (measured over uniform amax), and rounds in the current mode (nearest, ties
+// to even) where the reference uses roundf (ties away from zero). Its q8_K quantizer on x86 is
+// the reference one, but for the sign of a zero scale (below). (Its repacked Q4_K/Q2_K matmuls
+// quantize 4 tokens at a time with a q8_K variant that differs only where +amax and -amax both
+// occur in a block: it takes the positive one. Not reproduced: the executor dots row by row.)
+// Checked against node-llama-cpp's own libggml-cpu quantizers on this machine, bit for bit:
+// tests/reference/llama_oracle_test.cpp, ActivationQuantizers.
 #include <climits>
 #include <cmath>
 #include <stdexcept>

@@ -49,8 +49,9 @@ void quantize_activation_row(TensorType act_type, const float* x, void* dst, int
 // What llama.cpp's CPU backend computes for activations at run time on x86 (its AVX/AVX2/AVX-512
 // builds, the ones node-llama-cpp loads here), so the reference executor's logits on quantized
 // files can match llama.cpp's. Differs from quantize_activation_row only for q8_0: scale
-// 127/amax (not 1/(amax/127)) and round half to even (not half away from zero); q8_K and the
-// float types are as quantize_activation_row. Weights keep the reference rule (quantize_row).
+// 127/amax (not 1/(amax/127)) and round half to even (not half away from zero); q8_K (up to the
+// sign of a zero scale) and the float types are as quantize_activation_row. Weights keep the
+// reference rule (quantize_row).
 void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n);
 
 }  // namespace moraine::cpu

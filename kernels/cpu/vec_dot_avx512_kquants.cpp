@@ -225,7 +225,8 @@ inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
 
 // dot_q4_k for four rows at once: the activation vectors are joined once per block for all
 // four rows and the eight horizontal sums share one reduction tree. Per row, the integer sums
-// and the float expression are dot_q4_k's, so each result is bitwise equal to it.
+// and the float expression are dot_q4_k's, so each result is bitwise equal to it. (Measured on
+// the 16-core Xeon: +3% at 1 token; vpmaddubsw/vpmaddwd instead of vpdpbusd/vpmulld: no change.)
 void dot_q4_k_x4(int64_t n, const void* vw, size_t row_stride, const void* va, float* out) {
   const auto* base = static_cast<const uint8_t*>(vw);
   const auto* a = static_cast<const BlockQ8_K*>(va);

@@ -5,12 +5,20 @@
 // (tests/golden/*/logits.f32) that quantization costs.
 //
 // Quantized activations make these tiny random MoE models chaotic: rounding an activation to
-// int8 turns a last-bit difference into a whole quantization step, and a router near-tie turns
-// that into another expert (logits then move by whole units). So the two engines agree only if
-// they quantize activations bit-identically; ActivationQuantizers checks that against the
-// quantizers in node-llama-cpp's own libggml-cpu, and the executor uses them
-// (cpu::quantize_activation_row_llama_x86). With them, every position agrees to the issue's
-// bound, 1e-3 of the largest |logit| at that position.
+// int8 (or f16) turns a last-bit difference into a whole step, and routers pass that on. So the
+// engines agree only if they round activations bit-identically: ActivationQuantizers checks ours
+// (cpu::quantize_activation_row_llama_x86) against the quantizers in node-llama-cpp's own
+// libggml-cpu. Measured worst gap, max |diff| / max |logit| over positions (qwen3moe_k256 Q8_0):
+// 2.8e-1 with ggml's reference rounding and a Q8_0 router (as files were made and run before),
+// 1.9e-2 with the reference rounding and an F32 router, 2.3e-7 with both fixed; every file now
+// agrees to <= 1.5e-6, so the issue's 1e-3 holds at every position with no exception.
+// What remains possible is a true knife-edge: with the routers forced to Q8_0 (--map
+// ffn_gate_inp=q8_0) some positions still part by up to 1.8e-2, and the two traced both came
+// from one rounding sitting on a tie: qwen3moe_k256 position 4, layer 1 MoE input element 141,
+// x * 127/amax = 32.4999962 (1 ulp below .5; ours 32, llama.cpp 33), and qwen3moe_odd position
+// 16, an expert's down_proj input 1.39306641 exactly between two f16 values (silu differs in
+// the last bit between the engines). Forcing that one value to llama.cpp's choice made all
+// logits agree to 1.7e-7. F32 routers, as llama.cpp's quantizer keeps them, hit no such tie here.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
@@ -47,7 +55,12 @@ const fs::path kGgmlBins = kOracle / "node_modules" / "@node-llama-cpp" / "linux
 const fs::path kTools = fs::path(MORAINE_BUILD_DIR) / "tools";
 const char* const kModels[] = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
 
-std::string sh(const fs::path& p) { return "'" + p.string() + "'"; }
+std::string sh(const fs::path& p) {
+  std::string s = "'";  // (not "'" + ... + "'": GCC 12 warns falsely on that, -Wrestrict, bug 105329)
+  s += p.string();
+  s += '\'';
+  return s;
+}
 
 std::pair<int, std::string> run_command(const std::string& cmd, bool merge_stderr = true) {
   std::string out;
@@ -82,7 +95,6 @@ std::vector<Case> cases() {
 // moraine-quantize arguments per variant. No rule for ssm_conv1d or the routers: type_map keeps
 // them F32 as llama.cpp's quantizer does (an F16 ssm_conv1d makes llama.cpp abort).
 std::string quantize_args(const std::string& weights) {
-  if (getenv("ABL_ROUTER")) { if (weights == "q8_0") return "--map ffn_gate_inp=q8_0 --default q8_0"; return "--map ffn_gate_inp=q8_0 --map _exps.=q4_k --map attn_v=q6_k --map ssm_out=q5_k --map attn_output=q2_k --map attn_q=q3_k --default q8_0"; }
   if (weights == "q8_0") return "--default q8_0";
   // Every K-quant the design lists; rows too short for 256-blocks fall back to q8_0 / f16.
   return "--map _exps.=q4_k --map attn_v=q6_k --map ssm_out=q5_k --map attn_output=q2_k --map attn_q=q3_k"
@@ -96,6 +108,7 @@ struct OracleRuns {
   std::map<std::string, std::string> gguf;  // Case::key() -> file
   std::map<std::string, std::vector<int32_t>> ids;  // model -> prompt
   std::map<std::string, std::vector<float>> llama;  // Case::key() -> [P][V] logits
+  std::map<std::string, std::string> llama_error;   // Case::key() -> why llama.cpp gave none
   std::vector<std::string> temp_files;
 
   ~OracleRuns() {
@@ -146,25 +159,28 @@ struct OracleRuns {
     }
     const std::string job_file = tmp("oracle-jobs");
     std::ofstream(job_file) << jobs.dump();
-    auto [rc, out] = run_command("cd " + sh(kOracle) + " && node " + sh(kSource / "tests" / "reference" / "llama_logits.mjs") +
-                                     " " + sh(job_file),
+    const fs::path script = kSource / "tests" / "reference" / "llama_logits.mjs";
+    auto [rc, out] = run_command("cd " + sh(kOracle) + " && node " + sh(script) + " " + sh(job_file),
                                  /*merge_stderr=*/false);
     if (rc != 0) {
       error = "node-llama-cpp failed (exit " + std::to_string(rc) + "):\n" + out;
       return;
     }
-    const json results = json::parse(out).at("results");
-    for (size_t j = 0; j < order.size(); ++j) {
-      const json& r = results.at(j);
-      if (r.contains("error")) {
-        llama[order[j]] = {};
-        error += "llama.cpp on " + order[j] + ": " + r.at("error").get<std::string>() + "\n";
-        continue;
+    try {
+      const json results = json::parse(out).at("results");
+      for (size_t j = 0; j < order.size(); ++j) {
+        const json& r = results.at(j);
+        if (r.contains("error")) {
+          llama_error[order[j]] = r.at("error").get<std::string>();
+          continue;
+        }
+        std::vector<float>& v = llama[order[j]];
+        for (const json& row : r.at("rows")) {
+          for (const json& x : row) v.push_back(x.is_number() ? x.get<float>() : NAN);
+        }
       }
-      std::vector<float>& v = llama[order[j]];
-      for (const json& row : r.at("rows")) {
-        for (const json& x : row) v.push_back(x.is_number() ? x.get<float>() : NAN);
-      }
+    } catch (const std::exception& e) {
+      error = std::string("cannot read llama_logits.mjs output (") + e.what() + "):\n" + out.substr(0, 2000);
     }
   }
 };
@@ -284,13 +300,22 @@ TEST(ActivationQuantizers, BitIdenticalToLlamaCppOnThisCpu) {
   std::printf("llama.cpp CPU backend here: %s\n", ggml.name.c_str());
   const int64_t n = 4096;
   int64_t rows_where_reference_differs = 0;
+  struct RestoreIsa {
+    ~RestoreIsa() { cpu::set_max_cpu_isa(cpu::hardware_cpu_isa()); }
+  } restore;
   for (const std::vector<float>& x : quantizer_probe_rows(n)) {
     for (TensorType t : {TensorType::Q8_0, TensorType::Q8_K}) {
-      SCOPED_TRACE(std::string(type_name(t)));
-      std::vector<uint8_t> ours(row_bytes(t, n)), theirs(ours.size()), reference(ours.size());
-      cpu::quantize_activation_row_llama_x86(t, x.data(), ours.data(), n);
+      std::vector<uint8_t> theirs(row_bytes(t, n)), reference(theirs.size());
       (t == TensorType::Q8_0 ? ggml.quantize_q8_0 : ggml.quantize_q8_k)(x.data(), theirs.data(), n);
-      ASSERT_EQ(ours, theirs) << "first differing byte " << (std::mismatch(ours.begin(), ours.end(), theirs.begin()).first - ours.begin());
+      // The best kernel this CPU has, and the scalar fallback other CPUs use.
+      for (cpu::CpuIsa isa : {cpu::hardware_cpu_isa(), cpu::CpuIsa::Scalar}) {
+        SCOPED_TRACE(std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)));
+        cpu::set_max_cpu_isa(isa);
+        std::vector<uint8_t> ours(theirs.size());
+        cpu::quantize_activation_row_llama_x86(t, x.data(), ours.data(), n);
+        ASSERT_EQ(ours, theirs) << "first differing byte "
+                                << (std::mismatch(ours.begin(), ours.end(), theirs.begin()).first - ours.begin());
+      }
       quantize_row(t, x.data(), reference.data(), n);
       rows_where_reference_differs += reference != theirs;
     }
@@ -308,6 +333,7 @@ TEST_P(LlamaOracle, LogitsAgreeAtEveryPosition) {
   const Case c = GetParam();
   const OracleRuns& runs = oracle_runs();
   ASSERT_TRUE(runs.error.empty()) << runs.error;
+  ASSERT_EQ(runs.llama_error.count(c.key()), 0u) << "llama.cpp on " << c.key() << ": " << runs.llama_error.at(c.key());
   const std::vector<int32_t>& ids = runs.ids.at(c.model);
   const std::vector<float>& theirs = runs.llama.at(c.key());
 
@@ -330,7 +356,9 @@ TEST_P(LlamaOracle, LogitsAgreeAtEveryPosition) {
     }
     const double rel = diff / ref;
     if (rel > worst_rel) worst_rel = rel, worst_pos = t;
-    EXPECT_LE(rel, 1e-3) << "position " << t << ": max |diff| " << diff << ", max |logit| " << ref;
+    // Quantized: the issue's bound. F32: the bound this test always had (measured <= 1.5e-6).
+    EXPECT_LE(rel, c.weights == "f32" ? 1e-4 : 1e-3)
+        << "position " << t << ": max |diff| " << diff << ", max |logit| " << ref;
   }
 
   const std::vector<float> hf = read_transformers_logits(c.model, static_cast<size_t>(P * V));
@@ -340,6 +368,20 @@ TEST_P(LlamaOracle, LogitsAgreeAtEveryPosition) {
               "mean %.2e max %.2e | KL(transformers||llama.cpp) mean %.2e max %.2e\n",
               c.model.c_str(), c.weights.c_str(), worst_rel, static_cast<long long>(worst_pos), kl_ours.mean,
               kl_ours.max, kl_llama.mean, kl_llama.max);
+  // What quantization may cost, KL in nats. For a small logit error d, KL ~ Var(d) / 2; the
+  // golden logits have std ~2 (tests/golden/manifest.json). F32: float rounding only, d ~ 1e-6.
+  // Q8_0 (weights and activations to 1/254 of each 32-block's range, ~0.5% rms): logit errors of
+  // a few % of their std, d <~ 0.2 rms, mean KL <= 0.02; a position where a router near-tie
+  // picks another expert costs more, one such in a token's top-k at most ~0.5. The K-quant mix
+  // has 2- and 3-bit attention matrices (q2_k: 4 levels, ~30% rms error): d up to ~0.7, mean
+  // KL <= 0.3, worst position <= 1.5. A wrong block layout or scale costs whole nats.
+  const KlStats bound = c.weights == "f32"    ? KlStats{1e-9, 1e-8}
+                        : c.weights == "q8_0" ? KlStats{0.02, 0.5}
+                                              : KlStats{0.3, 1.5};
+  EXPECT_LE(kl_ours.mean, bound.mean);
+  EXPECT_LE(kl_ours.max, bound.max);
+  // And no more than llama.cpp loses on the same file (they agree to rounding, above).
+  EXPECT_LE(kl_ours.mean, kl_llama.mean * (1 + 1e-3) + 1e-9);
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, LlamaOracle, ::testing::ValuesIn(cases()),

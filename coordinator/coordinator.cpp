@@ -1,0 +1,293 @@
+// moraine-coordinator: owns the model description, tokenizer, sampling and the session; creates
+// the group's shared memory (exchange segment, expert arena filled from the GGUF), writes the
+// group manifest other processes start from, and drives steps: each prompt chunk or decode token
+// is one LayerStep sent to the gpu_worker over ZeroMQ, whose logits come back in shared memory.
+// A step that fails (a worker died and was not back in time) is re-issued by replaying the
+// sequence from a reset: the forward is deterministic, so the tokens are the same.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+
+#include <unistd.h>
+
+#include "common/messaging/job_channel.h"
+#include "common/model/model.h"
+#include "common/sampling/sampler.h"
+#include "common/shm/doorbell.h"
+#include "common/shm/shm_segment.h"
+#include "common/tokenizer/streaming_decoder.h"
+#include "common/tokenizer/tokenizer.h"
+#include "common/tokenizer/utf8.h"
+#include "coordinator/control_server.h"
+#include "coordinator/group_layout.h"
+#include "coordinator/process_util.h"
+#include "proto/generate.grpc.pb.h"
+
+namespace {
+
+using namespace moraine;
+using Clock = std::chrono::steady_clock;
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+struct Options {
+  std::string model, socket_dir, handoff = "doorbell", logits_dump;
+  int cpu_workers = 2, max_tokens = 64, step_retries = 2;
+};
+
+class Coordinator final : public generate::Coordinator::Service {
+ public:
+  Coordinator(const Options& o, group::ControlServer& control)
+      : o_(o), model_(model::Model::load(o.model)), prefix_(group::group_prefix_for(o.socket_dir)),
+        reclaimed_(shm::reclaim_dead_segments(prefix_)),
+        xl_(group::ExchangeLayout::build(model_.hp, o.max_tokens, o.cpu_workers)),
+        al_(group::ArenaLayout::build(model_)),
+        exchange_(shm::ShmSegment::create({prefix_, "exchange", xl_.layout.total_bytes(), false, false})),
+        arena_(shm::ShmSegment::create({prefix_, "arena", al_.total_bytes, true, true})),
+        prefill_(control.add_stage("prefill")), decode_(control.add_stage("decode")),
+        gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)) {
+    for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
+    try {
+      tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
+    } catch (const std::exception& e) {
+      std::cerr << "coordinator: no tokenizer (" << e.what() << "); prompts must be token ids\n";
+    }
+    // The RAM-resident experts: every layer's three expert tensors, copied once.
+    for (size_t il = 0; il < al_.layers.size(); ++il) {
+      const model::MoeWeights& W = model_.layers[il].moe;
+      const model::ExpertTensor* t[3] = {&W.gate, &W.up, &W.down};
+      for (int w = 0; w < 3; ++w) std::memcpy(arena_.data() + al_.layers[il][w].offset, t[w]->all.data, al_.layers[il][w].bytes);
+    }
+    std::cerr << "coordinator: arena " << al_.total_bytes << " bytes, " << arena_.page_report().describe() << "\n";
+    const shm::Region& bells = xl_.region("bells");
+    for (size_t i = 0; i < bells.bytes / sizeof(shm::Doorbell); ++i) shm::Doorbell::init_at(exchange_.data() + bells.offset + i * sizeof(shm::Doorbell));
+    control.set_stats_hook([this](control::StatsReply& r) {
+      r.set_shm_owned_bytes(exchange_.data_bytes() + arena_.data_bytes());
+      r.set_shm_mapped_bytes(exchange_.data_bytes() + arena_.data_bytes());
+      r.set_shm_huge_page_bytes(arena_.page_report().huge_bytes);
+      (*r.mutable_counters())["steps_reissued"] = reissued_.load();
+    });
+    group::GroupManifest man;
+    man.model_path = o.model;
+    man.group_prefix = prefix_;
+    man.exchange_locator = exchange_.locator();
+    man.arena_locator = arena_.locator();
+    man.coordinator_pid = static_cast<uint32_t>(::getpid());
+    man.coordinator_start_ticks = shm::process_start_ticks(man.coordinator_pid);
+    man.n_cpu_workers = o.cpu_workers;
+    man.max_tokens = o.max_tokens;
+    man.zmq_handoff = o.handoff == "zmq";
+    man.write(group::manifest_path(o.socket_dir));
+    if (!o.logits_dump.empty()) logits_dump_.open(o.logits_dump, std::ios::binary | std::ios::trunc);
+  }
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const generate::GenerateRequest* req,
+                        grpc::ServerWriter<generate::GenerateChunk>* writer) override {
+    std::lock_guard lock(session_mu_);   // one sequence at a time: the gpu_worker holds one KV cache
+    std::vector<int32_t> context;
+    try {
+      context = prompt_of(*req);
+    } catch (const std::exception& e) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
+    }
+    const generate::SamplingParams& sp = req->sampling();
+    const uint32_t max_new = sp.max_tokens() > 0 ? sp.max_tokens() : 16;
+    sampling::Sampler sampler({sp.temperature(), static_cast<int32_t>(sp.top_k()),
+                               sp.top_p() > 0 ? sp.top_p() : 1.0f, sp.seed()});
+    std::unique_ptr<tokenizer::StreamingDecoder> dec;
+    if (tok_) dec = std::make_unique<tokenizer::StreamingDecoder>(*tok_, false);
+    generate::GenerateTiming timing;
+    timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
+    try {
+      auto t0 = Clock::now();
+      std::span<const float> logits = feed(context.data(), static_cast<int64_t>(context.size()), true, context);
+      timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));
+      prefill_.record(context.size(), 0, 0, us_since(t0));
+      const auto t1 = Clock::now();
+      generate::FinishReason finish = generate::FINISH_LENGTH;
+      for (uint32_t i = 0; i < max_new; ++i) {
+        if (ctx->IsCancelled()) {
+          finish = generate::FINISH_CANCELLED;
+          break;
+        }
+        const int32_t id = sampler.sample(logits);
+        context.push_back(id);
+        generate::GenerateChunk chunk;
+        chunk.add_token_ids(static_cast<uint32_t>(id));
+        // proto3 strings must be UTF-8: a tiny test vocabulary can decode to stray bytes.
+        if (dec) chunk.set_text(tokenizer::replace_invalid_utf8(dec->push(id)));
+        timing.set_generated_tokens(i + 1);
+        const bool stop = tok_ && tok_->is_end_of_generation(id);
+        if (stop || i + 1 == max_new) {
+          finish = stop ? generate::FINISH_STOP : generate::FINISH_LENGTH;
+          if (dec) chunk.set_text(chunk.text() + tokenizer::replace_invalid_utf8(dec->flush()));
+          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
+          chunk.set_finish(finish);
+          *chunk.mutable_timing() = timing;
+          writer->Write(chunk);
+          return grpc::Status::OK;
+        }
+        writer->Write(chunk);
+        const auto ts = Clock::now();
+        logits = feed(&context.back(), 1, false, context);
+        decode_.record(1, 0, 0, us_since(ts));
+      }
+      generate::GenerateChunk last;
+      last.set_finish(finish);
+      *last.mutable_timing() = timing;
+      writer->Write(last);
+      return grpc::Status::OK;
+    } catch (const std::exception& e) {
+      generate::GenerateChunk err;
+      err.set_finish(generate::FINISH_ERROR);
+      err.set_error(e.what());
+      writer->Write(err);
+      return {grpc::StatusCode::INTERNAL, e.what()};
+    }
+  }
+
+ private:
+  std::vector<int32_t> prompt_of(const generate::GenerateRequest& req) const {
+    std::vector<int32_t> ids;
+    if (req.has_token_ids()) {
+      for (uint32_t id : req.token_ids().ids()) {
+        if (id >= static_cast<uint32_t>(model_.hp.n_vocab)) {
+          throw std::invalid_argument("token_ids: " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                      std::to_string(model_.hp.n_vocab) + ")");
+        }
+        ids.push_back(static_cast<int32_t>(id));
+      }
+    } else if (req.input_case() == generate::GenerateRequest::kPrompt) {
+      if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
+      ids = tok_->encode(req.prompt(), true, false);
+    } else if (req.has_messages()) {
+      throw std::invalid_argument("chat messages are not supported yet: send prompt or token_ids");
+    }
+    if (ids.empty()) throw std::invalid_argument("the request has no input tokens (prompt or token_ids)");
+    return ids;
+  }
+
+  // Runs n tokens (after the cached ones, or from scratch when reset) and returns the last row's
+  // logits. On a failed step, replays `context` (everything up to and including these tokens)
+  // from a reset, up to step_retries times.
+  std::span<const float> feed(const int32_t* tokens, int64_t n, bool reset, const std::vector<int32_t>& context) {
+    for (int attempt = 0;; ++attempt) {
+      try {
+        if (attempt == 0) return run_steps(tokens, n, reset);
+        ++reissued_;
+        return run_steps(context.data(), static_cast<int64_t>(context.size()), true);
+      } catch (const std::exception& e) {
+        if (attempt >= o_.step_retries) throw;
+        std::cerr << "coordinator: step failed (" << e.what() << "); re-issuing from a reset\n";
+      }
+    }
+  }
+
+  std::span<const float> run_steps(const int32_t* tokens, int64_t n, bool reset) {
+    std::byte* base = exchange_.data();
+    const int64_t V = model_.hp.n_vocab;
+    const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
+    if (reset) position_ = 0;
+    for (int64_t at = 0; at < n; at += o_.max_tokens) {
+      const int64_t m = std::min<int64_t>(o_.max_tokens, n - at);
+      std::copy_n(tokens + at, m, xl_.region("tokens").at<int32_t>(base));
+      auto* hdr = xl_.region("step").at<group::StepHeader>(base);
+      hdr->step_seq = ++step_seq_;
+      hdr->n_tokens = static_cast<uint32_t>(m);
+      hdr->logit_rows = 1;
+      hdr->reset = reset && at == 0;
+      hdr->first_position = static_cast<uint32_t>(position_);
+      envelope_.Clear();
+      envelope_.set_version(messaging::kJobProtocolVersion);
+      envelope_.set_seq(step_seq_);
+      jobs::LayerStep& s = *envelope_.mutable_layer_step();
+      s.set_step_seq(step_seq_);
+      s.set_kind(m > 1 ? jobs::STEP_PREFILL : jobs::STEP_DECODE);
+      s.set_layer(0);
+      s.set_n_tokens(static_cast<uint32_t>(m));
+      s.set_first_position(static_cast<uint32_t>(position_));
+      s.set_row_bytes(row_bytes);
+      for (auto [ref, region] : {std::pair{s.mutable_activations(), "hidden"}, std::pair{s.mutable_output(), "logits"}}) {
+        ref->set_segment_id(group::kExchangeSegmentId);
+        ref->set_offset(xl_.region(region).offset);
+        ref->set_length(uint64_t(m) * row_bytes);
+      }
+      const std::string error = gpu_.call(envelope_, reply_, std::chrono::seconds(300));
+      if (!error.empty()) {
+        gpu_ = messaging::JobClient(ctx_, group::jobs_endpoint(o_.socket_dir, group::kGpuWorkerInstance));
+        throw std::runtime_error("gpu_worker: " + error);
+      }
+      if (reply_.status() != jobs::JOB_OK) throw std::runtime_error("gpu_worker: " + reply_.error());
+      position_ += m;
+    }
+    const float* logits = xl_.region("logits").at<const float>(base);
+    if (logits_dump_.is_open()) {
+      logits_dump_.write(reinterpret_cast<const char*>(logits), static_cast<std::streamsize>(V * sizeof(float)));
+      logits_dump_.flush();
+    }
+    return {logits, static_cast<size_t>(V)};
+  }
+
+  Options o_;
+  model::Model model_;
+  std::unique_ptr<tokenizer::Tokenizer> tok_;
+  std::string prefix_;
+  shm::ReclaimResult reclaimed_;
+  group::ExchangeLayout xl_;
+  group::ArenaLayout al_;
+  shm::ShmSegment exchange_, arena_;
+  group::StageRecorder& prefill_;
+  group::StageRecorder& decode_;
+  zmq::context_t ctx_{1};
+  messaging::JobClient gpu_;
+  jobs::JobEnvelope envelope_;
+  jobs::JobReply reply_;
+  std::mutex session_mu_;
+  uint64_t step_seq_ = 0;
+  int64_t position_ = 0;
+  std::atomic<uint64_t> reissued_{0};
+  std::ofstream logits_dump_;
+};
+
+int run(const Options& o) {
+  group::install_stop_signals();
+  if (o.cpu_workers < 1 || o.max_tokens < 1) throw std::invalid_argument("--cpu-workers and --max-tokens must be >= 1");
+  group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
+                               group::control_address(o.socket_dir, group::kCoordinatorInstance));
+  control.set_state(control::LOADING);
+  auto coordinator = std::make_unique<Coordinator>(o, control);
+  control.add_service(coordinator.get());
+  control.start();
+  control.set_state(control::SERVING);
+  while (!control.wait_shutdown(std::chrono::milliseconds(100)) && !group::signal_received()) {
+  }
+  control.stop();
+  std::remove(group::manifest_path(o.socket_dir).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moraine-coordinator: model description, sessions, sampling; drives the group's steps"};
+  Options o;
+  app.add_option("-m,--model", o.model, "GGUF model file")->required();
+  app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
+  app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
+  app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk); sizes the exchange segment");
+  app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
+  app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
+  app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::cerr << "moraine-coordinator: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,245 @@
+// moraine-supervisor: starts the group (coordinator first: it creates the shared memory and the
+// manifest the workers start from; then the gpu_worker and the cpu_expert_workers), waits for
+// every Health to say SERVING, restarts a worker that dies, and on SIGINT/SIGTERM (what
+// `moraine-supervisor stop` sends) stops everything: workers, then the coordinator, which
+// removes its shared memory; anything a killed coordinator left is reclaimed here too.
+//   moraine-supervisor start -m MODEL [--cpu-workers N] [--socket-dir DIR] [--config FILE]
+//   moraine-supervisor stop [--socket-dir DIR]
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "common/shm/shm_segment.h"
+#include "coordinator/control_server.h"
+#include "coordinator/group_layout.h"
+#include "coordinator/process_util.h"
+
+namespace {
+
+using namespace moraine;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string model, socket_dir = "/tmp/moraine", bin_dir, handoff = "doorbell", log_dir;
+  int cpu_workers = 2, max_tokens = 64, gpu_threads = 0;
+  double ready_timeout_s = 120;
+};
+
+struct Child {
+  Child(std::string n, std::vector<std::string> a) : name(std::move(n)), argv(std::move(a)) {}
+  std::string name;          // instance name
+  std::vector<std::string> argv;
+  pid_t pid = -1;
+  std::vector<Clock::time_point> restarts;
+};
+
+std::string find_binary(const Options& o, const std::string& name, const char* subdir) {
+  std::vector<fs::path> dirs;
+  if (!o.bin_dir.empty()) dirs.push_back(o.bin_dir);
+  const fs::path self = fs::read_symlink("/proc/self/exe").parent_path();
+  dirs.push_back(self);
+  dirs.push_back(self.parent_path() / subdir);   // the build tree: build/<subdir>/<name>
+  for (const fs::path& d : dirs) {
+    if (fs::exists(d / name)) return (d / name).string();
+  }
+  throw std::runtime_error("cannot find " + name + " beside " + self.string() + " (use --bin-dir)");
+}
+
+pid_t spawn(const Child& c, const std::string& log_dir) {
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed for " + c.name);
+  if (pid == 0) {
+    const std::string log = log_dir + "/" + c.name + ".log";
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    std::vector<char*> argv;
+    for (const std::string& a : c.argv) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    // Restore default signal handling: the supervisor's handlers do not belong to the child.
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Stops children in the order given: SIGTERM, wait up to the grace period, then SIGKILL.
+void stop_children(std::vector<Child*> order) {
+  for (Child* c : order) {
+    if (c->pid <= 0) continue;
+    kill(c->pid, SIGTERM);
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    int status = 0;
+    while (waitpid(c->pid, &status, WNOHANG) == 0) {
+      if (Clock::now() > until) {
+        std::cerr << "supervisor: " << c->name << " ignored SIGTERM; killing\n";
+        kill(c->pid, SIGKILL);
+        waitpid(c->pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    c->pid = -1;
+  }
+}
+
+int start(const Options& o) {
+  if (o.model.empty()) throw std::invalid_argument("start: -m MODEL is required");
+  if (o.cpu_workers < 1) throw std::invalid_argument("--cpu-workers must be >= 1");
+  fs::create_directories(o.socket_dir);
+  fs::permissions(o.socket_dir, fs::perms::owner_all, fs::perm_options::replace);
+  const std::string log_dir = o.log_dir.empty() ? o.socket_dir : o.log_dir;
+  const std::string pid_file = o.socket_dir + "/supervisor.pid";
+  {
+    std::ifstream in(pid_file);
+    pid_t other = 0;
+    if (in >> other && other > 0 && kill(other, 0) == 0) {
+      throw std::runtime_error("a supervisor (pid " + std::to_string(other) + ") already runs the group in " + o.socket_dir);
+    }
+  }
+  std::ofstream(pid_file) << getpid() << "\n";
+  group::install_stop_signals();
+  std::remove(group::manifest_path(o.socket_dir).c_str());   // a stale one would mislead workers
+
+  Child coord{group::kCoordinatorInstance,
+              {find_binary(o, "moraine-coordinator", "coordinator"), "-m", o.model, "--socket-dir", o.socket_dir,
+               "--cpu-workers", std::to_string(o.cpu_workers), "--max-tokens", std::to_string(o.max_tokens),
+               "--handoff", o.handoff}};
+  Child gpu{group::kGpuWorkerInstance,
+            {find_binary(o, "moraine-gpu-worker", "gpu_worker"), "--socket-dir", o.socket_dir, "--backend", "cpu",
+             "--threads", std::to_string(o.gpu_threads)}};
+  std::vector<Child> cpus;
+  // Split the cores evenly; one worker per NUMA node is the production shape, this is the
+  // one-node layout that lets two workers be tested on a small box.
+  const int n_cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int per = std::max(1, n_cores / o.cpu_workers);
+  const std::string cpu_bin = find_binary(o, "moraine-cpu-expert-worker", "cpu_expert_worker");
+  for (int i = 0; i < o.cpu_workers; ++i) {
+    const int lo = (i * per) % std::max(1, n_cores);
+    const std::string list = std::to_string(lo) + "-" + std::to_string(std::min(n_cores - 1, lo + per - 1));
+    cpus.emplace_back(group::cpu_worker_instance(i),
+                      std::vector<std::string>{cpu_bin, "--socket-dir", o.socket_dir, "--index", std::to_string(i), "--cpus", list});
+  }
+  std::vector<Child*> workers{&gpu};
+  for (Child& c : cpus) workers.push_back(&c);
+  std::vector<Child*> stop_order = workers;
+  stop_order.push_back(&coord);
+
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.ready_timeout_s * 1000));
+  auto fail = [&](const std::string& why) {
+    std::cerr << "supervisor: " << why << "\n";
+    stop_children(stop_order);
+    shm::reclaim_dead_segments(group::group_prefix_for(o.socket_dir));
+    std::remove(pid_file.c_str());
+    return 1;
+  };
+  coord.pid = spawn(coord, log_dir);
+  if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline); !e.empty()) return fail(e);
+  for (Child* c : workers) c->pid = spawn(*c, log_dir);
+  for (Child* c : workers) {
+    if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline); !e.empty()) return fail(e);
+  }
+  std::cout << "supervisor: group serving in " << o.socket_dir << " (" << o.cpu_workers << " cpu workers)" << std::endl;
+
+  int rc = 0;
+  while (!group::signal_received()) {
+    int status = 0;
+    const pid_t dead = waitpid(-1, &status, WNOHANG);
+    if (dead <= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    if (dead == coord.pid) {
+      coord.pid = -1;
+      std::cerr << "supervisor: the coordinator died (status " << status << "); stopping the group\n";
+      rc = 1;
+      break;
+    }
+    for (Child* c : workers) {
+      if (c->pid != dead) continue;
+      const auto now = Clock::now();
+      std::erase_if(c->restarts, [&](Clock::time_point t) { return now - t > std::chrono::minutes(1); });
+      if (c->restarts.size() >= 5) {
+        std::cerr << "supervisor: " << c->name << " died 5 times within a minute; stopping the group\n";
+        c->pid = -1;
+        rc = 1;
+        break;
+      }
+      c->restarts.push_back(now);
+      std::cerr << "supervisor: " << c->name << " (pid " << dead << ") died (status " << status << "); restarting\n";
+      c->pid = spawn(*c, log_dir);
+    }
+    if (rc != 0) break;
+  }
+  stop_children(stop_order);
+  // A coordinator that was killed could not remove its segments.
+  shm::reclaim_dead_segments(group::group_prefix_for(o.socket_dir));
+  std::remove(pid_file.c_str());
+  std::remove(group::manifest_path(o.socket_dir).c_str());
+  std::cerr << "supervisor: stopped\n";
+  return rc;
+}
+
+int stop(const std::string& socket_dir) {
+  const std::string pid_file = socket_dir + "/supervisor.pid";
+  std::ifstream in(pid_file);
+  pid_t pid = 0;
+  if (!(in >> pid) || pid <= 0) {
+    std::cerr << "moraine-supervisor stop: no supervisor pid in " << pid_file << "\n";
+    return 1;
+  }
+  if (kill(pid, SIGTERM) != 0) {
+    std::cerr << "moraine-supervisor stop: supervisor " << pid << " is not running\n";
+    std::remove(pid_file.c_str());
+    return 1;
+  }
+  const auto until = Clock::now() + std::chrono::seconds(60);
+  while (kill(pid, 0) == 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (kill(pid, 0) == 0) {
+    std::cerr << "moraine-supervisor stop: supervisor " << pid << " still running after 60 s\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moraine-supervisor: start, watch and stop a moraine process group"};
+  app.require_subcommand(1);
+  Options o;
+  CLI::App* st = app.add_subcommand("start", "start the group and supervise it (foreground)");
+  st->set_config("--config", "", "TOML/INI file with any of these options");
+  st->add_option("-m,--model", o.model, "GGUF model file");
+  st->add_option("--cpu-workers", o.cpu_workers, "cpu_expert_workers to run");
+  st->add_option("--socket-dir", o.socket_dir, "directory for sockets, manifest, logs");
+  st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
+  st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
+  st->add_option("--max-tokens", o.max_tokens, "rows of one step");
+  st->add_option("--gpu-threads", o.gpu_threads, "CPU backend threads of the gpu_worker (0 = all)");
+  st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");
+  st->add_option("--ready-timeout", o.ready_timeout_s, "seconds to wait for every Health");
+  CLI::App* sp = app.add_subcommand("stop", "stop the group started in --socket-dir");
+  sp->add_option("--socket-dir", o.socket_dir, "group socket directory");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return st->parsed() ? start(o) : stop(o.socket_dir);
+  } catch (const std::exception& e) {
+    std::cerr << "moraine-supervisor: " << e.what() << "\n";
+    return 1;
+  }
+}

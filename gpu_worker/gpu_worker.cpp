@@ -1,0 +1,256 @@
+// moraine-gpu-worker: runs the layer chain of each step the coordinator sends (a LayerStep
+// descriptor over ZeroMQ: one hop per step, not per layer). Per layer: mixer + router on the
+// backend, routing published in the exchange segment, the cpu_expert_workers handed the layer
+// (doorbells by default, ZeroMQ ExpertJobList with the manifest's zmq_handoff), their outputs
+// summed with the shared expert. Logits go to the exchange segment's logits rows.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iostream>
+
+#include "common/messaging/job_channel.h"
+#include "common/shm/doorbell.h"
+#include "common/shm/shm_segment.h"
+#include "coordinator/control_server.h"
+#include "coordinator/group_layout.h"
+#include "coordinator/process_util.h"
+#include "gpu_worker/backend.h"
+
+namespace {
+
+using namespace moraine;
+using Clock = std::chrono::steady_clock;
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+// How long one layer waits for its experts. Long enough for a killed worker to be restarted by
+// the supervisor and to load (seconds on the golden models), short enough to fail a step whose
+// worker is gone for good.
+constexpr auto kExpertDeadline = std::chrono::seconds(60);
+constexpr auto kZmqAttempt = std::chrono::milliseconds(2000);
+
+class StepRunner {
+ public:
+  StepRunner(const std::string& socket_dir, const group::GroupManifest& man, std::unique_ptr<gpu_worker::Backend> backend,
+             const model::Model& m, group::StageRecorder& step_stage, group::StageRecorder& handoff_stage)
+      : man_(man), m_(m), backend_(std::move(backend)), exchange_(shm::ShmSegment::open(man.exchange_locator)),
+        xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
+        step_stage_(step_stage), handoff_stage_(handoff_stage) {
+    if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
+    const int64_t k = m.hp.n_expert_used;
+    x_.resize(static_cast<size_t>(man.max_tokens * m.hp.n_embd));
+    slot_rows_.resize(static_cast<size_t>(man.max_tokens * k));
+    plan_.reserve(m.hp.n_expert, man.max_tokens * k);
+    for (int w = 0; w < man.n_cpu_workers; ++w) {
+      expert_seq_ = std::max(expert_seq_, bell(group::ExchangeLayout::request_bell(w))->load());
+      endpoints_.push_back(group::jobs_endpoint(socket_dir, group::cpu_worker_instance(w)));
+      clients_.push_back(std::make_unique<messaging::JobClient>(ctx_, endpoints_.back()));
+    }
+  }
+
+  uint64_t shm_mapped() const { return exchange_.data_bytes(); }
+
+  messaging::JobLimits limits() const {
+    return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
+            static_cast<uint32_t>(m_.hp.n_layer), static_cast<uint32_t>(m_.hp.n_expert),
+            static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(m_.hp.n_embd * sizeof(float))};
+  }
+
+  void run(const jobs::LayerStep& step, jobs::JobReply& reply) {
+    const auto t0 = Clock::now();
+    std::byte* base = exchange_.data();
+    const auto* hdr = xl_.region("step").at<const group::StepHeader>(base);
+    const int64_t n = hdr->n_tokens;
+    if (hdr->step_seq != step.step_seq() || n != step.n_tokens() || hdr->first_position != step.first_position()) {
+      throw std::runtime_error("step " + std::to_string(step.step_seq()) + " does not match the step header in shared memory (seq " +
+                               std::to_string(hdr->step_seq) + ", " + std::to_string(n) + " tokens)");
+    }
+    if (hdr->logit_rows == 0 || hdr->logit_rows > n) throw std::runtime_error("step header: logit_rows out of [1, n_tokens]");
+    if (hdr->reset) {
+      backend_->reset();
+      broken_ = false;
+    }
+    if (broken_) throw std::runtime_error("an earlier step failed half-way; the coordinator must reset the sequence");
+    if (hdr->first_position != backend_->n_past()) {
+      throw std::runtime_error("step starts at position " + std::to_string(hdr->first_position) + " but " +
+                               std::to_string(backend_->n_past()) + " positions are cached");
+    }
+    broken_ = true;   // until the step completes: caches are appended layer by layer
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+    float* hidden = xl_.region("hidden").at<float>(base);
+    int32_t* chosen = xl_.region("chosen").at<int32_t>(base);
+    float* weights = xl_.region("weights").at<float>(base);
+    const float* expert_out = xl_.region("expert_out").at<const float>(base);
+    backend_->embed(xl_.region("tokens").at<const int32_t>(base), n, x_.data());
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+      backend_->mixer(il, x_.data(), n, hidden);
+      backend_->route(il, hidden, n, chosen, weights);
+      plan_.build(chosen, n * k, m_.hp.n_expert);
+      const auto th = Clock::now();
+      if (man_.zmq_handoff) {
+        handoff_zmq(step.step_seq(), il, n);
+      } else {
+        handoff_doorbell(il, n);
+      }
+      handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(n * k), 0, us_since(th));
+      for (int64_t i = 0; i < n * k; ++i) slot_rows_[i] = expert_out + int64_t{plan_.row_of[i]} * d;
+      backend_->combine(il, hidden, n, weights, slot_rows_.data(), x_.data());
+    }
+    backend_->advance(n);
+    const int64_t rows = hdr->logit_rows;
+    backend_->logits(x_.data() + (n - rows) * d, rows, xl_.region("logits").at<float>(base));
+    broken_ = false;
+    reply.set_done_seq(step.step_seq());
+    step_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(t0));
+  }
+
+ private:
+  shm::Doorbell* bell(size_t i) const {
+    return shm::Doorbell::at(exchange_.data() + xl_.region("bells").offset + i * sizeof(shm::Doorbell));
+  }
+
+  void handoff_doorbell(int64_t il, int64_t n) {
+    auto* req = xl_.region("expert_req").at<group::ExpertRequest>(exchange_.data());
+    req->seq = ++expert_seq_;
+    req->layer = static_cast<uint32_t>(il);
+    req->n_tokens = static_cast<uint32_t>(n);
+    for (int w = 0; w < man_.n_cpu_workers; ++w) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
+    for (int w = 0; w < man_.n_cpu_workers; ++w) {
+      if (bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline) != shm::WaitResult::kReady) {
+        throw std::runtime_error("layer " + std::to_string(il) + ": " + group::cpu_worker_instance(w) +
+                                 " did not answer within " + std::to_string(kExpertDeadline.count()) + " s");
+      }
+    }
+  }
+
+  // The reference path: one ExpertJobList per worker, its experts' rows packed as in the plan.
+  // Workers are called one after the other (a REQ socket waits for its reply); the doorbell path
+  // is the one that overlaps them.
+  void handoff_zmq(uint64_t step_seq, int64_t il, int64_t n) {
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+    const uint32_t row_bytes = static_cast<uint32_t>(d * sizeof(float));
+    const shm::Region& hidden = xl_.region("hidden");
+    const shm::Region& out = xl_.region("expert_out");
+    for (int w = 0; w < man_.n_cpu_workers; ++w) {
+      envelope_.Clear();
+      jobs::ExpertJobList& list = *envelope_.mutable_expert_jobs();
+      envelope_.set_version(messaging::kJobProtocolVersion);
+      envelope_.set_seq(++expert_seq_);
+      list.set_step_seq(step_seq);
+      list.set_layer(static_cast<uint32_t>(il));
+      list.set_n_tokens(static_cast<uint32_t>(n));
+      list.set_row_bytes(row_bytes);
+      auto set_ref = [](jobs::ShmRef* r, uint64_t off, uint64_t len) {
+        r->set_segment_id(group::kExchangeSegmentId);
+        r->set_offset(off);
+        r->set_length(len);
+      };
+      set_ref(list.mutable_activations(), hidden.offset, uint64_t(n) * row_bytes);
+      set_ref(list.mutable_routing(), xl_.region("chosen").offset, uint64_t(n * k) * sizeof(int32_t));
+      set_ref(list.mutable_outputs(), out.offset, uint64_t(n * k) * row_bytes);
+      list.set_done_seq(expert_seq_);
+      for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
+        if (group::expert_owner(e, man_.n_cpu_workers) != w || plan_.count(e) == 0) continue;
+        jobs::ExpertJob* job = list.add_jobs();
+        job->set_expert_id(static_cast<uint32_t>(e));
+        job->set_output_offset(uint64_t(plan_.start[e]) * row_bytes);
+        for (int32_t j = 0; j < plan_.count(e); ++j) job->add_token_rows(static_cast<uint32_t>(plan_.slot_of[plan_.start[e] + j] / k));
+      }
+      if (list.jobs_size() == 0) continue;
+      call_with_retry(w, il);
+    }
+  }
+
+  // A worker that died is restarted by the supervisor and binds the same endpoint: re-send the
+  // same job list on a fresh socket until the deadline (the jobs only write their own rows).
+  void call_with_retry(int w, int64_t il) {
+    const auto until = Clock::now() + kExpertDeadline;
+    std::string error;
+    while (Clock::now() < until) {
+      error = clients_[w]->call(envelope_, reply_, kZmqAttempt);
+      if (error.empty() && reply_.status() == jobs::JOB_OK) return;
+      if (error.empty()) {
+        throw std::runtime_error("layer " + std::to_string(il) + ": " + group::cpu_worker_instance(w) + " refused its jobs: " +
+                                 reply_.error());
+      }
+      clients_[w] = std::make_unique<messaging::JobClient>(ctx_, endpoints_[w]);
+    }
+    throw std::runtime_error("layer " + std::to_string(il) + ": " + error);
+  }
+
+  group::GroupManifest man_;
+  const model::Model& m_;
+  std::unique_ptr<gpu_worker::Backend> backend_;
+  shm::ShmSegment exchange_;
+  group::ExchangeLayout xl_;
+  group::StageRecorder& step_stage_;
+  group::StageRecorder& handoff_stage_;
+  std::vector<float> x_;
+  std::vector<const float*> slot_rows_;
+  group::ExpertPlan plan_;
+  uint64_t expert_seq_ = 0;
+  bool broken_ = false;
+  zmq::context_t ctx_{1};
+  std::vector<std::string> endpoints_;
+  std::vector<std::unique_ptr<messaging::JobClient>> clients_;
+  jobs::JobEnvelope envelope_;
+  jobs::JobReply reply_;
+};
+
+int run(const std::string& socket_dir, const std::string& backend_kind, int device, int threads) {
+  group::install_stop_signals();
+  const std::string instance = group::kGpuWorkerInstance;
+  group::ControlServer control(control::ROLE_GPU_WORKER, instance, group::control_address(socket_dir, instance));
+  group::StageRecorder& step_stage = control.add_stage("layer_chain");
+  group::StageRecorder& handoff_stage = control.add_stage("expert_handoff");
+  control.set_state(control::LOADING);
+  control.start();
+
+  const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir));
+  const model::Model model = model::Model::load(man.model_path);
+  StepRunner runner(socket_dir, man, gpu_worker::make_backend(backend_kind, device, model, man.max_tokens, threads),
+                    model, step_stage, handoff_stage);
+  control.set_stats_hook([&](control::StatsReply& r) { r.set_shm_mapped_bytes(runner.shm_mapped()); });
+  zmq::context_t ctx(1);
+  messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), runner.limits());
+  control.set_state(control::SERVING);
+  const auto handler = [&](const jobs::JobEnvelope& job, jobs::JobReply& reply) {
+    if (job.has_layer_step()) {
+      runner.run(job.layer_step(), reply);
+    } else if (!job.has_ping()) {
+      throw std::runtime_error("a gpu_worker takes layer_step and ping only");
+    }
+    reply.set_status(jobs::JOB_OK);
+  };
+  while (!control.shutdown_requested() && !group::signal_received()) {
+    const messaging::ServeResult r = group::serve_one_job(server, handler, std::chrono::milliseconds(100));
+    if (r == messaging::ServeResult::kRejected) {
+      std::cerr << instance << ": rejected a job: " << server.last_error() << "\n";
+    } else if (r == messaging::ServeResult::kIdle && !shm::process_alive(man.coordinator_pid, man.coordinator_start_ticks)) {
+      std::cerr << instance << ": coordinator " << man.coordinator_pid << " is gone; exiting\n";
+      break;
+    }
+  }
+  control.stop();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moraine-gpu-worker: dense layers, KV cache, routers; routed experts handed to cpu workers"};
+  std::string socket_dir, backend = "cpu";
+  int device = 0, threads = 0;
+  app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();
+  app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", device, "GPU index (cuda backend)");
+  app.add_option("--threads", threads, "CPU backend threads (default: all)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(socket_dir, backend, device, threads);
+  } catch (const std::exception& e) {
+    std::cerr << "moraine-gpu-worker: " << e.what() << "\n";
+    return 1;
+  }
+}
