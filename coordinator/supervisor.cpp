@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  std::string model, socket_dir = "/tmp/moraine", bin_dir, handoff = "doorbell", log_dir;
+  std::string model, socket_dir = "/tmp/moraine", bin_dir, handoff = "doorbell", log_dir, logits_dump;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0;
   double ready_timeout_s = 120;
 };
@@ -122,6 +122,10 @@ int start(const Options& o) {
   Child gpu{group::kGpuWorkerInstance,
             {find_binary(o, "moraine-gpu-worker", "gpu_worker"), "--socket-dir", o.socket_dir, "--backend", "cpu",
              "--threads", std::to_string(o.gpu_threads)}};
+  if (!o.logits_dump.empty()) {
+    coord.argv.push_back("--logits-dump");
+    coord.argv.push_back(o.logits_dump);
+  }
   std::vector<Child> cpus;
   // Split the cores evenly; one worker per NUMA node is the production shape, this is the
   // one-node layout that lets two workers be tested on a small box.
@@ -232,6 +236,7 @@ int main(int argc, char** argv) {
   st->add_option("--max-tokens", o.max_tokens, "rows of one step");
   st->add_option("--gpu-threads", o.gpu_threads, "CPU backend threads of the gpu_worker (0 = all)");
   st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");
+  st->add_option("--logits-dump", o.logits_dump, "coordinator writes each sampled row's logits here (tests)");
   st->add_option("--ready-timeout", o.ready_timeout_s, "seconds to wait for every Health");
   CLI::App* sp = app.add_subcommand("stop", "stop the group started in --socket-dir");
   sp->add_option("--socket-dir", o.socket_dir, "group socket directory");

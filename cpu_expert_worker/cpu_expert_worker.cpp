@@ -174,8 +174,9 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
   group::install_stop_signals();
   const std::string instance = group::cpu_worker_instance(index);
   group::ControlServer control(control::ROLE_CPU_EXPERT_WORKER, instance, group::control_address(socket_dir, instance));
+  // One stage for both ways in: a group uses one hand-off at a time.
   group::StageRecorder& doorbell_stage = control.add_stage("expert_cpu");
-  group::StageRecorder& zmq_stage = control.add_stage("expert_cpu_zmq");
+  group::StageRecorder& zmq_stage = doorbell_stage;
   control.set_state(control::LOADING);
   control.start();
 

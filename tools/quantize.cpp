@@ -152,15 +152,8 @@ int run(const Options& opt) {
     if (key.rfind("split.", 0) == 0) continue;  // a split input becomes one output file
     w.set(key, value);
   }
-  TensorType dominant = TensorType::F32;
-  int64_t most = -1;
-  for (const auto& [type, n] : elements_by_type) {
-    if (n > most) {
-      most = n;
-      dominant = type;
-    }
-  }
-  w.set("general.file_type", Value::u32(moraine::llama_file_type(dominant)));
+  const uint32_t file_type = moraine::llama_file_type(elements_by_type);
+  w.set("general.file_type", Value::u32(file_type));
   // ggml's quantization version (GGML_QNT_VERSION); llama.cpp writes it into quantized files.
   if (any_quantized) w.set("general.quantization_version", Value::u32(2));
 
@@ -187,7 +180,7 @@ int run(const Options& opt) {
   progress.end();
   std::fprintf(stderr, "moraine-quantize: wrote %s: %.1f MB from %.1f MB in %.1f s, file type %u\n",
                opt.out_path.c_str(), static_cast<double>(total_out) / 1e6,
-               static_cast<double>(in->file_bytes()) / 1e6, progress.seconds(), moraine::llama_file_type(dominant));
+               static_cast<double>(in->file_bytes()) / 1e6, progress.seconds(), file_type);
   return 0;
 }
 

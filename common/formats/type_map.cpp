@@ -110,4 +110,16 @@ uint32_t llama_file_type(TensorType t) {
   }
 }
 
+uint32_t llama_file_type(const std::map<TensorType, int64_t>& elements_by_type) {
+  TensorType dominant = TensorType::F32;
+  int64_t most = -1;
+  for (const auto& [type, n] : elements_by_type) {
+    if (n > most) {
+      most = n;
+      dominant = type;
+    }
+  }
+  return llama_file_type(dominant);
+}
+
 }  // namespace moraine

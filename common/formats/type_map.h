@@ -10,6 +10,7 @@
 // 32 either.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,5 +51,9 @@ TypeChoice choose_weight_type(const std::string& name, const std::vector<int64_t
 // llama.cpp's LLAMA_FTYPE number naming a file whose most common weight type is `t`
 // (1024 = "guessed" when no file type names it).
 uint32_t llama_file_type(TensorType t);
+
+// general.file_type for a file whose 2-D+ weights hold elements_by_type[t] elements of type t:
+// the type holding the most elements names the file (F32 when there are none).
+uint32_t llama_file_type(const std::map<TensorType, int64_t>& elements_by_type);
 
 }  // namespace moraine

@@ -26,6 +26,13 @@ float dot_q6_k(int64_t n, const void* w, const void* a);
 // bitwise dot_q4_k of row r. Used by matvec_tokens.
 void dot_q4_k_x4(int64_t n, const void* w, size_t row_stride, const void* a, float* out);
 
+// Tier Avx512Vnni: matvec_avx512.cpp. Four consecutive rows (row_stride bytes apart) times
+// n_tok activation rows acts[t]: y[t * y_stride + r] for r in 0..3. Q4_K is bitwise dot_q4_k;
+// Q8_0 / MXFP4 are within the per-row kernels' summation bound. Used by matvec_tokens.
+void q4_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
+void q8_0_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
+void mxfp4_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
+
 // Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar quantizers.
 void quantize_q8_0(const float* x, void* dst, int64_t n);
 void quantize_q8_k(const float* x, void* dst, int64_t n);

@@ -20,7 +20,6 @@ namespace {
 // evenly, large enough that the per-job overhead (one atomic increment) is noise.
 constexpr int64_t kGateUpRows = 16;
 constexpr int64_t kDownRows = 32;
-constexpr size_t kDownPrefetchBytes = 4096;  // as in matvec.cpp
 // Activation rows quantized by the calling thread instead of the pool (about 1 us each at
 // hidden 2048, less than one wake-up of the pool).
 constexpr int64_t kInlineQuantizeJobs = 4;
@@ -156,26 +155,25 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
     }
   });
 
-  // Phase 4: down, by chunks of output rows, each over every expert in list order.
+  // Phase 4: down, by chunks of output rows, each over every expert in list order. Each
+  // expert's chunk goes through matvec_tokens (register-blocked tiles, prefetch) into a
+  // per-thread [n_tok][kDownRows] scratch, then into y_accum in (expert, row, token) order.
   const int64_t down_jobs = (hidden + kDownRows - 1) / kDownRows;
   pool.run(down_jobs, [&](int64_t job, int) {
+    thread_local std::vector<float> part;
     const int64_t r0 = job * kDownRows, r1 = std::min(r0 + kDownRows, hidden);
     for (size_t e = 0; e < experts.size(); ++e) {
       const ExpertAssignment& a = experts[e];
       if (a.n_tok == 0) continue;
       const ExpertWeights& w = *a.weights;
       const Plan& p = plan_[e];
-      const VecDotFn fn = best_vec_dot_fn(w.down_type);
       const size_t wb = row_bytes(w.down_type, w.ffn);
-      const auto* row = static_cast<const uint8_t*>(w.down) + static_cast<size_t>(r0) * wb;
-      const uint8_t* hq = hq_.data() + p.q_offset;
-      const uint8_t* const end = row + static_cast<size_t>(r1 - r0) * wb;
-      const uint8_t* pf = row;
-      for (; pf < row + kDownPrefetchBytes && pf < end; pf += 64) __builtin_prefetch(pf, 0, 3);
-      for (int64_t r = r0; r < r1; ++r, row += wb) {
-        for (; pf < row + wb + kDownPrefetchBytes && pf < end; pf += 64) __builtin_prefetch(pf, 0, 3);
+      if (part.size() < static_cast<size_t>(a.n_tok) * kDownRows) part.resize(static_cast<size_t>(a.n_tok) * kDownRows);
+      matvec_tokens(w.down_type, w.ffn, static_cast<const uint8_t*>(w.down) + static_cast<size_t>(r0) * wb, 0, r1 - r0,
+                    hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, part.data(), kDownRows);
+      for (int64_t r = r0; r < r1; ++r) {
         for (int i = 0; i < a.n_tok; ++i) {
-          y_accum[static_cast<int64_t>(a.tokens[i]) * hidden + r] += a.route_weight[i] * fn(w.ffn, row, hq + static_cast<size_t>(i) * p.q_row_bytes);
+          y_accum[static_cast<int64_t>(a.tokens[i]) * hidden + r] += a.route_weight[i] * part[static_cast<size_t>(i * kDownRows + (r - r0))];
         }
       }
     }

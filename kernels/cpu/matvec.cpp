@@ -43,16 +43,31 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   };
   prefetch_to(wrow + kPrefetchBytes);
   int64_t r = row_begin;
-  // Q4_K on the VNNI tier: four rows per kernel call share the activation loads and the
-  // horizontal sums (same results bitwise as the one-row kernel).
-  if (type == TensorType::Q4_K && fn == vec_dot_fn(type, CpuIsa::Avx512Vnni)) {
-    float out[4];
+  // Q4_K, Q8_0 and MXFP4 on the VNNI tier: register-blocked tiles of 4 rows x up to 4 tokens
+  // (matvec_avx512.cpp) unpack each weight block once for all tokens and load each activation
+  // block once for all four rows.
+  using Rows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t);
+  Rows4Fn rows4 = nullptr;
+  if (fn == vec_dot_fn(type, CpuIsa::Avx512Vnni)) {
+    if (type == TensorType::Q4_K) rows4 = avx512::q4_k_rows4;
+    else if (type == TensorType::Q8_0) rows4 = avx512::q8_0_rows4;
+    else if (type == TensorType::MXFP4) rows4 = avx512::mxfp4_rows4;
+  }
+  if (rows4) {
+    // Tokens in chunks of kTokenChunk activation pointers; beyond one chunk (only without AMX,
+    // or below kPrefillTokens) the weight rows are re-read from L1/L2 per chunk, not from DRAM:
+    // a 4-row group is at most a few KB.
+    constexpr int kTokenChunk = 64;
+    const void* act_ptr[kTokenChunk];
     for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {
       prefetch_to(wrow + 4 * wb + kPrefetchBytes);
-      for (int t = 0; t < n_tok; ++t) {
-        const size_t ti = tok ? static_cast<size_t>(tok[t]) : static_cast<size_t>(t);
-        avx512::dot_q4_k_x4(n_cols, wrow, wb, a + ti * act_row_bytes, out);
-        for (int k = 0; k < 4; ++k) y[t * y_stride + r + k] = out[k];
+      for (int t0 = 0; t0 < n_tok; t0 += kTokenChunk) {
+        const int nt = n_tok - t0 < kTokenChunk ? n_tok - t0 : kTokenChunk;
+        for (int t = 0; t < nt; ++t) {
+          const size_t ti = tok ? static_cast<size_t>(tok[t0 + t]) : static_cast<size_t>(t0 + t);
+          act_ptr[t] = a + ti * act_row_bytes;
+        }
+        rows4(n_cols, wrow, wb, act_ptr, nt, y + t0 * y_stride + r, y_stride);
       }
     }
   }

@@ -112,15 +112,7 @@ int run(const Options& opt) {
   w.set("general.architecture", Value::string(shape.arch));
   w.set("general.name", Value::string("moraine-synth " + opt.shape));
   for (auto& [k, v] : arch_metadata(shape)) w.set(k, std::move(v));
-  TensorType dominant = TensorType::F32;
-  int64_t most = -1;
-  for (const auto& [type, n] : elements_by_type) {
-    if (n > most) {
-      most = n;
-      dominant = type;
-    }
-  }
-  w.set("general.file_type", Value::u32(moraine::llama_file_type(dominant)));
+  w.set("general.file_type", Value::u32(moraine::llama_file_type(elements_by_type)));
   // How the file was made, so a reader can check or reproduce the routing skew.
   w.set("moraine.synth.shape", Value::string(opt.shape));
   w.set("moraine.synth.seed", Value::u64(opt.seed));

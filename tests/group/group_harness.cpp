@@ -1,0 +1,195 @@
+#include "tests/group/group_harness.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "common/model/model.h"
+#include "common/reference/executor.h"
+#include "common/sampling/sampler.h"
+#include "common/tokenizer/tokenizer.h"
+#include "coordinator/control_server.h"
+#include "coordinator/group_layout.h"
+#include "proto/control.grpc.pb.h"
+#include "proto/generate.grpc.pb.h"
+
+namespace moraine::group_test {
+
+namespace fs = std::filesystem;
+const fs::path kBuild = MORAINE_BUILD_DIR;
+const fs::path kSource = MORAINE_SOURCE_DIR;
+
+std::pair<int, std::string> run_command(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed: " + cmd};
+  char buf[4096];
+  size_t got = 0;
+  while ((got = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string temp_dir(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  const fs::path d = fs::temp_directory_path() /
+                     ("moraine-group-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+std::string convert_golden(const std::string& name, const std::string& quant_args, const std::string& dir) {
+  const std::string f32 = dir + "/" + name + "-f32.gguf";
+  auto [rc, out] = run_command(shell_quote((kBuild / "tools" / "moraine-convert").string()) + " " +
+                               shell_quote((kSource / "tests" / "golden" / name).string()) + " " + shell_quote(f32) +
+                               " --outtype f32");
+  if (rc != 0) throw std::runtime_error("moraine-convert " + name + ":\n" + out);
+  if (quant_args.empty()) return f32;
+  const std::string q = dir + "/" + name + "-q.gguf";
+  std::tie(rc, out) = run_command(shell_quote((kBuild / "tools" / "moraine-quantize").string()) + " " + shell_quote(f32) +
+                                  " " + shell_quote(q) + " " + quant_args);
+  if (rc != 0) throw std::runtime_error("moraine-quantize " + name + ":\n" + out);
+  return q;
+}
+
+std::vector<int32_t> golden_prompt(const std::string& name) {
+  std::ifstream in(kSource / "tests" / "golden" / name / "tokens.json");
+  return nlohmann::json::parse(in).at("ids").get<std::vector<int32_t>>();
+}
+
+Group::Group(GroupOptions o) : o_(std::move(o)), dir_(temp_dir("sock")) {
+  std::vector<std::string> args = {(kSource / "deploy" / "moraine-supervisor").string(), "start", "-m", o_.model,
+                                   "--socket-dir", dir_, "--cpu-workers", std::to_string(o_.cpu_workers),
+                                   "--handoff", o_.handoff, "--gpu-threads", "1",
+                                   "--bin-dir", (kBuild / "coordinator").string()};
+  if (!o_.logits_dump.empty()) {
+    args.push_back("--logits-dump");
+    args.push_back(o_.logits_dump);
+  }
+  supervisor_ = fork();
+  if (supervisor_ == 0) {
+    const int fd = ::open((dir_ + "/supervisor.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const std::string error = wait_all_serving(std::chrono::seconds(120));
+  if (!error.empty()) {
+    stop();
+    throw std::runtime_error("group did not come up: " + error);
+  }
+}
+
+std::string Group::wait_all_serving(std::chrono::milliseconds deadline) const {
+  std::vector<std::string> instances = {group::kCoordinatorInstance, group::kGpuWorkerInstance};
+  for (int i = 0; i < o_.cpu_workers; ++i) instances.push_back(group::cpu_worker_instance(i));
+  for (const std::string& inst : instances) {
+    const std::string e = group::wait_serving(group::control_address(dir_, inst), deadline);
+    if (!e.empty()) return e;
+  }
+  return {};
+}
+
+pid_t Group::instance_pid(const std::string& instance) const {
+  auto stub = control::Control::NewStub(grpc::CreateChannel(group::control_address(dir_, instance), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  control::HealthReply reply;
+  const grpc::Status st = stub->Health(&ctx, {}, &reply);
+  if (!st.ok()) throw std::runtime_error(instance + ": Health failed: " + st.error_message());
+  return static_cast<pid_t>(reply.pid());
+}
+
+void Group::stop() {
+  if (supervisor_ <= 0) return;
+  run_command(shell_quote((kSource / "deploy" / "moraine-supervisor").string()) + " stop --socket-dir " + shell_quote(dir_));
+  int status = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (waitpid(supervisor_, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > until) {
+      kill(supervisor_, SIGKILL);
+      waitpid(supervisor_, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  supervisor_ = -1;
+}
+
+Group::~Group() { stop(); }
+
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n) {
+  auto stub = generate::Coordinator::NewStub(
+      grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  generate::GenerateRequest req;
+  for (int32_t id : prompt) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(n));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(180));
+  auto reader = stub->Generate(&ctx, req);
+  Generation g;
+  generate::GenerateChunk chunk;
+  while (reader->Read(&chunk)) {
+    for (uint32_t id : chunk.token_ids()) g.ids.push_back(static_cast<int32_t>(id));
+    if (!chunk.error().empty()) g.error = chunk.error();
+  }
+  const grpc::Status st = reader->Finish();
+  g.status_code = st.error_code();
+  if (!st.ok() && g.error.empty()) g.error = st.error_message();
+  return g;
+}
+
+ReferenceRun reference_greedy(const std::string& model_path, const std::vector<int32_t>& prompt, int n) {
+  const model::Model m = model::Model::load(model_path);
+  reference::ReferenceExecutor exec(m, {1});
+  std::unique_ptr<tokenizer::Tokenizer> tok;
+  try {
+    tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(m.file));
+  } catch (const std::exception&) {
+    // no tokenizer: the coordinator has no end-of-generation tokens either
+  }
+  ReferenceRun r;
+  std::vector<float> logits = exec.forward(prompt, false);
+  for (int i = 0; i < n; ++i) {
+    r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+    const int32_t id = sampling::argmax(logits);
+    r.ids.push_back(id);
+    if (i + 1 == n || (tok && tok->is_end_of_generation(id))) break;   // as the coordinator stops
+    const int32_t one[1] = {id};
+    logits = exec.forward(one, false);
+  }
+  return r;
+}
+
+std::vector<std::string> shm_files(const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator("/dev/shm")) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
+  }
+  return out;
+}
+
+}  // namespace moraine::group_test

@@ -1,0 +1,63 @@
+// Test harness for the process group: converts a golden model, starts the group with
+// deploy/moraine-supervisor, waits on every process's Health (never a fixed sleep), generates
+// over gRPC and stops the group. Shared by the group tests.
+#pragma once
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moraine::group_test {
+
+std::pair<int, std::string> run_command(const std::string& cmd);
+std::string shell_quote(const std::string& s);
+std::string temp_dir(const std::string& tag);   // fresh, unique per call
+
+// F32 GGUF of tests/golden/<name>, optionally quantized by moraine-quantize with `quant_args`.
+// Throws with the tool's output when a tool fails.
+std::string convert_golden(const std::string& name, const std::string& quant_args, const std::string& dir);
+std::vector<int32_t> golden_prompt(const std::string& name);
+
+struct GroupOptions {
+  std::string model;
+  int cpu_workers = 2;
+  std::string handoff = "doorbell";
+  std::string logits_dump;   // empty: none
+};
+
+class Group {
+ public:
+  explicit Group(GroupOptions o);   // starts the supervisor and waits for every Health
+  ~Group();                         // stops it (idempotent)
+  void stop();                      // `moraine-supervisor stop`, waits for the supervisor to exit
+  const std::string& socket_dir() const { return dir_; }
+  pid_t supervisor_pid() const { return supervisor_; }
+  pid_t instance_pid(const std::string& instance) const;   // via Health
+  std::string wait_all_serving(std::chrono::milliseconds deadline) const;  // empty when all serve
+  const GroupOptions& options() const { return o_; }
+
+ private:
+  GroupOptions o_;
+  std::string dir_;
+  pid_t supervisor_ = -1;
+};
+
+struct Generation {
+  std::vector<int32_t> ids;
+  std::string error;       // gRPC status message or chunk error; empty on success
+  int status_code = 0;     // grpc::StatusCode
+};
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n);
+
+// Greedy tokens and each sampled row's logits from the in-process reference executor.
+struct ReferenceRun {
+  std::vector<int32_t> ids;
+  std::vector<float> logits;   // [n][n_vocab]
+};
+ReferenceRun reference_greedy(const std::string& model, const std::vector<int32_t>& prompt, int n);
+
+std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm entries with prefix
+
+}  // namespace moraine::group_test

@@ -1,0 +1,85 @@
+// The process group end to end: coordinator + gpu_worker (CPU backend) + two cpu_expert_workers
+// started by deploy/moraine-supervisor generate exactly the reference executor's greedy tokens,
+// with logits bit-identical (the workers run the reference kernels), over both hand-offs.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "tests/group/group_harness.h"
+
+namespace moraine::group_test {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Case {
+  std::string model;
+  std::string weights;   // "f32", "q8_0", "kmix"
+  std::string handoff;
+  std::string name() const { return model + "_" + weights + "_" + handoff; }
+};
+
+std::string quant_args(const std::string& weights) {
+  if (weights == "f32") return "";
+  if (weights == "q8_0") return "--default q8_0";
+  return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
+}
+
+class GroupMatchesReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
+  const Case& c = GetParam();
+  const std::string dir = temp_dir("model");
+  const std::string model = convert_golden(c.model, quant_args(c.weights), dir);
+  const std::vector<int32_t> prompt = golden_prompt(c.model);
+  constexpr int kTokens = 12;
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+
+  GroupOptions o;
+  o.model = model;
+  o.handoff = c.handoff;
+  o.logits_dump = dir + "/logits.f32";
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+
+  // Every sampled row's logits, as the coordinator saw them in shared memory.
+  std::ifstream in(o.logits_dump, std::ios::binary);
+  std::vector<float> got(ref.logits.size());
+  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * sizeof(float)));
+  ASSERT_EQ(static_cast<size_t>(in.gcount()), got.size() * sizeof(float)) << "logits dump too short";
+  size_t first_diff = got.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &ref.logits[i], sizeof(float)) != 0) {
+      first_diff = i;
+      break;
+    }
+  }
+  EXPECT_EQ(first_diff, got.size()) << "logit " << first_diff << ": group " << got[first_diff] << " vs reference "
+                                    << ref.logits[first_diff];
+  g.stop();
+  fs::remove_all(dir);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"}) v.push_back({m, "f32", "doorbell"});
+  v.push_back({"qwen3moe_odd", "q8_0", "doorbell"});
+  v.push_back({"qwen3next_odd", "q8_0", "doorbell"});
+  // K-quant blocks are 256 wide: only the *_k256 models have rows that take them.
+  v.push_back({"qwen3moe_k256", "kmix", "doorbell"});
+  v.push_back({"qwen3next_k256", "kmix", "doorbell"});
+  // The ZeroMQ reference hand-off.
+  v.push_back({"qwen3moe_odd", "f32", "zmq"});
+  v.push_back({"qwen3next_k256", "kmix", "zmq"});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GroupMatchesReference, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+
+}  // namespace
+}  // namespace moraine::group_test
