@@ -39,7 +39,8 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   // Q4_K 41 -> 49, Q8_0 54 -> 67, MXFP4 31 -> 37 GB/s).
   const uint8_t* pf = wrow;
   auto prefetch_to = [&](const uint8_t* until) {
-    for (; pf < until && pf < wend; pf += 64) prefetch_line(pf);
+    const uint8_t* const limit = until < wend ? until : wend;
+    for (; pf < limit; pf += 64) prefetch_line(pf);
   };
   prefetch_to(wrow + kPrefetchBytes);
   int64_t r = row_begin;

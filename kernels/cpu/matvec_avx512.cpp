@@ -32,21 +32,36 @@ inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
 inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Lanes 0..3 = the sums of v0..v3's lanes (integer adds: exact).
-inline __m128i reduce4_256(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+// Per 128-bit lane: dword k = the sum of v_k's four dwords in that lane (integer adds: exact).
+inline __m512i lane_sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
-inline __m256i fold512(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
-// Q4_K 6-bit scales and mins of one block (see vec_dot_avx512_kquants.cpp), byte j = sub-block j.
-inline void q4k_scales_mins(const uint8_t* packed, uint64_t& sc, uint64_t& mn) {
-  uint32_t u[3];
-  std::memcpy(u, packed, kScaleBytesK);
-  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-  sc = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)) << 32;
-  mn = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)) << 32;
+// Lanes 0..3 = the sums of all sixteen dwords of v0..v3.
+inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  __m512i s = lane_sums4(v0, v1, v2, v3);
+  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castsi512_si128(s);
 }
+
+// vpermw indices of the scale words for weight vector pairs (0,1) and (2,3) of row r, out of a
+// register of the four rows' scales (row r = words 8r..8r+7). vpackssdw works per 128-bit lane
+// L: words 0..3 come from vector 2k's dwords 4L..4L+3 (sub-block 4k + L/2), words 4..7 from
+// vector 2k+1's (sub-block 4k + 2 + L/2).
+struct ScaleIndex {
+  alignas(64) int16_t w[kRows][2][32];
+  constexpr ScaleIndex() : w() {
+    for (int r = 0; r < kRows; ++r) {
+      for (int k = 0; k < 2; ++k) {
+        for (int wd = 0; wd < 32; ++wd) w[r][k][wd] = static_cast<int16_t>(8 * r + 4 * k + 2 * ((wd % 8) / 4) + wd / 16);
+      }
+    }
+  }
+};
+constexpr ScaleIndex kScaleIndex;
 
 template <int T>
 void q4_k_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_K* const* a, float* y, int64_t y_stride) {
@@ -56,62 +71,89 @@ void q4_k_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_K*
   for (auto& v : acc) v = _mm_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // Weight vector k covers elements 64k..64k+63: 32 packed bytes broadcast to both halves, the
-  // upper half shifted down by 4 (high nibbles = elements 64k+32..). Its scale vector holds
-  // sub-block 2k's scale in words 0..15 and 2k+1's in words 16..31 (vpmaddwd pairs).
+  // upper half shifted down by 4 (high nibbles = elements 64k+32..), so dword lanes 0..7 of its
+  // vpdpbusd sums are sub-block 2k and lanes 8..15 sub-block 2k+1. Each such dword is a sum of
+  // four products |q a| <= 15 * 128, at most 7680: vpackssdw of two vectors (k, k+1) to int16
+  // is exact, and one vpmaddwd then applies the 6-bit scales (word pairs share a sub-block):
+  // 6 multiplies per 256 elements instead of vpmaddubsw + vpmaddwd's 8.
   const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  __m512i scale_idx[4];
-  for (int k = 0; k < 4; ++k) {
-    scale_idx[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * k))),
-                                      _mm256_set1_epi16(static_cast<short>(2 * k + 1)), 1);
-  }
+  // Scale decode, per 128-bit lane (= row) on dwords u0 u1 u2 of the 12 packed bytes:
+  // scales 0..3 = u0 & 0x3f.., scales 4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 3..) << 4, and the
+  // mins alike from u1 and u2 >> 4: dwords [sc lo, sc hi, min lo, min hi].
+  const __m512i dec_shift = _mm512_setr4_epi32(0, 0, 0, 4);
+  const __m512i dec_low = _mm512_setr4_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+  const __m512i dec_high = _mm512_setr4_epi32(0, 0x03030303, 0, 0x03030303);
+  auto row_block = [&](int r, int64_t b) -> const BlockQ4_K& {
+    return reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * row_stride)[b];
+  };
   for (int64_t b = 0; b < nb; ++b) {
+    // The four rows' 12 scale bytes (plus 4 bytes of quants, inside the block), one per lane.
+    __m512i packed = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_block(0, b).scales)));
+    packed = _mm512_inserti32x4(packed, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_block(1, b).scales)), 1);
+    packed = _mm512_inserti32x4(packed, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_block(2, b).scales)), 2);
+    packed = _mm512_inserti32x4(packed, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_block(3, b).scales)), 3);
+    const __m512i u0_u2_u1_u2 = _mm512_shuffle_epi32(packed, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(2, 1, 2, 0)));
+    const __m512i u0_u0_u1_u1 = _mm512_shuffle_epi32(packed, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 1, 0, 0)));
+    const __m512i decoded =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(u0_u2_u1_u2, dec_shift), dec_low),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0_u0_u1_u1, 6), dec_high), 4));
+    const __m512i scales = _mm512_unpacklo_epi8(decoded, _mm512_setzero_si512());  // row r: words 8r.. = scales 0..7
+    const __m512i mins = _mm512_unpackhi_epi8(decoded, _mm512_setzero_si512());    // row r: words 8r.. = mins 0..7
+    // Min sums: lane r, dword t = sum_j min_j(row r) * (bsums[2j] + bsums[2j+1])(token t). Pair
+    // sums are at most 2 * 16 * 128 = 4096: int16.
+    __m512i mx[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      if (t >= T) {
+        mx[t] = _mm512_setzero_si512();
+        continue;
+      }
+      const __m256i pairs = _mm256_madd_epi16(load256(a[t][b].bsums), _mm256_set1_epi16(1));
+      const __m128i bs2 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+      mx[t] = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(bs2));
+    }
+    const __m512i msums = lane_sums4(mx[0], mx[1], mx[2], mx[3]);
+    // The four rows' fp16 d and dmin, converted together: lanes d0 d1 d2 d3 | dmin0 .. dmin3.
+    const __m256 dd = [&] {
+      uint32_t p[kRows];
+      for (int r = 0; r < kRows; ++r) std::memcpy(&p[r], &row_block(r, b).d, 4);
+      const __m256 mixed = _mm256_cvtph_ps(_mm_setr_epi32(static_cast<int>(p[0]), static_cast<int>(p[1]), static_cast<int>(p[2]), static_cast<int>(p[3])));
+      return _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    }();
+    const __m128 dw = _mm256_castps256_ps128(dd), dminw = _mm256_extractf128_ps(dd, 1);
+    // Token scales of lanes l = 0..3 (token l % T; the same for every group).
+    const __m128 da = _mm_setr_ps(a[0 % T][b].d, a[1 % T][b].d, a[2 % T][b].d, a[3 % T][b].d);
     __m512i isum[4];
-    __m256i msum[4];
-    float dw[kRows], dminw[kRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const BlockQ4_K& blk = reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * row_stride)[b];
-      uint64_t sc64, mn64;
-      q4k_scales_mins(blk.scales, sc64, mn64);
-      const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc64))));
-      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn64)));
-      // Each min covers two 16-element bsums: words m0 m0 m1 m1 ... m7 m7.
-      const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
-      __m512i q[4], s[4];
+      const BlockQ4_K& blk = row_block(r, b);
+      __m512i q[4];
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         q[k] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load256(blk.qs + 32 * k)), nibble_shift), low4);
-        s[k] = _mm512_permutexvar_epi16(scale_idx[k], sc16);
       }
-      dw[r] = fp16(blk.d);
-      dminw[r] = fp16(blk.dmin);
+      const __m512i s01 = _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex.w[r][0]), scales);
+      const __m512i s23 = _mm512_permutexvar_epi16(_mm512_load_si512(kScaleIndex.w[r][1]), scales);
 #pragma GCC unroll 4
       for (int t = 0; t < T; ++t) {
         const int8_t* q8 = a[t][b].qs;
-        __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], load512(q8)), s[0]);
-        v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q[1], load512(q8 + 64)), s[1]));
-        v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q[2], load512(q8 + 128)), s[2]));
-        v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q[3], load512(q8 + 192)), s[3]));
-        const int i = (r * T + t) % 4;
-        isum[i] = v;
-        msum[i] = _mm256_madd_epi16(mins, load256(a[t][b].bsums));
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i p01 = _mm512_packs_epi32(_mm512_dpbusd_epi32(zero, q[0], load512(q8)), _mm512_dpbusd_epi32(zero, q[1], load512(q8 + 64)));
+        const __m512i p23 = _mm512_packs_epi32(_mm512_dpbusd_epi32(zero, q[2], load512(q8 + 128)), _mm512_dpbusd_epi32(zero, q[3], load512(q8 + 192)));
+        isum[(r * T + t) % 4] = _mm512_add_epi32(_mm512_madd_epi16(p01, s01), _mm512_madd_epi16(p23, s23));
       }
       if ((r + 1) * T % 4 != 0) continue;
       // Four (row, token) pairs complete: reduce them and apply the reference's float
       // expression acc += (dw * da) * total - (dmin * da) * msum, lane by lane.
       const int g = (r + 1) * T / 4 - 1;
-      const __m128i tot = reduce4_256(fold512(isum[0]), fold512(isum[1]), fold512(isum[2]), fold512(isum[3]));
-      const __m128i ms = reduce4_256(msum[0], msum[1], msum[2], msum[3]);
-      float lane_dw[4], lane_dmin[4], lane_da[4];
-      for (int l = 0; l < 4; ++l) {
-        const int pi = 4 * g + l;
-        lane_dw[l] = dw[pi / T];
-        lane_dmin[l] = dminw[pi / T];
-        lane_da[l] = a[pi % T][b].d;
-      }
-      const __m128 da = _mm_setr_ps(lane_da[0], lane_da[1], lane_da[2], lane_da[3]);
-      const __m128 d = _mm_mul_ps(_mm_setr_ps(lane_dw[0], lane_dw[1], lane_dw[2], lane_dw[3]), da);
-      const __m128 dmin = _mm_mul_ps(_mm_setr_ps(lane_dmin[0], lane_dmin[1], lane_dmin[2], lane_dmin[3]), da);
+      const __m128i tot = reduce4(isum[0], isum[1], isum[2], isum[3]);
+      // Lane l is (row (4g + l) / T, token l % T); its min sum is dword 4 * row + token.
+      const __m512i ms_idx = _mm512_castsi128_si512(_mm_setr_epi32(4 * ((4 * g) / T) + (4 * g) % T, 4 * ((4 * g + 1) / T) + (4 * g + 1) % T,
+                                                                   4 * ((4 * g + 2) / T) + (4 * g + 2) % T, 4 * ((4 * g + 3) / T) + (4 * g + 3) % T));
+      const __m128i ms = _mm512_castsi512_si128(_mm512_permutexvar_epi32(ms_idx, msums));
+      const __m128i row_of_lane = _mm_setr_epi32((4 * g) / T, (4 * g + 1) / T, (4 * g + 2) / T, (4 * g + 3) / T);
+      const __m128 d = _mm_mul_ps(_mm_permutevar_ps(dw, row_of_lane), da);
+      const __m128 dmin = _mm_mul_ps(_mm_permutevar_ps(dminw, row_of_lane), da);
       acc[g] = _mm_add_ps(acc[g], _mm_sub_ps(_mm_mul_ps(d, _mm_cvtepi32_ps(tot)), _mm_mul_ps(dmin, _mm_cvtepi32_ps(ms))));
     }
   }
@@ -125,7 +167,20 @@ void q4_k_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_K*
   }
 }
 
-// Q8_0-activation formats: the weight pair of blocks b, b+1 as unsigned bytes, and its bias.
+// Lanes 0..7 = lane 0 of two_floats, lanes 8..15 = its lane 1: the scale vector of a block pair.
+inline __m512 spread_pair(__m128 two_floats) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_zextps128_ps512(two_floats));
+}
+
+// fp16 scales of blocks b and b+1 (the second 0 when absent), converted together.
+template <typename Block>
+inline __m512 fp16_scale_pair(const Block* blk, bool second) {
+  const uint32_t h = blk[0].d | (second ? static_cast<uint32_t>(blk[1].d) << 16 : 0u);
+  return spread_pair(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(h))));
+}
+
+// Q8_0-activation formats: the weight pair of blocks b, b+1 as unsigned bytes, its bias, and
+// the pair's scales.
 struct Q8_0Weights {
   using Block = BlockQ8_0;
   static constexpr char kBias = static_cast<char>(0x80);
@@ -134,7 +189,7 @@ struct Q8_0Weights {
     const __m256i hi = second ? load256(w[1].qs) : _mm256_setzero_si256();
     return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(kBias));  // q + 128
   }
-  static float scale(const Block& w) { return fp16(w.d); }
+  static __m512 scales(const Block* w, bool second) { return fp16_scale_pair(w, second); }
 };
 
 struct Mxfp4Weights {
@@ -143,17 +198,27 @@ struct Mxfp4Weights {
   static __m512i unpack(const Block* w, bool second) {
     // Doubled E2M1 value + 12 for each code: unsigned bytes 0..24.
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    // 128-bit lanes [x0, x0, x1, x1], shifted by [0, 4, 0, 4]: block b's low nibbles (elements
+    // 0..15), its high nibbles (16..31), then block b+1's, the activation pair's order.
     const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[0].qs));
-    const __m128i x1 = second ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1].qs)) : _mm_setzero_si128();
-    const __m256i lo = _mm256_set_m128i(_mm_srli_epi16(x0, 4), x0);
-    const __m256i hi = _mm256_set_m128i(_mm_srli_epi16(x1, 4), x1);
-    const __m512i codes = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(0x0f));
+    __m512i x = _mm512_broadcast_i32x4(x0);
+    if (second) {
+      x = _mm512_mask_broadcast_i32x4(x, 0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1].qs)));
+    } else {
+      x = _mm512_maskz_mov_epi32(0x00ff, x);
+    }
+    constexpr int k4 = 0x00040004;  // two words shifted by 4
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, k4, k4, k4, k4, 0, 0, 0, 0, k4, k4, k4, k4);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(x, shift), _mm512_set1_epi8(0x0f));
     return _mm512_shuffle_epi8(lut, codes);
   }
-  static float scale(const Block& w) { return half::e8m0_to_fp32_half(w.e); }
+  // The half-scale 2^(e - 128) as float bits (half::e8m0_to_fp32_half), both blocks at once.
+  static uint32_t scale_bits(uint8_t e) { return e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23; }
+  static __m512 scales(const Block* w, bool second) {
+    const uint64_t bits = scale_bits(w[0].e) | (second ? static_cast<uint64_t>(scale_bits(w[1].e)) << 32 : 0u);
+    return spread_pair(_mm_castsi128_ps(_mm_cvtsi64_si128(static_cast<long long>(bits))));
+  }
 };
-
-inline __m512 scale_pair(float s0, float s1) { return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)); }
 
 template <typename Fmt, int T>
 void legacy_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_0* const* a, float* y, int64_t y_stride) {
@@ -163,15 +228,15 @@ void legacy_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_
     for (auto& v : row) v = _mm512_setzero_ps();
   }
   const __m512i bias = _mm512_set1_epi8(Fmt::kBias);
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool second = b + 1 < nb;
+  // One block pair (b, b+1); `second` is false only for the last block of an odd count.
+  auto step = [&](int64_t b, bool second) __attribute__((always_inline)) {
     __m512i q[kRows];
     __m512 dw[kRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const Block* blk = reinterpret_cast<const Block*>(w + static_cast<size_t>(r) * row_stride) + b;
       q[r] = Fmt::unpack(blk, second);
-      dw[r] = scale_pair(Fmt::scale(blk[0]), second ? Fmt::scale(blk[1]) : 0.0f);
+      dw[r] = Fmt::scales(blk, second);
     }
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
@@ -181,14 +246,17 @@ void legacy_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_
       const __m512i yv = _mm512_inserti64x4(_mm512_castsi256_si512(ylo), yhi, 1);
       // -bias * sum(a) per lane seeds every row's vpdpbusd: the sums stay exact int32.
       const __m512i neg_bias = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, yv));
-      const __m512 da = scale_pair(fp16(act[0].d), second ? fp16(act[1].d) : 0.0f);
+      const __m512 da = fp16_scale_pair(act, second);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         const __m512i sums = _mm512_dpbusd_epi32(neg_bias, q[r], yv);
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw[r], da), acc[r][t]);
       }
     }
-  }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, true);
+  if (b < nb) step(b, false);
   for (int r = 0; r < kRows; ++r) {
     for (int t = 0; t < T; ++t) y[t * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
   }

@@ -1,0 +1,45 @@
+// Decode matrix-vector products on quantized weights read in place: y[r] = dot(W[r], act) for a
+// row-major weight matrix of `rows` rows of n elements in a ggml block format, against
+// activations already quantized on the GPU to dot_activation_type(weight) (Q8_0 or Q8_K, see
+// quantize_activations.h). F32 out. Formats: Q8_0, Q4_K, Q5_K, Q6_K, MXFP4.
+//
+// Each row's float result is the sum of the same per-block float terms the scalar reference
+// (vec_dot_reference, common/formats/quant.h) adds, bit for bit; only the order of the float
+// additions differs (per-lane running sums, then a warp tree), which bounds the difference by
+// 2 * gamma(n_blocks) * sum|term| (tests/cuda/matvec_test.cpp).
+//
+// Memory contract: each warp reads its row as whole aligned 16-byte words, so the weight
+// allocation must be 16-byte aligned and readable up to the next multiple of 16 past its end
+// (cudaMalloc and DeviceBuffer guarantee both).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/formats/tensor_type.h"
+
+namespace moraine::cuda {
+
+bool matvec_supported(TensorType weight);
+
+// Several matrices of the same shape in one launch (the selected experts of a MoE layer):
+// matrix e reads weights at w + id(e) * weight_stride_bytes with id(e) = expert_ids[e] (a
+// device array) or e when expert_ids is null, activations at act + e * act_stride_bytes (0:
+// every matrix sees the same activations) and writes y + e * out_stride.
+struct MatvecBatch {
+  int count = 1;
+  int64_t weight_stride_bytes = 0;
+  int64_t act_stride_bytes = 0;
+  int64_t out_stride = 0;
+  const int32_t* expert_ids = nullptr;
+};
+
+// Throws std::invalid_argument naming the problem for an unsupported type, a bad shape or a
+// row too long for the shared-memory staging (about 200 KB of row bytes per 4 rows).
+void matvec_quantized(TensorType weight, const void* w, int64_t rows, int64_t n, const void* act,
+                      float* y, cudaStream_t stream = nullptr);
+void matvec_quantized_batched(TensorType weight, const void* w, int64_t rows, int64_t n,
+                              const void* act, float* y, const MatvecBatch& batch,
+                              cudaStream_t stream = nullptr);
+
+}  // namespace moraine::cuda

@@ -1,0 +1,163 @@
+// Per-format pieces of the matrix-vector kernel (matvec.cu). A weight block is split into
+// kParts parts, one lane each; part() returns the part's exact integer sums, which the lanes of
+// one block add by shuffles (integers: order-free), and term() turns them into the block's float
+// contribution with the reference's exact float expression, using the _rn intrinsics so nvcc
+// cannot fuse or reorder it. Scalar references (same expressions, same integer sums):
+//   Q8_0: dot_q8_0_q8_0, MXFP4: dot_mxfp4_q8_0 in common/formats/quant_legacy.cpp
+//   Q4_K, Q5_K: dot_q45_k, Q6_K: dot_q6_k_q8_k in common/formats/kquant_reference.cpp
+// Bit layouts: common/formats/block_layouts.h.
+#pragma once
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/formats/block_layouts.h"
+
+namespace moraine::cuda::matvec_detail {
+
+__device__ __forceinline__ float half_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+// 4 bytes from an address only known to be 2-byte aligned (Q8_0 and Q6_K blocks are 34 and 210
+// bytes, so their fields sit at even but not 4-aligned offsets).
+__device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  return static_cast<int>(static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16));
+}
+__device__ __forceinline__ int load_i32_a4(const void* p) { return *reinterpret_cast<const int*>(p); }
+
+// 16 bytes from an address with no alignment (MXFP4 blocks are 17 bytes): five aligned words and
+// funnel shifts. Reads up to 3 bytes past p + 16, which the staging buffer leaves room for.
+__device__ __forceinline__ void load_16_unaligned(const uint8_t* p, int out[4]) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t{3});
+  const unsigned shift = 8u * static_cast<unsigned>(addr & 3);
+  uint32_t w[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) w[i] = base[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<int>(__funnelshift_r(w[i], w[i + 1], shift));
+}
+
+// Four E2M1 codes (one per byte, 0..15) to the doubled values ggml uses (kE2M1Doubled), one
+// signed byte each: the magnitude from an 8-entry byte table with __byte_perm (the selector
+// wants the four 3-bit indices as consecutive nibbles), then bytes with the sign bit negated.
+__device__ __forceinline__ int e2m1_doubled4(uint32_t codes) {
+  constexpr uint32_t kMagLo = 0x03020100u, kMagHi = 0x0c080604u;  // 0,1,2,3 | 4,6,8,12
+  const uint32_t idx = codes & 0x07070707u;
+  const uint32_t spread = idx | (idx >> 4);  // nibbles: i0, i1, i1, i2, i2, i3, i3, 0
+  const uint32_t sel = (spread & 0xffu) | ((spread >> 8) & 0xff00u);
+  const uint32_t mag = __byte_perm(kMagLo, kMagHi, sel);
+  const uint32_t neg = ((codes >> 3) & 0x01010101u) * 0xffu;
+  return static_cast<int>(__vsub4(mag ^ neg, neg));  // per byte: neg ? -mag : mag
+}
+
+// Q4_K/Q5_K packed 6-bit scale and min of sub-block j (kquant::unpack_scale_min's layout).
+__device__ __forceinline__ void scale_min_k4(const uint8_t* packed, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = packed[j] & 63;
+    m = packed[j + 4] & 63;
+  } else {
+    sc = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 6) << 4);
+    m = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+  }
+}
+
+struct FormatQ8_0 {
+  using Act = BlockQ8_0;
+  static constexpr int kBlockBytes = sizeof(BlockQ8_0);
+  static constexpr int kParts = 1;
+  __device__ static void part(const uint8_t* wb, const Act& a, int, int& isum, int&) {
+    int dot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot = __dp4a(load_i32_a2(wb + 2 + 4 * i), load_i32_a2(reinterpret_cast<const uint8_t*>(a.qs) + 4 * i), dot);
+    isum = dot;
+  }
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
+    const float dw = half_bits_to_float(*reinterpret_cast<const uint16_t*>(wb));
+    return __fmul_rn(__int2float_rn(isum), __fmul_rn(dw, half_bits_to_float(a.d)));
+  }
+};
+
+struct FormatMXFP4 {
+  using Act = BlockQ8_0;
+  static constexpr int kBlockBytes = sizeof(BlockMXFP4);
+  static constexpr int kParts = 1;
+  __device__ static void part(const uint8_t* wb, const Act& a, int, int& isum, int&) {
+    int q[4];
+    load_16_unaligned(wb + 1, q);  // element j low nibble of qs[j], j + 16 high nibble
+    const uint8_t* aq = reinterpret_cast<const uint8_t*>(a.qs);
+    int dot = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      dot = __dp4a(e2m1_doubled4(static_cast<uint32_t>(q[i]) & 0x0f0f0f0fu), load_i32_a2(aq + 4 * i), dot);
+      dot = __dp4a(e2m1_doubled4((static_cast<uint32_t>(q[i]) >> 4) & 0x0f0f0f0fu), load_i32_a2(aq + 16 + 4 * i), dot);
+    }
+    isum = dot;
+  }
+  // half::e8m0_to_fp32_half: 2^(e - 128) (the E2M1 values are stored doubled).
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
+    const uint32_t e = wb[0];
+    const float scale = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
+    return __fmul_rn(__int2float_rn(isum), __fmul_rn(scale, half_bits_to_float(a.d)));
+  }
+};
+
+// Q4_K and Q5_K: part j = sub-block j of 32 elements (its own 6-bit scale and min).
+template <bool kHighBit>
+struct FormatQ45_K {
+  using Act = BlockQ8_K;
+  static constexpr int kBlockBytes = kHighBit ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  static constexpr int kParts = 8;
+  static constexpr int kQsOffset = kHighBit ? 48 : 16;
+  __device__ static void part(const uint8_t* wb, const Act& a, int j, int& isum, int& msum) {
+    const int p = j / 2, t = j % 2;
+    const uint8_t* qs = wb + kQsOffset + 32 * p;
+    const int8_t* aq = a.qs + 32 * j;
+    int dot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      int q = (load_i32_a4(qs + 4 * i) >> (4 * t)) & 0x0f0f0f0f;
+      if constexpr (kHighBit) q |= ((load_i32_a4(wb + 16 + 4 * i) >> j) & 0x01010101) << 4;
+      dot = __dp4a(q, load_i32_a4(aq + 4 * i), dot);
+    }
+    int sc, m;
+    scale_min_k4(wb + 4, j, sc, m);
+    isum = sc * dot;
+    msum = m * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
+  }
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int msum) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(wb);
+    const float d = __fmul_rn(half_bits_to_float(h[0]), a.d);
+    const float dmin = __fmul_rn(half_bits_to_float(h[1]), a.d);
+    return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(msum)));
+  }
+};
+
+// Q6_K: part k = elements 32k..32k+31 (h = k/4, s = k%4), i.e. two 16-element sub-blocks.
+struct FormatQ6_K {
+  using Act = BlockQ8_K;
+  static constexpr int kBlockBytes = sizeof(BlockQ6_K);
+  static constexpr int kParts = 8;
+  __device__ static void part(const uint8_t* wb, const Act& a, int k, int& isum, int&) {
+    const int h = k / 4, s = k % 4;
+    const uint8_t* ql = wb + 64 * h + 32 * (s % 2);
+    const uint8_t* qh = wb + 128 + 32 * h;
+    const int8_t* aq = a.qs + 32 * k;
+    int dot[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int lo = (load_i32_a2(ql + 4 * i) >> (4 * (s / 2))) & 0x0f0f0f0f;
+      const int hi = ((load_i32_a2(qh + 4 * i) >> (2 * s)) & 0x03030303) << 4;
+      const int v = static_cast<int>(__vsub4(static_cast<unsigned>(lo | hi), 0x20202020u));  // q - 32 per byte
+      dot[i / 4] = __dp4a(v, load_i32_a4(aq + 4 * i), dot[i / 4]);
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(wb + 192);
+    isum = sc[2 * k] * dot[0] + sc[2 * k + 1] * dot[1];
+  }
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
+    const float d = __fmul_rn(half_bits_to_float(*reinterpret_cast<const uint16_t*>(wb + 208)), a.d);
+    return __fmul_rn(d, __int2float_rn(isum));
+  }
+};
+
+}  // namespace moraine::cuda::matvec_detail

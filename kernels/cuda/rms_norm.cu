@@ -1,0 +1,50 @@
+#include "kernels/cuda/rms_norm.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace moraine::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One CTA per row. Products x*x are exact in double, as in the reference.
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(const float* x, const float* __restrict__ w, float* out, int64_t n, float eps) {
+  __shared__ double partial[kThreads / 32];
+  const float* xr = x + blockIdx.x * n;
+  float* orow = out + blockIdx.x * n;
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const double v = xr[i];
+    ss += v * v;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) total += partial[i];
+  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  __syncthreads();  // every thread has read `partial` before any output (out may alias x)
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const float v = __fmul_rn(xr[i], inv);
+    orow[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;
+  }
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* w, float* out, int64_t n, int64_t rows, float eps,
+              cudaStream_t stream) {
+  if (n <= 0 || rows <= 0 || rows > 0x7fffffff)
+    throw std::invalid_argument("rms_norm: n=" + std::to_string(n) + ", rows=" + std::to_string(rows) +
+                                " (both must be positive, rows below 2^31)");
+  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, w, out, n, eps);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moraine::cuda

@@ -1,0 +1,102 @@
+// moraine-bench run as a user would on tiny synth models of both families: it must finish, say
+// "engine: cpu-reference", and report bytes per token equal to what the GGUF's tensor list
+// implies (computed here independently of the tool: every non-expert tensor once, one row of
+// token_embd, top-k of n_expert of each expert tensor).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "common/gguf/gguf.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+struct Scratch {
+  fs::path dir;
+  Scratch() {
+    dir = fs::temp_directory_path() / ("moraine-bench-e2e-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+  }
+  ~Scratch() { fs::remove_all(dir); }
+};
+
+int sh(const std::string& cmd) { return std::system(cmd.c_str()); }
+
+double expected_ram_bytes_per_token(const std::string& path) {
+  const auto f = moraine::gguf::GgufFile::open(path);
+  const std::string arch = *f.get_string("general.architecture");
+  const double n_expert = static_cast<double>(*f.get_u64(arch + ".expert_count"));
+  const double n_used = static_cast<double>(*f.get_u64(arch + ".expert_used_count"));
+  double bytes = 0;
+  bool has_output = false;
+  const moraine::gguf::TensorInfo* embd = nullptr;
+  for (const auto& t : f.tensors()) {
+    if (t.name == "token_embd.weight") {
+      embd = &t;
+      bytes += static_cast<double>(t.n_bytes) / static_cast<double>(t.n_rows());
+    } else if (t.name.find("_exps.") != std::string::npos) {
+      bytes += static_cast<double>(t.n_bytes) * n_used / n_expert;
+    } else {
+      has_output |= t.name == "output.weight";
+      bytes += static_cast<double>(t.n_bytes);
+    }
+  }
+  if (!has_output && embd) bytes += static_cast<double>(embd->n_bytes);  // tied lm head read whole
+  return bytes;
+}
+
+void run_shape(const std::string& shape) {
+  Scratch s;
+  const std::string build = MORAINE_BUILD_DIR;
+  const std::string model = (s.dir / (shape + ".gguf")).string();
+  ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape " + shape + " -o " + model + " --zipf 1.0 --seed 7 2>" +
+               (s.dir / "synth.err").string()),
+            0)
+      << slurp(s.dir / "synth.err");
+
+  const std::string bench = build + "/tools/bench/moraine-bench -m " + model +
+                            " -n 6 -p 5,17 -t 2 --dram-probe-mib 64 --disk-probe-mib 8 --gpu-probe-mib 8";
+  const fs::path out = s.dir / "bench.json", err = s.dir / "bench.err";
+  ASSERT_EQ(sh(bench + " --json >" + out.string() + " 2>" + err.string()), 0) << slurp(err);
+  const nlohmann::json j = nlohmann::json::parse(slurp(out));
+  EXPECT_EQ(j.at("engine"), "cpu-reference");
+  EXPECT_EQ(j.at("model").at("file_bytes").get<uint64_t>(), fs::file_size(model));
+  EXPECT_LE(j.at("threads").get<int>(), 2);
+  ASSERT_EQ(j.at("prefill").size(), 2u);
+  EXPECT_EQ(j.at("prefill")[1].at("n_tokens"), 17);
+  EXPECT_GT(j.at("prefill")[1].at("tok_s").get<double>(), 0.0);
+  EXPECT_EQ(j.at("decode").at("n_tokens"), 6);
+  EXPECT_GT(j.at("decode").at("tok_s").get<double>(), 0.0);
+
+  const double expected = expected_ram_bytes_per_token(model);
+  EXPECT_DOUBLE_EQ(j.at("bytes_per_token").at("ram").get<double>(), expected);
+  for (const char* tier : {"vram", "pcie", "disk"}) EXPECT_EQ(j.at("bytes_per_token").at(tier), 0.0) << tier;
+  const double bound = j.at("bound").at("tok_s").get<double>();
+  EXPECT_NEAR(bound, j.at("bandwidth").at("ram").at("bytes_per_s").get<double>() / expected, 1e-9 * bound);
+
+  // The table says which engine produced the numbers.
+  const fs::path table = s.dir / "bench.txt";
+  ASSERT_EQ(sh(bench + " >" + table.string() + " 2>" + err.string()), 0) << slurp(err);
+  EXPECT_NE(slurp(table).find("engine: cpu-reference"), std::string::npos) << slurp(table);
+}
+
+TEST(BenchEndToEnd, Qwen3MoeTiny) { run_shape("qwen3moe-tiny"); }
+TEST(BenchEndToEnd, Qwen3NextTiny) { run_shape("qwen3next-tiny"); }
+
+}  // namespace

@@ -1,0 +1,182 @@
+// bench_main driven with engines of the test's own: a well-behaved one whose logits are a
+// seeded hash of the context (so greedy output is deterministic), and fault injectors that
+// return a NaN, an inf, or a different greedy output on the counted run. A faulty run must end
+// with a non-zero status and a message saying why, and print no numbers.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "tools/bench/bench_cli.h"
+
+namespace moraine::bench {
+namespace {
+
+constexpr int64_t kVocab = 1000;
+constexpr double kRamBytesPerToken = 123456789.0;
+
+enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun };
+
+class SeededEngine final : public BenchEngine {
+ public:
+  explicit SeededEngine(Fault f) : fault_(f), logits_(kVocab) {}
+  std::string name() const override { return "test-seeded"; }
+  int64_t n_vocab() const override { return kVocab; }
+  int n_threads() const override { return 3; }
+  void reset() override {
+    history_ = 0x5eed;
+    n_past_ = 0;
+    ++runs_;
+  }
+  std::span<const float> prefill(std::span<const int32_t> tokens) override {
+    for (int32_t t : tokens) feed(t);
+    fill();
+    if (fault_ == Fault::InfInPrefill && tokens.size() > 1) logits_[kVocab / 2] = INFINITY;
+    return logits_;
+  }
+  std::span<const float> decode_one(int32_t token) override {
+    feed(token);
+    fill();
+    if (fault_ == Fault::NanInDecode && n_past_ == 6) logits_[17] = NAN;
+    if (fault_ == Fault::ChangesOnSecondRun && runs_ % 2 == 0 && n_past_ == 9) {
+      // Every second reset is a counted run (2 per test): move the maximum there only.
+      const auto top = std::max_element(logits_.begin(), logits_.end()) - logits_.begin();
+      logits_[(top + 1) % kVocab] = logits_[top] + 1.0f;
+    }
+    return logits_;
+  }
+  EngineStats stats() const override {
+    EngineStats s;
+    s.bytes_per_token[static_cast<int>(Tier::Ram)] = kRamBytesPerToken;
+    s.hit_rate[static_cast<int>(Tier::Ram)] = 1.0;
+    return s;
+  }
+
+ private:
+  void feed(int32_t t) {
+    history_ = history_ * 1099511628211ull ^ static_cast<uint64_t>(t);
+    ++n_past_;
+  }
+  void fill() {
+    std::mt19937_64 rng(history_);
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    for (float& x : logits_) x = d(rng);
+  }
+  Fault fault_;
+  std::vector<float> logits_;
+  uint64_t history_ = 0;
+  int64_t n_past_ = 0;
+  int runs_ = 0;
+};
+
+struct CliResult {
+  int status;
+  std::string out, err;
+};
+
+CliResult run_cli(Fault f, std::vector<std::string> args) {
+  // The probes read a file with O_DIRECT: give them this test's own binary-free source file.
+  std::vector<std::string> argv_s{"moraine-bench", "-m", std::string(MORAINE_SOURCE_DIR) + "/tests/bench/bench_report_test.cpp",
+                                  "--dram-probe-mib", "64", "--disk-probe-mib", "8", "--gpu-probe-mib", "8"};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : argv_s) argv.push_back(s.data());
+  const EngineFactory factory = [f](const BenchOptions& o) {
+    return EngineUnderTest{std::make_unique<SeededEngine>(f), ModelSummary{o.model, "test-arch", 42, 4, 8, 2}};
+  };
+  std::ostringstream out, err;
+  const int status = bench_main(static_cast<int>(argv.size()), argv.data(), factory, out, err);
+  return {status, out.str(), err.str()};
+}
+
+TEST(BenchFaults, NanInDecodeLogitsIsRefused) {
+  const CliResult r = run_cli(Fault::NanInDecode, {"-n", "16", "-p", "8", "--json"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find("refusing"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("NaN"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("tg16 run 1 token 5"), std::string::npos) << r.err;  // n_past 6 = prompt + 5 decodes
+}
+
+TEST(BenchFaults, InfInPrefillLogitsIsRefused) {
+  const CliResult r = run_cli(Fault::InfInPrefill, {"-n", "4", "-p", "32"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find("pp32 run 1: logit 500 is inf"), std::string::npos) << r.err;
+}
+
+TEST(BenchFaults, GreedyOutputThatChangesBetweenRunsIsRefused) {
+  const CliResult r = run_cli(Fault::ChangesOnSecondRun, {"-n", "16", "-p", "8"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find("tg16 run 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("non-deterministic"), std::string::npos) << r.err;
+}
+
+TEST(BenchFaults, BadArgumentsAreRefusedWithTheirName) {
+  CliResult r = run_cli(Fault::None, {"--vram", "12X"});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("12X"), std::string::npos) << r.err;
+  r = run_cli(Fault::None, {"--repeat", "1"});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("repeat"), std::string::npos) << r.err;
+}
+
+TEST(BenchReport, JsonParsesAndCarriesEveryField) {
+  const CliResult r = run_cli(Fault::None, {"-n", "12", "-p", "8,24", "--repeat", "3", "--vram", "12G", "--ram", "32G", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("engine"), "test-seeded");
+  EXPECT_EQ(j.at("model").at("arch"), "test-arch");
+  EXPECT_EQ(j.at("model").at("file_bytes"), 42);
+  for (const char* k : {"path", "n_layer", "n_expert", "n_expert_used"}) EXPECT_TRUE(j.at("model").contains(k)) << k;
+  EXPECT_EQ(j.at("threads"), 3);
+  EXPECT_EQ(j.at("repeat"), 3);
+  EXPECT_EQ(j.at("budgets").at("vram_bytes"), 12ull << 30);
+  EXPECT_EQ(j.at("budgets").at("ram_bytes"), 32ull << 30);
+  EXPECT_EQ(j.at("budgets").at("applied"), false);
+
+  ASSERT_EQ(j.at("prefill").size(), 2u);
+  EXPECT_EQ(j.at("prefill")[0].at("n_tokens"), 8);
+  EXPECT_EQ(j.at("prefill")[1].at("n_tokens"), 24);
+  for (const auto& t : {j.at("prefill")[0], j.at("prefill")[1], j.at("decode")}) {
+    EXPECT_GT(t.at("tok_s").get<double>(), 0.0);
+    EXPECT_GE(t.at("stddev").get<double>(), 0.0);
+    EXPECT_EQ(t.at("counted_runs"), 2);  // --repeat 3: the warm-up is not counted
+  }
+  EXPECT_EQ(j.at("decode").at("n_tokens"), 12);
+
+  for (const char* tier : {"vram", "pcie", "ram", "disk"}) {
+    EXPECT_TRUE(j.at("bytes_per_token").contains(tier)) << tier;
+    EXPECT_TRUE(j.at("hit_rate").contains(tier)) << tier;
+    EXPECT_TRUE(j.at("bandwidth").at(tier).contains("bytes_per_s")) << tier;
+    EXPECT_FALSE(j.at("bandwidth").at(tier).at("note").get<std::string>().empty()) << tier;
+  }
+  EXPECT_EQ(j.at("bytes_per_token").at("ram"), kRamBytesPerToken);
+  EXPECT_EQ(j.at("hit_rate").at("ram"), 1.0);
+  // The file is under one O_DIRECT request: disk says why it has no number.
+  EXPECT_TRUE(j.at("bandwidth").at("disk").at("bytes_per_s").is_null());
+
+  // The bound and the share follow from the reported numbers.
+  const double ram_bw = j.at("bandwidth").at("ram").at("bytes_per_s").get<double>();
+  EXPECT_GT(ram_bw, 1e8);  // any machine reads DRAM faster than 100 MB/s
+  const double bound = j.at("bound").at("tok_s").get<double>();
+  EXPECT_NEAR(bound, ram_bw / kRamBytesPerToken, 1e-9 * bound);
+  EXPECT_EQ(j.at("bound").at("limiting_tier"), "ram");
+  EXPECT_TRUE(j.at("bound").contains("why_none"));
+  const double decode = j.at("decode").at("tok_s").get<double>();
+  EXPECT_NEAR(j.at("share_of_bound").get<double>(), decode / bound, 1e-9 * decode / bound);
+}
+
+TEST(BenchReport, TableNamesTheEngineAndTheTests) {
+  const CliResult r = run_cli(Fault::None, {"-n", "5", "-p", "7"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("engine: test-seeded"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("pp7 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tg5 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("limited by ram"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace moraine::bench

@@ -1,0 +1,38 @@
+// Shared pieces of the CUDA kernel tests: skipping without a device, random inputs.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/device.h"
+
+// Skips the current test when no CUDA device is present (the build machine and CI have nvcc
+// but no GPU); on the GPU machine the tests run.
+#define MORAINE_SKIP_WITHOUT_CUDA_DEVICE()                         \
+  do {                                                             \
+    std::string moraine_why_;                                      \
+    if (!::moraine::cuda::device_available(&moraine_why_))         \
+      GTEST_SKIP() << "no CUDA device: " << moraine_why_;          \
+  } while (0)
+
+namespace moraine::cuda_test {
+
+// Gaussian values with a per-32-element spread from 1e-3 to 1e2 and a few outliers, so block
+// scales cover a wide range (as real activations and weights do).
+inline std::vector<float> random_values(std::mt19937& rng, size_t n) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_scale(-3.0f, 2.0f);
+  std::uniform_int_distribution<int> outlier(0, 99);
+  std::vector<float> v(n);
+  float scale = 1.0f;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 32 == 0) scale = std::pow(10.0f, log_scale(rng));
+    v[i] = normal(rng) * scale * (outlier(rng) == 0 ? 8.0f : 1.0f);
+  }
+  return v;
+}
+
+}  // namespace moraine::cuda_test

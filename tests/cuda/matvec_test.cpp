@@ -1,0 +1,132 @@
+// GPU matrix-vector products on quantized weights (kernels/cuda/matvec.cu) against the scalar
+// reference vec_dot_reference (common/formats/quant.h), on the same weight and activation bytes.
+//
+// Tolerance, derived rather than tuned: the kernel adds the same per-block float terms t_i as
+// the reference, bit for bit (term() uses the reference's expression with _rn intrinsics), in
+// another order. Each ordering of a float sum of k terms is within gamma(k) * sum|t_i| of the
+// exact sum (gamma(k) = k*u / (1 - k*u), u = 2^-24), so the two results differ by at most
+// 2 * gamma(k) * sum|t_i|; t_i is vec_dot_reference on block i alone.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/matvec.h"
+#include "tests/cuda/cuda_test_support.h"
+
+namespace moraine {
+namespace {
+
+struct Quantized {
+  std::vector<uint8_t> bytes;
+  size_t row_bytes;
+};
+
+Quantized quantize_rows(TensorType type, const std::vector<float>& x, int64_t rows, int64_t n) {
+  Quantized q{std::vector<uint8_t>(row_bytes(type, n) * static_cast<size_t>(rows)), row_bytes(type, n)};
+  for (int64_t r = 0; r < rows; ++r) quantize_row(type, x.data() + r * n, q.bytes.data() + r * q.row_bytes, n);
+  return q;
+}
+
+double gamma(int64_t k) {
+  const double u = std::ldexp(1.0, -24);
+  return static_cast<double>(k) * u / (1.0 - static_cast<double>(k) * u);
+}
+
+// The reference value of one row and the bound on |kernel - reference| for it.
+struct Expected {
+  float value;
+  double tolerance;
+};
+
+Expected reference_row(TensorType w_type, const uint8_t* w_row, const uint8_t* act_row, int64_t n) {
+  const TensorType a_type = dot_activation_type(w_type);
+  const int64_t block = type_traits(w_type).block_elems;
+  const int64_t nb = n / block;
+  double abs_sum = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    abs_sum += std::fabs(vec_dot_reference(w_type, block, w_row + b * type_traits(w_type).block_bytes,
+                                           act_row + row_bytes(a_type, block * b)));
+  }
+  return {vec_dot_reference(w_type, n, w_row, act_row), 2.0 * gamma(nb) * abs_sum};
+}
+
+// `experts` matrices of rows x n; matrix e reads activation row e % act_rows and selection ids
+// pick matrices out of order (as a MoE layer's router does).
+void check_matvec(TensorType w_type, int64_t rows, int64_t n, int experts, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const TensorType a_type = dot_activation_type(w_type);
+  const int pool = experts == 1 ? 1 : experts + 3;  // ids choose among more matrices than used
+  const Quantized w = quantize_rows(w_type, cuda_test::random_values(rng, static_cast<size_t>(pool * rows * n)), pool * rows, n);
+  const Quantized a = quantize_rows(a_type, cuda_test::random_values(rng, static_cast<size_t>(experts * n)), experts, n);
+  std::vector<int32_t> ids(static_cast<size_t>(experts));
+  for (int e = 0; e < experts; ++e) ids[static_cast<size_t>(e)] = experts == 1 ? 0 : (e * 5 + 2) % pool;
+
+  cuda::DeviceBuffer<uint8_t> dw(w.bytes.size()), da(a.bytes.size());
+  dw.upload(w.bytes.data(), w.bytes.size());
+  da.upload(a.bytes.data(), a.bytes.size());
+  cuda::DeviceBuffer<int32_t> dids(ids.size());
+  dids.upload(ids.data(), ids.size());
+  cuda::DeviceBuffer<float> dy(static_cast<size_t>(experts * rows));
+  dy.fill_bytes(0xff);  // NaN: a row the kernel never writes fails the comparison
+
+  cuda::MatvecBatch batch;
+  batch.count = experts;
+  batch.weight_stride_bytes = static_cast<int64_t>(w.row_bytes) * rows;
+  batch.act_stride_bytes = static_cast<int64_t>(a.row_bytes);
+  batch.out_stride = rows;
+  batch.expert_ids = experts == 1 ? nullptr : dids.get();
+  cuda::matvec_quantized_batched(w_type, dw.get(), rows, n, da.get(), dy.get(), batch);
+  std::vector<float> y(static_cast<size_t>(experts * rows));
+  dy.download(y.data(), y.size());
+
+  for (int e = 0; e < experts; ++e) {
+    const int64_t m = ids[static_cast<size_t>(e)];
+    for (int64_t r = 0; r < rows; ++r) {
+      const Expected want = reference_row(w_type, w.bytes.data() + (m * rows + r) * w.row_bytes,
+                                          a.bytes.data() + e * a.row_bytes, n);
+      const float got = y[static_cast<size_t>(e * rows + r)];
+      ASSERT_TRUE(std::fabs(static_cast<double>(got) - want.value) <= want.tolerance)
+          << type_name(w_type) << " rows=" << rows << " n=" << n << " matrix " << e << " row " << r
+          << ": got " << got << ", reference " << want.value << ", tolerance " << want.tolerance;
+    }
+  }
+}
+
+class CudaMatvec : public ::testing::TestWithParam<TensorType> {};
+
+TEST_P(CudaMatvec, OddRowCountsMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  check_matvec(t, 37, 768, 1, 101);
+  check_matvec(t, 1027, 4096, 1, 102);
+  check_matvec(t, 5, 256, 1, 103);
+  if (t == TensorType::Q8_0 || t == TensorType::MXFP4) check_matvec(t, 13, 96, 1, 104);  // rows of 102 / 51 bytes
+}
+
+TEST_P(CudaMatvec, SelectedExpertsInOneLaunchMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_matvec(GetParam(), 97, 2048, 8, 201);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CudaMatvec,
+                         ::testing::Values(TensorType::Q8_0, TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
+                                           TensorType::MXFP4),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// Argument checks come before any CUDA call, so this runs without a device too.
+TEST(CudaMatvecArguments, RejectsUnsupportedTypesAndShapes) {
+  EXPECT_FALSE(cuda::matvec_supported(TensorType::Q2_K));
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q2_K, nullptr, 4, 256, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_K, nullptr, 4, 100, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, nullptr, 0, 64, nullptr, nullptr), std::invalid_argument);
+  const auto misaligned = reinterpret_cast<const void*>(uintptr_t{8});
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, misaligned, 4, 64, nullptr, nullptr), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

@@ -1,0 +1,122 @@
+#include "tools/bench/bench_cli.h"
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <sstream>
+
+#include "tools/bench/bandwidth_probe.h"
+#include "tools/bench/bench_run.h"
+#include "tools/bench/bound.h"
+
+namespace moraine::bench {
+
+uint64_t parse_size(const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = used ? text.substr(used) : "";
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
+  if (!unit.empty() && (unit.back() == 'i')) unit.pop_back();  // GiB == G: sizes are binary
+  double scale = 0;
+  if (unit.empty()) scale = 1;
+  else if (unit == "K" || unit == "k") scale = 1024.0;
+  else if (unit == "M" || unit == "m") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "g") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "t") scale = 1024.0 * 1024 * 1024 * 1024;
+  if (used == 0 || scale == 0 || !std::isfinite(v) || v < 0) {
+    throw std::invalid_argument("'" + text + "' is not a size (e.g. 12G, 512M, 4096)");
+  }
+  return static_cast<uint64_t>(v * scale);
+}
+
+namespace {
+
+BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
+  BenchEngine& e = *eut.engine;
+  BenchReport r;
+  r.engine = e.name();
+  r.model = eut.model;
+  r.threads = e.n_threads();
+  r.repeat = o.repeat;
+  r.vram_budget = o.vram_budget;
+  r.ram_budget = o.ram_budget;
+  // Runs first: a faulty run ends the bench before minutes of probing.
+  for (int64_t n : o.prompt_lengths) r.prefill.push_back(time_prefill(e, bench_prompt(n, e.n_vocab()), o.repeat));
+  r.decode = time_decode(e, o.n_gen, o.repeat);
+  r.stats = e.stats();
+
+  const size_t gpu_bytes = static_cast<size_t>(o.gpu_probe_mib) << 20;
+  r.bandwidth[static_cast<int>(Tier::Vram)] = measure_device_memory(gpu_bytes);
+  r.bandwidth[static_cast<int>(Tier::Pcie)] = measure_pinned_h2d(gpu_bytes);
+  r.bandwidth[static_cast<int>(Tier::Ram)] = measure_dram_read(static_cast<size_t>(o.dram_probe_mib) << 20);
+  r.bandwidth[static_cast<int>(Tier::Disk)] = measure_disk_read(o.model, static_cast<size_t>(o.disk_probe_mib) << 20);
+
+  TierBandwidth bw;
+  for (int t = 0; t < kTierCount; ++t) bw[t] = r.bandwidth[t].bytes_per_s;
+  r.bound = decode_bound(r.stats.bytes_per_token, bw);
+  if (r.bound.tok_s) r.share_of_bound = r.decode.tok_s / *r.bound.tok_s;
+  return r;
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ostream& out, std::ostream& err) {
+  CLI::App app{"moraine-bench: prefill and decode tok/s beside the bound of this machine's measured bandwidths"};
+  BenchOptions o;
+  std::string vram, ram;
+  std::string lengths = "512,8192";
+  app.add_option("-m,--model", o.model, "GGUF model file")->required();
+  app.add_flag("--json", o.json, "print one JSON object instead of the tables");
+  app.add_option("-n,--n-gen", o.n_gen, "decode tokens per run (temperature 0)")->check(CLI::PositiveNumber);
+  app.add_option("-p,--prompt-lengths", lengths, "prefill prompt lengths, comma-separated");
+  app.add_option("--vram", vram, "VRAM budget (e.g. 12G); recorded, applied by engines that can");
+  app.add_option("--ram", ram, "RAM budget (e.g. 32G); recorded, applied by engines that can");
+  app.add_option("-t,--threads", o.threads, "engine threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  app.add_option("-r,--repeat", o.repeat, "runs per test; the first is the warm-up and is not counted")
+      ->check(CLI::Range(2, 1000));
+  app.add_option("--dram-probe-mib", o.dram_probe_mib, "buffer of the DRAM read probe")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--disk-probe-mib", o.disk_probe_mib, "bytes of the model file the O_DIRECT probe reads")
+      ->check(CLI::Range(8, 1 << 24));
+  app.add_option("--gpu-probe-mib", o.gpu_probe_mib, "buffer of the GPU probes")->check(CLI::Range(1, 1 << 16));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e, out, err) == 0 ? 0 : 2;
+  }
+  try {
+    if (!vram.empty()) o.vram_budget = parse_size(vram);
+    if (!ram.empty()) o.ram_budget = parse_size(ram);
+    o.prompt_lengths.clear();
+    std::stringstream ss(lengths);
+    for (std::string item; std::getline(ss, item, ',');) {
+      const uint64_t n = parse_size(item);
+      if (n == 0) throw std::invalid_argument("--prompt-lengths: 0 is not a prompt length");
+      o.prompt_lengths.push_back(static_cast<int64_t>(n));
+    }
+  } catch (const std::exception& e) {
+    err << "moraine-bench: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    EngineUnderTest eut = make_engine(o);
+    const BenchReport r = run_all(o, eut);
+    if (o.json) {
+      out << report_json(r).dump(1) << "\n";
+    } else {
+      print_table(r, out);
+    }
+    return 0;
+  } catch (const BenchFault& e) {
+    err << "moraine-bench: refusing to report numbers from a faulty run: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    err << "moraine-bench: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace moraine::bench

@@ -1,0 +1,43 @@
+// moraine-bench's command line, separated from main() so tests can drive it with an engine of
+// their own (a fault injector) and check the exit status and the message.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "tools/bench/bench_engine.h"
+#include "tools/bench/report.h"
+
+namespace moraine::bench {
+
+struct BenchOptions {
+  std::string model;
+  bool json = false;
+  int64_t n_gen = 64;
+  std::vector<int64_t> prompt_lengths{512, 8192};
+  std::optional<uint64_t> vram_budget, ram_budget;
+  int threads = 0;  // 0: all cores
+  int repeat = 2;   // runs per test; the first is the warm-up
+  int64_t dram_probe_mib = 1024;
+  int64_t disk_probe_mib = 1024;
+  int64_t gpu_probe_mib = 256;
+};
+
+struct EngineUnderTest {
+  std::unique_ptr<BenchEngine> engine;
+  ModelSummary model;
+};
+using EngineFactory = std::function<EngineUnderTest(const BenchOptions&)>;
+
+// "12G", "512M", "1.5T", "4096" (bytes). Throws std::invalid_argument naming the text.
+uint64_t parse_size(const std::string& text);
+
+// Parses argv, builds the engine, runs, prints. Returns 0, 1 for a refused (faulty) run or a
+// bad input, 2 for a bad command line; every refusal says why on `err`.
+int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ostream& out, std::ostream& err);
+
+}  // namespace moraine::bench

@@ -1,0 +1,43 @@
+// The engine moraine-bench drives. Every way moraine runs a model (the in-process CPU reference
+// today; the process group with its CUDA and CPU-expert workers later) plugs in here, so the
+// bench, its fault checks and its bound stay one piece of code whatever runs underneath.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace moraine::bench {
+
+// Where weight bytes come from during a decode step. Each tier is read at its own measured
+// bandwidth: vram at device memory bandwidth, pcie (host to device copies) at pinned
+// host-to-device bandwidth, ram at all-core DRAM read bandwidth, disk at O_DIRECT read.
+enum class Tier { Vram = 0, Pcie = 1, Ram = 2, Disk = 3 };
+inline constexpr int kTierCount = 4;
+inline constexpr std::array<const char*, kTierCount> kTierNames = {"vram", "pcie", "ram", "disk"};
+
+struct EngineStats {
+  // Weight bytes one decode token reads from each tier (expected value over the routing).
+  std::array<double, kTierCount> bytes_per_token{};
+  // Share of expert reads served by each tier (sums to 1 over the tiers that serve any).
+  std::array<double, kTierCount> hit_rate{};
+  bool budgets_applied = false;  // false: --vram/--ram were recorded but this engine ignores them
+};
+
+class BenchEngine {
+ public:
+  virtual ~BenchEngine() = default;
+  // Printed beside every number ("cpu-reference", later "group-cuda"...).
+  virtual std::string name() const = 0;
+  virtual int64_t n_vocab() const = 0;
+  virtual int n_threads() const = 0;
+  // Forgets every cached token (each timed run starts from an empty context).
+  virtual void reset() = 0;
+  // Runs the prompt; returns the last token's logits (valid until the next call).
+  virtual std::span<const float> prefill(std::span<const int32_t> tokens) = 0;
+  // Feeds one token after the cached ones; returns its logits (valid until the next call).
+  virtual std::span<const float> decode_one(int32_t token) = 0;
+  virtual EngineStats stats() const = 0;
+};
+
+}  // namespace moraine::bench

@@ -1,0 +1,100 @@
+#include "tools/bench/report.h"
+
+#include <cstdio>
+
+namespace moraine::bench {
+namespace {
+
+nlohmann::json opt_number(const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+nlohmann::json opt_number(const std::optional<uint64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+
+nlohmann::json timing_json(const Timing& t) {
+  return {{"n_tokens", t.n_tokens}, {"tok_s", t.tok_s}, {"stddev", t.stddev}, {"counted_runs", t.counted_runs}};
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string gib(double bytes) { return fmt("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+std::string mib(double bytes) { return fmt("%.1f MiB", bytes / (1024.0 * 1024.0)); }
+std::string budget(const std::optional<uint64_t>& b) { return b ? gib(static_cast<double>(*b)) : "unlimited"; }
+
+}  // namespace
+
+nlohmann::json report_json(const BenchReport& r) {
+  nlohmann::json j;
+  j["engine"] = r.engine;
+  j["model"] = {{"path", r.model.path},
+                {"arch", r.model.arch},
+                {"file_bytes", r.model.file_bytes},
+                {"n_layer", r.model.n_layer},
+                {"n_expert", r.model.n_expert},
+                {"n_expert_used", r.model.n_expert_used}};
+  j["threads"] = r.threads;
+  j["repeat"] = r.repeat;
+  j["budgets"] = {{"vram_bytes", opt_number(r.vram_budget)},
+                  {"ram_bytes", opt_number(r.ram_budget)},
+                  {"applied", r.stats.budgets_applied}};
+  j["prefill"] = nlohmann::json::array();
+  for (const Timing& t : r.prefill) j["prefill"].push_back(timing_json(t));
+  j["decode"] = timing_json(r.decode);
+  for (int t = 0; t < kTierCount; ++t) {
+    j["bytes_per_token"][kTierNames[t]] = r.stats.bytes_per_token[t];
+    j["hit_rate"][kTierNames[t]] = r.stats.hit_rate[t];
+    j["bandwidth"][kTierNames[t]] = {{"bytes_per_s", opt_number(r.bandwidth[t].bytes_per_s)},
+                                     {"note", r.bandwidth[t].note}};
+  }
+  j["bound"] = {{"tok_s", opt_number(r.bound.tok_s)},
+                {"limiting_tier", r.bound.limiting ? nlohmann::json(kTierNames[static_cast<int>(*r.bound.limiting)])
+                                                   : nlohmann::json(nullptr)},
+                {"why_none", r.bound.why_none}};
+  j["share_of_bound"] = opt_number(r.share_of_bound);
+  return j;
+}
+
+void print_table(const BenchReport& r, std::ostream& out) {
+  out << "engine: " << r.engine;
+  if (r.engine == "cpu-reference") out << " (in-process CPU reference executor, not the process group)";
+  out << "\nmodel: " << r.model.path << " (" << r.model.arch << ", " << gib(static_cast<double>(r.model.file_bytes))
+      << ", " << r.model.n_layer << " layers, " << r.model.n_expert << " experts top-" << r.model.n_expert_used << ")\n";
+  out << "budgets: vram " << budget(r.vram_budget) << ", ram " << budget(r.ram_budget)
+      << (r.stats.budgets_applied ? "" : " (recorded; this engine does not apply them)") << "\n\n";
+
+  out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
+  out << "| ------------- | ------: | -----: | --------------: | ----------: | -----: |\n";
+  char line[256];
+  for (const Timing& t : r.prefill) {
+    std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %6s |\n", r.engine.c_str(), r.threads,
+                  ("pp" + std::to_string(t.n_tokens)).c_str(), t.tok_s, t.stddev, "-", "-");
+    out << line;
+  }
+  const std::string bound = r.bound.tok_s ? fmt("%.2f", *r.bound.tok_s) : "n/a";
+  const std::string share = r.share_of_bound ? fmt("%.1f%%", 100.0 * *r.share_of_bound) : "n/a";
+  std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %6s |\n", r.engine.c_str(), r.threads,
+                ("tg" + std::to_string(r.decode.n_tokens)).c_str(), r.decode.tok_s, r.decode.stddev, bound.c_str(),
+                share.c_str());
+  out << line << "\n";
+
+  out << "| tier | bytes/token | hit rate |   bandwidth | time/token | how measured\n";
+  out << "| ---- | ----------: | -------: | ----------: | ---------: | ------------\n";
+  for (int t = 0; t < kTierCount; ++t) {
+    const double bytes = r.stats.bytes_per_token[t];
+    const auto& bw = r.bandwidth[t].bytes_per_s;
+    const std::string bws = bw ? fmt("%.2f GB/s", *bw / 1e9) : "n/a";
+    const std::string per = bw && bytes > 0 ? fmt("%.3f ms", 1e3 * bytes / *bw) : "-";
+    std::snprintf(line, sizeof line, "| %-4s | %11s | %7.1f%% | %11s | %10s | %s\n", kTierNames[t], mib(bytes).c_str(),
+                  100.0 * r.stats.hit_rate[t], bws.c_str(), per.c_str(), r.bandwidth[t].note.c_str());
+    out << line;
+  }
+  if (r.bound.tok_s) {
+    out << "\nbound: " << bound << " tok/s (limited by " << kTierNames[static_cast<int>(*r.bound.limiting)]
+        << "); decode reached " << share << " of it\n";
+  } else {
+    out << "\nbound: n/a (" << r.bound.why_none << ")\n";
+  }
+}
+
+}  // namespace moraine::bench

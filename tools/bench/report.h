@@ -1,0 +1,43 @@
+// What one moraine-bench invocation measured, and its two renderings: a llama-bench-like
+// markdown table for people and JSON for machines.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tools/bench/bandwidth_probe.h"
+#include "tools/bench/bench_engine.h"
+#include "tools/bench/bench_run.h"
+#include "tools/bench/bound.h"
+
+namespace moraine::bench {
+
+struct ModelSummary {
+  std::string path;
+  std::string arch;
+  uint64_t file_bytes = 0;
+  int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
+};
+
+struct BenchReport {
+  std::string engine;
+  ModelSummary model;
+  int threads = 0;
+  int repeat = 0;
+  std::optional<uint64_t> vram_budget, ram_budget;
+  std::vector<Timing> prefill;
+  Timing decode;
+  EngineStats stats;
+  std::array<Measured, kTierCount> bandwidth;  // per tier, as measured (or why not)
+  Bound bound;
+  std::optional<double> share_of_bound;  // decode tok/s over the bound
+};
+
+nlohmann::json report_json(const BenchReport& r);
+void print_table(const BenchReport& r, std::ostream& out);
+
+}  // namespace moraine::bench

@@ -1,0 +1,24 @@
+// `moraine-kernel-bench cuda`: GB/s of quantized weight bytes the decode matrix-vector kernels
+// (kernels/cuda/matvec.h) consume, per format and shape, beside the device memory bandwidth
+// measured on the same card with a plain read kernel and a device-to-device copy.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace moraine::kernel_bench {
+
+struct CudaBenchOptions {
+  bool json = false;
+  int set_mib = 1024;  // distinct weight bytes cycled per measurement point: >> the 60 MB L2
+  std::vector<std::string> formats{"q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"};
+  double min_ms = 30.0;  // timed span per measurement point
+};
+
+void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt);
+int run_cuda_bench(const CudaBenchOptions& opt);
+
+}  // namespace moraine::kernel_bench
