@@ -163,7 +163,13 @@ grpc::Status ControlServer::Shutdown(grpc::ServerContext*, const moraine::contro
 
 std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline) {
   const auto until = std::chrono::steady_clock::now() + deadline;
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  // gRPC backs off exponentially (1 s, 1.6 s, ... up to 2 min) after a failed connect, and a
+  // process that is still loading has no socket yet: keep the back-off at probe scale.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 20);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 20);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   auto stub = moraine::control::Control::NewStub(channel);
   std::string last = "no answer";
   while (std::chrono::steady_clock::now() < until) {

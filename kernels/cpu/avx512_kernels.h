@@ -22,9 +22,6 @@ float dot_q3_k(int64_t n, const void* w, const void* a);
 float dot_q4_k(int64_t n, const void* w, const void* a);
 float dot_q5_k(int64_t n, const void* w, const void* a);
 float dot_q6_k(int64_t n, const void* w, const void* a);
-// Four consecutive Q4_K rows (row_stride bytes apart) against one activation row; out[r] is
-// bitwise dot_q4_k of row r. Used by matvec_tokens.
-void dot_q4_k_x4(int64_t n, const void* w, size_t row_stride, const void* a, float* out);
 
 // Tier Avx512Vnni: matvec_avx512.cpp. Four consecutive rows (row_stride bytes apart) times
 // n_tok activation rows acts[t]: y[t * y_stride + r] for r in 0..3. Q4_K is bitwise dot_q4_k;

@@ -1,6 +1,7 @@
 // Row-outer, token-inner matrix-vector products over the per-row dot kernels.
 #include "kernels/cpu/matvec.h"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -15,10 +16,16 @@ constexpr size_t kPrefetchBytes = 4096;
 
 inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+std::atomic<int> g_amx_min_tokens{kPrefillTokens};
+
 }  // namespace
 
+void set_amx_min_tokens(int n_tok) { g_amx_min_tokens.store(n_tok < 1 ? 1 : n_tok, std::memory_order_relaxed); }
+
+int amx_min_tokens() { return g_amx_min_tokens.load(std::memory_order_relaxed); }
+
 bool matvec_uses_amx(TensorType type, int n_tok) {
-  return n_tok >= kPrefillTokens && detect_cpu_isa() == CpuIsa::Amx && amx::supports(type);
+  return n_tok >= amx_min_tokens() && detect_cpu_isa() == CpuIsa::Amx && amx::supports(type);
 }
 
 void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
@@ -56,18 +63,23 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   }
   if (rows4) {
     // Tokens in chunks of kTokenChunk activation pointers; beyond one chunk (only without AMX,
-    // or below kPrefillTokens) the weight rows are re-read from L1/L2 per chunk, not from DRAM:
+    // or below amx_min_tokens()) the weight rows are re-read from L1/L2 per chunk, not from DRAM:
     // a 4-row group is at most a few KB.
     constexpr int kTokenChunk = 64;
     const void* act_ptr[kTokenChunk];
+    auto fill_chunk = [&](int t0, int nt) {
+      for (int t = 0; t < nt; ++t) {
+        const size_t ti = tok ? static_cast<size_t>(tok[t0 + t]) : static_cast<size_t>(t0 + t);
+        act_ptr[t] = a + ti * act_row_bytes;
+      }
+    };
+    const bool one_chunk = n_tok <= kTokenChunk;
+    if (one_chunk) fill_chunk(0, n_tok);
     for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {
       prefetch_to(wrow + 4 * wb + kPrefetchBytes);
       for (int t0 = 0; t0 < n_tok; t0 += kTokenChunk) {
         const int nt = n_tok - t0 < kTokenChunk ? n_tok - t0 : kTokenChunk;
-        for (int t = 0; t < nt; ++t) {
-          const size_t ti = tok ? static_cast<size_t>(tok[t0 + t]) : static_cast<size_t>(t0 + t);
-          act_ptr[t] = a + ti * act_row_bytes;
-        }
+        if (!one_chunk) fill_chunk(t0, nt);
         rows4(n_cols, wrow, wb, act_ptr, nt, y + t0 * y_stride + r, y_stride);
       }
     }

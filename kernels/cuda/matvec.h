@@ -8,9 +8,9 @@
 // additions differs (per-lane running sums, then a warp tree), which bounds the difference by
 // 2 * gamma(n_blocks) * sum|term| (tests/cuda/matvec_test.cpp).
 //
-// Memory contract: each warp reads its row as whole aligned 16-byte words, so the weight
-// allocation must be 16-byte aligned and readable up to the next multiple of 16 past its end
-// (cudaMalloc and DeviceBuffer guarantee both).
+// Memory contract: rows and activations are read as whole aligned 16-byte words, so the weight
+// allocation must be 16-byte aligned and it and the activation allocation readable up to the
+// next multiple of 16 past their ends (cudaMalloc and DeviceBuffer guarantee both).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -17,16 +17,11 @@ namespace moraine::cuda::matvec_detail {
 
 __device__ __forceinline__ float half_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
-// 4 bytes from an address only known to be 2-byte aligned (Q8_0 and Q6_K blocks are 34 and 210
-// bytes, so their fields sit at even but not 4-aligned offsets).
-__device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-  return static_cast<int>(static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16));
-}
 __device__ __forceinline__ int load_i32_a4(const void* p) { return *reinterpret_cast<const int*>(p); }
 
-// 16 bytes from an address with no alignment (MXFP4 blocks are 17 bytes): five aligned words and
-// funnel shifts. Reads up to 3 bytes past p + 16, which the staging buffer leaves room for.
+// 16 bytes from an address with no alignment (MXFP4, Q8_0, Q6_K blocks are 17, 34, 210 bytes):
+// five aligned 4-byte words and funnel shifts, instead of 16 byte or 8 halfword loads. Reads up
+// to 3 bytes past p + 16, which the staging buffers leave room for (one spare word each).
 __device__ __forceinline__ void load_16_unaligned(const uint8_t* p, int out[4]) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
   const uint32_t* base = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t{3});
@@ -67,9 +62,16 @@ struct FormatQ8_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ8_0);
   static constexpr int kParts = 1;
   __device__ static void part(const uint8_t* wb, const Act& a, int, int& isum, int&) {
+    const uint8_t* aq = reinterpret_cast<const uint8_t*>(a.qs);
     int dot = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dot = __dp4a(load_i32_a2(wb + 2 + 4 * i), load_i32_a2(reinterpret_cast<const uint8_t*>(a.qs) + 4 * i), dot);
+    for (int h = 0; h < 2; ++h) {
+      int wq[4], av[4];
+      load_16_unaligned(wb + 2 + 16 * h, wq);
+      load_16_unaligned(aq + 16 * h, av);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dot = __dp4a(wq[i], av[i], dot);
+    }
     isum = dot;
   }
   __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
@@ -86,11 +88,14 @@ struct FormatMXFP4 {
     int q[4];
     load_16_unaligned(wb + 1, q);  // element j low nibble of qs[j], j + 16 high nibble
     const uint8_t* aq = reinterpret_cast<const uint8_t*>(a.qs);
+    int lo_act[4], hi_act[4];
+    load_16_unaligned(aq, lo_act);
+    load_16_unaligned(aq + 16, hi_act);
     int dot = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      dot = __dp4a(e2m1_doubled4(static_cast<uint32_t>(q[i]) & 0x0f0f0f0fu), load_i32_a2(aq + 4 * i), dot);
-      dot = __dp4a(e2m1_doubled4((static_cast<uint32_t>(q[i]) >> 4) & 0x0f0f0f0fu), load_i32_a2(aq + 16 + 4 * i), dot);
+      dot = __dp4a(e2m1_doubled4(static_cast<uint32_t>(q[i]) & 0x0f0f0f0fu), lo_act[i], dot);
+      dot = __dp4a(e2m1_doubled4((static_cast<uint32_t>(q[i]) >> 4) & 0x0f0f0f0fu), hi_act[i], dot);
     }
     isum = dot;
   }
@@ -143,11 +148,16 @@ struct FormatQ6_K {
     const uint8_t* ql = wb + 64 * h + 32 * (s % 2);
     const uint8_t* qh = wb + 128 + 32 * h;
     const int8_t* aq = a.qs + 32 * k;
+    int lo4[8], hi4[8];
+    load_16_unaligned(ql, lo4);
+    load_16_unaligned(ql + 16, lo4 + 4);
+    load_16_unaligned(qh, hi4);
+    load_16_unaligned(qh + 16, hi4 + 4);
     int dot[2] = {0, 0};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int lo = (load_i32_a2(ql + 4 * i) >> (4 * (s / 2))) & 0x0f0f0f0f;
-      const int hi = ((load_i32_a2(qh + 4 * i) >> (2 * s)) & 0x03030303) << 4;
+      const int lo = (lo4[i] >> (4 * (s / 2))) & 0x0f0f0f0f;
+      const int hi = ((hi4[i] >> (2 * s)) & 0x03030303) << 4;
       const int v = static_cast<int>(__vsub4(static_cast<unsigned>(lo | hi), 0x20202020u));  // q - 32 per byte
       dot[i / 4] = __dp4a(v, load_i32_a4(aq + 4 * i), dot[i / 4]);
     }

@@ -10,7 +10,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One CTA per row. Products x*x are exact in double, as in the reference.
+// One CTA per row. Products x*x are exact in double, as in the reference. out may alias x:
+// each thread writes only elements it has just read, after the whole row was summed.
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* __restrict__ w, float* out, int64_t n, float eps) {
   __shared__ double partial[kThreads / 32];
@@ -29,7 +30,6 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < kThreads / 32; ++i) total += partial[i];
   const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
   const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-  __syncthreads();  // every thread has read `partial` before any output (out may alias x)
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const float v = __fmul_rn(xr[i], inv);
     orow[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;

@@ -4,6 +4,9 @@
 // with a non-zero status and a message saying why, and print no numbers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -16,7 +19,7 @@ namespace {
 constexpr int64_t kVocab = 1000;
 constexpr double kRamBytesPerToken = 123456789.0;
 
-enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun };
+enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun, WorkerRestart };
 
 class SeededEngine final : public BenchEngine {
  public:
@@ -45,6 +48,10 @@ class SeededEngine final : public BenchEngine {
       logits_[(top + 1) % kVocab] = logits_[top] + 1.0f;
     }
     return logits_;
+  }
+  // As a process-group engine would report a worker that died and was restarted mid-decode.
+  std::string detected_fault() const override {
+    return fault_ == Fault::WorkerRestart && n_past_ > 3 ? "cpu_expert_worker 1 restarted" : "";
   }
   EngineStats stats() const override {
     EngineStats s;
@@ -76,7 +83,7 @@ struct CliResult {
 };
 
 CliResult run_cli(Fault f, std::vector<std::string> args) {
-  // The probes read a file with O_DIRECT: give them this test's own binary-free source file.
+  // The disk probe reads -m with O_DIRECT: this source file is a real file under one request.
   std::vector<std::string> argv_s{"moraine-bench", "-m", std::string(MORAINE_SOURCE_DIR) + "/tests/bench/bench_report_test.cpp",
                                   "--dram-probe-mib", "64", "--disk-probe-mib", "8", "--gpu-probe-mib", "8"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
@@ -112,6 +119,14 @@ TEST(BenchFaults, GreedyOutputThatChangesBetweenRunsIsRefused) {
   EXPECT_TRUE(r.out.empty()) << r.out;
   EXPECT_NE(r.err.find("tg16 run 2"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("non-deterministic"), std::string::npos) << r.err;
+}
+
+TEST(BenchFaults, EngineReportedFaultIsRefused) {
+  // Prefill of 2 tokens (n_past 2) passes; the decode run reaches n_past > 3.
+  const CliResult r = run_cli(Fault::WorkerRestart, {"-n", "8", "-p", "2"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find("tg8 run 1: the engine reports a fault: cpu_expert_worker 1 restarted"), std::string::npos) << r.err;
 }
 
 TEST(BenchFaults, BadArgumentsAreRefusedWithTheirName) {

@@ -126,6 +126,14 @@ TEST(CudaMatvecArguments, RejectsUnsupportedTypesAndShapes) {
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, nullptr, 0, 64, nullptr, nullptr), std::invalid_argument);
   const auto misaligned = reinterpret_cast<const void*>(uintptr_t{8});
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, misaligned, 4, 64, nullptr, nullptr), std::invalid_argument);
+  // Q8_K activation blocks start with a float: a 2-byte aligned activation row is refused.
+  const auto act_2 = reinterpret_cast<const void*>(uintptr_t{2});
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_K, nullptr, 4, 256, act_2, nullptr), std::invalid_argument);
+  cuda::MatvecBatch odd_stride;
+  odd_stride.count = 2;
+  odd_stride.weight_stride_bytes = 100;  // not a whole number of 144-byte blocks
+  EXPECT_THROW(cuda::matvec_quantized_batched(TensorType::Q4_K, nullptr, 4, 256, nullptr, nullptr, odd_stride),
+               std::invalid_argument);
 }
 
 }  // namespace

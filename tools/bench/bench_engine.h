@@ -38,6 +38,9 @@ class BenchEngine {
   // Feeds one token after the cached ones; returns its logits (valid until the next call).
   virtual std::span<const float> decode_one(int32_t token) = 0;
   virtual EngineStats stats() const = 0;
+  // A fault the engine saw since reset() that invalidates the run's timing or output (a worker
+  // restart, a retried transfer); empty when none. The in-process reference has none to see.
+  virtual std::string detected_fault() const { return {}; }
 };
 
 }  // namespace moraine::bench

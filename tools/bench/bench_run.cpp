@@ -41,6 +41,11 @@ Timing summarize(int64_t n_tokens, const std::vector<double>& seconds) {
   return t;
 }
 
+void check_engine_fault(const BenchEngine& e, const std::string& where) {
+  const std::string f = e.detected_fault();
+  if (!f.empty()) throw BenchFault(where + ": the engine reports a fault: " + f);
+}
+
 void check_runs(int runs) {
   if (runs < 2) throw std::invalid_argument("--repeat must be >= 2: the first run is the warm-up");
 }
@@ -68,6 +73,7 @@ Timing time_prefill(BenchEngine& e, const std::vector<int32_t>& prompt, int runs
     const auto t0 = Clock::now();
     const std::span<const float> logits = e.prefill(prompt);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    check_engine_fault(e, where);
     const int32_t pick = checked_argmax(logits, e.n_vocab(), where);
     if (r == 0) {
       first_pick = pick;
@@ -99,6 +105,7 @@ Timing time_decode(BenchEngine& e, int64_t n_gen, int runs) {
       output.push_back(tok);
     }
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    check_engine_fault(e, where);
     if (r == 0) {
       first_output = output;
       continue;

@@ -18,6 +18,7 @@
 #include "common/formats/quant.h"
 #include "kernels/cpu/cpu_topology.h"
 #include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/numa_memory.h"
 #include "kernels/cpu/stream_read.h"
 #include "kernels/cpu/thread_pool.h"
@@ -138,11 +139,14 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
       ->check(CLI::Range(16, 1 << 20));
   cpu->add_option("--formats", opt.formats, "weight formats")->delimiter(',');
   cpu->add_option("--tokens", opt.tokens, "tokens per layer call")->delimiter(',')->check(CLI::Range(1, 4096));
+  cpu->add_option("--amx-min-tokens", opt.amx_min_tokens, "token count from which matvec takes the AMX path (AMX CPUs; default 32)")
+      ->check(CLI::Range(1, 4096));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
 int run_cpu_bench(const CpuBenchOptions& opt) {
   if (!opt.isa.empty()) cpu::set_max_cpu_isa(*cpu::parse_isa(opt.isa));
+  if (opt.amx_min_tokens > 0) cpu::set_amx_min_tokens(opt.amx_min_tokens);
   std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
   if (opt.cpus.empty() && opt.threads > 0) {
     if (opt.threads > static_cast<int>(cpus.size())) {
@@ -167,8 +171,9 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     dram = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3) / 1e9;
   }
   if (!opt.json) {
-    std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format\n", pool.size(),
-                cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib);
+    std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
+                pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
+                cpu::amx_min_tokens());
     std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused)\n", static_cast<long long>(kHidden),
                 static_cast<long long>(kFfn), kExpertsPerToken);
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n\n", dram);
@@ -201,6 +206,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"ffn", kFfn},
                                 {"experts_per_layer", kExpertsPerToken},
                                 {"set_mib", opt.set_mib},
+                                {"amx_min_tokens", cpu::amx_min_tokens()},
                                 {"dram_read_gb_per_s", dram},
                                 {"results", rows}};
     std::cout << out.dump(2) << "\n";

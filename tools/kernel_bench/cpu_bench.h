@@ -19,6 +19,7 @@ struct CpuBenchOptions {
   std::vector<std::string> formats{"q4_k", "q5_k", "q6_k", "q8_0", "q2_k", "q3_k", "mxfp4"};
   std::vector<int> tokens{1, 4, 16};
   double min_seconds = 0.25;  // per measurement point
+  int amx_min_tokens = 0;     // 0: the library default (cpu::kPrefillTokens)
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);
