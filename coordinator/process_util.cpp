@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <csignal>
+#include <fstream>
 #include <sstream>
 #include <stdexcept>
 
@@ -25,6 +26,14 @@ std::vector<int> parse_cpu_list(const std::string& list) {
   }
   if (cpus.empty()) throw std::invalid_argument("cpu list '" + list + "' names no cpu");
   return cpus;
+}
+
+bool process_running(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t close = line.rfind(')');   // the command name may contain spaces and parentheses
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
 }
 
 namespace {

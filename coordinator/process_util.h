@@ -11,6 +11,9 @@ namespace moraine::group {
 // "0-3,8,10-11" -> {0,1,2,3,8,10,11}; throws std::invalid_argument naming the bad item.
 std::vector<int> parse_cpu_list(const std::string& list);
 
+// Whether pid exists and has not exited (a zombie waiting for its parent counts as exited).
+bool process_running(int pid);
+
 // Routes SIGINT/SIGTERM to a flag the main loop polls (signal_received()).
 void install_stop_signals();
 bool signal_received();

@@ -107,7 +107,7 @@ int start(const Options& o) {
   {
     std::ifstream in(pid_file);
     pid_t other = 0;
-    if (in >> other && other > 0 && kill(other, 0) == 0) {
+    if (in >> other && other > 0 && group::process_running(other)) {
       throw std::runtime_error("a supervisor (pid " + std::to_string(other) + ") already runs the group in " + o.socket_dir);
     }
   }
@@ -212,8 +212,9 @@ int stop(const std::string& socket_dir) {
     return 1;
   }
   const auto until = Clock::now() + std::chrono::seconds(60);
-  while (kill(pid, 0) == 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (kill(pid, 0) == 0) {
+  // The supervisor's parent may not have reaped it yet: a zombie has stopped.
+  while (group::process_running(pid) && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (group::process_running(pid)) {
     std::cerr << "moraine-supervisor stop: supervisor " << pid << " still running after 60 s\n";
     return 1;
   }

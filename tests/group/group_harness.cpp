@@ -74,7 +74,7 @@ std::vector<int32_t> golden_prompt(const std::string& name) {
   return nlohmann::json::parse(in).at("ids").get<std::vector<int32_t>>();
 }
 
-Group::Group(GroupOptions o) : o_(std::move(o)), dir_(temp_dir("sock")) {
+Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? temp_dir("sock") : o_.socket_dir) {
   std::vector<std::string> args = {(kSource / "deploy" / "moraine-supervisor").string(), "start", "-m", o_.model,
                                    "--socket-dir", dir_, "--cpu-workers", std::to_string(o_.cpu_workers),
                                    "--handoff", o_.handoff, "--gpu-threads", "1",

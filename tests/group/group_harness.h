@@ -25,6 +25,7 @@ struct GroupOptions {
   int cpu_workers = 2;
   std::string handoff = "doorbell";
   std::string logits_dump;   // empty: none
+  std::string socket_dir;    // empty: a fresh one
 };
 
 class Group {
