@@ -163,16 +163,21 @@ grpc::Status ControlServer::Shutdown(grpc::ServerContext*, const moraine::contro
 
 std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline) {
   const auto until = std::chrono::steady_clock::now() + deadline;
-  // gRPC backs off exponentially (1 s, 1.6 s, ... up to 2 min) after a failed connect, and a
-  // process that is still loading has no socket yet: keep the back-off at probe scale.
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 20);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 20);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  auto stub = moraine::control::Control::NewStub(channel);
+  const std::string path = address.rfind("unix:", 0) == 0 ? address.substr(5) : std::string();
   std::string last = "no answer";
   while (std::chrono::steady_clock::now() < until) {
+    // A process still loading has no socket yet. Probing it anyway would put the channel into
+    // gRPC's reconnect back-off (1 s, 1.6 s, 2.6 s ...; seen adding ~5 s to a group start), so
+    // wait for the file, then probe on a fresh channel with its own subchannel each time.
+    if (!path.empty() && ::access(path.c_str(), F_OK) != 0) {
+      last = "no socket " + path;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      continue;
+    }
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto stub = moraine::control::Control::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     moraine::control::HealthReply reply;
@@ -180,7 +185,6 @@ std::string wait_serving(const std::string& address, std::chrono::milliseconds d
     if (st.ok() && reply.state() == moraine::control::SERVING) return {};
     last = st.ok() ? "state " + moraine::control::ServingState_Name(reply.state()) + " " + reply.detail()
                    : st.error_message();
-    // Back off a little between probes: a refused connect returns at once.
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return address + ": not serving within the deadline (" + last + ")";

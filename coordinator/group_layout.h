@@ -41,6 +41,7 @@ std::string group_prefix_for(const std::string& socket_dir);
 std::string cpu_worker_instance(int index);   // "cpu_expert_worker-<index>"
 inline constexpr const char* kCoordinatorInstance = "coordinator";
 inline constexpr const char* kGpuWorkerInstance = "gpu_worker-0";
+inline constexpr const char* kSupervisorInstance = "supervisor";
 
 // Written by the coordinator before it sends a step to the gpu_worker.
 struct StepHeader {

@@ -114,6 +114,13 @@ int start(const Options& o) {
   std::ofstream(pid_file) << getpid() << "\n";
   group::install_stop_signals();
   std::remove(group::manifest_path(o.socket_dir).c_str());   // a stale one would mislead workers
+  // The supervisor answers Health too: SERVING once every process of the group is, so a client
+  // (or a test that is about to kill a worker) waits for the whole group with one probe.
+  group::ControlServer control(control::ROLE_SUPERVISOR, group::kSupervisorInstance,
+                               group::control_address(o.socket_dir, group::kSupervisorInstance));
+  group::StageRecorder& starts = control.add_stage("process_start");
+  control.set_state(control::STARTING);
+  control.start();
 
   Child coord{group::kCoordinatorInstance,
               {find_binary(o, "moraine-coordinator", "coordinator"), "-m", o.model, "--socket-dir", o.socket_dir,
@@ -151,12 +158,17 @@ int start(const Options& o) {
     std::remove(pid_file.c_str());
     return 1;
   };
+  const auto t0 = Clock::now();
+  auto started = [&] { starts.record(0, 0, 0, std::chrono::duration<double, std::micro>(Clock::now() - t0).count()); };
   coord.pid = spawn(coord, log_dir);
   if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline); !e.empty()) return fail(e);
+  started();
   for (Child* c : workers) c->pid = spawn(*c, log_dir);
   for (Child* c : workers) {
     if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline); !e.empty()) return fail(e);
+    started();
   }
+  control.set_state(control::SERVING);
   std::cout << "supervisor: group serving in " << o.socket_dir << " (" << o.cpu_workers << " cpu workers)" << std::endl;
 
   int rc = 0;
@@ -186,10 +198,13 @@ int start(const Options& o) {
       c->restarts.push_back(now);
       std::cerr << "supervisor: " << c->name << " (pid " << dead << ") died (status " << status << "); restarting\n";
       c->pid = spawn(*c, log_dir);
+      started();
     }
     if (rc != 0) break;
   }
+  control.set_state(control::DRAINING, "stopping");
   stop_children(stop_order);
+  control.stop();
   // A coordinator that was killed could not remove its segments.
   shm::reclaim_dead_segments(group::group_prefix_for(o.socket_dir));
   std::remove(pid_file.c_str());

@@ -1,9 +1,9 @@
 // The MoE block of moe_block.cpp cut into the pieces that run in different processes of the
 // group: routing and the final sum on the gpu_worker, routed experts on the cpu_expert_workers.
-// Same arithmetic as ReferenceExecutor::moe_block (softmax router, top-k with ties to the lower
+// The arithmetic of ReferenceExecutor::moe_block (softmax router, top-k with ties to the lower
 // id, renormalised weights, SwiGLU, sum in top-k order, shared expert last), so the group's
-// logits are bit-identical to the reference (tests/group checks it). moe_block.cpp keeps its own
-// copy while its owner has ablation switches in it; it should call these once they are gone.
+// logits are bit-identical to the reference (tests/group checks it); moe_block.cpp is built from
+// these same functions.
 // Scratch buffers are caller-owned and sized once, so a step allocates nothing of its own.
 #pragma once
 #include <cstdint>

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "common/model/model.h"
@@ -90,6 +91,8 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
       dup2(fd, 1);
       dup2(fd, 2);
     }
+    // The wrapper script must run this build's supervisor, not one from another build dir.
+    setenv("MORAINE_BIN_DIR", (kBuild / "coordinator").c_str(), 1);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -104,7 +107,8 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
 }
 
 std::string Group::wait_all_serving(std::chrono::milliseconds deadline) const {
-  std::vector<std::string> instances = {group::kCoordinatorInstance, group::kGpuWorkerInstance};
+  // The supervisor serves once it has seen every process serve; then each process itself.
+  std::vector<std::string> instances = {group::kSupervisorInstance, group::kCoordinatorInstance, group::kGpuWorkerInstance};
   for (int i = 0; i < o_.cpu_workers; ++i) instances.push_back(group::cpu_worker_instance(i));
   for (const std::string& inst : instances) {
     const std::string e = group::wait_serving(group::control_address(dir_, inst), deadline);
@@ -125,7 +129,8 @@ pid_t Group::instance_pid(const std::string& instance) const {
 
 void Group::stop() {
   if (supervisor_ <= 0) return;
-  run_command(shell_quote((kSource / "deploy" / "moraine-supervisor").string()) + " stop --socket-dir " + shell_quote(dir_));
+  run_command("MORAINE_BIN_DIR=" + shell_quote((kBuild / "coordinator").string()) + " " +
+              shell_quote((kSource / "deploy" / "moraine-supervisor").string()) + " stop --socket-dir " + shell_quote(dir_));
   int status = 0;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (waitpid(supervisor_, &status, WNOHANG) == 0) {
@@ -139,7 +144,11 @@ void Group::stop() {
   supervisor_ = -1;
 }
 
-Group::~Group() { stop(); }
+Group::~Group() {
+  stop();
+  // Keep the processes' logs of a failed test for whoever reads the failure.
+  if (o_.socket_dir.empty() && !::testing::Test::HasFailure()) fs::remove_all(dir_);
+}
 
 Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n) {
   auto stub = generate::Coordinator::NewStub(

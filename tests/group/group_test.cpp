@@ -21,6 +21,8 @@ struct Case {
   std::string name() const { return model + "_" + weights + "_" + handoff; }
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
 std::string quant_args(const std::string& weights) {
   if (weights == "f32") return "";
   if (weights == "q8_0") return "--default q8_0";
