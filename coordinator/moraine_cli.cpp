@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
 
+#include "common/tokenizer/token_id_list.h"
 #include "coordinator/group_layout.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
@@ -21,32 +22,13 @@ namespace {
 using namespace moraine;
 namespace fs = std::filesystem;
 
-std::vector<uint32_t> parse_ids(const std::string& s) {
-  std::vector<uint32_t> ids;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    unsigned long v = 0;
-    try {
-      v = std::stoul(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v > UINT32_MAX) throw std::invalid_argument("--tokens: '" + item + "' is not a token id");
-    ids.push_back(static_cast<uint32_t>(v));
-  }
-  if (ids.empty()) throw std::invalid_argument("--tokens: no ids given");
-  return ids;
-}
-
 int generate_cmd(const std::string& dir, const std::string& prompt, const std::string& tokens, int n,
                  float temp, uint64_t seed, bool json) {
   auto stub = generate::Coordinator::NewStub(
       grpc::CreateChannel(group::control_address(dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
   if (!tokens.empty()) {
-    for (uint32_t id : parse_ids(tokens)) req.mutable_token_ids()->add_ids(id);
+    for (int32_t id : tokenizer::parse_token_id_list(tokens)) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
   } else {
     req.set_prompt(prompt);
   }

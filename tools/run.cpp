@@ -17,6 +17,7 @@
 #include "common/sampling/sampler.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/streaming_decoder.h"
+#include "common/tokenizer/token_id_list.h"
 #include "common/tokenizer/tokenizer.h"
 
 namespace {
@@ -36,27 +37,6 @@ struct Options {
   int threads = 0;
 };
 
-std::vector<int32_t> parse_ids(const std::string& s) {
-  std::vector<int32_t> ids;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v < 0 || v > INT32_MAX) {
-      throw std::invalid_argument("--tokens: '" + item + "' is not a token id");
-    }
-    ids.push_back(static_cast<int32_t>(v));
-  }
-  if (ids.empty()) throw std::invalid_argument("--tokens: no ids given");
-  return ids;
-}
-
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -73,7 +53,7 @@ int run(const Options& o) {
 
   std::vector<int32_t> prompt;
   if (!o.tokens.empty()) {
-    prompt = parse_ids(o.tokens);
+    prompt = moraine::tokenizer::parse_token_id_list(o.tokens);
   } else {
     std::string text = o.prompt;
     if (o.chat) text = moraine::tokenizer::render_qwen_chatml({{"user", o.prompt, std::nullopt}});

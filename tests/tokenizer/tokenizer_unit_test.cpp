@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/gguf/gguf.h"
+#include "common/tokenizer/token_id_list.h"
 #include "common/tokenizer/byte_alphabet.h"
 #include "common/tokenizer/pre_tokenizer.h"
 #include "common/tokenizer/streaming_decoder.h"
@@ -270,3 +271,17 @@ TEST(Tokenizer, ConcurrentEncodesAgree) {
 
 }  // namespace
 }  // namespace moraine::tokenizer::test
+
+TEST(TokenIdList, ParsesIdsAndNamesTheBadItem) {
+  using moraine::tokenizer::parse_token_id_list;
+  EXPECT_EQ(parse_token_id_list("1,22,333"), (std::vector<moraine::tokenizer::TokenId>{1, 22, 333}));
+  EXPECT_EQ(parse_token_id_list("0"), (std::vector<moraine::tokenizer::TokenId>{0}));
+  for (const char* bad : {"", "1,,2", "1,x", "-3", "4 ", "2147483648", "1.5"}) {
+    try {
+      parse_token_id_list(bad, "--ids");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("--ids: ", 0), 0u) << e.what();
+    }
+  }
+}
