@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/model/model.h"
+#include "coordinator/group_layout.h"
 
 namespace moraine::gpu_worker {
 
@@ -24,6 +26,12 @@ class Backend {
   // Adds the MoE output to x: routed slot outputs (slot_rows) weighted, plus the shared expert.
   virtual void combine(int64_t il, const float* h, int64_t n, const float* weight,
                        const float* const* slot_rows, float* x) = 0;
+  // Routed experts the placement put on this device, for layer il. `plan` groups the step's
+  // slots (t * k + s) per expert (coordinator/group_layout.h ExpertPlan); for each id in
+  // `experts` (ascending), packed rows plan.start[e]..plan.start[e+1] come from h rows
+  // plan.slot_of[r] / k and go to expert_out + r * n_embd, as the cpu_expert_workers write theirs.
+  virtual void routed_experts(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
+                              const std::vector<int32_t>& experts, float* expert_out) = 0;
   virtual void advance(int64_t n) = 0;
   virtual void logits(const float* x, int64_t rows, float* out) = 0;
 };

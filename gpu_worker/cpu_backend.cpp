@@ -1,5 +1,6 @@
 // The CPU backend: the reference executor's layer-step pieces, so the group's numbers are the
 // reference's. Scratch is sized once for max_tokens rows.
+#include <algorithm>
 #include <stdexcept>
 
 #include "common/reference/executor.h"
@@ -17,6 +18,9 @@ class CpuBackend final : public Backend {
     if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(max_tokens, m.hp.n_ff_shexp);
     shared_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
     norm_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
+    // One expert sees at most every token of the step once.
+    gathered_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
+    routed_scratch_.reserve(max_tokens, m.hp.n_ff_exp);
   }
   void reset() override { exec_.reset(); }
   int64_t n_past() const override { return exec_.n_past(); }
@@ -38,6 +42,23 @@ class CpuBackend final : public Backend {
     }
     reference::moe_combine(m_.hp, W, h, n, weight, slot_rows, shared, x);
   }
+  void routed_experts(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
+                      const std::vector<int32_t>& experts, float* expert_out) override {
+    (void)n;
+    const model::MoeWeights& W = m_.layers[il].moe;
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+    for (int32_t e : experts) {
+      const int32_t rows = plan.count(e);
+      if (rows == 0) continue;
+      for (int32_t j = 0; j < rows; ++j) {
+        const int64_t t = plan.slot_of[plan.start[e] + j] / k;
+        std::copy_n(h + t * d, d, gathered_.data() + j * d);
+      }
+      reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e),
+                               gathered_.data(), rows, expert_out + int64_t{plan.start[e]} * d,
+                               routed_scratch_, exec_.pool());
+    }
+  }
   void advance(int64_t n) override { exec_.advance(n); }
   void logits(const float* x, int64_t rows, float* out) override {
     exec_.output_logits(x, rows, norm_.data(), out);
@@ -47,8 +68,8 @@ class CpuBackend final : public Backend {
   const model::Model& m_;
   reference::ReferenceExecutor exec_;
   reference::RouterScratch router_;
-  reference::ExpertScratch shared_scratch_;
-  std::vector<float> shared_, norm_;
+  reference::ExpertScratch shared_scratch_, routed_scratch_;
+  std::vector<float> shared_, norm_, gathered_;
 };
 
 }  // namespace
