@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <thread>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace moraine::group {
@@ -161,11 +162,18 @@ grpc::Status ControlServer::Shutdown(grpc::ServerContext*, const moraine::contro
   return grpc::Status::OK;
 }
 
-std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline) {
+std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline, int child) {
   const auto until = std::chrono::steady_clock::now() + deadline;
   const std::string path = address.rfind("unix:", 0) == 0 ? address.substr(5) : std::string();
   std::string last = "no answer";
   while (std::chrono::steady_clock::now() < until) {
+    // A process that failed to start (bad budgets, missing model) will never serve.
+    siginfo_t info{};
+    if (child > 0 && ::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == child) {
+      return address + ": the process exited (status " + std::to_string(info.si_status) +
+             ") before serving; its log says why";
+    }
     // A process still loading has no socket yet. Probing it anyway would put the channel into
     // gRPC's reconnect back-off (1 s, 1.6 s, 2.6 s ...; seen adding ~5 s to a group start), so
     // wait for the file, then probe on a fresh channel with its own subchannel each time.

@@ -90,7 +90,8 @@ class ControlServer final : public moraine::control::Control::Service {
 };
 
 // Client side: Health of `address` until SERVING or the deadline. Empty string when serving,
-// else the last reason it was not.
-std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline);
+// else the last reason it was not. With `child` (> 0, a child of the caller), it also stops
+// waiting when that process has exited (it is not reaped: the caller still waits for it).
+std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline, int child = -1);
 
 }  // namespace moraine::group

@@ -6,6 +6,7 @@
 // sequence from a reset: the forward is deterministic, so the tokens are the same.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -18,11 +19,13 @@
 #include "common/sampling/sampler.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
+#include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/streaming_decoder.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
 #include "coordinator/process_util.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -37,8 +40,29 @@ double us_since(Clock::time_point t0) {
 
 struct Options {
   std::string model, socket_dir, handoff = "doorbell", logits_dump;
+  std::string vram = "unlimited", ram = "unlimited", census;   // placement (coordinator/placement.h)
+  int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, step_retries = 2;
 };
+
+// The placement every process of the group follows: planned once, here.
+group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
+  group::PlacementInput in;
+  in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx));
+  // "dense": exactly the dense weights and KV/state, no experts: what a gpu_worker on its CPU
+  // backend gets by default, so that the cpu_expert_workers compute the routed experts.
+  in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes : group::parse_byte_budget(o.vram, "--vram");
+  in.ram_budget = group::parse_byte_budget(o.ram, "--ram");
+  in.n_cpu_workers = o.cpu_workers;
+  const std::string census = o.census.empty() ? group::default_census_path(o.model) : o.census;
+  if (!o.census.empty() || std::ifstream(census).good()) {
+    in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
+    std::cerr << "coordinator: expert popularity from " << census << "\n";
+  }
+  group::PlacementPlan plan = group::plan_placement(in);
+  std::cerr << "coordinator: " << plan.table();
+  return plan;
+}
 
 class Coordinator final : public generate::Coordinator::Service {
  public:
@@ -46,9 +70,10 @@ class Coordinator final : public generate::Coordinator::Service {
       : o_(o), model_(model::Model::load(o.model)), prefix_(group::group_prefix_for(o.socket_dir)),
         reclaimed_(shm::reclaim_dead_segments(prefix_)),
         xl_(group::ExchangeLayout::build(model_.hp, o.max_tokens, o.cpu_workers)),
-        al_(group::ArenaLayout::build(model_)),
+        plan_(plan_for(o, model_)), al_(group::ArenaLayout::build(model_, plan_)),
         exchange_(shm::ShmSegment::create({prefix_, "exchange", xl_.layout.total_bytes(), false, false})),
-        arena_(shm::ShmSegment::create({prefix_, "arena", al_.total_bytes, true, true})),
+        // Never empty: a group with every expert in VRAM still maps an arena.
+        arena_(shm::ShmSegment::create({prefix_, "arena", std::max<size_t>(al_.total_bytes, group::kArenaAlign), true, true})),
         prefill_(control.add_stage("prefill")), decode_(control.add_stage("decode")),
         gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
@@ -57,13 +82,17 @@ class Coordinator final : public generate::Coordinator::Service {
     } catch (const std::exception& e) {
       std::cerr << "coordinator: no tokenizer (" << e.what() << "); prompts must be token ids\n";
     }
-    // The RAM-resident experts: every layer's three expert tensors, copied once.
-    for (size_t il = 0; il < al_.layers.size(); ++il) {
-      const model::MoeWeights& W = model_.layers[il].moe;
+    // The RAM-tier experts, copied once into their compact slots.
+    for (int64_t il = 0; il < plan_.n_layer; ++il) {
+      const model::MoeWeights& W = model_.layers[static_cast<size_t>(il)].moe;
       const model::ExpertTensor* t[3] = {&W.gate, &W.up, &W.down};
-      for (int w = 0; w < 3; ++w) std::memcpy(arena_.data() + al_.layers[il][w].offset, t[w]->all.data, al_.layers[il][w].bytes);
+      for (int32_t e : plan_.experts_in(il, group::Tier::kRam)) {
+        const group::ArenaLayout::ExpertSlot& slot = al_.ram_slot(il, e);
+        for (int w = 0; w < 3; ++w) std::memcpy(arena_.data() + slot.offset[w], t[w]->expert(e).data, slot.bytes[w]);
+      }
     }
-    std::cerr << "coordinator: arena " << al_.total_bytes << " bytes, " << arena_.page_report().describe() << "\n";
+    std::cerr << "coordinator: arena " << al_.total_bytes << " bytes (" << al_.ram_slots.size() << " RAM-tier experts, "
+              << plan_.staging_bytes() << " bytes of staging), " << arena_.page_report().describe() << "\n";
     const shm::Region& bells = xl_.region("bells");
     for (size_t i = 0; i < bells.bytes / sizeof(shm::Doorbell); ++i) shm::Doorbell::init_at(exchange_.data() + bells.offset + i * sizeof(shm::Doorbell));
     control.set_stats_hook([this](control::StatsReply& r) {
@@ -71,6 +100,15 @@ class Coordinator final : public generate::Coordinator::Service {
       r.set_shm_mapped_bytes(exchange_.data_bytes() + arena_.data_bytes());
       r.set_shm_huge_page_bytes(arena_.page_report().huge_bytes);
       (*r.mutable_counters())["steps_reissued"] = reissued_.load();
+      // The placement, for `moraine stats` to print as a table.
+      auto& c = *r.mutable_counters();
+      for (auto [name, t] : {std::pair{"vram", &plan_.vram}, std::pair{"ram", &plan_.ram}, std::pair{"file", &plan_.file}}) {
+        c[std::string("placement_") + name + "_experts"] = static_cast<uint64_t>(t->experts);
+        c[std::string("placement_") + name + "_bytes"] = t->bytes;
+      }
+      c["placement_dense_bytes"] = plan_.dense_bytes;
+      c["placement_kv_bytes"] = plan_.kv_bytes;
+      c["placement_staging_bytes"] = plan_.staging_bytes();
     });
     group::GroupManifest man;
     man.model_path = o.model;
@@ -82,6 +120,8 @@ class Coordinator final : public generate::Coordinator::Service {
     man.n_cpu_workers = o.cpu_workers;
     man.max_tokens = o.max_tokens;
     man.zmq_handoff = o.handoff == "zmq";
+    man.placement_path = group::placement_path(o.socket_dir);
+    plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));
     if (!o.logits_dump.empty()) logits_dump_.open(o.logits_dump, std::ios::binary | std::ios::trunc);
   }
@@ -115,6 +155,7 @@ class Coordinator final : public generate::Coordinator::Service {
           finish = generate::FINISH_CANCELLED;
           break;
         }
+        if (sp.check_logits()) check_finite(logits, context.size());
         const int32_t id = sampler.sample(logits);
         context.push_back(id);
         generate::GenerateChunk chunk;
@@ -122,7 +163,7 @@ class Coordinator final : public generate::Coordinator::Service {
         // proto3 strings must be UTF-8: a tiny test vocabulary can decode to stray bytes.
         if (dec) chunk.set_text(tokenizer::replace_invalid_utf8(dec->push(id)));
         timing.set_generated_tokens(i + 1);
-        const bool stop = tok_ && tok_->is_end_of_generation(id);
+        const bool stop = !sp.ignore_eos() && tok_ && tok_->is_end_of_generation(id);
         if (stop || i + 1 == max_new) {
           finish = stop ? generate::FINISH_STOP : generate::FINISH_LENGTH;
           if (dec) chunk.set_text(chunk.text() + tokenizer::replace_invalid_utf8(dec->flush()));
@@ -152,6 +193,17 @@ class Coordinator final : public generate::Coordinator::Service {
   }
 
  private:
+  // A faulty step (a kernel bug, a lost expert output) shows as non-finite logits; a benchmark
+  // asks for this check so that it never reports numbers from such a run.
+  static void check_finite(std::span<const float> logits, size_t position) {
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!std::isfinite(logits[i])) {
+        throw std::runtime_error("logit " + std::to_string(i) + " of position " + std::to_string(position) + " is " +
+                                 (std::isnan(logits[i]) ? "NaN" : "inf"));
+      }
+    }
+  }
+
   std::vector<int32_t> prompt_of(const generate::GenerateRequest& req) const {
     std::vector<int32_t> ids;
     if (req.has_token_ids()) {
@@ -166,7 +218,18 @@ class Coordinator final : public generate::Coordinator::Service {
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
       ids = tok_->encode(req.prompt(), true, false);
     } else if (req.has_messages()) {
-      throw std::invalid_argument("chat messages are not supported yet: send prompt or token_ids");
+      // The built-in ChatML template (Qwen3's); special tokens in it are parsed as such, the
+      // users' text inside it is not (parse_special applies to the whole rendered string, so a
+      // user typing "<|im_end|>" gets that token, as llama.cpp's server does too).
+      if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
+      if (req.messages().messages_size() == 0) throw std::invalid_argument("messages: the conversation is empty");
+      std::vector<tokenizer::ChatMessage> conv;
+      for (const generate::ChatMessage& m : req.messages().messages()) conv.push_back({m.role(), m.content(), {}});
+      try {
+        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
+      } catch (const tokenizer::TokenizerError& e) {
+        throw std::invalid_argument(std::string("messages: ") + e.what());
+      }
     }
     if (ids.empty()) throw std::invalid_argument("the request has no input tokens (prompt or token_ids)");
     return ids;
@@ -239,6 +302,7 @@ class Coordinator final : public generate::Coordinator::Service {
   std::string prefix_;
   shm::ReclaimResult reclaimed_;
   group::ExchangeLayout xl_;
+  group::PlacementPlan plan_;
   group::ArenaLayout al_;
   shm::ShmSegment exchange_, arena_;
   group::StageRecorder& prefill_;
@@ -268,6 +332,7 @@ int run(const Options& o) {
   }
   control.stop();
   std::remove(group::manifest_path(o.socket_dir).c_str());
+  std::remove(group::placement_path(o.socket_dir).c_str());
   return 0;
 }
 
@@ -283,6 +348,10 @@ int main(int argc, char** argv) {
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
+  app.add_option("--vram", o.vram, "GPU memory for dense weights, KV and experts (12G, 512M, ..., unlimited; dense: no experts)");
+  app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + staging for file-resident ones (unlimited)");
+  app.add_option("--census", o.census, "expert popularity counts (JSON; default MODEL.census.json when present)");
+  app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

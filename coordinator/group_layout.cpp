@@ -26,6 +26,7 @@ void GroupManifest::write(const std::string& path) const {
   j["n_cpu_workers"] = n_cpu_workers;
   j["max_tokens"] = max_tokens;
   j["zmq_handoff"] = zmq_handoff;
+  j["placement_path"] = placement_path;
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -50,6 +51,7 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.n_cpu_workers = j.at("n_cpu_workers").get<int>();
     m.max_tokens = j.at("max_tokens").get<int>();
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
+    m.placement_path = j.at("placement_path").get<std::string>();
     if (m.n_cpu_workers < 1 || m.max_tokens < 1) throw std::runtime_error("n_cpu_workers and max_tokens must be >= 1");
     return m;
   } catch (const std::exception& e) {
@@ -58,6 +60,7 @@ GroupManifest GroupManifest::read(const std::string& path) {
 }
 
 std::string manifest_path(const std::string& socket_dir) { return socket_dir + "/group.json"; }
+std::string placement_path(const std::string& socket_dir) { return socket_dir + "/placement.json"; }
 
 std::string control_address(const std::string& socket_dir, const std::string& instance) {
   return "unix:" + socket_dir + "/" + instance + ".sock";
@@ -93,30 +96,76 @@ ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, i
   return x;
 }
 
-ArenaLayout ArenaLayout::build(const model::Model& m) {
-  constexpr std::size_t kAlign = 4096;
-  ArenaLayout a;
-  std::size_t at = 0;
-  for (const model::LayerWeights& L : m.layers) {
-    std::array<Slice, 3> s;
-    const model::ExpertTensor* t[3] = {&L.moe.gate, &L.moe.up, &L.moe.down};
-    for (int i = 0; i < 3; ++i) {
-      s[i].offset = at;
-      s[i].bytes = static_cast<std::size_t>(t[i]->all.n_rows) * t[i]->all.row_bytes;
-      at = (at + s[i].bytes + kAlign - 1) / kAlign * kAlign;
-    }
-    a.layers.push_back(s);
+namespace {
+
+const model::ExpertTensor& expert_tensor(const model::Model& m, std::int64_t il, int which) {
+  const model::MoeWeights& W = m.layers[static_cast<std::size_t>(il)].moe;
+  return which == 0 ? W.gate : which == 1 ? W.up : W.down;
+}
+
+// Expert parts of layer il laid out from `at`, each 4 KiB aligned; returns the end.
+std::size_t lay_parts(const model::Model& m, std::int64_t il, std::size_t at, ArenaLayout::ExpertSlot& s) {
+  for (int w = 0; w < 3; ++w) {
+    const model::ExpertTensor& t = expert_tensor(m, il, w);
+    s.offset[w] = at;
+    s.bytes[w] = static_cast<std::size_t>(t.rows_per_expert) * t.all.row_bytes;
+    at += arena_align(s.bytes[w]);
   }
+  return at;
+}
+
+}  // namespace
+
+ArenaLayout ArenaLayout::build(const model::Model& m, const PlacementPlan& plan) {
+  if (plan.n_layer != m.hp.n_layer || plan.n_expert != m.hp.n_expert) {
+    throw std::runtime_error("placement plan is for " + std::to_string(plan.n_layer) + " x " + std::to_string(plan.n_expert) +
+                             " experts, the model has " + std::to_string(m.hp.n_layer) + " x " + std::to_string(m.hp.n_expert));
+  }
+  ArenaLayout a;
+  a.n_expert = plan.n_expert;
+  a.ram_index.assign(plan.tiers.size(), -1);
+  std::size_t at = 0;
+  for (std::int64_t il = 0; il < plan.n_layer; ++il) {
+    for (std::int64_t e = 0; e < plan.n_expert; ++e) {
+      if (plan.at(il, e) != Tier::kRam) continue;
+      a.ram_index[static_cast<std::size_t>(il * plan.n_expert + e)] = static_cast<std::int32_t>(a.ram_slots.size());
+      ExpertSlot s;
+      at = lay_parts(m, il, at, s);
+      a.ram_slots.push_back(s);
+    }
+  }
+  a.staging_offset = at;
+  a.staging_slots = plan.staging_slots;
+  a.staging_slot_bytes = static_cast<std::size_t>(plan.staging_slot_bytes);
+  at += static_cast<std::size_t>(plan.staging_bytes());
   a.total_bytes = at;
   return a;
 }
 
-model::ExpertTensor ArenaLayout::bind(const model::Model& m, std::int64_t il, int which,
-                                      const std::byte* arena) const {
-  const model::MoeWeights& W = m.layers[il].moe;
-  model::ExpertTensor t = which == 0 ? W.gate : which == 1 ? W.up : W.down;
-  t.all.data = reinterpret_cast<const uint8_t*>(arena + layers[il][which].offset);
-  return t;
+ArenaLayout::ExpertSlot ArenaLayout::staging_slot(const model::Model& m, std::int64_t il, int worker,
+                                                  std::int64_t slot) const {
+  ExpertSlot s;
+  const std::size_t base = staging_offset + (static_cast<std::size_t>(worker) * static_cast<std::size_t>(staging_slots) +
+                                             static_cast<std::size_t>(slot)) * staging_slot_bytes;
+  lay_parts(m, il, base, s);
+  return s;
+}
+
+std::array<model::Matrix, 3> ArenaLayout::bind(const model::Model& m, std::int64_t il, std::int64_t e,
+                                               const ExpertSlot& s, const std::byte* arena) {
+  std::array<model::Matrix, 3> out;
+  for (int w = 0; w < 3; ++w) {
+    out[w] = expert_tensor(m, il, w).expert(e);
+    out[w].data = reinterpret_cast<const uint8_t*>(arena + s.offset[w]);
+  }
+  return out;
+}
+
+FileRange expert_file_range(const model::Model& m, std::int64_t il, std::int64_t e, int which) {
+  const model::ExpertTensor& t = expert_tensor(m, il, which);
+  const gguf::TensorInfo& info = *t.all.info;
+  const std::uint64_t bytes = static_cast<std::uint64_t>(t.rows_per_expert) * t.all.row_bytes;
+  return {info.shard, m.file.data_offset(info.shard) + info.offset + static_cast<std::uint64_t>(e) * bytes, bytes};
 }
 
 void ExpertPlan::reserve(std::int64_t n_expert, std::int64_t max_slots) {

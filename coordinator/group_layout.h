@@ -12,6 +12,7 @@
 
 #include "common/model/model.h"
 #include "common/shm/shm_layout.h"
+#include "coordinator/placement.h"
 
 namespace moraine::group {
 
@@ -25,12 +26,14 @@ struct GroupManifest {
   int n_cpu_workers = 1;
   int max_tokens = 0;           // rows of one step (prefill chunk)
   bool zmq_handoff = false;     // per-layer GPU<->CPU hand-off over ZeroMQ instead of doorbells
+  std::string placement_path;   // the PlacementPlan (coordinator/placement.h) every process follows
 
   void write(const std::string& path) const;   // atomically (temp file + rename)
   static GroupManifest read(const std::string& path);  // throws std::runtime_error naming the file
 };
 
 std::string manifest_path(const std::string& socket_dir);
+std::string placement_path(const std::string& socket_dir);   // "<dir>/placement.json"
 // gRPC Control endpoint of an instance ("unix:<dir>/<instance>.sock"); instance names have no '/'.
 std::string control_address(const std::string& socket_dir, const std::string& instance);
 // ZeroMQ data-plane endpoint ("ipc://<dir>/<instance>.jobs").
@@ -41,6 +44,7 @@ std::string group_prefix_for(const std::string& socket_dir);
 std::string cpu_worker_instance(int index);   // "cpu_expert_worker-<index>"
 inline constexpr const char* kCoordinatorInstance = "coordinator";
 inline constexpr const char* kGpuWorkerInstance = "gpu_worker-0";
+inline constexpr const char* kIoWorkerInstance = "io_worker-0";
 inline constexpr const char* kSupervisorInstance = "supervisor";
 
 // Written by the coordinator before it sends a step to the gpu_worker.
@@ -61,6 +65,7 @@ struct ExpertRequest {
 
 // Segment ids announced for job validation (ShmRef.segment_id).
 inline constexpr std::uint32_t kExchangeSegmentId = 1;
+inline constexpr std::uint32_t kArenaSegmentId = 2;   // the expert arena the io_worker fills
 
 // The exchange segment: small headers, then the per-step tensors, then one request and one done
 // doorbell per cpu_expert_worker.
@@ -76,17 +81,42 @@ struct ExchangeLayout {
 // "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
 // see ExpertPlan), "logits" float[max_tokens][n_vocab], "bells" doorbells.
 
-// Where each layer's gate/up/down expert tensors sit in the arena segment (4 KiB aligned, the
-// bracket O_DIRECT reads need when the io_worker fills them).
+// The expert arena (coordinator/placement.h decides what is in it): one compact slot per
+// RAM-tier expert, in (layer, expert) order, then per cpu worker plan.staging_slots slots that
+// FILE-tier experts are read into for the step that needs them. An expert's gate, up and down
+// parts each start on a 4 KiB boundary (the bracket O_DIRECT reads need when the io_worker fills
+// them). Every process derives it from the model and the plan file, so offsets agree.
 struct ArenaLayout {
-  struct Slice { std::size_t offset = 0; std::size_t bytes = 0; };
-  std::vector<std::array<Slice, 3>> layers;   // [layer][gate, up, down]
+  struct ExpertSlot {
+    std::array<std::size_t, 3> offset{};   // gate, up, down: byte offset in the arena
+    std::array<std::size_t, 3> bytes{};
+  };
+  std::int64_t n_expert = 0;
+  std::vector<std::int32_t> ram_index;   // [layer * n_expert + expert]: index into ram_slots, -1 unless RAM
+  std::vector<ExpertSlot> ram_slots;
+  std::size_t staging_offset = 0;        // first staging slot (worker 0, slot 0)
+  std::size_t staging_slot_bytes = 0;
+  std::int64_t staging_slots = 0;        // per worker
   std::size_t total_bytes = 0;
-  static ArenaLayout build(const model::Model& m);
-  // The model's expert tensor `which` (0 gate, 1 up, 2 down) of layer il, reading from arena.
-  model::ExpertTensor bind(const model::Model& m, std::int64_t il, int which,
-                           const std::byte* arena) const;
+
+  static ArenaLayout build(const model::Model& m, const PlacementPlan& plan);
+  const ExpertSlot& ram_slot(std::int64_t il, std::int64_t e) const {
+    return ram_slots[static_cast<std::size_t>(ram_index[static_cast<std::size_t>(il * n_expert + e)])];
+  }
+  // Where layer il's expert parts go in staging slot `slot` of cpu worker `worker`.
+  ExpertSlot staging_slot(const model::Model& m, std::int64_t il, int worker, std::int64_t slot) const;
+  // Gate, up and down of expert (il, e) as matrices reading from `s` in `arena`.
+  static std::array<model::Matrix, 3> bind(const model::Model& m, std::int64_t il, std::int64_t e,
+                                           const ExpertSlot& s, const std::byte* arena);
 };
+
+// Where expert e's gate (0), up (1) or down (2) rows of layer il sit in the model file.
+struct FileRange {
+  std::uint32_t file_index = 0;   // shard
+  std::uint64_t offset = 0;       // from the start of that shard
+  std::uint64_t bytes = 0;
+};
+FileRange expert_file_range(const model::Model& m, std::int64_t il, std::int64_t e, int which);
 
 // Interleaved so that both workers get a share of every layer's popular low ids.
 inline int expert_owner(std::int64_t expert, int n_cpu_workers) {

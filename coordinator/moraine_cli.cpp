@@ -1,5 +1,6 @@
 // moraine: the command-line client of a running group.
-//   moraine generate [--socket-dir DIR] -p TEXT | --tokens IDS [-n N] [--temp T] [--json]
+//   moraine generate [--socket-dir DIR] -p TEXT [--chat [--system TEXT]] | --tokens IDS [-n N]
+//                    [--temp T --top-k K --top-p P --seed S] [--json]
 //   moraine stats [--socket-dir DIR] [--json]
 // stats asks every process found in the socket directory (coordinator, gpu_worker-*,
 // cpu_expert_worker-*) over gRPC and prints one table per process, a row per stage.
@@ -22,19 +23,39 @@ namespace {
 using namespace moraine;
 namespace fs = std::filesystem;
 
-int generate_cmd(const std::string& dir, const std::string& prompt, const std::string& tokens, int n,
-                 float temp, uint64_t seed, bool json) {
+struct GenerateArgs {
+  std::string prompt, tokens, system;
+  bool chat = false;  // send the prompt as a user message: the coordinator applies the chat template
+  int n = 16;
+  float temp = 0.0f, top_p = 1.0f;
+  uint32_t top_k = 0;
+  uint64_t seed = 0;
+};
+
+int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
   auto stub = generate::Coordinator::NewStub(
       grpc::CreateChannel(group::control_address(dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
-  if (!tokens.empty()) {
-    for (int32_t id : tokenizer::parse_token_id_list(tokens)) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  if (!a.tokens.empty()) {
+    for (int32_t id : tokenizer::parse_token_id_list(a.tokens)) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  } else if (a.chat) {
+    auto* conv = req.mutable_messages();
+    if (!a.system.empty()) {
+      auto* m = conv->add_messages();
+      m->set_role("system");
+      m->set_content(a.system);
+    }
+    auto* m = conv->add_messages();
+    m->set_role("user");
+    m->set_content(a.prompt);
   } else {
-    req.set_prompt(prompt);
+    req.set_prompt(a.prompt);
   }
-  req.mutable_sampling()->set_temperature(temp);
-  req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(n));
-  req.mutable_sampling()->set_seed(seed);
+  req.mutable_sampling()->set_temperature(a.temp);
+  req.mutable_sampling()->set_top_k(a.top_k);
+  req.mutable_sampling()->set_top_p(a.top_p);
+  req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(a.n));
+  req.mutable_sampling()->set_seed(a.seed);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
   generate::GenerateChunk chunk;
@@ -129,6 +150,28 @@ int stats_cmd(const std::string& dir, bool json) {
                   << std::setw(10) << s["p50_us"].get<double>() << std::setw(10) << s["p90_us"].get<double>()
                   << std::setw(10) << s["p99_us"].get<double>() << "\n";
       }
+      if (!p.contains("counters")) continue;
+      const auto& c = p["counters"];
+      // The coordinator's placement (coordinator/placement.h), as it logged it at start.
+      if (c.contains("placement_vram_experts")) {
+        std::cout << "  " << std::left << std::setw(6) << "tier" << std::right << std::setw(9) << "experts" << std::setw(16)
+                  << "bytes" << "\n";
+        for (const char* t : {"vram", "ram", "file"}) {
+          std::string upper(t);
+          for (char& ch : upper) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+          std::cout << "  " << std::left << std::setw(6) << upper << std::right << std::setw(9)
+                    << c["placement_" + std::string(t) + "_experts"].get<uint64_t>() << std::setw(16)
+                    << c["placement_" + std::string(t) + "_bytes"].get<uint64_t>() << "\n";
+        }
+        std::cout << "  VRAM also holds dense " << c["placement_dense_bytes"].get<uint64_t>() << " + KV/state "
+                  << c["placement_kv_bytes"].get<uint64_t>() << " bytes; RAM also staging "
+                  << c["placement_staging_bytes"].get<uint64_t>() << " bytes\n";
+      }
+      std::cout << "  counters:";
+      for (const auto& [k, v] : c.items()) {
+        if (k.rfind("placement_", 0) != 0) std::cout << " " << k << "=" << v.get<uint64_t>();
+      }
+      std::cout << "\n";
     }
   }
   return failures == 0 ? 0 : 1;
@@ -140,19 +183,21 @@ int main(int argc, char** argv) {
   CLI::App app{"moraine: client of a running moraine group"};
   app.require_subcommand(1);
   std::string dir = "/tmp/moraine";
-  std::string prompt, tokens;
-  int n = 16;
-  float temp = 0.0f;
-  uint64_t seed = 0;
+  GenerateArgs ga;
   bool json = false;
   CLI::App* gen = app.add_subcommand("generate", "generate tokens");
   gen->add_option("--socket-dir", dir, "group socket directory");
-  auto* p = gen->add_option("-p,--prompt", prompt, "prompt text");
-  auto* t = gen->add_option("--tokens", tokens, "prompt as comma-separated token ids");
+  auto* p = gen->add_option("-p,--prompt", ga.prompt, "prompt text");
+  auto* t = gen->add_option("--tokens", ga.tokens, "prompt as comma-separated token ids");
   p->excludes(t);
-  gen->add_option("-n", n, "tokens to generate");
-  gen->add_option("--temp", temp, "temperature (0 = greedy)");
-  gen->add_option("--seed", seed, "sampling seed");
+  auto* c = gen->add_flag("--chat", ga.chat, "send the prompt as a user message (the model's chat template applies)");
+  c->excludes(t);
+  gen->add_option("--system", ga.system, "system message (with --chat)")->needs(c);
+  gen->add_option("-n", ga.n, "tokens to generate");
+  gen->add_option("--temp", ga.temp, "temperature (0 = greedy)");
+  gen->add_option("--top-k", ga.top_k, "keep the k most likely tokens (0 = off)");
+  gen->add_option("--top-p", ga.top_p, "keep the smallest set of tokens with this much probability (1 = off)");
+  gen->add_option("--seed", ga.seed, "sampling seed");
   gen->add_flag("--json", json, "print ids and timings as JSON");
   CLI::App* stats = app.add_subcommand("stats", "per-stage counters of every process");
   stats->add_option("--socket-dir", dir, "group socket directory");
@@ -160,8 +205,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (gen->parsed()) {
-      if (prompt.empty() && tokens.empty()) throw std::invalid_argument("generate: give -p TEXT or --tokens IDS");
-      return generate_cmd(dir, prompt, tokens, n, temp, seed, json);
+      if (ga.prompt.empty() && ga.tokens.empty()) throw std::invalid_argument("generate: give -p TEXT or --tokens IDS");
+      return generate_cmd(dir, ga, json);
     }
     return stats_cmd(dir, json);
   } catch (const std::exception& e) {

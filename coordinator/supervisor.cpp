@@ -1,9 +1,11 @@
 // moraine-supervisor: starts the group (coordinator first: it creates the shared memory and the
-// manifest the workers start from; then the gpu_worker and the cpu_expert_workers), waits for
-// every Health to say SERVING, restarts a worker that dies, and on SIGINT/SIGTERM (what
-// `moraine-supervisor stop` sends) stops everything: workers, then the coordinator, which
-// removes its shared memory; anything a killed coordinator left is reclaimed here too.
-//   moraine-supervisor start -m MODEL [--cpu-workers N] [--socket-dir DIR] [--config FILE]
+// manifest the workers start from; then the gpu_worker, the cpu_expert_workers and the
+// io_worker), waits for every Health to say SERVING, restarts a worker that dies, and on
+// SIGINT/SIGTERM (what `moraine-supervisor stop` sends) stops everything: workers, then the
+// coordinator, which removes its shared memory; anything a killed coordinator left is reclaimed
+// here too.
+//   moraine-supervisor start -m MODEL [--vram BYTES] [--ram BYTES] [--cpu-workers N] [--socket-dir DIR]
+//                            [--config FILE]
 //   moraine-supervisor stop [--socket-dir DIR]
 #include <fcntl.h>
 #include <signal.h>
@@ -12,6 +14,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -31,7 +34,13 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::string model, socket_dir = "/tmp/moraine", bin_dir, handoff = "doorbell", log_dir, logits_dump;
-  int cpu_workers = 2, max_tokens = 64, gpu_threads = 0;
+  // Placement, passed to the coordinator. vram empty: "unlimited" with the CUDA backend, "dense"
+  // (no experts on the gpu_worker) with the CPU backend, whose "VRAM" is the same RAM the
+  // cpu_expert_workers compute from.
+  std::string vram, ram = "unlimited", census;
+  int64_t ctx = 0;
+  int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
+  std::string backend = "cpu";
   double ready_timeout_s = 120;
 };
 
@@ -119,16 +128,24 @@ int start(const Options& o) {
   group::ControlServer control(control::ROLE_SUPERVISOR, group::kSupervisorInstance,
                                group::control_address(o.socket_dir, group::kSupervisorInstance));
   group::StageRecorder& starts = control.add_stage("process_start");
+  // Restarts since the group started (never reset), so that a client such as moraine-bench can
+  // tell that a run lost a worker.
+  std::atomic<uint64_t> restarts_total{0};
+  control.set_stats_hook([&](control::StatsReply& r) { (*r.mutable_counters())["restarts"] = restarts_total.load(); });
   control.set_state(control::STARTING);
   control.start();
 
   Child coord{group::kCoordinatorInstance,
               {find_binary(o, "moraine-coordinator", "coordinator"), "-m", o.model, "--socket-dir", o.socket_dir,
                "--cpu-workers", std::to_string(o.cpu_workers), "--max-tokens", std::to_string(o.max_tokens),
-               "--handoff", o.handoff}};
+               "--handoff", o.handoff, "--vram", o.vram.empty() ? (o.backend == "cuda" ? "unlimited" : "dense") : o.vram, "--ram", o.ram, "--ctx", std::to_string(o.ctx)}};
+  if (!o.census.empty()) {
+    coord.argv.push_back("--census");
+    coord.argv.push_back(o.census);
+  }
   Child gpu{group::kGpuWorkerInstance,
-            {find_binary(o, "moraine-gpu-worker", "gpu_worker"), "--socket-dir", o.socket_dir, "--backend", "cpu",
-             "--threads", std::to_string(o.gpu_threads)}};
+            {find_binary(o, "moraine-gpu-worker", "gpu_worker"), "--socket-dir", o.socket_dir, "--backend", o.backend,
+             "--device", std::to_string(o.device), "--threads", std::to_string(o.gpu_threads)}};
   if (!o.logits_dump.empty()) {
     coord.argv.push_back("--logits-dump");
     coord.argv.push_back(o.logits_dump);
@@ -145,8 +162,11 @@ int start(const Options& o) {
     cpus.emplace_back(group::cpu_worker_instance(i),
                       std::vector<std::string>{cpu_bin, "--socket-dir", o.socket_dir, "--index", std::to_string(i), "--cpus", list});
   }
+  // The io_worker fills arena slots of file-resident experts for the cpu_expert_workers.
+  Child io{"io_worker-0", {find_binary(o, "moraine-io-worker", "io_worker"), "--socket-dir", o.socket_dir}};
   std::vector<Child*> workers{&gpu};
   for (Child& c : cpus) workers.push_back(&c);
+  workers.push_back(&io);
   std::vector<Child*> stop_order = workers;
   stop_order.push_back(&coord);
 
@@ -161,11 +181,15 @@ int start(const Options& o) {
   const auto t0 = Clock::now();
   auto started = [&] { starts.record(0, 0, 0, std::chrono::duration<double, std::micro>(Clock::now() - t0).count()); };
   coord.pid = spawn(coord, log_dir);
-  if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline); !e.empty()) return fail(e);
+  if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline, coord.pid); !e.empty()) {
+    return fail(e);
+  }
   started();
   for (Child* c : workers) c->pid = spawn(*c, log_dir);
   for (Child* c : workers) {
-    if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline); !e.empty()) return fail(e);
+    if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline, c->pid); !e.empty()) {
+      return fail(e);
+    }
     started();
   }
   control.set_state(control::SERVING);
@@ -196,6 +220,7 @@ int start(const Options& o) {
         break;
       }
       c->restarts.push_back(now);
+      restarts_total.fetch_add(1);
       std::cerr << "supervisor: " << c->name << " (pid " << dead << ") died (status " << status << "); restarting\n";
       c->pid = spawn(*c, log_dir);
       started();
@@ -242,14 +267,23 @@ int main(int argc, char** argv) {
   CLI::App app{"moraine-supervisor: start, watch and stop a moraine process group"};
   app.require_subcommand(1);
   Options o;
+  // CLI11 (2.1) reads a config file only for the top-level app; `start --config FILE` reaches it
+  // through fallthrough, and the file's [start] section (or start.KEY) sets start's options.
+  app.set_config("--config", "", "TOML/INI file: a [start] section with any of start's options (vram = \"12G\")");
   CLI::App* st = app.add_subcommand("start", "start the group and supervise it (foreground)");
-  st->set_config("--config", "", "TOML/INI file with any of these options");
+  st->fallthrough();
   st->add_option("-m,--model", o.model, "GGUF model file");
   st->add_option("--cpu-workers", o.cpu_workers, "cpu_expert_workers to run");
   st->add_option("--socket-dir", o.socket_dir, "directory for sockets, manifest, logs");
   st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
   st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
   st->add_option("--max-tokens", o.max_tokens, "rows of one step");
+  st->add_option("--vram", o.vram, "GPU memory budget: dense + KV first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
+  st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
+  st->add_option("--census", o.census, "expert popularity counts (JSON); default MODEL.census.json when present");
+  st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
+  st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  st->add_option("--device", o.device, "GPU index for --backend cuda");
   st->add_option("--gpu-threads", o.gpu_threads, "CPU backend threads of the gpu_worker (0 = all)");
   st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");
   st->add_option("--logits-dump", o.logits_dump, "coordinator writes each sampled row's logits here (tests)");

@@ -1,5 +1,7 @@
 // moraine-cpu-expert-worker: computes the routed experts it owns (expert_owner() in
-// coordinator/group_layout.h) from the RAM arena into the exchange segment's expert_out rows.
+// coordinator/group_layout.h) that the placement plan did not put in VRAM, into the exchange
+// segment's expert_out rows: RAM-tier ones from their arena slots, FILE-tier ones after the
+// io_worker has read them from the model file into this worker's staging slots.
 // Two ways in, both always served: the request doorbell (default hand-off: the gpu_worker writes
 // ExpertRequest and rings; this process derives the same ExpertPlan from the published routing)
 // and ZeroMQ ExpertJobList descriptors (the reference path, --handoff zmq on the coordinator).
@@ -11,6 +13,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <chrono>
 #include <iostream>
 #include <mutex>
@@ -19,6 +22,8 @@
 #include "common/messaging/job_channel.h"
 #include "common/model/model.h"
 #include "common/reference/moe_parts.h"
+#include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/thread_pool.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
 #include "coordinator/control_server.h"
@@ -30,40 +35,54 @@ namespace {
 using namespace moraine;
 using Clock = std::chrono::steady_clock;
 
+// How long one FILE-tier fetch may take before the worker gives up on it, and one attempt's
+// wait: a restarted io_worker binds the same endpoint, so a timed-out request is re-sent on a
+// fresh socket until the deadline (reads only write this worker's own staging slots).
+constexpr auto kFetchDeadline = std::chrono::seconds(60);
+constexpr auto kFetchAttempt = std::chrono::seconds(10);
+
 class ExpertWorker {
  public:
-  ExpertWorker(const group::GroupManifest& man, int index, int threads)
+  ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
+               const std::vector<int>& cpus)
       : man_(man), index_(index), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
-        al_(group::ArenaLayout::build(model_)), pool_(threads) {
+        plan_(group::PlacementPlan::read(man.placement_path, group::model_sizes(model_, 0))),
+        al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus),
+        io_endpoint_(group::jobs_endpoint(socket_dir, group::kIoWorkerInstance)) {
     const model::HParams& hp = model_.hp;
     if (index_ < 0 || index_ >= man.n_cpu_workers) {
       throw std::runtime_error("--index " + std::to_string(index_) + " is outside the group's " +
                                std::to_string(man.n_cpu_workers) + " cpu workers");
     }
+    if (plan_.n_cpu_workers != man.n_cpu_workers) {
+      throw std::runtime_error("placement plan " + man.placement_path + " is for " + std::to_string(plan_.n_cpu_workers) +
+                               " cpu workers, the manifest says " + std::to_string(man.n_cpu_workers));
+    }
     if (exchange_.data_bytes() < xl_.layout.total_bytes() || arena_.data_bytes() < al_.total_bytes) {
       throw std::runtime_error("exchange or arena segment is smaller than this model's layout");
     }
     const int64_t max_slots = int64_t{man.max_tokens} * hp.n_expert_used;
-    plan_.reserve(hp.n_expert, max_slots);
-    xg_.resize(static_cast<size_t>(man.max_tokens * hp.n_embd));
+    plan_exp_.reserve(hp.n_expert, max_slots);
+    // Gathered input rows of every expert of one layer (the batched kernel takes them at once).
+    xg_.resize(static_cast<size_t>(max_slots * hp.n_embd));
+    ffn_.reserve(static_cast<int>(max_slots), hp.n_embd, hp.n_ff_exp, static_cast<int>(hp.n_expert));
+    fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
+    fast_jobs_.reserve(static_cast<size_t>(hp.n_expert));
     scratch_.reserve(man.max_tokens, hp.n_ff_exp);
-    for (int64_t il = 0; il < hp.n_layer; ++il) {
-      std::array<model::ExpertTensor, 3> t;
-      for (int w = 0; w < 3; ++w) t[w] = al_.bind(model_, il, w, arena_.data());
-      experts_.push_back(t);
-    }
-    expert_bytes_ = static_cast<uint64_t>(experts_[0][0].expert(0).n_rows * experts_[0][0].all.row_bytes +
-                                          experts_[0][1].expert(0).n_rows * experts_[0][1].all.row_bytes +
-                                          experts_[0][2].expert(0).n_rows * experts_[0][2].all.row_bytes);
+    rows_.reserve(static_cast<size_t>(max_slots));
+    work_.reserve(static_cast<size_t>(hp.n_expert));
+    batch_.reserve(static_cast<size_t>(plan_.staging_slots));
+    const group::ModelSizes sizes = group::model_sizes(model_, 0);
+    expert_bytes_ = sizes.expert_bytes;
   }
 
   messaging::JobLimits limits() const {
     return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
             static_cast<uint32_t>(model_.hp.n_layer), static_cast<uint32_t>(model_.hp.n_expert),
-            static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(model_.hp.n_embd * sizeof(float))};
+            static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(model_.hp.n_embd * sizeof(float)), {}};
   }
 
   // Doorbell path: returns false when it gave up waiting (caller checks liveness and shutdown).
@@ -86,22 +105,31 @@ class ExpertWorker {
     }
     const int64_t k = model_.hp.n_expert_used;
     const int64_t d = model_.hp.n_embd;
-    plan_.build(xl_.region("chosen").at<const int32_t>(exchange_.data()), r->n_tokens * k, model_.hp.n_expert);
-    const float* hidden = xl_.region("hidden").at<const float>(exchange_.data());
+    plan_exp_.build(xl_.region("chosen").at<const int32_t>(exchange_.data()), r->n_tokens * k, model_.hp.n_expert);
     float* out = xl_.region("expert_out").at<float>(exchange_.data());
-    uint64_t computed = 0;
+    work_.clear();
+    rows_.clear();
     for (int64_t e = 0; e < model_.hp.n_expert; ++e) {
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_.count(e) == 0) continue;
-      const int32_t m = plan_.count(e);
-      for (int32_t j = 0; j < m; ++j) {
-        const int64_t t = plan_.slot_of[plan_.start[e] + j] / k;
-        std::copy_n(hidden + t * d, d, xg_.data() + j * d);
+      // VRAM-tier experts are the gpu_worker's (Backend::routed_experts).
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 ||
+          plan_.at(r->layer, e) == group::Tier::kVram) {
+        continue;
       }
-      compute(r->layer, e, m, out + int64_t{plan_.start[e]} * d);
-      ++computed;
+      const int32_t m = plan_exp_.count(e);
+      work_.push_back({static_cast<int32_t>(e), static_cast<int32_t>(rows_.size()), m, out + int64_t{plan_exp_.start[e]} * d});
+      for (int32_t j = 0; j < m; ++j) rows_.push_back(static_cast<int32_t>(plan_exp_.slot_of[plan_exp_.start[e] + j] / k));
+    }
+    try {
+      run_work(r->layer, xl_.region("hidden").at<const float>(exchange_.data()), seq);
+    } catch (const std::exception& e) {
+      // Not answered: the gpu_worker times out and the coordinator re-issues the step; until
+      // then the request is retried here (a restarted io_worker may serve it).
+      std::cerr << "cpu_expert_worker " << index_ << ": layer " << r->layer << ": " << e.what() << "\n";
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return true;
     }
     done->ring(seq);
-    stage.record(r->n_tokens, computed, computed * expert_bytes_, us_since(t0));
+    stage.record(r->n_tokens, work_.size(), work_bytes(r->layer), us_since(t0));
     return true;
   }
 
@@ -109,35 +137,161 @@ class ExpertWorker {
   void serve_jobs(const jobs::ExpertJobList& list, jobs::JobReply& reply, group::StageRecorder& stage) {
     const auto t0 = Clock::now();
     std::lock_guard lock(compute_mu_);
-    const int64_t d = model_.hp.n_embd;
-    const float* hidden = reinterpret_cast<const float*>(exchange_.data() + list.activations().offset());
     std::byte* outputs = exchange_.data() + list.outputs().offset();
+    work_.clear();
+    rows_.clear();
     for (const jobs::ExpertJob& job : list.jobs()) {
-      if (group::expert_owner(job.expert_id(), man_.n_cpu_workers) != index_) {
-        throw std::runtime_error("expert " + std::to_string(job.expert_id()) + " is not placed on cpu worker " +
-                                 std::to_string(index_));
+      const int64_t e = job.expert_id();
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_.at(list.layer(), e) == group::Tier::kVram) {
+        throw std::runtime_error("expert " + std::to_string(e) + " of layer " + std::to_string(list.layer()) +
+                                 " is not placed on cpu worker " + std::to_string(index_));
       }
-      const int m = job.token_rows_size();
-      for (int j = 0; j < m; ++j) std::copy_n(hidden + int64_t{job.token_rows(j)} * d, d, xg_.data() + j * d);
-      compute(list.layer(), job.expert_id(), m, reinterpret_cast<float*>(outputs + job.output_offset()));
+      work_.push_back({static_cast<int32_t>(e), static_cast<int32_t>(rows_.size()), job.token_rows_size(),
+                       reinterpret_cast<float*>(outputs + job.output_offset())});
+      for (uint32_t t : job.token_rows()) rows_.push_back(static_cast<int32_t>(t));
     }
+    run_work(list.layer(), reinterpret_cast<const float*>(exchange_.data() + list.activations().offset()), list.step_seq());
     reply.set_done_seq(list.done_seq());
-    stage.record(list.n_tokens(), static_cast<uint64_t>(list.jobs_size()),
-                 static_cast<uint64_t>(list.jobs_size()) * expert_bytes_, us_since(t0));
+    stage.record(list.n_tokens(), work_.size(), work_bytes(list.layer()), us_since(t0));
   }
 
   uint64_t shm_mapped() const { return exchange_.data_bytes() + arena_.data_bytes(); }
 
+  void stats(control::StatsReply& r) const {
+    r.set_shm_mapped_bytes(shm_mapped());
+    auto& c = *r.mutable_counters();
+    c["experts_ram"] = experts_ram_.load();
+    c["experts_file"] = experts_file_.load();
+    c["file_fetches"] = fetches_.load();
+    c["file_bytes_fetched"] = fetched_bytes_.load();
+  }
+
  private:
+  // One expert of the current layer: its token rows are rows_[first .. first + m), its output
+  // rows go to y.
+  struct Work {
+    int32_t expert, first, m;
+    float* y;
+  };
+
   static double us_since(Clock::time_point t0) {
     return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   }
   shm::Doorbell* bell(size_t i) const {
     return shm::Doorbell::at(exchange_.data() + xl_.region("bells").offset + i * sizeof(shm::Doorbell));
   }
-  void compute(int64_t il, int64_t e, int64_t m, float* y) {
-    const auto& t = experts_[il];
-    reference::swiglu_expert(t[0].expert(e), t[1].expert(e), t[2].expert(e), xg_.data(), m, y, scratch_, pool_);
+  uint64_t work_bytes(int64_t il) const { return work_.size() * expert_bytes_[static_cast<size_t>(il)]; }
+
+  // RAM-tier experts straight from their arena slots; FILE-tier ones in batches of the staging
+  // slots: one ReadJobList per batch (gate, up, down of each), wait for the io_worker, compute.
+  void run_work(int64_t il, const float* hidden, uint64_t step_seq) {
+    begin_compute();
+    for (const Work& w : work_) {
+      if (plan_.at(il, w.expert) != group::Tier::kRam) continue;
+      add_compute(bind(il, w.expert, al_.ram_slot(il, w.expert)), w, hidden);
+      ++experts_ram_;
+    }
+    finish_compute();
+    batch_.clear();
+    for (const Work& w : work_) {
+      if (plan_.at(il, w.expert) != group::Tier::kFile) continue;
+      batch_.push_back(&w);
+      if (static_cast<int64_t>(batch_.size()) == plan_.staging_slots) flush_file_batch(il, hidden, step_seq);
+    }
+    if (!batch_.empty()) flush_file_batch(il, hidden, step_seq);
+  }
+
+  void flush_file_batch(int64_t il, const float* hidden, uint64_t step_seq) {
+    envelope_.Clear();
+    envelope_.set_version(messaging::kJobProtocolVersion);
+    envelope_.set_seq(++io_seq_);
+    jobs::ReadJobList& list = *envelope_.mutable_read_jobs();
+    list.set_step_seq(step_seq);
+    list.set_layer(static_cast<uint32_t>(il));
+    uint64_t bytes = 0;
+    for (size_t j = 0; j < batch_.size(); ++j) {
+      const group::ArenaLayout::ExpertSlot slot = al_.staging_slot(model_, il, index_, static_cast<int64_t>(j));
+      for (int part = 0; part < 3; ++part) {
+        const group::FileRange fr = group::expert_file_range(model_, il, batch_[j]->expert, part);
+        jobs::ReadRange* r = list.add_ranges();
+        r->set_file_index(fr.file_index);
+        r->set_file_offset(fr.offset);
+        r->mutable_dest()->set_segment_id(group::kArenaSegmentId);
+        r->mutable_dest()->set_offset(slot.offset[part]);
+        r->mutable_dest()->set_length(fr.bytes);
+        bytes += fr.bytes;
+      }
+    }
+    fetch();
+    ++fetches_;
+    fetched_bytes_ += bytes;
+    begin_compute();
+    for (size_t j = 0; j < batch_.size(); ++j) {
+      const Work& w = *batch_[j];
+      add_compute(bind(il, w.expert, al_.staging_slot(model_, il, index_, static_cast<int64_t>(j))), w, hidden);
+      ++experts_file_;
+    }
+    finish_compute();
+    batch_.clear();
+  }
+
+  void fetch() {
+    const auto until = Clock::now() + kFetchDeadline;
+    std::string error;
+    while (Clock::now() < until) {
+      if (!io_) io_ = std::make_unique<messaging::JobClient>(zmq_, io_endpoint_);
+      error = io_->call(envelope_, io_reply_, kFetchAttempt);
+      if (error.empty()) {
+        if (io_reply_.status() != jobs::JOB_OK) {
+          throw std::runtime_error(std::string(group::kIoWorkerInstance) + " refused layer " +
+                                   std::to_string(envelope_.read_jobs().layer()) + " reads: " + io_reply_.error());
+        }
+        return;
+      }
+      io_.reset();   // a REQ socket that timed out cannot send again
+    }
+    throw std::runtime_error(std::string(group::kIoWorkerInstance) + ": " + error);
+  }
+
+  std::array<model::Matrix, 3> bind(int64_t il, int64_t e, const group::ArenaLayout::ExpertSlot& slot) const {
+    return group::ArenaLayout::bind(model_, il, e, slot, arena_.data());
+  }
+
+  // Quantized experts go to the production kernels (kernels/cpu/expert_ffn.h), all of one pass
+  // in one run_experts call (two pool phases per pass instead of two per expert: 8 Q4_K experts
+  // at 1 token took 5.8 ms that way against 12.5 ms one by one on the loaded 2-core box). Their
+  // numbers are reference::swiglu_expert's bit for bit for the K-quants; for Q8_0 / MXFP4 each
+  // dot is summed in another order (within twice the summation bound). Float experts (F32,
+  // F16, BF16: test files, not what people run) keep the reference kernel, bit for bit.
+  static bool production_kernel_for(const std::array<model::Matrix, 3>& t) {
+    for (const model::Matrix& m : t) {
+      if (m.type == TensorType::F32 || m.type == TensorType::F16 || m.type == TensorType::BF16) return false;
+    }
+    return true;
+  }
+
+  void begin_compute() {
+    fast_weights_.clear();
+    fast_jobs_.clear();
+    gathered_ = 0;
+  }
+
+  void add_compute(const std::array<model::Matrix, 3>& t, const Work& w, const float* hidden) {
+    const int64_t d = model_.hp.n_embd;
+    float* x = xg_.data() + gathered_ * d;
+    for (int32_t j = 0; j < w.m; ++j) std::copy_n(hidden + int64_t{rows_[static_cast<size_t>(w.first + j)]} * d, d, x + j * d);
+    gathered_ += w.m;
+    if (!production_kernel_for(t)) {
+      reference::swiglu_expert(t[0], t[1], t[2], x, w.m, w.y, scratch_, pool_);
+      return;
+    }
+    // fast_weights_ has capacity n_expert (reserved), so the pointers jobs hold stay valid.
+    fast_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
+    fast_jobs_.push_back({&fast_weights_.back(), x, w.m, w.y});
+  }
+
+  void finish_compute() {
+    if (!fast_jobs_.empty()) ffn_.run_experts(fast_jobs_, fast_pool_);
   }
 
   group::GroupManifest man_;
@@ -145,19 +299,36 @@ class ExpertWorker {
   model::Model model_;   // shapes and types; the expert bytes used are the arena's
   shm::ShmSegment exchange_, arena_;
   group::ExchangeLayout xl_;
+  group::PlacementPlan plan_;
   group::ArenaLayout al_;
-  reference::ThreadPool pool_;
-  std::vector<std::array<model::ExpertTensor, 3>> experts_;
-  group::ExpertPlan plan_;
+  reference::ThreadPool pool_;     // float experts (reference kernel)
+  cpu::ThreadPool fast_pool_;      // quantized experts: one pinned thread per core of --cpus
+  cpu::MoeFfn ffn_;
+  std::vector<cpu::ExpertWeights> fast_weights_;
+  std::vector<cpu::MoeFfn::ExpertJob> fast_jobs_;
+  int64_t gathered_ = 0;           // rows of xg_ in use in the current pass
+  group::ExpertPlan plan_exp_;
   std::vector<float> xg_;
   reference::ExpertScratch scratch_;
-  uint64_t expert_bytes_ = 0;
+  std::vector<uint64_t> expert_bytes_;   // [layer]
+  std::vector<int32_t> rows_;
+  std::vector<Work> work_;
+  std::vector<const Work*> batch_;
   std::mutex compute_mu_;
+  std::string io_endpoint_;
+  zmq::context_t zmq_{1};
+  std::unique_ptr<messaging::JobClient> io_;
+  jobs::JobEnvelope envelope_;
+  jobs::JobReply io_reply_;
+  uint64_t io_seq_ = 0;
+  std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0};
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads) {
+  std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
+    pinned = list;
     cpu_set_t set;
     CPU_ZERO(&set);
     for (int c : list) CPU_SET(c, &set);
@@ -181,8 +352,18 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
   control.start();
 
   const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir));
-  ExpertWorker worker(man, index, threads);
-  control.set_stats_hook([&](control::StatsReply& r) { r.set_shm_mapped_bytes(worker.shm_mapped()); });
+  if (pinned.empty()) {
+    // No --cpus: every CPU this process may run on (after --numa-node), one pool thread each.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) throw std::runtime_error("sched_getaffinity failed");
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) pinned.push_back(c);
+    }
+  }
+  if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
+  ExpertWorker worker(socket_dir, man, index, threads, pinned);
+  control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
   control.set_state(control::SERVING);
@@ -224,7 +405,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"moraine-cpu-expert-worker: routed experts from the RAM arena"};
+  CLI::App app{"moraine-cpu-expert-worker: routed experts from the RAM arena and, via the io_worker, the model file"};
   std::string socket_dir, cpus;
   int index = 0, numa_node = -1, threads = 0;
   app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();

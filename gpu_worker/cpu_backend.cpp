@@ -6,6 +6,9 @@
 #include "common/reference/executor.h"
 #include "common/reference/moe_parts.h"
 #include "gpu_worker/backend.h"
+#ifdef MORAINE_HAVE_CUDA
+#include "gpu_worker/cuda_backend.h"
+#endif
 
 namespace moraine::gpu_worker {
 
@@ -78,8 +81,12 @@ std::unique_ptr<Backend> make_backend(const std::string& kind, int device, const
                                       int max_tokens, int threads) {
   if (kind == "cpu") return std::make_unique<CpuBackend>(m, max_tokens, threads);
   if (kind == "cuda") {
-    throw std::runtime_error("--backend cuda: the CUDA backend is not built yet (device " +
-                             std::to_string(device) + "); use --backend cpu");
+#ifdef MORAINE_HAVE_CUDA
+    return make_cuda_backend(m, device, max_tokens, std::max<int64_t>(kDefaultCudaContext, max_tokens));
+#else
+    throw std::runtime_error("--backend cuda: this build has no CUDA (nvcc was not found at configure time; "
+                             "device " + std::to_string(device) + "); use --backend cpu");
+#endif
   }
   throw std::runtime_error("--backend " + kind + ": expected cpu or cuda");
 }

@@ -2,8 +2,10 @@
 // descriptor over ZeroMQ: one hop per step, not per layer). Per layer: mixer + router on the
 // backend, routing published in the exchange segment, the cpu_expert_workers handed the layer
 // (doorbells by default, ZeroMQ ExpertJobList with the manifest's zmq_handoff), their outputs
-// summed with the shared expert. Logits go to the exchange segment's logits rows.
+// summed with the shared expert. Experts the placement plan put in VRAM are computed here, by
+// the backend, while the cpu workers compute theirs. Logits go to the exchange segment's logits rows.
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <chrono>
 #include <iostream>
 
@@ -36,8 +38,13 @@ class StepRunner {
              const model::Model& m, group::StageRecorder& step_stage, group::StageRecorder& handoff_stage)
       : man_(man), m_(m), backend_(std::move(backend)), exchange_(shm::ShmSegment::open(man.exchange_locator)),
         xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
+        placement_(group::PlacementPlan::read(man.placement_path, group::model_sizes(m, 0))),
         step_stage_(step_stage), handoff_stage_(handoff_stage) {
     if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
+    for (int64_t il = 0; il < m.hp.n_layer; ++il) vram_experts_.push_back(placement_.experts_in(il, group::Tier::kVram));
+    // The CPU backend reads every expert from the mapped model; a device backend will upload
+    // these (and only these) at load.
+    std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts\n";
     const int64_t k = m.hp.n_expert_used;
     x_.resize(static_cast<size_t>(man.max_tokens * m.hp.n_embd));
     slot_rows_.resize(static_cast<size_t>(man.max_tokens * k));
@@ -50,11 +57,12 @@ class StepRunner {
   }
 
   uint64_t shm_mapped() const { return exchange_.data_bytes(); }
+  uint64_t experts_vram() const { return experts_vram_.load(); }
 
   messaging::JobLimits limits() const {
     return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
             static_cast<uint32_t>(m_.hp.n_layer), static_cast<uint32_t>(m_.hp.n_expert),
-            static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(m_.hp.n_embd * sizeof(float))};
+            static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(m_.hp.n_embd * sizeof(float)), {}};
   }
 
   void run(const jobs::LayerStep& step, jobs::JobReply& reply) {
@@ -81,17 +89,22 @@ class StepRunner {
     float* hidden = xl_.region("hidden").at<float>(base);
     int32_t* chosen = xl_.region("chosen").at<int32_t>(base);
     float* weights = xl_.region("weights").at<float>(base);
-    const float* expert_out = xl_.region("expert_out").at<const float>(base);
+    float* expert_out = xl_.region("expert_out").at<float>(base);
     backend_->embed(xl_.region("tokens").at<const int32_t>(base), n, x_.data());
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
       backend_->mixer(il, x_.data(), n, hidden);
       backend_->route(il, hidden, n, chosen, weights);
       plan_.build(chosen, n * k, m_.hp.n_expert);
       const auto th = Clock::now();
+      // The VRAM-tier experts are computed here while the cpu workers compute theirs (doorbell
+      // path: after the bells; zmq path: before the workers' job lists, which go one by one).
       if (man_.zmq_handoff) {
+        vram_experts(il, hidden, n, expert_out);
         handoff_zmq(step.step_seq(), il, n);
       } else {
-        handoff_doorbell(il, n);
+        ring_workers(il, n);
+        vram_experts(il, hidden, n, expert_out);
+        wait_workers(il);
       }
       handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(n * k), 0, us_since(th));
       for (int64_t i = 0; i < n * k; ++i) slot_rows_[i] = expert_out + int64_t{plan_.row_of[i]} * d;
@@ -110,12 +123,22 @@ class StepRunner {
     return shm::Doorbell::at(exchange_.data() + xl_.region("bells").offset + i * sizeof(shm::Doorbell));
   }
 
-  void handoff_doorbell(int64_t il, int64_t n) {
+  void vram_experts(int64_t il, const float* hidden, int64_t n, float* expert_out) {
+    const std::vector<int32_t>& ids = vram_experts_[static_cast<size_t>(il)];
+    if (ids.empty()) return;
+    backend_->routed_experts(il, hidden, n, plan_, ids, expert_out);
+    for (int32_t e : ids) experts_vram_ += plan_.count(e) > 0 ? 1 : 0;
+  }
+
+  void ring_workers(int64_t il, int64_t n) {
     auto* req = xl_.region("expert_req").at<group::ExpertRequest>(exchange_.data());
     req->seq = ++expert_seq_;
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
     for (int w = 0; w < man_.n_cpu_workers; ++w) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
+  }
+
+  void wait_workers(int64_t il) {
     for (int w = 0; w < man_.n_cpu_workers; ++w) {
       if (bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline) != shm::WaitResult::kReady) {
         throw std::runtime_error("layer " + std::to_string(il) + ": " + group::cpu_worker_instance(w) +
@@ -151,7 +174,10 @@ class StepRunner {
       set_ref(list.mutable_outputs(), out.offset, uint64_t(n * k) * row_bytes);
       list.set_done_seq(expert_seq_);
       for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
-        if (group::expert_owner(e, man_.n_cpu_workers) != w || plan_.count(e) == 0) continue;
+        if (group::expert_owner(e, man_.n_cpu_workers) != w || plan_.count(e) == 0 ||
+            placement_.at(il, e) == group::Tier::kVram) {
+          continue;
+        }
         jobs::ExpertJob* job = list.add_jobs();
         job->set_expert_id(static_cast<uint32_t>(e));
         job->set_output_offset(uint64_t(plan_.start[e]) * row_bytes);
@@ -184,6 +210,9 @@ class StepRunner {
   std::unique_ptr<gpu_worker::Backend> backend_;
   shm::ShmSegment exchange_;
   group::ExchangeLayout xl_;
+  group::PlacementPlan placement_;
+  std::vector<std::vector<int32_t>> vram_experts_;   // [layer] ascending
+  std::atomic<uint64_t> experts_vram_{0};
   group::StageRecorder& step_stage_;
   group::StageRecorder& handoff_stage_;
   std::vector<float> x_;
@@ -211,7 +240,10 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
   const model::Model model = model::Model::load(man.model_path);
   StepRunner runner(socket_dir, man, gpu_worker::make_backend(backend_kind, device, model, man.max_tokens, threads),
                     model, step_stage, handoff_stage);
-  control.set_stats_hook([&](control::StatsReply& r) { r.set_shm_mapped_bytes(runner.shm_mapped()); });
+  control.set_stats_hook([&](control::StatsReply& r) {
+    r.set_shm_mapped_bytes(runner.shm_mapped());
+    (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
+  });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), runner.limits());
   control.set_state(control::SERVING);

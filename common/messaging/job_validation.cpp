@@ -86,6 +86,32 @@ std::string validate_expert_jobs(const moraine::jobs::ExpertJobList& list, const
   return {};
 }
 
+std::string validate_read_jobs(const moraine::jobs::ReadJobList& list, const JobLimits& limits) {
+  if (list.layer() >= limits.n_layers) {
+    return "read_jobs.layer " + std::to_string(list.layer()) + " is not below the layer count " +
+           std::to_string(limits.n_layers);
+  }
+  if (list.ranges_size() == 0) return "read_jobs: no ranges";
+  for (int i = 0; i < list.ranges_size(); ++i) {
+    const auto& range = list.ranges(i);
+    const std::string where = "read_jobs.ranges[" + std::to_string(i) + "]";
+    std::string error = check_ref(range.dest(), 1, limits, (where + ".dest").c_str());
+    if (!error.empty()) return error;
+    if (range.file_index() >= limits.file_bytes.size()) {
+      return where + ".file_index " + std::to_string(range.file_index()) + " is not below the file count " +
+             std::to_string(limits.file_bytes.size());
+    }
+    const std::uint64_t file = limits.file_bytes[range.file_index()];
+    const std::uint64_t length = range.dest().length();
+    if (length > file || range.file_offset() > file - length) {
+      return where + ": file range [" + std::to_string(range.file_offset()) + ", +" + std::to_string(length) +
+             ") runs past the end of file " + std::to_string(range.file_index()) + " of " + std::to_string(file) +
+             " bytes";
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 std::string validate_job(const moraine::jobs::JobEnvelope& job, const JobLimits& limits) {
@@ -93,6 +119,7 @@ std::string validate_job(const moraine::jobs::JobEnvelope& job, const JobLimits&
     case moraine::jobs::JobEnvelope::kLayerStep: return validate_layer_step(job.layer_step(), limits);
     case moraine::jobs::JobEnvelope::kExpertJobs: return validate_expert_jobs(job.expert_jobs(), limits);
     case moraine::jobs::JobEnvelope::kPing: return {};
+    case moraine::jobs::JobEnvelope::kReadJobs: return validate_read_jobs(job.read_jobs(), limits);
     case moraine::jobs::JobEnvelope::BODY_NOT_SET: break;
   }
   return "job descriptor has no body";

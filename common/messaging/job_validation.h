@@ -22,6 +22,7 @@ struct JobLimits {
   std::uint32_t n_experts = 0;
   std::uint32_t max_tokens = 0;   // rows in one step (prefill chunk size)
   std::uint32_t max_row_bytes = 0;
+  std::vector<std::uint64_t> file_bytes{};   // read_jobs: size of each model file (shard), by file_index
 };
 
 // Empty when the job is acceptable, else what is wrong and where (field path and values).

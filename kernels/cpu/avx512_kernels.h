@@ -24,9 +24,14 @@ float dot_q5_k(int64_t n, const void* w, const void* a);
 float dot_q6_k(int64_t n, const void* w, const void* a);
 
 // Tier Avx512Vnni: matvec_avx512.cpp. Four consecutive rows (row_stride bytes apart) times
-// n_tok activation rows acts[t]: y[t * y_stride + r] for r in 0..3. Q4_K is bitwise dot_q4_k;
-// Q8_0 / MXFP4 are within the per-row kernels' summation bound. Used by matvec_tokens.
+// n_tok activation rows acts[t]: y[t * y_stride + r] for r in 0..3. The k-quants are bitwise
+// their per-row kernels; Q8_0 / MXFP4 are within the per-row kernels' summation bound. Used
+// by matvec_tokens.
 void q4_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
+void q5_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);  // bitwise dot_q5_k
+void q2_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);  // bitwise dot_q2_k
+void q3_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);  // bitwise dot_q3_k
+void q6_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);  // bitwise dot_q6_k
 void q8_0_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
 void mxfp4_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
 

@@ -13,14 +13,18 @@ namespace moraine::cpu {
 // dot_activation_type(type). Rows are taken outermost and tokens innermost, so a weight row is
 // read from DRAM once and the other tokens find it in L1: the bytes moved per call do not grow
 // with n_tok (the decode / speculative-verify case). Uses the best kernel up to the ISA cap; on
-// the VNNI tiers Q4_K, Q8_0 and MXFP4 run as register-blocked tiles of 4 rows x up to 4 tokens
-// (matvec_avx512.cpp), which unpack each weight block once per token group.
-// From amx_min_tokens() (kPrefillTokens) tokens on, on the Amx tier, Q8_0/MXFP4/Q4_K/Q5_K go through AMX int8
-// tiles instead (16 rows x 16 tokens per tile product; matmul_amx.cpp). Every path equals the
+// the VNNI tiers Q2_K..Q6_K, Q8_0 and MXFP4 run as register-blocked tiles of 4 rows x up to 4
+// tokens (matvec_avx512.cpp), which unpack each weight block once per token group.
+// From amx_min_tokens() (kPrefillTokens) tokens on, on the Amx tier, Q8_0/MXFP4/Q4_K/Q5_K go
+// through AMX int8 tiles instead (16 rows x 16 tokens per tile product; matmul_amx.cpp). Every path equals the
 // per-row kernels' contract (tests/cpu_kernels).
 void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
                    size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride);
 
+// Measured on the 16-core Xeon (moraine-kernel-bench cpu, expert FFN GB/s at 2 / 4 / 8 / 16
+// tokens, VNNI tiles vs the AMX path forced from 2 tokens): Q4_K 53 / 43 / 27 / 15 vs 16 / 14 /
+// 12 / 11; Q8_0 68 / 56 / 35 / 20 vs 33 / 31 / 23 / 17; MXFP4 44 / 33 / 18 / 10 vs 16 / 12 /
+// 10 / 8. AMX loses at every verify size, so the threshold stays at 32.
 inline constexpr int kPrefillTokens = 32;
 
 // Moves the AMX threshold (default kPrefillTokens; clamped to >= 1), process-wide, for A/B runs
@@ -28,6 +32,17 @@ inline constexpr int kPrefillTokens = 32;
 // Results are the same either way (every path meets the same contract); only speed changes.
 void set_amx_min_tokens(int n_tok);
 int amx_min_tokens();
+
+// Software prefetch ahead of the weight rows matvec_tokens streams: prefetcht0 `l1_bytes`
+// ahead and prefetcht1 (into L2) `l2_bytes` ahead (0: off). Process-wide, for the benches'
+// A/B runs (--prefetch-l1/--prefetch-l2); results do not depend on it. The defaults and the
+// measurements that chose them are in matvec.cpp.
+struct MatvecPrefetch {
+  size_t l1_bytes = 4096;
+  size_t l2_bytes = 0;
+};
+void set_matvec_prefetch(MatvecPrefetch p);
+MatvecPrefetch matvec_prefetch();
 
 // Whether matvec_tokens takes the AMX path for this type and token count right now.
 bool matvec_uses_amx(TensorType type, int n_tok);

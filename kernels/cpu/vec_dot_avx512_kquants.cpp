@@ -10,6 +10,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cpu/avx512_kernels.h"
+#include "kernels/cpu/kquant_avx512_unpack.h"
 
 namespace moraine::cpu::avx512 {
 namespace {
@@ -35,34 +36,6 @@ inline int scaled_bsums(__m128i scales16_i8, const int16_t* bsums) {
   const __m256i s = _mm256_cvtepi8_epi16(scales16_i8);
   const __m256i prod = _mm256_madd_epi16(s, load256(bsums));
   return _mm512_reduce_add_epi32(_mm512_zextsi256_si512(prod));
-}
-
-// 2-bit fields of 32 bytes at shifts (s_lo for the lower 32 lanes, s_hi for the upper).
-inline __m512i two_bits(__m512i bytes, int s_lo, int s_hi) {
-  const __m512i shifts = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(static_cast<short>(s_lo)), _mm512_set1_epi16(static_cast<short>(s_hi)));
-  return _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi8(3));
-}
-
-// Mask of bytes whose bit b_lo (lower 32 lanes) or b_hi (upper 32 lanes) is set.
-inline __mmask64 bit_set(__m512i bytes, int b_lo, int b_hi) {
-  const __m512i sel = join256(_mm256_set1_epi8(static_cast<char>(1 << b_lo)), _mm256_set1_epi8(static_cast<char>(1 << b_hi)));
-  return _mm512_test_epi8_mask(bytes, sel);
-}
-
-// The sixteen Q3_K scales (minus their bias of 32) as int8 lanes: low nibbles from bytes 0..7
-// (scales 0..7) and their high nibbles (scales 8..15); the top two bits of scale j sit in
-// byte 8 + j%4 at bit 2*(j/4), i.e. one shift amount per group of four lanes = per dword.
-inline __m128i q3k_scales(const uint8_t* packed) {
-  // 8 + 4 byte loads straight into the register: a stack copy read back as 16 bytes stalls
-  // store forwarding (measured: q3_k 5.6 -> 17 GB/s).
-  uint32_t tail;
-  std::memcpy(&tail, packed + 8, 4);
-  const __m128i bytes = _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)), static_cast<int>(tail), 2);
-  const __m128i nib = _mm_set1_epi8(0x0f);
-  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-  const __m128i top_src = _mm_shuffle_epi8(bytes, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
-  const __m128i top = _mm_and_si128(_mm_srlv_epi32(top_src, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
-  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
 }
 
 // Q4_K/Q5_K: the 8 scales and 8 mins, unpacked with 32-bit word arithmetic. Words u0, u1, u2 of

@@ -184,6 +184,8 @@ bool matvec_supported(TensorType weight) {
     case TensorType::Q5_K:
     case TensorType::Q6_K:
     case TensorType::MXFP4:
+    case TensorType::Q2_K:
+    case TensorType::Q3_K:
       return true;
     default:
       return false;
@@ -203,9 +205,13 @@ void matvec_quantized_batched(TensorType weight, const void* w, int64_t rows, in
       return launch_format<FormatQ6_K>(weight, w, rows, n, act, y, batch, stream);
     case TensorType::MXFP4:
       return launch_format<FormatMXFP4>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::Q2_K:
+      return launch_format<FormatQ2_K>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::Q3_K:
+      return launch_format<FormatQ3_K>(weight, w, rows, n, act, y, batch, stream);
     default:
       throw std::invalid_argument("matvec: no CUDA kernel for weight type " + std::string(type_name(weight)) +
-                                  " (supported: q8_0, q4_k, q5_k, q6_k, mxfp4)");
+                                  " (supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4)");
   }
 }
 

@@ -4,7 +4,8 @@
 // contribution with the reference's exact float expression, using the _rn intrinsics so nvcc
 // cannot fuse or reorder it. Scalar references (same expressions, same integer sums):
 //   Q8_0: dot_q8_0_q8_0, MXFP4: dot_mxfp4_q8_0 in common/formats/quant_legacy.cpp
-//   Q4_K, Q5_K: dot_q45_k, Q6_K: dot_q6_k_q8_k in common/formats/kquant_reference.cpp
+//   Q2_K: dot_q2_k_q8_k, Q3_K: dot_q3_k_q8_k, Q4_K, Q5_K: dot_q45_k, Q6_K: dot_q6_k_q8_k in
+//   common/formats/kquant_reference.cpp
 // Bit layouts: common/formats/block_layouts.h.
 #pragma once
 #include <cuda_fp16.h>
@@ -166,6 +167,72 @@ struct FormatQ6_K {
   }
   __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
     const float d = __fmul_rn(half_bits_to_float(*reinterpret_cast<const uint16_t*>(wb + 208)), a.d);
+    return __fmul_rn(d, __int2float_rn(isum));
+  }
+};
+
+// Q2_K: part k = elements 32k..32k+31 (h = k/4, s = k%4), i.e. sub-blocks 2k and 2k+1 of 16,
+// each with its own 4-bit scale (low nibble) and 4-bit min (high nibble). Blocks are 84 bytes,
+// so in a 4-byte aligned row every block and its qs words stay 4-byte aligned.
+struct FormatQ2_K {
+  using Act = BlockQ8_K;
+  static constexpr int kBlockBytes = sizeof(BlockQ2_K);
+  static constexpr int kParts = 8;
+  __device__ static void part(const uint8_t* wb, const Act& a, int k, int& isum, int& msum) {
+    const int h = k / 4, s = k % 4;
+    const uint8_t* qs = wb + 16 + 32 * h;
+    const int8_t* aq = a.qs + 32 * k;
+    int dot[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = (load_i32_a4(qs + 4 * i) >> (2 * s)) & 0x03030303;
+      dot[i / 4] = __dp4a(q, load_i32_a4(aq + 4 * i), dot[i / 4]);
+    }
+    const int sc0 = wb[2 * k], sc1 = wb[2 * k + 1];
+    isum = (sc0 & 0x0f) * dot[0] + (sc1 & 0x0f) * dot[1];
+    msum = (sc0 >> 4) * a.bsums[2 * k] + (sc1 >> 4) * a.bsums[2 * k + 1];
+  }
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int msum) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(wb + 80);
+    const float d = __fmul_rn(half_bits_to_float(h[0]), a.d);
+    const float dmin = __fmul_rn(half_bits_to_float(h[1]), a.d);
+    return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(msum)));
+  }
+};
+
+// Q3_K sub-block scale j: 6 bits stored biased by 32 (kquant::q3k_scale's layout).
+__device__ __forceinline__ int q3k_scale(const uint8_t* packed, int j) {
+  const int low = j < 8 ? (packed[j] & 0x0f) : (packed[j - 8] >> 4);
+  const int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Q3_K: part k as Q2_K's; value = low 2 bits + 4 * hmask bit k - 4, in -4..3. Blocks are 110
+// bytes (2-byte aligned only), hence the unaligned 16-byte loads.
+struct FormatQ3_K {
+  using Act = BlockQ8_K;
+  static constexpr int kBlockBytes = sizeof(BlockQ3_K);
+  static constexpr int kParts = 8;
+  __device__ static void part(const uint8_t* wb, const Act& a, int k, int& isum, int&) {
+    const int h = k / 4, s = k % 4;
+    int lo4[8], hm4[8];
+    load_16_unaligned(wb + 32 + 32 * h, lo4);
+    load_16_unaligned(wb + 32 + 32 * h + 16, lo4 + 4);
+    load_16_unaligned(wb, hm4);
+    load_16_unaligned(wb + 16, hm4 + 4);
+    const int8_t* aq = a.qs + 32 * k;
+    int dot[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int lo = (lo4[i] >> (2 * s)) & 0x03030303;
+      const int hi = ((hm4[i] >> k) & 0x01010101) << 2;
+      const int v = static_cast<int>(__vsub4(static_cast<unsigned>(lo | hi), 0x04040404u));  // q - 4 per byte
+      dot[i / 4] = __dp4a(v, load_i32_a4(aq + 4 * i), dot[i / 4]);
+    }
+    isum = q3k_scale(wb + 96, 2 * k) * dot[0] + q3k_scale(wb + 96, 2 * k + 1) * dot[1];
+  }
+  __device__ static float term(const uint8_t* wb, const Act& a, int isum, int) {
+    const float d = __fmul_rn(half_bits_to_float(*reinterpret_cast<const uint16_t*>(wb + 108)), a.d);
     return __fmul_rn(d, __int2float_rn(isum));
   }
 };

@@ -4,19 +4,25 @@
 //     format and tier;
 //  2. the same pipeline spelled out with the scalar reference quantizers and vec_dot_reference:
 //     bitwise equal for the k-quants, whose kernels equal the reference bitwise.
-// Layers of several experts with different token subsets must equal the sum of the experts,
-// and the result must not depend on the pool's size.
+// Activations are quantized with llama.cpp's x86 rule (the production path's choice, see
+// expert_ffn.cpp). MoeFfn::run_expert, the worker's per-expert call, must equal
+// reference::swiglu_expert bitwise for the k-quants and stay within the float reference's
+// bound for Q8_0 / MXFP4. Layers of several experts with different token subsets must equal
+// the sum of the experts, and the result must not depend on the pool's size.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "common/formats/quant.h"
+#include "common/reference/moe_parts.h"
 #include "kernels/cpu/cpu_topology.h"
 #include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/vec_dot.h"
 #include "tests/cpu_kernels/tiers.h"
 #include "tests/formats/dot_bounds.h"
@@ -64,7 +70,7 @@ Expert make_expert(TensorType gu, TensorType dn, uint32_t seed) {
 
 std::vector<float> deq_act(TensorType act, const float* x, int64_t n) {
   std::vector<uint8_t> q(row_bytes(act, n));
-  quantize_row(act, x, q.data(), n);
+  cpu::quantize_activation_row_llama_x86(act, x, q.data(), n);
   std::vector<float> d(static_cast<size_t>(n));
   dequantize_row(act, q.data(), d.data(), n);
   return d;
@@ -72,13 +78,12 @@ std::vector<float> deq_act(TensorType act, const float* x, int64_t n) {
 
 // Reference 1 for one token: value and error bound of FFN(x) (before the route weight),
 // computed in double on dequantized weights and the dequantized activation the kernels are
-// given (quantize_activation_row is bit-identical to quantize_row, tests/formats checks it).
+// given (the x86 rule; its AVX-512 and scalar versions are bit-identical, tests/reference).
 // Error terms:
 //  - gate/up/down dots: the kernels' float summation, twice the recursive-sum bound;
 //  - SwiGLU: |silu(g')u' - silu(g)u| <= L eg (|u| + eu) + |silu(g)| eu, plus a few ulps of
 //    rounding for exp, the division and the product (8u relative);
-//  - the intermediate's quantization: the reference quantizes its own h with the reference
-//    quantizer; the kernel's h' is within eh of it, so an element's code can only differ where
+//  - the intermediate's quantization: the reference quantizes its own h with the same rule; the kernel's h' is within eh of it, so an element's code can only differ where
 //    h lies within eh (plus the block step's own change) of a rounding boundary: there the
 //    value may move by one step, elsewhere only by |q| times the step's change (the step is
 //    amax/127, amax moves by at most max eh, and Q8_0 rounds the step to fp16: one more
@@ -148,18 +153,18 @@ void float_reference(const Expert& e, const float* x, std::vector<double>& y, st
   }
 }
 
-// Reference 2: the kernel's pipeline with the scalar reference pieces, in float.
+// Reference 2: the kernel's pipeline with the scalar reference dots, in float.
 std::vector<float> exact_path(const Expert& e, const float* x) {
   const TensorType at = dot_activation_type(e.w.gate_type), dt = dot_activation_type(e.w.down_type);
   std::vector<uint8_t> xq(row_bytes(at, kHidden)), hq(row_bytes(dt, kFfn));
-  quantize_row(at, x, xq.data(), kHidden);
+  cpu::quantize_activation_row_llama_x86(at, x, xq.data(), kHidden);
   std::vector<float> h(kFfn);
   for (int64_t j = 0; j < kFfn; ++j) {
     const float g = vec_dot_reference(e.w.gate_type, kHidden, e.gate.row(j), xq.data());
     const float u = vec_dot_reference(e.w.up_type, kHidden, e.up.row(j), xq.data());
     h[static_cast<size_t>(j)] = g / (1.0f + std::exp(-g)) * u;
   }
-  quantize_row(dt, h.data(), hq.data(), kFfn);
+  cpu::quantize_activation_row_llama_x86(dt, h.data(), hq.data(), kFfn);
   std::vector<float> y(kHidden);
   for (int64_t r = 0; r < kHidden; ++r) y[static_cast<size_t>(r)] = vec_dot_reference(e.w.down_type, kFfn, e.down.row(r), hq.data());
   return y;
@@ -221,6 +226,70 @@ TEST(ExpertFfn, MatchesFloatReferenceAndReferencePipeline) {
   }
 }
 
+model::Matrix as_matrix(const Mat& m) {
+  model::Matrix mm;
+  mm.type = m.type;
+  mm.n_cols = m.cols;
+  mm.n_rows = m.rows;
+  mm.row_bytes = m.rb;
+  mm.data = m.q.data();
+  return mm;
+}
+
+// The worker's call against the function it replaces, reference::swiglu_expert, on every tier.
+TEST(MoeFfn, RunExpertEqualsReferenceSwigluExpert) {
+  test::IsaCapGuard guard;
+  cpu::ThreadPool pool(cpu::allowed_cpus());
+  reference::ThreadPool ref_pool(2, 0);
+  reference::ExpertScratch scratch;
+  scratch.reserve(72, kFfn);
+  cpu::MoeFfn ffn;
+  ffn.reserve(72, kHidden, kFfn);
+  int bitwise = 0;
+  for (const FormatPair& fp : kPairs) {
+    const Expert e = make_expert(fp.gate_up, fp.down, 31 * static_cast<uint32_t>(fp.gate_up) + static_cast<uint32_t>(fp.down));
+    for (int m : {1, 2, 5, 16, 72}) {
+      std::vector<float> x(static_cast<size_t>(m * kHidden));
+      for (int t = 0; t < m; ++t) {
+        const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 7000 + static_cast<uint32_t>(t));
+        std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+      }
+      // Token 0: every 32-block has amax 127 and its other values on exact ties k + 0.5, where
+      // the x86 rule (ties to even) and ggml's reference rule (ties away) pick different q8_0
+      // codes: an expert path quantizing with the reference rule fails the bound below.
+      std::mt19937 tie_rng(4242u + static_cast<uint32_t>(m));
+      for (int64_t i = 0; i < kHidden; ++i) {
+        const float v = i % 32 == 0 ? 127.0f : static_cast<float>(tie_rng() % 40) + 0.5f;
+        x[static_cast<size_t>(i)] = (tie_rng() & 1) ? -v : v;
+      }
+      std::vector<float> want(x.size(), NAN);
+      reference::swiglu_expert(as_matrix(e.gate), as_matrix(e.up), as_matrix(e.down), x.data(), m, want.data(), scratch, ref_pool);
+      for (cpu::CpuIsa isa : test::available_tiers()) {
+        cpu::set_max_cpu_isa(isa);
+        std::vector<float> y(x.size(), NAN);  // overwritten, not accumulated
+        ffn.run_expert(e.w, x.data(), m, y.data(), pool);
+        const std::string where = std::string(type_name(fp.gate_up)) + "/" + std::string(type_name(fp.down)) + " " +
+                                  std::string(cpu::isa_name(isa)) + " m " + std::to_string(m);
+        if (kquant(fp.gate_up) && kquant(fp.down)) {
+          for (size_t k = 0; k < y.size(); ++k) ASSERT_EQ(y[k], want[k]) << where << " element " << k;
+          ++bitwise;
+          continue;
+        }
+        for (int t = 0; t < m; ++t) {
+          std::vector<double> ref, err;
+          float_reference(e, x.data() + t * kHidden, ref, err);
+          for (int64_t r = 0; r < kHidden; ++r) {
+            const size_t k = static_cast<size_t>(t * kHidden + r);
+            ASSERT_NEAR(y[k], ref[static_cast<size_t>(r)], err[static_cast<size_t>(r)]) << where << " token " << t << " row " << r;
+            ASSERT_NEAR(want[k], ref[static_cast<size_t>(r)], err[static_cast<size_t>(r)]) << where << " (reference) token " << t << " row " << r;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(bitwise, 0);
+}
+
 // A layer of experts with overlapping token subsets equals the experts applied one by one, and
 // does not depend on the number of threads (bitwise: fixed summation order).
 TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
@@ -267,6 +336,69 @@ TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
   double norm = 0;
   for (float v : y_big) norm += std::fabs(v);
   EXPECT_GT(norm, 1.0) << "the layer must produce something";
+}
+
+// A layer's experts in one call, each with its own rows and output, equal the experts run one
+// by one (bitwise), with different types and row counts (one expert without rows).
+TEST(MoeFfn, RunExpertsEqualsRunExpertPerExpert) {
+  cpu::ThreadPool pool(cpu::allowed_cpus());
+  const TensorType types[] = {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K};
+  std::vector<Expert> experts;
+  for (int i = 0; i < 4; ++i) experts.push_back(make_expert(types[i], types[(i + 2) % 4], 6100 + 13 * static_cast<uint32_t>(i)));
+  const int ms[] = {3, 1, 0, 6};
+  std::vector<std::vector<float>> xs(4), ys(4), want(4);
+  std::vector<cpu::MoeFfn::ExpertJob> jobs;
+  cpu::MoeFfn single;
+  for (int i = 0; i < 4; ++i) {
+    const size_t n = static_cast<size_t>(ms[i] * kHidden);
+    xs[static_cast<size_t>(i)].resize(n);
+    for (int t = 0; t < ms[i]; ++t) {
+      const std::vector<float> r = test::random_row(test::kAllDists[(t + i) % 3], kHidden, 300 + 10 * static_cast<uint32_t>(i) + static_cast<uint32_t>(t));
+      std::copy(r.begin(), r.end(), xs[static_cast<size_t>(i)].begin() + t * kHidden);
+    }
+    ys[static_cast<size_t>(i)].assign(n, NAN);
+    want[static_cast<size_t>(i)].assign(n, NAN);
+    single.run_expert(experts[static_cast<size_t>(i)].w, xs[static_cast<size_t>(i)].data(), ms[i], want[static_cast<size_t>(i)].data(), pool);
+    jobs.push_back({&experts[static_cast<size_t>(i)].w, xs[static_cast<size_t>(i)].data(), ms[i], ys[static_cast<size_t>(i)].data()});
+  }
+  cpu::MoeFfn layer;
+  layer.run_experts(jobs, pool);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(ys[static_cast<size_t>(i)], want[static_cast<size_t>(i)]) << "expert " << i;
+  double norm = 0;
+  for (float v : ys[0]) norm += std::fabs(v);
+  EXPECT_GT(norm, 1.0);
+  const cpu::MoeFfn::ExpertJob bad{nullptr, xs[0].data(), 3, ys[0].data()};
+  EXPECT_THROW(layer.run_experts(std::span(&bad, 1), pool), std::invalid_argument);
+}
+
+// The benches' tuning knobs (job sizes, prefetch distances) move work between jobs and lines
+// into caches earlier; they must not change a single bit of the result.
+TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
+  cpu::ThreadPool pool(cpu::allowed_cpus());
+  const cpu::FfnJobRows rows0 = cpu::ffn_job_rows();
+  const cpu::MatvecPrefetch pf0 = cpu::matvec_prefetch();
+  const Expert e = make_expert(TensorType::Q4_K, TensorType::Q6_K, 555);
+  constexpr int kTok = 5;
+  std::vector<float> x(kTok * kHidden);
+  for (int t = 0; t < kTok; ++t) {
+    const std::vector<float> r = test::random_row(test::Dist::Gaussian, kHidden, 90 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  cpu::MoeFfn ffn;
+  std::vector<float> want(x.size());
+  ffn.run_expert(e.w, x.data(), kTok, want.data(), pool);
+  const cpu::FfnJobRows job_variants[] = {{1, 1}, {7, 13}, {kFfn, kHidden}, {1000, 5000}};
+  const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 64}, {1 << 16, 1 << 16}, {4096, 0}};
+  for (int i = 0; i < 4; ++i) {
+    cpu::set_ffn_job_rows(job_variants[i]);
+    cpu::set_matvec_prefetch(pf_variants[i]);
+    std::vector<float> y(x.size(), NAN);
+    ffn.run_expert(e.w, x.data(), kTok, y.data(), pool);
+    EXPECT_EQ(y, want) << "job rows " << job_variants[i].gate_up << "/" << job_variants[i].down << ", prefetch " << pf_variants[i].l1_bytes << "/"
+                       << pf_variants[i].l2_bytes;
+  }
+  cpu::set_ffn_job_rows(rows0);
+  cpu::set_matvec_prefetch(pf0);
 }
 
 TEST(MoeFfn, RejectsBadShapesAndTokens) {

@@ -114,14 +114,15 @@ TEST_P(CudaMatvec, SelectedExpertsInOneLaunchMatchReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaMatvec,
-                         ::testing::Values(TensorType::Q8_0, TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
+                         ::testing::Values(TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
+                                           TensorType::Q5_K, TensorType::Q6_K,
                                            TensorType::MXFP4),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
 // Argument checks come before any CUDA call, so this runs without a device too.
 TEST(CudaMatvecArguments, RejectsUnsupportedTypesAndShapes) {
-  EXPECT_FALSE(cuda::matvec_supported(TensorType::Q2_K));
-  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q2_K, nullptr, 4, 256, nullptr, nullptr), std::invalid_argument);
+  EXPECT_FALSE(cuda::matvec_supported(TensorType::Q4_0));
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_0, nullptr, 4, 256, nullptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_K, nullptr, 4, 100, nullptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, nullptr, 0, 64, nullptr, nullptr), std::invalid_argument);
   const auto misaligned = reinterpret_cast<const void*>(uintptr_t{8});

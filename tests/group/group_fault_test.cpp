@@ -168,14 +168,16 @@ TEST_F(GroupFaults, StatsCountEveryStage) {
   auto [rc, out] = run_command(shell_quote(cli.string()) + " stats --json --socket-dir " + shell_quote(g.socket_dir()));
   ASSERT_EQ(rc, 0) << out;
   const nlohmann::json all = nlohmann::json::parse(out);
-  ASSERT_EQ(all.size(), 5u) << out;   // supervisor, coordinator, gpu_worker, two cpu workers
+  ASSERT_EQ(all.size(), 6u) << out;   // supervisor, coordinator, gpu_worker, two cpu workers, io_worker
   for (const auto& p : all) {
     ASSERT_FALSE(p["stages"].empty()) << p.dump();
     if (p["role"] == "ROLE_SUPERVISOR") {   // it runs no tokens: it counts process starts
-      EXPECT_EQ(p["stages"][0]["steps"].get<uint64_t>(), 4u) << p.dump();
+      EXPECT_EQ(p["stages"][0]["steps"].get<uint64_t>(), 5u) << p.dump();
       continue;
     }
     EXPECT_GT(p["shm_mapped_bytes"].get<uint64_t>(), 0u) << p["instance"];
+    // All experts are RAM-resident in this group: the io_worker has read nothing (tests/io).
+    if (p["role"] == "ROLE_IO_WORKER") continue;
     for (const auto& s : p["stages"]) {
       EXPECT_GT(s["tokens"].get<uint64_t>(), 0u) << p["instance"] << " " << s.dump();
       EXPECT_GT(s["steps"].get<uint64_t>(), 0u) << p["instance"] << " " << s.dump();
@@ -189,7 +191,8 @@ TEST_F(GroupFaults, StatsCountEveryStage) {
   // The table form names every process.
   std::tie(rc, out) = run_command(shell_quote(cli.string()) + " stats --socket-dir " + shell_quote(g.socket_dir()));
   ASSERT_EQ(rc, 0) << out;
-  for (const char* inst : {"supervisor", "coordinator", "gpu_worker-0", "cpu_expert_worker-0", "cpu_expert_worker-1"}) {
+  for (const char* inst : {"supervisor", "coordinator", "gpu_worker-0", "cpu_expert_worker-0", "cpu_expert_worker-1",
+                           "io_worker-0"}) {
     EXPECT_NE(out.find(inst), std::string::npos) << out;
   }
 }

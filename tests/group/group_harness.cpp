@@ -21,6 +21,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -79,7 +80,13 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
   std::vector<std::string> args = {(kSource / "deploy" / "moraine-supervisor").string(), "start", "-m", o_.model,
                                    "--socket-dir", dir_, "--cpu-workers", std::to_string(o_.cpu_workers),
                                    "--handoff", o_.handoff, "--gpu-threads", "1",
-                                   "--bin-dir", (kBuild / "coordinator").string()};
+                                   "--bin-dir", (kBuild / "coordinator").string(),
+                                   "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram,
+                                   "--backend", o_.backend};
+  if (!o_.census.empty()) {
+    args.push_back("--census");
+    args.push_back(o_.census);
+  }
   if (!o_.logits_dump.empty()) {
     args.push_back("--logits-dump");
     args.push_back(o_.logits_dump);
@@ -111,7 +118,9 @@ std::string Group::wait_all_serving(std::chrono::milliseconds deadline) const {
   std::vector<std::string> instances = {group::kSupervisorInstance, group::kCoordinatorInstance, group::kGpuWorkerInstance};
   for (int i = 0; i < o_.cpu_workers; ++i) instances.push_back(group::cpu_worker_instance(i));
   for (const std::string& inst : instances) {
-    const std::string e = group::wait_serving(group::control_address(dir_, inst), deadline);
+    // A supervisor that gave up (a process failed to start) exits: stop waiting then.
+    const std::string e = group::wait_serving(group::control_address(dir_, inst), deadline,
+                                              inst == group::kSupervisorInstance ? supervisor_ : -1);
     if (!e.empty()) return e;
   }
   return {};

@@ -26,6 +26,11 @@ struct GroupOptions {
   std::string handoff = "doorbell";
   std::string logits_dump;   // empty: none
   std::string socket_dir;    // empty: a fresh one
+  // Placement budgets (--vram / --ram). Empty vram: "dense", exactly the dense weights + KV, so
+  // every expert is computed by the cpu workers from RAM (what the tests that predate tiers check).
+  std::string vram, ram = "unlimited";
+  std::string census;        // empty: none (uniform popularity)
+  std::string backend = "cpu";  // the gpu_worker's --backend: cpu or cuda
 };
 
 class Group {

@@ -75,6 +75,12 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   app.add_option("-p,--prompt-lengths", lengths, "prefill prompt lengths, comma-separated");
   app.add_option("--vram", vram, "VRAM budget (e.g. 12G); recorded, applied by engines that can");
   app.add_option("--ram", ram, "RAM budget (e.g. 32G); recorded, applied by engines that can");
+  app.add_option("--engine", o.engine, "cpu-reference (in-process) or group (the process group, budgets applied)")
+      ->check(CLI::IsMember({"cpu-reference", "group"}))->capture_default_str();
+  app.add_option("--backend", o.backend, "group: the gpu_worker's backend (cpu or cuda)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--cpu-workers", o.cpu_workers, "group: cpu_expert_workers")->check(CLI::Range(1, 64));
+  app.add_option("--bin-dir", o.bin_dir, "group: where moraine-supervisor and the workers are");
   app.add_option("-t,--threads", o.threads, "engine threads (0 = all cores)")->check(CLI::NonNegativeNumber);
   app.add_option("-r,--repeat", o.repeat, "runs per test; the first is the warm-up and is not counted")
       ->check(CLI::Range(2, 1000));
@@ -90,6 +96,8 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   try {
     if (!vram.empty()) o.vram_budget = parse_size(vram);
     if (!ram.empty()) o.ram_budget = parse_size(ram);
+    o.vram_text = vram;
+    o.ram_text = ram;
     o.prompt_lengths.clear();
     std::stringstream ss(lengths);
     for (std::string item; std::getline(ss, item, ',');) {

@@ -25,6 +25,13 @@ struct BenchOptions {
   int64_t dram_probe_mib = 1024;
   int64_t disk_probe_mib = 1024;
   int64_t gpu_probe_mib = 256;
+  // Which engine runs the model: "cpu-reference" (in-process) or "group" (the process group,
+  // started by the bench with the budgets above).
+  std::string engine = "cpu-reference";
+  std::string backend = "cpu";    // group: the gpu_worker's backend
+  int cpu_workers = 1;            // group: cpu_expert_workers
+  std::string bin_dir;            // group: where moraine-supervisor is (default: found beside the bench)
+  std::string vram_text, ram_text;  // the budgets as given, passed on to the group
 };
 
 struct EngineUnderTest {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace moraine::bench {
 
@@ -38,6 +39,22 @@ class BenchEngine {
   // Feeds one token after the cached ones; returns its logits (valid until the next call).
   virtual std::span<const float> decode_one(int32_t token) = 0;
   virtual EngineStats stats() const = 0;
+
+  // Engines that sample inside themselves (the process group: the coordinator samples and
+  // streams tokens) time their own steps instead of being driven token by token: greedy
+  // generation of n tokens after the prompt, with the engine's own prefill and decode times
+  // (decode_s covers the n - 1 steps after the prefill produced the first token).
+  struct Generated {
+    std::vector<int32_t> ids;
+    double prefill_s = 0;
+    double decode_s = 0;
+  };
+  virtual bool self_timed() const { return false; }
+  virtual Generated generate(std::span<const int32_t> prompt, int64_t n) {
+    (void)prompt;
+    (void)n;
+    return {};
+  }
   // A fault the engine saw since reset() that invalidates the run's timing or output (a worker
   // restart, a retried transfer); empty when none. The in-process reference has none to see.
   virtual std::string detected_fault() const { return {}; }

@@ -70,11 +70,21 @@ Timing time_prefill(BenchEngine& e, const std::vector<int32_t>& prompt, int runs
   for (int r = 0; r < runs; ++r) {
     const std::string where = test + " run " + std::to_string(r + 1);
     e.reset();
-    const auto t0 = Clock::now();
-    const std::span<const float> logits = e.prefill(prompt);
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    check_engine_fault(e, where);
-    const int32_t pick = checked_argmax(logits, e.n_vocab(), where);
+    double s = 0;
+    int32_t pick = -1;
+    if (e.self_timed()) {
+      const BenchEngine::Generated g = e.generate(prompt, 1);
+      check_engine_fault(e, where);
+      if (g.ids.size() != 1) throw BenchFault(where + ": the engine returned " + std::to_string(g.ids.size()) + " tokens, expected 1");
+      s = g.prefill_s;
+      pick = g.ids[0];
+    } else {
+      const auto t0 = Clock::now();
+      const std::span<const float> logits = e.prefill(prompt);
+      s = std::chrono::duration<double>(Clock::now() - t0).count();
+      check_engine_fault(e, where);
+      pick = checked_argmax(logits, e.n_vocab(), where);
+    }
     if (r == 0) {
       first_pick = pick;
     } else {
@@ -97,15 +107,29 @@ Timing time_decode(BenchEngine& e, int64_t n_gen, int runs) {
   for (int r = 0; r < runs; ++r) {
     const std::string where = test + " run " + std::to_string(r + 1);
     e.reset();
-    int32_t tok = checked_argmax(e.prefill(start), e.n_vocab(), where + " (1-token prompt)");
-    std::vector<int32_t> output{tok};
-    const auto t0 = Clock::now();
-    for (int64_t i = 0; i < n_gen; ++i) {
-      tok = checked_argmax(e.decode_one(tok), e.n_vocab(), where + " token " + std::to_string(i + 1));
+    std::vector<int32_t> output;
+    double s = 0;
+    if (e.self_timed()) {
+      // n_gen + 1 tokens: the prefill gives the first, then n_gen timed decode steps.
+      const BenchEngine::Generated g = e.generate(start, n_gen + 1);
+      check_engine_fault(e, where);
+      if (static_cast<int64_t>(g.ids.size()) != n_gen + 1) {
+        throw BenchFault(where + ": the engine returned " + std::to_string(g.ids.size()) + " tokens, expected " +
+                         std::to_string(n_gen + 1));
+      }
+      output = g.ids;
+      s = g.decode_s;
+    } else {
+      int32_t tok = checked_argmax(e.prefill(start), e.n_vocab(), where + " (1-token prompt)");
       output.push_back(tok);
+      const auto t0 = Clock::now();
+      for (int64_t i = 0; i < n_gen; ++i) {
+        tok = checked_argmax(e.decode_one(tok), e.n_vocab(), where + " token " + std::to_string(i + 1));
+        output.push_back(tok);
+      }
+      s = std::chrono::duration<double>(Clock::now() - t0).count();
+      check_engine_fault(e, where);
     }
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    check_engine_fault(e, where);
     if (r == 0) {
       first_output = output;
       continue;

@@ -1,15 +1,19 @@
 // moraine-bench: prefill and decode tok/s of a GGUF next to the decode bound of this machine's
-// measured bandwidths (options: bench_cli.cpp). Until the process group and the CUDA
-// backend are in, the only engine is the in-process CPU reference executor, and every output
-// says "engine: cpu-reference".
+// measured bandwidths (options: bench_cli.cpp). Engines: the in-process CPU reference executor
+// ("cpu-reference") and the process group ("group-cpu" / "group-cuda", started by the bench
+// with the --vram/--ram budgets); every output names the engine.
 //
 //   moraine-bench -m model.gguf -n 64 --prompt-lengths 512,8192 --threads 16 --json
+//   moraine-bench -m model.gguf --engine group --backend cuda --vram 12G --ram 32G
 #include <iostream>
+#include <algorithm>
 #include <memory>
+#include <thread>
 
 #include "common/model/hparams.h"
 #include "common/model/model.h"
 #include "tools/bench/bench_cli.h"
+#include "tools/bench/group_engine.h"
 #include "tools/bench/reference_engine.h"
 
 int main(int argc, char** argv) {
@@ -18,6 +22,20 @@ int main(int argc, char** argv) {
     auto m = std::make_unique<moraine::model::Model>(moraine::model::Model::load(o.model));
     ModelSummary s{o.model, moraine::model::arch_name(m->hp.arch), m->file.file_bytes(), m->hp.n_layer,
                    m->hp.n_expert, m->hp.n_expert_used};
+    if (o.engine == "group") {
+      GroupEngineOptions g;
+      g.model = o.model;
+      g.backend = o.backend;
+      g.cpu_workers = o.cpu_workers;
+      g.threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+      g.vram = o.vram_text;
+      g.ram = o.ram_text;
+      g.bin_dir = o.bin_dir;
+      int64_t longest = 1;
+      for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
+      g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
+      return EngineUnderTest{std::make_unique<GroupEngine>(g), s};
+    }
     return EngineUnderTest{std::make_unique<ReferenceEngine>(std::move(m), o.threads), s};
   };
   return bench_main(argc, argv, reference, std::cout, std::cerr);

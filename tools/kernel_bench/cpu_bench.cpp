@@ -7,6 +7,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -126,6 +128,48 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds,
   return p;
 }
 
+// The kernels' compute ceiling: GB/s of one worker running matvec_tokens over the first
+// expert's gate rows [0, kCeilingRows) (at most a few hundred KB: L2-resident after the first
+// pass), per CPU second of that worker. Times the thread count, it says whether the cores could
+// consume DRAM bandwidth at all: when the layer's GB/s stays far below both this and the DRAM
+// figure, the time goes to memory behaviour or the pool, not to the kernels.
+constexpr int64_t kCeilingRows = 256;
+
+double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, cpu::ThreadPool& pool) {
+  const cpu::ExpertWeights& w = set.experts.front();
+  const TensorType at = dot_activation_type(t);
+  const size_t arb = row_bytes(at, kHidden);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(kHidden));
+  std::vector<uint8_t> acts(arb * static_cast<size_t>(n_tok));
+  for (int i = 0; i < n_tok; ++i) {
+    for (float& v : x) v = dist(rng);
+    cpu::quantize_activation_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kHidden);
+  }
+  std::vector<float> y(static_cast<size_t>(n_tok * kCeilingRows));
+  const double bytes = static_cast<double>(row_bytes(t, kHidden)) * kCeilingRows;
+  double gbps = 0.0;
+  pool.run(1, [&](int64_t, int) {
+    auto cpu_now = [] {
+      timespec ts;
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+    };
+    cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows);  // into L2
+    const double t0 = cpu_now();
+    int64_t reps = 0;
+    double s = 0.0;
+    do {
+      cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows);
+      ++reps;
+      s = cpu_now() - t0;
+    } while (s < min_seconds);
+    gbps = bytes * static_cast<double>(reps) / s / 1e9;
+  });
+  return gbps;
+}
+
 }  // namespace
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
@@ -141,12 +185,26 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   cpu->add_option("--tokens", opt.tokens, "tokens per layer call")->delimiter(',')->check(CLI::Range(1, 4096));
   cpu->add_option("--amx-min-tokens", opt.amx_min_tokens, "token count from which matvec takes the AMX path (AMX CPUs; default 32)")
       ->check(CLI::Range(1, 4096));
+  cpu->add_option("--prefetch-l1", opt.prefetch_l1, "matvec prefetcht0 distance in bytes (0: off; default: the library's)")
+      ->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--prefetch-l2", opt.prefetch_l2, "matvec prefetcht1 distance in bytes (0: off; default: the library's)")
+      ->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--gate-up-rows", opt.gate_up_rows, "rows of one expert per gate+up job (default: the library's)")->check(CLI::Range(1, 1 << 16));
+  cpu->add_option("--down-rows", opt.down_rows, "output rows per down job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
 int run_cpu_bench(const CpuBenchOptions& opt) {
   if (!opt.isa.empty()) cpu::set_max_cpu_isa(*cpu::parse_isa(opt.isa));
   if (opt.amx_min_tokens > 0) cpu::set_amx_min_tokens(opt.amx_min_tokens);
+  cpu::MatvecPrefetch prefetch = cpu::matvec_prefetch();
+  if (opt.prefetch_l1 >= 0) prefetch.l1_bytes = static_cast<size_t>(opt.prefetch_l1);
+  if (opt.prefetch_l2 >= 0) prefetch.l2_bytes = static_cast<size_t>(opt.prefetch_l2);
+  cpu::set_matvec_prefetch(prefetch);
+  cpu::FfnJobRows job_rows = cpu::ffn_job_rows();
+  if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
+  if (opt.down_rows > 0) job_rows.down = opt.down_rows;
+  cpu::set_ffn_job_rows(job_rows);
   std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
   if (opt.cpus.empty() && opt.threads > 0) {
     if (opt.threads > static_cast<int>(cpus.size())) {
@@ -174,11 +232,14 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused)\n", static_cast<long long>(kHidden),
-                static_cast<long long>(kFfn), kExpertsPerToken);
-    std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n\n", dram);
+    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B; job rows %lld/%lld\n",
+                static_cast<long long>(kHidden), static_cast<long long>(kFfn), kExpertsPerToken, prefetch.l1_bytes, prefetch.l2_bytes,
+                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down));
+    std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
+    std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second (x threads = the compute ceiling)\n\n",
+                static_cast<long long>(kCeilingRows));
     std::printf("%-7s %14s", "format", "bytes/expert");
-    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share)", t);
+    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) [core L2]", t);
     std::printf("\n");
   }
   nlohmann::json rows = nlohmann::json::array();
@@ -187,11 +248,13 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     if (!opt.json) std::printf("%-7s %14zu", std::string(type_name(t)).c_str(), set.expert_bytes);
     for (int n_tok : opt.tokens) {
       const Point p = measure(set, t, n_tok, opt.min_seconds, pool);
+      const double ceiling = core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool);
       if (!opt.json) {
-        std::printf("   %13.1f (%5.1f%%)", p.gbps, 100.0 * p.gbps / dram);
+        std::printf("   %13.1f (%5.1f%%) [%5.1f]", p.gbps, 100.0 * p.gbps / dram, ceiling);
         std::fflush(stdout);
       }
       rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"gb_per_s", p.gbps}, {"share_of_dram", p.gbps / dram},
+                      {"core_l2_gb_per_s", ceiling},
                       {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()}, {"layer_calls", p.layers},
                       {"seconds", p.seconds}});
     }
@@ -207,6 +270,10 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"experts_per_layer", kExpertsPerToken},
                                 {"set_mib", opt.set_mib},
                                 {"amx_min_tokens", cpu::amx_min_tokens()},
+                                {"prefetch_l1", prefetch.l1_bytes},
+                                {"prefetch_l2", prefetch.l2_bytes},
+                                {"gate_up_rows", job_rows.gate_up},
+                                {"down_rows", job_rows.down},
                                 {"dram_read_gb_per_s", dram},
                                 {"results", rows}};
     std::cout << out.dump(2) << "\n";

@@ -20,6 +20,10 @@ struct CpuBenchOptions {
   std::vector<int> tokens{1, 4, 16};
   double min_seconds = 0.25;  // per measurement point
   int amx_min_tokens = 0;     // 0: the library default (cpu::kPrefillTokens)
+  int prefetch_l1 = -1;       // bytes; -1: the library default (cpu::MatvecPrefetch)
+  int prefetch_l2 = -1;
+  int gate_up_rows = 0;       // 0: the library default (cpu::FfnJobRows)
+  int down_rows = 0;
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);

@@ -20,6 +20,9 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/quantize_activations.h"
+#include "tools/kernel_bench/moe_fused_bench.h"
+#include "tools/kernel_bench/delta_net_bench.h"
+#include "tools/kernel_bench/backend_kernels_bench.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -208,7 +211,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   for (const std::string& f : opt.formats) {
     const auto t = type_from_name(f);
     if (!t || !cuda::matvec_supported(*t))
-      throw std::invalid_argument("--formats: '" + f + "' has no CUDA matvec kernel (q8_0, q4_k, q5_k, q6_k, mxfp4)");
+      throw std::invalid_argument("--formats: '" + f + "' has no CUDA matvec kernel (q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4)");
     types.push_back(*t);
   }
   cudaDeviceProp prop{};
@@ -234,6 +237,9 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
                               {"matrices", p.experts}, {"bytes_per_call", p.bytes_per_call},
                               {"us_per_call", p.us_per_call}, {"gbps", p.gbps},
                               {"share_of_read", p.gbps / bw.read_gbps}});
+    run_delta_net_bench(opt.min_ms, &j);
+    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j);
+    run_backend_kernels_bench(opt.min_ms, bw.read_gbps, &j);
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -244,6 +250,9 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   for (const Point& p : points)
     std::printf("%-6s %-14s %12.0f %10.2f %10.0f %7.0f%%\n", p.format.c_str(), p.shape.c_str(), p.bytes_per_call,
                 p.us_per_call, p.gbps, 100.0 * p.gbps / bw.read_gbps);
+  run_delta_net_bench(opt.min_ms, nullptr);
+  run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr);
+  run_backend_kernels_bench(opt.min_ms, bw.read_gbps, nullptr);
   return 0;
 }
 

@@ -14,7 +14,7 @@ namespace moraine::kernel_bench {
 struct CudaBenchOptions {
   bool json = false;
   int set_mib = 1024;  // distinct weight bytes cycled per measurement point: >> the 60 MB L2
-  std::vector<std::string> formats{"q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"};
+  std::vector<std::string> formats{"q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4"};
   double min_ms = 30.0;  // timed span per measurement point
 };
 

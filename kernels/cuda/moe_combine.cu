@@ -1,0 +1,40 @@
+#include "kernels/cuda/moe_combine.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace moraine::cuda {
+namespace {
+
+__global__ void moe_combine_kernel(float* __restrict__ x, const float* __restrict__ slots,
+                                   const float* __restrict__ weight, const float* __restrict__ shared,
+                                   const float* __restrict__ gate_logit, int64_t k, int64_t d) {
+  const int64_t t = blockIdx.y;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= d) return;
+  float acc = 0.0f;
+  for (int64_t s = 0; s < k; ++s) acc = __fadd_rn(acc, __fmul_rn(weight[t * k + s], slots[(t * k + s) * d + i]));
+  if (shared != nullptr) {
+    const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate_logit[t])));
+    acc = __fadd_rn(acc, __fmul_rn(g, shared[t * d + i]));
+  }
+  x[t * d + i] = __fadd_rn(x[t * d + i], acc);
+}
+
+}  // namespace
+
+void moe_combine(float* x, const float* slots, const float* weight, const float* shared, const float* gate_logit,
+                 int64_t n, int64_t k, int64_t d, cudaStream_t stream) {
+  if (n <= 0 || n > 65535 || k <= 0 || d <= 0 || (shared == nullptr) != (gate_logit == nullptr))
+    throw std::invalid_argument("moe_combine: n=" + std::to_string(n) + ", k=" + std::to_string(k) + ", d=" +
+                                std::to_string(d) + " (need n in 1..65535, k, d > 0, shared and gate_logit both "
+                                "given or both null)");
+  constexpr int kThreads = 256;
+  const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads), static_cast<unsigned>(n));
+  moe_combine_kernel<<<grid, kThreads, 0, stream>>>(x, slots, weight, shared, gate_logit, k, d);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moraine::cuda

@@ -1,0 +1,635 @@
+// Fused routed-expert FFN (design and contract in moe_fused.h). Both kernels share the slot
+// bookkeeping: every CTA loads the step's routing into shared memory, lists the "leader" slots
+// (first slot naming each present expert, ascending) and serves leaders g, g + G, ... where g is
+// its blockIdx.y and G = gridDim.y, so each expert's rows are read once per step by one CTA per
+// row tile, with no host round trip to learn which experts were chosen.
+#include "kernels/cuda/moe_fused.h"
+
+#include <cuda_pipeline.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/matvec.h"
+#include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/quantize_block.cuh"
+
+namespace moraine::cuda {
+namespace {
+
+using namespace matvec_detail;
+
+constexpr int kWarps = 16;           // rows_per_warp weight rows (gate+up pairs, or down rows) per warp
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxSlots = kMoeMaxTokens * kMoeMaxTopK;
+static_assert(kThreads >= kMaxSlots, "one thread per slot in the leader scan");
+
+// Everything both kernels need, by value (kernel parameter space).
+struct Params {
+  int gate_type, up_type, down_type;  // TensorType values
+  bool x_gate_q8k, x_up_q8k, h_q8k;   // activation formats: Q8_K (true) or Q8_0
+  int n_embd, n_ff, n_expert;
+  int n_tokens, k, n_slots, pass_tokens;
+  int rows_a, rows_b;  // weight rows per warp in kernel 1 / kernel 2 (the CTA tile is kWarps times that)
+  const MoeExpertSlot* slots;
+  const uint8_t *gate_base, *up_base, *down_base;
+  int64_t gate_expert_bytes, up_expert_bytes, down_expert_bytes;
+  int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
+  const int32_t* chosen;
+  const float* weight;
+  const float* x;
+  float* sum;
+  float* slot_rows;
+  const int32_t* slot_row_of;
+  // workspace
+  float* h;
+  uint8_t* hq;
+  int hq_stride;  // bytes per slot, a multiple of 16 with a spare word
+  float* slot_out;
+  int* count_a;   // [kMaxSlots][n_ff / h block]
+  int* count_b;   // [row tiles of n_embd] (sized for the smallest tile, kWarps rows)
+  // shared-memory layout (bytes per token / words per staged row)
+  int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
+};
+
+__device__ __forceinline__ bool expert_present(const Params& p, int e) {
+  if (e < 0 || e >= p.n_expert) return false;
+  return p.slots == nullptr || p.slots[e].gate != nullptr;
+}
+
+// kind: 0 gate, 1 up, 2 down.
+__device__ __forceinline__ const uint8_t* expert_tensor(const Params& p, int kind, int e) {
+  if (p.slots != nullptr) {
+    const MoeExpertSlot& s = p.slots[e];
+    return static_cast<const uint8_t*>(kind == 0 ? s.gate : kind == 1 ? s.up : s.down);
+  }
+  const uint8_t* base = kind == 0 ? p.gate_base : kind == 1 ? p.up_base : p.down_base;
+  const int64_t bytes = kind == 0 ? p.gate_expert_bytes : kind == 1 ? p.up_expert_bytes : p.down_expert_bytes;
+  return base + static_cast<int64_t>(e) * bytes;
+}
+
+__device__ __forceinline__ float* slot_output_row(const Params& p, int slot) {
+  if (p.slot_rows == nullptr) return p.slot_out + static_cast<int64_t>(slot) * p.n_embd;
+  const int row = p.slot_row_of != nullptr ? p.slot_row_of[slot] : slot;
+  return p.slot_rows + static_cast<int64_t>(row) * p.n_embd;
+}
+
+// Stable compaction over the CTA: the thread ids with pred set, ascending, into out; returns
+// how many. Every thread of the CTA must call it.
+__device__ int cta_compact(bool pred, int16_t* out, int* warp_count) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, pred);
+  if (lane == 0) warp_count[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const int c = warp_count[w];
+    if (w < warp) before += c;
+    total += c;
+  }
+  if (pred) out[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int16_t>(threadIdx.x);
+  __syncthreads();  // out is complete and warp_count free again
+  return total;
+}
+
+// The routing in shared memory, and the leader slots (first slot of each present expert).
+struct SlotTables {
+  int chosen[kMaxSlots];
+  int16_t leader[kMaxSlots];
+  int16_t list[kMaxSlots];
+  int warp_count[kWarps];
+  int flag;
+};
+
+__device__ int find_leaders(const Params& p, SlotTables& st) {
+  const int i = threadIdx.x;
+  if (i < p.n_slots) st.chosen[i] = p.chosen[i];
+  __syncthreads();
+  bool lead = false;
+  if (i < p.n_slots) {
+    const int e = st.chosen[i];
+    lead = expert_present(p, e);
+    for (int j = 0; j < i && lead; ++j) lead = st.chosen[j] != e;
+  }
+  return cta_compact(lead, st.leader, st.warp_count);
+}
+
+// The slots naming expert e, ascending, into st.list.
+__device__ int list_slots(const Params& p, SlotTables& st, int e) {
+  const int i = threadIdx.x;
+  return cta_compact(i < p.n_slots && st.chosen[i] == e, st.list, st.warp_count);
+}
+
+// Starts copying one row of row_bytes bytes from global into shared memory as aligned 16-byte
+// words with cp.async (warp-cooperative; nothing passes through registers, so every row a warp
+// needs is in flight at once); the row will start at staged(dst, row). The caller commits the
+// group and waits (__pipeline_wait_prior), then __syncwarp()s before reading.
+__device__ void stage_row_async(const uint8_t* row, int64_t row_bytes, uint4* dst, int lane) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t first = start & ~uintptr_t{15};
+  const int nwords = static_cast<int>((start + row_bytes - first + 15) / 16);
+  const uint4* src = reinterpret_cast<const uint4*>(first);
+  for (int i = lane; i < nwords; i += 32) __pipeline_memcpy_async(dst + i, src + i, 16);
+}
+
+// Where stage_row_async put the row that starts at global address `row`.
+__device__ __forceinline__ const uint8_t* staged(const uint4* dst, const uint8_t* row) {
+  return reinterpret_cast<const uint8_t*>(dst) + (reinterpret_cast<uintptr_t>(row) & 15);
+}
+
+// Programmatic dependent launch (sm_90+): kernel 2 starts while kernel 1 runs, prefetches its
+// down rows, and waits for kernel 1's results here.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+// dot(row, act) over nblocks blocks, both in shared memory: lanes take block parts round-robin
+// (the matvec's per-block terms), the warp's result in every lane.
+template <class F>
+__device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_t* act, int lane) {
+  const auto* a = reinterpret_cast<const typename F::Act*>(act);
+  const int units = nblocks * F::kParts;
+  float acc = 0.0f;
+  for (int u0 = 0; u0 < units; u0 += 32) {
+    const int u = u0 + lane;
+    const bool valid = u < units;
+    const int b = u / F::kParts, part = u % F::kParts;
+    int isum = 0, msum = 0;
+    if (valid) F::part(row + b * F::kBlockBytes, a[b], part, isum, msum);
+#pragma unroll
+    for (int off = 1; off < F::kParts; off *= 2) {
+      isum += __shfl_xor_sync(0xffffffffu, isum, off);
+      msum += __shfl_xor_sync(0xffffffffu, msum, off);
+    }
+    if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, a[b], isum, msum);
+  }
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
+// Runtime format switch (warp-uniform): one kernel serves every format and mix of formats.
+__device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q8_0:
+      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane);
+    case TensorType::MXFP4:
+      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane);
+    case TensorType::Q2_K:
+      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane);
+    case TensorType::Q3_K:
+      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane);
+    case TensorType::Q4_K:
+      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane);
+    case TensorType::Q5_K:
+      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
+    case TensorType::Q6_K:
+      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
+    default:
+      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+// Block b of a float row (src, global memory written by this launch or an earlier one) quantized
+// by one warp into dst (Q8_K or Q8_0 block b), as reference::pack_activations does: Q8_0 with
+// llama.cpp's x86 rule, Q8_K with the reference rule (the x86 one differs only in the sign of an
+// all-zero block's scale, which no dot sees).
+__device__ void quantize_block(bool q8k, const float* src, int b, uint8_t* dst, int lane) {
+  if (q8k) {
+    const float4* s = reinterpret_cast<const float4*>(src + b * kQK_K + 8 * lane);
+    const float4 lo = __ldcg(s), hi = __ldcg(s + 1);
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    quantize_detail::quantize_q8_k_warp(v, reinterpret_cast<BlockQ8_K*>(dst)[b], lane);
+  } else {
+    quantize_detail::quantize_q8_0_llama_warp(__ldcg(src + b * kQK + lane), reinterpret_cast<BlockQ8_0*>(dst)[b], lane);
+  }
+}
+
+// Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
+// tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
+// whole activation block of h (of one expert) quantizes it for down.
+__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  __shared__ SlotTables st;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile_rows = kWarps * p.rows_a;
+  const int row0 = blockIdx.x * tile_rows + warp * p.rows_a;  // this warp's rows: row0 .. row0 + rows_a - 1
+  const int h_block_rows = p.h_q8k ? kQK_K : kQK;
+  const int h_block = blockIdx.x * tile_rows / h_block_rows;  // a tile lies in one block (host check)
+  const int tiles_per_h_block = h_block_rows / tile_rows;
+  const int h_blocks = p.n_ff / h_block_rows;
+  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+
+  // Shared memory: x of every token quantized for gate (and for up when its format differs),
+  // then each warp's staged rows (gate row j at j * pair_words, up row j after it).
+  uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
+  uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
+  const int pair_words = p.gate_seg_words + p.up_seg_words;
+  uint4* stage = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
+                 warp * p.rows_a * pair_words;
+  auto issue_rows = [&](int d) {  // this warp's rows of leader d's expert, in flight
+    const int e = st.chosen[st.leader[d]];
+    const uint8_t* g = expert_tensor(p, 0, e);
+    const uint8_t* u = expert_tensor(p, 1, e);
+    for (int j = 0; j < p.rows_a; ++j) {
+      const int row = row0 + j;
+      if (row >= p.n_ff) break;
+      stage_row_async(g + row * p.gate_row_bytes, p.gate_row_bytes, stage + j * pair_words, lane);
+      stage_row_async(u + row * p.up_row_bytes, p.up_row_bytes, stage + j * pair_words + p.gate_seg_words, lane);
+    }
+    __pipeline_commit();
+  };
+
+  const int n_leaders = find_leaders(p, st);
+  if (blockIdx.y < n_leaders) issue_rows(blockIdx.y);
+  allow_next_kernel();
+  // x of every token, quantized as the scalar reference's pack_activations does, while the first
+  // rows are in flight.
+  {
+    const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
+    for (int u = warp; u < p.n_tokens * bg; u += kWarps)
+      quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
+    if (!same_x) {
+      const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
+      for (int u = warp; u < p.n_tokens * bu; u += kWarps)
+        quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+    }
+  }
+  for (int d = blockIdx.y; d < n_leaders; d += gridDim.y) {
+    const int leader = st.leader[d];
+    const int e = st.chosen[leader];
+    const int count = list_slots(p, st, e);  // CTA barrier: also publishes x the first time
+    __pipeline_wait_prior(0);
+    __syncwarp();
+    const uint8_t* g_base = expert_tensor(p, 0, e);
+    const uint8_t* u_base = expert_tensor(p, 1, e);
+    for (int j = 0; j < p.rows_a; ++j) {
+      const int row = row0 + j;
+      if (row >= p.n_ff) break;
+      const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
+      const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+      for (int i = 0; i < count; ++i) {
+        const int slot = st.list[i], t = slot / p.k;
+        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
+        const float u = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
+        // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+        const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+        if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
+      }
+    }
+    __syncwarp();
+    if (d + gridDim.y < n_leaders) issue_rows(d + gridDim.y);  // next expert's rows fly meanwhile
+    // This tile of h is done for expert e: the last tile of its activation block quantizes it.
+    __threadfence();
+    __syncthreads();
+    int* counter = p.count_a + leader * h_blocks + h_block;
+    if (threadIdx.x == 0) st.flag = atomicAdd(counter, 1) == tiles_per_h_block - 1;
+    __syncthreads();
+    if (st.flag) {
+      __threadfence();
+      for (int i = warp; i < count; i += kWarps) {
+        const int slot = st.list[i];
+        quantize_block(p.h_q8k, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block, p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
+      }
+      if (threadIdx.x == 0) *counter = 0;  // the workspace is left zeroed for the next call
+    }
+    __syncthreads();  // st.list and st.flag are rewritten for the next expert
+  }
+}
+
+// Kernel 2: y(slot)[r] = down_e[r] . hq(slot) for the rows r of this CTA's tile; then the last CTA
+// of the tile adds sum[t][r] over the token's present slots in top-k order.
+__global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  __shared__ SlotTables st;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile_rows = kWarps * p.rows_b;
+  const int row0 = blockIdx.x * tile_rows + warp * p.rows_b;
+  uint8_t* act = reinterpret_cast<uint8_t*>(smem);
+  uint4* stage = reinterpret_cast<uint4*>(act + p.pass_tokens * p.hq_stride) + warp * p.rows_b * p.down_seg_words;
+  auto issue_rows = [&](int d) {
+    const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[d]]);
+    for (int j = 0; j < p.rows_b; ++j) {
+      const int row = row0 + j;
+      if (row >= p.n_embd) break;
+      stage_row_async(w + row * p.down_row_bytes, p.down_row_bytes, stage + j * p.down_seg_words, lane);
+    }
+    __pipeline_commit();
+  };
+
+  const int n_leaders = find_leaders(p, st);
+  if (blockIdx.y < n_leaders) issue_rows(blockIdx.y);  // the weights do not depend on kernel 1
+  wait_for_previous_kernel();
+  for (int d = blockIdx.y; d < n_leaders; d += gridDim.y) {
+    const int e = st.chosen[st.leader[d]];
+    const int count = list_slots(p, st, e);
+    for (int g0 = 0; g0 < count; g0 += p.pass_tokens) {
+      const int nt = min(p.pass_tokens, count - g0);
+      const int words = p.hq_stride / 16;
+      for (int i = threadIdx.x; i < nt * words; i += kThreads) {
+        const int t = i / words, w = i % words;
+        reinterpret_cast<uint4*>(act + t * p.hq_stride)[w] =
+            __ldcg(reinterpret_cast<const uint4*>(p.hq + static_cast<int64_t>(st.list[g0 + t]) * p.hq_stride) + w);
+      }
+      __pipeline_wait_prior(0);
+      __syncthreads();
+      const uint8_t* d_base = expert_tensor(p, 2, e);
+      for (int j = 0; j < p.rows_b; ++j) {
+        const int row = row0 + j;
+        if (row >= p.n_embd) break;
+        const uint8_t* down_row = staged(stage + j * p.down_seg_words, d_base + row * p.down_row_bytes);
+        for (int t = 0; t < nt; ++t) {
+          const float y = dot_staged(p.down_type, down_row, p.n_ff, act + t * p.hq_stride, lane);
+          if (lane == 0) slot_output_row(p, st.list[g0 + t])[row] = y;
+        }
+      }
+      __syncthreads();  // act is rewritten by the next pass or expert
+    }
+    if (d + gridDim.y < n_leaders) issue_rows(d + gridDim.y);
+  }
+  // Every CTA of this row tile counts once; the last one adds the weighted sums.
+  __threadfence();
+  __syncthreads();
+  int* counter = p.count_b + blockIdx.x;
+  if (threadIdx.x == 0) st.flag = atomicAdd(counter, 1) == static_cast<int>(gridDim.y) - 1;
+  __syncthreads();
+  if (!st.flag) return;
+  __threadfence();
+  if (p.sum != nullptr) {
+    for (int i = threadIdx.x; i < p.n_tokens * tile_rows; i += kThreads) {
+      const int t = i / tile_rows, r = blockIdx.x * tile_rows + i % tile_rows;
+      if (r >= p.n_embd) continue;
+      float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
+      for (int s = 0; s < p.k; ++s) {
+        const int slot = t * p.k + s;
+        if (!expert_present(p, st.chosen[slot])) continue;
+        acc = __fadd_rn(acc, __fmul_rn(p.weight[slot], __ldcg(slot_output_row(p, slot) + r)));
+      }
+      p.sum[static_cast<int64_t>(t) * p.n_embd + r] = acc;
+    }
+  }
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Words one staged row occupies: up to 15 bytes before it (rows start at any byte), the last
+// word rounded up, and a spare word for load_16_unaligned's over-read (as matvec.cu).
+int seg_words(int64_t row_bytes) { return static_cast<int>((row_bytes + 15 + 15) / 16 + 1); }
+
+// Activation row bytes in shared memory / the workspace: whole 16-byte words plus a spare one.
+int act_stride(TensorType act, int64_t n) { return static_cast<int>(round_up(static_cast<int64_t>(row_bytes(act, n)), 16) + 16); }
+
+struct WorkspaceLayout {
+  size_t count_a = 0, count_b = 0, h = 0, hq = 0, slot_out = 0, total = 0;
+};
+
+// Counters first, at offsets that do not depend on the slot count, so the zeroed counters of
+// one call are where the next call (any n, k) looks for them.
+WorkspaceLayout workspace_layout(const MoeLayerWeights& w, int64_t slots) {
+  const TensorType h_act = dot_activation_type(w.down_type);
+  const int64_t h_blocks = w.n_ff / type_traits(h_act).block_elems;
+  WorkspaceLayout l;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at = static_cast<size_t>(round_up(static_cast<int64_t>(at + bytes), 256));
+    return here;
+  };
+  l.count_a = take(sizeof(int) * static_cast<size_t>(kMaxSlots * h_blocks));
+  l.count_b = take(sizeof(int) * static_cast<size_t>((w.n_embd + kWarps - 1) / kWarps));  // tiles of the smallest size
+  l.h = take(sizeof(float) * static_cast<size_t>(slots * w.n_ff));
+  l.hq = take(static_cast<size_t>(slots * act_stride(h_act, w.n_ff)));
+  l.slot_out = take(sizeof(float) * static_cast<size_t>(slots * w.n_embd));
+  l.total = at;
+  return l;
+}
+
+std::string where(const MoeLayerWeights& w) {
+  return " (gate " + std::string(type_name(w.gate_type)) + ", up " + std::string(type_name(w.up_type)) + ", down " +
+         std::string(type_name(w.down_type)) + ", n_embd=" + std::to_string(w.n_embd) + ", n_ff=" +
+         std::to_string(w.n_ff) + ", n_expert=" + std::to_string(w.n_expert) + ")";
+}
+
+struct DeviceInfo {
+  int device, sms, smem_optin, smem_per_sm, cc_major;
+};
+DeviceInfo device_info() {
+  thread_local int cached_device = -1;
+  thread_local DeviceInfo info{};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    info.device = device;
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+    cached_device = device;
+  }
+  return info;
+}
+
+// Raises a kernel's dynamic shared-memory limit when needed (once per kernel, device and size).
+template <int kKernel>
+void ensure_smem(const void* kernel, int device, int64_t bytes) {
+  thread_local int raised_device = -1;
+  thread_local int64_t raised = 0;
+  if (device != raised_device) {
+    raised_device = device;
+    raised = 48 * 1024;
+  }
+  if (bytes > raised) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    raised = bytes;
+  }
+}
+
+// One kernel's launch: weight rows per warp (the CTA tile is kWarps times that), row tiles, CTAs
+// per tile (groups: each serves experts g, g + groups, ...) and dynamic shared memory.
+struct KernelPlan {
+  int rows_per_warp = 0, tiles = 0, groups = 0;
+  int64_t smem = 0;
+};
+
+// Decode is latency-bound: every CTA waits for the routing, then its weight rows, then computes,
+// so the grid should be one wave (2 CTAs of 512 threads per SM, the register limit) with as many
+// rows per warp in flight as that takes. Takes the smallest rows-per-warp whose tiles x experts fit
+// one wave; failing that (many tokens, many experts) the largest that keeps 2 CTAs per SM, with
+// each CTA serving several experts (the next expert's rows prefetched while it computes).
+// fixed_smem: the activations; row_words: 16-byte words of one warp row; tile_divides: a number
+// the tile must divide (0: none). rows_per_warp 0: nothing fits.
+KernelPlan plan_kernel(int64_t rows, int64_t fixed_smem, int64_t row_words, int max_rows_per_warp, int tile_divides,
+                       int n_slots, int64_t n_expert, const DeviceInfo& dev) {
+  const int64_t static_smem = static_cast<int64_t>(sizeof(SlotTables)) + 1024;  // + the per-CTA reserve
+  const int64_t experts = std::min<int64_t>(n_slots, n_expert);
+  KernelPlan best;
+  for (int r = 1; r <= max_rows_per_warp; r *= 2) {
+    if (tile_divides != 0 && tile_divides % (kWarps * r) != 0) break;
+    const int64_t smem = fixed_smem + int64_t{kWarps} * r * row_words * 16;
+    if (smem + static_cast<int64_t>(sizeof(SlotTables)) > dev.smem_optin) break;
+    const int per_sm = static_cast<int>(std::min<int64_t>(2, dev.smem_per_sm / (smem + static_smem)));
+    if (per_sm < 1) break;
+    KernelPlan plan;
+    plan.rows_per_warp = r;
+    plan.tiles = static_cast<int>((rows + kWarps * r - 1) / (kWarps * r));
+    const int64_t resident = int64_t{dev.sms} * per_sm;
+    plan.groups = static_cast<int>(std::clamp<int64_t>(resident / plan.tiles, 1, n_slots));
+    plan.smem = smem;
+    if (best.rows_per_warp == 0 || per_sm == 2) best = plan;
+    if (per_sm == 2 && plan.tiles * experts <= resident) return plan;
+  }
+  return best;
+}
+
+}  // namespace
+
+void moe_fused_check(const MoeLayerWeights& w) {
+  const TensorType types[3] = {w.gate_type, w.up_type, w.down_type};
+  for (TensorType t : types)
+    if (!matvec_supported(t))
+      throw std::invalid_argument("moe_fused: no CUDA kernel for expert weight type " + std::string(type_name(t)) + where(w));
+  if (w.n_embd <= 0 || w.n_ff <= 0 || w.n_expert <= 0 || w.n_expert > (int64_t{1} << 24) || w.n_embd > (1 << 20) ||
+      w.n_ff > (1 << 20))
+    throw std::invalid_argument("moe_fused: n_embd, n_ff and n_expert must be positive (and not huge)" + where(w));
+  for (int i = 0; i < 2; ++i)
+    if (w.n_embd % type_traits(types[i]).block_elems != 0)
+      throw std::invalid_argument("moe_fused: n_embd must be a multiple of the gate/up block size " +
+                                  std::to_string(type_traits(types[i]).block_elems) + where(w));
+  // The h activation block (32 or 256) must hold whole row tiles of kernel 1: true whenever n_ff
+  // is a multiple of down's block size, which down's rows need anyway.
+  if (w.n_ff % type_traits(w.down_type).block_elems != 0 ||
+      w.n_ff % type_traits(dot_activation_type(w.down_type)).block_elems != 0)
+    throw std::invalid_argument("moe_fused: n_ff must be a multiple of the down block size " +
+                                std::to_string(type_traits(w.down_type).block_elems) + where(w));
+  if (w.slots == nullptr && (w.gate == nullptr || w.up == nullptr || w.down == nullptr))
+    throw std::invalid_argument("moe_fused: give either a slot table or all three expert tensors" + where(w));
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(w.gate) | reinterpret_cast<uintptr_t>(w.up) |
+                        reinterpret_cast<uintptr_t>(w.down) | reinterpret_cast<uintptr_t>(w.slots);
+  if (mis % 16 != 0) throw std::invalid_argument("moe_fused: expert tensors must be 16-byte aligned" + where(w));
+}
+
+size_t moe_fused_workspace_bytes(const MoeLayerWeights& w, int max_tokens, int k) {
+  moe_fused_check(w);
+  if (max_tokens < 1 || max_tokens > kMoeMaxTokens || k < 1 || k > kMoeMaxTopK)
+    throw std::invalid_argument("moe_fused_workspace_bytes: max_tokens " + std::to_string(max_tokens) + " not in 1.." +
+                                std::to_string(kMoeMaxTokens) + " or k " + std::to_string(k) + " not in 1.." +
+                                std::to_string(kMoeMaxTopK) + where(w));
+  return workspace_layout(w, static_cast<int64_t>(max_tokens) * k).total;
+}
+
+void moe_fused_workspace_init(void* workspace, size_t bytes, cudaStream_t stream) {
+  if (workspace == nullptr && bytes != 0) throw std::invalid_argument("moe_fused_workspace_init: null workspace");
+  if (bytes != 0) CUDA_CHECK(cudaMemsetAsync(workspace, 0, bytes, stream));
+}
+
+void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routing, const MoeOutputs& out,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  moe_fused_check(w);
+  const int n = routing.n_tokens, k = routing.k;
+  if (n < 1 || n > kMoeMaxTokens || k < 1 || k > kMoeMaxTopK)
+    throw std::invalid_argument("moe_fused: n_tokens " + std::to_string(n) + " not in 1.." + std::to_string(kMoeMaxTokens) +
+                                " or k " + std::to_string(k) + " not in 1.." + std::to_string(kMoeMaxTopK) + where(w));
+  if (routing.chosen == nullptr || routing.weight == nullptr || x == nullptr)
+    throw std::invalid_argument("moe_fused: null routing or activations" + where(w));
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    throw std::invalid_argument("moe_fused: x must be 16-byte aligned" + where(w));
+  if (out.sum == nullptr && out.slot_rows == nullptr)
+    throw std::invalid_argument("moe_fused: no output asked for (sum and slot_rows both null)" + where(w));
+  const int n_slots = n * k;
+  const WorkspaceLayout l = workspace_layout(w, n_slots);
+  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0 || workspace_bytes < l.total)
+    throw std::invalid_argument("moe_fused: the workspace must be 256-byte aligned and hold " + std::to_string(l.total) +
+                                " bytes for " + std::to_string(n) + " tokens of top-" + std::to_string(k) + ", got " +
+                                std::to_string(workspace_bytes) + where(w));
+
+  const TensorType xg_act = dot_activation_type(w.gate_type), xu_act = dot_activation_type(w.up_type);
+  const TensorType h_act = dot_activation_type(w.down_type);
+  Params p{};
+  p.gate_type = static_cast<int>(w.gate_type);
+  p.up_type = static_cast<int>(w.up_type);
+  p.down_type = static_cast<int>(w.down_type);
+  p.x_gate_q8k = xg_act == TensorType::Q8_K;
+  p.x_up_q8k = xu_act == TensorType::Q8_K;
+  p.h_q8k = h_act == TensorType::Q8_K;
+  p.n_embd = static_cast<int>(w.n_embd);
+  p.n_ff = static_cast<int>(w.n_ff);
+  p.n_expert = static_cast<int>(w.n_expert);
+  p.n_tokens = n;
+  p.k = k;
+  p.n_slots = n_slots;
+  // Tokens per pass: an expert serves at most n tokens when a token's ids are distinct (top-k);
+  // repeated ids only add passes.
+  p.pass_tokens = n;
+  p.slots = w.slots;
+  p.gate_base = static_cast<const uint8_t*>(w.gate);
+  p.up_base = static_cast<const uint8_t*>(w.up);
+  p.down_base = static_cast<const uint8_t*>(w.down);
+  p.gate_row_bytes = static_cast<int64_t>(row_bytes(w.gate_type, w.n_embd));
+  p.up_row_bytes = static_cast<int64_t>(row_bytes(w.up_type, w.n_embd));
+  p.down_row_bytes = static_cast<int64_t>(row_bytes(w.down_type, w.n_ff));
+  p.gate_expert_bytes = p.gate_row_bytes * w.n_ff;
+  p.up_expert_bytes = p.up_row_bytes * w.n_ff;
+  p.down_expert_bytes = p.down_row_bytes * w.n_embd;
+  p.chosen = routing.chosen;
+  p.weight = routing.weight;
+  p.x = x;
+  p.sum = out.sum;
+  p.slot_rows = out.slot_rows;
+  p.slot_row_of = out.slot_row_of;
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  p.count_a = reinterpret_cast<int*>(ws + l.count_a);
+  p.count_b = reinterpret_cast<int*>(ws + l.count_b);
+  p.h = reinterpret_cast<float*>(ws + l.h);
+  p.hq = ws + l.hq;
+  p.hq_stride = act_stride(h_act, w.n_ff);
+  p.slot_out = reinterpret_cast<float*>(ws + l.slot_out);
+  p.xg_stride = act_stride(xg_act, w.n_embd);
+  p.xu_stride = act_stride(xu_act, w.n_embd);
+  p.gate_seg_words = seg_words(p.gate_row_bytes);
+  p.up_seg_words = seg_words(p.up_row_bytes);
+  p.down_seg_words = seg_words(p.down_row_bytes);
+
+  const DeviceInfo dev = device_info();
+  // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
+  const KernelPlan plan_a =
+      plan_kernel(w.n_ff, int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)),
+                  p.gate_seg_words + p.up_seg_words, 8, static_cast<int>(type_traits(h_act).block_elems), n_slots,
+                  w.n_expert, dev);
+  const KernelPlan plan_b = plan_kernel(w.n_embd, int64_t{n} * p.hq_stride, p.down_seg_words, 8, 0, n_slots, w.n_expert, dev);
+  if (plan_a.rows_per_warp == 0 || plan_b.rows_per_warp == 0)
+    throw std::invalid_argument("moe_fused: rows too long for the shared-memory staging (" + std::to_string(n) +
+                                " tokens, device limit " + std::to_string(dev.smem_optin) + " bytes per CTA)" + where(w));
+  p.rows_a = plan_a.rows_per_warp;
+  p.rows_b = plan_b.rows_per_warp;
+  ensure_smem<0>(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
+  ensure_smem<1>(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan_b.smem);
+
+  const dim3 grid_a(static_cast<unsigned>(plan_a.tiles), static_cast<unsigned>(plan_a.groups));
+  moe_gate_up_kernel<<<grid_a, kThreads, static_cast<size_t>(plan_a.smem), stream>>>(p);
+  CUDA_CHECK(cudaGetLastError());
+  // Kernel 2 as a programmatic dependent launch where the device has it (sm_90+): its CTAs start
+  // as kernel 1's leave room, fetch their down rows, and wait for kernel 1 inside.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(plan_b.tiles), static_cast<unsigned>(plan_b.groups));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(plan_b.smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dev.cc_major >= 9 ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_kernel, p));
+}
+
+}  // namespace moraine::cuda

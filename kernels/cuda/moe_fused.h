@@ -1,0 +1,118 @@
+// Routed experts of one MoE layer on the GPU for a few tokens (decode and speculative verify):
+// every selected expert's SwiGLU FFN, y = down(silu(gate x) * up x), on quantized weights read
+// in place, then the route-weighted sum per token:
+//   sum[t] = sum over s < k, expert chosen[t][s] present on this GPU, of weight[t][s] * y(t, s)
+// added in top-k order (s ascending), as reference::moe_combine adds the slots. Optionally also
+// the unweighted y(t, s) rows (the group's expert_out rows, ExpertPlan order).
+//
+// The arithmetic is the scalar reference's (common/reference/moe_parts.cpp swiglu_expert): x is
+// quantized to dot_activation_type(gate/up type) exactly as reference::pack_activations does
+// (Q8_0 with llama.cpp's x86 rule, Q8_K with the reference rule), gate and up rows are dotted with
+// the same per-block float terms as vec_dot_reference (matvec_formats.cuh), h = silu(g) * u in
+// float, h quantized to dot_activation_type(down type) the same way, down likewise. Only the
+// order of float additions and the last bits of expf differ.
+//
+// Design (two launches on the caller's stream, nothing allocated per call):
+//  1. gate/up kernel: grid (row tiles of n_ff) x (groups). Every CTA lists the "leader" slots
+//     (first slot naming each present expert) and serves leaders g, g + groups, ...; for each, it
+//     handles every token routed to that expert, so each weight row is read once per step however
+//     many of the n tokens chose the expert. Each warp copies its rows of gate and up into
+//     shared memory with cp.async (all in flight at once, the next expert's prefetched while the
+//     current one finishes) and dots them against x, which the CTA quantizes into shared memory
+//     meanwhile (x rows are small and L2-resident, and doing it here saves a launch). h goes to
+//     the workspace as F32; the CTA that finishes the last row tile of an activation block (32 or
+//     256 rows, counted with an atomic) quantizes that block for down, so h is quantized once.
+//  2. down kernel: the same leader scheme over row tiles of n_embd; the CTA copies the quantized
+//     h of its expert's tokens into shared memory, each warp dots its down rows, writes the
+//     unweighted rows, and the CTA that finishes a row tile last (atomic count over the groups)
+//     adds the weighted sums in top-k order: deterministic, no float atomics. On sm_90+ it is a
+//     programmatic dependent launch: its CTAs start while kernel 1 runs and fetch their down rows
+//     before waiting for kernel 1's h.
+//  Rows per warp and groups are chosen per call so the grid is one wave of 2 CTAs per SM when it
+//  can be. Why not one CTA per (expert, 256-row block) keeping h in shared memory: Qwen3-30B-A3B
+//  decode has 8 experts x 3 blocks = 24 CTAs for 132 SMs, far too few to pull HBM bandwidth; the
+//  F32 h (n*k*n_ff floats, <= 400 KB) round-trips through L2, not HBM.
+//  Measured on the H200 (moraine-kernel-bench cuda; read kernel 4.66 TB/s), us per layer, n = 1 / 8:
+//  Qwen3-30B-A3B Q4_K 30.8 / 167, Q8_0 34.3 / 193; Qwen3-Next Q4_K 34.8 / 169, Q8_0 36.3 / 195:
+//  15-29% of the read bandwidth. The first version (one row per warp, register staging, plain
+//  launches) took 48.6 / 235, 57.7 / 280, 52.7 / 256, 59.7 / 298. Still far from the bandwidth;
+//  not profiled yet. Likely (from instruction counts): n = 8 is bound by issuing the per-token
+//  dots (every token redoes the block decode and the shuffles: keep the decoded weight part in
+//  registers across tokens next), n = 1 by each CTA's latency chain routing -> rows -> dots.
+//
+// Memory contract: weight rows are read as aligned 16-byte words (as matvec.h), so each
+// expert's gate/up/down tensor must start 16-byte aligned and be readable up to the next
+// multiple of 16 past its end (cudaMalloc'd slabs and DeviceBuffer are). All pointers are device
+// pointers; routing and outputs may live anywhere in device memory.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/formats/tensor_type.h"
+
+namespace moraine::cuda {
+
+inline constexpr int kMoeMaxTokens = 16;   // tokens per call (decode / verify)
+inline constexpr int kMoeMaxTopK = 32;     // experts per token
+
+// One expert's three tensors ([n_ff][n_embd], [n_ff][n_embd], [n_embd][n_ff], row-major, in
+// their GGUF formats). gate == nullptr: the expert is not on this GPU; its slots are skipped.
+struct MoeExpertSlot {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+};
+
+struct MoeLayerWeights {
+  TensorType gate_type = TensorType::F32, up_type = TensorType::F32, down_type = TensorType::F32;
+  int64_t n_embd = 0, n_ff = 0, n_expert = 0;
+  // Either a slot table (device array [n_expert], e.g. the VRAM expert cache's map from expert id
+  // to slab addresses; entries may be changed between calls) ...
+  const MoeExpertSlot* slots = nullptr;
+  // ... or, when slots is null, one tensor per kind holding all n_expert experts back to back
+  // (GGUF's ffn_*_exps layout): expert e at base + e * (bytes of one expert's matrix).
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+};
+
+struct MoeRouting {
+  int n_tokens = 0;               // 1..kMoeMaxTokens
+  int k = 0;                      // 1..kMoeMaxTopK
+  const int32_t* chosen = nullptr;  // device [n_tokens][k]; ids outside 0..n_expert-1 count as absent
+  const float* weight = nullptr;    // device [n_tokens][k]
+};
+
+struct MoeOutputs {
+  // Device [n_tokens][n_embd], overwritten (a token none of whose experts is present gets 0).
+  // May be null when only slot_rows are wanted.
+  float* sum = nullptr;
+  // Optional device rows of n_embd floats: the unweighted down output of slot i = t*k + s goes
+  // to slot_rows + row * n_embd, row = slot_row_of[i] (a device array, e.g. ExpertPlan::row_of)
+  // or i when slot_row_of is null. Rows of slots whose expert is absent are not written.
+  float* slot_rows = nullptr;
+  const int32_t* slot_row_of = nullptr;
+};
+
+// Shape and formats check: throws std::invalid_argument naming the problem (a format without a
+// matvec kernel, n_embd / n_ff not multiples of the formats' blocks, rows too long for the
+// shared-memory staging). moe_fused calls it too.
+void moe_fused_check(const MoeLayerWeights& w);
+
+// Workspace (device memory, 256-byte aligned) for up to max_tokens tokens of top-k: scratch h,
+// its quantized form, per-slot outputs and the completion counters. Sized once, e.g. for the
+// model's n_embd / n_ff / k and max tokens; it must be zeroed once after allocation
+// (moe_fused_workspace_init) and is left zeroed by every completed call. One workspace per
+// stream: two calls in flight at once must not share it.
+size_t moe_fused_workspace_bytes(const MoeLayerWeights& w, int max_tokens, int k);
+void moe_fused_workspace_init(void* workspace, size_t bytes, cudaStream_t stream = nullptr);
+
+// x: device [n_tokens][n_embd] F32 (the normalised MoE input). Asynchronous on `stream`.
+// Throws std::invalid_argument for bad shapes, counts or a too small workspace.
+void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routing,
+               const MoeOutputs& out, void* workspace, size_t workspace_bytes,
+               cudaStream_t stream = nullptr);
+
+}  // namespace moraine::cuda

@@ -1,0 +1,152 @@
+// Causal GQA attention on the GPU (kernels/cuda/attention.h) against the exact softmax attention
+// (in double) of the reference's formula (moraine::reference::attend_one_head), with a KV length
+// crossing several chunks, a gate, and a check that a batch of rows gives bit-identical output
+// to the same rows run one by one (the property decode-after-prefill relies on).
+// Tolerance, first order in u = 2^-24: a score s_j is off by at most
+//   ds_j = (hd/32 + 5) u scale sum_d |q_d k_jd| + u |s_j|   (fma chain, warp tree, scaling),
+// which moves p_j relatively by up to 2 max_j ds_j, plus 8u for exp and the normalisation; the
+// weighted sum of values adds (positions per chunk + chunks + 8) u of sum_j p_j |v_jd|.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/device_buffer.h"
+#include "tests/cuda/cuda_test_support.h"
+
+namespace moraine {
+namespace {
+
+std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+struct Run {
+  cuda::AttentionShape s;
+  int64_t n, n_past;
+  bool gated;
+};
+
+std::vector<float> run_gpu(const Run& r, const std::vector<float>& q, const std::vector<float>& kc,
+                           const std::vector<float>& vc, const std::vector<float>& gate, int64_t rows_per_call,
+                           int64_t scratch_rows) {
+  const cuda::AttentionShape& s = r.s;
+  const int64_t qd = s.n_head * s.head_dim;
+  cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
+      dout(q.size());
+  dq.upload(q.data(), q.size());
+  dk.upload(kc.data(), kc.size());
+  dv.upload(vc.data(), vc.size());
+  if (!gate.empty()) dg.upload(gate.data(), gate.size());
+  dout.fill_bytes(0xff);
+  const int64_t scratch = cuda::attention_scratch_floats(s, scratch_rows, r.n_past + r.n);
+  cuda::DeviceBuffer<float> dscratch(static_cast<size_t>(scratch));
+  for (int64_t t0 = 0; t0 < r.n; t0 += rows_per_call) {
+    const int64_t m = std::min(rows_per_call, r.n - t0);
+    cuda::attention(s, dq.get() + t0 * qd, dk.get(), dv.get(), m, r.n_past + t0,
+                    r.gated ? dg.get() + t0 * 2 * qd : nullptr, 2 * qd, 2 * s.head_dim, dout.get() + t0 * qd,
+                    dscratch.get(), scratch);
+  }
+  std::vector<float> out(q.size());
+  dout.download(out.data(), out.size());
+  return out;
+}
+
+void check(const Run& r, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const cuda::AttentionShape& s = r.s;
+  const int64_t hd = s.head_dim, n_ctx = r.n_past + r.n, group = s.n_head / s.n_head_kv;
+  const std::vector<float> q = normal_values(rng, static_cast<size_t>(r.n * s.n_head * hd), 1.0f);
+  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
+  const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  // The gate rides beside each head in a row of 2 * n_head * hd (as in qwen3next's q projection).
+  std::vector<float> gate;
+  if (r.gated) gate = normal_values(rng, static_cast<size_t>(r.n * 2 * s.n_head * hd), 2.0f);
+
+  const std::vector<float> got = run_gpu(r, q, kc, vc, gate, r.n, r.n);
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t t = 0; t < r.n; ++t) {
+    for (int64_t h = 0; h < s.n_head; ++h) {
+      const int64_t n_kv = r.n_past + t + 1, g = h / group;
+      const float* qh = q.data() + (t * s.n_head + h) * hd;
+      std::vector<double> sc(n_kv);
+      double mx = -INFINITY, max_ds = 0;
+      for (int64_t j = 0; j < n_kv; ++j) {
+        double dot = 0, mag = 0;
+        for (int64_t d = 0; d < hd; ++d) {
+          const double p = double(qh[d]) * kc[j * s.kv_stride + g * hd + d];
+          dot += p;
+          mag += std::fabs(p);
+        }
+        sc[j] = dot * s.scale;
+        max_ds = std::max(max_ds, (double(hd) / 32 + 5) * u * s.scale * mag + u * std::fabs(sc[j]));
+        mx = std::max(mx, sc[j]);
+      }
+      double sum = 0;
+      for (double& v : sc) sum += (v = std::exp(v - mx));
+      const int64_t chunks = (n_kv + cuda::kAttentionChunk - 1) / cuda::kAttentionChunk;
+      const double rel = 2 * max_ds + 8 * u + double(std::min<int64_t>(n_kv, cuda::kAttentionChunk) + chunks + 8) * u;
+      for (int64_t d = 0; d < hd; ++d) {
+        double o = 0, mag = 0;
+        for (int64_t j = 0; j < n_kv; ++j) {
+          const double pv = sc[j] / sum * vc[j * s.kv_stride + g * hd + d];
+          o += pv;
+          mag += std::fabs(pv);
+        }
+        double tol = rel * mag;
+        if (r.gated) {
+          const double gv = gate[t * 2 * s.n_head * hd + h * 2 * hd + d];
+          const double sg = 1.0 / (1.0 + std::exp(-gv));
+          o *= sg;
+          tol = tol * sg + 4 * u * std::fabs(o);
+        }
+        const float gd = got[(t * s.n_head + h) * hd + d];
+        ASSERT_LE(std::fabs(gd - o), tol + 1e-30) << "row " << t << " head " << h << " dim " << d << ": got " << gd
+                                                  << ", exact " << o;
+      }
+    }
+  }
+  // Row by row (as decode) gives the very same bits as the batch (as prefill), and so does the
+  // batch through a scratch that holds two rows (passes of two rows).
+  const std::vector<float> one_by_one = run_gpu(r, q, kc, vc, gate, 1, 1);
+  EXPECT_EQ(std::memcmp(one_by_one.data(), got.data(), got.size() * 4), 0) << "batch and row-by-row outputs differ";
+  const std::vector<float> in_passes = run_gpu(r, q, kc, vc, gate, r.n, 2);
+  EXPECT_EQ(std::memcmp(in_passes.data(), got.data(), got.size() * 4), 0) << "a batch in passes of two rows differs";
+}
+
+cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
+  cuda::AttentionShape s;
+  s.n_head = n_head;
+  s.n_head_kv = n_head_kv;
+  s.head_dim = hd;
+  s.kv_stride = n_head_kv * hd;
+  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  return s;
+}
+
+TEST(CudaAttention, MatchesExactSoftmaxAttention) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check({shape(4, 2, 128), 1, 0, false}, 1);     // the first decode step: one position
+  check({shape(4, 2, 128), 7, 0, false}, 2);     // a prefill from empty
+  check({shape(8, 2, 128), 3, 600, false}, 3);   // decode rows over three chunks
+  check({shape(6, 3, 256), 5, 250, true}, 4);    // gated, rows straddling a chunk boundary
+  check({shape(3, 1, 40), 300, 0, false}, 5);    // a long prefill, head_dim not a multiple of 32
+}
+
+TEST(CudaAttentionArguments, RejectsBadShapeAndSmallScratch) {
+  cuda::AttentionShape s = shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
+  EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 1 << 20),
+               std::invalid_argument);
+  s = shape(4, 2, 64);  // one row needs 4 heads x 1 chunk x 66 floats
+  EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 263),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

@@ -1,0 +1,498 @@
+// The fused routed-expert kernel (kernels/cuda/moe_fused.cu) against a host loop built from the
+// scalar reference: per slot, x quantized by reference::pack_activations to the gate/up activation
+// type (what moe_parts' swiglu_expert does: Q8_0 with llama.cpp's x86 rule), every gate/up row by
+// vec_dot_reference, h = reference::silu(g) * u, h packed for down likewise, down rows by
+// vec_dot_reference, then reference::moe_combine's weighted sum in top-k order.
+//
+// Tolerance, derived rather than tuned (u = 2^-24, gamma(k) = k*u / (1 - k*u)):
+//  - g, u: the kernel adds the reference's per-block float terms in another order:
+//    |dg| <= 2 gamma(blocks) sum|terms| (as tests/cuda/matvec_test.cpp).
+//  - h: silu is 1.1-Lipschitz; the device's expf is within 2 ulp and the host's within 1, and the
+//    add, divide and multiply round once each on both sides, so for the same g the two silu
+//    values differ by at most 8u relative; then h = silu * u adds one rounding each side.
+//  - quantized h: the device's block maximum lies in [max(|h|-dh), max(|h|+dh)], so each scaled
+//    value h*127/amax lies in an interval (both rules' scalings, 127/amax and 1/(amax/127), within a
+//    few ulp); every integer q it can round to (ties either way), times every scale the
+//    range allows (fp16-rounded for Q8_0), bounds how far the device's dequantized h_i can be from
+//    the host's: D_i. Almost always D_i is a relative 1e-6 of h_i; where an element sits on a
+//    rounding boundary it is one quantum.
+//  - down output row r: sum_i |W_ri| D_i (W dequantized) + 2 gamma(blocks) sum|terms| for the order,
+//    plus the terms' own roundings, which no longer cancel once the activations differ: each side
+//    rounds a term up to 3 times (isum to float beyond 2^24, d * d_act, the product), 6u both
+//    sides; taken as 8u for the few-ulp difference of the activations themselves. Formats with
+//    mins (Q2_K, Q4_K, Q5_K) round the two parts of d * isum - dmin * msum separately, and these
+//    can be much larger than their difference, so their 8u applies to the parts, per block:
+//    P1 = sum_i (W_ri + min_ri) h_i and P2 = sum_i min_ri h_i (min_ri = dmin * m of the element's
+//    sub-block; W dequantized, h the host's dequantized h), plus sum_i (|W_ri + min_ri| + |min_ri|) D_i
+//    for how far the device's activations can move them. A first derivation used 4u of |terms|
+//    only and failed on the H200 for exactly the min formats, by up to 1.4x its bound; the
+//    logged values are now within 0.1x to 0.2x of this one.
+//  - weighted sum: sum_s |w_s| tol_s (1 + 2u) + 2 gamma(k + 1) sum_s |w_s y_s|.
+// A wrong row, block, expert, token or weight moves results by the size of the values, orders of
+// magnitude above these bounds.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "common/formats/block_layouts.h"
+#include "common/formats/half_float.h"
+#include "common/formats/quant.h"
+#include "common/reference/matmul.h"
+#include "common/reference/ops.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/moe_fused.h"
+#include "tests/cuda/cuda_test_support.h"
+
+namespace moraine {
+namespace {
+
+constexpr double kU = 0x1p-24;
+
+double gamma(int64_t k) { return static_cast<double>(k) * kU / (1.0 - static_cast<double>(k) * kU); }
+
+struct Kind {
+  TensorType type;
+  int64_t rows, cols;
+  size_t row_bytes;
+  std::vector<uint8_t> bytes;  // all experts back to back
+  const uint8_t* row(int64_t e, int64_t r) const { return bytes.data() + (e * rows + r) * row_bytes; }
+  size_t expert_bytes() const { return row_bytes * static_cast<size_t>(rows); }
+};
+
+// Values with random_values' wide per-block spread, scaled down by `scale`: weights by 1e-3 and
+// x by 1e-1 keep h (about |g * u|) far inside the range a Q8_0 block's fp16 scale can hold
+// (amax / 127 <= 65504), which quantize_row refuses to exceed, as real activations are.
+std::vector<float> scaled_values(std::mt19937& rng, size_t n, float scale) {
+  std::vector<float> v = cuda_test::random_values(rng, n);
+  for (float& f : v) f *= scale;
+  return v;
+}
+
+Kind make_kind(TensorType t, int64_t experts, int64_t rows, int64_t cols, std::mt19937& rng) {
+  Kind k{t, rows, cols, row_bytes(t, cols), {}};
+  const std::vector<float> v = scaled_values(rng, static_cast<size_t>(experts * rows * cols), 1e-3f);
+  k.bytes.resize(k.row_bytes * static_cast<size_t>(experts * rows));
+  for (int64_t r = 0; r < experts * rows; ++r) quantize_row(t, v.data() + r * cols, k.bytes.data() + r * k.row_bytes, cols);
+  return k;
+}
+
+// vec_dot_reference of one row and the bound on the kernel's reordering of its block terms.
+struct Dot {
+  float value;
+  double abs_terms;  // sum over blocks of |term|
+};
+
+Dot reference_dot(TensorType w_type, const uint8_t* w_row, const uint8_t* act_row, int64_t n) {
+  const TensorType a_type = dot_activation_type(w_type);
+  const int64_t block = type_traits(w_type).block_elems;
+  double abs_sum = 0.0;
+  for (int64_t b = 0; b < n / block; ++b)
+    abs_sum += std::fabs(vec_dot_reference(w_type, block, w_row + b * type_traits(w_type).block_bytes,
+                                           act_row + row_bytes(a_type, block * b)));
+  return {vec_dot_reference(w_type, n, w_row, act_row), abs_sum};
+}
+
+bool has_mins(TensorType t) { return t == TensorType::Q2_K || t == TensorType::Q4_K || t == TensorType::Q5_K; }
+
+// Per element of a weight row, what its format subtracts (dmin * m of the sub-block); 0 for
+// formats without mins. A block with its quants zeroed dequantizes to exactly -dmin * m.
+std::vector<float> min_parts(TensorType t, const uint8_t* row, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n), 0.0f);
+  if (!has_mins(t)) return out;
+  std::vector<uint8_t> z(row, row + row_bytes(t, n));
+  const size_t bb = type_traits(t).block_bytes;
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    uint8_t* blk = z.data() + static_cast<size_t>(b) * bb;
+    if (t == TensorType::Q2_K) {
+      std::memset(blk + offsetof(BlockQ2_K, qs), 0, sizeof(BlockQ2_K::qs));
+    } else if (t == TensorType::Q4_K) {
+      std::memset(blk + offsetof(BlockQ4_K, qs), 0, sizeof(BlockQ4_K::qs));
+    } else {
+      std::memset(blk + offsetof(BlockQ5_K, qh), 0, sizeof(BlockQ5_K::qh));
+      std::memset(blk + offsetof(BlockQ5_K, qs), 0, sizeof(BlockQ5_K::qs));
+    }
+  }
+  dequantize_row(t, z.data(), out.data(), n);
+  for (float& v : out) v = -v;
+  return out;
+}
+
+float fp16_round(double v) { return half::fp16_to_fp32(half::fp32_to_fp16(static_cast<float>(v))); }
+
+// D_i for one activation block (header comment): h host values, dh their bounds, v the host's
+// dequantized values (same block), q8k whether the block is Q8_K (float scale) or Q8_0 (fp16).
+void dequant_bounds(const float* h, const double* dh, const float* v, int n, bool q8k, double* out) {
+  double a_lo = 0.0, a_hi = 0.0;
+  for (int i = 0; i < n; ++i) {
+    a_lo = std::max(a_lo, std::fabs(h[i]) - dh[i]);
+    a_hi = std::max(a_hi, std::fabs(h[i]) + dh[i]);
+  }
+  if (a_hi == 0.0) {
+    std::fill(out, out + n, 0.0);
+    return;
+  }
+  // Scales a device could use: inverse for rounding, d for dequantizing (a few ulp of slack for
+  // the divisions that make them).
+  const double inv_lo = a_hi > 0 ? 127.0 / a_hi * (1 - 8 * kU) : 0.0;
+  const double inv_hi = a_lo > 0 ? 127.0 / a_lo * (1 + 8 * kU) : 1e300;
+  double d_lo = a_lo / 127.0 * (1 - 8 * kU), d_hi = a_hi / 127.0 * (1 + 8 * kU);
+  if (!q8k) {
+    d_lo = fp16_round(d_lo) * (1 - kU);  // fp16 rounding is monotone: the ends bound it
+    d_hi = fp16_round(d_hi) * (1 + kU);
+  }
+  for (int i = 0; i < n; ++i) {
+    const double lo = h[i] - dh[i], hi = h[i] + dh[i];
+    double z_lo = std::min({lo * inv_lo, lo * inv_hi, hi * inv_lo, hi * inv_hi});
+    double z_hi = std::max({lo * inv_lo, lo * inv_hi, hi * inv_lo, hi * inv_hi});
+    z_lo = std::max(z_lo, -128.0);
+    z_hi = std::min(z_hi, 128.0);
+    const double q_lo = std::ceil(z_lo - 0.5), q_hi = std::floor(z_hi + 0.5);  // ties either way
+    double worst = 0.0;
+    for (double q : {q_lo, q_hi})
+      for (double d : {d_lo, d_hi}) worst = std::max(worst, std::fabs(d * q - static_cast<double>(v[i])));
+    out[i] = worst;
+  }
+}
+
+struct Case {
+  TensorType gate, up, down;
+  int n_tokens, n_expert, k;
+  int64_t n_embd, n_ff;
+  bool slot_table;  // slot-table mode with every third expert absent, and slot_rows out
+  uint32_t seed;
+};
+
+// Host reference for one slot: the expert's output row and its tolerance.
+struct SlotRef {
+  std::vector<float> y;
+  std::vector<double> tol;
+};
+
+struct ExpectedSum {
+  float value;
+  double tolerance;
+};
+
+SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64_t e, const float* x) {
+  const int64_t n_embd = gate.cols, n_ff = gate.rows;
+  const TensorType ah = dot_activation_type(down.type);
+  const std::vector<uint8_t> xg = reference::pack_activations(gate.type, x, 1, n_embd).bytes;
+  const std::vector<uint8_t> xu = reference::pack_activations(up.type, x, 1, n_embd).bytes;
+  const int64_t nb_g = n_embd / type_traits(gate.type).block_elems, nb_u = n_embd / type_traits(up.type).block_elems;
+  std::vector<float> h(static_cast<size_t>(n_ff));
+  std::vector<double> dh(static_cast<size_t>(n_ff));
+  for (int64_t r = 0; r < n_ff; ++r) {
+    const Dot g = reference_dot(gate.type, gate.row(e, r), xg.data(), n_embd);
+    const Dot u = reference_dot(up.type, up.row(e, r), xu.data(), n_embd);
+    const double tg = 2.0 * gamma(nb_g) * g.abs_terms, tu = 2.0 * gamma(nb_u) * u.abs_terms;
+    const float s = reference::silu(g.value);
+    h[static_cast<size_t>(r)] = s * u.value;
+    const double ds = 1.1 * tg + 8.0 * kU * (std::fabs(s) + 1.1 * tg);
+    dh[static_cast<size_t>(r)] = ds * (std::fabs(u.value) + tu) + std::fabs(s) * tu +
+                                 2.0 * kU * (std::fabs(s) + ds) * (std::fabs(u.value) + tu);
+  }
+  const std::vector<uint8_t> hq = reference::pack_activations(down.type, h.data(), 1, n_ff).bytes;
+  std::vector<float> hv(static_cast<size_t>(n_ff));
+  dequantize_row(ah, hq.data(), hv.data(), n_ff);
+  std::vector<double> D(static_cast<size_t>(n_ff));
+  const int ab = static_cast<int>(type_traits(ah).block_elems);
+  for (int64_t b = 0; b < n_ff / ab; ++b)
+    dequant_bounds(h.data() + b * ab, dh.data() + b * ab, hv.data() + b * ab, ab, ah == TensorType::Q8_K,
+                   D.data() + b * ab);
+  SlotRef out{std::vector<float>(static_cast<size_t>(n_embd)), std::vector<double>(static_cast<size_t>(n_embd))};
+  const int64_t nb_d = n_ff / type_traits(down.type).block_elems;
+  std::vector<float> wrow(static_cast<size_t>(n_ff));
+  for (int64_t r = 0; r < n_embd; ++r) {
+    const Dot y = reference_dot(down.type, down.row(e, r), hq.data(), n_ff);
+    dequantize_row(down.type, down.row(e, r), wrow.data(), n_ff);
+    const std::vector<float> mins = min_parts(down.type, down.row(e, r), n_ff);
+    double flips = 0.0, parts = 0.0;
+    for (size_t i = 0; i < static_cast<size_t>(n_ff); ++i) flips += std::fabs(wrow[i]) * D[i];
+    if (has_mins(down.type)) {
+      for (size_t b = 0; b < static_cast<size_t>(n_ff / kQK_K); ++b) {  // per block: |P1| + |P2| + their change
+        double p1 = 0.0, p2 = 0.0, change = 0.0;
+        for (size_t i = b * kQK_K; i < (b + 1) * kQK_K; ++i) {
+          const double scaled = static_cast<double>(wrow[i]) + mins[i];
+          p1 += scaled * hv[i];
+          p2 += static_cast<double>(mins[i]) * hv[i];
+          change += (std::fabs(scaled) + std::fabs(mins[i])) * D[i];
+        }
+        parts += std::fabs(p1) + std::fabs(p2) + change;
+      }
+    }
+    out.y[static_cast<size_t>(r)] = y.value;
+    out.tol[static_cast<size_t>(r)] =
+        flips * (1.0 + 1e-3) + (2.0 * gamma(nb_d) + 8.0 * kU) * y.abs_terms + 8.0 * kU * parts;
+  }
+  return out;
+}
+
+// One case's random inputs and the host reference for every slot of a present expert.
+struct HostCase {
+  Kind gate, up, down;
+  std::vector<float> x;
+  std::vector<int32_t> chosen;
+  std::vector<float> weight;
+  std::vector<bool> present;
+  std::vector<SlotRef> ref;
+  std::mt19937 rng;  // where the case's random stream stands after the inputs
+};
+
+HostCase make_host_case(const Case& c) {
+  std::mt19937 rng(c.seed);
+  Kind gate = make_kind(c.gate, c.n_expert, c.n_ff, c.n_embd, rng);
+  Kind up = make_kind(c.up, c.n_expert, c.n_ff, c.n_embd, rng);
+  Kind down = make_kind(c.down, c.n_expert, c.n_embd, c.n_ff, rng);
+  std::vector<float> x = scaled_values(rng, static_cast<size_t>(c.n_tokens * c.n_embd), 1e-1f);
+  // Routing: k distinct experts per token in random order, positive weights.
+  const int n_slots = c.n_tokens * c.k;
+  std::vector<int32_t> chosen(static_cast<size_t>(n_slots));
+  std::vector<float> weight(static_cast<size_t>(n_slots));
+  std::uniform_real_distribution<float> wdist(0.05f, 1.0f);
+  std::vector<int32_t> ids(static_cast<size_t>(c.n_expert));
+  std::iota(ids.begin(), ids.end(), 0);
+  for (int t = 0; t < c.n_tokens; ++t) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (int s = 0; s < c.k; ++s) {
+      chosen[static_cast<size_t>(t * c.k + s)] = ids[static_cast<size_t>(s)];
+      weight[static_cast<size_t>(t * c.k + s)] = wdist(rng);
+    }
+  }
+  std::vector<bool> present(static_cast<size_t>(c.n_expert), true);
+  if (c.slot_table)
+    for (int e = 0; e < c.n_expert; e += 3) present[static_cast<size_t>(e)] = false;
+
+  // Host reference, once per slot whose expert is present.
+  std::vector<SlotRef> ref(static_cast<size_t>(n_slots));
+  for (int i = 0; i < n_slots; ++i) {
+    const int e = chosen[static_cast<size_t>(i)];
+    if (present[static_cast<size_t>(e)])
+      ref[static_cast<size_t>(i)] = reference_slot(gate, up, down, e, x.data() + (i / c.k) * c.n_embd);
+  }
+  return {std::move(gate), std::move(up), std::move(down), std::move(x), std::move(chosen), std::move(weight),
+          std::move(present), std::move(ref), rng};
+}
+
+// The weighted sum's reference (reference::moe_combine's accumulation) and its tolerance.
+ExpectedSum reference_sum(const Case& c, const HostCase& h, int t, int64_t r) {
+  float want = 0.0f;
+  double tol = 0.0, mag = 0.0;
+  for (int s = 0; s < c.k; ++s) {
+    const size_t i = static_cast<size_t>(t * c.k + s);
+    if (!h.present[static_cast<size_t>(h.chosen[i])]) continue;
+    const float y = h.ref[i].y[static_cast<size_t>(r)];
+    want += h.weight[i] * y;
+    tol += std::fabs(h.weight[i]) * h.ref[i].tol[static_cast<size_t>(r)] * (1.0 + 2.0 * kU);
+    mag += std::fabs(static_cast<double>(h.weight[i]) * y);
+  }
+  return {want, tol + 2.0 * gamma(c.k + 1) * mag};
+}
+
+void run_case(const Case& c) {
+  const HostCase host = make_host_case(c);
+  const Kind &gate = host.gate, &up = host.up, &down = host.down;
+  const std::vector<float>& x = host.x;
+  const std::vector<int32_t>& chosen = host.chosen;
+  const std::vector<float>& weight = host.weight;
+  const std::vector<bool>& present = host.present;
+  const std::vector<SlotRef>& ref = host.ref;
+  std::mt19937 rng = host.rng;
+  const int n_slots = c.n_tokens * c.k;
+
+  // Device weights. Slot-table mode: each present expert's three tensors at scattered places of
+  // one buffer (reverse expert order, padded), as a VRAM cache's slabs would be.
+  cuda::MoeLayerWeights w;
+  w.gate_type = c.gate;
+  w.up_type = c.up;
+  w.down_type = c.down;
+  w.n_embd = c.n_embd;
+  w.n_ff = c.n_ff;
+  w.n_expert = c.n_expert;
+  cuda::DeviceBuffer<uint8_t> dgate(gate.bytes.size()), dup(up.bytes.size()), ddown(down.bytes.size());
+  const size_t slab = (gate.expert_bytes() + up.expert_bytes() + down.expert_bytes() + 3 * 256) / 256 * 256 + 256;
+  cuda::DeviceBuffer<uint8_t> dslabs(c.slot_table ? slab * static_cast<size_t>(c.n_expert) : 0);
+  cuda::DeviceBuffer<cuda::MoeExpertSlot> dtable(static_cast<size_t>(c.n_expert));
+  if (!c.slot_table) {
+    dgate.upload(gate.bytes.data(), gate.bytes.size());
+    dup.upload(up.bytes.data(), up.bytes.size());
+    ddown.upload(down.bytes.data(), down.bytes.size());
+    w.gate = dgate.get();
+    w.up = dup.get();
+    w.down = ddown.get();
+  } else {
+    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(c.n_expert));
+    for (int e = 0; e < c.n_expert; ++e) {
+      if (!present[static_cast<size_t>(e)]) continue;
+      uint8_t* base = dslabs.get() + slab * static_cast<size_t>(c.n_expert - 1 - e);
+      const size_t ug = (gate.expert_bytes() + 255) / 256 * 256, uu = (up.expert_bytes() + 255) / 256 * 256;
+      CUDA_CHECK(cudaMemcpy(base, gate.row(e, 0), gate.expert_bytes(), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(base + ug, up.row(e, 0), up.expert_bytes(), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(base + ug + uu, down.row(e, 0), down.expert_bytes(), cudaMemcpyHostToDevice));
+      table[static_cast<size_t>(e)] = {base, base + ug, base + ug + uu};
+    }
+    dtable.upload(table.data(), table.size());
+    w.slots = dtable.get();
+  }
+
+  cuda::DeviceBuffer<float> dx(x.size()), dweight(weight.size()), dsum(static_cast<size_t>(c.n_tokens * c.n_embd));
+  cuda::DeviceBuffer<int32_t> dchosen(chosen.size());
+  dx.upload(x.data(), x.size());
+  dweight.upload(weight.data(), weight.size());
+  dchosen.upload(chosen.data(), chosen.size());
+  // Slot rows in a permuted order (as ExpertPlan::row_of packs them), NaN-poisoned like the sum.
+  std::vector<int32_t> row_of(static_cast<size_t>(n_slots));
+  std::iota(row_of.begin(), row_of.end(), 0);
+  std::shuffle(row_of.begin(), row_of.end(), rng);
+  cuda::DeviceBuffer<int32_t> drow_of(row_of.size());
+  drow_of.upload(row_of.data(), row_of.size());
+  cuda::DeviceBuffer<float> dslot_rows(static_cast<size_t>(n_slots) * static_cast<size_t>(c.n_embd));
+
+  const size_t ws_bytes = cuda::moe_fused_workspace_bytes(w, cuda::kMoeMaxTokens, c.k);
+  cuda::DeviceBuffer<uint8_t> ws(ws_bytes);
+  cuda::moe_fused_workspace_init(ws.get(), ws_bytes);
+
+  cuda::MoeRouting routing;
+  routing.n_tokens = c.n_tokens;
+  routing.k = c.k;
+  routing.chosen = dchosen.get();
+  routing.weight = dweight.get();
+  cuda::MoeOutputs out;
+  out.sum = dsum.get();
+  if (c.slot_table) {
+    out.slot_rows = dslot_rows.get();
+    out.slot_row_of = drow_of.get();
+  }
+
+  // Twice: the second call checks that the first left the workspace's counters zeroed.
+  for (int call = 0; call < 2; ++call) {
+    dsum.fill_bytes(0xff);
+    dslot_rows.fill_bytes(0xff);
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> sum(dsum.size()), rows(dslot_rows.size());
+    dsum.download(sum.data(), sum.size());
+    dslot_rows.download(rows.data(), rows.size());
+    const std::string what = std::string(type_name(c.gate)) + "/" + std::string(type_name(c.up)) + "/" +
+                             std::string(type_name(c.down)) + " n=" + std::to_string(c.n_tokens) + " experts=" +
+                             std::to_string(c.n_expert) + " k=" + std::to_string(c.k) + " call " + std::to_string(call);
+    for (int t = 0; t < c.n_tokens; ++t) {
+      for (int64_t r = 0; r < c.n_embd; ++r) {
+        const ExpectedSum want = reference_sum(c, host, t, r);
+        const float got = sum[static_cast<size_t>(t * c.n_embd + r)];
+        ASSERT_TRUE(std::fabs(static_cast<double>(got) - want.value) <= want.tolerance)
+            << what << ": sum token " << t << " row " << r << ": got " << got << ", reference " << want.value
+            << ", tolerance " << want.tolerance;
+      }
+    }
+    if (!c.slot_table) continue;
+    for (int i = 0; i < n_slots; ++i) {
+      const float* got = rows.data() + static_cast<size_t>(row_of[static_cast<size_t>(i)]) * static_cast<size_t>(c.n_embd);
+      const bool here = present[static_cast<size_t>(chosen[static_cast<size_t>(i)])];
+      for (int64_t r = 0; r < c.n_embd; ++r) {
+        if (!here) {
+          ASSERT_TRUE(std::isnan(got[r])) << what << ": slot " << i << " of an absent expert was written";
+          continue;
+        }
+        const SlotRef& s = ref[static_cast<size_t>(i)];
+        ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
+            << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
+            << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
+      }
+    }
+  }
+}
+
+class CudaMoeFused : public ::testing::TestWithParam<TensorType> {};
+
+// Decode and verify sizes, odd expert counts; 16 tokens over 7 experts puts up to 16 tokens on
+// one expert (one weight read serving them all).
+TEST_P(CudaMoeFused, WholeTensorsMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  run_case({t, t, t, 1, 13, 4, 512, 256, false, 11});
+  run_case({t, t, t, 3, 31, 10, 512, 256, false, 12});
+  run_case({t, t, t, 8, 13, 4, 512, 256, false, 13});
+  run_case({t, t, t, 16, 7, 3, 256, 512, false, 14});
+}
+
+TEST_P(CudaMoeFused, SlotTableWithAbsentExpertsMatchesReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  run_case({t, t, t, 1, 9, 4, 512, 256, true, 21});
+  run_case({t, t, t, 8, 11, 4, 512, 256, true, 22});
+  run_case({t, t, t, 16, 13, 5, 256, 256, true, 23});
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CudaMoeFused,
+                         ::testing::Values(TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
+                                           TensorType::Q5_K, TensorType::Q6_K, TensorType::MXFP4),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// Gate and up quantize x differently (Q8_K and Q8_0), down takes Q8_0 h: three formats at once.
+TEST(CudaMoeFusedMixed, MixedFormatsMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, 3, 9, 4, 512, 256, false, 31});
+  run_case({TensorType::MXFP4, TensorType::Q6_K, TensorType::Q5_K, 8, 11, 6, 512, 256, true, 32});
+}
+
+// Wide rows and many distinct experts: the grid has fewer CTAs per row tile than experts, so each
+// CTA serves several experts in turn (the next one's rows prefetched), in both kernels.
+TEST(CudaMoeFusedMixed, SeveralExpertsPerCtaMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 4, 61, 8, 2048, 512, false, 41});
+  run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 4, 61, 8, 2048, 512, true, 42});
+}
+
+// Argument checks come before any CUDA call, so these run without a device too.
+TEST(CudaMoeFusedArguments, RejectsBadShapesFormatsAndWorkspaces) {
+  cuda::MoeLayerWeights w;
+  w.gate_type = w.up_type = w.down_type = TensorType::Q4_K;
+  w.n_embd = 512;
+  w.n_ff = 256;
+  w.n_expert = 8;
+  const auto fake = reinterpret_cast<const void*>(uintptr_t{256});
+  w.gate = w.up = w.down = fake;
+  EXPECT_NO_THROW(cuda::moe_fused_check(w));
+  cuda::MoeLayerWeights bad = w;
+  bad.down_type = TensorType::Q4_0;  // no matvec kernel
+  EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
+  bad = w;
+  bad.n_ff = 200;  // not a multiple of 256
+  EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
+  bad = w;
+  bad.gate = reinterpret_cast<const void*>(uintptr_t{260});  // misaligned
+  EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
+  bad = w;
+  bad.up = nullptr;  // neither a slot table nor all three tensors
+  EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
+  EXPECT_THROW(cuda::moe_fused_workspace_bytes(w, 17, 8), std::invalid_argument);
+  EXPECT_THROW(cuda::moe_fused_workspace_bytes(w, 1, 0), std::invalid_argument);
+
+  cuda::MoeRouting routing;
+  routing.n_tokens = 2;
+  routing.k = 4;
+  routing.chosen = reinterpret_cast<const int32_t*>(fake);
+  routing.weight = reinterpret_cast<const float*>(fake);
+  cuda::MoeOutputs out;
+  out.sum = reinterpret_cast<float*>(uintptr_t{256});
+  const auto x = reinterpret_cast<const float*>(fake);
+  const size_t need = cuda::moe_fused_workspace_bytes(w, 2, 4);
+  void* ws = reinterpret_cast<void*>(uintptr_t{4096});
+  EXPECT_THROW(cuda::moe_fused(w, x, routing, out, ws, need - 1, nullptr), std::invalid_argument);  // too small
+  cuda::MoeRouting many = routing;
+  many.n_tokens = 17;
+  EXPECT_THROW(cuda::moe_fused(w, x, many, out, ws, 1 << 30, nullptr), std::invalid_argument);
+  cuda::MoeOutputs none;
+  EXPECT_THROW(cuda::moe_fused(w, x, routing, none, ws, 1 << 30, nullptr), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

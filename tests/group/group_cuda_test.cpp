@@ -1,0 +1,88 @@
+// The process group with the gpu_worker on the CUDA backend (--backend cuda) generates the
+// reference executor's greedy tokens (what the group gives with --backend cpu, group_test.cpp),
+// with every sampled row's logits within the CUDA backend's bound against the reference
+// (tests/cuda/cuda_backend_golden_test.cpp: 1e-4 of max |logit| for F32, 1e-3 quantized), both
+// with every expert on the cpu_expert_workers and with every expert in the VRAM tier (the CUDA
+// backend's routed_experts). Skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/cuda/device.h"
+#include "tests/group/group_harness.h"
+
+namespace moraine::group_test {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Case {
+  std::string model;
+  std::string weights;  // "f32", "q8_0", "kmix"
+  bool experts_in_vram;
+  std::string name() const { return model + "_" + weights + (experts_in_vram ? "_vram_experts" : "_cpu_experts"); }
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
+std::string quant_args(const std::string& weights) {
+  if (weights == "f32") return "";
+  if (weights == "q8_0") return "--default q8_0";
+  return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
+}
+
+class GroupCudaBackend : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const Case& c = GetParam();
+  const std::string dir = temp_dir("model");
+  const std::string model = convert_golden(c.model, quant_args(c.weights), dir);
+  const std::vector<int32_t> prompt = golden_prompt(c.model);
+  constexpr int kTokens = 12;
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+
+  GroupOptions o;
+  o.model = model;
+  o.backend = "cuda";
+  o.logits_dump = dir + "/logits.f32";
+  if (c.experts_in_vram) o.vram = "1099511627776";  // 1 TiB: every expert fits
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+
+  std::ifstream in(o.logits_dump, std::ios::binary);
+  std::vector<float> got(ref.logits.size());
+  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * sizeof(float)));
+  ASSERT_EQ(static_cast<size_t>(in.gcount()), got.size() * sizeof(float)) << "logits dump too short";
+  double max_ref = 0, max_diff = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    max_ref = std::max(max_ref, std::fabs(double(ref.logits[i])));
+    max_diff = std::max(max_diff, std::isfinite(got[i]) ? std::fabs(double(got[i]) - ref.logits[i]) : INFINITY);
+  }
+  std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f\n", c.name().c_str(), max_diff, max_ref);
+  EXPECT_LE(max_diff, (c.weights == "f32" ? 1e-4 : 1e-3) * max_ref);
+  g.stop();
+  fs::remove_all(dir);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_k256"}) v.push_back({m, "f32", false});
+  v.push_back({"qwen3moe_odd", "q8_0", false});
+  v.push_back({"qwen3moe_k256", "kmix", true});
+  v.push_back({"qwen3next_k256", "kmix", true});
+  v.push_back({"qwen3next_odd", "f32", true});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaBackend, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+
+}  // namespace
+}  // namespace moraine::group_test

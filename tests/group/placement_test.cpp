@@ -1,0 +1,330 @@
+// The placement planner (coordinator/placement.h): budgets -> tiers on random model shapes and
+// random popularity censuses (fixed seeds), checked against the rules it promises rather than
+// against its own output: dense + KV first, per-layer quotas, most popular first, budgets never
+// exceeded, nothing left out that would still fit, clear errors for budgets too small. Then the
+// plan file round trip, the arena built from a plan, and the sizes of a real (golden) model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "common/model/model.h"
+#include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
+#include "tests/group/group_harness.h"
+
+namespace moraine::group {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelSizes random_sizes(std::mt19937_64& rng) {
+  ModelSizes s;
+  s.n_layer = std::uniform_int_distribution<int64_t>(2, 9)(rng);
+  s.n_expert = std::uniform_int_distribution<int64_t>(4, 40)(rng);
+  s.n_expert_used = std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(8, s.n_expert))(rng);
+  s.dense_bytes = std::uniform_int_distribution<uint64_t>(1 << 20, 1 << 28)(rng);
+  s.kv_bytes = std::uniform_int_distribution<uint64_t>(1 << 16, 1 << 24)(rng);
+  s.context = 4096;
+  // Most models quantize every layer's experts alike; some layers differ (mixed quant maps).
+  const uint64_t base = std::uniform_int_distribution<uint64_t>(10'000, 3'000'000)(rng);
+  for (int64_t il = 0; il < s.n_layer; ++il) {
+    const uint64_t b = rng() % 4 == 0 ? base + rng() % base : base;
+    s.expert_bytes.push_back(b);
+    s.expert_slot_bytes.push_back(arena_align(b / 3) * 3 + kArenaAlign);   // any >= b works for the planner
+  }
+  return s;
+}
+
+Census random_census(std::mt19937_64& rng, int64_t L, int64_t E) {
+  Census c = Census::uniform(L, E);
+  for (auto& layer : c.counts) {
+    for (auto& n : layer) n = rng() % 50;   // small range: ties happen and must break by id
+  }
+  return c;
+}
+
+// Within each layer, every expert of a better tier is at least as popular as every expert of a
+// worse one, and equal counts are ordered by id.
+void expect_popularity_order(const PlacementPlan& p, const Census& c) {
+  for (int64_t il = 0; il < p.n_layer; ++il) {
+    for (int64_t a = 0; a < p.n_expert; ++a) {
+      for (int64_t b = 0; b < p.n_expert; ++b) {
+        if (static_cast<int>(p.at(il, a)) >= static_cast<int>(p.at(il, b))) continue;   // a in a better tier than b
+        const auto na = c.counts[il][a], nb = c.counts[il][b];
+        ASSERT_TRUE(na > nb || (na == nb && a < b))
+            << "layer " << il << ": expert " << a << " (" << na << ", " << tier_name(p.at(il, a)) << ") placed above expert "
+            << b << " (" << nb << ", " << tier_name(p.at(il, b)) << ")";
+      }
+    }
+  }
+}
+
+TEST(Placement, RandomBudgetsFollowTheRules) {
+  std::mt19937_64 rng(20261129);
+  int three_tiers = 0;   // trials that exercised every tier at once
+  for (int trial = 0; trial < 300; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    PlacementInput in;
+    in.sizes = random_sizes(rng);
+    const ModelSizes& s = in.sizes;
+    in.n_cpu_workers = static_cast<int>(std::uniform_int_distribution<int>(1, 4)(rng));
+    in.census = random_census(rng, s.n_layer, s.n_expert);
+    uint64_t all_experts = 0, all_slots = 0;
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+      all_experts += s.expert_bytes[il] * static_cast<uint64_t>(s.n_expert);
+      all_slots += s.expert_slot_bytes[il] * static_cast<uint64_t>(s.n_expert);
+    }
+    const uint64_t vram_extra = rng() % (all_experts / 2 + 1);
+    in.vram_budget = s.dense_bytes + s.kv_bytes + vram_extra;
+    const uint64_t max_slot = *std::max_element(s.expert_slot_bytes.begin(), s.expert_slot_bytes.end());
+    const uint64_t worst_staging = static_cast<uint64_t>(in.n_cpu_workers) * static_cast<uint64_t>(s.n_expert_used) * max_slot;
+    in.ram_budget = rng() % 5 == 0 ? kUnlimitedBytes : worst_staging + rng() % (all_slots / 2 + 1);
+
+    const PlacementPlan p = plan_placement(in);
+    ASSERT_EQ(p.tiers.size(), static_cast<size_t>(s.n_layer * s.n_expert));
+    three_tiers += p.vram.experts > 0 && p.ram.experts > 0 && p.file.experts > 0;
+    expect_popularity_order(p, in.census);
+
+    // Budgets hold.
+    EXPECT_LE(p.vram.bytes, vram_extra);
+    if (in.ram_budget != kUnlimitedBytes) {
+      EXPECT_LE(p.ram.bytes + p.staging_bytes(), in.ram_budget);
+    }
+    EXPECT_EQ(p.vram.experts + p.ram.experts + p.file.experts, s.n_layer * s.n_expert);
+
+    // Per-layer quota: every layer gets at least what an equal share of the VRAM buys.
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+      const int64_t share = static_cast<int64_t>(vram_extra / static_cast<uint64_t>(s.n_layer) / s.expert_bytes[il]);
+      EXPECT_GE(static_cast<int64_t>(p.experts_in(il, Tier::kVram).size()), std::min(share, s.n_expert)) << "layer " << il;
+    }
+    // Nothing left out of VRAM that would still have fit.
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+      if (static_cast<int64_t>(p.experts_in(il, Tier::kVram).size()) < s.n_expert) {
+        EXPECT_GT(p.vram.bytes + s.expert_bytes[il], vram_extra) << "layer " << il << " had room for another VRAM expert";
+      }
+    }
+    // FILE only when RAM is full, and then there are staging slots for the worst layer, up to k.
+    if (in.ram_budget == kUnlimitedBytes) {
+      EXPECT_EQ(p.file.experts, 0);
+    }
+    if (p.file.experts > 0) {
+      EXPECT_GE(p.staging_slots, 1);
+      EXPECT_LE(p.staging_slots, s.n_expert_used);
+      EXPECT_GE(p.staging_slot_bytes, max_slot);
+      for (int64_t il = 0; il < s.n_layer; ++il) {
+        std::vector<int64_t> per(static_cast<size_t>(in.n_cpu_workers), 0);
+        for (int32_t e : p.experts_in(il, Tier::kFile)) ++per[static_cast<size_t>(e % in.n_cpu_workers)];
+        for (int64_t n : per) EXPECT_GE(p.staging_slots, std::min(n, s.n_expert_used));
+      }
+      // Staging slots come out of the RAM budget before RAM experts are placed; nothing that
+      // still fits beside them is left in FILE.
+      for (int64_t il = 0; il < s.n_layer; ++il) {
+        if (!p.experts_in(il, Tier::kFile).empty()) {
+          EXPECT_GT(p.ram.bytes + p.staging_bytes() + s.expert_slot_bytes[il], in.ram_budget)
+              << "layer " << il << " had room for another RAM expert";
+        }
+      }
+    } else {
+      EXPECT_EQ(p.staging_slots, 0);
+    }
+  }
+  EXPECT_GT(three_tiers, 100);
+}
+
+TEST(Placement, UniformCensusFillsLowIdsFirstWithEqualQuotas) {
+  ModelSizes s;
+  s.n_layer = 4;
+  s.n_expert = 10;
+  s.n_expert_used = 2;
+  s.dense_bytes = 1000;
+  s.kv_bytes = 24;
+  s.expert_bytes.assign(4, 100);
+  s.expert_slot_bytes.assign(4, 3 * kArenaAlign);
+  PlacementInput in{s, 1024 + 4 * 3 * 100 + 150, kUnlimitedBytes, 2, {}};
+  const PlacementPlan p = plan_placement(in);
+  // 3 per layer from the equal shares, then one more (150 left) to the first layer: uniform
+  // counts tie, and the leftover goes to the lowest layer.
+  EXPECT_EQ(p.experts_in(0, Tier::kVram), (std::vector<int32_t>{0, 1, 2, 3}));
+  for (int64_t il = 1; il < 4; ++il) EXPECT_EQ(p.experts_in(il, Tier::kVram), (std::vector<int32_t>{0, 1, 2})) << il;
+  EXPECT_EQ(p.ram.experts, 40 - 13);
+  EXPECT_EQ(p.file.experts, 0);
+}
+
+TEST(Placement, BudgetsTooSmallAreClearErrors) {
+  ModelSizes s;
+  s.n_layer = 2;
+  s.n_expert = 8;
+  s.n_expert_used = 2;
+  s.dense_bytes = 5'000'000;
+  s.kv_bytes = 1'000'000;
+  s.context = 4096;
+  s.expert_bytes.assign(2, 300'000);
+  s.expert_slot_bytes.assign(2, 303'104);
+  PlacementInput in{s, 5'999'999, kUnlimitedBytes, 2, {}};
+  try {
+    plan_placement(in);
+    FAIL() << "a VRAM budget below dense + KV was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    for (const char* part : {"--vram", "5999999", "5000000", "1000000", "6000000", "4096 tokens"}) {
+      EXPECT_NE(m.find(part), std::string::npos) << part << " missing from: " << m;
+    }
+  }
+  // Exactly dense + KV is enough: no expert in VRAM.
+  in.vram_budget = 6'000'000;
+  EXPECT_EQ(plan_placement(in).vram.experts, 0);
+  // RAM that cannot hold the staging slots file-resident experts need (2 workers x 2 slots).
+  in.ram_budget = 2 * 2 * 303'104 - 1;
+  try {
+    plan_placement(in);
+    FAIL() << "a RAM budget below the staging slots was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--ram"), std::string::npos) << m;
+    EXPECT_NE(m.find("staging"), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(2 * 2 * 303'104)), std::string::npos) << m;
+  }
+  // Exactly the staging: every expert in FILE.
+  in.ram_budget = 2 * 2 * 303'104;
+  const PlacementPlan p = plan_placement(in);
+  EXPECT_EQ(p.file.experts, 16);
+  EXPECT_EQ(p.staging_slots, 2);
+}
+
+TEST(Placement, ByteBudgetsParse) {
+  EXPECT_EQ(parse_byte_budget("12G", "--vram"), 12ull << 30);
+  EXPECT_EQ(parse_byte_budget("512M", "--ram"), 512ull << 20);
+  EXPECT_EQ(parse_byte_budget("1.5GiB", "--ram"), 3ull << 29);
+  EXPECT_EQ(parse_byte_budget("64k", "--ram"), 64ull << 10);
+  EXPECT_EQ(parse_byte_budget("2TB", "--ram"), 2ull << 40);
+  EXPECT_EQ(parse_byte_budget("4096", "--ram"), 4096u);
+  EXPECT_EQ(parse_byte_budget("unlimited", "--ram"), kUnlimitedBytes);
+  for (const char* bad : {"", "lots", "12X", "-1G", "1e30"}) {
+    try {
+      parse_byte_budget(bad, "--vram");
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--vram '" + std::string(bad) + "'"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Placement, PlanAndCensusFilesRoundTripAndRefuseOtherModels) {
+  std::mt19937_64 rng(7);
+  PlacementInput in;
+  in.sizes = random_sizes(rng);
+  in.n_cpu_workers = 3;
+  in.census = random_census(rng, in.sizes.n_layer, in.sizes.n_expert);
+  in.vram_budget = in.sizes.dense_bytes + in.sizes.kv_bytes + in.sizes.expert_bytes[0] * 5;
+  in.ram_budget = 3ull * static_cast<uint64_t>(in.sizes.n_expert_used) * 4 * in.sizes.expert_slot_bytes[0] * 2 +
+                  in.sizes.expert_slot_bytes[0] * 7;
+  const PlacementPlan p = plan_placement(in);
+  const std::string dir = group_test::temp_dir("placement");
+  p.write(dir + "/plan.json");
+  const PlacementPlan q = PlacementPlan::read(dir + "/plan.json", in.sizes);
+  EXPECT_EQ(q.tiers, p.tiers);
+  EXPECT_EQ(q.staging_slots, p.staging_slots);
+  EXPECT_EQ(q.staging_slot_bytes, p.staging_slot_bytes);
+  EXPECT_EQ(q.vram.bytes, p.vram.bytes);
+  EXPECT_EQ(q.ram.experts, p.ram.experts);
+  EXPECT_EQ(q.table(), p.table());
+
+  ModelSizes other = in.sizes;
+  ++other.n_expert;
+  try {
+    PlacementPlan::read(dir + "/plan.json", other);
+    ADD_FAILURE() << "a plan for another model was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/plan.json"), std::string::npos) << e.what();
+  }
+
+  in.census.write(dir + "/census.json");
+  EXPECT_EQ(Census::read(dir + "/census.json", in.sizes.n_layer, in.sizes.n_expert).counts, in.census.counts);
+  try {
+    Census::read(dir + "/census.json", in.sizes.n_layer + 1, in.sizes.n_expert);
+    ADD_FAILURE() << "a census for another shape was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("census.json"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("layers"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// A real model: the sizes add up to the file's tensors, and the arena built from a three-tier
+// plan gives each RAM expert and each staging slot its own 4 KiB-aligned, non-overlapping place,
+// with the file ranges naming exactly the expert's bytes.
+TEST(Placement, GoldenModelSizesArenaAndFileRanges) {
+  const std::string dir = group_test::temp_dir("placement-model");
+  const std::string path = group_test::convert_golden("qwen3moe_odd", "--default q8_0", dir);
+  const model::Model m = model::Model::load(path);
+  const ModelSizes s = model_sizes(m, planned_context(m, 0));
+  uint64_t experts = 0, all = 0;
+  for (const gguf::TensorInfo& t : m.file.tensors()) {
+    all += t.n_bytes;
+    if (t.name.find("_exps.weight") != std::string::npos) experts += t.n_bytes;
+  }
+  EXPECT_EQ(s.dense_bytes, all - experts);
+  uint64_t per_layer_sum = 0;
+  for (uint64_t b : s.expert_bytes) per_layer_sum += b * static_cast<uint64_t>(s.n_expert);
+  EXPECT_EQ(per_layer_sum, experts);
+
+  PlacementInput in;
+  in.sizes = s;
+  in.n_cpu_workers = 2;
+  in.vram_budget = s.dense_bytes + s.kv_bytes + 2 * s.n_layer * s.expert_bytes[0];
+  in.ram_budget = 2 * static_cast<uint64_t>(s.n_expert_used) * s.expert_slot_bytes[0] + 3 * s.n_layer * s.expert_slot_bytes[0];
+  const PlacementPlan p = plan_placement(in);
+  ASSERT_GT(p.vram.experts, 0);
+  ASSERT_GT(p.ram.experts, 0);
+  ASSERT_GT(p.file.experts, 0);
+  const ArenaLayout a = ArenaLayout::build(m, p);
+  EXPECT_LE(a.total_bytes, in.ram_budget);
+  std::vector<std::pair<size_t, size_t>> spans;
+  for (int64_t il = 0; il < p.n_layer; ++il) {
+    for (int32_t e : p.experts_in(il, Tier::kRam)) {
+      const ArenaLayout::ExpertSlot& slot = a.ram_slot(il, e);
+      for (int w = 0; w < 3; ++w) spans.push_back({slot.offset[w], slot.bytes[w]});
+    }
+  }
+  for (int w = 0; w < 2; ++w) {
+    for (int64_t j = 0; j < p.staging_slots; ++j) {
+      const ArenaLayout::ExpertSlot slot = a.staging_slot(m, 0, w, j);
+      for (int part = 0; part < 3; ++part) spans.push_back({slot.offset[part], slot.bytes[part]});
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_EQ(spans[i].first % kArenaAlign, 0u) << i;
+    EXPECT_GT(spans[i].second, 0u);
+    EXPECT_LE(spans[i].first + spans[i].second, a.total_bytes);
+    if (i > 0) {
+      EXPECT_LE(spans[i - 1].first + spans[i - 1].second, spans[i].first) << "overlap at " << i;
+    }
+  }
+  // File ranges: read straight from the file, they are the bytes the model binds for the expert.
+  std::ifstream f(path, std::ios::binary);
+  for (int64_t il = 0; il < p.n_layer; ++il) {
+    const model::MoeWeights& W = m.layers[static_cast<size_t>(il)].moe;
+    const model::ExpertTensor* t[3] = {&W.gate, &W.up, &W.down};
+    for (int64_t e : {int64_t{0}, s.n_expert - 1}) {
+      for (int w = 0; w < 3; ++w) {
+        const FileRange r = expert_file_range(m, il, e, w);
+        const model::Matrix mx = t[w]->expert(e);
+        ASSERT_EQ(r.bytes, static_cast<uint64_t>(mx.n_rows) * mx.row_bytes);
+        std::vector<char> got(r.bytes);
+        f.seekg(static_cast<std::streamoff>(r.offset));
+        f.read(got.data(), static_cast<std::streamsize>(got.size()));
+        ASSERT_TRUE(f.good());
+        EXPECT_EQ(std::memcmp(got.data(), mx.data, r.bytes), 0) << "layer " << il << " expert " << e << " part " << w;
+      }
+    }
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moraine::group

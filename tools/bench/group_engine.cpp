@@ -1,0 +1,159 @@
+#include "tools/bench/group_engine.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <stdexcept>
+
+#include "coordinator/group_layout.h"
+#include "proto/control.grpc.pb.h"
+#include "proto/generate.grpc.pb.h"
+
+namespace moraine::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> instances(int cpu_workers) {
+  std::vector<std::string> v = {group::kSupervisorInstance, group::kCoordinatorInstance, group::kGpuWorkerInstance,
+                                "io_worker-0"};
+  for (int i = 0; i < cpu_workers; ++i) v.push_back(group::cpu_worker_instance(i));
+  return v;
+}
+
+control::StatsReply stats_of(const std::string& socket_dir, const std::string& instance, bool reset) {
+  auto stub = control::Control::NewStub(
+      grpc::CreateChannel(group::control_address(socket_dir, instance), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  control::StatsRequest req;
+  req.set_reset(reset);
+  control::StatsReply reply;
+  const grpc::Status st = stub->Stats(&ctx, req, &reply);
+  if (!st.ok()) throw std::runtime_error(instance + ": Stats failed: " + st.error_message());
+  return reply;
+}
+
+uint64_t counter(const control::StatsReply& r, const char* name) {
+  const auto it = r.counters().find(name);
+  return it == r.counters().end() ? 0 : it->second;
+}
+
+}  // namespace
+
+std::string default_group_bin_dir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return {};
+  for (const fs::path& cand : {self.parent_path(), self.parent_path().parent_path().parent_path() / "coordinator"}) {
+    if (fs::exists(cand / "moraine-supervisor")) return cand.string();
+  }
+  return {};
+}
+
+GroupEngine::GroupEngine(GroupEngineOptions o)
+    : o_(std::move(o)), model_(std::make_unique<model::Model>(model::Model::load(o_.model))),
+      bytes_(decode_read_bytes(*model_)) {
+  if (o_.bin_dir.empty()) o_.bin_dir = default_group_bin_dir();
+  if (o_.bin_dir.empty() || !fs::exists(fs::path(o_.bin_dir) / "moraine-supervisor")) {
+    throw std::runtime_error("engine group: moraine-supervisor not found (give --bin-dir)");
+  }
+  char tmpl[] = "/tmp/moraine-bench-XXXXXX";
+  if (!mkdtemp(tmpl)) throw std::runtime_error("engine group: cannot make a socket directory in /tmp");
+  socket_dir_ = tmpl;
+  group::LaunchOptions lo;
+  lo.supervisor = (fs::path(o_.bin_dir) / "moraine-supervisor").string();
+  lo.socket_dir = socket_dir_;
+  lo.log_path = socket_dir_ + "/group.log";
+  lo.start_args = {"-m", o_.model, "--bin-dir", o_.bin_dir, "--cpu-workers", std::to_string(o_.cpu_workers),
+                   "--backend", o_.backend, "--max-tokens", std::to_string(o_.max_tokens)};
+  if (!o_.vram.empty()) lo.start_args.insert(lo.start_args.end(), {"--vram", o_.vram});
+  if (!o_.ram.empty()) lo.start_args.insert(lo.start_args.end(), {"--ram", o_.ram});
+  // Loading a large model can take minutes from a slow disk.
+  lo.ready_timeout = std::chrono::minutes(20);
+  group_ = std::make_unique<group::LaunchedGroup>(lo);
+}
+
+GroupEngine::~GroupEngine() {
+  group_.reset();
+  std::error_code ec;
+  fs::remove_all(socket_dir_, ec);
+}
+
+void GroupEngine::reset() {
+  for (const std::string& inst : instances(o_.cpu_workers)) stats_of(socket_dir_, inst, true);
+}
+
+std::span<const float> GroupEngine::prefill(std::span<const int32_t>) {
+  throw std::logic_error("engine group is self-timed: use generate()");
+}
+std::span<const float> GroupEngine::decode_one(int32_t) {
+  throw std::logic_error("engine group is self-timed: use generate()");
+}
+
+BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, int64_t n) {
+  auto stub = generate::Coordinator::NewStub(grpc::CreateChannel(
+      group::control_address(socket_dir_, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  generate::GenerateRequest req;
+  for (int32_t id : prompt) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  generate::SamplingParams& sp = *req.mutable_sampling();
+  sp.set_temperature(0);
+  sp.set_max_tokens(static_cast<uint32_t>(n));
+  sp.set_ignore_eos(true);
+  sp.set_check_logits(true);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, req);
+  Generated g;
+  generate::GenerateChunk chunk;
+  std::string error;
+  while (reader->Read(&chunk)) {
+    for (uint32_t id : chunk.token_ids()) g.ids.push_back(static_cast<int32_t>(id));
+    if (!chunk.error().empty()) error = chunk.error();
+    if (chunk.has_timing()) {
+      g.prefill_s = static_cast<double>(chunk.timing().prefill_us()) * 1e-6;
+      g.decode_s = static_cast<double>(chunk.timing().decode_us()) * 1e-6;
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  if (!st.ok()) error = "Generate: " + st.error_message();
+  if (!error.empty()) fault_ = error;
+  // Faults of the processes (restarts, re-issued steps) since reset().
+  if (fault_.empty()) {
+    if (const uint64_t r = counter(stats_of(socket_dir_, group::kSupervisorInstance, false), "restarts")) {
+      fault_ = std::to_string(r) + " worker restart(s)";
+    } else if (const uint64_t s = counter(stats_of(socket_dir_, group::kCoordinatorInstance, false), "steps_reissued")) {
+      fault_ = std::to_string(s) + " re-issued step(s)";
+    }
+  }
+  return g;
+}
+
+std::string GroupEngine::detected_fault() const { return fault_; }
+
+EngineStats GroupEngine::stats() const {
+  // Experts computed per tier over the last run (counters were zeroed by reset()).
+  double vram = static_cast<double>(counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "experts_vram"));
+  double ram = 0, file = 0;
+  for (int i = 0; i < o_.cpu_workers; ++i) {
+    const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
+    ram += static_cast<double>(counter(r, "experts_ram"));
+    file += static_cast<double>(counter(r, "experts_file"));
+  }
+  EngineStats s;
+  s.budgets_applied = true;
+  const double total = vram + ram + file;
+  const bool on_gpu = o_.backend == "cuda";
+  // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
+  s.bytes_per_token[static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram)] += bytes_.dense;
+  if (total > 0) {
+    const int vram_tier = static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram);
+    s.hit_rate[vram_tier] += vram / total;
+    s.hit_rate[static_cast<int>(Tier::Ram)] += ram / total;
+    s.hit_rate[static_cast<int>(Tier::Disk)] += file / total;
+    for (int t = 0; t < kTierCount; ++t) s.bytes_per_token[t] += bytes_.experts * s.hit_rate[t];
+  }
+  return s;
+}
+
+}  // namespace moraine::bench

@@ -1,0 +1,56 @@
+// BenchEngine over the process group ("engine: group-cpu" / "group-cuda"): moraine-bench starts
+// its own group with moraine-supervisor (the budgets --vram/--ram are the group's), generates
+// through the coordinator's Generate with the prompt as token ids, and reads the coordinator's
+// own prefill/decode times. After each run it asks every process for Stats: experts computed per
+// tier (gpu_worker: VRAM, cpu_expert_workers: RAM and FILE) give the hit rates and the bytes per
+// token per tier; a worker restart (supervisor) or a re-issued step (coordinator) is a fault.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "common/model/model.h"
+#include "coordinator/group_launcher.h"
+#include "tools/bench/bench_engine.h"
+#include "tools/bench/reference_engine.h"
+
+namespace moraine::bench {
+
+struct GroupEngineOptions {
+  std::string model;
+  std::string backend = "cpu";   // the gpu_worker's backend: cpu or cuda
+  int cpu_workers = 1;
+  int threads = 0;               // reported only: the supervisor splits every core between the workers
+  std::string vram, ram;         // budgets as the supervisor takes them ("12G"; empty: unlimited)
+  std::string bin_dir;           // where moraine-supervisor and the workers are
+  int max_tokens = 512;          // rows of one step (prefill chunk)
+};
+
+class GroupEngine final : public BenchEngine {
+ public:
+  explicit GroupEngine(GroupEngineOptions o);
+  ~GroupEngine() override;
+  std::string name() const override { return "group-" + o_.backend; }
+  int64_t n_vocab() const override { return model_->hp.n_vocab; }
+  int n_threads() const override { return o_.threads; }
+  void reset() override;   // zeroes every process's counters (each Generate starts a fresh sequence)
+  std::span<const float> prefill(std::span<const int32_t> tokens) override;
+  std::span<const float> decode_one(int32_t token) override;
+  bool self_timed() const override { return true; }
+  Generated generate(std::span<const int32_t> prompt, int64_t n) override;
+  EngineStats stats() const override;
+  std::string detected_fault() const override;
+
+ private:
+  GroupEngineOptions o_;
+  std::unique_ptr<model::Model> model_;
+  ModelReadBytes bytes_;
+  std::string socket_dir_;
+  std::unique_ptr<group::LaunchedGroup> group_;
+  std::string fault_;
+};
+
+// moraine-supervisor beside this executable (a bundle's bin/) or in the build tree
+// (<build>/coordinator/); empty when neither exists.
+std::string default_group_bin_dir();
+
+}  // namespace moraine::bench

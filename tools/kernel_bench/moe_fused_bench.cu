@@ -1,0 +1,186 @@
+// Fused MoE bench. Every call runs one layer's routed experts for n tokens with a fresh random
+// routing (k distinct experts per token, uniform over the layer), cycling over enough layer
+// copies that the weight set exceeds --set-mib, so expert rows come from HBM as in decode.
+// Weights are a few quantized template rows replicated on the device (the kernel's speed does
+// not depend on the values). Bytes per call count each distinct expert chosen in the step once
+// (gate + up + down), which is what the kernel reads.
+#include "tools/kernel_bench/moe_fused_bench.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/moe_fused.h"
+
+namespace moraine::kernel_bench {
+namespace {
+
+using cuda::DeviceBuffer;
+
+struct MoeShape {
+  const char* name;
+  int64_t n_embd, n_ff, n_expert;
+  int k;
+};
+
+struct MoePoint {
+  std::string shape, format;
+  int n_tokens;
+  double us_per_layer, bytes_per_call, gbps;
+};
+
+// One matrix of rows x cols made of quantized template rows, uploaded to dst.
+void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::mt19937& rng) {
+  constexpr int kTemplateRows = 32;
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  const size_t rb = row_bytes(t, cols);
+  std::vector<uint8_t> templ(rb * kTemplateRows);
+  std::vector<float> f(static_cast<size_t>(cols));
+  for (int r = 0; r < kTemplateRows; ++r) {
+    for (float& v : f) v = dist(rng);
+    quantize_row(t, f.data(), templ.data() + static_cast<size_t>(r) * rb, cols);
+  }
+  std::vector<uint8_t> m(rb * static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(templ.data() + static_cast<size_t>(r % kTemplateRows) * rb, rb, m.data() + static_cast<size_t>(r) * rb);
+  CUDA_CHECK(cudaMemcpy(dst, m.data(), m.size(), cudaMemcpyHostToDevice));
+}
+
+size_t round256(size_t v) { return (v + 255) / 256 * 256; }
+
+MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib) {
+  std::mt19937 rng(5);
+  const size_t gate_bytes = row_bytes(t, s.n_embd) * static_cast<size_t>(s.n_ff);  // one expert
+  const size_t down_bytes = row_bytes(t, s.n_ff) * static_cast<size_t>(s.n_embd);
+  const size_t expert_bytes = 2 * gate_bytes + down_bytes;
+  const size_t kind_bytes[3] = {round256(gate_bytes * s.n_expert), round256(gate_bytes * s.n_expert),
+                                round256(down_bytes * s.n_expert)};
+  const size_t layer_bytes = kind_bytes[0] + kind_bytes[1] + kind_bytes[2];
+  const size_t layers = std::max<size_t>(1, ((static_cast<size_t>(set_mib) << 20) + layer_bytes - 1) / layer_bytes);
+  DeviceBuffer<uint8_t> pool(layer_bytes * layers);
+  // Expert 0 of layer 0 from templates, then doubling device copies fill each tensor and layer.
+  for (int kind = 0; kind < 3; ++kind) {
+    uint8_t* base = pool.get() + (kind == 0 ? 0 : kind == 1 ? kind_bytes[0] : kind_bytes[0] + kind_bytes[1]);
+    const size_t one = kind == 2 ? down_bytes : gate_bytes;
+    upload_matrix(t, kind == 2 ? s.n_embd : s.n_ff, kind == 2 ? s.n_ff : s.n_embd, base, rng);
+    for (size_t have = 1; have < static_cast<size_t>(s.n_expert); have *= 2) {
+      const size_t copy = std::min(have, static_cast<size_t>(s.n_expert) - have);
+      CUDA_CHECK(cudaMemcpy(base + have * one, base, copy * one, cudaMemcpyDeviceToDevice));
+    }
+  }
+  for (size_t l = 1; l < layers; ++l)
+    CUDA_CHECK(cudaMemcpy(pool.get() + l * layer_bytes, pool.get(), layer_bytes, cudaMemcpyDeviceToDevice));
+
+  // Routings for many calls, and the distinct experts each reads.
+  constexpr int kRoutings = 512;
+  const int slots = n * s.k;
+  std::vector<int32_t> chosen(static_cast<size_t>(kRoutings * slots));
+  std::vector<float> weight(chosen.size(), 1.0f / static_cast<float>(s.k));
+  std::vector<int32_t> ids(static_cast<size_t>(s.n_expert));
+  std::iota(ids.begin(), ids.end(), 0);
+  double distinct_total = 0.0;
+  for (int c = 0; c < kRoutings; ++c) {
+    std::set<int32_t> used;
+    for (int tok = 0; tok < n; ++tok) {
+      std::shuffle(ids.begin(), ids.end(), rng);
+      for (int j = 0; j < s.k; ++j) {
+        chosen[static_cast<size_t>(c * slots + tok * s.k + j)] = ids[static_cast<size_t>(j)];
+        used.insert(ids[static_cast<size_t>(j)]);
+      }
+    }
+    distinct_total += static_cast<double>(used.size());
+  }
+  DeviceBuffer<int32_t> dchosen(chosen.size());
+  DeviceBuffer<float> dweight(weight.size());
+  dchosen.upload(chosen.data(), chosen.size());
+  dweight.upload(weight.data(), weight.size());
+  std::normal_distribution<float> xd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n * s.n_embd));
+  for (float& v : x) v = xd(rng);
+  DeviceBuffer<float> dx(x.size()), dsum(x.size());
+  dx.upload(x.data(), x.size());
+
+  cuda::MoeLayerWeights w;
+  w.gate_type = w.up_type = w.down_type = t;
+  w.n_embd = s.n_embd;
+  w.n_ff = s.n_ff;
+  w.n_expert = s.n_expert;
+  w.gate = pool.get();
+  w.up = pool.get() + kind_bytes[0];
+  w.down = pool.get() + kind_bytes[0] + kind_bytes[1];
+  const size_t ws_bytes = cuda::moe_fused_workspace_bytes(w, n, s.k);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  cuda::moe_fused_workspace_init(ws.get(), ws_bytes);
+  cuda::MoeOutputs out;
+  out.sum = dsum.get();
+  cuda::MoeRouting routing;
+  routing.n_tokens = n;
+  routing.k = s.k;
+
+  auto call = [&](int i) {
+    const uint8_t* layer = pool.get() + static_cast<size_t>(i % static_cast<int>(layers)) * layer_bytes;
+    w.gate = layer;
+    w.up = layer + kind_bytes[0];
+    w.down = layer + kind_bytes[0] + kind_bytes[1];
+    routing.chosen = dchosen.get() + static_cast<size_t>(i % kRoutings) * slots;
+    routing.weight = dweight.get() + static_cast<size_t>(i % kRoutings) * slots;
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+  };
+  for (int i = 0; i < 5; ++i) call(i);
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  int calls = 16;
+  double ms = 0.0;
+  for (;;) {
+    CUDA_CHECK(cudaEventRecord(start));
+    for (int i = 0; i < calls; ++i) call(i);
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float f = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+    ms = f;
+    if (ms >= min_ms || calls >= (1 << 20)) break;
+    calls = static_cast<int>(std::min<double>(1 << 20, calls * std::max(2.0, 1.2 * min_ms / std::max(ms, 1e-3))));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const double ms_per_call = ms / calls;
+  // Distinct experts per call, averaged over the routings (the timed calls cycle through them).
+  const double distinct = distinct_total / kRoutings;
+  const double bytes = distinct * static_cast<double>(expert_bytes);
+  return {s.name, std::string(type_name(t)), n, ms_per_call * 1e3, bytes, bytes / ms_per_call / 1e6};
+}
+
+}  // namespace
+
+void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann::json* json) {
+  const MoeShape shapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"qwen3-next", 2048, 512, 512, 10}};
+  const TensorType formats[] = {TensorType::Q4_K, TensorType::Q8_0};
+  std::vector<MoePoint> points;
+  for (const MoeShape& s : shapes)
+    for (TensorType t : formats)
+      for (int n : {1, 8}) points.push_back(bench_moe(s, t, n, min_ms, set_mib));
+  if (json != nullptr) {
+    for (const MoePoint& p : points)
+      (*json)["moe_fused"].push_back({{"shape", p.shape}, {"format", p.format}, {"tokens", p.n_tokens},
+                                      {"us_per_layer", p.us_per_layer}, {"expert_bytes_per_call", p.bytes_per_call},
+                                      {"gbps", p.gbps}, {"share_of_read", p.gbps / read_gbps}});
+    return;
+  }
+  std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
+  std::printf("%-14s %-6s %6s %12s %14s %10s %8s\n", "shape", "format", "tokens", "us/layer", "expert B/call",
+              "GB/s", "of read");
+  for (const MoePoint& p : points)
+    std::printf("%-14s %-6s %6d %12.2f %14.0f %10.0f %7.0f%%\n", p.shape.c_str(), p.format.c_str(), p.n_tokens,
+                p.us_per_layer, p.bytes_per_call, p.gbps, 100.0 * p.gbps / read_gbps);
+}
+
+}  // namespace moraine::kernel_bench
