@@ -162,6 +162,50 @@ grpc::Status ControlServer::Shutdown(grpc::ServerContext*, const moraine::contro
   return grpc::Status::OK;
 }
 
+void ControlServer::set_in_flight_hook(std::function<std::uint64_t()> in_flight) {
+  std::lock_guard lock(mu_);
+  in_flight_ = std::move(in_flight);
+}
+
+bool ControlServer::accepting() {
+  std::lock_guard lock(mu_);
+  return state_ == moraine::control::SERVING;
+}
+
+grpc::Status ControlServer::Drain(grpc::ServerContext* ctx, const moraine::control::DrainRequest* req,
+                                  moraine::control::DrainReply* reply) {
+  std::function<std::uint64_t()> in_flight;
+  {
+    std::lock_guard lock(mu_);
+    if (state_ != moraine::control::STOPPED) {
+      state_ = moraine::control::DRAINING;
+      detail_ = "drain requested";
+    }
+    in_flight = in_flight_;
+  }
+  // deadline_ms 0 means none; the client's own deadline (or cancelling) still ends the wait.
+  const auto until = req->deadline_ms() > 0 ? std::chrono::steady_clock::now() + std::chrono::milliseconds(req->deadline_ms())
+                                            : std::chrono::steady_clock::time_point::max();
+  std::uint64_t busy = in_flight ? in_flight() : 0;
+  while (busy > 0 && std::chrono::steady_clock::now() < until && !ctx->IsCancelled() && !shutdown_requested()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    busy = in_flight();
+  }
+  reply->set_jobs_in_flight(busy);
+  reply->set_drained(busy == 0);
+  if (busy == 0) set_state(moraine::control::STOPPED, "drained");
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlServer::Configure(grpc::ServerContext*, const moraine::control::ConfigureRequest*,
+                                      moraine::control::ConfigureReply*) {
+  return {grpc::StatusCode::UNIMPLEMENTED, instance_ + " is configured by its flags at start (moraine-supervisor start --config FILE)"};
+}
+
+grpc::Status ControlServer::Load(grpc::ServerContext*, const moraine::control::LoadRequest*, moraine::control::LoadReply*) {
+  return {grpc::StatusCode::UNIMPLEMENTED, instance_ + " loads the model given by -m / the group manifest at start"};
+}
+
 std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline, int child) {
   const auto until = std::chrono::steady_clock::now() + deadline;
   const std::string path = address.rfind("unix:", 0) == 0 ? address.substr(5) : std::string();

@@ -59,6 +59,11 @@ class ControlServer final : public moraine::control::Control::Service {
   void stop();
 
   void set_state(moraine::control::ServingState state, std::string detail = {});
+  // Drain: the process stops taking new work (accepting() turns false: DRAINING) and the reply
+  // comes when `in_flight` (default: none) reaches 0, then the state is STOPPED; or at the
+  // request's deadline with drained = false. A process with work of its own to finish sets it.
+  void set_in_flight_hook(std::function<std::uint64_t()> in_flight);
+  bool accepting();
   void request_shutdown();
   bool shutdown_requested() const { return shutdown_.load(); }
   // Sleeps up to `d` or until a shutdown is requested; returns shutdown_requested().
@@ -70,6 +75,13 @@ class ControlServer final : public moraine::control::Control::Service {
                      moraine::control::StatsReply*) override;
   grpc::Status Shutdown(grpc::ServerContext*, const moraine::control::ShutdownRequest*,
                         moraine::control::ShutdownReply*) override;
+  grpc::Status Drain(grpc::ServerContext*, const moraine::control::DrainRequest*,
+                     moraine::control::DrainReply*) override;
+  // Configuration is by flags (or the supervisor's --config) at start; these say so.
+  grpc::Status Configure(grpc::ServerContext*, const moraine::control::ConfigureRequest*,
+                         moraine::control::ConfigureReply*) override;
+  grpc::Status Load(grpc::ServerContext*, const moraine::control::LoadRequest*,
+                    moraine::control::LoadReply*) override;
 
  private:
   std::uint64_t uptime_us() const;
@@ -81,6 +93,7 @@ class ControlServer final : public moraine::control::Control::Service {
   std::vector<std::unique_ptr<StageRecorder>> stages_;
   std::vector<grpc::Service*> extra_services_;
   std::function<void(moraine::control::StatsReply&)> hook_;
+  std::function<std::uint64_t()> in_flight_;
   std::unique_ptr<grpc::Server> server_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -5,6 +5,7 @@
 // A step that fails (a worker died and was not back in time) is re-issued by replaying the
 // sequence from a reset: the forward is deterministic, so the tokens are the same.
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -67,7 +68,7 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
 class Coordinator final : public generate::Coordinator::Service {
  public:
   Coordinator(const Options& o, group::ControlServer& control)
-      : o_(o), model_(model::Model::load(o.model)), prefix_(group::group_prefix_for(o.socket_dir)),
+      : o_(o), control_(control), model_(model::Model::load(o.model)), prefix_(group::group_prefix_for(o.socket_dir)),
         reclaimed_(shm::reclaim_dead_segments(prefix_)),
         xl_(group::ExchangeLayout::build(model_.hp, o.max_tokens, o.cpu_workers)),
         plan_(plan_for(o, model_)), al_(group::ArenaLayout::build(model_, plan_)),
@@ -95,6 +96,7 @@ class Coordinator final : public generate::Coordinator::Service {
               << plan_.staging_bytes() << " bytes of staging), " << arena_.page_report().describe() << "\n";
     const shm::Region& bells = xl_.region("bells");
     for (size_t i = 0; i < bells.bytes / sizeof(shm::Doorbell); ++i) shm::Doorbell::init_at(exchange_.data() + bells.offset + i * sizeof(shm::Doorbell));
+    control.set_in_flight_hook([this] { return in_flight_.load(); });
     control.set_stats_hook([this](control::StatsReply& r) {
       r.set_shm_owned_bytes(exchange_.data_bytes() + arena_.data_bytes());
       r.set_shm_mapped_bytes(exchange_.data_bytes() + arena_.data_bytes());
@@ -128,6 +130,13 @@ class Coordinator final : public generate::Coordinator::Service {
 
   grpc::Status Generate(grpc::ServerContext* ctx, const generate::GenerateRequest* req,
                         grpc::ServerWriter<generate::GenerateChunk>* writer) override {
+    // Counted before the lock, so that a Drain waits for queued requests too.
+    struct InFlight {
+      std::atomic<uint64_t>& n;
+      explicit InFlight(std::atomic<uint64_t>& c) : n(c) { ++n; }
+      ~InFlight() { --n; }
+    } in_flight(in_flight_);
+    if (!control_.accepting()) return {grpc::StatusCode::UNAVAILABLE, "the coordinator is draining: no new requests"};
     std::lock_guard lock(session_mu_);   // one sequence at a time: the gpu_worker holds one KV cache
     std::vector<int32_t> context;
     try {
@@ -297,6 +306,8 @@ class Coordinator final : public generate::Coordinator::Service {
   }
 
   Options o_;
+  group::ControlServer& control_;
+  std::atomic<uint64_t> in_flight_{0};   // Generate calls inside (or queued for) a session
   model::Model model_;
   std::unique_ptr<tokenizer::Tokenizer> tok_;
   std::string prefix_;

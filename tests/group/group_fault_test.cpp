@@ -19,6 +19,7 @@
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
 #include "coordinator/group_layout.h"
+#include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
 #include "tests/group/group_harness.h"
 
@@ -195,6 +196,59 @@ TEST_F(GroupFaults, StatsCountEveryStage) {
                            "io_worker-0"}) {
     EXPECT_NE(out.find(inst), std::string::npos) << out;
   }
+}
+
+// Drain: the process stops taking new work, answers once what it has is done, and says so in
+// Health; Configure/Load answer UNIMPLEMENTED with the reason (configuration is by flags).
+TEST_F(GroupFaults, DrainStopsNewRequestsAndReportsDrained) {
+  Group g(options(*model_));
+  ASSERT_TRUE(generate(g.socket_dir(), *prompt_, kTokens).error.empty());
+  auto stub_of = [&](const std::string& inst) {
+    return control::Control::NewStub(
+        grpc::CreateChannel(group::control_address(g.socket_dir(), inst), grpc::InsecureChannelCredentials()));
+  };
+  auto drain = [&](const std::string& inst) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    control::DrainRequest req;
+    req.set_deadline_ms(20000);
+    control::DrainReply reply;
+    const grpc::Status st = stub_of(inst)->Drain(&ctx, req, &reply);
+    EXPECT_TRUE(st.ok()) << inst << ": " << st.error_message();
+    return reply;
+  };
+  auto state = [&](const std::string& inst) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    control::HealthReply reply;
+    EXPECT_TRUE(stub_of(inst)->Health(&ctx, {}, &reply).ok());
+    return reply.state();
+  };
+  // A generation racing the drain: admitted before it (then it completes and the drain answers
+  // after it) or refused as draining; never cut off halfway.
+  Generation during;
+  std::thread client([&] { during = generate(g.socket_dir(), *prompt_, kTokens); });
+  const control::DrainReply d = drain(group::kCoordinatorInstance);
+  client.join();
+  EXPECT_TRUE(d.drained());
+  EXPECT_EQ(d.jobs_in_flight(), 0u);
+  if (during.error.empty()) {
+    EXPECT_EQ(during.ids, ref_->ids);
+  } else {
+    EXPECT_EQ(during.status_code, grpc::StatusCode::UNAVAILABLE) << during.error;
+  }
+  EXPECT_EQ(state(group::kCoordinatorInstance), control::STOPPED);
+  const Generation after = generate(g.socket_dir(), *prompt_, kTokens);
+  EXPECT_EQ(after.status_code, grpc::StatusCode::UNAVAILABLE) << after.error;
+  EXPECT_NE(after.error.find("draining"), std::string::npos) << after.error;
+  EXPECT_TRUE(drain(group::cpu_worker_instance(0)).drained());
+  EXPECT_EQ(state(group::cpu_worker_instance(0)), control::STOPPED);
+
+  grpc::ClientContext ctx;
+  control::ConfigureReply cr;
+  const grpc::Status st = stub_of(group::kGpuWorkerInstance)->Configure(&ctx, {}, &cr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(st.error_message().find("flags"), std::string::npos) << st.error_message();
 }
 
 TEST_F(GroupFaults, KilledCpuWorkerMidStepIsRestartedAndTokensMatch) {
