@@ -96,6 +96,42 @@ void run_shape(const std::string& shape) {
   EXPECT_NE(slurp(table).find("engine: cpu-reference"), std::string::npos) << slurp(table);
 }
 
+// The process-group engine: moraine-bench starts its own group (CPU backend, two cpu workers)
+// with a RAM budget that leaves part of the experts in the file, and must report the expert
+// reads split over the RAM and disk tiers that add up to the same bytes per token.
+TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
+  Scratch s;
+  const std::string build = MORAINE_BUILD_DIR;
+  const std::string model = (s.dir / "moe.gguf").string();
+  ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape qwen3moe-tiny -o " + model + " --zipf 1.0 --seed 7 2>" +
+               (s.dir / "synth.err").string()),
+            0)
+      << slurp(s.dir / "synth.err");
+  uint64_t expert_bytes = 0;
+  for (const auto& t : moraine::gguf::GgufFile::open(model).tensors()) {
+    if (t.name.find("_exps.") != std::string::npos) expert_bytes += t.n_bytes;
+  }
+  const std::string ram = std::to_string(expert_bytes * 2 / 5);
+  const std::string bench = build + "/tools/bench/moraine-bench -m " + model + " --engine group --cpu-workers 2 --ram " +
+                            ram + " -n 6 -p 5 -t 2 --dram-probe-mib 64 --disk-probe-mib 8 --gpu-probe-mib 8 --json";
+  const fs::path out = s.dir / "bench.json", err = s.dir / "bench.err";
+  ASSERT_EQ(sh(bench + " >" + out.string() + " 2>" + err.string()), 0) << slurp(err);
+  const nlohmann::json j = nlohmann::json::parse(slurp(out));
+  EXPECT_EQ(j.at("engine"), "group-cpu");
+  EXPECT_GT(j.at("prefill")[0].at("tok_s").get<double>(), 0.0);
+  EXPECT_EQ(j.at("decode").at("n_tokens"), 6);
+  EXPECT_GT(j.at("decode").at("tok_s").get<double>(), 0.0);
+  const nlohmann::json& hit = j.at("hit_rate");
+  EXPECT_GT(hit.at("ram").get<double>(), 0.0) << hit.dump();
+  EXPECT_GT(hit.at("disk").get<double>(), 0.0) << hit.dump();
+  EXPECT_EQ(hit.at("vram").get<double>(), 0.0) << hit.dump();   // CPU backend: dense only on the gpu_worker
+  EXPECT_NEAR(hit.at("ram").get<double>() + hit.at("disk").get<double>(), 1.0, 1e-12);
+  double total = 0;
+  for (const char* tier : {"vram", "pcie", "ram", "disk"}) total += j.at("bytes_per_token").at(tier).get<double>();
+  EXPECT_NEAR(total, expected_ram_bytes_per_token(model), 1e-9 * total);
+  EXPECT_GT(j.at("bytes_per_token").at("disk").get<double>(), 0.0);
+}
+
 TEST(BenchEndToEnd, Qwen3MoeTiny) { run_shape("qwen3moe-tiny"); }
 TEST(BenchEndToEnd, Qwen3NextTiny) { run_shape("qwen3next-tiny"); }
 
