@@ -53,22 +53,13 @@ LaunchedGroup::LaunchedGroup(LaunchOptions o) : o_(std::move(o)) {
   std::vector<std::string> args = {o_.supervisor, "start", "--socket-dir", o_.socket_dir};
   args.insert(args.end(), o_.start_args.begin(), o_.start_args.end());
   pid_ = spawn(o_, args);
-  const std::string see = o_.log_path.empty() ? std::string() : "; see " + o_.log_path;
-  const auto until = std::chrono::steady_clock::now() + o_.ready_timeout;
-  // Short waits, so that a supervisor that refused its arguments is reported at once rather
-  // than after the whole timeout.
-  for (;;) {
-    const std::string error = wait_serving(control_address(o_.socket_dir, kSupervisorInstance), std::chrono::milliseconds(500));
-    if (error.empty()) return;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      throw std::runtime_error(o_.supervisor + " exited (status " + std::to_string(status) + ") before the group served" + see);
-    }
-    if (std::chrono::steady_clock::now() > until) {
-      stop();
-      throw std::runtime_error("the group did not come up (" + error + ")" + see);
-    }
+  // wait_serving stops early when the supervisor exits (it refused its arguments, a process
+  // failed to start), so a failure is reported at once rather than after the whole timeout.
+  const std::string error = wait_serving(control_address(o_.socket_dir, kSupervisorInstance), o_.ready_timeout, pid_);
+  if (!error.empty()) {
+    stop();
+    throw std::runtime_error("the group did not come up (" + error + ")" +
+                             (o_.log_path.empty() ? std::string() : "; see " + o_.log_path));
   }
 }
 

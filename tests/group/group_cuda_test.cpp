@@ -28,12 +28,6 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
 
-std::string quant_args(const std::string& weights) {
-  if (weights == "f32") return "";
-  if (weights == "q8_0") return "--default q8_0";
-  return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
-}
-
 class GroupCudaBackend : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
@@ -41,7 +35,7 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
   const Case& c = GetParam();
   const std::string dir = temp_dir("model");
-  const std::string model = convert_golden(c.model, quant_args(c.weights), dir);
+  const std::string model = convert_golden(c.model, golden_quant_args(c.weights), dir);
   const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
   const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
@@ -56,10 +50,8 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   ASSERT_TRUE(gen.error.empty()) << gen.error;
   EXPECT_EQ(gen.ids, ref.ids);
 
-  std::ifstream in(o.logits_dump, std::ios::binary);
-  std::vector<float> got(ref.logits.size());
-  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * sizeof(float)));
-  ASSERT_EQ(static_cast<size_t>(in.gcount()), got.size() * sizeof(float)) << "logits dump too short";
+  const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
+  ASSERT_FALSE(::testing::Test::HasFailure());
   double max_ref = 0, max_diff = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     max_ref = std::max(max_ref, std::fabs(double(ref.logits[i])));

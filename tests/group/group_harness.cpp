@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -71,40 +72,48 @@ std::string convert_golden(const std::string& name, const std::string& quant_arg
   return q;
 }
 
+std::string golden_quant_args(const std::string& weights) {
+  if (weights == "f32") return "";
+  if (weights == "q8_0") return "--default q8_0";
+  return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
+}
+
+std::vector<float> read_logits_dump(const std::string& path, size_t n) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> got(n);
+  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(n * sizeof(float)));
+  EXPECT_EQ(static_cast<size_t>(in.gcount()), n * sizeof(float)) << "logits dump " << path << " too short";
+  return got;
+}
+
+size_t first_bit_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (i >= b.size() || std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return i;
+  }
+  return a.size();
+}
+
 std::vector<int32_t> golden_prompt(const std::string& name) {
   std::ifstream in(kSource / "tests" / "golden" / name / "tokens.json");
   return nlohmann::json::parse(in).at("ids").get<std::vector<int32_t>>();
 }
 
 Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? temp_dir("sock") : o_.socket_dir) {
-  std::vector<std::string> args = {(kSource / "deploy" / "moraine-supervisor").string(), "start", "-m", o_.model,
-                                   "--socket-dir", dir_, "--cpu-workers", std::to_string(o_.cpu_workers),
-                                   "--handoff", o_.handoff, "--gpu-threads", "1",
-                                   "--bin-dir", (kBuild / "coordinator").string(),
-                                   "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram,
-                                   "--backend", o_.backend};
-  if (!o_.census.empty()) {
-    args.push_back("--census");
-    args.push_back(o_.census);
-  }
-  if (!o_.logits_dump.empty()) {
-    args.push_back("--logits-dump");
-    args.push_back(o_.logits_dump);
-  }
-  supervisor_ = fork();
-  if (supervisor_ == 0) {
-    const int fd = ::open((dir_ + "/supervisor.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    // The wrapper script must run this build's supervisor, not one from another build dir.
-    setenv("MORAINE_BIN_DIR", (kBuild / "coordinator").c_str(), 1);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
+  group::LaunchOptions lo;
+  lo.supervisor = (kSource / "deploy" / "moraine-supervisor").string();
+  lo.socket_dir = dir_;
+  lo.log_path = dir_ + "/supervisor.log";
+  // The wrapper script must run this build's supervisor, not one from another build dir.
+  lo.env = {{"MORAINE_BIN_DIR", (kBuild / "coordinator").string()}};
+  lo.start_args = {"-m", o_.model, "--cpu-workers", std::to_string(o_.cpu_workers), "--handoff", o_.handoff,
+                   "--gpu-threads", "1", "--bin-dir", (kBuild / "coordinator").string(),
+                   "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram, "--backend", o_.backend};
+  if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
+  if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
+  try {
+    launched_ = std::make_unique<group::LaunchedGroup>(lo);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("group did not come up: ") + e.what());
   }
   const std::string error = wait_all_serving(std::chrono::seconds(120));
   if (!error.empty()) {
@@ -120,7 +129,7 @@ std::string Group::wait_all_serving(std::chrono::milliseconds deadline) const {
   for (const std::string& inst : instances) {
     // A supervisor that gave up (a process failed to start) exits: stop waiting then.
     const std::string e = group::wait_serving(group::control_address(dir_, inst), deadline,
-                                              inst == group::kSupervisorInstance ? supervisor_ : -1);
+                                              inst == group::kSupervisorInstance ? supervisor_pid() : -1);
     if (!e.empty()) return e;
   }
   return {};
@@ -136,22 +145,7 @@ pid_t Group::instance_pid(const std::string& instance) const {
   return static_cast<pid_t>(reply.pid());
 }
 
-void Group::stop() {
-  if (supervisor_ <= 0) return;
-  run_command("MORAINE_BIN_DIR=" + shell_quote((kBuild / "coordinator").string()) + " " +
-              shell_quote((kSource / "deploy" / "moraine-supervisor").string()) + " stop --socket-dir " + shell_quote(dir_));
-  int status = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (waitpid(supervisor_, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > until) {
-      kill(supervisor_, SIGKILL);
-      waitpid(supervisor_, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  supervisor_ = -1;
-}
+void Group::stop() { launched_.reset(); }
 
 Group::~Group() {
   stop();

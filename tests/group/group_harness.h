@@ -7,7 +7,10 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <memory>
 #include <vector>
+
+#include "coordinator/group_launcher.h"
 
 namespace moraine::group_test {
 
@@ -19,6 +22,14 @@ std::string temp_dir(const std::string& tag);   // fresh, unique per call
 // Throws with the tool's output when a tool fails.
 std::string convert_golden(const std::string& name, const std::string& quant_args, const std::string& dir);
 std::vector<int32_t> golden_prompt(const std::string& name);
+// moraine-quantize arguments of the golden weight variants: "f32" (none), "q8_0", "kmix"
+// (Q4_K experts, Q6_K attn_v, Q4_K attn_output, Q8_0 rest).
+std::string golden_quant_args(const std::string& weights);
+
+// The coordinator's --logits-dump: n floats (fails the current test when shorter).
+std::vector<float> read_logits_dump(const std::string& path, size_t n);
+// Index of the first element whose bits differ; a.size() when a and b are bit-identical.
+size_t first_bit_difference(const std::vector<float>& a, const std::vector<float>& b);
 
 struct GroupOptions {
   std::string model;
@@ -39,7 +50,7 @@ class Group {
   ~Group();                         // stops it (idempotent)
   void stop();                      // `moraine-supervisor stop`, waits for the supervisor to exit
   const std::string& socket_dir() const { return dir_; }
-  pid_t supervisor_pid() const { return supervisor_; }
+  pid_t supervisor_pid() const { return launched_ ? launched_->supervisor_pid() : -1; }
   pid_t instance_pid(const std::string& instance) const;   // via Health
   std::string wait_all_serving(std::chrono::milliseconds deadline) const;  // empty when all serve
   const GroupOptions& options() const { return o_; }
@@ -47,7 +58,7 @@ class Group {
  private:
   GroupOptions o_;
   std::string dir_;
-  pid_t supervisor_ = -1;
+  std::unique_ptr<group::LaunchedGroup> launched_;
 };
 
 struct Generation {

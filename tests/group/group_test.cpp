@@ -3,7 +3,6 @@
 // with logits bit-identical (the workers run the reference kernels), over both hand-offs.
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -23,18 +22,12 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
 
-std::string quant_args(const std::string& weights) {
-  if (weights == "f32") return "";
-  if (weights == "q8_0") return "--default q8_0";
-  return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
-}
-
 class GroupMatchesReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
   const Case& c = GetParam();
   const std::string dir = temp_dir("model");
-  const std::string model = convert_golden(c.model, quant_args(c.weights), dir);
+  const std::string model = convert_golden(c.model, golden_quant_args(c.weights), dir);
   const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
   const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
@@ -49,17 +42,9 @@ TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
   EXPECT_EQ(gen.ids, ref.ids);
 
   // Every sampled row's logits, as the coordinator saw them in shared memory.
-  std::ifstream in(o.logits_dump, std::ios::binary);
-  std::vector<float> got(ref.logits.size());
-  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * sizeof(float)));
-  ASSERT_EQ(static_cast<size_t>(in.gcount()), got.size() * sizeof(float)) << "logits dump too short";
-  size_t first_diff = got.size();
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::memcmp(&got[i], &ref.logits[i], sizeof(float)) != 0) {
-      first_diff = i;
-      break;
-    }
-  }
+  const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const size_t first_diff = first_bit_difference(got, ref.logits);
   EXPECT_EQ(first_diff, got.size()) << "logit " << first_diff << ": group " << got[first_diff] << " vs reference "
                                     << ref.logits[first_diff];
   g.stop();

@@ -7,7 +7,6 @@
 
 #include <signal.h>
 
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -74,7 +73,7 @@ class GroupTiers : public ::testing::TestWithParam<Case> {};
 TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   const Case& c = GetParam();
   const std::string dir = temp_dir("tiers");
-  const std::string quant = c.weights == "f32" ? "" : "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
+  const std::string quant = golden_quant_args(c.weights);
   const std::string model = convert_golden(c.model, quant, dir);
   const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
@@ -121,17 +120,9 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   const Generation gen = generate(g.socket_dir(), prompt, kTokens);
   ASSERT_TRUE(gen.error.empty()) << gen.error;
   EXPECT_EQ(gen.ids, ref.ids);
-  std::ifstream in(o.logits_dump, std::ios::binary);
-  std::vector<float> got(ref.logits.size());
-  in.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * sizeof(float)));
-  ASSERT_EQ(static_cast<size_t>(in.gcount()), got.size() * sizeof(float)) << "logits dump too short";
-  size_t first_diff = got.size();
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::memcmp(&got[i], &ref.logits[i], sizeof(float)) != 0) {
-      first_diff = i;
-      break;
-    }
-  }
+  const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const size_t first_diff = first_bit_difference(got, ref.logits);
   EXPECT_EQ(first_diff, got.size()) << "logit " << first_diff << ": group " << got[first_diff] << " vs reference "
                                     << ref.logits[first_diff];
 

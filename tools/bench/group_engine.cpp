@@ -52,9 +52,8 @@ std::string default_group_bin_dir() {
   return {};
 }
 
-GroupEngine::GroupEngine(GroupEngineOptions o)
-    : o_(std::move(o)), model_(std::make_unique<model::Model>(model::Model::load(o_.model))),
-      bytes_(decode_read_bytes(*model_)) {
+GroupEngine::GroupEngine(GroupEngineOptions o, std::unique_ptr<model::Model> m)
+    : o_(std::move(o)), model_(std::move(m)), bytes_(decode_read_bytes(*model_)) {
   if (o_.bin_dir.empty()) o_.bin_dir = default_group_bin_dir();
   if (o_.bin_dir.empty() || !fs::exists(fs::path(o_.bin_dir) / "moraine-supervisor")) {
     throw std::runtime_error("engine group: moraine-supervisor not found (give --bin-dir)");

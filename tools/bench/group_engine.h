@@ -27,7 +27,8 @@ struct GroupEngineOptions {
 
 class GroupEngine final : public BenchEngine {
  public:
-  explicit GroupEngine(GroupEngineOptions o);
+  // `m` is the model the bench already opened (shapes and bytes per token; the group maps its own).
+  GroupEngine(GroupEngineOptions o, std::unique_ptr<model::Model> m);
   ~GroupEngine() override;
   std::string name() const override { return "group-" + o_.backend; }
   int64_t n_vocab() const override { return model_->hp.n_vocab; }

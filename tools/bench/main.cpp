@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
       g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
-      return EngineUnderTest{std::make_unique<GroupEngine>(g), s};
+      return EngineUnderTest{std::make_unique<GroupEngine>(g, std::move(m)), s};
     }
     return EngineUnderTest{std::make_unique<ReferenceEngine>(std::move(m), o.threads), s};
   };
