@@ -42,6 +42,8 @@ double us_since(Clock::time_point t0) {
 struct Options {
   std::string model, socket_dir, handoff = "doorbell", logits_dump;
   std::string vram = "unlimited", ram = "unlimited", census;   // placement (coordinator/placement.h)
+  bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
+  int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, step_retries = 2;
 };
@@ -56,9 +58,19 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   in.ram_budget = group::parse_byte_budget(o.ram, "--ram");
   in.n_cpu_workers = o.cpu_workers;
   const std::string census = o.census.empty() ? group::default_census_path(o.model) : o.census;
-  if (!o.census.empty() || std::ifstream(census).good()) {
-    in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
-    std::cerr << "coordinator: expert popularity from " << census << "\n";
+  if (std::ifstream(census).good()) {
+    try {
+      in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
+      std::cerr << "coordinator: expert popularity from " << census << "\n";
+    } catch (const std::exception& e) {
+      // A census named on the command line is the user's input: refuse it. The default one is
+      // ours (the gpu_worker writes it and replaces a bad one), so a bad one must not stop the
+      // group from starting.
+      if (!o.census.empty()) throw;
+      std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
+    }
+  } else {
+    std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
   }
   group::PlacementPlan plan = group::plan_placement(in);
   std::cerr << "coordinator: " << plan.table();
@@ -123,6 +135,8 @@ class Coordinator final : public generate::Coordinator::Service {
     man.max_tokens = o.max_tokens;
     man.zmq_handoff = o.handoff == "zmq";
     man.placement_path = group::placement_path(o.socket_dir);
+    man.census_path = o.no_census ? "" : o.census.empty() ? group::default_census_path(o.model) : o.census;
+    man.vram_adapt_every = o.vram_adapt_every;
     plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));
     if (!o.logits_dump.empty()) logits_dump_.open(o.logits_dump, std::ios::binary | std::ios::trunc);
@@ -361,7 +375,13 @@ int main(int argc, char** argv) {
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
   app.add_option("--vram", o.vram, "GPU memory for dense weights, KV and experts (12G, 512M, ..., unlimited; dense: no experts)");
   app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + staging for file-resident ones (unlimited)");
-  app.add_option("--census", o.census, "expert popularity counts (JSON; default MODEL.census.json when present)");
+  app.add_option("--census", o.census,
+                 "expert popularity counts (JSON), read for placement and merged into by the gpu_worker "
+                 "(default MODEL.census.json)");
+  app.add_flag("--no-census", o.no_census, "the gpu_worker writes no census (placement still reads one)");
+  app.add_option("--vram-adapt-every", o.vram_adapt_every,
+                 "steps between the gpu_worker's swaps of popular experts into VRAM (0: keep the placement's set)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -27,6 +27,8 @@ void GroupManifest::write(const std::string& path) const {
   j["max_tokens"] = max_tokens;
   j["zmq_handoff"] = zmq_handoff;
   j["placement_path"] = placement_path;
+  j["census_path"] = census_path;
+  j["vram_adapt_every"] = vram_adapt_every;
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -52,6 +54,8 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.max_tokens = j.at("max_tokens").get<int>();
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
     m.placement_path = j.at("placement_path").get<std::string>();
+    m.census_path = j.at("census_path").get<std::string>();
+    m.vram_adapt_every = j.value("vram_adapt_every", 0);
     if (m.n_cpu_workers < 1 || m.max_tokens < 1) throw std::runtime_error("n_cpu_workers and max_tokens must be >= 1");
     return m;
   } catch (const std::exception& e) {
@@ -92,6 +96,7 @@ ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, i
       .add("weights", T * k * sizeof(float))
       .add("expert_out", T * k * d * sizeof(float))
       .add("logits", T * static_cast<std::size_t>(hp.n_vocab) * sizeof(float))
+      .add("resident", static_cast<std::size_t>(hp.n_layer * hp.n_expert))
       .add_doorbells("bells", 2 * static_cast<std::size_t>(n_cpu_workers));
   return x;
 }

@@ -27,6 +27,12 @@ struct GroupManifest {
   int max_tokens = 0;           // rows of one step (prefill chunk)
   bool zmq_handoff = false;     // per-layer GPU<->CPU hand-off over ZeroMQ instead of doorbells
   std::string placement_path;   // the PlacementPlan (coordinator/placement.h) every process follows
+  // Where the gpu_worker merges the routing counts it records (coordinator/census.h): the
+  // coordinator's --census, else default_census_path(model); empty with --no-census (no writing).
+  std::string census_path;
+  // The VRAM tier adapts while running: every this many steps the gpu_worker swaps experts used
+  // more than a resident one (by a margin) into the device; 0 = the placement's set stays.
+  int vram_adapt_every = 8;
 
   void write(const std::string& path) const;   // atomically (temp file + rename)
   static GroupManifest read(const std::string& path);  // throws std::runtime_error naming the file
@@ -79,7 +85,9 @@ struct ExchangeLayout {
 // Region names: "step" StepHeader, "expert_req" ExpertRequest, "tokens" int32[max_tokens],
 // "hidden" float[max_tokens][n_embd] (normalised MoE input), "chosen" int32[max_tokens][k],
 // "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
-// see ExpertPlan), "logits" float[max_tokens][n_vocab], "bells" doorbells.
+// see ExpertPlan), "logits" float[max_tokens][n_vocab], "resident" uint8[n_layer][n_expert] (1:
+// the gpu_worker computes that expert now; it writes this between steps, the cpu workers skip
+// those experts), "bells" doorbells.
 
 // The expert arena (coordinator/placement.h decides what is in it): one compact slot per
 // RAM-tier expert, in (layer, expert) order, then per cpu worker plan.staging_slots slots that

@@ -122,51 +122,6 @@ ModelSizes model_sizes(const model::Model& m, std::int64_t context) {
   return s;
 }
 
-Census Census::uniform(std::int64_t n_layer, std::int64_t n_expert) {
-  Census c;
-  c.counts.assign(static_cast<std::size_t>(n_layer), std::vector<std::uint64_t>(static_cast<std::size_t>(n_expert), 0));
-  return c;
-}
-
-Census Census::read(const std::string& path, std::int64_t n_layer, std::int64_t n_expert) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open census " + path);
-  Census c;
-  try {
-    const nlohmann::json j = nlohmann::json::parse(in);
-    const auto L = j.at("n_layer").get<std::int64_t>(), E = j.at("n_expert").get<std::int64_t>();
-    if (L != n_layer || E != n_expert) {
-      throw std::runtime_error("it is for " + std::to_string(L) + " layers x " + std::to_string(E) +
-                               " experts, the model has " + std::to_string(n_layer) + " x " + std::to_string(n_expert));
-    }
-    c.counts = j.at("counts").get<std::vector<std::vector<std::uint64_t>>>();
-    if (static_cast<std::int64_t>(c.counts.size()) != n_layer) {
-      throw std::runtime_error("counts has " + std::to_string(c.counts.size()) + " layers, expected " + std::to_string(n_layer));
-    }
-    for (std::size_t il = 0; il < c.counts.size(); ++il) {
-      if (static_cast<std::int64_t>(c.counts[il].size()) != n_expert) {
-        throw std::runtime_error("counts[" + std::to_string(il) + "] has " + std::to_string(c.counts[il].size()) +
-                                 " experts, expected " + std::to_string(n_expert));
-      }
-    }
-  } catch (const std::exception& e) {
-    throw std::runtime_error("census " + path + ": " + e.what());
-  }
-  return c;
-}
-
-void Census::write(const std::string& path) const {
-  nlohmann::json j;
-  j["n_layer"] = counts.size();
-  j["n_expert"] = counts.empty() ? 0 : counts[0].size();
-  j["counts"] = counts;
-  std::ofstream out(path, std::ios::trunc);
-  out << j.dump() << "\n";
-  if (!out) throw std::runtime_error("cannot write census " + path);
-}
-
-std::string default_census_path(const std::string& model_path) { return model_path + ".census.json"; }
-
 std::vector<std::int32_t> PlacementPlan::experts_in(std::int64_t layer, Tier tier) const {
   std::vector<std::int32_t> out;
   for (std::int64_t e = 0; e < n_expert; ++e) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/model/model.h"
+#include "coordinator/census.h"   // Census: the popularity placement orders experts by
 
 namespace moraine::group {
 
@@ -47,18 +48,6 @@ ModelSizes model_sizes(const model::Model& m, std::int64_t context);
 // The context the coordinator plans for: `requested` (> 0) capped by the model's
 // {arch}.context_length when it has one; 0 asks for min(4096, context_length).
 std::int64_t planned_context(const model::Model& m, std::int64_t requested);
-
-// Routing counts per (layer, expert) from a run over representative text. File format (JSON):
-//   {"n_layer": L, "n_expert": E, "counts": [[c_0 ... c_{E-1}] x L]}
-struct Census {
-  std::vector<std::vector<std::uint64_t>> counts;   // [layer][expert]
-  static Census uniform(std::int64_t n_layer, std::int64_t n_expert);
-  // Throws std::runtime_error naming the file and what disagrees with the model's shape.
-  static Census read(const std::string& path, std::int64_t n_layer, std::int64_t n_expert);
-  void write(const std::string& path) const;
-};
-// Where a census is looked for when none is given: "<model path>.census.json".
-std::string default_census_path(const std::string& model_path);
 
 struct PlacementInput {
   ModelSizes sizes;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -38,6 +39,9 @@ struct Options {
   // (no experts on the gpu_worker) with the CPU backend, whose "VRAM" is the same RAM the
   // cpu_expert_workers compute from.
   std::string vram, ram = "unlimited", census;
+  bool no_census = false;
+  int vram_adapt_every = 8;
+  int reserve_cores = -1;   // cores left out of the cpu workers' pins; -1: 1 with --backend cuda, else 0
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
   std::string backend = "cpu";
@@ -143,6 +147,9 @@ int start(const Options& o) {
     coord.argv.push_back("--census");
     coord.argv.push_back(o.census);
   }
+  if (o.no_census) coord.argv.push_back("--no-census");
+  coord.argv.push_back("--vram-adapt-every");
+  coord.argv.push_back(std::to_string(o.vram_adapt_every));
   Child gpu{group::kGpuWorkerInstance,
             {find_binary(o, "moraine-gpu-worker", "gpu_worker"), "--socket-dir", o.socket_dir, "--backend", o.backend,
              "--device", std::to_string(o.device), "--threads", std::to_string(o.gpu_threads)}};
@@ -152,13 +159,19 @@ int start(const Options& o) {
   }
   std::vector<Child> cpus;
   // Split the cores evenly; one worker per NUMA node is the production shape, this is the
-  // one-node layout that lets two workers be tested on a small box.
-  const int n_cores = static_cast<int>(std::thread::hardware_concurrency());
+  // one-node layout that lets two workers be tested on a small box. With the CUDA backend the
+  // first core is left to the gpu_worker's host thread, which drives every layer: when the cpu
+  // workers' pinned threads hold every core, a layer's pool barrier waits behind it.
+  const int all_cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int reserve = std::clamp(o.reserve_cores >= 0 ? o.reserve_cores : (o.backend == "cuda" ? 1 : 0), 0,
+                                 std::max(0, all_cores - 1));
+  const int n_cores = all_cores - reserve;
   const int per = std::max(1, n_cores / o.cpu_workers);
   const std::string cpu_bin = find_binary(o, "moraine-cpu-expert-worker", "cpu_expert_worker");
   for (int i = 0; i < o.cpu_workers; ++i) {
     const int lo = (i * per) % std::max(1, n_cores);
-    const std::string list = std::to_string(lo) + "-" + std::to_string(std::min(n_cores - 1, lo + per - 1));
+    const std::string list =
+        std::to_string(reserve + lo) + "-" + std::to_string(reserve + std::min(n_cores - 1, lo + per - 1));
     cpus.emplace_back(group::cpu_worker_instance(i),
                       std::vector<std::string>{cpu_bin, "--socket-dir", o.socket_dir, "--index", std::to_string(i), "--cpus", list});
   }
@@ -280,7 +293,14 @@ int main(int argc, char** argv) {
   st->add_option("--max-tokens", o.max_tokens, "rows of one step");
   st->add_option("--vram", o.vram, "GPU memory budget: dense + KV first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
-  st->add_option("--census", o.census, "expert popularity counts (JSON); default MODEL.census.json when present");
+  st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");
+  st->add_flag("--no-census", o.no_census, "the gpu_worker writes no census");
+  st->add_option("--vram-adapt-every", o.vram_adapt_every,
+                 "steps between swaps of popular experts into VRAM while running (0: keep the placement's set)")
+      ->check(CLI::NonNegativeNumber);
+  st->add_option("--reserve-cores", o.reserve_cores,
+                 "cores the cpu workers leave free (default: 1 with --backend cuda, for the gpu_worker's host thread; else 0)")
+      ->check(CLI::NonNegativeNumber);
   st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
   st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   st->add_option("--device", o.device, "GPU index for --backend cuda");

@@ -66,7 +66,7 @@ class ExpertWorker {
     }
     const int64_t max_slots = int64_t{man.max_tokens} * hp.n_expert_used;
     plan_exp_.reserve(hp.n_expert, max_slots);
-    // Gathered input rows of every expert of one layer (the batched kernel takes them at once).
+    // Gathered input rows of one float expert (the reference kernel takes contiguous rows).
     xg_.resize(static_cast<size_t>(max_slots * hp.n_embd));
     ffn_.reserve(static_cast<int>(max_slots), hp.n_embd, hp.n_ff_exp, static_cast<int>(hp.n_expert));
     fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
@@ -110,9 +110,8 @@ class ExpertWorker {
     work_.clear();
     rows_.clear();
     for (int64_t e = 0; e < model_.hp.n_expert; ++e) {
-      // VRAM-tier experts are the gpu_worker's (Backend::routed_experts).
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 ||
-          plan_.at(r->layer, e) == group::Tier::kVram) {
+      // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while running).
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e)) {
         continue;
       }
       const int32_t m = plan_exp_.count(e);
@@ -142,9 +141,9 @@ class ExpertWorker {
     rows_.clear();
     for (const jobs::ExpertJob& job : list.jobs()) {
       const int64_t e = job.expert_id();
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_.at(list.layer(), e) == group::Tier::kVram) {
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(list.layer(), e)) {
         throw std::runtime_error("expert " + std::to_string(e) + " of layer " + std::to_string(list.layer()) +
-                                 " is not placed on cpu worker " + std::to_string(index_));
+                                 " is not cpu worker " + std::to_string(index_) + "'s (another owner, or on the device)");
       }
       work_.push_back({static_cast<int32_t>(e), static_cast<int32_t>(rows_.size()), job.token_rows_size(),
                        reinterpret_cast<float*>(outputs + job.output_offset())});
@@ -187,8 +186,12 @@ class ExpertWorker {
   void run_work(int64_t il, const float* hidden, uint64_t step_seq) {
     begin_compute();
     for (const Work& w : work_) {
-      if (plan_.at(il, w.expert) != group::Tier::kRam) continue;
-      add_compute(bind(il, w.expert, al_.ram_slot(il, w.expert)), w, hidden);
+      const group::Tier tier = plan_.at(il, w.expert);
+      if (tier == group::Tier::kFile) continue;
+      // A VRAM-tier expert the gpu_worker swapped out has no arena slot: its rows are read from
+      // the model's own mapping (the page cache holds them since the upload read them).
+      add_compute(tier == group::Tier::kRam ? bind(il, w.expert, al_.ram_slot(il, w.expert)) : mapped(il, w.expert), w,
+                  hidden);
       ++experts_ram_;
     }
     finish_compute();
@@ -253,13 +256,21 @@ class ExpertWorker {
     throw std::runtime_error(std::string(group::kIoWorkerInstance) + ": " + error);
   }
 
+  bool resident(int64_t il, int64_t e) const {
+    return xl_.region("resident").at<const uint8_t>(exchange_.data())[il * model_.hp.n_expert + e] != 0;
+  }
+  std::array<model::Matrix, 3> mapped(int64_t il, int64_t e) const {
+    const model::MoeWeights& W = model_.layers[static_cast<size_t>(il)].moe;
+    return {W.gate.expert(e), W.up.expert(e), W.down.expert(e)};
+  }
   std::array<model::Matrix, 3> bind(int64_t il, int64_t e, const group::ArenaLayout::ExpertSlot& slot) const {
     return group::ArenaLayout::bind(model_, il, e, slot, arena_.data());
   }
 
   // Quantized experts go to the production kernels (kernels/cpu/expert_ffn.h), all of one pass
-  // in one run_experts call (two pool phases per pass instead of two per expert: 8 Q4_K experts
-  // at 1 token took 5.8 ms that way against 12.5 ms one by one on the loaded 2-core box). Their
+  // in one run_experts call (one pool job list per pass instead of two per expert: 8 Q4_K
+  // experts at 1 token took 5.8 ms batched against 12.5 ms one by one on the loaded 2-core box),
+  // reading their token rows in place in `hidden` (no gathering copy). Their
   // numbers are reference::swiglu_expert's bit for bit for the K-quants; for Q8_0 / MXFP4 each
   // dot is summed in another order (within twice the summation bound). Float experts (F32,
   // F16, BF16: test files, not what people run) keep the reference kernel, bit for bit.
@@ -273,25 +284,29 @@ class ExpertWorker {
   void begin_compute() {
     fast_weights_.clear();
     fast_jobs_.clear();
-    gathered_ = 0;
+    fast_x_ = nullptr;
+    fast_rows_ = 0;
   }
 
   void add_compute(const std::array<model::Matrix, 3>& t, const Work& w, const float* hidden) {
-    const int64_t d = model_.hp.n_embd;
-    float* x = xg_.data() + gathered_ * d;
-    for (int32_t j = 0; j < w.m; ++j) std::copy_n(hidden + int64_t{rows_[static_cast<size_t>(w.first + j)]} * d, d, x + j * d);
-    gathered_ += w.m;
+    const int32_t* rows = rows_.data() + w.first;
     if (!production_kernel_for(t)) {
+      // The reference kernel takes contiguous rows: gather them.
+      const int64_t d = model_.hp.n_embd;
+      float* x = xg_.data();
+      for (int32_t j = 0; j < w.m; ++j) std::copy_n(hidden + int64_t{rows[j]} * d, d, x + j * d);
       reference::swiglu_expert(t[0], t[1], t[2], x, w.m, w.y, scratch_, pool_);
       return;
     }
     // fast_weights_ has capacity n_expert (reserved), so the pointers jobs hold stay valid.
     fast_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
-    fast_jobs_.push_back({&fast_weights_.back(), x, w.m, w.y});
+    fast_jobs_.push_back({&fast_weights_.back(), rows, w.m, w.y});
+    fast_x_ = hidden;
+    for (int32_t j = 0; j < w.m; ++j) fast_rows_ = std::max(fast_rows_, rows[j] + 1);
   }
 
   void finish_compute() {
-    if (!fast_jobs_.empty()) ffn_.run_experts(fast_jobs_, fast_pool_);
+    if (!fast_jobs_.empty()) ffn_.run_experts(fast_jobs_, fast_x_, fast_rows_, fast_pool_);
   }
 
   group::GroupManifest man_;
@@ -305,8 +320,9 @@ class ExpertWorker {
   cpu::ThreadPool fast_pool_;      // quantized experts: one pinned thread per core of --cpus
   cpu::MoeFfn ffn_;
   std::vector<cpu::ExpertWeights> fast_weights_;
-  std::vector<cpu::MoeFfn::ExpertJob> fast_jobs_;
-  int64_t gathered_ = 0;           // rows of xg_ in use in the current pass
+  std::vector<cpu::MoeFfn::RowsJob> fast_jobs_;
+  const float* fast_x_ = nullptr;  // the pass's activation rows (fast_jobs_ index them)
+  int32_t fast_rows_ = 0;          // rows of fast_x_ the jobs reach
   group::ExpertPlan plan_exp_;
   std::vector<float> xg_;
   reference::ExpertScratch scratch_;

@@ -1,11 +1,18 @@
 // What the gpu_worker asks of a device: the dense part of each layer (mixer, router, shared
-// expert, the weighted sum of expert outputs) with KV cache and recurrent state kept on the
-// device. Two implementations are planned: CUDA (not built yet) and CPU (reusing the reference
-// kernels, so the whole group runs and is tested on machines without a GPU).
+// expert, the weighted sum of expert outputs) and the routed experts the placement put on it,
+// with the residual stream, KV cache and recurrent state kept on the device between calls. Two
+// implementations: CUDA (cuda_backend.h) and CPU (the reference kernels, so the whole group runs
+// and is tested on machines without a GPU).
+//
+// A step of n tokens: embed, then per layer either layer_whole (every routed expert of the layer
+// is on this device: no host round trip) or layer_begin / [cpu workers] / layer_end, then advance
+// and logits. Only routing, h for the cpu workers and the cpu workers' rows cross to the host.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/model/model.h"
@@ -13,31 +20,84 @@
 
 namespace moraine::gpu_worker {
 
+struct BackendOptions {
+  int device = 0;              // GPU index (cuda)
+  int max_tokens = 1;          // rows of one step
+  int64_t max_context = 0;     // positions the KV cache holds; 0: kDefaultContext
+  int threads = 0;             // CPU backend threads (0: all)
+  // The routed experts this device computes: every expert when all_experts, else per layer the
+  // ascending ids in device_experts[layer] (the placement's VRAM tier).
+  bool all_experts = true;
+  std::vector<std::vector<int32_t>> device_experts;
+  // Steps of at least this many rows take the tiled prefill attention (CUDA; not bit-identical
+  // to decode); 0: never (every row through the split-KV kernel, as decode).
+  int64_t tiled_prefill_rows = 64;
+  // Steps of at least this many rows multiply quantized weights through cuBLAS (BF16 inputs, F32
+  // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
+  // 0: never. Within BF16 rounding of the matvec path, not equal to it.
+  int64_t gemm_prefill_rows = 64;
+};
+
+inline constexpr int64_t kDefaultContext = 8192;
+
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual void reset() = 0;                  // forget the cached sequence
+  virtual void reset() = 0;   // forget the cached sequence
   virtual int64_t n_past() const = 0;
-  virtual void embed(const int32_t* tokens, int64_t n, float* x) = 0;
-  // Mixer of layer il on residual x, then the normalised MoE input into h.
-  virtual void mixer(int64_t il, float* x, int64_t n, float* h) = 0;
-  // Router top-k of layer il over h: chosen/weight [n][k].
-  virtual void route(int64_t il, const float* h, int64_t n, int32_t* chosen, float* weight) = 0;
-  // Adds the MoE output to x: routed slot outputs (slot_rows) weighted, plus the shared expert.
-  virtual void combine(int64_t il, const float* h, int64_t n, const float* weight,
-                       const float* const* slot_rows, float* x) = 0;
-  // Routed experts the placement put on this device, for layer il. `plan` groups the step's
-  // slots (t * k + s) per expert (coordinator/group_layout.h ExpertPlan); for each id in
-  // `experts` (ascending), packed rows plan.start[e]..plan.start[e+1] come from h rows
-  // plan.slot_of[r] / k and go to expert_out + r * n_embd, as the cpu_expert_workers write theirs.
-  virtual void routed_experts(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
-                              const std::vector<int32_t>& experts, float* expert_out) = 0;
-  virtual void advance(int64_t n) = 0;
-  virtual void logits(const float* x, int64_t rows, float* out) = 0;
+  // Host memory the backend will copy to and from at every step (the exchange segment): a device
+  // backend pins it once so those copies are direct DMA. Optional.
+  virtual void pin_host_memory(void* p, size_t bytes) { (void)p, (void)bytes; }
+  // Starts a step: the n tokens' embeddings become the residual.
+  virtual void embed(const int32_t* tokens, int64_t n) = 0;
+  // Whether every routed expert of layer il is computed on this device.
+  virtual bool layer_on_device(int64_t il) const = 0;
+  // Layer il without the host (only when layer_on_device(il)): mixer, router, experts, combine.
+  // The routing ids [n][k] are copied to chosen_out (nullable) asynchronously: valid once the
+  // step's logits() returned.
+  virtual void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) = 0;
+  // Layer il up to its routing: mixer, normalised MoE input h, router. On return chosen and
+  // weight [n][k] hold the routing, and h_out [n][n_embd] (nullable) the MoE input the cpu
+  // workers read. The device's own experts of the layer may already be running.
+  virtual void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) = 0;
+  // Finishes layer il: adds to the residual the route-weighted expert outputs in top-k order
+  // (the device's own; for a slot whose expert is not on this device, packed row
+  // plan.row_of[slot] of host_rows, as the cpu workers wrote it) and the shared expert.
+  virtual void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) = 0;
+  virtual void advance(int64_t n) = 0;   // the step's positions are now cached
+  // Logits of the step's last `rows` rows (after advance).
+  virtual void logits(int64_t rows, float* out) = 0;
+
+  // Whether every layer is layer_on_device: then a step can go through step_whole.
+  bool all_on_device() const {
+    for (int64_t il = 0; il < n_layer(); ++il)
+      if (!layer_on_device(il)) return false;
+    return true;
+  }
+  // A whole step when all_on_device(): embed, every layer_whole, advance, logits of the last
+  // logit_rows rows. chosen_out (nullable): layer il's routing at chosen_out + il * chosen_stride.
+  // A device backend may replay a captured graph here.
+  virtual void step_whole(const int32_t* tokens, int64_t n, int64_t logit_rows, float* logits_out,
+                          int32_t* chosen_out, int64_t chosen_stride) {
+    embed(tokens, n);
+    for (int64_t il = 0; il < n_layer(); ++il)
+      layer_whole(il, n, chosen_out != nullptr ? chosen_out + il * chosen_stride : nullptr);
+    advance(n);
+    logits(logit_rows, logits_out);
+  }
+  virtual int64_t n_layer() const = 0;
+
+  // The VRAM tier adapting while running (called between steps only). begin_swap: expert `out`
+  // of layer il is no longer computed here from now on and `in` is copied into its place in the
+  // background; false when this backend cannot (the CPU backend, a copy already pending for
+  // `out`'s slot, `out` not here or `in` already here). landed_swaps: the swaps whose copy has
+  // landed since the last call, as (layer, expert): those experts are computed here from the next
+  // step on.
+  virtual bool begin_swap(int64_t il, int32_t out, int32_t in) { return (void)il, (void)out, (void)in, false; }
+  virtual std::vector<std::pair<int64_t, int32_t>> landed_swaps() { return {}; }
 };
 
 // `kind` "cpu" or "cuda"; throws std::runtime_error for a backend this build does not have.
-std::unique_ptr<Backend> make_backend(const std::string& kind, int device, const model::Model& m,
-                                      int max_tokens, int threads);
+std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Model& m, const BackendOptions& o);
 
 }  // namespace moraine::gpu_worker

@@ -16,76 +16,130 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const model::Model& m, int max_tokens, int threads) : m_(m), exec_(m, {threads}) {
-    router_.reserve(m.hp, max_tokens);
-    if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(max_tokens, m.hp.n_ff_shexp);
-    shared_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
-    norm_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
+  CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens) {
+    const int64_t T = o.max_tokens, d = m.hp.n_embd, k = m.hp.n_expert_used;
+    router_.reserve(m.hp, T);
+    if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(T, m.hp.n_ff_shexp);
+    shared_.resize(static_cast<size_t>(T * d));
+    norm_.resize(static_cast<size_t>(T * d));
+    x_.resize(static_cast<size_t>(T * d));
+    h_.resize(static_cast<size_t>(T * d));
+    chosen_.resize(static_cast<size_t>(T * k));
+    weight_.resize(static_cast<size_t>(T * k));
+    own_rows_.resize(static_cast<size_t>(T * k * d));
+    slot_rows_.resize(static_cast<size_t>(T * k));
+    plan_.reserve(m.hp.n_expert, T * k);
     // One expert sees at most every token of the step once.
-    gathered_.resize(static_cast<size_t>(max_tokens * m.hp.n_embd));
-    routed_scratch_.reserve(max_tokens, m.hp.n_ff_exp);
+    gathered_.resize(static_cast<size_t>(T * d));
+    routed_scratch_.reserve(T, m.hp.n_ff_exp);
+    on_device_.assign(static_cast<size_t>(m.hp.n_layer * m.hp.n_expert), o.all_experts ? 1 : 0);
+    whole_.assign(static_cast<size_t>(m.hp.n_layer), o.all_experts);
+    if (!o.all_experts) {
+      if (static_cast<int64_t>(o.device_experts.size()) != m.hp.n_layer)
+        throw std::invalid_argument("CPU backend: device_experts names " + std::to_string(o.device_experts.size()) +
+                                    " layers, the model has " + std::to_string(m.hp.n_layer));
+      for (int64_t il = 0; il < m.hp.n_layer; ++il) {
+        for (int32_t e : o.device_experts[il]) {
+          if (e < 0 || e >= m.hp.n_expert) throw std::invalid_argument("CPU backend: device expert id " + std::to_string(e) + " out of range");
+          on_device_[il * m.hp.n_expert + e] = 1;
+        }
+        whole_[il] = static_cast<int64_t>(o.device_experts[il].size()) == m.hp.n_expert;
+      }
+    }
   }
   void reset() override { exec_.reset(); }
   int64_t n_past() const override { return exec_.n_past(); }
-  void embed(const int32_t* tokens, int64_t n, float* x) override {
-    exec_.embed(std::span<const int32_t>(tokens, static_cast<size_t>(n)), x);
+  void embed(const int32_t* tokens, int64_t n) override {
+    check_rows(n);
+    exec_.embed(std::span<const int32_t>(tokens, static_cast<size_t>(n)), x_.data());
   }
-  void mixer(int64_t il, float* x, int64_t n, float* h) override { exec_.mixer_step(il, x, n, h); }
-  void route(int64_t il, const float* h, int64_t n, int32_t* chosen, float* weight) override {
-    reference::route_top_k(m_.hp, m_.layers[il].moe, h, n, chosen, weight, router_, exec_.pool());
+  int64_t n_layer() const override { return m_.hp.n_layer; }
+  bool layer_on_device(int64_t il) const override { return whole_.at(static_cast<size_t>(il)); }
+
+  void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) override {
+    if (!layer_on_device(il)) throw std::logic_error("CPU backend: layer " + std::to_string(il) + " has experts off this device");
+    layer_begin(il, n, chosen_.data(), weight_.data(), nullptr);
+    if (chosen_out != nullptr) std::copy_n(chosen_.data(), n * m_.hp.n_expert_used, chosen_out);
+    plan_.build(chosen_.data(), n * m_.hp.n_expert_used, m_.hp.n_expert);
+    layer_end(il, n, plan_, nullptr);
   }
-  void combine(int64_t il, const float* h, int64_t n, const float* weight,
-               const float* const* slot_rows, float* x) override {
+
+  void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override {
+    check_rows(n);
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+    exec_.mixer_step(il, x_.data(), n, h_.data());
+    reference::route_top_k(m_.hp, m_.layers[il].moe, h_.data(), n, chosen, weight, router_, exec_.pool());
+    if (chosen != chosen_.data()) std::copy_n(chosen, n * k, chosen_.data());
+    if (weight != weight_.data()) std::copy_n(weight, n * k, weight_.data());
+    if (h_out != nullptr) std::copy_n(h_.data(), n * d, h_out);
+  }
+
+  void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override {
     const model::MoeWeights& W = m_.layers[il].moe;
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used, n_expert = m_.hp.n_expert;
+    // This device's experts, into the same packed rows the cpu workers use.
+    for (int64_t e = 0; e < n_expert; ++e) {
+      const int32_t rows = plan.count(e);
+      if (rows == 0 || !on_device_[il * n_expert + e]) continue;
+      for (int32_t j = 0; j < rows; ++j) {
+        const int64_t t = plan.slot_of[plan.start[e] + j] / k;
+        std::copy_n(h_.data() + t * d, d, gathered_.data() + j * d);
+      }
+      reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), gathered_.data(), rows,
+                               own_rows_.data() + int64_t{plan.start[e]} * d, routed_scratch_, exec_.pool());
+    }
+    for (int64_t i = 0; i < n * k; ++i) {
+      const int32_t e = chosen_[i];
+      const bool own = e >= 0 && e < n_expert && on_device_[il * n_expert + e];
+      if (!own && host_rows == nullptr)
+        throw std::logic_error("CPU backend: layer " + std::to_string(il) + " slot " + std::to_string(i) +
+                               " has an expert off this device and no host rows were given");
+      slot_rows_[i] = (own ? own_rows_.data() : host_rows) + int64_t{plan.row_of[i]} * d;
+    }
     const float* shared = nullptr;
     if (W.shared_up) {
-      reference::swiglu_expert(W.shared_gate, W.shared_up, W.shared_down, h, n, shared_.data(),
+      reference::swiglu_expert(W.shared_gate, W.shared_up, W.shared_down, h_.data(), n, shared_.data(),
                                shared_scratch_, exec_.pool());
       shared = shared_.data();
     }
-    reference::moe_combine(m_.hp, W, h, n, weight, slot_rows, shared, x);
-  }
-  void routed_experts(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
-                      const std::vector<int32_t>& experts, float* expert_out) override {
-    (void)n;
-    const model::MoeWeights& W = m_.layers[il].moe;
-    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
-    for (int32_t e : experts) {
-      const int32_t rows = plan.count(e);
-      if (rows == 0) continue;
-      for (int32_t j = 0; j < rows; ++j) {
-        const int64_t t = plan.slot_of[plan.start[e] + j] / k;
-        std::copy_n(h + t * d, d, gathered_.data() + j * d);
-      }
-      reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e),
-                               gathered_.data(), rows, expert_out + int64_t{plan.start[e]} * d,
-                               routed_scratch_, exec_.pool());
-    }
+    reference::moe_combine(m_.hp, W, h_.data(), n, weight_.data(), slot_rows_.data(), shared, x_.data());
+    last_n_ = n;
   }
   void advance(int64_t n) override { exec_.advance(n); }
-  void logits(const float* x, int64_t rows, float* out) override {
-    exec_.output_logits(x, rows, norm_.data(), out);
+  void logits(int64_t rows, float* out) override {
+    if (rows <= 0 || rows > last_n_) throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step of " + std::to_string(last_n_));
+    exec_.output_logits(x_.data() + (last_n_ - rows) * m_.hp.n_embd, rows, norm_.data(), out);
   }
 
  private:
+  void check_rows(int64_t n) const {
+    if (n <= 0 || n > max_tokens_)
+      throw std::invalid_argument("CPU backend: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_tokens_));
+  }
   const model::Model& m_;
   reference::ReferenceExecutor exec_;
+  const int64_t max_tokens_;
+  int64_t last_n_ = 0;
   reference::RouterScratch router_;
   reference::ExpertScratch shared_scratch_, routed_scratch_;
-  std::vector<float> shared_, norm_, gathered_;
+  std::vector<float> shared_, norm_, gathered_, x_, h_, weight_, own_rows_;
+  std::vector<int32_t> chosen_;
+  std::vector<const float*> slot_rows_;
+  std::vector<uint8_t> on_device_;   // [layer * n_expert + expert]
+  std::vector<bool> whole_;          // [layer]: every expert on this device
+  group::ExpertPlan plan_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& kind, int device, const model::Model& m,
-                                      int max_tokens, int threads) {
-  if (kind == "cpu") return std::make_unique<CpuBackend>(m, max_tokens, threads);
+std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Model& m, const BackendOptions& o) {
+  if (kind == "cpu") return std::make_unique<CpuBackend>(m, o);
   if (kind == "cuda") {
 #ifdef MORAINE_HAVE_CUDA
-    return make_cuda_backend(m, device, max_tokens, std::max<int64_t>(kDefaultCudaContext, max_tokens));
+    return make_cuda_backend(m, o);
 #else
     throw std::runtime_error("--backend cuda: this build has no CUDA (nvcc was not found at configure time; "
-                             "device " + std::to_string(device) + "); use --backend cpu");
+                             "device " + std::to_string(o.device) + "); use --backend cpu");
 #endif
   }
   throw std::runtime_error("--backend " + kind + ": expected cpu or cuda");

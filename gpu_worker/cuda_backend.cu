@@ -1,22 +1,28 @@
-// The CUDA backend (see cuda_backend.h). Decode and prefill both run the matvec kernels over the
-// step's rows (one batched launch per weight matrix, the weight read once per row): there is no
-// cuBLAS GEMM path for prefill yet.
+// The CUDA backend (see cuda_backend.h).
 #include "gpu_worker/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/attention.h"
-#include "kernels/cuda/delta_net.h"
+#include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/delta_net.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
+#include "kernels/cuda/gemm_prefill.h"
 #include "kernels/cuda/head_rms_norm.h"
+#include "kernels/cuda/kv_store.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -26,6 +32,7 @@
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/row_gather.h"
 #include "kernels/cuda/swiglu.h"
 
 namespace moraine::gpu_worker {
@@ -33,38 +40,67 @@ namespace moraine::gpu_worker {
 namespace {
 
 using cuda::DeviceBuffer;
+using cuda::PinnedBuffer;
 
-// A weight matrix (or every expert's matrix of one kind) in device memory, in its file format.
+// Steps of at most this many rows take the graph-safe decode kernels (attention_at) and may be
+// replayed from a captured graph; it is also moe_fused's token limit.
+constexpr int64_t kDecodeRows = cuda::kAttentionAtMaxRows;
+
+// A weight matrix (or a set of experts' matrices of one kind) in device memory, in its file
+// format: matrix i at bytes + i * matrix_bytes.
 struct DevMatrix {
   TensorType type = TensorType::F32;
-  int64_t rows = 0;         // rows of one matrix (one expert's, for expert tensors)
+  int64_t rows = 0;         // rows of one matrix
   int64_t cols = 0;
-  size_t matrix_bytes = 0;  // bytes of one matrix: the stride between experts
+  size_t matrix_bytes = 0;  // the stride between matrices (experts)
   DeviceBuffer<uint8_t> bytes;
   explicit operator bool() const { return rows > 0; }
+  const uint8_t* matrix(int64_t i) const { return bytes.get() + static_cast<size_t>(i) * matrix_bytes; }
 };
 
 bool has_kernel(TensorType t) { return cuda::matvec_supported(t) || cuda::matvec_float_supported(t); }
 
-DevMatrix upload_matrix(const model::Matrix& m, int64_t n_expert, int64_t rows_per_matrix) {
+void check_kernel(const model::Matrix& m) {
+  if (has_kernel(m.type)) return;
+  const std::string name = m.info != nullptr ? m.info->name : std::string("(unnamed)");
+  throw std::runtime_error("CUDA backend: tensor " + name + " is " + std::string(type_name(m.type)) +
+                           ", which has no CUDA matvec kernel (kernels/cuda/matvec.h and matvec_float.h list "
+                           "the formats); requantize it with moraine-quantize");
+}
+
+DevMatrix upload_matrix(const model::Matrix& m) {
   DevMatrix d;
   if (!m) return d;
-  const std::string name = m.info != nullptr ? m.info->name : std::string("(unnamed)");
-  if (!has_kernel(m.type))
-    throw std::runtime_error("CUDA backend: tensor " + name + " is " + std::string(type_name(m.type)) +
-                             ", which has no CUDA matvec kernel (kernels/cuda/matvec.h and matvec_float.h list "
-                             "the formats); requantize it with moraine-quantize");
+  check_kernel(m);
   d.type = m.type;
-  d.rows = rows_per_matrix;
+  d.rows = m.n_rows;
   d.cols = m.n_cols;
-  d.matrix_bytes = m.row_bytes * static_cast<size_t>(rows_per_matrix);
-  const size_t total = d.matrix_bytes * static_cast<size_t>(n_expert);
-  d.bytes = DeviceBuffer<uint8_t>(total);
-  d.bytes.upload(m.data, total);
+  d.matrix_bytes = m.row_bytes * static_cast<size_t>(m.n_rows);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  d.bytes.upload(m.data, d.matrix_bytes);
   return d;
 }
 
-DevMatrix upload_matrix(const model::Matrix& m) { return upload_matrix(m, 1, m.n_rows); }
+// The experts `ids` of one expert tensor packed in a slab. The stride between experts is a whole
+// number of format blocks (the batched matvec steps through the slab in blocks) and of 16 bytes
+// (moe_fused and the matvec read aligned 16-byte words from each expert's start).
+DevMatrix upload_expert_slab(const model::ExpertTensor& t, const std::vector<int32_t>& ids) {
+  DevMatrix d;
+  if (!t.all || ids.empty()) return d;
+  check_kernel(t.all);
+  d.type = t.all.type;
+  d.rows = t.rows_per_expert;
+  d.cols = t.all.n_cols;
+  const size_t one = t.all.row_bytes * static_cast<size_t>(t.rows_per_expert);
+  const size_t block = type_traits(d.type).block_bytes;
+  const size_t unit = block / std::gcd(block, size_t{16}) * 16;   // lcm(block bytes, 16)
+  d.matrix_bytes = (one + unit - 1) / unit * unit;
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes * ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    CUDA_CHECK(cudaMemcpy(d.bytes.get() + i * d.matrix_bytes, t.all.data + static_cast<size_t>(ids[i]) * one, one,
+                          cudaMemcpyHostToDevice));
+  return d;
+}
 
 // Rows `order` of m (in that order) as a matrix of their own: the legacy fused ssm_in of
 // qwen3next is split into its qkv and z rows at upload, so one code path serves both layouts.
@@ -76,9 +112,6 @@ DevMatrix upload_rows(const model::Matrix& m, const std::vector<int64_t>& order)
   part.data = bytes.data();
   return upload_matrix(part);
 }
-DevMatrix upload_experts(const model::ExpertTensor& e) {
-  return upload_matrix(e.all, e.n_expert, e.rows_per_expert);
-}
 
 DeviceBuffer<float> upload_vector(const std::vector<float>& v) {
   DeviceBuffer<float> d(v.size());
@@ -89,7 +122,12 @@ DeviceBuffer<float> upload_vector(const std::vector<float>& v) {
 struct DevLayer {
   bool recurrent = false;
   DeviceBuffer<float> attn_norm, ffn_norm, q_norm, k_norm, shared_router;
-  DevMatrix q, k, v, o, router, gate, up, down, shared_gate, shared_up, shared_down;
+  DevMatrix q, k, v, o, router, shared_gate, shared_up, shared_down;
+  // The VRAM tier: resident experts' gate / up / down slabs and expert id -> slab index (-1).
+  DevMatrix gate, up, down;
+  std::vector<int32_t> slab_of;
+  int64_t resident = 0;
+  bool fused = false;   // the routed experts go through moe_fused
   bool q_has_gate = false;
   DeviceBuffer<float> k_cache, v_cache;  // [max_context][n_head_kv * head_dim]
   // Gated DeltaNet (qwen3next): projections, small weights, and the recurrent state.
@@ -114,17 +152,33 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
     for (int64_t i = 0; i < r * dv; ++i) z.push_back(g * gsz + 2 * dk + r * dv + i);
 }
 
+// A captured step (step_whole) for one token count, and the host memory its copies touch.
+struct StepGraph {
+  cudaGraphExec_t exec = nullptr;
+  StepGraph() = default;
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+  ~StepGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const model::Model& m, int device, int max_tokens, int64_t max_context)
-      : m_(m), device_(device), max_tokens_(max_tokens), max_context_(max_context) {
+  CudaBackend(const model::Model& m, const BackendOptions& o)
+      : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
+        gemm_prefill_rows_(o.gemm_prefill_rows),
+        max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)) {
     const model::HParams& hp = m.hp;
     std::string why;
     if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
-    CUDA_CHECK(cudaSetDevice(device));
-    if (max_tokens <= 0 || max_tokens > 65535 || max_context < max_tokens)
-      throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens) + " must be in 1..65535 and "
-                               "at most the context (" + std::to_string(max_context) + ")");
+    CUDA_CHECK(cudaSetDevice(device_));
+    if (max_tokens_ <= 0 || max_tokens_ > 65535 || max_context_ < max_tokens_ || max_context_ > INT32_MAX)
+      throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens_) + " must be in 1..65535 and "
+                               "at most the context (" + std::to_string(max_context_) + ")");
+    if (!o.all_experts && static_cast<int64_t>(o.device_experts.size()) != hp.n_layer)
+      throw std::invalid_argument("CUDA backend: device_experts names " + std::to_string(o.device_experts.size()) +
+                                  " layers, the model has " + std::to_string(hp.n_layer));
     bool any_recurrent = false;
     for (int64_t il = 0; il < hp.n_layer; ++il) any_recurrent = any_recurrent || m.layers[il].recurrent;
     if (any_recurrent) {
@@ -138,11 +192,16 @@ class CudaBackend final : public Backend {
     if (hp.head_dim > cuda::kAttentionMaxHeadDim)
       throw std::runtime_error("CUDA backend: head_dim " + std::to_string(hp.head_dim) + " above the attention "
                                "kernel's " + std::to_string(cuda::kAttentionMaxHeadDim));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
     const int64_t d = hp.n_embd, k = hp.n_expert_used, hd = hp.head_dim;
     const int64_t kv_dim = hp.n_head_kv * hd;
     int64_t q_rows = hp.n_head * hd;
-    int64_t max_cols = std::max({d, hp.n_head * hd, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+    const int64_t max_cols = std::max({d, hp.n_head * hd, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
 
+    std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
+    for (int64_t e = 0; e < hp.n_expert; ++e) all[e] = static_cast<int32_t>(e);
+    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(hp.n_layer * hp.n_expert));
     layers_.resize(static_cast<size_t>(hp.n_layer));
     for (int64_t il = 0; il < hp.n_layer; ++il) {
       const model::LayerWeights& L = m.layers[il];
@@ -150,9 +209,20 @@ class CudaBackend final : public Backend {
       D.attn_norm = upload_vector(L.attn_norm);
       D.ffn_norm = upload_vector(L.ffn_norm);
       D.router = upload_matrix(L.moe.router);
-      D.gate = upload_experts(L.moe.gate);
-      D.up = upload_experts(L.moe.up);
-      D.down = upload_experts(L.moe.down);
+      const std::vector<int32_t>& ids = o.all_experts ? all : o.device_experts[il];
+      D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= hp.n_expert || (i > 0 && ids[i] <= ids[i - 1]))
+          throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + "'s device experts must be "
+                                      "ascending ids in [0, " + std::to_string(hp.n_expert) + ")");
+        D.slab_of[ids[i]] = static_cast<int32_t>(i);
+      }
+      D.resident = static_cast<int64_t>(ids.size());
+      D.gate = upload_expert_slab(L.moe.gate, ids);
+      D.up = upload_expert_slab(L.moe.up, ids);
+      D.down = upload_expert_slab(L.moe.down, ids);
+      for (size_t i = 0; i < ids.size(); ++i)
+        table[il * hp.n_expert + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
       if (L.moe.shared_up) {
         D.shared_gate = upload_matrix(L.moe.shared_gate);
         D.shared_up = upload_matrix(L.moe.shared_up);
@@ -171,9 +241,11 @@ class CudaBackend final : public Backend {
       D.o = upload_matrix(L.attn.o);
       D.q_has_gate = L.attn.q_has_gate;
       q_rows = std::max(q_rows, L.attn.q.n_rows);
-      D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context * kv_dim));
-      D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context * kv_dim));
+      D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
+      D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
     }
+    slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size());
+    slot_table_.upload(table.data(), table.size());
     output_norm_ = upload_vector(m.output_norm);
     output_ = upload_matrix(m.output);
     if (cuda::embed_rows_supported(m.tok_embd.type)) {
@@ -181,19 +253,23 @@ class CudaBackend final : public Backend {
       tok_embd_.upload(m.tok_embd.data, tok_embd_.size());
     }
 
-    const size_t T = static_cast<size_t>(max_tokens);
+    const size_t T = static_cast<size_t>(max_tokens_);
     const size_t slots = T * static_cast<size_t>(k);
     x_ = DeviceBuffer<float>(T * d);
     h_ = DeviceBuffer<float>(T * d);
     y_ = DeviceBuffer<float>(T * d);
     qg_ = DeviceBuffer<float>(T * q_rows);
     q_ = DeviceBuffer<float>(T * hp.n_head * hd);
+    k_new_ = DeviceBuffer<float>(T * kv_dim);
+    v_new_ = DeviceBuffer<float>(T * kv_dim);
     attn_ = DeviceBuffer<float>(T * hp.n_head * hd);
     const cuda::AttentionShape shape = attention_shape();
-    // Attention records for 16 rows at a time (longer prefills go through in passes): enough to
-    // fill the GPU with (row, head, chunk) CTAs, about 34 MB at 32K context for 32 heads of 128.
+    // Split-KV records for 16 rows at a time (longer steps between 16 and the tiled prefill go
+    // through in passes): enough to fill the GPU, about 34 MB at 32K context for 32 heads of 128.
+    const int64_t rows16 = std::min<int64_t>(max_tokens_, kDecodeRows);
     attn_scratch_ = DeviceBuffer<float>(static_cast<size_t>(
-        cuda::attention_scratch_floats(shape, std::min<int64_t>(max_tokens, 16), max_context)));
+        std::max(cuda::attention_scratch_floats(shape, rows16, max_context_),
+                 cuda::attention_at_scratch_floats(shape, rows16, max_context_))));
     // Activation bytes for the widest row of any matrix, for every expert row of a step; a
     // quantized row never takes more bytes than the floats it came from.
     act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
@@ -201,12 +277,10 @@ class CudaBackend final : public Backend {
     chosen_ = DeviceBuffer<int32_t>(slots);
     weight_ = DeviceBuffer<float>(slots);
     token_ids_ = DeviceBuffer<int32_t>(T);
-    expert_in_ = DeviceBuffer<float>(slots * d);
-    expert_ids_ = DeviceBuffer<int32_t>(slots);
-    expert_g_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
-    expert_u_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
-    expert_out_ = DeviceBuffer<float>(slots * d);
-    slot_rows_ = DeviceBuffer<float>(slots * d);
+    pos_dev_ = DeviceBuffer<int32_t>(1);
+    dev_slots_ = DeviceBuffer<float>(slots * d);
+    cpu_rows_ = DeviceBuffer<float>(slots * d);
+    alt_row_ = DeviceBuffer<int32_t>(slots);
     if (hp.n_ff_shexp > 0) {
       shared_g_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
       shared_u_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
@@ -220,167 +294,327 @@ class CudaBackend final : public Backend {
       z_ = DeviceBuffer<float>(T * ds.value_dim());
       ba_ = DeviceBuffer<float>(T * 2 * ds.n_v_heads);
       core_ = DeviceBuffer<float>(T * ds.value_dim());
-      delta_ws_ = DeviceBuffer<float>(static_cast<size_t>(cuda::delta_net_workspace_floats(ds, max_tokens)));
+      delta_ws_ = DeviceBuffer<float>(static_cast<size_t>(cuda::delta_net_workspace_floats(ds, max_tokens_)));
     }
+    tok_pinned_ = PinnedBuffer<int32_t>(T);
+    pos_pinned_ = PinnedBuffer<int32_t>(1);
+    alt_pinned_ = PinnedBuffer<int32_t>(slots);
+    idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
+    chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+    setup_experts();
+    setup_swaps(o.all_experts);
     zero_states();
-    host_in_.resize(slots * d);
-    host_out_.resize(slots * d);
-    host_ids_.resize(slots);
-    host_rows_.resize(slots);
-    setup_moe_fused();
-    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    graphs_.clear();
+    if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+    for (PendingSwap& p : swaps_)
+      if (p.landed != nullptr) cudaEventDestroy(p.landed);
+    swaps_.clear();
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+    for (void* p : pinned_) cudaHostUnregister(p);
+    if (routed_ != nullptr) cudaEventDestroy(routed_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  void pin_host_memory(void* p, size_t bytes) override {
+    use_device();
+    const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (err == cudaSuccess) {
+      pinned_.push_back(p);
+      return;
+    }
+    cudaGetLastError();  // not sticky; copies from pageable memory still work, only slower
+    std::cerr << "CUDA backend: cannot pin " << bytes << " bytes of host memory (" << cudaGetErrorString(err)
+              << "); host copies will be staged\n";
   }
 
   void reset() override {
     use_device();
     zero_states();
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
     n_past_ = 0;
   }
   int64_t n_past() const override { return n_past_; }
+  int64_t n_layer() const override { return m_.hp.n_layer; }
+  bool layer_on_device(int64_t il) const override {
+    check_layer(il);
+    return layers_[il].resident == m_.hp.n_expert;
+  }
 
-  void embed(const int32_t* tokens, int64_t n, float* x) override {
-    check_rows(n, "embed");
+  void embed(const int32_t* tokens, int64_t n) override {
     use_device();
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd;
-    for (int64_t t = 0; t < n; ++t) {
-      if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
-        throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at position " +
-                                    std::to_string(n_past_ + t) + " is outside the vocabulary [0, " +
-                                    std::to_string(hp.n_vocab) + ")");
-    }
-    if (tok_embd_.size() == 0) {  // a format without a device kernel: the scalar dequantizer
-      for (int64_t t = 0; t < n; ++t) dequantize_row(m_.tok_embd.type, m_.tok_embd.row(tokens[t]), x + t * d, d);
+    begin_step(tokens, n);
+    enqueue_embed(n);
+  }
+
+  void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) override {
+    use_device();
+    check_step(il, n);
+    if (!layer_on_device(il))
+      throw std::logic_error("CUDA backend: layer_whole(" + std::to_string(il) + ") but only " +
+                             std::to_string(layers_[il].resident) + " of its experts are on the device");
+    if (!layers_[il].fused || gemm_experts(layers_[il], n)) {  // the per-expert path needs the host's plan
+      layer_begin(il, n, host_chosen_.data(), host_weight_.data(), nullptr);
+      if (chosen_out != nullptr) std::copy_n(host_chosen_.data(), n * m_.hp.n_expert_used, chosen_out);
+      host_plan_.build(host_chosen_.data(), n * m_.hp.n_expert_used, m_.hp.n_expert);
+      layer_end(il, n, host_plan_, nullptr);
       return;
     }
-    token_ids_.upload(tokens, static_cast<size_t>(n));
-    cuda::embed_rows(m_.tok_embd.type, tok_embd_.get(), m_.tok_embd.row_bytes, d, token_ids_.get(), n, x_.get());
-    x_.download(x, static_cast<size_t>(n * d));
+    enqueue_layer_whole(il, n);
+    if (chosen_out != nullptr)
+      pending_chosen_.push_back({chosen_pinned_.get() + il * slots_per_layer(), chosen_out, n * m_.hp.n_expert_used});
   }
 
-  void mixer(int64_t il, float* x, int64_t n, float* h) override {
-    check_rows(n, "mixer");
+  void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override {
     use_device();
-    check_layer(il);
-    if (n_past_ + n > max_context_)
-      throw std::runtime_error("CUDA backend: positions " + std::to_string(n_past_) + ".." +
-                               std::to_string(n_past_ + n - 1) + " do not fit the KV cache of " +
-                               std::to_string(max_context_) + " positions");
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd;
-    const float eps = static_cast<float>(hp.rms_eps);
-    DevLayer& L = layers_[il];
-    x_.upload(x, static_cast<size_t>(n * d));
-    cuda::rms_norm(x_.get(), L.attn_norm.get(), h_.get(), d, n, eps);
-    if (L.recurrent) {
-      delta_net_block(L, n);
-    } else {
-      attention_block(L, n);
-    }
-    cuda::rms_norm(x_.get(), L.ffn_norm.get(), h_.get(), d, n, eps);
-    x_.download(x, static_cast<size_t>(n * d));
-    h_.download(h, static_cast<size_t>(n * d));
+    check_step(il, n);
+    const int64_t d = m_.hp.n_embd, nk = n * m_.hp.n_expert_used;
+    enqueue_mixer(il, n);
+    enqueue_route(il, n);
+    copy_to_host(chosen, chosen_.get(), nk * sizeof(int32_t));
+    copy_to_host(weight, weight_.get(), nk * sizeof(float));
+    if (h_out != nullptr) copy_to_host(h_out, h_.get(), n * d * sizeof(float));
+    CUDA_CHECK(cudaEventRecord(routed_, stream_));
+    // The resident experts and the shared expert run while the host plans and the cpu workers work.
+    if (layers_[il].fused && !gemm_experts(layers_[il], n)) enqueue_fused_experts(il, n);
+    enqueue_shared(il, n);
+    CUDA_CHECK(cudaEventSynchronize(routed_));
   }
 
-  void route(int64_t il, const float* h, int64_t n, int32_t* chosen, float* weight) override {
-    check_rows(n, "route");
+  void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override {
     use_device();
-    check_layer(il);
-    const model::HParams& hp = m_.hp;
-    const int64_t k = hp.n_expert_used;
-    h_.upload(h, static_cast<size_t>(n * hp.n_embd));
-    matmul(layers_[il].router, h_.get(), n, router_logits_.get());
-    cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, k, hp.norm_topk_prob, chosen_.get(),
-                              weight_.get());
-    chosen_.download(chosen, static_cast<size_t>(n * k));
-    weight_.download(weight, static_cast<size_t>(n * k));
-  }
-
-  void routed_experts(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
-                      const std::vector<int32_t>& experts, float* expert_out) override {
-    check_rows(n, "routed_experts");
-    use_device();
-    check_layer(il);
-    if (fused_ok_[il]) return routed_experts_fused(il, h, n, plan, experts, expert_out);
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd, k = hp.n_expert_used, ff = hp.n_ff_exp;
-    // Pack the rows of this device's experts: row j of expert e is h's token slot_of / k.
-    int64_t rows = 0;
-    for (int32_t e : experts) {
-      if (e < 0 || e >= hp.n_expert)
-        throw std::invalid_argument("routed_experts: expert id " + std::to_string(e) + " outside [0, " +
-                                    std::to_string(hp.n_expert) + ")");
+    check_step(il, n);
+    const DevLayer& L = layers_[il];
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used, nk = n * k;
+    if (static_cast<int64_t>(plan.start.size()) != m_.hp.n_expert + 1 || plan.start.back() != nk)
+      throw std::invalid_argument("layer_end: the plan covers " +
+                                  std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
+                                  std::to_string(nk));
+    if (!L.fused || gemm_experts(L, n)) enqueue_matvec_experts(il, n, plan);
+    // Slots whose expert is off the device read the cpu workers' packed rows.
+    int32_t* alt = alt_pinned_.get();
+    std::fill(alt, alt + nk, -1);
+    int32_t lo = INT32_MAX, hi = -1;
+    for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
+      if (plan.count(e) == 0 || L.slab_of[e] >= 0) continue;
       for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
-        const int64_t t = plan.slot_of[r] / k;
-        if (rows >= n * k || t >= n)
-          throw std::invalid_argument("routed_experts: the plan names more rows than the step's " +
-                                      std::to_string(n * k) + " slots");
-        std::copy_n(h + t * d, d, host_in_.data() + rows * d);
-        host_ids_[rows] = e;
-        host_rows_[rows] = r;
-        ++rows;
+        const int32_t slot = plan.slot_of[r];
+        if (slot < 0 || slot >= nk)
+          throw std::invalid_argument("layer_end: the plan names slot " + std::to_string(slot) + " outside the step's " +
+                                      std::to_string(nk));
+        alt[slot] = r;
       }
+      lo = std::min(lo, plan.start[e]);
+      hi = std::max(hi, plan.start[e + 1]);
     }
-    if (rows == 0) return;
-    const DevLayer& L = layers_[il];
-    expert_in_.upload(host_in_.data(), static_cast<size_t>(rows * d));
-    expert_ids_.upload(host_ids_.data(), static_cast<size_t>(rows));
-    expert_matmul(L.gate, expert_in_.get(), rows, expert_g_.get());
-    expert_matmul(L.up, expert_in_.get(), rows, expert_u_.get());
-    cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff);
-    expert_matmul(L.down, expert_g_.get(), rows, expert_out_.get());
-    expert_out_.download(host_out_.data(), static_cast<size_t>(rows * d));
-    for (int64_t i = 0; i < rows; ++i)
-      std::copy_n(host_out_.data() + i * d, d, expert_out + int64_t{host_rows_[i]} * d);
-  }
-
-  void combine(int64_t il, const float* h, int64_t n, const float* weight, const float* const* slot_rows,
-               float* x) override {
-    check_rows(n, "combine");
-    use_device();
-    check_layer(il);
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd, k = hp.n_expert_used;
-    for (int64_t i = 0; i < n * k; ++i) std::copy_n(slot_rows[i], d, host_in_.data() + i * d);
-    slot_rows_.upload(host_in_.data(), static_cast<size_t>(n * k * d));
-    weight_.upload(weight, static_cast<size_t>(n * k));
-    x_.upload(x, static_cast<size_t>(n * d));
-    const DevLayer& L = layers_[il];
-    const float* shared = nullptr;
-    const float* gate_logit = nullptr;
-    if (L.shared_up) {
-      h_.upload(h, static_cast<size_t>(n * d));
-      matmul(L.shared_gate, h_.get(), n, shared_g_.get());
-      matmul(L.shared_up, h_.get(), n, shared_u_.get());
-      cuda::swiglu(shared_g_.get(), shared_u_.get(), n * hp.n_ff_shexp);
-      matmul(L.shared_down, shared_g_.get(), n, shared_out_.get());
-      cuda::MatvecBatch b;  // the shared router: one F32 row dotted with each token's h
-      b.count = static_cast<int>(n);
-      b.act_stride_bytes = d * static_cast<int64_t>(sizeof(float));
-      b.out_stride = 1;
-      cuda::matvec_float_batched(TensorType::F32, L.shared_router.get(), 1, d, h_.get(), shared_logit_.get(), b);
-      shared = shared_out_.get();
-      gate_logit = shared_logit_.get();
+    if (hi < 0) {
+      enqueue_combine(il, n, false);
+      return;
     }
-    cuda::moe_combine(x_.get(), slot_rows_.get(), weight_.get(), shared, gate_logit, n, k, d);
-    x_.download(x, static_cast<size_t>(n * d));
+    if (host_rows == nullptr)
+      throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " has slots off the device and no host rows");
+    CUDA_CHECK(cudaMemcpyAsync(cpu_rows_.get() + int64_t{lo} * d, host_rows + int64_t{lo} * d,
+                               static_cast<size_t>(hi - lo) * d * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt, static_cast<size_t>(nk) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_));
+    enqueue_combine(il, n, true);
   }
 
   void advance(int64_t n) override { n_past_ += n; }
 
-  void logits(const float* x, int64_t rows, float* out) override {
-    check_rows(rows, "logits");
+  void logits(int64_t rows, float* out) override {
     use_device();
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd;
-    x_.upload(x, static_cast<size_t>(rows * d));
-    cuda::rms_norm(x_.get(), output_norm_.get(), h_.get(), d, rows, static_cast<float>(hp.rms_eps));
-    matmul(output_, h_.get(), rows, logits_.get());
-    logits_.download(out, static_cast<size_t>(rows * hp.n_vocab));
+    if (rows <= 0 || rows > step_n_)
+      throw std::invalid_argument("CUDA backend logits: " + std::to_string(rows) + " rows of a step of " +
+                                  std::to_string(step_n_));
+    enqueue_logits(rows);
+    finish_step(rows, out);
+  }
+
+  bool begin_swap(int64_t il, int32_t out, int32_t in) override {
+    use_device();
+    check_layer(il);
+    DevLayer& L = layers_[il];
+    const int64_t E = m_.hp.n_expert;
+    if (out < 0 || out >= E || in < 0 || in >= E || L.slab_of[out] < 0 || L.slab_of[in] >= 0) return false;
+    PendingSwap* free_swap = nullptr;
+    for (PendingSwap& p : swaps_)
+      if (!p.busy) free_swap = &p;
+    if (free_swap == nullptr) return false;
+    // Between steps stream_ is idle: once `out`'s table entry is null no kernel reads its slab,
+    // and the copy stream can overwrite it while the next steps run.
+    const int32_t slab = L.slab_of[out];
+    L.slab_of[out] = -1;
+    --L.resident;
+    set_table_entry(il, out, {});
+    const model::MoeWeights& W = m_.layers[il].moe;
+    uint8_t* staging = free_swap->staging.get();
+    size_t at = 0;
+    for (const auto& [t, d] : {std::pair{&W.gate, &L.gate}, std::pair{&W.up, &L.up}, std::pair{&W.down, &L.down}}) {
+      const size_t one = t->all.row_bytes * static_cast<size_t>(t->rows_per_expert);
+      std::memcpy(staging + at, t->all.data + static_cast<size_t>(in) * one, one);
+      CUDA_CHECK(cudaMemcpyAsync(d->bytes.get() + static_cast<size_t>(slab) * d->matrix_bytes, staging + at, one,
+                                 cudaMemcpyHostToDevice, copy_stream_));
+      at += one;
+    }
+    CUDA_CHECK(cudaEventRecord(free_swap->landed, copy_stream_));
+    free_swap->busy = true;
+    free_swap->il = il;
+    free_swap->in = in;
+    free_swap->slab = slab;
+    return true;
+  }
+
+  std::vector<std::pair<int64_t, int32_t>> landed_swaps() override {
+    use_device();
+    std::vector<std::pair<int64_t, int32_t>> done;
+    for (PendingSwap& p : swaps_) {
+      if (!p.busy) continue;
+      const cudaError_t q = cudaEventQuery(p.landed);
+      if (q == cudaErrorNotReady) continue;
+      CUDA_CHECK(q);
+      DevLayer& L = layers_[p.il];
+      L.slab_of[p.in] = p.slab;
+      ++L.resident;
+      set_table_entry(p.il, p.in, {L.gate.matrix(p.slab), L.up.matrix(p.slab), L.down.matrix(p.slab)});
+      p.busy = false;
+      done.emplace_back(p.il, p.in);
+    }
+    return done;
+  }
+
+  void step_whole(const int32_t* tokens, int64_t n, int64_t logit_rows, float* logits_out, int32_t* chosen_out,
+                  int64_t chosen_stride) override {
+    use_device();
+    if (!graphs_ok_ || n > kDecodeRows || !all_on_device()) {
+      Backend::step_whole(tokens, n, logit_rows, logits_out, chosen_out, chosen_stride);
+      return;
+    }
+    if (logit_rows <= 0 || logit_rows > n)
+      throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) + " rows of a step of " +
+                                  std::to_string(n));
+    begin_step(tokens, n);
+    StepGraph& g = graphs_[{n, logit_rows}];
+    if (g.exec == nullptr && !capture(g, n, logit_rows)) {
+      Backend::step_whole(tokens, n, logit_rows, logits_out, chosen_out, chosen_stride);
+      return;
+    }
+    CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+    n_past_ += n;
+    if (chosen_out != nullptr)
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+        pending_chosen_.push_back({chosen_pinned_.get() + il * slots_per_layer(), chosen_out + il * chosen_stride,
+                                   n * m_.hp.n_expert_used});
+    finish_step(logit_rows, logits_out);
   }
 
  private:
-  cuda::MoeLayerWeights fused_weights(const DevLayer& L) const {
+  struct PendingChosen {
+    const int32_t* from;   // pinned
+    int32_t* to;
+    int64_t count;
+  };
+
+  int64_t slots_per_layer() const { return max_tokens_ * m_.hp.n_expert_used; }
+
+  // Expert copies of the adaptive VRAM tier (begin_swap): a copy stream, and per pending swap a
+  // pinned staging buffer the size of the largest expert (sized once, only when some experts
+  // are off the device).
+  static constexpr int kMaxPendingSwaps = 8;
+  struct PendingSwap {
+    bool busy = false;
+    int64_t il = 0;
+    int32_t in = -1, slab = -1;
+    cudaEvent_t landed = nullptr;
+    PinnedBuffer<uint8_t> staging;
+  };
+  void setup_swaps(bool all_experts) {
+    if (all_experts) return;
+    size_t largest = 0;
+    for (const model::LayerWeights& L : m_.layers) {
+      size_t one = 0;
+      for (const model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down})
+        if (t->all) one += t->all.row_bytes * static_cast<size_t>(t->rows_per_expert);
+      largest = std::max(largest, one);
+    }
+    if (largest == 0) return;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    swaps_.resize(kMaxPendingSwaps);
+    for (PendingSwap& p : swaps_) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&p.landed, cudaEventDisableTiming));
+      p.staging = PinnedBuffer<uint8_t>(largest);
+    }
+  }
+  void set_table_entry(int64_t il, int32_t e, const cuda::MoeExpertSlot& v) {
+    CUDA_CHECK(cudaMemcpy(slot_table_.get() + il * m_.hp.n_expert + e, &v, sizeof v, cudaMemcpyHostToDevice));
+  }
+
+  // Which layers' experts go through moe_fused, the expert-path scratch, and whether steps can
+  // be captured as graphs (every layer fused, embedding on the device).
+  void setup_experts() {
+    const model::HParams& hp = m_.hp;
+    const int64_t d = hp.n_embd, k = hp.n_expert_used;
+    const size_t slots = static_cast<size_t>(max_tokens_ * k);
+    size_t ws = 0;
+    bool any_matvec = false;
+    graphs_ok_ = tok_embd_.size() != 0;
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+      DevLayer& L = layers_[il];
+      L.fused = false;
+      if (L.resident > 0 && hp.n_expert_used <= cuda::kMoeMaxTopK && fused_formats(L)) {
+        try {
+          cuda::moe_fused_check(fused_weights(il));
+          L.fused = true;
+          ws = std::max(ws, cuda::moe_fused_workspace_bytes(fused_weights(il), cuda::kMoeMaxTokens, static_cast<int>(k)));
+        } catch (const std::invalid_argument&) {
+          // a shape the fused kernel does not take: the batched matvec path serves it
+        }
+      }
+      any_matvec = any_matvec || (L.resident > 0 && !L.fused);
+      graphs_ok_ = graphs_ok_ && L.fused && L.resident == hp.n_expert;
+    }
+    if (ws > 0) {
+      fused_ws_ = DeviceBuffer<uint8_t>(ws);
+      cuda::moe_fused_workspace_init(fused_ws_.get(), ws, stream_);
+    }
+    // Long steps multiply quantized weights through cuBLAS (and run the resident experts per
+    // expert, from the host's plan, instead of moe_fused's 16-token groups).
+    if (gemm_prefill_rows_ > 0 && max_tokens_ >= gemm_prefill_rows_) {
+      cuda::PrefillGemmLimits lim;
+      lim.max_tokens = static_cast<int64_t>(slots);
+      lim.max_cols = std::max({d, hp.n_head * hp.head_dim, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+      lim.max_experts = static_cast<int>(hp.n_expert);
+      gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, lim);
+      any_matvec = true;   // the per-expert path's gather / scatter buffers
+    }
+    if (any_matvec) {
+      expert_in_ = DeviceBuffer<float>(slots * d);
+      expert_g_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
+      expert_u_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
+      expert_out_ = DeviceBuffer<float>(slots * d);
+      expert_idx_ = DeviceBuffer<int32_t>(3 * slots);
+    }
+    host_chosen_.resize(slots);
+    host_weight_.resize(slots);
+    host_plan_.reserve(hp.n_expert, static_cast<int64_t>(slots));
+  }
+
+  // moe_fused takes quantized experts whose activations are Q8_K: it quantizes Q8_0 activations
+  // with ggml's reference rule while the reference executor (and so the matvec path) uses
+  // llama.cpp's x86 rule, and one activation rounded the other way moves a tiny model's logits
+  // visibly; Q8_K is the same under both rules.
+  static bool fused_formats(const DevLayer& L) {
+    for (const DevMatrix* w : {&L.gate, &L.up, &L.down})
+      if (!cuda::matvec_supported(w->type) || dot_activation_type(w->type) != TensorType::Q8_K) return false;
+    return true;
+  }
+
+  cuda::MoeLayerWeights fused_weights(int64_t il) const {
+    const DevLayer& L = layers_[il];
     cuda::MoeLayerWeights w;
     w.gate_type = L.gate.type;
     w.up_type = L.up.type;
@@ -388,76 +622,128 @@ class CudaBackend final : public Backend {
     w.n_embd = m_.hp.n_embd;
     w.n_ff = m_.hp.n_ff_exp;
     w.n_expert = m_.hp.n_expert;
-    w.slots = fused_slots_.get();
+    w.slots = slot_table_.get() + il * m_.hp.n_expert;
+    // The per-row dots: the form every backend test and measurement so far ran with. dot_rows
+    // (the kernel's default) passed its kernel test later; switch when it has run here too.
+    w.dots = cuda::MoeLayerWeights::Dots::kStaged;
     return w;
   }
 
-  // Which layers take the fused MoE kernel (kernels/cuda/moe_fused.h): quantized experts whose
-  // activations are Q8_K. moe_fused quantizes
-  // Q8_0 activations with ggml's reference rule, while the reference executor (and so this
-  // backend's matvec path) uses llama.cpp's x86 rule, and one activation rounded the other way
-  // moves a tiny model's logits visibly; Q8_K is the same under both rules.
-  void setup_moe_fused() {
+  // ---- host side of a step ----
+
+  void begin_step(const int32_t* tokens, int64_t n) {
+    check_rows(n, "step");
     const model::HParams& hp = m_.hp;
-    fused_ok_.assign(static_cast<size_t>(hp.n_layer), false);
-    if (hp.n_expert_used > cuda::kMoeMaxTopK) return;
-    size_t ws = 0;
-    fused_slots_ = DeviceBuffer<cuda::MoeExpertSlot>(static_cast<size_t>(hp.n_expert));
-    for (int64_t il = 0; il < hp.n_layer; ++il) {
-      const DevLayer& L = layers_[il];
-      const bool q8k = cuda::matvec_supported(L.gate.type) && cuda::matvec_supported(L.up.type) &&
-                       cuda::matvec_supported(L.down.type) && dot_activation_type(L.gate.type) == TensorType::Q8_K &&
-                       dot_activation_type(L.up.type) == TensorType::Q8_K &&
-                       dot_activation_type(L.down.type) == TensorType::Q8_K;
-      if (!q8k) continue;
-      const cuda::MoeLayerWeights w = fused_weights(L);
-      try {
-        cuda::moe_fused_check(w);
-      } catch (const std::invalid_argument&) {
-        continue;  // a shape the fused kernel does not take: the batched matvec path serves it
-      }
-      ws = std::max(ws, cuda::moe_fused_workspace_bytes(w, cuda::kMoeMaxTokens, static_cast<int>(hp.n_expert_used)));
-      fused_ok_[il] = true;
+    for (int64_t t = 0; t < n; ++t) {
+      if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
+        throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at position " +
+                                    std::to_string(n_past_ + t) + " is outside the vocabulary [0, " +
+                                    std::to_string(hp.n_vocab) + ")");
     }
-    if (ws == 0) return;
-    fused_ws_ = DeviceBuffer<uint8_t>(ws);
-    cuda::moe_fused_workspace_init(fused_ws_.get(), ws);
-    fused_chosen_.resize(static_cast<size_t>(max_tokens_ * hp.n_expert_used));
-    fused_table_.resize(static_cast<size_t>(hp.n_expert));
-    row_of_ = DeviceBuffer<int32_t>(static_cast<size_t>(max_tokens_ * hp.n_expert_used));
+    if (n_past_ + n > max_context_)
+      throw std::runtime_error("CUDA backend: positions " + std::to_string(n_past_) + ".." +
+                               std::to_string(n_past_ + n - 1) + " do not fit the KV cache of " +
+                               std::to_string(max_context_) + " positions");
+    std::copy_n(tokens, n, tok_pinned_.get());
+    pos_pinned_[0] = static_cast<int32_t>(n_past_);
+    step_n_ = n;
+    pending_chosen_.clear();
   }
 
-  // routed_experts through moe_fused: the slot table names only this call's experts, so the
-  // kernel computes exactly their slots and writes them to their plan rows. Longer steps go
-  // through in groups of kMoeMaxTokens tokens: a token's expert rows then come from the same
-  // kernel whatever the step's length, which keeps decode after prefill equal to a fresh prefill.
-  void routed_experts_fused(int64_t il, const float* h, int64_t n, const group::ExpertPlan& plan,
-                            const std::vector<int32_t>& experts, float* expert_out) {
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd, k = hp.n_expert_used;
-    const DevLayer& L = layers_[il];
-    std::fill(fused_table_.begin(), fused_table_.end(), cuda::MoeExpertSlot{});
-    int64_t rows = 0;
-    for (int32_t e : experts) {
-      if (e < 0 || e >= hp.n_expert)
-        throw std::invalid_argument("routed_experts: expert id " + std::to_string(e) + " outside [0, " +
-                                    std::to_string(hp.n_expert) + ")");
-      fused_table_[e] = {L.gate.bytes.get() + e * L.gate.matrix_bytes, L.up.bytes.get() + e * L.up.matrix_bytes,
-                         L.down.bytes.get() + e * L.down.matrix_bytes};
-      rows += plan.count(e);
+  void finish_step(int64_t rows, float* out) {
+    copy_to_host(out, logits_.get(), static_cast<size_t>(rows * m_.hp.n_vocab) * sizeof(float));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (const PendingChosen& p : pending_chosen_) std::copy_n(p.from, p.count, p.to);
+    pending_chosen_.clear();
+  }
+
+  void copy_to_host(void* dst, const void* src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  }
+
+  bool capture(StepGraph& g, int64_t n, int64_t rows) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    std::string failed;
+    try {
+      enqueue_embed(n);
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il) enqueue_layer_whole(il, n);
+      enqueue_logits(rows);
+    } catch (const std::exception& e) {
+      failed = e.what();
     }
-    if (rows == 0) return;
-    for (int64_t e = 0; e < hp.n_expert; ++e)
-      for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
-        if (plan.slot_of[r] < 0 || plan.slot_of[r] >= n * k)
-          throw std::invalid_argument("routed_experts: the plan names slot " + std::to_string(plan.slot_of[r]) +
-                                      " outside the step's " + std::to_string(n * k));
-        fused_chosen_[plan.slot_of[r]] = static_cast<int32_t>(e);
-      }
-    fused_slots_.upload(fused_table_.data(), fused_table_.size());
-    chosen_.upload(fused_chosen_.data(), static_cast<size_t>(n * k));
-    row_of_.upload(plan.row_of.data(), static_cast<size_t>(n * k));
-    h_.upload(h, static_cast<size_t>(n * d));
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    if (failed.empty() && end != cudaSuccess) failed = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+    if (failed.empty()) {
+      const cudaError_t inst = cudaGraphInstantiate(&g.exec, graph, 0);
+      if (inst != cudaSuccess) failed = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
+    }
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (failed.empty()) return true;
+    cudaGetLastError();
+    g.exec = nullptr;
+    graphs_ok_ = false;
+    std::cerr << "CUDA backend: capturing a step as a graph failed (" << failed << "); steps run without graphs\n";
+    return false;
+  }
+
+  // ---- what a step enqueues on stream_ (nothing here reads device data back or allocates, so
+  // a short step's sequence can be captured as a graph) ----
+
+  void enqueue_embed(int64_t n) {
+    const model::HParams& hp = m_.hp;
+    const int64_t d = hp.n_embd;
+    CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    if (tok_embd_.size() == 0) {  // a format without a device kernel: the scalar dequantizer
+      std::vector<float> rows(static_cast<size_t>(n * d));
+      for (int64_t t = 0; t < n; ++t) dequantize_row(m_.tok_embd.type, m_.tok_embd.row(tok_pinned_[t]), rows.data() + t * d, d);
+      CUDA_CHECK(cudaMemcpyAsync(x_.get(), rows.data(), rows.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // `rows` is pageable and about to go
+      return;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(token_ids_.get(), tok_pinned_.get(), static_cast<size_t>(n) * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    cuda::embed_rows(m_.tok_embd.type, tok_embd_.get(), m_.tok_embd.row_bytes, d, token_ids_.get(), n, x_.get(),
+                     stream_);
+  }
+
+  void enqueue_layer_whole(int64_t il, int64_t n) {
+    enqueue_mixer(il, n);
+    enqueue_route(il, n);
+    CUDA_CHECK(cudaMemcpyAsync(chosen_pinned_.get() + il * slots_per_layer(), chosen_.get(),
+                               static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                               stream_));
+    enqueue_fused_experts(il, n);
+    enqueue_shared(il, n);
+    enqueue_combine(il, n, false);
+  }
+
+  void enqueue_mixer(int64_t il, int64_t n) {
+    const model::HParams& hp = m_.hp;
+    const int64_t d = hp.n_embd;
+    const float eps = static_cast<float>(hp.rms_eps);
+    DevLayer& L = layers_[il];
+    cuda::rms_norm(x_.get(), L.attn_norm.get(), h_.get(), d, n, eps, stream_);
+    if (L.recurrent) {
+      delta_net_block(L, n);
+    } else {
+      attention_block(L, n);
+    }
+    cuda::rms_norm(x_.get(), L.ffn_norm.get(), h_.get(), d, n, eps, stream_);
+  }
+
+  void enqueue_route(int64_t il, int64_t n) {
+    const model::HParams& hp = m_.hp;
+    matmul(layers_[il].router, h_.get(), n, router_logits_.get());
+    cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
+                              chosen_.get(), weight_.get(), stream_);
+  }
+
+  // The resident experts' unweighted rows into dev_slots_ (slot order), through moe_fused in
+  // groups of kMoeMaxTokens tokens: a token's rows come from the same kernel whatever the
+  // step's length, which keeps decode after prefill equal to a fresh prefill.
+  void enqueue_fused_experts(int64_t il, int64_t n) {
+    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
     for (int64_t t0 = 0; t0 < n; t0 += cuda::kMoeMaxTokens) {
       cuda::MoeRouting routing;
       routing.n_tokens = static_cast<int>(std::min<int64_t>(cuda::kMoeMaxTokens, n - t0));
@@ -465,15 +751,99 @@ class CudaBackend final : public Backend {
       routing.chosen = chosen_.get() + t0 * k;
       routing.weight = weight_.get() + t0 * k;  // unused: only the unweighted rows are asked for
       cuda::MoeOutputs out;
-      out.slot_rows = expert_out_.get();
-      out.slot_row_of = row_of_.get() + t0 * k;
-      cuda::moe_fused(fused_weights(L), h_.get() + t0 * d, routing, out, fused_ws_.get(), fused_ws_.size());
+      out.slot_rows = dev_slots_.get() + t0 * k * d;
+      cuda::moe_fused(fused_weights(il), h_.get() + t0 * d, routing, out, fused_ws_.get(), fused_ws_.size(), stream_);
     }
-    expert_out_.download(host_out_.data(), static_cast<size_t>(n * k * d));
-    for (int32_t e : experts)
-      std::copy_n(host_out_.data() + int64_t{plan.start[e]} * d, int64_t{plan.count(e)} * d,
-                  expert_out + int64_t{plan.start[e]} * d);
   }
+
+  // The resident experts of a layer moe_fused does not take: rows gathered per expert on the
+  // device from the host's plan, the batched matvec over slab ids, outputs scattered to slots.
+  void enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan) {
+    const model::HParams& hp = m_.hp;
+    const DevLayer& L = layers_[il];
+    const int64_t d = hp.n_embd, k = hp.n_expert_used, ff = hp.n_ff_exp, slots = n * k;
+    int32_t* token = idx_pinned_.get();
+    int32_t* slab = token + slots;
+    int32_t* slot = slab + slots;
+    int64_t rows = 0;
+    for (int64_t e = 0; e < hp.n_expert; ++e) {
+      if (L.slab_of[e] < 0) continue;
+      for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
+        if (plan.slot_of[r] < 0 || plan.slot_of[r] >= slots || rows >= slots)
+          throw std::invalid_argument("layer_end: the plan names slot " + std::to_string(plan.slot_of[r]) +
+                                      " outside the step's " + std::to_string(slots));
+        token[rows] = plan.slot_of[r] / static_cast<int32_t>(k);
+        slab[rows] = L.slab_of[e];
+        slot[rows] = plan.slot_of[r];
+        ++rows;
+      }
+    }
+    if (rows == 0) return;
+    int32_t* dev = expert_idx_.get();
+    const size_t S = static_cast<size_t>(max_tokens_ * k);
+    CUDA_CHECK(cudaMemcpyAsync(dev, token, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(dev + S, slab, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(dev + 2 * S, slot, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    cuda::gather_rows(h_.get(), dev, expert_in_.get(), rows, d, stream_);
+    if (gemm_experts(L, n)) {   // one GEMM per expert over its rows (they are contiguous, by expert)
+      std::vector<cuda::ExpertRows>& g = gemm_groups_;
+      g.clear();
+      for (int64_t r = 0; r < rows;) {
+        int64_t end = r;
+        while (end < rows && slab[end] == slab[r]) ++end;
+        g.push_back({nullptr, r, end - r});
+        r = end;
+      }
+      const auto run = [&](const DevMatrix& W, const float* x, float* y) {
+        for (cuda::ExpertRows& e : g) e.weight = W.matrix(slab[e.first_row]);
+        gemm_->matmul_experts(W.type, g, W.rows, W.cols, x, y);
+      };
+      run(L.gate, expert_in_.get(), expert_g_.get());
+      run(L.up, expert_in_.get(), expert_u_.get());
+      cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
+      run(L.down, expert_g_.get(), expert_out_.get());
+    } else {
+      expert_matmul(L.gate, expert_in_.get(), rows, dev + S, expert_g_.get());
+      expert_matmul(L.up, expert_in_.get(), rows, dev + S, expert_u_.get());
+      cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
+      expert_matmul(L.down, expert_g_.get(), rows, dev + S, expert_out_.get());
+    }
+    cuda::scatter_rows(expert_out_.get(), dev + 2 * S, dev_slots_.get(), rows, d, stream_);
+  }
+
+  void enqueue_shared(int64_t il, int64_t n) {
+    const DevLayer& L = layers_[il];
+    if (!L.shared_up) return;
+    const int64_t d = m_.hp.n_embd;
+    matmul(L.shared_gate, h_.get(), n, shared_g_.get());
+    matmul(L.shared_up, h_.get(), n, shared_u_.get());
+    cuda::swiglu(shared_g_.get(), shared_u_.get(), n * m_.hp.n_ff_shexp, stream_);
+    matmul(L.shared_down, shared_g_.get(), n, shared_out_.get());
+    cuda::MatvecBatch b;  // the shared router: one F32 row dotted with each token's h
+    b.count = static_cast<int>(n);
+    b.act_stride_bytes = d * static_cast<int64_t>(sizeof(float));
+    b.out_stride = 1;
+    cuda::matvec_float_batched(TensorType::F32, L.shared_router.get(), 1, d, h_.get(), shared_logit_.get(), b, stream_);
+  }
+
+  void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows) {
+    const DevLayer& L = layers_[il];
+    const bool shared = static_cast<bool>(L.shared_up);
+    cuda::moe_combine_mixed(x_.get(), dev_slots_.get(), with_cpu_rows ? cpu_rows_.get() : nullptr,
+                            with_cpu_rows ? alt_row_.get() : nullptr, weight_.get(),
+                            shared ? shared_out_.get() : nullptr, shared ? shared_logit_.get() : nullptr, n,
+                            m_.hp.n_expert_used, m_.hp.n_embd, stream_);
+  }
+
+  void enqueue_logits(int64_t rows) {
+    const model::HParams& hp = m_.hp;
+    const int64_t d = hp.n_embd;
+    cuda::rms_norm(x_.get() + (step_n_ - rows) * d, output_norm_.get(), h_.get(), d, rows,
+                   static_cast<float>(hp.rms_eps), stream_);
+    matmul(output_, h_.get(), rows, logits_.get());
+  }
+
+  // ---- layers ----
 
   cuda::DeltaNetShape delta_shape() const {
     const model::HParams& hp = m_.hp;
@@ -513,8 +883,8 @@ class CudaBackend final : public Backend {
   void zero_states() {
     for (DevLayer& L : layers_) {
       if (!L.recurrent) continue;
-      L.conv_state.fill_bytes(0);
-      L.ssm_state.fill_bytes(0);
+      CUDA_CHECK(cudaMemsetAsync(L.conv_state.get(), 0, L.conv_state.bytes(), stream_));
+      CUDA_CHECK(cudaMemsetAsync(L.ssm_state.get(), 0, L.ssm_state.bytes(), stream_));
     }
   }
 
@@ -535,9 +905,9 @@ class CudaBackend final : public Backend {
     st.conv_state = s.conv_kernel > 1 ? L.conv_state.get() : nullptr;
     st.ssm_state = L.ssm_state.get();
     cuda::delta_net_mix(s, w, st, mixed_.get(), z_.get(), ba_.get(), n, static_cast<float>(hp.rms_eps),
-                        delta_ws_.get(), core_.get());
+                        delta_ws_.get(), core_.get(), stream_);
     matmul(L.ssm_out, core_.get(), n, y_.get());
-    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd);
+    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd, stream_);
   }
 
   cuda::AttentionShape attention_shape() const {
@@ -549,6 +919,88 @@ class CudaBackend final : public Backend {
     s.kv_stride = hp.n_head_kv * hp.head_dim;
     s.scale = 1.0f / std::sqrt(static_cast<float>(hp.head_dim));
     return s;
+  }
+
+  // Full attention over the normalised rows in h_, its output added to x_. The new rows' K and V
+  // are normalised and rotated in scratch, then stored into the cache at the step's position
+  // (read from pos_dev_, as RoPE reads it: a captured step serves every position), so row t sees
+  // positions 0 .. n_past + t as in decode.
+  void attention_block(DevLayer& L, int64_t n) {
+    const model::HParams& hp = m_.hp;
+    const int64_t hd = hp.head_dim, kv_dim = hp.n_head_kv * hd;
+    const int64_t q_rows = L.q.rows, q_stride = L.q_has_gate ? 2 * hd : hd;
+    const float eps = static_cast<float>(hp.rms_eps);
+    const int32_t* pos = pos_dev_.get();
+    matmul(L.q, h_.get(), n, qg_.get());
+    matmul(L.k, h_.get(), n, k_new_.get());
+    matmul(L.v, h_.get(), n, v_new_.get());
+    cuda::head_rms_norm(qg_.get(), q_rows, q_stride, L.q_norm.get(), q_.get(), n, hp.n_head, hd, eps, stream_);
+    cuda::rope_neox_at(q_.get(), n, hp.n_head, hp.n_head * hd, hd, hp.n_rot, pos, hp.rope_freq_base, stream_);
+    cuda::head_rms_norm(k_new_.get(), kv_dim, hd, L.k_norm.get(), k_new_.get(), n, hp.n_head_kv, hd, eps, stream_);
+    cuda::rope_neox_at(k_new_.get(), n, hp.n_head_kv, kv_dim, hd, hp.n_rot, pos, hp.rope_freq_base, stream_);
+    cuda::kv_store_at(k_new_.get(), L.k_cache.get(), n, kv_dim, pos, max_context_, stream_);
+    cuda::kv_store_at(v_new_.get(), L.v_cache.get(), n, kv_dim, pos, max_context_, stream_);
+    const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
+    const cuda::AttentionShape shape = attention_shape();
+    const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
+    if (n <= kDecodeRows) {
+      cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, q_rows,
+                         q_stride, attn_.get(), attn_scratch_.get(), scratch, stream_);
+    } else if (tiled_prefill_rows_ <= 0 || n < tiled_prefill_rows_) {
+      cuda::attention(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, q_rows, q_stride,
+                      attn_.get(), attn_scratch_.get(), scratch, stream_);
+    } else {
+      cuda::attention_prefill(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, q_rows, q_stride,
+                              attn_.get(), stream_);
+    }
+    matmul(L.o, attn_.get(), n, y_.get());
+    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd, stream_);
+  }
+
+  // y[t] = W x[t] for n rows of x (device), one batched launch; quantized weights dot the rows
+  // quantized with llama.cpp's x86 rule, as the reference executor's matmul does.
+  void matmul(const DevMatrix& W, const float* x, int64_t n, float* y) {
+    if (use_gemm(W, n)) {
+      gemm_->matmul(W.type, W.bytes.get(), W.rows, W.cols, x, n, y);
+      return;
+    }
+    cuda::MatvecBatch b;
+    b.count = static_cast<int>(n);
+    b.out_stride = W.rows;
+    run_matvec(W, x, n, y, b);
+  }
+  // Quantized weights of a long step go through cuBLAS; float weights keep the exact matvec (the
+  // F32 golden bound is tighter than BF16 rounding).
+  bool use_gemm(const DevMatrix& W, int64_t n) const {
+    return gemm_ != nullptr && n >= gemm_prefill_rows_ && cuda::matvec_supported(W.type) &&
+           cuda::prefill_gemm_supported(W.type) && W.cols % 32 == 0;
+  }
+  bool gemm_experts(const DevLayer& L, int64_t n) const {
+    return L.resident > 0 && use_gemm(L.gate, n) && use_gemm(L.up, n) && use_gemm(L.down, n);
+  }
+
+  // Row r of x through the slab matrix slab_ids[r] (device).
+  void expert_matmul(const DevMatrix& W, const float* x, int64_t rows, const int32_t* slab_ids, float* y) {
+    cuda::MatvecBatch b;
+    b.count = static_cast<int>(rows);
+    b.weight_stride_bytes = static_cast<int64_t>(W.matrix_bytes);
+    b.out_stride = W.rows;
+    b.expert_ids = slab_ids;
+    run_matvec(W, x, rows, y, b);
+  }
+  void run_matvec(const DevMatrix& W, const float* x, int64_t n, float* y, cuda::MatvecBatch& b) {
+    if (cuda::matvec_float_supported(W.type)) {
+      b.act_stride_bytes = W.cols * static_cast<int64_t>(sizeof(float));
+      cuda::matvec_float_batched(W.type, W.bytes.get(), W.rows, W.cols, x, y, b, stream_);
+      return;
+    }
+    const TensorType at = dot_activation_type(W.type);
+    const size_t rb = row_bytes(at, W.cols);
+    if (rb * static_cast<size_t>(n) > act_.size())
+      throw std::logic_error("CUDA backend: activation scratch too small for " + std::to_string(n) + " rows");
+    cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
+    b.act_stride_bytes = static_cast<int64_t>(rb);
+    cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y, b, stream_);
   }
 
   // The current device is per host thread: a backend built on one thread and stepped on another
@@ -565,92 +1017,52 @@ class CudaBackend final : public Backend {
       throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + " outside [0, " +
                                   std::to_string(m_.hp.n_layer) + ")");
   }
-
-  // y[t] = W x[t] for n rows of x (device), one batched launch; quantized weights dot the rows
-  // quantized with llama.cpp's x86 rule, as the reference executor's matmul does.
-  void matmul(const DevMatrix& W, const float* x, int64_t n, float* y) {
-    cuda::MatvecBatch b;
-    b.count = static_cast<int>(n);
-    b.out_stride = W.rows;
-    run_matvec(W, x, n, y, b);
-  }
-  // Row r of x through expert expert_ids_[r]'s matrix.
-  void expert_matmul(const DevMatrix& W, const float* x, int64_t rows, float* y) {
-    cuda::MatvecBatch b;
-    b.count = static_cast<int>(rows);
-    b.weight_stride_bytes = static_cast<int64_t>(W.matrix_bytes);
-    b.out_stride = W.rows;
-    b.expert_ids = expert_ids_.get();
-    run_matvec(W, x, rows, y, b);
-  }
-  void run_matvec(const DevMatrix& W, const float* x, int64_t n, float* y, cuda::MatvecBatch& b) {
-    if (cuda::matvec_float_supported(W.type)) {
-      b.act_stride_bytes = W.cols * static_cast<int64_t>(sizeof(float));
-      cuda::matvec_float_batched(W.type, W.bytes.get(), W.rows, W.cols, x, y, b);
-      return;
-    }
-    const TensorType at = dot_activation_type(W.type);
-    const size_t rb = row_bytes(at, W.cols);
-    if (rb * static_cast<size_t>(n) > act_.size())
-      throw std::logic_error("CUDA backend: activation scratch too small for " + std::to_string(n) + " rows");
-    cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n);
-    b.act_stride_bytes = static_cast<int64_t>(rb);
-    cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y, b);
-  }
-
-  // Full attention over the normalised rows in h_, its output added to x_. K and V of the new
-  // rows go straight into the cache at n_past (the projection writes them there), then k is
-  // normalised and rotated in place, so row t sees positions 0 .. n_past + t as in decode.
-  void attention_block(DevLayer& L, int64_t n) {
-    const model::HParams& hp = m_.hp;
-    const int64_t hd = hp.head_dim, kv_dim = hp.n_head_kv * hd;
-    const int64_t q_rows = L.q.rows, q_stride = L.q_has_gate ? 2 * hd : hd;
-    const float eps = static_cast<float>(hp.rms_eps);
-    float* k_new = L.k_cache.get() + n_past_ * kv_dim;
-    float* v_new = L.v_cache.get() + n_past_ * kv_dim;
-    matmul(L.q, h_.get(), n, qg_.get());
-    matmul(L.k, h_.get(), n, k_new);
-    matmul(L.v, h_.get(), n, v_new);
-    cuda::head_rms_norm(qg_.get(), q_rows, q_stride, L.q_norm.get(), q_.get(), n, hp.n_head, hd, eps);
-    cuda::rope_neox(q_.get(), n, hp.n_head, hp.n_head * hd, hd, hp.n_rot, n_past_, hp.rope_freq_base);
-    cuda::head_rms_norm(k_new, kv_dim, hd, L.k_norm.get(), k_new, n, hp.n_head_kv, hd, eps);
-    cuda::rope_neox(k_new, n, hp.n_head_kv, kv_dim, hd, hp.n_rot, n_past_, hp.rope_freq_base);
-    const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
-    cuda::attention(attention_shape(), q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, q_rows,
-                    q_stride, attn_.get(), attn_scratch_.get(), static_cast<int64_t>(attn_scratch_.size()));
-    matmul(L.o, attn_.get(), n, y_.get());
-    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd);
+  void check_step(int64_t il, int64_t n) const {
+    check_layer(il);
+    if (n != step_n_)
+      throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + " asked for " + std::to_string(n) +
+                                  " rows in a step of " + std::to_string(step_n_) + " (embed starts a step)");
   }
 
   const model::Model& m_;
   const int device_;
-  const int64_t max_tokens_, max_context_;
-  int64_t n_past_ = 0;
+  const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_, max_context_;
+  std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
+  std::vector<cuda::ExpertRows> gemm_groups_;
+  int64_t n_past_ = 0, step_n_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t routed_ = nullptr;   // layer_begin: routing and h copied to the host
+  cudaStream_t copy_stream_ = nullptr;   // expert copies of the adaptive VRAM tier
+  std::vector<PendingSwap> swaps_;
+  std::vector<void*> pinned_;      // host ranges registered by pin_host_memory
   std::vector<DevLayer> layers_;
+  DeviceBuffer<cuda::MoeExpertSlot> slot_table_;   // [layer][expert]: the VRAM tier's addresses
   DeviceBuffer<float> output_norm_;
   DevMatrix output_;
   DeviceBuffer<uint8_t> tok_embd_;  // empty when embed falls back to the host dequantizer
-  DeviceBuffer<float> x_, h_, y_, qg_, q_, attn_, attn_scratch_, router_logits_, weight_;
+  DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
   DeviceBuffer<uint8_t> act_;
-  DeviceBuffer<int32_t> chosen_, token_ids_, expert_ids_;
-  DeviceBuffer<float> expert_in_, expert_g_, expert_u_, expert_out_, slot_rows_;
+  DeviceBuffer<int32_t> chosen_, token_ids_, pos_dev_, alt_row_, expert_idx_;
+  // dev_slots_: this device's expert rows in slot order; cpu_rows_: the cpu workers' packed rows.
+  DeviceBuffer<float> dev_slots_, cpu_rows_;
+  DeviceBuffer<float> expert_in_, expert_g_, expert_u_, expert_out_;
   DeviceBuffer<float> shared_g_, shared_u_, shared_out_, shared_logit_, logits_;
   DeviceBuffer<float> mixed_, z_, ba_, core_, delta_ws_;  // Gated DeltaNet scratch
-  // Fused MoE (moe_fused.h): per layer whether it applies, the slot table, workspace, routing.
-  std::vector<bool> fused_ok_;
-  DeviceBuffer<cuda::MoeExpertSlot> fused_slots_;
   DeviceBuffer<uint8_t> fused_ws_;
-  DeviceBuffer<int32_t> row_of_;
-  std::vector<cuda::MoeExpertSlot> fused_table_;
-  std::vector<int32_t> fused_chosen_;
-  std::vector<float> host_in_, host_out_;
-  std::vector<int32_t> host_ids_, host_rows_;
+  PinnedBuffer<int32_t> tok_pinned_, pos_pinned_, alt_pinned_, idx_pinned_;
+  PinnedBuffer<int32_t> chosen_pinned_;   // [layer][max_tokens * k]: routing of layer_whole layers
+  std::vector<PendingChosen> pending_chosen_;
+  std::vector<int32_t> host_chosen_;
+  std::vector<float> host_weight_;
+  group::ExpertPlan host_plan_;
+  bool graphs_ok_ = false;
+  std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;   // (rows, logit rows) -> captured step
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(const model::Model& m, int device, int max_tokens, int64_t max_context) {
-  return std::make_unique<CudaBackend>(m, device, max_tokens, max_context);
+std::unique_ptr<Backend> make_cuda_backend(const model::Model& m, const BackendOptions& o) {
+  return std::make_unique<CudaBackend>(m, o);
 }
 
 }  // namespace moraine::gpu_worker

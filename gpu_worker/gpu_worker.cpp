@@ -12,6 +12,7 @@
 #include "common/messaging/job_channel.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
+#include "coordinator/census.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
@@ -34,20 +35,35 @@ constexpr auto kZmqAttempt = std::chrono::milliseconds(2000);
 
 class StepRunner {
  public:
-  StepRunner(const std::string& socket_dir, const group::GroupManifest& man, std::unique_ptr<gpu_worker::Backend> backend,
-             const model::Model& m, group::StageRecorder& step_stage, group::StageRecorder& handoff_stage)
-      : man_(man), m_(m), backend_(std::move(backend)), exchange_(shm::ShmSegment::open(man.exchange_locator)),
+  StepRunner(const std::string& socket_dir, const group::GroupManifest& man, const std::string& backend_kind,
+             int device, int threads, const model::Model& m, group::StageRecorder& step_stage,
+             group::StageRecorder& handoff_stage)
+      : man_(man), m_(m), exchange_(shm::ShmSegment::open(man.exchange_locator)),
         xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
         placement_(group::PlacementPlan::read(man.placement_path, group::model_sizes(m, 0))),
-        step_stage_(step_stage), handoff_stage_(handoff_stage) {
+        census_(m.hp.n_layer, m.hp.n_expert, man.census_path), step_stage_(step_stage), handoff_stage_(handoff_stage) {
     if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
     for (int64_t il = 0; il < m.hp.n_layer; ++il) vram_experts_.push_back(placement_.experts_in(il, group::Tier::kVram));
-    // The CPU backend reads every expert from the mapped model; a device backend will upload
-    // these (and only these) at load.
     std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts\n";
+    gpu_worker::BackendOptions o;
+    o.device = device;
+    o.max_tokens = man.max_tokens;
+    o.max_context = std::max<int64_t>(placement_.context, man.max_tokens);
+    o.threads = threads;
+    o.all_experts = placement_.vram.experts == m.hp.n_layer * m.hp.n_expert;
+    if (!o.all_experts) o.device_experts = vram_experts_;
+    backend_ = gpu_worker::make_backend(backend_kind, m, o);
+    backend_->pin_host_memory(exchange_.data(), exchange_.data_bytes());
+    all_on_device_ = backend_->all_on_device();
+    resident_ = xl_.region("resident").at<uint8_t>(exchange_.data());
+    for (int64_t il = 0; il < m.hp.n_layer; ++il)
+      for (int64_t e = 0; e < m.hp.n_expert; ++e)
+        resident_[il * m.hp.n_expert + e] = placement_.at(il, e) == group::Tier::kVram ? 1 : 0;
+    use_.assign(static_cast<size_t>(m.hp.n_layer * m.hp.n_expert), 0.0f);
     const int64_t k = m.hp.n_expert_used;
-    x_.resize(static_cast<size_t>(man.max_tokens * m.hp.n_embd));
-    slot_rows_.resize(static_cast<size_t>(man.max_tokens * k));
+    step_chosen_.resize(static_cast<size_t>(m.hp.n_layer * man.max_tokens * k));
+    worker_busy_.resize(static_cast<size_t>(man.n_cpu_workers));
+    seen_.resize(static_cast<size_t>(m.hp.n_expert));
     plan_.reserve(m.hp.n_expert, man.max_tokens * k);
     for (int w = 0; w < man.n_cpu_workers; ++w) {
       expert_seq_ = std::max(expert_seq_, bell(group::ExchangeLayout::request_bell(w))->load());
@@ -57,7 +73,10 @@ class StepRunner {
   }
 
   uint64_t shm_mapped() const { return exchange_.data_bytes(); }
+  // At exit: what is still counted goes into the census file.
+  void flush_census() { report(census_.flush()); }
   uint64_t experts_vram() const { return experts_vram_.load(); }
+  uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
 
   messaging::JobLimits limits() const {
     return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
@@ -84,50 +103,136 @@ class StepRunner {
       throw std::runtime_error("step starts at position " + std::to_string(hdr->first_position) + " but " +
                                std::to_string(backend_->n_past()) + " positions are cached");
     }
+    for (const auto& [il, e] : backend_->landed_swaps()) {   // between steps: no worker is computing
+      resident_[il * m_.hp.n_expert + e] = 1;
+      ++experts_swapped_in_;
+    }
     broken_ = true;   // until the step completes: caches are appended layer by layer
-    const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+    const int64_t k = m_.hp.n_expert_used, nk = n * k;
     float* hidden = xl_.region("hidden").at<float>(base);
     int32_t* chosen = xl_.region("chosen").at<int32_t>(base);
     float* weights = xl_.region("weights").at<float>(base);
     float* expert_out = xl_.region("expert_out").at<float>(base);
-    backend_->embed(xl_.region("tokens").at<const int32_t>(base), n, x_.data());
+    const int32_t* tokens = xl_.region("tokens").at<const int32_t>(base);
+    float* logits = xl_.region("logits").at<float>(base);
+    if (all_on_device_) {   // no cpu worker takes part: the backend may replay a captured step
+      backend_->step_whole(tokens, n, hdr->logit_rows, logits, step_chosen_.data(), man_.max_tokens * k);
+      finish_step(step, reply, n, t0);
+      return;
+    }
+    backend_->embed(tokens, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
-      backend_->mixer(il, x_.data(), n, hidden);
-      backend_->route(il, hidden, n, chosen, weights);
-      plan_.build(chosen, n * k, m_.hp.n_expert);
+      int32_t* layer_chosen = step_chosen_.data() + il * man_.max_tokens * k;
+      if (backend_->layer_on_device(il)) {   // no cpu worker can be involved: no host round trip
+        backend_->layer_whole(il, n, layer_chosen);
+        continue;
+      }
+      backend_->layer_begin(il, n, chosen, weights, hidden);
+      std::copy_n(chosen, nk, layer_chosen);
+      plan_.build(chosen, nk, m_.hp.n_expert);
       const auto th = Clock::now();
-      // The VRAM-tier experts are computed here while the cpu workers compute theirs (doorbell
-      // path: after the bells; zmq path: before the workers' job lists, which go one by one).
+      // The VRAM-tier experts are already running on the device; only the workers that own a
+      // chosen expert of this layer are called.
       if (man_.zmq_handoff) {
-        vram_experts(il, hidden, n, expert_out);
         handoff_zmq(step.step_seq(), il, n);
-      } else {
+      } else if (mark_busy_workers(il, chosen, nk)) {
         ring_workers(il, n);
-        vram_experts(il, hidden, n, expert_out);
         wait_workers(il);
       }
-      handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(n * k), 0, us_since(th));
-      for (int64_t i = 0; i < n * k; ++i) slot_rows_[i] = expert_out + int64_t{plan_.row_of[i]} * d;
-      backend_->combine(il, hidden, n, weights, slot_rows_.data(), x_.data());
+      handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
+      backend_->layer_end(il, n, plan_, expert_out);
     }
     backend_->advance(n);
-    const int64_t rows = hdr->logit_rows;
-    backend_->logits(x_.data() + (n - rows) * d, rows, xl_.region("logits").at<float>(base));
+    backend_->logits(hdr->logit_rows, logits);
+    finish_step(step, reply, n, t0);
+  }
+
+ private:
+  void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
+    count_vram_hits(n);
+    const int64_t k = m_.hp.n_expert_used;
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+      const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
+      census_.add(il, c, n * k);
+      for (int64_t i = 0; i < n * k; ++i)
+        if (c[i] >= 0 && c[i] < m_.hp.n_expert) use_[il * m_.hp.n_expert + c[i]] += 1.0f;
+    }
+    report(census_.flush_if_due());
+    if (man_.vram_adapt_every > 0 && ++steps_since_adapt_ >= man_.vram_adapt_every) {
+      steps_since_adapt_ = 0;
+      adapt_vram_tier();
+    }
     broken_ = false;
     reply.set_done_seq(step.step_seq());
     step_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(t0));
   }
 
- private:
+  // The adaptive VRAM tier: per layer, the most used expert off the device replaces the least used
+  // one on it when it was used more than twice as often (plus one, so that noise in small counts
+  // does not churn). The use counts halve every round, so they follow what is used now. At most
+  // kSwapsPerRound copies start per round (each is a few MB over PCIe, overlapping the next steps).
+  void adapt_vram_tier() {
+    constexpr int kSwapsPerRound = 8;
+    const int64_t E = m_.hp.n_expert;
+    int started = 0;
+    for (int64_t il = 0; il < m_.hp.n_layer && started < kSwapsPerRound; ++il) {
+      float* use = use_.data() + il * E;
+      const uint8_t* res = resident_ + il * E;
+      int32_t in = -1, out = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (res[e]) {
+          if (out < 0 || use[e] < use[out]) out = static_cast<int32_t>(e);
+        } else if (in < 0 || use[e] > use[in]) {
+          in = static_cast<int32_t>(e);
+        }
+      }
+      if (in < 0 || out < 0 || use[in] <= 2.0f * use[out] + 1.0f) continue;
+      if (!backend_->begin_swap(il, out, in)) continue;
+      resident_[il * E + out] = 0;   // the cpu workers compute it from the next step on
+      ++started;
+    }
+    for (float& u : use_) u *= 0.5f;
+  }
+
+  static void report(const group::CensusFlush& f) {
+    if (!f.replaced.empty()) std::cerr << "gpu_worker: census file replaced: " << f.replaced << "\n";
+    if (!f.error.empty()) std::cerr << "gpu_worker: census not written (kept for the next try): " << f.error << "\n";
+  }
+
   shm::Doorbell* bell(size_t i) const {
     return shm::Doorbell::at(exchange_.data() + xl_.region("bells").offset + i * sizeof(shm::Doorbell));
   }
 
-  void vram_experts(int64_t il, const float* hidden, int64_t n, float* expert_out) {
-    const std::vector<int32_t>& ids = vram_experts_[static_cast<size_t>(il)];
-    if (ids.empty()) return;
-    backend_->routed_experts(il, hidden, n, plan_, ids, expert_out);
-    for (int32_t e : ids) experts_vram_ += plan_.count(e) > 0 ? 1 : 0;
+  // worker_busy_[w]: worker w owns a chosen expert of layer il that is not in VRAM.
+  bool mark_busy_workers(int64_t il, const int32_t* chosen, int64_t nk) {
+    std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
+    bool any = false;
+    for (int64_t i = 0; i < nk; ++i) {
+      const int32_t e = chosen[i];
+      if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e]) continue;
+      worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
+      any = true;
+    }
+    return any;
+  }
+
+  // Stats: distinct VRAM-tier experts each layer of the step used (the routing of every layer is
+  // in step_chosen_ once logits returned).
+  void count_vram_hits(int64_t n) {
+    const int64_t k = m_.hp.n_expert_used;
+    uint64_t hits = 0;
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+      const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
+      for (int64_t i = 0; i < n * k; ++i) {
+        const int32_t e = c[i];
+        if (e < 0 || e >= m_.hp.n_expert || seen_[e] || !resident_[il * m_.hp.n_expert + e]) continue;
+        seen_[e] = 1;
+        ++hits;
+      }
+      for (int64_t i = 0; i < n * k; ++i)
+        if (c[i] >= 0 && c[i] < m_.hp.n_expert) seen_[c[i]] = 0;
+    }
+    experts_vram_ += hits;
   }
 
   void ring_workers(int64_t il, int64_t n) {
@@ -135,12 +240,13 @@ class StepRunner {
     req->seq = ++expert_seq_;
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
-    for (int w = 0; w < man_.n_cpu_workers; ++w) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
+    for (int w = 0; w < man_.n_cpu_workers; ++w)
+      if (worker_busy_[w]) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
   }
 
   void wait_workers(int64_t il) {
     for (int w = 0; w < man_.n_cpu_workers; ++w) {
-      if (bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline) != shm::WaitResult::kReady) {
+      if (worker_busy_[w] && bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline) != shm::WaitResult::kReady) {
         throw std::runtime_error("layer " + std::to_string(il) + ": " + group::cpu_worker_instance(w) +
                                  " did not answer within " + std::to_string(kExpertDeadline.count()) + " s");
       }
@@ -174,8 +280,7 @@ class StepRunner {
       set_ref(list.mutable_outputs(), out.offset, uint64_t(n * k) * row_bytes);
       list.set_done_seq(expert_seq_);
       for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
-        if (group::expert_owner(e, man_.n_cpu_workers) != w || plan_.count(e) == 0 ||
-            placement_.at(il, e) == group::Tier::kVram) {
+        if (group::expert_owner(e, man_.n_cpu_workers) != w || plan_.count(e) == 0 || resident_[il * m_.hp.n_expert + e]) {
           continue;
         }
         jobs::ExpertJob* job = list.add_jobs();
@@ -213,13 +318,19 @@ class StepRunner {
   group::PlacementPlan placement_;
   std::vector<std::vector<int32_t>> vram_experts_;   // [layer] ascending
   std::atomic<uint64_t> experts_vram_{0};
+  group::CensusRecorder census_;   // routing counts, merged into the census file beside the model
   group::StageRecorder& step_stage_;
   group::StageRecorder& handoff_stage_;
-  std::vector<float> x_;
-  std::vector<const float*> slot_rows_;
+  std::vector<int32_t> step_chosen_;   // [layer][max_tokens * k]: the step's routing
+  std::vector<uint8_t> worker_busy_, seen_;
   group::ExpertPlan plan_;
   uint64_t expert_seq_ = 0;
   bool broken_ = false;
+  bool all_on_device_ = false;
+  uint8_t* resident_ = nullptr;   // exchange "resident": [layer][expert] computed on the device now
+  std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
+  int steps_since_adapt_ = 0;
+  std::atomic<uint64_t> experts_swapped_in_{0};
   zmq::context_t ctx_{1};
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<messaging::JobClient>> clients_;
@@ -238,11 +349,11 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
 
   const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir));
   const model::Model model = model::Model::load(man.model_path);
-  StepRunner runner(socket_dir, man, gpu_worker::make_backend(backend_kind, device, model, man.max_tokens, threads),
-                    model, step_stage, handoff_stage);
+  StepRunner runner(socket_dir, man, backend_kind, device, threads, model, step_stage, handoff_stage);
   control.set_stats_hook([&](control::StatsReply& r) {
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
+    (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
   });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), runner.limits());
@@ -264,6 +375,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
       break;
     }
   }
+  runner.flush_census();
   control.stop();
   return 0;
 }

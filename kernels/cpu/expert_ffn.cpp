@@ -1,12 +1,20 @@
 // Fused routed-expert FFN on the thread pool.
 #include "kernels/cpu/expert_ffn.h"
 
+#include <sched.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "common/formats/quant.h"
 #include "kernels/cpu/matvec.h"
@@ -15,17 +23,26 @@
 namespace moraine::cpu {
 namespace {
 
-// Rows per gate/up job and per down job (the FfnJobRows defaults). A gate+up job of 16 rows of
-// a 2048-wide Q4_K expert moves 2 x 16 x 1152 B = 36 KB; a down job of 32 rows runs over every
-// expert in the list (8 x 32 rows x 432 B = 110 KB). Small enough for 16 threads to share one
-// expert's 768 rows evenly, large enough that the per-job overhead (one atomic increment) is noise.
-// A/B on the 16-core Xeon (GB/s Q4_K / Q8_0 / MXFP4 at 1 token; runs differ by ~10%): 16/32 (the
-// default) 56-65 / 75-81 / 47-52; 8/32 58 / 81 / 52; 32/32 59 / 74 / 51; 48/32 62 / 86 / 53;
-// 16/16 62 / 75 / 48; 16/64 58 / 78 / 46; 32/64 60 / 77 / 52: no setting stands out of the noise.
+// Rows per gate/up job and per down job (the FfnJobRows defaults). A gate+up job of 32 rows of
+// a 2048-wide Q4_K expert moves 2 x 32 x 1152 B = 74 KB; a down job of 128 rows of one expert
+// 128 x 432 B = 55 KB. 16 threads still share one expert's 768 rows (24 gate/up jobs) and the
+// 8 experts' down rows (128 jobs) evenly; each job restarts the software prefetch, so longer
+// ones stream better. A/B on the 2-core dev box, sliced schedule, huge pages (median of 4 runs,
+// GB/s Q4_K / Q8_0 / MXFP4 at 1 token, DRAM probe ~46): 16/64 33.1 / 35.3 / 30.1; 32/64 33.0 /
+// 35.7 / 29.3; 32/128 36.2 / 40.1 / 31.7; 48/192 36.5 / 38.4 / 32.1; 64/256 36.5 / 40.8 /
+// 32.7; 96/256 36.0 / 39.0 / 32.4; 8/32 27.5 / 30.3 / 25.5. Earlier A/B on the 16-core Xeon with
+// the two-phase schedule (down jobs then ran 32 rows of every expert): 16/32 56-65 / 75-81 /
+// 47-52; 8/32 58 / 81 / 52; 32/32 59 / 74 / 51; 48/32 62 / 86 / 53; 16/64 58 / 78 / 46;
+// 32/64 60 / 77 / 52, within that machine's ~10% noise.
 std::atomic<int64_t> g_gate_up_rows{FfnJobRows{}.gate_up};
 std::atomic<int64_t> g_down_rows{FfnJobRows{}.down};
-// Activation rows quantized by the calling thread instead of the pool (about 1 us each at
-// hidden 2048, less than one wake-up of the pool).
+// Sliced by default: on the 2-core dev box (EPYC VM) a streaming read in 32 KiB chunks handed
+// out from a shared counter gets 40 GB/s against 67 GB/s in 1 MiB chunks, and the layer at 1
+// token (median of 8 interleaved runs, the box loaded by other builds) went Q4_K / Q8_0 / MXFP4
+// 9.5 / 11.1 / 8.3 GB/s shared -> 12.0 / 11.8 / 10.5 sliced; at 4 and 16 tokens they are level.
+std::atomic<FfnSchedule> g_schedule{FfnSchedule::Sliced};
+// Activation rows quantized by the calling thread instead of in the job list (about 1 us each
+// at hidden 2048, about what handing them to the pool costs).
 constexpr int64_t kInlineQuantizeJobs = 4;
 
 // Activation types a layer needs; x is quantized once per type.
@@ -63,7 +80,24 @@ inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 // are quantized once per token and layer (~1 us at hidden 2048).
 inline void quantize_act(TensorType t, const float* x, void* dst, int64_t n) { quantize_activation_row_llama_x86(t, x, dst, n); }
 
+// A job's wait for an earlier job of the same list (claimed before it by a running thread, so
+// the wait is short: at most the tail of one gate/up chunk or of the intermediate's SwiGLU).
+// On an oversubscribed machine the job waited for may be descheduled: every 256 polls (some
+// 10-40 us) the waiter offers its CPU to whatever else is runnable there.
+template <typename T>
+inline void spin_until_at_least(const std::atomic<T>& a, T target) {
+  for (unsigned i = 1; a.load(std::memory_order_acquire) < target; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+    if (i % 256 == 0) sched_yield();
+  }
+}
+
 }  // namespace
+
+void set_ffn_schedule(FfnSchedule s) { g_schedule.store(s, std::memory_order_relaxed); }
+FfnSchedule ffn_schedule() { return g_schedule.load(std::memory_order_relaxed); }
 
 void set_ffn_job_rows(FfnJobRows rows) {
   g_gate_up_rows.store(std::max<int64_t>(1, rows.gate_up), std::memory_order_relaxed);
@@ -72,16 +106,32 @@ void set_ffn_job_rows(FfnJobRows rows) {
 
 FfnJobRows ffn_job_rows() { return {g_gate_up_rows.load(std::memory_order_relaxed), g_down_rows.load(std::memory_order_relaxed)}; }
 
+template <typename T>
+void MoeFfn::grow_atomics(std::unique_ptr<std::atomic<T>[]>& a, size_t& capacity, size_t n) {
+  if (capacity >= n) return;
+  a = std::make_unique<std::atomic<T>[]>(n);
+  capacity = n;
+}
+
 void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, float* y_accum, int n_tokens, int64_t hidden,
                  ThreadPool& pool) {
   if (experts.empty() || n_tokens <= 0) return;
+  x_rows_.resize(static_cast<size_t>(n_tokens));
+  for (int t = 0; t < n_tokens; ++t) x_rows_[static_cast<size_t>(t)] = x + static_cast<int64_t>(t) * hidden;
+  out_.assign(experts.size(), nullptr);
+  run_layer(experts, y_accum, n_tokens, hidden, pool);
+}
+
+void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum, int n_tokens, int64_t hidden, ThreadPool& pool) {
   const FfnJobRows job_rows = ffn_job_rows();
   const int64_t gate_up_rows = job_rows.gate_up, down_rows = job_rows.down;
   // Validate and plan: which activation types, and where each expert's scratch goes.
   bool need_act[kNumActTypes] = {};
   plan_.resize(experts.size());
-  int64_t h_total = 0, q_total = 0;
-  int gate_up_jobs = 0;
+  active_.clear();
+  row_used_.assign(static_cast<size_t>(n_tokens), 0);
+  int64_t h_total = 0, q_total = 0, y_total = 0, gate_up_jobs = 0;
+  int n_accumulating = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
     const ExpertAssignment& a = experts[e];
     if (!a.weights || (a.n_tok > 0 && (!a.tokens || !a.route_weight))) {
@@ -100,18 +150,29 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
         throw std::invalid_argument("expert FFN: expert " + std::to_string(e) + " token " + std::to_string(a.tokens[i]) + " is outside 0.." +
                                     std::to_string(n_tokens - 1));
       }
+      row_used_[static_cast<size_t>(a.tokens[i])] = 1;
     }
+    if (a.n_tok > 0 && !out_[e] && !y_accum) throw std::invalid_argument("expert FFN: expert " + std::to_string(e) + " has no output");
     need_act[act_index(dot_activation_type(w.gate_type))] = true;
     need_act[act_index(dot_activation_type(w.up_type))] = true;
     Plan& p = plan_[e];
     p.h_offset = h_total;
     p.q_offset = q_total;
+    p.y_offset = y_total;
     p.q_row_bytes = row_bytes(dot_activation_type(w.down_type), w.ffn);
     p.first_job = gate_up_jobs;
     h_total += static_cast<int64_t>(a.n_tok) * w.ffn;
     q_total += static_cast<int64_t>(a.n_tok) * static_cast<int64_t>(p.q_row_bytes);
-    gate_up_jobs += a.n_tok > 0 ? static_cast<int>((w.ffn + gate_up_rows - 1) / gate_up_rows) : 0;
+    if (a.n_tok > 0) {
+      active_.push_back(static_cast<int32_t>(e));
+      gate_up_jobs += (w.ffn + gate_up_rows - 1) / gate_up_rows;
+      if (!out_[e]) {
+        y_total += static_cast<int64_t>(a.n_tok) * hidden;
+        ++n_accumulating;
+      }
+    }
   }
+  if (active_.empty()) return;
   size_t act_offset[kNumActTypes] = {}, act_row[kNumActTypes] = {}, xq_total = 0;
   for (int i = 0; i < kNumActTypes; ++i) {
     if (!need_act[i]) continue;
@@ -125,85 +186,141 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
     up_.resize(static_cast<size_t>(h_total));
   }
   if (hq_.size() < static_cast<size_t>(q_total)) hq_.resize(static_cast<size_t>(q_total));
+  if (part_.size() < static_cast<size_t>(y_total)) part_.resize(static_cast<size_t>(y_total));
+  used_rows_.clear();
+  for (int t = 0; t < n_tokens; ++t) {
+    if (row_used_[static_cast<size_t>(t)]) used_rows_.push_back(t);
+  }
 
-  // Phase 1: each token's x, once per activation type. A few tokens are quantized right here:
-  // waking the pool for microseconds of work would cost more than the work.
+  // The rows' quantization, once per activation type. A few rows are quantized right here
+  // (about 1 us each at hidden 2048, less than a job's hand-over); more go first in the list.
   int act_list[kNumActTypes], n_act = 0;
   for (int i = 0; i < kNumActTypes; ++i) {
     if (need_act[i]) act_list[n_act++] = i;
   }
-  auto quantize_x = [&](int64_t job, int) {
+  auto quantize_x = [&](int64_t job) {
     const int ai = act_list[job % n_act];
-    const int64_t t = job / n_act;
-    quantize_act(kActTypes[ai], x + t * hidden, xq_.data() + act_offset[ai] + static_cast<size_t>(t) * act_row[ai], hidden);
+    const auto t = static_cast<size_t>(used_rows_[static_cast<size_t>(job / n_act)]);
+    quantize_act(kActTypes[ai], x_rows_[t], xq_.data() + act_offset[ai] + t * act_row[ai], hidden);
   };
-  const int64_t x_jobs = static_cast<int64_t>(n_tokens) * n_act;
-  if (x_jobs <= kInlineQuantizeJobs) {
-    for (int64_t j = 0; j < x_jobs; ++j) quantize_x(j, 0);
-  } else {
-    pool.run(x_jobs, quantize_x);
+  const int64_t x_jobs_all = static_cast<int64_t>(used_rows_.size()) * n_act;
+  const bool sliced = ffn_schedule() == FfnSchedule::Sliced && pool.size() > 1;
+  // In the list only on the shared schedule (a slice's gate/up jobs would wait for quantization
+  // jobs in other slices); the sliced one quantizes in a list of its own first.
+  const int64_t x_jobs = x_jobs_all <= kInlineQuantizeJobs || sliced ? 0 : x_jobs_all;
+  if (x_jobs_all <= kInlineQuantizeJobs) {
+    for (int64_t j = 0; j < x_jobs_all; ++j) quantize_x(j);
+  } else if (sliced) {
+    pool.run(x_jobs_all, [&](int64_t j, int) { quantize_x(j); });
   }
 
-  // Phase 2: gate and up rows, a chunk of one expert per job, all of that expert's tokens. The
-  // job that finishes an expert's last chunk applies SwiGLU and quantizes that expert's
-  // intermediate (the acq_rel count makes the other chunks' rows visible to it), so no pool-wide
-  // barrier separates the two.
-  if (remaining_capacity_ < experts.size()) {
-    remaining_ = std::make_unique<std::atomic<int>[]>(experts.size());
-    remaining_capacity_ = experts.size();
-  }
-  for (size_t e = 0; e < experts.size(); ++e) {
-    remaining_[e].store(experts[e].n_tok > 0 ? static_cast<int>((experts[e].weights->ffn + gate_up_rows - 1) / gate_up_rows) : 0,
+  const int64_t down_chunks = (hidden + down_rows - 1) / down_rows;
+  grow_atomics(remaining_, expert_capacity_, experts.size());
+  grow_atomics(ready_, ready_capacity_, experts.size());
+  grow_atomics(chunk_left_, chunk_capacity_, static_cast<size_t>(down_chunks));
+  for (int32_t e : active_) {
+    remaining_[e].store(static_cast<int>((experts[static_cast<size_t>(e)].weights->ffn + gate_up_rows - 1) / gate_up_rows),
                         std::memory_order_relaxed);
+    ready_[e].store(0, std::memory_order_relaxed);
   }
-  pool.run(gate_up_jobs, [&](int64_t job, int) {
-    // The owner is the last expert whose first job is <= job (an expert without tokens shares
-    // its first_job with the next one, so it is never picked).
-    const auto it = std::upper_bound(plan_.begin(), plan_.end(), job, [](int64_t j, const Plan& p) { return j < p.first_job; });
-    const size_t e = static_cast<size_t>(it - plan_.begin()) - 1;
+  for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(n_accumulating, std::memory_order_relaxed);
+  x_done_.store(0, std::memory_order_relaxed);
+
+  const int64_t gate_up_end = x_jobs + gate_up_jobs;
+  const int64_t down_jobs = down_chunks * static_cast<int64_t>(active_.size());
+  const int64_t n_jobs = gate_up_end + down_jobs;
+  auto run_job = [&](int64_t job) {
+    if (job < x_jobs) {
+      quantize_x(job);
+      x_done_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    if (job < gate_up_end) {
+      // Gate and up rows, a chunk of one expert, all of that expert's tokens.
+      if (x_jobs) spin_until_at_least(x_done_, x_jobs);
+      const int64_t gj = job - x_jobs;
+      // The owner is the last expert whose first job is <= gj among those with tokens.
+      const auto it = std::upper_bound(active_.begin(), active_.end(), gj,
+                                       [&](int64_t j, int32_t ex) { return j < plan_[static_cast<size_t>(ex)].first_job; });
+      const auto e = static_cast<size_t>(*(it - 1));
+      const ExpertAssignment& a = experts[e];
+      const ExpertWeights& w = *a.weights;
+      const Plan& p = plan_[e];
+      const int64_t r0 = (gj - p.first_job) * gate_up_rows, r1 = std::min(r0 + gate_up_rows, w.ffn);
+      const int gi = act_index(dot_activation_type(w.gate_type)), ui = act_index(dot_activation_type(w.up_type));
+      matvec_tokens(w.gate_type, hidden, w.gate, r0, r1, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok,
+                    gate_.data() + p.h_offset, w.ffn);
+      matvec_tokens(w.up_type, hidden, w.up, r0, r1, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok,
+                    up_.data() + p.h_offset, w.ffn);
+      // The job finishing an expert's last chunk (acq_rel: the other chunks' rows are visible
+      // to it) applies SwiGLU in place into gate_ and quantizes the intermediate.
+      if (remaining_[e].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      const TensorType qt = dot_activation_type(w.down_type);
+      for (int i = 0; i < a.n_tok; ++i) {
+        float* h = gate_.data() + p.h_offset + static_cast<int64_t>(i) * w.ffn;
+        const float* u = up_.data() + p.h_offset + static_cast<int64_t>(i) * w.ffn;
+        for (int64_t j = 0; j < w.ffn; ++j) h[j] = silu(h[j]) * u[j];
+        quantize_act(qt, h, hq_.data() + p.q_offset + static_cast<size_t>(i) * p.q_row_bytes, w.ffn);
+      }
+      ready_[e].store(1, std::memory_order_release);
+      return;
+    }
+    // Down: output rows [r0, r1) of one expert, through matvec_tokens (register-blocked tiles,
+    // prefetch). Experts are taken in list order, so the first experts' down work runs while
+    // the last ones' gate/up chunks finish.
+    const int64_t dj = job - gate_up_end;
+    const auto e = static_cast<size_t>(active_[static_cast<size_t>(dj / down_chunks)]);
+    const int64_t c = dj % down_chunks;
     const ExpertAssignment& a = experts[e];
     const ExpertWeights& w = *a.weights;
     const Plan& p = plan_[e];
-    const int64_t r0 = (job - p.first_job) * gate_up_rows, r1 = std::min(r0 + gate_up_rows, w.ffn);
-    const int gi = act_index(dot_activation_type(w.gate_type)), ui = act_index(dot_activation_type(w.up_type));
-    matvec_tokens(w.gate_type, hidden, w.gate, r0, r1, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok,
-                  gate_.data() + p.h_offset, w.ffn);
-    matvec_tokens(w.up_type, hidden, w.up, r0, r1, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok,
-                  up_.data() + p.h_offset, w.ffn);
-    if (remaining_[e].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    // SwiGLU (into gate_, in place) and the intermediate's quantization for every token.
-    const TensorType qt = dot_activation_type(w.down_type);
-    for (int i = 0; i < a.n_tok; ++i) {
-      float* h = gate_.data() + p.h_offset + static_cast<int64_t>(i) * w.ffn;
-      const float* u = up_.data() + p.h_offset + static_cast<int64_t>(i) * w.ffn;
-      for (int64_t j = 0; j < w.ffn; ++j) h[j] = silu(h[j]) * u[j];
-      quantize_act(qt, h, hq_.data() + p.q_offset + static_cast<size_t>(i) * p.q_row_bytes, w.ffn);
+    const int64_t r0 = c * down_rows, r1 = std::min(r0 + down_rows, hidden);
+    spin_until_at_least(ready_[e], 1);
+    if (float* out = out_[e]) {
+      // This expert's own output rows: y = 0 + w * FFN, the accumulate below on a zeroed y.
+      matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, out, hidden);
+      for (int i = 0; i < a.n_tok; ++i) {
+        float* row = out + static_cast<int64_t>(i) * hidden;
+        for (int64_t r = r0; r < r1; ++r) row[r] = 0.0f + a.route_weight[i] * row[r];
+      }
+      return;
     }
-  });
-
-  // Phase 4: down, by chunks of output rows, each over every expert in list order. Each
-  // expert's chunk goes through matvec_tokens (register-blocked tiles, prefetch) into a
-  // per-thread [n_tok][down_rows] scratch, then into y_accum in (expert, row, token) order.
-  const int64_t down_jobs = (hidden + down_rows - 1) / down_rows;
-  pool.run(down_jobs, [&](int64_t job, int) {
-    thread_local std::vector<float> part;
-    const int64_t r0 = job * down_rows, r1 = std::min(r0 + down_rows, hidden);
-    for (size_t e = 0; e < experts.size(); ++e) {
-      const ExpertAssignment& a = experts[e];
-      if (a.n_tok == 0) continue;
-      const ExpertWeights& w = *a.weights;
-      const Plan& p = plan_[e];
-      const size_t wb = row_bytes(w.down_type, w.ffn);
-      if (part.size() < static_cast<size_t>(a.n_tok) * down_rows) part.resize(static_cast<size_t>(a.n_tok) * down_rows);
-      matvec_tokens(w.down_type, w.ffn, static_cast<const uint8_t*>(w.down) + static_cast<size_t>(r0) * wb, 0, r1 - r0,
-                    hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, part.data(), down_rows);
+    matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, part_.data() + p.y_offset,
+                  hidden);
+    if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    // The chunk's last expert: add every expert's partial into y_accum in (expert, row, token)
+    // order, the order of the two-barrier version.
+    for (int32_t ex : active_) {
+      if (out_[static_cast<size_t>(ex)]) continue;
+      const ExpertAssignment& ax = experts[static_cast<size_t>(ex)];
+      const float* part = part_.data() + plan_[static_cast<size_t>(ex)].y_offset;
       for (int64_t r = r0; r < r1; ++r) {
-        for (int i = 0; i < a.n_tok; ++i) {
-          y_accum[static_cast<int64_t>(a.tokens[i]) * hidden + r] += a.route_weight[i] * part[static_cast<size_t>(i * down_rows + (r - r0))];
+        for (int i = 0; i < ax.n_tok; ++i) {
+          y_accum[static_cast<int64_t>(ax.tokens[i]) * hidden + r] += ax.route_weight[i] * part[static_cast<int64_t>(i) * hidden + r];
         }
       }
     }
-  });
+  };
+  if (!sliced) {
+    pool.run(n_jobs, [&](int64_t job, int) { run_job(job); });
+    return;
+  }
+  // Slice w: the w-th share of the gate/up jobs, then the w-th share of the down jobs (both in
+  // list order, so consecutive jobs of a slice are consecutive rows of one matrix). A slice's
+  // down jobs wait only for gate/up jobs, which never wait and sit before every down job of
+  // their own slice, so each waited-for job is either running or will be claimed by a thread
+  // that is not waiting: no deadlock. At one token the experts are equal, so the gate/up
+  // shares end together and the down jobs find their experts ready.
+  const int n_slices = pool.size();
+  order_.resize(static_cast<size_t>(n_jobs));
+  slice_end_.resize(static_cast<size_t>(n_slices));
+  size_t k = 0;
+  for (int w = 0; w < n_slices; ++w) {
+    for (int64_t j = gate_up_jobs * w / n_slices; j < gate_up_jobs * (w + 1) / n_slices; ++j) order_[k++] = j;
+    for (int64_t j = down_jobs * w / n_slices; j < down_jobs * (w + 1) / n_slices; ++j) order_[k++] = gate_up_end + j;
+    slice_end_[static_cast<size_t>(w)] = static_cast<int64_t>(k);
+  }
+  pool.run_sliced(slice_end_.data(), [&](int64_t i, int) { run_job(order_[static_cast<size_t>(i)]); });
 }
 
 void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_experts) {
@@ -219,16 +336,23 @@ void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_expert
     gate_.resize(rows * static_cast<size_t>(ffn));
     up_.resize(rows * static_cast<size_t>(ffn));
   }
+  // part_ (down partials of accumulating layers, run()) is left to the first such run: the
+  // worker's forms write their own outputs and never use it.
   if (hq_.size() < rows * hq_row) hq_.resize(rows * hq_row);
   plan_.reserve(static_cast<size_t>(max_experts));
-  if (remaining_capacity_ < static_cast<size_t>(max_experts)) {
-    remaining_ = std::make_unique<std::atomic<int>[]>(static_cast<size_t>(max_experts));
-    remaining_capacity_ = static_cast<size_t>(max_experts);
-  }
-  if (iota_.size() < tok) {
-    iota_.resize(tok);
+  active_.reserve(static_cast<size_t>(max_experts));
+  out_.reserve(static_cast<size_t>(max_experts));
+  job_assign_.reserve(static_cast<size_t>(max_experts));
+  x_rows_.reserve(rows);
+  row_used_.reserve(rows);
+  used_rows_.reserve(rows);
+  grow_atomics(remaining_, expert_capacity_, static_cast<size_t>(max_experts));
+  grow_atomics(ready_, ready_capacity_, static_cast<size_t>(max_experts));
+  grow_atomics(chunk_left_, chunk_capacity_, static_cast<size_t>(hidden));  // enough for down jobs of 1 row
+  if (iota_.size() < rows) {
+    iota_.resize(rows);
     std::iota(iota_.begin(), iota_.end(), 0);
-    ones_.assign(tok, 1.0f);
+    ones_.assign(rows, 1.0f);
   }
 }
 
@@ -237,19 +361,27 @@ void MoeFfn::run_expert(const ExpertWeights& w, const float* x, int m, float* y,
   if (w.hidden <= 0 || w.ffn <= 0) {
     throw std::invalid_argument("expert FFN: run_expert on an expert with hidden " + std::to_string(w.hidden) + ", ffn " + std::to_string(w.ffn));
   }
+  if (!x || !y) throw std::invalid_argument("expert FFN: run_expert without rows or output");
   reserve(m, w.hidden, w.ffn);
-  // y = 0 + 1 * FFN(x): the down phase's accumulate is exact here (only -0 becomes +0).
-  std::fill_n(y, static_cast<size_t>(m) * static_cast<size_t>(w.hidden), 0.0f);
+  x_rows_.resize(static_cast<size_t>(m));
+  for (int t = 0; t < m; ++t) x_rows_[static_cast<size_t>(t)] = x + static_cast<int64_t>(t) * w.hidden;
+  out_.assign(1, y);
   const ExpertAssignment a{&w, iota_.data(), ones_.data(), m};
-  run(std::span<const ExpertAssignment>(&a, 1), x, y, m, w.hidden, pool);
+  run_layer(std::span<const ExpertAssignment>(&a, 1), nullptr, m, w.hidden, pool);
 }
 
-void MoeFfn::run_experts(std::span<const ExpertJob> jobs, ThreadPool& pool) {
-  int total = 0;
-  int64_t hidden = 0;
+namespace {
+
+// Shared checks of the run_experts forms; returns the layer's hidden size and the largest ffn.
+template <typename Job>
+std::pair<int64_t, int64_t> check_jobs(std::span<const Job> jobs) {
+  int64_t hidden = 0, max_ffn = 0;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    const ExpertJob& job = jobs[j];
-    if (!job.weights || job.m < 0 || (job.m > 0 && (!job.x || !job.y))) {
+    const Job& job = jobs[j];
+    const void* rows = nullptr;
+    if constexpr (std::is_same_v<Job, MoeFfn::RowsJob>) rows = job.rows;
+    else rows = job.x;
+    if (!job.weights || job.m < 0 || (job.m > 0 && (!rows || !job.y))) {
       throw std::invalid_argument("expert FFN: run_experts job " + std::to_string(j) + " lacks weights, rows or output");
     }
     if (j == 0) hidden = job.weights->hidden;
@@ -257,33 +389,49 @@ void MoeFfn::run_experts(std::span<const ExpertJob> jobs, ThreadPool& pool) {
       throw std::invalid_argument("expert FFN: run_experts job " + std::to_string(j) + " has hidden " + std::to_string(job.weights->hidden) +
                                   ", ffn " + std::to_string(job.weights->ffn) + " (first job's hidden " + std::to_string(hidden) + ")");
     }
-    total += job.m;
+    max_ffn = std::max(max_ffn, job.weights->ffn);
   }
+  return {hidden, max_ffn};
+}
+
+}  // namespace
+
+void MoeFfn::run_experts(std::span<const ExpertJob> jobs, ThreadPool& pool) {
+  const auto [hidden, max_ffn] = check_jobs(jobs);
+  int total = 0;
+  for (const ExpertJob& job : jobs) total += job.m;
   if (total == 0) return;
-  int64_t max_ffn = 0;
-  for (const ExpertJob& job : jobs) max_ffn = std::max(max_ffn, job.weights->ffn);
   reserve(total, hidden, max_ffn, static_cast<int>(jobs.size()));
-  const size_t row = static_cast<size_t>(hidden), rows = static_cast<size_t>(total) * row;
-  if (x_all_.size() < rows) {
-    x_all_.resize(rows);
-    y_all_.resize(rows);
-  }
+  // Token t of the layer is row t of the jobs' rows taken in order; each job's rows belong to
+  // it alone, and its results go straight to its y.
+  x_rows_.clear();
+  out_.clear();
   job_assign_.clear();
-  job_assign_.reserve(jobs.size());
-  int first = 0;
   for (const ExpertJob& job : jobs) {
-    std::copy_n(job.x, static_cast<size_t>(job.m) * row, x_all_.data() + static_cast<size_t>(first) * row);
-    // Rows first..first+m-1 of the stack belong to this expert alone, so y_all = 0 + 1 * FFN.
+    const int first = static_cast<int>(x_rows_.size());
+    for (int i = 0; i < job.m; ++i) x_rows_.push_back(job.x + static_cast<int64_t>(i) * hidden);
     job_assign_.push_back({job.weights, iota_.data() + first, ones_.data(), job.m});
-    first += job.m;
+    out_.push_back(job.y);
   }
-  std::fill_n(y_all_.data(), rows, 0.0f);
-  run(job_assign_, x_all_.data(), y_all_.data(), total, hidden, pool);
-  first = 0;
-  for (const ExpertJob& job : jobs) {
-    std::copy_n(y_all_.data() + static_cast<size_t>(first) * row, static_cast<size_t>(job.m) * row, job.y);
-    first += job.m;
+  run_layer(job_assign_, nullptr, total, hidden, pool);
+}
+
+void MoeFfn::run_experts(std::span<const RowsJob> jobs, const float* x, int n_rows, ThreadPool& pool) {
+  const auto [hidden, max_ffn] = check_jobs(jobs);
+  int total = 0;
+  for (const RowsJob& job : jobs) total += job.m;
+  if (total == 0) return;
+  if (!x || n_rows <= 0) throw std::invalid_argument("expert FFN: run_experts without activation rows");
+  reserve(std::max(total, n_rows), hidden, max_ffn, static_cast<int>(jobs.size()));
+  x_rows_.resize(static_cast<size_t>(n_rows));
+  for (int t = 0; t < n_rows; ++t) x_rows_[static_cast<size_t>(t)] = x + static_cast<int64_t>(t) * hidden;
+  out_.clear();
+  job_assign_.clear();
+  for (const RowsJob& job : jobs) {
+    job_assign_.push_back({job.weights, job.rows, ones_.data(), job.m});
+    out_.push_back(job.y);
   }
+  run_layer(job_assign_, nullptr, n_rows, hidden, pool);
 }
 
 void expert_ffn(const ExpertWeights& w, const float* x, int n_tok, const float* route_weight, float* y_accum, ThreadPool& pool) {

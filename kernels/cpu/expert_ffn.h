@@ -31,13 +31,19 @@ struct ExpertAssignment {
   int n_tok = 0;
 };
 
-// Runs one layer's routed experts. Phases (each one flat job list on the pool): quantize each
-// token's x once per activation type (inline for a few tokens); gate+up row chunks of every
-// expert, the last chunk of each expert applying SwiGLU and quantizing its intermediate; down
-// by output-row chunks across all experts, so no two jobs write the same y element (no
-// atomics) and the sum order is fixed (experts in list order): results do not depend on the
-// thread count. Scratch grows on demand and is reused;
-// a steady layer loop allocates nothing.
+// Runs one layer's routed experts as ONE flat job list on the pool (one fork/join per layer):
+// [quantize each used token row once per activation type (inline for a few)] [gate+up row
+// chunks of every expert; the last chunk of an expert applies SwiGLU, quantizes its
+// intermediate and marks the expert ready] [down row chunks, expert by expert]. A job waits
+// (spinning) only for what it reads: gate/up for the quantized rows, an expert's down chunks
+// for that expert's intermediate. Jobs are claimed in list order, so what a job waits for was
+// claimed earlier by a running thread: no deadlock, and there is no pool-wide barrier between
+// the phases (down work of the first experts overlaps the gate/up tail of the last ones).
+// Each down chunk writes a per-expert partial; the job that completes a chunk's last expert
+// adds the chunk into y_accum in expert list order, so no two jobs write the same y element
+// (no atomics) and the sum order is fixed: results do not depend on the thread count, and are
+// bitwise those of the earlier two-barrier version. Scratch grows on demand and is reused; a
+// steady layer loop allocates nothing.
 class MoeFfn {
  public:
   // x, y_accum: [n_tokens][hidden] floats. Throws std::invalid_argument on inconsistent shapes,
@@ -59,11 +65,11 @@ class MoeFfn {
 
   // Several experts of one layer at once, each with its own rows: for each job, y[m][hidden] =
   // FFN(x[m][hidden]) exactly as run_expert computes it (bitwise: every y element comes from
-  // one expert), but in two pool phases for the whole list instead of two per expert (each
-  // phase ends in a barrier of the pool; at decode an expert's phase is only ~10-30 us of work
-  // on 16 threads). Copies the rows in and out (m x hidden floats each way). Measured on the
-  // 2-core dev box (loaded by other builds, so the gap is larger than on a quiet machine), 8
-  // L3-resident Q4_K experts at 1 token: run_expert x 8 12.5 ms, run_experts 5.8 ms.
+  // one expert), in one job list for the whole layer instead of one per expert. Rows are read
+  // where they are and results written straight to each job's y (no staging copies).
+  // Measured on the 2-core dev box (loaded by other builds, so the gap is larger than on a
+  // quiet machine), 8 L3-resident Q4_K experts at 1 token: run_expert x 8 12.5 ms, run_experts
+  // (then two phases) 5.8 ms.
   struct ExpertJob {
     const ExpertWeights* weights = nullptr;
     const float* x = nullptr;  // [m][hidden]
@@ -71,6 +77,19 @@ class MoeFfn {
     float* y = nullptr;  // [m][hidden], overwritten
   };
   void run_experts(std::span<const ExpertJob> jobs, ThreadPool& pool);
+
+  // The cpu_expert_worker's form: the rows stay in the layer's activation block x
+  // ([n_rows][hidden]); job j's row i is x[rows[i]] (rows may repeat across jobs: each distinct
+  // row is quantized once per activation type, and rows no job names are not touched). Same
+  // results as the ExpertJob form on the gathered rows, without gathering them (the worker used
+  // to copy each expert's rows into a stack, which run_experts then copied again).
+  struct RowsJob {
+    const ExpertWeights* weights = nullptr;
+    const int32_t* rows = nullptr;  // m indices into x
+    int m = 0;
+    float* y = nullptr;  // [m][hidden], overwritten
+  };
+  void run_experts(std::span<const RowsJob> jobs, const float* x, int n_rows, ThreadPool& pool);
 
   // Grows the scratch for up to `max_tokens` tokens through `max_experts` experts of this shape,
   // so that later runs within it allocate nothing (call once at start-up).
@@ -80,30 +99,59 @@ class MoeFfn {
   struct Plan {
     int64_t h_offset = 0;  // where this expert's [n_tok][ffn] gate/up/h rows start
     int64_t q_offset = 0;  // where its quantized intermediate rows start (bytes)
+    int64_t y_offset = 0;  // where its [n_tok][hidden] down partials start (accumulating experts)
     size_t q_row_bytes = 0;
-    int first_job = 0;  // first gate/up job
+    int64_t first_job = 0;  // first gate/up job
   };
+  // The layer, once x_rows_ (a source pointer per token row, n_tokens of them) and out_ (per
+  // assignment: its own output rows, overwritten, or nullptr to accumulate into y_accum[token])
+  // are set.
+  void run_layer(std::span<const ExpertAssignment> experts, float* y_accum, int n_tokens, int64_t hidden, ThreadPool& pool);
+  template <typename T>
+  static void grow_atomics(std::unique_ptr<std::atomic<T>[]>& a, size_t& capacity, size_t n);
+
   std::vector<uint8_t> xq_;    // per activation type: [n_tokens][row bytes]
-  std::vector<float> gate_, up_;
+  std::vector<float> gate_, up_, part_;
   std::vector<uint8_t> hq_;
   std::vector<Plan> plan_;
+  std::vector<const float*> x_rows_;  // [n_tokens]: where each token row's floats are
+  std::vector<float*> out_;           // [experts]
+  std::vector<uint8_t> row_used_;     // [n_tokens]
+  std::vector<int32_t> used_rows_;    // the rows some expert reads, ascending
+  std::vector<int32_t> active_;       // experts with tokens, in list order
   std::unique_ptr<std::atomic<int>[]> remaining_;  // gate/up chunks left per expert
-  size_t remaining_capacity_ = 0;
+  std::unique_ptr<std::atomic<int>[]> ready_;      // per expert: intermediate quantized
+  std::unique_ptr<std::atomic<int>[]> chunk_left_;  // per down chunk: accumulating experts left
+  size_t expert_capacity_ = 0, ready_capacity_ = 0, chunk_capacity_ = 0;
+  alignas(64) std::atomic<int64_t> x_done_{0};  // quantization jobs finished
   std::vector<int32_t> iota_;  // run_expert's token list 0..m-1
   std::vector<float> ones_;    // and its route weights
-  std::vector<float> x_all_, y_all_;               // run_experts: the jobs' rows, stacked
   std::vector<ExpertAssignment> job_assign_;
+  std::vector<int64_t> order_, slice_end_;  // the sliced schedule's job order and slice ends
 };
 
 // Rows of one matrix per pool job: gate+up jobs take `gate_up` rows of one expert, down jobs
-// `down` output rows of every expert. Process-wide, for the benches' A/B runs (--gate-up-rows,
-// --down-rows); results do not depend on it (each y element is still summed in expert order).
+// `down` output rows of one expert. Process-wide, for the benches' A/B runs (--gate-up-rows,
+// --down-rows); results do not depend on it (each y element is still summed in expert order)
+// as long as the rows are multiples of 4 for Q8_0 / MXFP4 (matvec_tokens runs rows in tiles of
+// four from a job's first row, and a tail row through the per-row kernel, whose float sum order
+// differs from the tile's).
 struct FfnJobRows {
-  int64_t gate_up = 16;
-  int64_t down = 32;
+  int64_t gate_up = 32;
+  int64_t down = 128;
 };
 void set_ffn_job_rows(FfnJobRows rows);  // values < 1 become 1
 FfnJobRows ffn_job_rows();
+
+// How the layer's jobs reach the threads. Shared: every thread claims the next free job of the
+// list, so its consecutive jobs are usually far apart in memory. Sliced (ThreadPool::run_sliced):
+// thread w takes the w-th share of the gate/up jobs and then of the down jobs, in order, then
+// helps the others: each thread streams a few long runs of consecutive rows (the default; the
+// measurements are in expert_ffn.cpp). Process-wide, for the benches' A/B runs (--schedule);
+// results do not depend on it.
+enum class FfnSchedule { Shared, Sliced };
+void set_ffn_schedule(FfnSchedule s);
+FfnSchedule ffn_schedule();
 
 // One expert over n_tok contiguous tokens: y_accum[t] += route_weight[t] * FFN(x[t]).
 // Uses a thread-local MoeFfn for scratch.

@@ -29,7 +29,7 @@ int numa_node_of_cpu_id(int cpu) {
   return node < 0 ? 0 : node;
 }
 
-NodeMemory::NodeMemory(size_t bytes, int node) : bytes_(bytes), node_(node) {
+NodeMemory::NodeMemory(size_t bytes, int node, bool huge_pages) : bytes_(bytes), node_(node) {
   if (bytes == 0) throw std::invalid_argument("NodeMemory: zero bytes requested");
   if (node < 0 || node >= numa_node_count()) {
     throw std::invalid_argument("NodeMemory: NUMA node " + std::to_string(node) + " does not exist (this machine has " +
@@ -44,6 +44,7 @@ NodeMemory::NodeMemory(size_t bytes, int node) : bytes_(bytes), node_(node) {
     data_ = p == MAP_FAILED ? nullptr : p;
   }
   if (!data_) throw std::runtime_error("NodeMemory: allocating " + std::to_string(bytes) + " bytes on node " + std::to_string(node) + " failed");
+  if (huge_pages) (void)madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: failure leaves small pages
   std::memset(data_, 0, bytes);  // fault every page in now, under the node binding
 }
 

@@ -15,10 +15,13 @@ int numa_node_of_cpu_id(int cpu);
 // `bytes` of zeroed memory bound to `node` (libnuma numa_alloc_onnode: mmap + mbind; pages are
 // faulted in here so they are placed now, not on first use by some other thread). Freed on
 // destruction. Throws std::invalid_argument for a node that does not exist or zero bytes, and
-// std::runtime_error when the allocation fails.
+// std::runtime_error when the allocation fails. huge_pages: madvise(MADV_HUGEPAGE) before the
+// pages are faulted in, so transparent huge pages back them where the kernel allows it
+// (THP "always" or "madvise"): a TLB entry then covers 2 MiB of streamed expert bytes instead
+// of 4 KiB. A hint: without THP the memory is simply made of small pages.
 class NodeMemory {
  public:
-  NodeMemory(size_t bytes, int node);
+  NodeMemory(size_t bytes, int node, bool huge_pages = false);
   ~NodeMemory();
   NodeMemory(NodeMemory&& other) noexcept;
   NodeMemory& operator=(NodeMemory&& other) noexcept;

@@ -68,8 +68,8 @@ uint64_t stream_read(const void* p, size_t bytes) {
   return read_scalar(b, bytes);
 }
 
-double measure_read_bandwidth(ThreadPool& pool, const void* p, size_t bytes, int passes) {
-  constexpr size_t kChunk = size_t{1} << 20;
+double measure_read_bandwidth(ThreadPool& pool, const void* p, size_t bytes, int passes, size_t chunk_bytes) {
+  const size_t kChunk = std::max<size_t>(64, (chunk_bytes + 63) & ~size_t{63});
   const auto* base = static_cast<const uint8_t*>(p);
   const int64_t chunks = static_cast<int64_t>((bytes + kChunk - 1) / kChunk);
   std::vector<uint64_t> sink(static_cast<size_t>(pool.size()) * 8, 0);  // a cache line per worker

@@ -14,7 +14,9 @@ namespace moraine::cpu {
 uint64_t stream_read(const void* p, size_t bytes);
 
 // Bytes per second of `passes` full reads of [p, p + bytes) split evenly over the pool's
-// workers (1 MiB chunks from the shared job counter). The best pass counts.
-double measure_read_bandwidth(ThreadPool& pool, const void* p, size_t bytes, int passes);
+// workers (chunk_bytes chunks from the shared job counter, rounded up to 64 B). The best pass
+// counts. Chunks of an expert job's size (tens of KB, each thread's next chunk elsewhere) tell
+// what the kernels' short streams can get against long ones.
+double measure_read_bandwidth(ThreadPool& pool, const void* p, size_t bytes, int passes, size_t chunk_bytes = size_t{1} << 20);
 
 }  // namespace moraine::cpu

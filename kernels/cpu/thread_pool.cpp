@@ -62,6 +62,7 @@ ThreadPool::ThreadPool(const std::vector<int>& cpus) : cpus_(cpus) {
                                   format_cpu_list(allowed) + ")");
     }
   }
+  slices_ = std::make_unique<Slice[]>(cpus.size());
   workers_.reserve(cpus.size());
   for (int i = 0; i < static_cast<int>(cpus.size()); ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
@@ -91,16 +92,42 @@ void ThreadPool::shutdown() {
   workers_.clear();
 }
 
-void ThreadPool::run_erased(int64_t n_jobs, JobFn fn, void* ctx) {
+void ThreadPool::run_erased(int64_t n_jobs, const int64_t* slice_end, JobFn fn, void* ctx) {
   if (n_jobs <= 0) return;
   fn_ = fn;
   ctx_ = ctx;
   n_jobs_ = n_jobs;
   next_.store(0, std::memory_order_relaxed);
+  sliced_ = slice_end != nullptr;
+  if (sliced_) {
+    int64_t begin = 0;
+    for (int w = 0; w < size(); ++w) {
+      slices_[w].next.store(begin, std::memory_order_relaxed);
+      slices_[w].end = std::max(begin, slice_end[w]);
+      begin = slices_[w].end;
+    }
+  }
   active_.store(size(), std::memory_order_relaxed);
   const uint32_t gen = generation_.fetch_add(1, std::memory_order_release) + 1;
   generation_.notify_all();
   uint32_t seen = finished_generation_.load(std::memory_order_acquire);
+  if (seen == gen) return;
+  if (caller_spin_us_ > kSpin.count()) {
+    // The caller's longer window: the first kSpin polls only, then yields between polls.
+    const auto start = std::chrono::steady_clock::now();
+    const auto yield_from = start + kSpin, until = start + std::chrono::microseconds(caller_spin_us_);
+    for (int i = 0;; ++i) {
+      if (finished_generation_.load(std::memory_order_acquire) == gen) return;
+      if ((i & 15) != 15) {
+        cpu_relax();
+        continue;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now > until) break;
+      if (now > yield_from) sched_yield();
+    }
+    seen = finished_generation_.load(std::memory_order_acquire);
+  }
   while (seen != gen) seen = await_change(finished_generation_, seen);
 }
 
@@ -112,8 +139,18 @@ void ThreadPool::worker_loop(int index) {
     const JobFn fn = fn_;
     void* const ctx = ctx_;
     const int64_t n = n_jobs_;
-    for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n; i = next_.fetch_add(1, std::memory_order_relaxed)) {
-      fn(ctx, i, index);
+    if (sliced_) {
+      const int n_workers = size();
+      for (int k = 0; k < n_workers; ++k) {
+        Slice& sl = slices_[(index + k) % n_workers];
+        for (int64_t i = sl.next.fetch_add(1, std::memory_order_relaxed); i < sl.end; i = sl.next.fetch_add(1, std::memory_order_relaxed)) {
+          fn(ctx, i, index);
+        }
+      }
+    } else {
+      for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n; i = next_.fetch_add(1, std::memory_order_relaxed)) {
+        fn(ctx, i, index);
+      }
     }
     // The last worker out publishes completion (release: the jobs' writes happen before).
     if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {

@@ -67,4 +67,36 @@ class DeviceBuffer {
   size_t count_ = 0;
 };
 
+// Page-locked host memory (cudaMallocHost): the staging of asynchronous copies, which are
+// synchronous (and slow) from pageable memory. Move-only, freed on destruction.
+template <typename T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t count) : count_(count) {
+    if (count != 0) CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ptr_), count * sizeof(T)));
+  }
+  ~PinnedBuffer() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      if (ptr_ != nullptr) cudaFreeHost(ptr_);
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      count_ = std::exchange(o.count_, 0);
+    }
+    return *this;
+  }
+  T* get() const { return ptr_; }
+  size_t size() const { return count_; }
+  T& operator[](size_t i) const { return ptr_[i]; }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t count_ = 0;
+};
+
 }  // namespace moraine::cuda

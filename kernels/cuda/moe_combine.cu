@@ -9,13 +9,19 @@ namespace moraine::cuda {
 namespace {
 
 __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restrict__ slots,
+                                   const float* __restrict__ host_rows, const int32_t* __restrict__ host_row_of,
                                    const float* __restrict__ weight, const float* __restrict__ shared,
                                    const float* __restrict__ gate_logit, int64_t k, int64_t d) {
   const int64_t t = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d) return;
   float acc = 0.0f;
-  for (int64_t s = 0; s < k; ++s) acc = __fadd_rn(acc, __fmul_rn(weight[t * k + s], slots[(t * k + s) * d + i]));
+  for (int64_t s = 0; s < k; ++s) {
+    const int64_t slot = t * k + s;
+    const int32_t alt = host_row_of != nullptr ? host_row_of[slot] : -1;
+    const float y = alt >= 0 ? host_rows[alt * d + i] : slots[slot * d + i];
+    acc = __fadd_rn(acc, __fmul_rn(weight[slot], y));
+  }
   if (shared != nullptr) {
     const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate_logit[t])));
     acc = __fadd_rn(acc, __fmul_rn(g, shared[t * d + i]));
@@ -27,13 +33,21 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
 
 void moe_combine(float* x, const float* slots, const float* weight, const float* shared, const float* gate_logit,
                  int64_t n, int64_t k, int64_t d, cudaStream_t stream) {
+  moe_combine_mixed(x, slots, nullptr, nullptr, weight, shared, gate_logit, n, k, d, stream);
+}
+
+void moe_combine_mixed(float* x, const float* slots, const float* host_rows, const int32_t* host_row_of,
+                       const float* weight, const float* shared, const float* gate_logit, int64_t n, int64_t k,
+                       int64_t d, cudaStream_t stream) {
+  if ((host_rows == nullptr) != (host_row_of == nullptr))
+    throw std::invalid_argument("moe_combine_mixed: host_rows and host_row_of must be given together");
   if (n <= 0 || n > 65535 || k <= 0 || d <= 0 || (shared == nullptr) != (gate_logit == nullptr))
     throw std::invalid_argument("moe_combine: n=" + std::to_string(n) + ", k=" + std::to_string(k) + ", d=" +
                                 std::to_string(d) + " (need n in 1..65535, k, d > 0, shared and gate_logit both "
                                 "given or both null)");
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads), static_cast<unsigned>(n));
-  moe_combine_kernel<<<grid, kThreads, 0, stream>>>(x, slots, weight, shared, gate_logit, k, d);
+  moe_combine_kernel<<<grid, kThreads, 0, stream>>>(x, slots, host_rows, host_row_of, weight, shared, gate_logit, k, d);
   CUDA_CHECK(cudaGetLastError());
 }
 

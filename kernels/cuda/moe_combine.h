@@ -17,4 +17,12 @@ namespace moraine::cuda {
 void moe_combine(float* x, const float* slots, const float* weight, const float* shared, const float* gate_logit,
                  int64_t n, int64_t k, int64_t d, cudaStream_t stream = nullptr);
 
+// The same sum when some experts were computed off the device (the cpu workers): slot i's row is
+// host_rows + host_row_of[i] * d when host_row_of[i] >= 0 (the workers' packed rows, copied to
+// the device), else slots + i * d. host_rows and host_row_of (device [n * k]) both null: as
+// moe_combine. Same order of additions, so the same bits for the same rows.
+void moe_combine_mixed(float* x, const float* slots, const float* host_rows, const int32_t* host_row_of,
+                       const float* weight, const float* shared, const float* gate_logit, int64_t n, int64_t k,
+                       int64_t d, cudaStream_t stream = nullptr);
+
 }  // namespace moraine::cuda

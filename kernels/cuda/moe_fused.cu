@@ -8,6 +8,7 @@
 #include <cuda_pipeline.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -53,6 +54,7 @@ struct Params {
   int* count_b;   // [row tiles of n_embd] (sized for the smallest tile, kWarps rows)
   // shared-memory layout (bytes per token / words per staged row)
   int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
+  bool dots_by_rows;  // dot_rows (default) or dot_staged per row (MoeLayerWeights::dots)
 };
 
 __device__ __forceinline__ bool expert_present(const Params& p, int e) {
@@ -199,6 +201,75 @@ __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* 
   }
 }
 
+// Several rows against one activation row, one weight block per lane at a time: the warp splits
+// into groups of L lanes (L = nblocks rounded up to a power of two, at most 32), group r takes
+// row r (r < nrows <= 32 / L) and lane b of a group takes blocks b, b + L, ... of it, adding all
+// kParts parts of a block itself. Each block's integer sums and float term are the ones
+// dot_staged_format forms (integer sums in another order, the same term expression), so only
+// the order of the float additions differs. Why not dot_staged per row: it spends three shuffle
+// levels per block and unit and reads each activation word once per row; here lanes of one
+// block index share the activation word (a broadcast) across rows, the parts of a block unpack
+// shared weight words once, and there are no per-block shuffles. row_of(r): row r in shared
+// memory. Returns, in every lane of group r, row r's dot (other lanes: 0).
+__device__ __forceinline__ int lanes_per_row(int nblocks) {
+  int lanes = 1;
+  while (lanes < nblocks && lanes < 32) lanes *= 2;
+  return lanes;
+}
+
+template <class F, class RowOf>
+__device__ float dot_rows_format(RowOf row_of, int nrows, int nblocks, const uint8_t* act, int lane) {
+  const int lanes = lanes_per_row(nblocks);
+  const int r = lane / lanes;
+  float acc = 0.0f;
+  if (r < nrows) {
+    const uint8_t* row = row_of(r);
+    const auto* a = reinterpret_cast<const typename F::Act*>(act);
+    for (int b = lane % lanes; b < nblocks; b += lanes) {
+      const uint8_t* wb = row + b * F::kBlockBytes;
+      int isum = 0, msum = 0;
+#pragma unroll
+      for (int part = 0; part < F::kParts; ++part) {
+        int is = 0, ms = 0;
+        F::part(wb, a[b], part, is, ms);
+        isum += is;
+        msum += ms;
+      }
+      acc += F::term(wb, a[b], isum, msum);
+    }
+  }
+  for (int off = lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
+template <class RowOf>
+__device__ float dot_rows(int type, RowOf row_of, int nrows, int n, const uint8_t* act, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q8_0:
+      return dot_rows_format<FormatQ8_0>(row_of, nrows, n / kQK, act, lane);
+    case TensorType::MXFP4:
+      return dot_rows_format<FormatMXFP4>(row_of, nrows, n / kQK, act, lane);
+    case TensorType::Q2_K:
+      return dot_rows_format<FormatQ2_K>(row_of, nrows, n / kQK_K, act, lane);
+    case TensorType::Q3_K:
+      return dot_rows_format<FormatQ3_K>(row_of, nrows, n / kQK_K, act, lane);
+    case TensorType::Q4_K:
+      return dot_rows_format<FormatQ45_K<false>>(row_of, nrows, n / kQK_K, act, lane);
+    case TensorType::Q5_K:
+      return dot_rows_format<FormatQ45_K<true>>(row_of, nrows, n / kQK_K, act, lane);
+    case TensorType::Q6_K:
+      return dot_rows_format<FormatQ6_K>(row_of, nrows, n / kQK_K, act, lane);
+    default:
+      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+// Elements per weight block of a supported format (TensorType value).
+__device__ __forceinline__ int format_block_elems(int type) {
+  const TensorType t = static_cast<TensorType>(type);
+  return t == TensorType::Q8_0 || t == TensorType::MXFP4 ? kQK : kQK_K;
+}
+
 // Block b of a float row (src, global memory written by this launch or an earlier one) quantized
 // by one warp into dst (Q8_K or Q8_0 block b), as reference::pack_activations does: Q8_0 with
 // llama.cpp's x86 rule, Q8_K with the reference rule (the x86 one differs only in the sign of an
@@ -272,7 +343,32 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
     __syncwarp();
     const uint8_t* g_base = expert_tensor(p, 0, e);
     const uint8_t* u_base = expert_tensor(p, 1, e);
-    for (int j = 0; j < p.rows_a; ++j) {
+    const int valid_rows = min(p.rows_a, p.n_ff - row0);
+    // Gate and up of one format: row pairs (gate j, up j) in adjacent lane groups of one
+    // dot_rows call, so u reaches g's lanes with one shuffle (dot_rows' header says why).
+    const int lanes = lanes_per_row(p.n_embd / format_block_elems(p.gate_type));
+    const int pairs = 32 / lanes / 2;
+    const bool by_rows = p.dots_by_rows && p.gate_type == p.up_type && pairs >= 1;
+    for (int i = 0; by_rows && i < count; ++i) {
+      const int slot = st.list[i], t = slot / p.k;
+      for (int j0 = 0; j0 < valid_rows; j0 += pairs) {
+        const int np = min(pairs, valid_rows - j0);
+        auto row_of = [&](int c) {
+          const int j = j0 + c / 2, row = row0 + j;
+          return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
+                            : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+        };
+        const float v = dot_rows(p.gate_type, row_of, 2 * np, p.n_embd, xg + t * p.xg_stride, lane);
+        const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
+        const int c = lane / lanes;
+        if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
+          // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+          const float h = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), u);
+          p.h[static_cast<int64_t>(slot) * p.n_ff + row0 + j0 + c / 2] = h;
+        }
+      }
+    }
+    for (int j = 0; !by_rows && j < p.rows_a; ++j) {
       const int row = row0 + j;
       if (row >= p.n_ff) break;
       const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
@@ -343,13 +439,22 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
       __pipeline_wait_prior(0);
       __syncthreads();
       const uint8_t* d_base = expert_tensor(p, 2, e);
-      for (int j = 0; j < p.rows_b; ++j) {
-        const int row = row0 + j;
-        if (row >= p.n_embd) break;
-        const uint8_t* down_row = staged(stage + j * p.down_seg_words, d_base + row * p.down_row_bytes);
-        for (int t = 0; t < nt; ++t) {
+      const int valid_rows = min(p.rows_b, p.n_embd - row0);
+      const int lanes = lanes_per_row(p.n_ff / format_block_elems(p.down_type));
+      const int per_call = p.dots_by_rows ? 32 / lanes : 1;
+      for (int t = 0; t < nt; ++t) {
+        for (int j0 = 0; j0 < valid_rows && !p.dots_by_rows; ++j0) {  // the earlier per-row dot
+          const uint8_t* down_row = staged(stage + j0 * p.down_seg_words, d_base + (row0 + j0) * p.down_row_bytes);
           const float y = dot_staged(p.down_type, down_row, p.n_ff, act + t * p.hq_stride, lane);
-          if (lane == 0) slot_output_row(p, st.list[g0 + t])[row] = y;
+          if (lane == 0) slot_output_row(p, st.list[g0 + t])[row0 + j0] = y;
+        }
+        for (int j0 = 0; j0 < valid_rows && p.dots_by_rows; j0 += per_call) {
+          const int nr = min(per_call, valid_rows - j0);
+          auto row_of = [&](int r) {
+            return staged(stage + (j0 + r) * p.down_seg_words, d_base + (row0 + j0 + r) * p.down_row_bytes);
+          };
+          const float y = dot_rows(p.down_type, row_of, nr, p.n_ff, act + t * p.hq_stride, lane);
+          if (lane % lanes == 0 && lane / lanes < nr) slot_output_row(p, st.list[g0 + t])[row0 + j0 + lane / lanes] = y;
         }
       }
       __syncthreads();  // act is rewritten by the next pass or expert
@@ -381,6 +486,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
 }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// lanes_per_row on the host.
+int host_lanes_per_row(int64_t nblocks) {
+  int lanes = 1;
+  while (lanes < nblocks && lanes < 32) lanes *= 2;
+  return lanes;
+}
 
 // Words one staged row occupies: up to 15 bytes before it (rows start at any byte), the last
 // word rounded up, and a spare word for load_16_unaligned's over-read (as matvec.cu).
@@ -468,8 +580,10 @@ struct KernelPlan {
 // each CTA serving several experts (the next expert's rows prefetched while it computes).
 // fixed_smem: the activations; row_words: 16-byte words of one warp row; tile_divides: a number
 // the tile must divide (0: none). rows_per_warp 0: nothing fits.
-KernelPlan plan_kernel(int64_t rows, int64_t fixed_smem, int64_t row_words, int max_rows_per_warp, int tile_divides,
-                       int n_slots, int64_t n_expert, const DeviceInfo& dev) {
+// min_rows_per_warp: the rows one dot_rows call fills its lanes with (fewer leave lanes idle);
+// smaller counts are taken only when nothing from it up fits.
+KernelPlan plan_kernel(int64_t rows, int64_t fixed_smem, int64_t row_words, int min_rows_per_warp, int max_rows_per_warp,
+                       int tile_divides, int n_slots, int64_t n_expert, const DeviceInfo& dev) {
   const int64_t static_smem = static_cast<int64_t>(sizeof(SlotTables)) + 1024;  // + the per-CTA reserve
   const int64_t experts = std::min<int64_t>(n_slots, n_expert);
   KernelPlan best;
@@ -477,6 +591,7 @@ KernelPlan plan_kernel(int64_t rows, int64_t fixed_smem, int64_t row_words, int 
     if (tile_divides != 0 && tile_divides % (kWarps * r) != 0) break;
     const int64_t smem = fixed_smem + int64_t{kWarps} * r * row_words * 16;
     if (smem + static_cast<int64_t>(sizeof(SlotTables)) > dev.smem_optin) break;
+    if (r < min_rows_per_warp) continue;
     const int per_sm = static_cast<int>(std::min<int64_t>(2, dev.smem_per_sm / (smem + static_smem)));
     if (per_sm < 1) break;
     KernelPlan plan;
@@ -598,14 +713,25 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   p.gate_seg_words = seg_words(p.gate_row_bytes);
   p.up_seg_words = seg_words(p.up_row_bytes);
   p.down_seg_words = seg_words(p.down_row_bytes);
+  p.dots_by_rows = w.dots == MoeLayerWeights::Dots::kRows;
 
   const DeviceInfo dev = device_info();
   // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
-  const KernelPlan plan_a =
-      plan_kernel(w.n_ff, int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)),
-                  p.gate_seg_words + p.up_seg_words, 8, static_cast<int>(type_traits(h_act).block_elems), n_slots,
-                  w.n_expert, dev);
-  const KernelPlan plan_b = plan_kernel(w.n_embd, int64_t{n} * p.hq_stride, p.down_seg_words, 8, 0, n_slots, w.n_expert, dev);
+  // Rows per dot_rows call: 32 / lanes per row; kernel 1 pairs gate and up rows in one call.
+  const int rows_per_call_a = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_embd / type_traits(w.gate_type).block_elems) : 1;
+  const int rows_per_call_b = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_ff / type_traits(w.down_type).block_elems) : 1;
+  auto plan_a_with = [&](int min_rows) {
+    return plan_kernel(w.n_ff, int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)),
+                       p.gate_seg_words + p.up_seg_words, min_rows, 8, static_cast<int>(type_traits(h_act).block_elems),
+                       n_slots, w.n_expert, dev);
+  };
+  auto plan_b_with = [&](int min_rows) {
+    return plan_kernel(w.n_embd, int64_t{n} * p.hq_stride, p.down_seg_words, min_rows, 16, 0, n_slots, w.n_expert, dev);
+  };
+  KernelPlan plan_a = plan_a_with(std::max(1, rows_per_call_a / 2));
+  if (plan_a.rows_per_warp == 0) plan_a = plan_a_with(1);
+  KernelPlan plan_b = plan_b_with(std::min(16, rows_per_call_b));
+  if (plan_b.rows_per_warp == 0) plan_b = plan_b_with(1);
   if (plan_a.rows_per_warp == 0 || plan_b.rows_per_warp == 0)
     throw std::invalid_argument("moe_fused: rows too long for the shared-memory staging (" + std::to_string(n) +
                                 " tokens, device limit " + std::to_string(dev.smem_optin) + " bytes per CTA)" + where(w));

@@ -28,17 +28,33 @@
 //     adds the weighted sums in top-k order: deterministic, no float atomics. On sm_90+ it is a
 //     programmatic dependent launch: its CTAs start while kernel 1 runs and fetch their down rows
 //     before waiting for kernel 1's h.
-//  Rows per warp and groups are chosen per call so the grid is one wave of 2 CTAs per SM when it
-//  can be. Why not one CTA per (expert, 256-row block) keeping h in shared memory: Qwen3-30B-A3B
+//  Rows per warp (at least one dot_rows call's worth when that fits) and groups are chosen per
+//  call so the grid is one wave of 2 CTAs per SM when it can be. Why not one CTA per (expert, 256-row block) keeping h in shared memory: Qwen3-30B-A3B
 //  decode has 8 experts x 3 blocks = 24 CTAs for 132 SMs, far too few to pull HBM bandwidth; the
 //  F32 h (n*k*n_ff floats, <= 400 KB) round-trips through L2, not HBM.
-//  Measured on the H200 (moraine-kernel-bench cuda; read kernel 4.66 TB/s), us per layer, n = 1 / 8:
-//  Qwen3-30B-A3B Q4_K 30.8 / 167, Q8_0 34.3 / 193; Qwen3-Next Q4_K 34.8 / 169, Q8_0 36.3 / 195:
-//  15-29% of the read bandwidth. The first version (one row per warp, register staging, plain
-//  launches) took 48.6 / 235, 57.7 / 280, 52.7 / 256, 59.7 / 298. Still far from the bandwidth;
-//  not profiled yet. Likely (from instruction counts): n = 8 is bound by issuing the per-token
-//  dots (every token redoes the block decode and the shuffles: keep the decoded weight part in
-//  registers across tokens next), n = 1 by each CTA's latency chain routing -> rows -> dots.
+//  Dots (dot_rows in moe_fused.cu): the lanes of a warp split into groups of L = blocks per row
+//  (rounded up to a power of two, <= 32); each group takes one row, each lane whole weight
+//  blocks of it (all of a block's parts in one lane, then the block's exact float term), so
+//  there are no per-block shuffles and lanes on the same block index share the activation word
+//  across rows; kernel 1 puts gate row j and up row j in adjacent groups of one call. The
+//  earlier per-row dot (dot_staged: 8 lanes per K-quant block, three shuffle levels per unit)
+//  stays as MoeLayerWeights::Dots::kStaged for comparison (the bench times both).
+//  Measured on the H200 (moraine-kernel-bench cuda --moe-only; read kernel 4.56 TB/s), us per
+//  layer, graph-replayed (stream-launched within 2 us of it), n = 1 / 8, with dot_staged:
+//  Qwen3-30B-A3B Q4_K 29.0 / 165, Q8_0 32.6 / 191; Qwen3-Next Q4_K 33.4 / 167, Q8_0 34.8 / 193:
+//  12-30% of the read bandwidth. Q8_0 (twice the bytes) takes hardly longer than Q4_K, and n = 8
+//  (52 distinct experts of 128, 1.2 tokens each) costs about the same per (slot, row) dot as
+//  n = 1: so the dots' issue bounds both, not HBM (inferred from these timings; by its PTX and
+//  bank layout dot_staged spends ~150 instructions and ~45 shared-memory wavefronts per warp
+//  per 32 K-quant sub-blocks, where dot_rows needs about a third).
+//  Tried and dropped: one persistent launch (atomic work tickets, gate/up tiles before down
+//  tiles, down tiles spinning on per-expert counters, two items' rows in flight per CTA): with
+//  the same dots it took 46.8 / 163 (Q4_K) and 44.2 / 255 (Q8_0), slower at n = 1 because CTAs
+//  holding a down tile idle until the expert's gate/up tiles finish; and four tokens per
+//  unpacked weight part: 238 us at n = 8 (1 CTA per SM for the registers, and random routings
+//  rarely put two tokens on one expert). dot_rows is not measured on the GPU yet (its lane and
+//  row mapping was checked on the host against vec_dot_reference); the first version (one row per warp, register staging, plain launches) took
+//  48.6 / 235, 57.7 / 280, 52.7 / 256, 59.7 / 298.
 //
 // Memory contract: weight rows are read as aligned 16-byte words (as matvec.h), so each
 // expert's gate/up/down tensor must start 16-byte aligned and be readable up to the next
@@ -76,6 +92,11 @@ struct MoeLayerWeights {
   const void* gate = nullptr;
   const void* up = nullptr;
   const void* down = nullptr;
+  // How the kernels form their dot products: kRows (dot_rows: one lane per weight block, rows of
+  // a warp sharing the activation reads; the default) or kStaged (the earlier per-row dot, kept
+  // as the bench's baseline). Same per-block terms either way; float addition order differs.
+  enum class Dots { kRows, kStaged };
+  Dots dots = Dots::kRows;
 };
 
 struct MoeRouting {

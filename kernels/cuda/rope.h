@@ -16,4 +16,11 @@ namespace moraine::cuda {
 void rope_neox(float* x, int64_t rows, int64_t n_heads, int64_t row_stride, int64_t head_stride,
                int64_t n_rot, int64_t pos0, double freq_base, cudaStream_t stream = nullptr);
 
+// Graph-safe variant for CUDA graph capture: pos0 read from device memory (row r at position
+// *pos0_dev + r), so a captured launch serves every step. Bit-identical to rope_neox at the same
+// position. A negative *pos0_dev (which cannot be thrown from inside a graph) leaves x all NaN in
+// the rotated dims.
+void rope_neox_at(float* x, int64_t rows, int64_t n_heads, int64_t row_stride, int64_t head_stride,
+                  int64_t n_rot, const int32_t* pos0_dev, double freq_base, cudaStream_t stream = nullptr);
+
 }  // namespace moraine::cuda

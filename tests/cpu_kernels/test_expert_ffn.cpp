@@ -321,10 +321,16 @@ TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
                       static_cast<int>(toks[static_cast<size_t>(i)].size())});
   }
   cpu::MoeFfn ffn;
-  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f);
+  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f), y_sliced(x.size(), 0.0f);
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Shared);
   ffn.run(assign, x.data(), y_big.data(), kTokens, kHidden, big);
   ffn.run(assign, x.data(), y_one.data(), kTokens, kHidden, one);
   EXPECT_EQ(y_big, y_one) << "the result depends on the thread count";
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  ffn.run(assign, x.data(), y_sliced.data(), kTokens, kHidden, big);
+  cpu::set_ffn_schedule(schedule0);
+  EXPECT_EQ(y_big, y_sliced) << "the result depends on the schedule";
   // Expert by expert, each token on its own: same per-element sums in the same expert order.
   for (int i = 0; i < 4; ++i) {
     for (size_t k = 0; k < toks[static_cast<size_t>(i)].size(); ++k) {
@@ -371,6 +377,62 @@ TEST(MoeFfn, RunExpertsEqualsRunExpertPerExpert) {
   EXPECT_THROW(layer.run_experts(std::span(&bad, 1), pool), std::invalid_argument);
 }
 
+// The worker's form: rows named by index in one activation block (repeated across experts, out
+// of order, one row no expert reads, one expert without rows) equal the ExpertJob form on the
+// same rows gathered, bitwise, on a pool of any size and on the sliced schedule; bad row
+// indices are refused.
+TEST(MoeFfn, RunExpertsOnRowIndicesEqualsGatheredRows) {
+  const std::vector<int> cpus = cpu::allowed_cpus();
+  cpu::ThreadPool big(cpus), one(std::vector<int>{cpus.front()});
+  const TensorType types[] = {TensorType::Q5_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q3_K, TensorType::Q4_K};
+  std::vector<Expert> experts;
+  for (int i = 0; i < 5; ++i) experts.push_back(make_expert(types[i], types[(i + 1) % 5], 7100 + 31 * static_cast<uint32_t>(i)));
+  constexpr int kRows = 7;
+  std::vector<float> x(kRows * kHidden);
+  for (int t = 0; t < kRows; ++t) {
+    const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 500 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  // Row 4 is read by no expert; expert 2 has no rows.
+  const std::vector<std::vector<int32_t>> rows = {{6, 0, 3}, {1}, {}, {3, 5, 2, 0, 6, 1}, {2, 5}};
+  std::vector<std::vector<float>> gathered(5), want(5), got_big(5), got_one(5);
+  std::vector<cpu::MoeFfn::ExpertJob> gather_jobs;
+  std::vector<cpu::MoeFfn::RowsJob> big_jobs, one_jobs;
+  for (size_t i = 0; i < 5; ++i) {
+    const int m = static_cast<int>(rows[i].size());
+    const size_t n = static_cast<size_t>(m) * kHidden;
+    gathered[i].resize(n);
+    for (int j = 0; j < m; ++j) std::copy_n(x.begin() + rows[i][static_cast<size_t>(j)] * kHidden, kHidden, gathered[i].begin() + j * kHidden);
+    want[i].assign(n, NAN);
+    got_big[i].assign(n, NAN);
+    got_one[i].assign(n, NAN);
+    gather_jobs.push_back({&experts[i].w, gathered[i].data(), m, want[i].data()});
+    big_jobs.push_back({&experts[i].w, rows[i].data(), m, got_big[i].data()});
+    one_jobs.push_back({&experts[i].w, rows[i].data(), m, got_one[i].data()});
+  }
+  cpu::MoeFfn a, b;
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Shared);
+  a.run_experts(gather_jobs, big);
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  b.run_experts(big_jobs, x.data(), kRows, big);
+  cpu::set_ffn_schedule(schedule0);
+  b.run_experts(one_jobs, x.data(), kRows, one);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(got_big[i], want[i]) << "expert " << i;
+    EXPECT_EQ(got_one[i], want[i]) << "expert " << i << " on one thread";
+  }
+  double norm = 0;
+  for (float v : got_big[3]) norm += std::fabs(v);
+  EXPECT_GT(norm, 1.0);
+  const int32_t outside[] = {0, kRows};
+  std::vector<float> y(2 * kHidden);
+  const cpu::MoeFfn::RowsJob bad{&experts[0].w, outside, 2, y.data()};
+  EXPECT_THROW(b.run_experts(std::span(&bad, 1), x.data(), kRows, big), std::invalid_argument);
+  const cpu::MoeFfn::RowsJob no_rows{&experts[0].w, nullptr, 2, y.data()};
+  EXPECT_THROW(b.run_experts(std::span(&no_rows, 1), x.data(), kRows, big), std::invalid_argument);
+}
+
 // The benches' tuning knobs (job sizes, prefetch distances) move work between jobs and lines
 // into caches earlier; they must not change a single bit of the result.
 TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
@@ -387,18 +449,31 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
   cpu::MoeFfn ffn;
   std::vector<float> want(x.size());
   ffn.run_expert(e.w, x.data(), kTok, want.data(), pool);
+  // And a layer accumulating two experts into shared token rows (the down chunks' reduction).
+  const Expert e2 = make_expert(TensorType::Q6_K, TensorType::Q5_K, 556);
+  const int32_t toks_a[] = {4, 0, 2, 1}, toks_b[] = {1, 3, 4};
+  const float rw_a[] = {0.5f, 0.25f, 0.75f, 0.125f}, rw_b[] = {0.3f, 0.6f, 0.9f};
+  const cpu::ExpertAssignment layer[] = {{&e.w, toks_a, rw_a, 4}, {&e2.w, toks_b, rw_b, 3}};
+  std::vector<float> want_layer(x.size(), 0.5f);
+  ffn.run(layer, x.data(), want_layer.data(), kTok, kHidden, pool);
   const cpu::FfnJobRows job_variants[] = {{1, 1}, {7, 13}, {kFfn, kHidden}, {1000, 5000}};
   const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 64}, {1 << 16, 1 << 16}, {4096, 0}};
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
   for (int i = 0; i < 4; ++i) {
     cpu::set_ffn_job_rows(job_variants[i]);
     cpu::set_matvec_prefetch(pf_variants[i]);
+    cpu::set_ffn_schedule(i % 2 ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
     std::vector<float> y(x.size(), NAN);
     ffn.run_expert(e.w, x.data(), kTok, y.data(), pool);
     EXPECT_EQ(y, want) << "job rows " << job_variants[i].gate_up << "/" << job_variants[i].down << ", prefetch " << pf_variants[i].l1_bytes << "/"
                        << pf_variants[i].l2_bytes;
+    std::vector<float> y_layer(x.size(), 0.5f);
+    ffn.run(layer, x.data(), y_layer.data(), kTok, kHidden, pool);
+    EXPECT_EQ(y_layer, want_layer) << "layer, job rows " << job_variants[i].gate_up << "/" << job_variants[i].down;
   }
   cpu::set_ffn_job_rows(rows0);
   cpu::set_matvec_prefetch(pf0);
+  cpu::set_ffn_schedule(schedule0);
 }
 
 TEST(MoeFfn, RejectsBadShapesAndTokens) {

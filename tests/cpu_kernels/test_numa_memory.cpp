@@ -32,6 +32,21 @@ TEST(NumaMemory, AllocatesOnEveryNodeAndPagesLiveThere) {
   }
 }
 
+// The huge-page hint changes only the backing: the memory is still zeroed, writable and on
+// its node (whether THP granted huge pages depends on the kernel's setting; not asserted).
+TEST(NumaMemory, HugePageHintKeepsTheContract) {
+  constexpr size_t kBytes = (8u << 20) + 4096 + 17;
+  NodeMemory m(kBytes, 0, true);
+  ASSERT_NE(m.data(), nullptr);
+  auto* p = static_cast<uint8_t*>(m.data());
+  size_t nonzero = 0;
+  for (size_t i = 0; i < kBytes; i += 997) nonzero += p[i] != 0;
+  EXPECT_EQ(nonzero, 0u);
+  for (size_t i = 0; i < kBytes; i += 4093) p[i] = static_cast<uint8_t>(i * 31);
+  for (size_t i = 0; i < kBytes; i += 4093) ASSERT_EQ(p[i], static_cast<uint8_t>(i * 31)) << "byte " << i;
+  if (numa_available_here()) EXPECT_EQ(numa_node_of_address(p + kBytes / 2), 0);
+}
+
 TEST(NumaMemory, MovesAndRefusesBadRequests) {
   NodeMemory a(1 << 16, 0);
   void* p = a.data();

@@ -46,6 +46,69 @@ TEST(ThreadPool, ManySmallJobListsRunEveryJobOnce) {
   EXPECT_GT(total, 0);
 }
 
+// The caller's long polling window (set_caller_spin_us) changes only how run() waits: every
+// job still runs once, and run() returns only after all have finished (lists of uneven jobs,
+// some longer than the plain 50 us spin, some shorter).
+TEST(ThreadPool, LongCallerSpinStillWaitsForEveryJob) {
+  ThreadPool pool(allowed_cpus());
+  pool.set_caller_spin_us(3000);
+  EXPECT_EQ(pool.caller_spin_us(), 3000);
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> size(1, 48), work(0, 20000);
+  std::vector<std::atomic<int>> done(48);
+  for (int list = 0; list < 300; ++list) {
+    const int n = size(rng);
+    std::vector<int> spins(static_cast<size_t>(n));
+    for (int& v : spins) v = work(rng);
+    for (auto& d : done) d.store(0, std::memory_order_relaxed);
+    pool.run(n, [&](int64_t i, int) {
+      volatile double acc = 0;
+      for (int k = 0; k < spins[static_cast<size_t>(i)]; ++k) acc = acc + 1.0;
+      done[static_cast<size_t>(i)].store(1, std::memory_order_relaxed);
+    });
+    for (int i = 0; i < n; ++i) ASSERT_EQ(done[static_cast<size_t>(i)].load(), 1) << "list " << list << " job " << i << " not finished";
+  }
+  pool.set_caller_spin_us(-5);
+  EXPECT_EQ(pool.caller_spin_us(), 0);
+}
+
+// run_sliced: every job once, on uneven slices (some empty); with jobs that take a while, each
+// worker starts with its own slice's first job; a job waiting for the first job of every slice
+// (the kind of wait MoeFfn's sliced schedule relies on) does not deadlock.
+TEST(ThreadPool, SlicedListsRunEveryJobOnceOwnSliceFirst) {
+  ThreadPool pool(allowed_cpus());
+  const int n = pool.size();
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> len(0, 9);
+  for (int list = 0; list < 500; ++list) {
+    std::vector<int64_t> ends(static_cast<size_t>(n));
+    int64_t total = 0;
+    for (auto& e : ends) e = total += len(rng);
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(total));
+    pool.run_sliced(ends.data(), [&](int64_t i, int) { hits[static_cast<size_t>(i)].fetch_add(1, std::memory_order_relaxed); });
+    for (int64_t i = 0; i < total; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << "list " << list << " job " << i;
+  }
+  // Slices of 4 jobs of ~1 ms: worker w must run job 4w itself (it claims it before helping).
+  std::vector<int64_t> ends(static_cast<size_t>(n));
+  for (int w = 0; w < n; ++w) ends[static_cast<size_t>(w)] = 4 * (w + 1);
+  std::vector<int> ran_by(static_cast<size_t>(4 * n), -1);
+  std::vector<std::atomic<int>> started(static_cast<size_t>(4 * n));
+  pool.run_sliced(ends.data(), [&](int64_t i, int w) {
+    ran_by[static_cast<size_t>(i)] = w;
+    started[static_cast<size_t>(i)].store(1, std::memory_order_release);
+    if (i % 4 == 3) {
+      // The last job of a slice waits until the first job of every slice has started.
+      for (int s = 0; s < n; ++s) {
+        while (!started[static_cast<size_t>(4 * s)].load(std::memory_order_acquire)) std::this_thread::yield();
+      }
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  });
+  for (int w = 0; w < n; ++w) EXPECT_EQ(ran_by[static_cast<size_t>(4 * w)], w) << "slice " << w << "'s first job";
+}
+
 TEST(ThreadPool, JobsRunOnTheListedCpusWithWorkerIndices) {
   const std::vector<int> cpus = allowed_cpus();
   ThreadPool pool(cpus);

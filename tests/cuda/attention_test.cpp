@@ -1,7 +1,8 @@
 // Causal GQA attention on the GPU (kernels/cuda/attention.h) against the exact softmax attention
 // (in double) of the reference's formula (moraine::reference::attend_one_head), with a KV length
 // crossing several chunks, a gate, and a check that a batch of rows gives bit-identical output
-// to the same rows run one by one (the property decode-after-prefill relies on).
+// to the same rows run one by one (the property decode-after-prefill relies on), and that the
+// GQA-shared kernel gives the very bits of the kernel before the sharing.
 // Tolerance, first order in u = 2^-24: a score s_j is off by at most
 //   ds_j = (hd/32 + 5) u scale sum_d |q_d k_jd| + u |s_j|   (fma chain, warp tree, scaling),
 // which moves p_j relatively by up to 2 max_j ds_j, plus 8u for exp and the normalisation; the
@@ -137,6 +138,58 @@ TEST(CudaAttention, MatchesExactSoftmaxAttention) {
   check({shape(8, 2, 128), 3, 600, false}, 3);   // decode rows over three chunks
   check({shape(6, 3, 256), 5, 250, true}, 4);    // gated, rows straddling a chunk boundary
   check({shape(3, 1, 40), 300, 0, false}, 5);    // a long prefill, head_dim not a multiple of 32
+}
+
+// The GQA-shared kernel (`attention`: one CTA per kv head and chunk for all its query heads and
+// rows) against the kernel before the sharing (`attention_unshared`: one CTA per row, head and
+// chunk), which it must reproduce bit for bit: same chunk cut, same arithmetic order per query.
+// Qwen3-30B (32 q heads over 4 kv heads of 128) and qwen3next (16 over 2 of 256, gated) shapes,
+// decode and multi-row calls, chunk boundaries, and a group of 1 and of 3.
+void check_shared_equals_unshared(const Run& r, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const cuda::AttentionShape& s = r.s;
+  const int64_t hd = s.head_dim, n_ctx = r.n_past + r.n, qd = s.n_head * hd;
+  const std::vector<float> q = normal_values(rng, static_cast<size_t>(r.n * qd), 1.0f);
+  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
+  const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  std::vector<float> gate;
+  if (r.gated) gate = normal_values(rng, static_cast<size_t>(r.n * 2 * qd), 2.0f);
+  cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
+      dout(q.size());
+  dq.upload(q.data(), q.size());
+  dk.upload(kc.data(), kc.size());
+  dv.upload(vc.data(), vc.size());
+  if (!gate.empty()) dg.upload(gate.data(), gate.size());
+  const int64_t scratch = cuda::attention_scratch_floats(s, r.n, n_ctx);
+  cuda::DeviceBuffer<float> dscratch(static_cast<size_t>(scratch));
+  std::vector<float> shared(q.size()), unshared(q.size());
+  const float* g = r.gated ? dg.get() : nullptr;
+  dout.fill_bytes(0xff);
+  cuda::attention(s, dq.get(), dk.get(), dv.get(), r.n, r.n_past, g, 2 * qd, 2 * hd, dout.get(), dscratch.get(),
+                  scratch);
+  dout.download(shared.data(), shared.size());
+  dout.fill_bytes(0xff);
+  dscratch.fill_bytes(0xff);
+  cuda::attention_unshared(s, dq.get(), dk.get(), dv.get(), r.n, r.n_past, g, 2 * qd, 2 * hd, dout.get(),
+                           dscratch.get(), scratch);
+  dout.download(unshared.data(), unshared.size());
+  for (size_t i = 0; i < shared.size(); ++i) {
+    ASSERT_FALSE(std::isnan(shared[i])) << "output " << i << " not written";
+    ASSERT_EQ(std::memcmp(&shared[i], &unshared[i], 4), 0)
+        << "row " << i / qd << " head " << i % qd / hd << " dim " << i % hd << ": shared " << shared[i]
+        << ", unshared " << unshared[i];
+  }
+}
+
+TEST(CudaAttention, GqaSharedKernelBitIdenticalToUnshared) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_shared_equals_unshared({shape(32, 4, 128), 1, 3000, false}, 11);  // decode, 12 chunks
+  check_shared_equals_unshared({shape(32, 4, 128), 16, 250, false}, 12);  // 16 rows across a chunk edge
+  check_shared_equals_unshared({shape(32, 4, 128), 1, 0, false}, 13);     // one position
+  check_shared_equals_unshared({shape(16, 2, 256), 3, 511, true}, 14);    // qwen3next, gated
+  check_shared_equals_unshared({shape(4, 4, 64), 9, 100, false}, 15);     // no grouping
+  check_shared_equals_unshared({shape(6, 2, 40), 70, 200, true}, 16);     // group of 3, odd head_dim
+  check_shared_equals_unshared({shape(8, 1, 512), 2, 300, false}, 17);    // largest head_dim
 }
 
 TEST(CudaAttentionArguments, RejectsBadShapeAndSmallScratch) {

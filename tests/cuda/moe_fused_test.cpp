@@ -371,8 +371,10 @@ void run_case(const Case& c) {
     out.slot_row_of = drow_of.get();
   }
 
-  // Twice: the second call checks that the first left the workspace's counters zeroed.
-  for (int call = 0; call < 2; ++call) {
+  // Twice per dot form (MoeLayerWeights::Dots): each second call checks that the first left the
+  // workspace's counters zeroed.
+  for (int call = 0; call < 4; ++call) {
+    w.dots = call < 2 ? cuda::MoeLayerWeights::Dots::kRows : cuda::MoeLayerWeights::Dots::kStaged;
     dsum.fill_bytes(0xff);
     dslot_rows.fill_bytes(0xff);
     cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
@@ -382,7 +384,8 @@ void run_case(const Case& c) {
     dslot_rows.download(rows.data(), rows.size());
     const std::string what = std::string(type_name(c.gate)) + "/" + std::string(type_name(c.up)) + "/" +
                              std::string(type_name(c.down)) + " n=" + std::to_string(c.n_tokens) + " experts=" +
-                             std::to_string(c.n_expert) + " k=" + std::to_string(c.k) + " call " + std::to_string(call);
+                             std::to_string(c.n_expert) + " k=" + std::to_string(c.k) + " call " + std::to_string(call) +
+                             (call < 2 ? " (dot_rows)" : " (staged dots)");
     for (int t = 0; t < c.n_tokens; ++t) {
       for (int64_t r = 0; r < c.n_embd; ++r) {
         const ExpectedSum want = reference_sum(c, host, t, r);
@@ -429,6 +432,8 @@ TEST_P(CudaMoeFused, SlotTableWithAbsentExpertsMatchesReference) {
   run_case({t, t, t, 1, 9, 4, 512, 256, true, 21});
   run_case({t, t, t, 8, 11, 4, 512, 256, true, 22});
   run_case({t, t, t, 16, 13, 5, 256, 256, true, 23});
+  // The golden models' shape (tests/golden *_k256): one 256-block per row, 4 experts, decode.
+  run_case({t, t, t, 1, 4, 2, 256, 256, true, 24});
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaMoeFused,

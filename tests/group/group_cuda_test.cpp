@@ -2,8 +2,8 @@
 // reference executor's greedy tokens (what the group gives with --backend cpu, group_test.cpp),
 // with every sampled row's logits within the CUDA backend's bound against the reference
 // (tests/cuda/cuda_backend_golden_test.cpp: 1e-4 of max |logit| for F32, 1e-3 quantized), both
-// with every expert on the cpu_expert_workers and with every expert in the VRAM tier (the CUDA
-// backend's routed_experts). Skips without a CUDA device.
+// with every expert on the cpu_expert_workers, with every expert in the VRAM tier, and with a VRAM
+// budget that holds half of them (both sides compute in every step). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
 #include "kernels/cuda/device.h"
 #include "tests/group/group_harness.h"
 
@@ -19,12 +21,27 @@ namespace {
 
 namespace fs = std::filesystem;
 
+enum class Experts { kCpu, kVram, kHalf };   // where the routed experts are placed
+
 struct Case {
   std::string model;
   std::string weights;  // "f32", "q8_0", "kmix"
-  bool experts_in_vram;
-  std::string name() const { return model + "_" + weights + (experts_in_vram ? "_vram_experts" : "_cpu_experts"); }
+  Experts experts;
+  std::string name() const {
+    return model + "_" + weights +
+           (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts");
+  }
 };
+
+// A VRAM budget of the dense part, the KV cache and half of the experts' bytes, for the context
+// the group plans by default.
+std::string half_the_experts(const std::string& path) {
+  const model::Model m = model::Model::load(path);
+  const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
+  uint64_t experts = 0;
+  for (uint64_t b : s.expert_bytes) experts += b * static_cast<uint64_t>(s.n_expert);
+  return std::to_string(s.dense_bytes + s.kv_bytes + experts / 2);
+}
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
 
@@ -44,8 +61,15 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   o.model = model;
   o.backend = "cuda";
   o.logits_dump = dir + "/logits.f32";
-  if (c.experts_in_vram) o.vram = "1099511627776";  // 1 TiB: every expert fits
+  if (c.experts == Experts::kVram) o.vram = "1099511627776";  // 1 TiB: every expert fits
+  if (c.experts == Experts::kHalf) o.vram = half_the_experts(model);
   Group g(o);
+  if (c.experts == Experts::kHalf) {   // both sides really compute: some experts in each tier
+    const group::PlacementPlan plan =
+        group::PlacementPlan::read(group::placement_path(g.socket_dir()), group::model_sizes(model::Model::load(model), 0));
+    EXPECT_GT(plan.vram.experts, 0);
+    EXPECT_GT(plan.ram.experts, 0);
+  }
   const Generation gen = generate(g.socket_dir(), prompt, kTokens);
   ASSERT_TRUE(gen.error.empty()) << gen.error;
   EXPECT_EQ(gen.ids, ref.ids);
@@ -65,11 +89,15 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_k256"}) v.push_back({m, "f32", false});
-  v.push_back({"qwen3moe_odd", "q8_0", false});
-  v.push_back({"qwen3moe_k256", "kmix", true});
-  v.push_back({"qwen3next_k256", "kmix", true});
-  v.push_back({"qwen3next_odd", "f32", true});
+  for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_k256"}) v.push_back({m, "f32", Experts::kCpu});
+  v.push_back({"qwen3moe_odd", "q8_0", Experts::kCpu});
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kVram});
+  v.push_back({"qwen3next_k256", "kmix", Experts::kVram});
+  v.push_back({"qwen3next_odd", "f32", Experts::kVram});
+  // A VRAM budget smaller than the model: the device's experts and the cpu workers' in one step.
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf});
+  v.push_back({"qwen3next_k256", "kmix", Experts::kHalf});
+  v.push_back({"qwen3moe_odd", "f32", Experts::kHalf});
   return v;
 }
 

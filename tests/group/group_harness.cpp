@@ -109,6 +109,7 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
                    "--gpu-threads", "1", "--bin-dir", (kBuild / "coordinator").string(),
                    "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram, "--backend", o_.backend};
   if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
+  if (!o_.write_census) lo.start_args.push_back("--no-census");
   if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
   try {
     launched_ = std::make_unique<group::LaunchedGroup>(lo);

@@ -41,6 +41,10 @@ struct GroupOptions {
   // every expert is computed by the cpu workers from RAM (what the tests that predate tiers check).
   std::string vram, ram = "unlimited";
   std::string census;        // empty: none (uniform popularity)
+  // The gpu_worker merges its routing counts into the census (--census, else MODEL.census.json).
+  // Off by default (--no-census): a test that starts a group twice on one model would otherwise
+  // place the second by the first's routing.
+  bool write_census = false;
   std::string backend = "cpu";  // the gpu_worker's --backend: cpu or cuda
 };
 

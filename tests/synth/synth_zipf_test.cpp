@@ -4,7 +4,10 @@
 //   h = the embedding row of a random token (which carries the file's constant "massive"
 //       coordinate), plus N(0, 0.2 * (l + 0.5) / n_layer) on every other coordinate for what
 //       the blocks before layer l added (0.2 over the depth: measured from llama.cpp's final
-//       logits, see SynthLlama);
+//       logits, see SynthLlama), except the slow subspace S (moraine.synth.slow_dim_*), which
+//       the embedding leaves at zero and each attention layer's recency heads add
+//       moraine.synth.slow_variance / (number of attention layers) of variance to
+//       (tools/synth/router_locality.h);
 //   router input = RMSNorm(h) * the layer's ffn_norm / post_attention_norm weight.
 //
 // Top-k of (router * input) over 4096 to 65536 such tokens gives per-expert counts; sorted, their
@@ -84,6 +87,17 @@ LayerCounts route(const GgufFile& f, const std::string& arch, int64_t layer, int
 
   const double added_var = 0.2 * (static_cast<double>(layer) + 0.5) / static_cast<double>(L);
   std::normal_distribution<double> normal(0.0, std::sqrt(added_var));
+  const int64_t s0 = static_cast<int64_t>(*f.get_u64("moraine.synth.slow_dim_first"));
+  const int64_t sn = static_cast<int64_t>(*f.get_u64("moraine.synth.slow_dim_count"));
+  const int64_t interval = arch == "qwen3next" ? static_cast<int64_t>(*f.get_u64(arch + ".full_attention_interval")) : 1;
+  int64_t attn_total = 0, attn_upto = 0;
+  for (int64_t il = 0; il < L; ++il) {
+    const bool attn = (il + 1) % interval == 0;
+    attn_total += attn;
+    attn_upto += attn && il <= layer;
+  }
+  const double slow_final = *f.get_f64("moraine.synth.slow_variance");
+  std::normal_distribution<double> slow(0.0, std::sqrt(slow_final * static_cast<double>(attn_upto) / static_cast<double>(attn_total)));
   std::uniform_int_distribution<int64_t> pick(0, embd.shape[1] - 1);
   std::vector<double> count(static_cast<size_t>(E), 0.0);
   std::vector<double> x(static_cast<size_t>(H)), logit(static_cast<size_t>(E));
@@ -92,7 +106,8 @@ LayerCounts route(const GgufFile& f, const std::string& arch, int64_t layer, int
     const std::vector<float> h = row_of(embd, pick(rng));
     double ss = 0;
     for (int64_t i = 0; i < H; ++i) {
-      x[static_cast<size_t>(i)] = h[static_cast<size_t>(i)] + (i == massive ? 0.0 : normal(rng));
+      const bool in_s = i >= s0 && i < s0 + sn;
+      x[static_cast<size_t>(i)] = in_s ? slow(rng) : h[static_cast<size_t>(i)] + (i == massive ? 0.0 : normal(rng));
       ss += x[static_cast<size_t>(i)] * x[static_cast<size_t>(i)];
     }
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);

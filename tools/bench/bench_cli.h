@@ -32,6 +32,8 @@ struct BenchOptions {
   int cpu_workers = 1;            // group: cpu_expert_workers
   std::string bin_dir;            // group: where moraine-supervisor is (default: found beside the bench)
   std::string vram_text, ram_text;  // the budgets as given, passed on to the group
+  bool census_warmup = false;     // group: one run to record the census, restart, then measure
+  std::string socket_dir;         // group: where its sockets and logs go (default: a fresh temp dir)
 };
 
 struct EngineUnderTest {

@@ -23,6 +23,9 @@ struct EngineStats {
   // Share of expert reads served by each tier (sums to 1 over the tiers that serve any).
   std::array<double, kTierCount> hit_rate{};
   bool budgets_applied = false;  // false: --vram/--ram were recorded but this engine ignores them
+  // Where the placement's expert popularity came from ("warm: ..." after a census warm-up run,
+  // "none: uniform ..."); empty for engines without a placement.
+  std::string census;
 };
 
 class BenchEngine {

@@ -6,9 +6,11 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "coordinator/census.h"
 #include "coordinator/group_layout.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
+#include "tools/bench/bench_run.h"
 
 namespace moraine::bench {
 namespace {
@@ -58,15 +60,36 @@ GroupEngine::GroupEngine(GroupEngineOptions o, std::unique_ptr<model::Model> m)
   if (o_.bin_dir.empty() || !fs::exists(fs::path(o_.bin_dir) / "moraine-supervisor")) {
     throw std::runtime_error("engine group: moraine-supervisor not found (give --bin-dir)");
   }
-  char tmpl[] = "/tmp/moraine-bench-XXXXXX";
-  if (!mkdtemp(tmpl)) throw std::runtime_error("engine group: cannot make a socket directory in /tmp");
-  socket_dir_ = tmpl;
+  if (o_.socket_dir.empty()) {
+    char tmpl[] = "/tmp/moraine-bench-XXXXXX";
+    if (!mkdtemp(tmpl)) throw std::runtime_error("engine group: cannot make a socket directory in /tmp");
+    socket_dir_ = tmpl;
+    own_socket_dir_ = true;
+  } else {
+    socket_dir_ = o_.socket_dir;
+    std::error_code ec;
+    fs::create_directories(socket_dir_, ec);
+    if (ec) throw std::runtime_error("engine group: cannot make --socket-dir " + socket_dir_ + ": " + ec.message());
+  }
+  // The bench's own census, never the model's MODEL.census.json: a number must not depend on
+  // what earlier runs of the model happened to route.
+  census_path_ = socket_dir_ + "/census.json";
+  std::error_code ec;
+  fs::remove(census_path_, ec);
+  census_note_ = "none: uniform expert popularity (no census read or written; --census-warmup runs one first)";
+  start(false);
+}
+
+void GroupEngine::start(bool record_census) {
+  group_.reset();
   group::LaunchOptions lo;
   lo.supervisor = (fs::path(o_.bin_dir) / "moraine-supervisor").string();
   lo.socket_dir = socket_dir_;
   lo.log_path = socket_dir_ + "/group.log";
   lo.start_args = {"-m", o_.model, "--bin-dir", o_.bin_dir, "--cpu-workers", std::to_string(o_.cpu_workers),
-                   "--backend", o_.backend, "--max-tokens", std::to_string(o_.max_tokens)};
+                   "--backend", o_.backend, "--max-tokens", std::to_string(o_.max_tokens), "--census", census_path_};
+  // Placement reads the census when the file is there (after a warm-up); only the warm-up run writes it.
+  if (!record_census) lo.start_args.push_back("--no-census");
   if (!o_.vram.empty()) lo.start_args.insert(lo.start_args.end(), {"--vram", o_.vram});
   if (!o_.ram.empty()) lo.start_args.insert(lo.start_args.end(), {"--ram", o_.ram});
   // Loading a large model can take minutes from a slow disk.
@@ -74,14 +97,51 @@ GroupEngine::GroupEngine(GroupEngineOptions o, std::unique_ptr<model::Model> m)
   group_ = std::make_unique<group::LaunchedGroup>(lo);
 }
 
+void GroupEngine::warm_census(std::span<const int32_t> prompt, int64_t n) {
+  start(true);
+  reset();
+  fault_.clear();
+  const Generated g = generate(prompt, n);
+  if (!fault_.empty()) throw BenchFault("census warm-up run: the engine reports a fault: " + fault_);
+  if (static_cast<int64_t>(g.ids.size()) != n) {
+    throw BenchFault("census warm-up run: the engine returned " + std::to_string(g.ids.size()) + " tokens, expected " +
+                     std::to_string(n));
+  }
+  group_->stop();   // the gpu_worker flushes its census at exit
+  std::uint64_t routed = 0;
+  try {
+    const group::Census c = group::Census::read(census_path_, model_->hp.n_layer, model_->hp.n_expert);
+    for (const auto& layer : c.counts) {
+      for (std::uint64_t x : layer) routed += x;
+    }
+  } catch (const std::exception& e) {
+    throw std::runtime_error("census warm-up: no usable census after the warm-up run (" + std::string(e.what()) +
+                             "); does the gpu_worker record one? see " + socket_dir_ + "/group.log");
+  }
+  if (routed == 0) throw std::runtime_error("census warm-up: the census " + census_path_ + " counts no routing");
+  start(false);
+  census_note_ = "warm: " + std::to_string(routed) + " expert routings recorded by a warm-up run (" +
+                 std::to_string(prompt.size()) + "-token prompt + " + std::to_string(n) +
+                 " tokens), then the group restarted and placed by them";
+}
+
 GroupEngine::~GroupEngine() {
   group_.reset();
   std::error_code ec;
-  fs::remove_all(socket_dir_, ec);
+  if (own_socket_dir_) fs::remove_all(socket_dir_, ec);
 }
 
 void GroupEngine::reset() {
-  for (const std::string& inst : instances(o_.cpu_workers)) stats_of(socket_dir_, inst, true);
+  // A process that does not answer between runs has died (and is being restarted): the run
+  // about to start, and the one before it, cannot be trusted.
+  for (const std::string& inst : instances(o_.cpu_workers)) {
+    try {
+      stats_of(socket_dir_, inst, true);
+    } catch (const std::exception& e) {
+      fault_ = std::string(e.what()) + " (a process of the group died or is restarting)";
+      throw BenchFault(fault_);
+    }
+  }
 }
 
 std::span<const float> GroupEngine::prefill(std::span<const int32_t>) {
@@ -119,10 +179,14 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
   if (!error.empty()) fault_ = error;
   // Faults of the processes (restarts, re-issued steps) since reset().
   if (fault_.empty()) {
-    if (const uint64_t r = counter(stats_of(socket_dir_, group::kSupervisorInstance, false), "restarts")) {
-      fault_ = std::to_string(r) + " worker restart(s)";
-    } else if (const uint64_t s = counter(stats_of(socket_dir_, group::kCoordinatorInstance, false), "steps_reissued")) {
-      fault_ = std::to_string(s) + " re-issued step(s)";
+    try {
+      if (const uint64_t r = counter(stats_of(socket_dir_, group::kSupervisorInstance, false), "restarts")) {
+        fault_ = std::to_string(r) + " worker restart(s)";
+      } else if (const uint64_t s = counter(stats_of(socket_dir_, group::kCoordinatorInstance, false), "steps_reissued")) {
+        fault_ = std::to_string(s) + " re-issued step(s)";
+      }
+    } catch (const std::exception& e) {
+      fault_ = std::string(e.what()) + " (a process of the group died or is restarting)";
     }
   }
   return g;
@@ -131,16 +195,27 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
 std::string GroupEngine::detected_fault() const { return fault_; }
 
 EngineStats GroupEngine::stats() const {
-  // Experts computed per tier over the last run (counters were zeroed by reset()).
-  double vram = static_cast<double>(counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "experts_vram"));
-  double ram = 0, file = 0;
-  for (int i = 0; i < o_.cpu_workers; ++i) {
-    const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
-    ram += static_cast<double>(counter(r, "experts_ram"));
-    file += static_cast<double>(counter(r, "experts_file"));
+  // Experts computed per tier over the last run (counters were zeroed by reset()). A process
+  // that restarted since lost its counters: no hit rate from that.
+  double vram = 0, ram = 0, file = 0;
+  try {
+    vram = static_cast<double>(counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "experts_vram"));
+    for (int i = 0; i < o_.cpu_workers; ++i) {
+      const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
+      ram += static_cast<double>(counter(r, "experts_ram"));
+      file += static_cast<double>(counter(r, "experts_file"));
+    }
+    if (const uint64_t r = counter(stats_of(socket_dir_, group::kSupervisorInstance, false), "restarts")) {
+      throw BenchFault("hit rates: " + std::to_string(r) + " worker restart(s) since the group started");
+    }
+  } catch (const BenchFault&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
   }
   EngineStats s;
   s.budgets_applied = true;
+  s.census = census_note_;
   const double total = vram + ram + file;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

@@ -23,6 +23,9 @@ struct GroupEngineOptions {
   std::string vram, ram;         // budgets as the supervisor takes them ("12G"; empty: unlimited)
   std::string bin_dir;           // where moraine-supervisor and the workers are
   int max_tokens = 512;          // rows of one step (prefill chunk)
+  // Empty: a fresh /tmp/moraine-bench-XXXXXX, removed at the end. Given: used (created if
+  // missing) and kept, with the group's log (group.log) and the census of a warm-up.
+  std::string socket_dir;
 };
 
 class GroupEngine final : public BenchEngine {
@@ -41,11 +44,23 @@ class GroupEngine final : public BenchEngine {
   EngineStats stats() const override;
   std::string detected_fault() const override;
 
+  // The census warm-up ("census warm; the second run counts"): generates n tokens after
+  // `prompt` so the gpu_worker records which experts the routing used, stops the group (the
+  // gpu_worker merges its counts into <socket dir>/census.json at exit), checks the census is
+  // there and not empty, and starts the group again so that placement reads it. Without this
+  // the group places by uniform popularity (no census is read or written). Throws BenchFault
+  // for a faulty warm-up run and std::runtime_error when no census was written.
+  void warm_census(std::span<const int32_t> prompt, int64_t n);
+
  private:
+  void start(bool record_census);
   GroupEngineOptions o_;
   std::unique_ptr<model::Model> model_;
   ModelReadBytes bytes_;
   std::string socket_dir_;
+  bool own_socket_dir_ = false;
+  std::string census_path_;
+  std::string census_note_;
   std::unique_ptr<group::LaunchedGroup> group_;
   std::string fault_;
 };

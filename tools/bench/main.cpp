@@ -4,7 +4,7 @@
 // with the --vram/--ram budgets); every output names the engine.
 //
 //   moraine-bench -m model.gguf -n 64 --prompt-lengths 512,8192 --threads 16 --json
-//   moraine-bench -m model.gguf --engine group --backend cuda --vram 12G --ram 32G
+//   moraine-bench -m model.gguf --engine group --backend cuda --vram 12G --ram 32G --census-warmup
 #include <iostream>
 #include <algorithm>
 #include <memory>
@@ -13,6 +13,7 @@
 #include "common/model/hparams.h"
 #include "common/model/model.h"
 #include "tools/bench/bench_cli.h"
+#include "tools/bench/bench_run.h"
 #include "tools/bench/group_engine.h"
 #include "tools/bench/reference_engine.h"
 
@@ -34,7 +35,10 @@ int main(int argc, char** argv) {
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
       g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
-      return EngineUnderTest{std::make_unique<GroupEngine>(g, std::move(m)), s};
+      g.socket_dir = o.socket_dir;
+      auto engine = std::make_unique<GroupEngine>(g, std::move(m));
+      if (o.census_warmup) engine->warm_census(bench_prompt(longest, engine->n_vocab()), o.n_gen + 1);
+      return EngineUnderTest{std::move(engine), s};
     }
     return EngineUnderTest{std::make_unique<ReferenceEngine>(std::move(m), o.threads), s};
   };

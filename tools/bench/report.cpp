@@ -52,6 +52,7 @@ nlohmann::json report_json(const BenchReport& r) {
                                                    : nlohmann::json(nullptr)},
                 {"why_none", r.bound.why_none}};
   j["share_of_bound"] = opt_number(r.share_of_bound);
+  j["census"] = r.stats.census;
   return j;
 }
 
@@ -61,7 +62,9 @@ void print_table(const BenchReport& r, std::ostream& out) {
   out << "\nmodel: " << r.model.path << " (" << r.model.arch << ", " << gib(static_cast<double>(r.model.file_bytes))
       << ", " << r.model.n_layer << " layers, " << r.model.n_expert << " experts top-" << r.model.n_expert_used << ")\n";
   out << "budgets: vram " << budget(r.vram_budget) << ", ram " << budget(r.ram_budget)
-      << (r.stats.budgets_applied ? "" : " (recorded; this engine does not apply them)") << "\n\n";
+      << (r.stats.budgets_applied ? "" : " (recorded; this engine does not apply them)") << "\n";
+  if (!r.stats.census.empty()) out << "census: " << r.stats.census << "\n";
+  out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
   out << "| ------------- | ------: | -----: | --------------: | ----------: | -----: |\n";

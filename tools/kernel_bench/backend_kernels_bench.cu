@@ -4,6 +4,7 @@
 // step gets. Inputs are random (the kernels' speed does not depend on the values).
 #include "tools/kernel_bench/backend_kernels_bench.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <random>
@@ -12,6 +13,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
@@ -139,33 +141,82 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
   }
 
   // Attention: decode over a long cache (bytes of K and V read), prefill from empty (FLOPs).
+  // Decode cycles over copies of the cache well above the 60 MB L2 (as a real step finds it after
+  // the other layers ran), for the kernel before GQA sharing (each K/V row read once per query
+  // head), the shared one, and the graph-safe one (grid sized for the capacity, here the live
+  // length, and for a 32K capacity at a shorter live length: the cost of the fixed grid).
   cuda::AttentionShape s;
   s.n_head = n_head;
   s.n_head_kv = n_kv;
   s.head_dim = hd;
   s.kv_stride = n_kv * hd;
   s.scale = 0.088f;
-  for (int64_t ctx : {int64_t{4096}, int64_t{32768}}) {
-    DeviceBuffer<float> kc = random_device(ctx * n_kv * hd, 11), vc = random_device(ctx * n_kv * hd, 12);
+  for (int64_t ctx : {int64_t{512}, int64_t{4096}, int64_t{32768}}) {
+    const int64_t kv = ctx * n_kv * hd, cap = 32768;
+    const int64_t copies = std::max<int64_t>(2, (int64_t{512} << 20) / (2 * kv * 4));
+    DeviceBuffer<float> kc(static_cast<size_t>(copies * kv)), vc(static_cast<size_t>(copies * kv));
+    {  // one random cache, replicated on the device (host generation of every copy takes seconds)
+      DeviceBuffer<float> k1 = random_device(kv, 11), v1 = random_device(kv, 12);
+      for (int64_t c = 0; c < copies; ++c) {
+        CUDA_CHECK(cudaMemcpy(kc.get() + c * kv, k1.get(), k1.bytes(), cudaMemcpyDeviceToDevice));
+        CUDA_CHECK(cudaMemcpy(vc.get() + c * kv, v1.get(), v1.bytes(), cudaMemcpyDeviceToDevice));
+      }
+    }
     DeviceBuffer<float> q = random_device(n_head * hd, 13), out(n_head * hd);
-    const int64_t scratch = cuda::attention_scratch_floats(s, 1, ctx);
+    const int64_t scratch = cuda::attention_at_scratch_floats(s, 1, cap);
     DeviceBuffer<float> sc(static_cast<size_t>(scratch));
-    const double ms = ms_per_call([&](int) {
-      cuda::attention(s, q.get(), kc.get(), vc.get(), 1, ctx - 1, nullptr, 0, 0, out.get(), sc.get(), scratch);
+    const int32_t past_h = static_cast<int32_t>(ctx - 1);
+    DeviceBuffer<int32_t> past(1);
+    past.upload(&past_h, 1);
+    const std::string shape = "32/4 heads x128, ctx " + std::to_string(ctx);
+    const double bytes = double(2 * kv * 4);
+    double ms = ms_per_call([&](int i) {
+      const int64_t c = i % copies;
+      cuda::attention_unshared(s, q.get(), kc.get() + c * kv, vc.get() + c * kv, 1, ctx - 1, nullptr, 0, 0, out.get(),
+                               sc.get(), scratch);
     }, min_ms);
-    add("attention decode (split-KV)", "32/4 heads x128, ctx " + std::to_string(ctx), ms, double(2 * ctx * n_kv * hd * 4), "GB/s");
+    add("attention decode unshared", shape, ms, bytes, "GB/s");
+    ms = ms_per_call([&](int i) {
+      const int64_t c = i % copies;
+      cuda::attention(s, q.get(), kc.get() + c * kv, vc.get() + c * kv, 1, ctx - 1, nullptr, 0, 0, out.get(), sc.get(),
+                      scratch);
+    }, min_ms);
+    add("attention decode GQA-shared", shape, ms, bytes, "GB/s");
+    ms = ms_per_call([&](int i) {
+      const int64_t c = i % copies;
+      cuda::attention_at(s, q.get(), kc.get() + c * kv, vc.get() + c * kv, 1, past.get(), ctx, nullptr, 0, 0,
+                         out.get(), sc.get(), scratch);
+    }, min_ms);
+    add("attention_at (cap = ctx)", shape, ms, bytes, "GB/s");
+    if (ctx < cap) {
+      DeviceBuffer<float> kbig = random_device(cap * n_kv * hd, 17), vbig = random_device(cap * n_kv * hd, 18);
+      ms = ms_per_call([&](int) {
+        cuda::attention_at(s, q.get(), kbig.get(), vbig.get(), 1, past.get(), cap, nullptr, 0, 0, out.get(), sc.get(),
+                           scratch);
+      }, min_ms);
+      add("attention_at (cap 32768)", shape + " (L2-warm)", ms, bytes, "GB/s");
+    }
   }
-  {
-    const int64_t n = 512;
+  // Prefill from empty: causal, query t sees t + 1 positions; 4 FLOPs per (position, dim) for
+  // q.k and p.v. The per-row split-KV path (the decode kernel over the rows) only at 512: at
+  // 8192 it takes seconds per call.
+  for (int64_t n : {int64_t{512}, int64_t{8192}}) {
     DeviceBuffer<float> kc = random_device(n * n_kv * hd, 14), vc = random_device(n * n_kv * hd, 15);
     DeviceBuffer<float> q = random_device(n * n_head * hd, 16), out(n * n_head * hd);
-    const int64_t scratch = cuda::attention_scratch_floats(s, n, n);
-    DeviceBuffer<float> sc(static_cast<size_t>(scratch));
+    const double flops = 4.0 * n_head * hd * (n * (n + 1) / 2.0);
+    const std::string shape = "32/4 heads x128, " + std::to_string(n) + " tokens";
+    if (n == 512) {
+      const int64_t scratch = cuda::attention_scratch_floats(s, 16, n);
+      DeviceBuffer<float> sc(static_cast<size_t>(scratch));
+      const double ms = ms_per_call([&](int) {
+        cuda::attention(s, q.get(), kc.get(), vc.get(), n, 0, nullptr, 0, 0, out.get(), sc.get(), scratch);
+      }, min_ms);
+      add("attention prefill (per row)", shape, ms, flops, "TFLOP/s");
+    }
     const double ms = ms_per_call([&](int) {
-      cuda::attention(s, q.get(), kc.get(), vc.get(), n, 0, nullptr, 0, 0, out.get(), sc.get(), scratch);
+      cuda::attention_prefill(s, q.get(), kc.get(), vc.get(), n, 0, nullptr, 0, 0, out.get());
     }, min_ms);
-    // Causal: query t sees t + 1 positions; 4 FLOPs per (position, dim) for q.k and p.v.
-    add("attention prefill (per row)", "32/4 heads x128, 512 tokens", ms, 4.0 * n_head * hd * (n * (n + 1) / 2.0), "TFLOP/s");
+    add("attention_prefill (tiled)", shape, ms, flops, "TFLOP/s");
   }
 
   if (json != nullptr) {

@@ -43,7 +43,7 @@ struct ExpertSet {
 
 // Quantized template rows of one shape, then every matrix of every expert filled with them
 // (shifted per expert), so the set holds valid blocks without quantizing a GiB.
-ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node) {
+ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node, bool huge_pages) {
   std::mt19937 rng(2024);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   auto make_template = [&](int64_t cols) {
@@ -60,7 +60,7 @@ ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node) {
   const size_t mat_wide = wide_row * kFfn, mat_narrow = narrow_row * kHidden;
   const size_t expert_bytes = 2 * mat_wide + mat_narrow;
   const size_t n_experts = std::max<size_t>(2 * kExpertsPerToken, set_bytes / expert_bytes);
-  ExpertSet set{cpu::NodeMemory(n_experts * expert_bytes, node), {}, expert_bytes};
+  ExpertSet set{cpu::NodeMemory(n_experts * expert_bytes, node, huge_pages), {}, expert_bytes};
   auto* base = static_cast<uint8_t*>(set.memory.data());
   for (size_t e = 0; e < n_experts; ++e) {
     uint8_t* p = base + e * expert_bytes;
@@ -82,6 +82,21 @@ ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node) {
     set.experts.push_back(w);
   }
   return set;
+}
+
+// This process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup), bytes;
+// 0 when it cannot be read.
+size_t anon_huge_bytes() {
+  std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kb = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long v = 0;
+    if (std::sscanf(line, "AnonHugePages: %lu kB", &v) == 1) kb = v;
+  }
+  std::fclose(f);
+  return kb * 1024;
 }
 
 struct Point {
@@ -191,6 +206,15 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
       ->check(CLI::Range(0, 1 << 20));
   cpu->add_option("--gate-up-rows", opt.gate_up_rows, "rows of one expert per gate+up job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--down-rows", opt.down_rows, "output rows per down job (default: the library's)")->check(CLI::Range(1, 1 << 16));
+  cpu->add_option("--probe-chunk-kib", opt.probe_chunk_kib, "also measure the DRAM read in chunks of this many KiB (0: not)")
+      ->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--schedule", opt.schedule, "how the layer's jobs reach the threads (default: the library's)")
+      ->check(CLI::IsMember({"shared", "sliced"}));
+  // Huge pages by default: the expert arena asks for 2 MiB pages too (common/shm/page_backing.h).
+  cpu->add_flag("--huge-pages,!--small-pages", opt.huge_pages,
+                "back the expert set and the DRAM probe with transparent huge pages (madvise; the default) or small pages");
+  cpu->add_option("--caller-spin-us", opt.caller_spin_us, "how long the layer's caller polls before it sleeps (default: the pool's)")
+      ->check(CLI::Range(0, 1000000));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
@@ -205,6 +229,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
   if (opt.down_rows > 0) job_rows.down = opt.down_rows;
   cpu::set_ffn_job_rows(job_rows);
+  if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
+  const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
   std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
   if (opt.cpus.empty() && opt.threads > 0) {
     if (opt.threads > static_cast<int>(cpus.size())) {
@@ -220,22 +246,29 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     types.push_back(*t);
   }
   cpu::ThreadPool pool(cpus);
+  if (opt.caller_spin_us >= 0) pool.set_caller_spin_us(opt.caller_spin_us);
   const int node = cpu::numa_node_of_cpu_id(cpus.front());
   const size_t set_bytes = static_cast<size_t>(opt.set_mib) << 20;
 
-  double dram = 0.0;
+  double dram = 0.0, dram_chunked = 0.0;
   {
-    cpu::NodeMemory buf(set_bytes, node);
+    cpu::NodeMemory buf(set_bytes, node, opt.huge_pages);
     dram = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3) / 1e9;
+    if (opt.probe_chunk_kib > 0) {
+      dram_chunked = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3, static_cast<size_t>(opt.probe_chunk_kib) << 10) / 1e9;
+    }
   }
   if (!opt.json) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B; job rows %lld/%lld\n",
+    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B; job rows %lld/%lld; "
+                "schedule %s; caller spin %d us; huge pages %s\n",
                 static_cast<long long>(kHidden), static_cast<long long>(kFfn), kExpertsPerToken, prefetch.l1_bytes, prefetch.l2_bytes,
-                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down));
+                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.caller_spin_us(),
+                opt.huge_pages ? "asked (madvise)" : "no");
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
+    if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
     std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second (x threads = the compute ceiling)\n\n",
                 static_cast<long long>(kCeilingRows));
     std::printf("%-7s %14s", "format", "bytes/expert");
@@ -244,7 +277,12 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   }
   nlohmann::json rows = nlohmann::json::array();
   for (TensorType t : types) {
-    const ExpertSet set = make_expert_set(t, set_bytes, node);
+    const size_t huge_before = anon_huge_bytes();
+    const ExpertSet set = make_expert_set(t, set_bytes, node, opt.huge_pages);
+    // The share of the set the kernel backed with huge pages (other memory of this process
+    // does not change while the set is built).
+    const double huge_share = static_cast<double>(anon_huge_bytes() - std::min(anon_huge_bytes(), huge_before)) /
+                              static_cast<double>(set.memory.size());
     if (!opt.json) std::printf("%-7s %14zu", std::string(type_name(t)).c_str(), set.expert_bytes);
     for (int n_tok : opt.tokens) {
       const Point p = measure(set, t, n_tok, opt.min_seconds, pool);
@@ -256,9 +294,13 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"gb_per_s", p.gbps}, {"share_of_dram", p.gbps / dram},
                       {"core_l2_gb_per_s", ceiling},
                       {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()}, {"layer_calls", p.layers},
+                      {"huge_page_share", huge_share},
                       {"seconds", p.seconds}});
     }
-    if (!opt.json) std::printf("\n");
+    if (!opt.json) {
+      if (opt.huge_pages) std::printf("   huge pages %3.0f%%", 100.0 * huge_share);
+      std::printf("\n");
+    }
   }
   if (opt.json) {
     const nlohmann::json out = {{"threads", pool.size()},
@@ -274,7 +316,12 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"prefetch_l2", prefetch.l2_bytes},
                                 {"gate_up_rows", job_rows.gate_up},
                                 {"down_rows", job_rows.down},
+                                {"schedule", schedule},
+                                {"caller_spin_us", pool.caller_spin_us()},
+                                {"huge_pages", opt.huge_pages},
                                 {"dram_read_gb_per_s", dram},
+                                {"dram_read_chunk_kib", opt.probe_chunk_kib},
+                                {"dram_read_chunked_gb_per_s", dram_chunked},
                                 {"results", rows}};
     std::cout << out.dump(2) << "\n";
   }

@@ -24,6 +24,10 @@ struct CpuBenchOptions {
   int prefetch_l2 = -1;
   int gate_up_rows = 0;       // 0: the library default (cpu::FfnJobRows)
   int down_rows = 0;
+  bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on the expert set and the DRAM probe's buffer
+  int probe_chunk_kib = 32;   // second DRAM probe with job-sized chunks; 0: off
+  int caller_spin_us = -1;
+  std::string schedule;       // shared / sliced; empty: the library default (cpu::FfnSchedule)    // -1: the pool's default (ThreadPool::set_caller_spin_us)
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);

@@ -23,6 +23,7 @@
 #include "tools/kernel_bench/moe_fused_bench.h"
 #include "tools/kernel_bench/delta_net_bench.h"
 #include "tools/kernel_bench/backend_kernels_bench.h"
+#include "tools/kernel_bench/gemm_prefill_bench.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -202,6 +203,9 @@ void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt) {
   sub->add_option("--set-mib", opt.set_mib, "distinct weight MiB cycled per point (keep >> L2)")->check(CLI::Range(64, 65536));
   sub->add_option("--formats", opt.formats, "weight formats")->delimiter(',');
   sub->add_option("--min-ms", opt.min_ms, "timed milliseconds per point")->check(CLI::Range(1.0, 10000.0));
+  sub->add_flag("--gemm-only", opt.gemm_only, "only the prefill GEMM section (gemm_prefill: cuBLAS on expanded weights)");
+  sub->add_flag("--moe-only", opt.moe_only, "only the fused MoE layer bench (moe_fused), after the bandwidth measure");
+  sub->add_flag("--backend-only", opt.backend_only, "only the backend kernels section, after the bandwidth measure");
 }
 
 int run_cuda_bench(const CudaBenchOptions& opt) {
@@ -216,7 +220,34 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   }
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (opt.gemm_only) {  // compute-bound: no bandwidth measure needed
+    std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    nlohmann::json j;
+    run_gemm_prefill_bench(opt.min_ms, opt.json ? &j : nullptr);
+    if (opt.json) std::cout << j.dump(2) << "\n";
+    return 0;
+  }
   const Bandwidth bw = measure_bandwidth(opt.min_ms);
+  if (opt.backend_only) {
+    nlohmann::json j;
+    run_backend_kernels_bench(opt.min_ms, bw.read_gbps, opt.json ? &j : nullptr);
+    if (opt.json) std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  if (opt.moe_only) {
+    if (!opt.json) {
+      std::printf("device %s, %d SMs; weight set %d MiB per point; read kernel %.0f GB/s\n", prop.name,
+                  prop.multiProcessorCount, opt.set_mib, bw.read_gbps);
+      run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr);
+      return 0;
+    }
+    nlohmann::json j;
+    j["device"] = prop.name;
+    j["read_gbps"] = bw.read_gbps;
+    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j);
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
   // Qwen3-30B-A3B shapes: attention/expert down (2048 x 768), a dense 4096 x 4096, and the 8
   // routed experts' gate (768 rows of 2048) in one launch.
   const Shape shapes[] = {{"2048x768", 2048, 768, 1}, {"4096x4096", 4096, 4096, 1}, {"8x(768x2048)", 768, 2048, 8}};
@@ -240,6 +271,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
     run_delta_net_bench(opt.min_ms, &j);
     run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j);
     run_backend_kernels_bench(opt.min_ms, bw.read_gbps, &j);
+    run_gemm_prefill_bench(opt.min_ms, &j);
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -253,6 +285,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   run_delta_net_bench(opt.min_ms, nullptr);
   run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr);
   run_backend_kernels_bench(opt.min_ms, bw.read_gbps, nullptr);
+  run_gemm_prefill_bench(opt.min_ms, nullptr);
   return 0;
 }
 

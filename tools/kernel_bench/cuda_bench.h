@@ -16,6 +16,9 @@ struct CudaBenchOptions {
   int set_mib = 1024;  // distinct weight bytes cycled per measurement point: >> the 60 MB L2
   std::vector<std::string> formats{"q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4"};
   double min_ms = 30.0;  // timed span per measurement point
+  bool gemm_only = false;  // only the prefill GEMM section (gemm_prefill_bench.h)
+  bool moe_only = false;  // only the fused MoE layer (after the bandwidth measure)
+  bool backend_only = false;  // only the backend kernels section (backend_kernels_bench.h)
 };
 
 void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt);

@@ -34,6 +34,7 @@ struct MoePoint {
   std::string shape, format;
   int n_tokens;
   double us_per_layer, bytes_per_call, gbps;
+  double graph_us_per_layer, graph_gbps;  // the same calls replayed from a CUDA graph
 };
 
 // One matrix of rows x cols made of quantized template rows, uploaded to dst.
@@ -55,7 +56,8 @@ void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::
 
 size_t round256(size_t v) { return (v + 255) / 256 * 256; }
 
-MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib) {
+MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib,
+                   cuda::MoeLayerWeights::Dots dots) {
   std::mt19937 rng(5);
   const size_t gate_bytes = row_bytes(t, s.n_embd) * static_cast<size_t>(s.n_ff);  // one expert
   const size_t down_bytes = row_bytes(t, s.n_ff) * static_cast<size_t>(s.n_embd);
@@ -112,6 +114,7 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
   w.n_embd = s.n_embd;
   w.n_ff = s.n_ff;
   w.n_expert = s.n_expert;
+  w.dots = dots;
   w.gate = pool.get();
   w.up = pool.get() + kind_bytes[0];
   w.down = pool.get() + kind_bytes[0] + kind_bytes[1];
@@ -124,16 +127,16 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
   routing.n_tokens = n;
   routing.k = s.k;
 
-  auto call = [&](int i) {
+  auto call = [&](int i, cudaStream_t stream) {
     const uint8_t* layer = pool.get() + static_cast<size_t>(i % static_cast<int>(layers)) * layer_bytes;
     w.gate = layer;
     w.up = layer + kind_bytes[0];
     w.down = layer + kind_bytes[0] + kind_bytes[1];
     routing.chosen = dchosen.get() + static_cast<size_t>(i % kRoutings) * slots;
     routing.weight = dweight.get() + static_cast<size_t>(i % kRoutings) * slots;
-    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes, stream);
   };
-  for (int i = 0; i < 5; ++i) call(i);
+  for (int i = 0; i < 5; ++i) call(i, nullptr);
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
@@ -141,7 +144,7 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
   double ms = 0.0;
   for (;;) {
     CUDA_CHECK(cudaEventRecord(start));
-    for (int i = 0; i < calls; ++i) call(i);
+    for (int i = 0; i < calls; ++i) call(i, nullptr);
     CUDA_CHECK(cudaEventRecord(stop));
     CUDA_CHECK(cudaEventSynchronize(stop));
     float f = 0.0f;
@@ -150,13 +153,45 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
     if (ms >= min_ms || calls >= (1 << 20)) break;
     calls = static_cast<int>(std::min<double>(1 << 20, calls * std::max(2.0, 1.2 * min_ms / std::max(ms, 1e-3))));
   }
+  const double ms_per_call = ms / calls;
+
+  // The same calls captured in a CUDA graph, as the backend runs them: no host launch cost, so
+  // this is the kernels' own time per layer.
+  constexpr int kGraphCalls = 64;
+  cudaStream_t gs = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
+  CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, gs));
+  CUDA_CHECK(cudaStreamSynchronize(gs));
+  int reps = 4;
+  double graph_ms = 0.0;
+  for (;;) {
+    CUDA_CHECK(cudaEventRecord(start, gs));
+    for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
+    CUDA_CHECK(cudaEventRecord(stop, gs));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float f = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+    graph_ms = f;
+    if (graph_ms >= min_ms || reps >= (1 << 16)) break;
+    reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(gs));
+  const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  const double ms_per_call = ms / calls;
   // Distinct experts per call, averaged over the routings (the timed calls cycle through them).
   const double distinct = distinct_total / kRoutings;
   const double bytes = distinct * static_cast<double>(expert_bytes);
-  return {s.name, std::string(type_name(t)), n, ms_per_call * 1e3, bytes, bytes / ms_per_call / 1e6};
+  return {s.name + std::string(dots == cuda::MoeLayerWeights::Dots::kStaged ? " staged" : ""), std::string(type_name(t)), n, ms_per_call * 1e3, bytes, bytes / ms_per_call / 1e6,
+          graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6};
 }
 
 }  // namespace
@@ -167,20 +202,26 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
   std::vector<MoePoint> points;
   for (const MoeShape& s : shapes)
     for (TensorType t : formats)
-      for (int n : {1, 8}) points.push_back(bench_moe(s, t, n, min_ms, set_mib));
+      for (int n : {1, 8})
+        for (auto dots : {cuda::MoeLayerWeights::Dots::kRows, cuda::MoeLayerWeights::Dots::kStaged})
+          points.push_back(bench_moe(s, t, n, min_ms, set_mib, dots));
   if (json != nullptr) {
     for (const MoePoint& p : points)
       (*json)["moe_fused"].push_back({{"shape", p.shape}, {"format", p.format}, {"tokens", p.n_tokens},
                                       {"us_per_layer", p.us_per_layer}, {"expert_bytes_per_call", p.bytes_per_call},
-                                      {"gbps", p.gbps}, {"share_of_read", p.gbps / read_gbps}});
+                                      {"gbps", p.gbps}, {"share_of_read", p.gbps / read_gbps},
+                                      {"graph_us_per_layer", p.graph_us_per_layer}, {"graph_gbps", p.graph_gbps},
+                                      {"graph_share_of_read", p.graph_gbps / read_gbps}});
     return;
   }
   std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
-  std::printf("%-14s %-6s %6s %12s %14s %10s %8s\n", "shape", "format", "tokens", "us/layer", "expert B/call",
-              "GB/s", "of read");
+  std::printf("(stream: back-to-back calls from the host; graph: the same calls replayed from a CUDA graph)\n");
+  std::printf("(\"staged\": the earlier per-row dot form, MoeLayerWeights::Dots::kStaged)\n");
+  std::printf("%-21s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
+              "expert B/call", "graph us/layer", "graph GB/s", "of read");
   for (const MoePoint& p : points)
-    std::printf("%-14s %-6s %6d %12.2f %14.0f %10.0f %7.0f%%\n", p.shape.c_str(), p.format.c_str(), p.n_tokens,
-                p.us_per_layer, p.bytes_per_call, p.gbps, 100.0 * p.gbps / read_gbps);
+    std::printf("%-21s %-6s %6d %14.2f %14.0f %14.2f %10.0f %7.0f%%\n", p.shape.c_str(), p.format.c_str(), p.n_tokens,
+                p.us_per_layer, p.bytes_per_call, p.graph_us_per_layer, p.graph_gbps, 100.0 * p.graph_gbps / read_gbps);
 }
 
 }  // namespace moraine::kernel_bench

@@ -1,6 +1,7 @@
 // moraine-synth: writes a GGUF of a real MoE model's shape (or a tiny variant) with random
 // weights whose routers prefer experts by a Zipf law, for benchmarks and tests that need the
-// real tensor sizes but not a trained model.
+// real tensor sizes but not a trained model. Neighbouring tokens share experts more often than
+// memoryless routing would (router_locality.h), as real routers do.
 //
 //   moraine-synth --shape qwen3moe-30b-a3b -o synth.gguf --layers 4
 //       --vocab-from .cache/oracle/llama.cpp/models/ggml-vocab-qwen2.gguf --zipf 1.0
@@ -118,6 +119,11 @@ int run(const Options& opt) {
   w.set("moraine.synth.seed", Value::u64(opt.seed));
   w.set("moraine.synth.zipf", Value::f32(static_cast<float>(opt.zipf)));
   w.set("moraine.synth.massive_dim", Value::u32(static_cast<uint32_t>(init.massive_dim())));
+  // The slow subspace the recency heads write and the routers read (router_locality.h).
+  w.set("moraine.synth.slow_dim_first", Value::u32(static_cast<uint32_t>(init.recency().slow_first)));
+  w.set("moraine.synth.slow_dim_count", Value::u32(static_cast<uint32_t>(init.recency().slow_count)));
+  w.set("moraine.synth.slow_share", Value::f32(static_cast<float>(kSlowShare)));
+  w.set("moraine.synth.slow_variance", Value::f32(static_cast<float>(kSlowVariance)));
   for (auto& [k, v] : vocab.keys) w.set(k, std::move(v));
   // ggml's quantization version (GGML_QNT_VERSION); llama.cpp writes it into quantized files.
   if (any_quantized) w.set("general.quantization_version", Value::u32(2));

@@ -11,7 +11,8 @@ namespace moraine::synth {
 
 double RouterInputModel::rms() const {
   const double h = static_cast<double>(hidden);
-  return std::sqrt((massive_value * massive_value + (h - 1) * offaxis_var) / h);
+  const double s = static_cast<double>(slow_count);
+  return std::sqrt((massive_value * massive_value + (h - 1 - s) * offaxis_var + s * slow_var) / h);
 }
 
 RouterInputModel router_input_model(int64_t hidden, int64_t massive_dim, int64_t layer, int64_t n_layer) {

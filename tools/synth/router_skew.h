@@ -16,8 +16,9 @@
 // biases b_e are calibrated (by simulation) so that top-k selection frequencies follow
 // p(rank r) ~ r^-S, capped at 1 (with top-8 of 128 and S = 1 the hottest expert would need to be
 // picked more than once per token). Which expert has which rank is a per-layer permutation, so
-// the hot experts differ between layers. Token-to-token locality comes from the running model:
-// attention and the DeltaNet state mix earlier tokens into the token-dependent part.
+// the hot experts differ between layers. Token-to-token locality: router_locality.h (recency
+// heads write a slowly varying subspace that the routers read; without them the running model
+// showed none, measured there).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -37,6 +38,10 @@ struct RouterInputModel {
   int64_t massive_dim = 0;
   double massive_value = 0;  // m: the residual's constant value at massive_dim
   double offaxis_var = 1;    // v_l: variance of every other residual coordinate
+  // The slow subspace (router_locality.h): slow_count coordinates of variance slow_var instead
+  // of offaxis_var (0 and 0 for a file without recency heads).
+  int64_t slow_count = 0;
+  double slow_var = 0;
   double rms() const;        // expected RMS of the residual: what RMSNorm divides by
 };
 

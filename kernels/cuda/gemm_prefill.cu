@@ -1,0 +1,219 @@
+// PrefillGemm (gemm_prefill.h): dequantize into the workspace, then cuBLAS. cuBLAS is
+// column-major, so the row-major product Y[n][rows] = X[n][cols] W^T is computed as its
+// transpose Y^T (rows x n, leading dimension ldy) = op_T(W) (W row-major is a cols x rows
+// column-major matrix, lda = cols) * X^T (cols x n column-major, ldb = cols).
+#include "kernels/cuda/gemm_prefill.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+
+#define CUBLAS_CHECK(call)                                                                              \
+  do {                                                                                                  \
+    const cublasStatus_t moraine_cublas_status_ = (call);                                               \
+    if (moraine_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                                \
+      throw std::runtime_error(std::string("cuBLAS error ") + cublasGetStatusName(moraine_cublas_status_) + \
+                               " in " #call " at " __FILE__ ":" + std::to_string(__LINE__));           \
+  } while (0)
+
+namespace moraine::cuda {
+namespace {
+
+// What NVIDIA recommends for Hopper (cuBLAS docs, cublasSetWorkspace): 32 MiB.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+// Slabs of a large dense matrix start on multiples of 64 rows, so each slab's Y columns stay
+// 256-byte aligned for any ldy that is (cuBLAS picks its fastest kernels for aligned C).
+constexpr int64_t kSlabRowAlign = 64;
+
+cudaDataType_t cuda_type(GemmInput t) { return t == GemmInput::BF16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+std::string describe(TensorType t, int64_t rows, int64_t cols) {
+  return " (weight " + std::string(type_name(t)) + ", " + std::to_string(rows) + " x " + std::to_string(cols) + ")";
+}
+
+void check_weight_shape(const char* who, TensorType t, int64_t rows, int64_t cols, int64_t ldy,
+                        const PrefillGemmLimits& lim) {
+  if (!dequantize_weights_supported(t))
+    throw std::invalid_argument(std::string(who) + ": unsupported weight type" + describe(t, rows, cols) +
+                                "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, f16, bf16, f32");
+  const int64_t block = type_traits(t).block_elems;
+  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % 32 != 0 || cols % block != 0 || cols > lim.max_cols)
+    throw std::invalid_argument(std::string(who) + ": rows must be in 1..2^30 and cols a multiple of 32 and of " +
+                                std::to_string(block) + " up to max_cols " + std::to_string(lim.max_cols) +
+                                describe(t, rows, cols));
+  if (ldy < rows || ldy > (int64_t{1} << 31) - 1)
+    throw std::invalid_argument(std::string(who) + ": ldy " + std::to_string(ldy) + " is below rows" + describe(t, rows, cols));
+}
+
+}  // namespace
+
+struct PrefillGemm::GroupedArgs {
+  explicit GroupedArgs(int n)
+      : transa(static_cast<size_t>(n), CUBLAS_OP_T), transb(static_cast<size_t>(n), CUBLAS_OP_N),
+        m(static_cast<size_t>(n)), n(static_cast<size_t>(n)), k(static_cast<size_t>(n)),
+        lda(static_cast<size_t>(n)), ldb(static_cast<size_t>(n)), ldc(static_cast<size_t>(n)),
+        group_size(static_cast<size_t>(n), 1), alpha(static_cast<size_t>(n), 1.0f), beta(static_cast<size_t>(n), 0.0f) {}
+  std::vector<cublasOperation_t> transa, transb;
+  std::vector<int> m, n, k, lda, ldb, ldc, group_size;
+  std::vector<float> alpha, beta;
+};
+
+bool prefill_gemm_supported(TensorType weight) { return dequantize_weights_supported(weight); }
+
+PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, GemmInput input)
+    : stream_(stream), limits_(limits), input_(input) {
+  if (limits.max_tokens < 1 || limits.max_tokens > (int64_t{1} << 30) || limits.max_cols < 32 ||
+      limits.max_cols % 32 != 0 || limits.max_experts < 1 || limits.max_experts > (1 << 20) ||
+      limits.weight_workspace_elems < limits.max_cols * kSlabRowAlign)
+    throw std::invalid_argument("PrefillGemm: limits need max_tokens in 1..2^30, max_cols a positive multiple of 32, "
+                                "max_experts >= 1 and weight_workspace_elems >= 64 * max_cols (got max_tokens " +
+                                std::to_string(limits.max_tokens) + ", max_cols " + std::to_string(limits.max_cols) +
+                                ", workspace " + std::to_string(limits.weight_workspace_elems) + ")");
+  weights_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.weight_workspace_elems));
+  inputs_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.max_tokens * limits.max_cols));
+  cublas_space_ = DeviceBuffer<uint8_t>(kCublasWorkspaceBytes);
+  group_ptrs_ = DeviceBuffer<const void*>(static_cast<size_t>(3 * limits.max_experts));
+  args_ = std::make_unique<GroupedArgs>(limits.max_experts);
+  selected_.reserve(static_cast<size_t>(limits.max_experts));
+  chunk_weights_.reserve(static_cast<size_t>(limits.max_experts));
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staged_ptrs_), sizeof(void*) * 3 * static_cast<size_t>(limits.max_experts)));
+  CUDA_CHECK(cudaEventCreateWithFlags(&staged_free_, cudaEventDisableTiming));
+  CUBLAS_CHECK(cublasCreate(&handle_));
+  // The stream first: cublasSetStream resets the handle's workspace to cuBLAS's own pool.
+  CUBLAS_CHECK(cublasSetStream(handle_, stream_));
+  CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_space_.get(), kCublasWorkspaceBytes));
+  CUBLAS_CHECK(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
+}
+
+PrefillGemm::~PrefillGemm() {
+  // No throws from a destructor: errors here would surface on the next CUDA call anyway.
+  if (handle_ != nullptr) cublasDestroy(handle_);
+  if (staged_free_ != nullptr) cudaEventDestroy(staged_free_);
+  if (staged_ptrs_ != nullptr) cudaFreeHost(staged_ptrs_);
+}
+
+void PrefillGemm::gemm(const void* a, const void* b, float* c, int64_t m, int64_t n, int64_t k, int64_t ldc,
+                       bool accumulate) {
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cudaDataType_t t = cuda_type(input_);
+  CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+                            static_cast<int>(k), &alpha, a, t, static_cast<int>(k), b, t, static_cast<int>(k), &beta, c,
+                            CUDA_R_32F, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void PrefillGemm::matmul(TensorType weight, const void* w, int64_t rows, int64_t cols, const float* x, int64_t n,
+                         float* y, int64_t ldy, bool accumulate) {
+  if (ldy == 0) ldy = rows;
+  check_weight_shape("PrefillGemm::matmul", weight, rows, cols, ldy, limits_);
+  if (n < 1 || n > limits_.max_tokens)
+    throw std::invalid_argument("PrefillGemm::matmul: n = " + std::to_string(n) + " not in 1..max_tokens " +
+                                std::to_string(limits_.max_tokens) + describe(weight, rows, cols));
+  if (w == nullptr || x == nullptr || y == nullptr)
+    throw std::invalid_argument("PrefillGemm::matmul: null weight, input or output pointer" + describe(weight, rows, cols));
+  convert_gemm_input(x, n * cols, input_, inputs_.get(), stream_);
+  const int64_t fit = limits_.weight_workspace_elems / cols;
+  const int64_t slab = std::min(rows, fit / kSlabRowAlign * kSlabRowAlign);
+  const size_t rb = row_bytes(weight, cols);
+  for (int64_t r0 = 0; r0 < rows; r0 += slab) {
+    const int64_t here = std::min(slab, rows - r0);
+    const void* part = static_cast<const uint8_t*>(w) + static_cast<size_t>(r0) * rb;
+    dequantize_weights(weight, &part, 1, here * cols, input_, weights_.get(), stream_);
+    gemm(weights_.get(), inputs_.get(), y + r0, here, n, cols, ldy, accumulate);
+  }
+}
+
+bool PrefillGemm::grouped_gemm(std::span<const ExpertRows> experts, int c0, int count, int64_t rows, int64_t cols,
+                               float* y, int64_t ldy) {
+  // This chunk's pointers occupy staging slots [3 * c0, 3 * (c0 + count)): A (the dequantized
+  // matrices), B (X rows), C (Y rows). Each chunk of a call has its own slots, so no slot the
+  // stream has yet to upload is overwritten within a call (matmul_experts waits for the previous
+  // call's uploads before the first chunk).
+  const void** host = staged_ptrs_ + 3 * c0;
+  const size_t elems = static_cast<size_t>(rows * cols);
+  GroupedArgs& g = *args_;
+  for (int i = 0; i < count; ++i) {
+    const ExpertRows& e = experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])];
+    host[i] = weights_.get() + static_cast<size_t>(i) * elems;
+    host[count + i] = inputs_.get() + static_cast<size_t>(e.first_row * cols);
+    host[2 * count + i] = y + e.first_row * ldy;
+    const auto s = static_cast<size_t>(i);
+    g.m[s] = static_cast<int>(rows);
+    g.n[s] = static_cast<int>(e.count);
+    g.k[s] = g.lda[s] = g.ldb[s] = static_cast<int>(cols);
+    g.ldc[s] = static_cast<int>(ldy);
+  }
+  const void** dev = group_ptrs_.get() + 3 * c0;
+  CUDA_CHECK(cudaMemcpyAsync(dev, host, sizeof(void*) * 3 * static_cast<size_t>(count), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(staged_free_, stream_));
+  const cudaDataType_t t = cuda_type(input_);
+  const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+      handle_, g.transa.data(), g.transb.data(), g.m.data(), g.n.data(), g.k.data(), g.alpha.data(), dev, t,
+      g.lda.data(), dev + count, t, g.ldb.data(), g.beta.data(), const_cast<void* const*>(dev + 2 * count), CUDA_R_32F,
+      g.ldc.data(), count, g.group_size.data(), CUBLAS_COMPUTE_32F);
+  // NVIDIA documents the grouped call for fewer type combinations than cublasGemmEx; a refusal of
+  // ours (16-bit in, F32 out) comes back as NOT_SUPPORTED or INVALID_VALUE: fall back to the loop.
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    grouped_off_reason_ = std::string("cublasGemmGroupedBatchedEx returned ") + cublasGetStatusName(st);
+    return false;
+  }
+  CUBLAS_CHECK(st);
+  return true;
+}
+
+int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
+                                    const float* x, float* y, int64_t min_rows, int64_t ldy) {
+  if (ldy == 0) ldy = rows;
+  check_weight_shape("PrefillGemm::matmul_experts", weight, rows, cols, ldy, limits_);
+  if (experts.size() > static_cast<size_t>(limits_.max_experts))
+    throw std::invalid_argument("PrefillGemm::matmul_experts: " + std::to_string(experts.size()) +
+                                " expert groups, more than max_experts " + std::to_string(limits_.max_experts) +
+                                describe(weight, rows, cols));
+  const int64_t elems = rows * cols;
+  if (elems > limits_.weight_workspace_elems)
+    throw std::invalid_argument("PrefillGemm::matmul_experts: one expert matrix does not fit the weight workspace of " +
+                                std::to_string(limits_.weight_workspace_elems) + " elements" + describe(weight, rows, cols));
+  if (x == nullptr || y == nullptr)
+    throw std::invalid_argument("PrefillGemm::matmul_experts: null input or output pointer" + describe(weight, rows, cols));
+  selected_.clear();
+  int64_t end_row = 0, computed = 0;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const ExpertRows& e = experts[i];
+    if (e.first_row < 0 || e.count < 0 || e.first_row + e.count > limits_.max_tokens || e.weight == nullptr)
+      throw std::invalid_argument("PrefillGemm::matmul_experts: group " + std::to_string(i) + " (rows " +
+                                  std::to_string(e.first_row) + " + " + std::to_string(e.count) +
+                                  ") is outside 0..max_tokens " + std::to_string(limits_.max_tokens) +
+                                  " or has a null weight" + describe(weight, rows, cols));
+    if (e.count == 0 || e.count < min_rows) continue;
+    selected_.push_back(static_cast<int>(i));
+    end_row = std::max(end_row, e.first_row + e.count);
+    computed += e.count;
+  }
+  if (selected_.empty()) return 0;
+  convert_gemm_input(x, end_row * cols, input_, inputs_.get(), stream_);
+  // The host staging of the grouped call is reused: wait until the previous call's uploads ran.
+  if (grouped_) CUDA_CHECK(cudaEventSynchronize(staged_free_));
+  const int per_chunk = static_cast<int>(std::min<int64_t>(limits_.weight_workspace_elems / elems, limits_.max_experts));
+  const int total = static_cast<int>(selected_.size());
+  for (int c0 = 0; c0 < total; c0 += per_chunk) {
+    const int count = std::min(per_chunk, total - c0);
+    chunk_weights_.clear();
+    for (int i = 0; i < count; ++i)
+      chunk_weights_.push_back(experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])].weight);
+    dequantize_weights(weight, chunk_weights_.data(), count, elems, input_, weights_.get(), stream_);
+    if (grouped_ && grouped_gemm(experts, c0, count, rows, cols, y, ldy)) continue;
+    grouped_ = false;  // unsupported combination: the loop from now on
+    for (int i = 0; i < count; ++i) {
+      const ExpertRows& e = experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])];
+      gemm(weights_.get() + static_cast<size_t>(i) * static_cast<size_t>(elems),
+           inputs_.get() + static_cast<size_t>(e.first_row * cols), y + e.first_row * ldy, rows, e.count, cols, ldy,
+           false);
+    }
+  }
+  return computed;
+}
+
+}  // namespace moraine::cuda

@@ -1,0 +1,137 @@
+// Tiled causal prefill attention (kernels/cuda/attention_prefill.h) against the exact softmax
+// attention in double (the formula of moraine::reference::attend_one_head), for Qwen3-30B and
+// qwen3next shapes, a group of 3 with an odd head_dim, the largest head_dim, prefills from empty
+// and after a cached past, and query tiles cut mid-row. Outputs NaN-poisoned before the run.
+//
+// Tolerance, first order in u = 2^-24 (the kernel is not bit-identical to the decode kernels):
+//   score s_j: a sequential fma chain over head_dim, then the scale:
+//     ds_j <= hd u scale sum_d |q_d k_jd| + u |s_j|;
+//   p_j = exp(s_j - m) with m a running max (itself a computed score): relative error
+//     2 max ds + u |s_j - m| (the subtraction) + 2u (expf), then per later KV tile one correction
+//     factor exp(m_old - m_new) and its multiply (the |m_old - m_new| telescope to <= 2 max|s|,
+//     plus 3u a tile): e_p <= 2 max ds + 4u max|s| + (2 + 3 tiles) u;
+//   the numerator sum_j p_j v_jd and the denominator l both carry e_p per term (2 e_p on the
+//   ratio) plus their own accumulation: one fma chain over n_kv positions for the numerator, a
+//   warp tree per tile and the rescale for l (n_kv + 2 tiles + 5 u), and the final 1/l multiply
+//   (2u); all relative to sum_j p_j |v_jd| / l. tiles is counted with the smallest KV tile (16).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/attention_prefill.h"
+#include "kernels/cuda/device_buffer.h"
+#include "tests/cuda/cuda_test_support.h"
+
+namespace moraine {
+namespace {
+
+std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
+  cuda::AttentionShape s;
+  s.n_head = n_head;
+  s.n_head_kv = n_head_kv;
+  s.head_dim = hd;
+  s.kv_stride = n_head_kv * hd + 8;  // positions need not be packed
+  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  return s;
+}
+
+void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
+  const std::vector<float> q = normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
+  // Wide scores (sd ~ 2.5 after scaling) so the running max moves across KV tiles.
+  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
+  const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  std::vector<float> gate;
+  if (gated) gate = normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
+
+  cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
+      dout(q.size());
+  dq.upload(q.data(), q.size());
+  dk.upload(kc.data(), kc.size());
+  dv.upload(vc.data(), vc.size());
+  if (gated) dg.upload(gate.data(), gate.size());
+  dout.fill_bytes(0xff);
+  cuda::attention_prefill(s, dq.get(), dk.get(), dv.get(), n, n_past, gated ? dg.get() : nullptr, 2 * qd, 2 * hd,
+                          dout.get());
+  std::vector<float> got(q.size());
+  dout.download(got.data(), got.size());
+
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < s.n_head; ++h) {
+      const int64_t n_kv = n_past + t + 1, g = h / group;
+      const float* qh = q.data() + (t * s.n_head + h) * hd;
+      std::vector<double> sc(static_cast<size_t>(n_kv));
+      double mx = -INFINITY, max_ds = 0, max_s = 0;
+      for (int64_t j = 0; j < n_kv; ++j) {
+        double dot = 0, mag = 0;
+        for (int64_t d = 0; d < hd; ++d) {
+          const double p = double(qh[d]) * kc[j * s.kv_stride + g * hd + d];
+          dot += p;
+          mag += std::fabs(p);
+        }
+        sc[j] = dot * s.scale;
+        max_ds = std::max(max_ds, double(hd) * u * s.scale * mag + u * std::fabs(sc[j]));
+        max_s = std::max(max_s, std::fabs(sc[j]));
+        mx = std::max(mx, sc[j]);
+      }
+      double sum = 0;
+      for (double& v : sc) sum += (v = std::exp(v - mx));
+      const double tiles = double((n_kv + 15) / 16);
+      const double e_p = 2 * max_ds + 4 * u * max_s + (2 + 3 * tiles) * u;
+      const double rel = 2 * e_p + (double(n_kv) + 2 * tiles + 7) * u;
+      for (int64_t d = 0; d < hd; ++d) {
+        double o = 0, mag = 0;
+        for (int64_t j = 0; j < n_kv; ++j) {
+          const double pv = sc[j] / sum * vc[j * s.kv_stride + g * hd + d];
+          o += pv;
+          mag += std::fabs(pv);
+        }
+        double tol = rel * mag;
+        if (gated) {
+          const double sg = 1.0 / (1.0 + std::exp(-double(gate[t * 2 * qd + h * 2 * hd + d])));
+          o *= sg;
+          tol = tol * sg + 4 * u * std::fabs(o);
+        }
+        const float gd = got[(t * s.n_head + h) * hd + d];
+        ASSERT_LE(std::fabs(gd - o), tol + 1e-30)
+            << "row " << t << " head " << h << " dim " << d << ": got " << gd << ", exact " << o;
+      }
+    }
+  }
+}
+
+TEST(CudaAttentionPrefill, MatchesExactSoftmaxAttention) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check(shape(32, 4, 128), 200, 0, false, 1);   // Qwen3-30B, a prefill from empty
+  check(shape(32, 4, 128), 70, 333, false, 2);  // a second chunk after a cached past
+  check(shape(16, 2, 256), 90, 40, true, 3);    // qwen3next, gated
+  check(shape(6, 2, 40), 75, 5, true, 4);       // group of 3 (tiles cut mid-row), odd head_dim
+  check(shape(4, 4, 512), 40, 20, false, 5);    // largest head_dim, no grouping
+  check(shape(32, 4, 128), 1, 0, false, 6);     // a single row and position
+}
+
+TEST(CudaAttentionPrefillArguments, RejectsBadShape) {
+  cuda::AttentionShape s = shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
+               std::invalid_argument);
+  s = shape(4, 2, 1024);  // head_dim above kAttentionPrefillMaxHeadDim
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
+               std::invalid_argument);
+  s = shape(4, 2, 64);
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, -1, nullptr, 0, 0, nullptr),
+               std::invalid_argument);  // negative n_past
+}
+
+}  // namespace
+}  // namespace moraine

@@ -1,0 +1,384 @@
+// Prefill GEMMs through cuBLAS (kernels/cuda/gemm_prefill.h) and the weight expansion under them
+// (kernels/cuda/dequantize_weights.h), against the scalar reference on fresh random data.
+//
+// Tolerance, derived rather than tuned. The GEMM multiplies x~ = round(x) and w~ = round(w),
+// each rounded to nearest in the 16-bit input type: |x~ - x| <= u|x| + eta, u = 2^-8 for BF16
+// (8 significant bits), 2^-11 for F16, eta = 0 for BF16 (float's exponent range, no test value
+// is near float underflow) and 2^-25 for F16 (half its subnormal spacing; small test values do
+// go subnormal in F16). So per product
+//   |x~w~ - xw| <= (2u + u^2)|xw| + eta(1 + u)(|x| + |w|) + eta^2.
+// The products of 16-bit values are exact in float; the tensor cores add them in float, and
+// we allow each addition an error of 2 units in float's last place (u_acc = 2^-22: covers round
+// to nearest, truncation, and the alignment of a block of products to its largest addend that
+// measurements of NVIDIA tensor cores found, Fasi et al. 2021), over at most cols + 32 additions
+// on any path (cuBLAS may split K in up to 32 partial sums): gamma(cols + 32) * sum |x~w~|.
+// The reference is sum_k x_k w_k in double, w = dequantize_row's floats.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/dequantize_weights.h"
+#include "kernels/cuda/gemm_prefill.h"
+#include "kernels/cuda/matvec.h"
+#include "kernels/cuda/matvec_float.h"
+#include "tests/cuda/cuda_test_support.h"
+
+namespace moraine {
+namespace {
+
+using cuda::GemmInput;
+
+double gamma_u(int64_t k, double u) { return static_cast<double>(k) * u / (1.0 - static_cast<double>(k) * u); }
+
+struct InputRounding {
+  double u, eta;
+};
+InputRounding rounding_of(GemmInput t) {
+  return t == GemmInput::BF16 ? InputRounding{std::ldexp(1.0, -8), 0.0}
+                              : InputRounding{std::ldexp(1.0, -11), std::ldexp(1.0, -25)};
+}
+float round_to(GemmInput t, float v) {
+  return t == GemmInput::BF16 ? bf16_to_fp32(fp32_to_bf16(v)) : fp16_to_fp32(fp32_to_fp16(v));
+}
+uint16_t bits_of(GemmInput t, float v) { return t == GemmInput::BF16 ? fp32_to_bf16(v) : fp32_to_fp16(v); }
+const char* name_of(GemmInput t) { return t == GemmInput::BF16 ? "bf16" : "f16"; }
+
+// A quantized matrix and its dequantize_row floats.
+struct Matrix {
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+  size_t row_bytes;
+};
+
+Matrix random_matrix(TensorType t, int64_t rows, int64_t cols, std::mt19937& rng) {
+  const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(rows * cols));
+  Matrix m{std::vector<uint8_t>(row_bytes(t, cols) * static_cast<size_t>(rows)),
+           std::vector<float>(static_cast<size_t>(rows * cols)), row_bytes(t, cols)};
+  for (int64_t r = 0; r < rows; ++r) {
+    quantize_row(t, src.data() + r * cols, m.bytes.data() + static_cast<size_t>(r) * m.row_bytes, cols);
+    dequantize_row(t, m.bytes.data() + static_cast<size_t>(r) * m.row_bytes, m.values.data() + r * cols, cols);
+  }
+  return m;
+}
+
+std::vector<float> rounded(GemmInput t, const std::vector<float>& v) {
+  std::vector<float> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = round_to(t, v[i]);
+  return r;
+}
+
+// The bound of the header comment on |GEMM - sum_k x_k w_k| for one output; xr and wr are x and
+// w rounded to the input type t.
+struct Expected {
+  double value, tolerance;
+};
+Expected expected(const float* x, const float* w, const float* xr, const float* wr, int64_t cols, GemmInput t) {
+  const InputRounding r = rounding_of(t);
+  double exact = 0.0, abs_xw = 0.0, abs_x_plus_w = 0.0, abs_rounded = 0.0;
+  for (int64_t k = 0; k < cols; ++k) {
+    exact += static_cast<double>(x[k]) * w[k];
+    abs_xw += std::fabs(static_cast<double>(x[k]) * w[k]);
+    abs_x_plus_w += std::fabs(static_cast<double>(x[k])) + std::fabs(static_cast<double>(w[k]));
+    abs_rounded += std::fabs(static_cast<double>(xr[k]) * wr[k]);
+  }
+  const double input = (2 * r.u + r.u * r.u) * abs_xw + r.eta * (1 + r.u) * abs_x_plus_w +
+                       static_cast<double>(cols) * r.eta * r.eta;
+  return {exact, input + gamma_u(cols + 32, std::ldexp(1.0, -22)) * abs_rounded};
+}
+
+const TensorType kAllFormats[] = {TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
+                                  TensorType::Q5_K, TensorType::Q6_K, TensorType::MXFP4, TensorType::F16,
+                                  TensorType::BF16, TensorType::F32};
+
+class GemmPrefill : public ::testing::TestWithParam<TensorType> {};
+
+// The expansion is the reference's float value rounded to nearest: compared bit for bit, for
+// three matrices in one call (each read through its own pointer, written back to back).
+TEST_P(GemmPrefill, DequantizeIsReferenceRoundedBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  std::mt19937 rng(11 + static_cast<uint32_t>(t));
+  constexpr int64_t kRows = 37, kCols = 768;
+  constexpr int kMatrices = 3;
+  std::vector<Matrix> ms;
+  for (int i = 0; i < kMatrices; ++i) ms.push_back(random_matrix(t, kRows, kCols, rng));
+  std::vector<cuda::DeviceBuffer<uint8_t>> dw;
+  std::vector<const void*> ptrs;
+  for (const Matrix& m : ms) {
+    dw.emplace_back(m.bytes.size());
+    dw.back().upload(m.bytes.data(), m.bytes.size());
+    ptrs.push_back(dw.back().get());
+  }
+  const size_t elems = static_cast<size_t>(kRows * kCols);
+  for (GemmInput out : {GemmInput::BF16, GemmInput::F16}) {
+    cuda::DeviceBuffer<uint16_t> dout(elems * kMatrices);
+    dout.fill_bytes(0x5a);
+    cuda::dequantize_weights(t, ptrs.data(), kMatrices, static_cast<int64_t>(elems), out, dout.get());
+    std::vector<uint16_t> got(elems * kMatrices);
+    dout.download(got.data(), got.size());
+    for (int i = 0; i < kMatrices; ++i)
+      for (size_t e = 0; e < elems; ++e)
+        ASSERT_EQ(got[i * elems + e], bits_of(out, ms[static_cast<size_t>(i)].values[e]))
+            << type_name(t) << " to " << name_of(out) << ": matrix " << i << " element " << e << " (reference "
+            << ms[static_cast<size_t>(i)].values[e] << ")";
+  }
+}
+
+// Y = X W^T for n = 1, 7, 64, 300 against the double reference, rows odd; with a workspace of 128
+// rows the 333-row matrix runs in three slabs (the last one partial).
+TEST_P(GemmPrefill, MatmulMatchesReferenceWithinInputRoundingBound) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  std::mt19937 rng(101 + static_cast<uint32_t>(t));
+  constexpr int64_t kCols = 512;
+  for (GemmInput in : {GemmInput::BF16, GemmInput::F16}) {
+    cuda::PrefillGemmLimits lim;
+    lim.max_tokens = 300;
+    lim.max_cols = kCols;
+    lim.weight_workspace_elems = 128 * kCols;
+    cuda::PrefillGemm gemm(nullptr, lim, in);
+    // (rows, n): every n on 97 rows; the 333-row matrix (three slabs) at two of them.
+    const std::pair<int64_t, int64_t> cases[] = {{97, 1}, {97, 7}, {97, 64}, {97, 300}, {333, 7}, {333, 64}};
+    for (const auto& [rows, n] : cases) {
+      const Matrix w = random_matrix(t, rows, kCols, rng);
+      const std::vector<float> wr = rounded(in, w.values);
+      cuda::DeviceBuffer<uint8_t> dw(w.bytes.size());
+      dw.upload(w.bytes.data(), w.bytes.size());
+      const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(n * kCols));
+      const std::vector<float> xr = rounded(in, x);
+      cuda::DeviceBuffer<float> dx(x.size()), dy(static_cast<size_t>(n * rows));
+      dx.upload(x.data(), x.size());
+      dy.fill_bytes(0xff);  // NaN: an output never written fails
+      gemm.matmul(t, dw.get(), rows, kCols, dx.get(), n, dy.get());
+      std::vector<float> y(static_cast<size_t>(n * rows));
+      dy.download(y.data(), y.size());
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < rows; ++r) {
+          const Expected want = expected(x.data() + i * kCols, w.values.data() + r * kCols, xr.data() + i * kCols,
+                                         wr.data() + r * kCols, kCols, in);
+          const float got = y[static_cast<size_t>(i * rows + r)];
+          ASSERT_LE(std::fabs(got - want.value), want.tolerance)
+              << type_name(t) << " via " << name_of(in) << " rows=" << rows << " n=" << n << " at [" << i << "][" << r
+              << "]: got " << got << ", reference " << want.value;
+        }
+    }
+  }
+}
+
+// The GEMM against the decode path on the same weights. The quantized matvec dots Q8_0/Q8_K
+// activations, so the GEMM gets those activations' dequantized floats as X; then both approximate
+// S = sum_k x_k w_k: the GEMM within the bound above, the matvec within 2 gamma_24(blocks) * sum
+// |t_b| of vec_dot_reference (tests/cuda/matvec_test.cpp; t_b the reference's block terms), and
+// vec_dot_reference differs from S only by the float roundings of its block terms and of
+// dequantize_row's values: at most 8 per term or element, gamma_24(8) * (sum |t_b| + sum |x w|).
+// The float weights' matvec (matvec_float.h) rounds x to the weight type and sums float products:
+// within gamma_24(cols) * sum |x' w| of S on x' = that rounding.
+TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  std::mt19937 rng(301 + static_cast<uint32_t>(t));
+  constexpr int64_t kRows = 77, kCols = 1024, kN = 9;
+  const double u24 = std::ldexp(1.0, -24);
+  const Matrix w = random_matrix(t, kRows, kCols, rng);
+  cuda::DeviceBuffer<uint8_t> dw(w.bytes.size());
+  dw.upload(w.bytes.data(), w.bytes.size());
+  const bool quantized = cuda::matvec_supported(t);
+  const TensorType at = quantized ? dot_activation_type(t) : t;
+  std::vector<float> raw = cuda_test::random_values(rng, static_cast<size_t>(kN * kCols));
+  // x: what the matvec path effectively multiplies; act: its activation bytes (quantized only).
+  std::vector<float> x(raw.size());
+  std::vector<uint8_t> act(row_bytes(at, kCols) * kN);
+  for (int64_t i = 0; i < kN; ++i) {
+    uint8_t* a = act.data() + static_cast<size_t>(i) * row_bytes(at, kCols);
+    quantize_row(at, raw.data() + i * kCols, a, kCols);
+    dequantize_row(at, a, x.data() + i * kCols, kCols);  // float weights: x rounded to their type
+  }
+  cuda::DeviceBuffer<float> dx(x.size()), draw(raw.size()), dy_gemm(static_cast<size_t>(kN * kRows)),
+      dy_mv(static_cast<size_t>(kN * kRows));
+  cuda::DeviceBuffer<uint8_t> dact(act.size());
+  dx.upload(x.data(), x.size());
+  draw.upload(raw.data(), raw.size());
+  dact.upload(act.data(), act.size());
+  dy_gemm.fill_bytes(0xff);
+  dy_mv.fill_bytes(0xff);
+  cuda::MatvecBatch rows_batch;  // one launch: the same matrix (stride 0) against kN activation rows
+  rows_batch.count = static_cast<int>(kN);
+  rows_batch.out_stride = kRows;
+  if (quantized) {
+    rows_batch.act_stride_bytes = static_cast<int64_t>(row_bytes(at, kCols));
+    cuda::matvec_quantized_batched(t, dw.get(), kRows, kCols, dact.get(), dy_mv.get(), rows_batch);
+  } else {
+    rows_batch.act_stride_bytes = kCols * static_cast<int64_t>(sizeof(float));
+    cuda::matvec_float_batched(t, dw.get(), kRows, kCols, draw.get(), dy_mv.get(), rows_batch);
+  }
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = kN;
+  lim.max_cols = kCols;
+  cuda::PrefillGemm gemm(nullptr, lim);
+  gemm.matmul(t, dw.get(), kRows, kCols, dx.get(), kN, dy_gemm.get());
+  std::vector<float> y_gemm(static_cast<size_t>(kN * kRows)), y_mv(y_gemm.size());
+  dy_gemm.download(y_gemm.data(), y_gemm.size());
+  dy_mv.download(y_mv.data(), y_mv.size());
+
+  const int64_t block = type_traits(t).block_elems;
+  const std::vector<float> xr = rounded(GemmInput::BF16, x), wr = rounded(GemmInput::BF16, w.values);
+  for (int64_t i = 0; i < kN; ++i) {
+    const uint8_t* a = act.data() + static_cast<size_t>(i) * row_bytes(at, kCols);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const uint8_t* w_row = w.bytes.data() + static_cast<size_t>(r) * w.row_bytes;
+      const Expected g = expected(x.data() + i * kCols, w.values.data() + r * kCols, xr.data() + i * kCols,
+                                  wr.data() + r * kCols, kCols, GemmInput::BF16);
+      double abs_xw = 0.0;
+      for (int64_t k = 0; k < kCols; ++k) abs_xw += std::fabs(static_cast<double>(x[i * kCols + k]) * w.values[r * kCols + k]);
+      double matvec_bound = 0.0;
+      if (quantized) {
+        const int64_t nb = kCols / block;
+        double abs_terms = 0.0;
+        for (int64_t b = 0; b < nb; ++b)
+          abs_terms += std::fabs(vec_dot_reference(t, block, w_row + b * type_traits(t).block_bytes,
+                                                   a + row_bytes(at, block * b)));
+        matvec_bound = 2 * gamma_u(nb, u24) * abs_terms + gamma_u(8, u24) * (abs_terms + abs_xw);
+      } else {
+        matvec_bound = gamma_u(kCols, u24) * abs_xw;
+      }
+      const float got = y_gemm[static_cast<size_t>(i * kRows + r)], mv = y_mv[static_cast<size_t>(i * kRows + r)];
+      ASSERT_LE(std::fabs(static_cast<double>(got) - mv), g.tolerance + matvec_bound)
+          << type_name(t) << " row " << r << " token " << i << ": gemm " << got << ", matvec " << mv
+          << ", reference " << g.value;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, GemmPrefill, ::testing::ValuesIn(kAllFormats),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// One MoE layer: six experts over contiguous row groups (one empty, two below min_rows = 4),
+// two expert matrices per workspace chunk, through the grouped cuBLAS call and the per-expert
+// loop. Groups below the threshold keep their NaN poison; the others match the reference.
+TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr TensorType t = TensorType::Q4_K;
+  constexpr int64_t kRows = 96, kCols = 256;
+  const int64_t counts[] = {0, 3, 17, 1, 40, 9, 64};
+  constexpr int kExperts = 7;
+  constexpr int64_t kMinRows = 4;
+  std::mt19937 rng(401);
+  std::vector<Matrix> ms;
+  std::vector<cuda::DeviceBuffer<uint8_t>> dw;
+  std::vector<cuda::ExpertRows> groups;
+  int64_t total = 0, expected_rows = 0;
+  for (int e = 0; e < kExperts; ++e) {
+    ms.push_back(random_matrix(t, kRows, kCols, rng));
+    dw.emplace_back(ms.back().bytes.size());
+    dw.back().upload(ms.back().bytes.data(), ms.back().bytes.size());
+    groups.push_back({dw.back().get(), total, counts[e]});
+    total += counts[e];
+    if (counts[e] >= kMinRows) expected_rows += counts[e];
+  }
+  const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(total * kCols));
+  const std::vector<float> xr = rounded(GemmInput::BF16, x);
+  std::vector<std::vector<float>> wrs;
+  for (const Matrix& m : ms) wrs.push_back(rounded(GemmInput::BF16, m.values));
+  cuda::DeviceBuffer<float> dx(x.size()), dy(static_cast<size_t>(total * kRows));
+  dx.upload(x.data(), x.size());
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = total;
+  lim.max_cols = kCols;
+  lim.weight_workspace_elems = 2 * kRows * kCols + 1000;  // two matrices per chunk
+  lim.max_experts = kExperts;
+  for (bool grouped : {true, false}) {
+    cuda::PrefillGemm gemm(nullptr, lim);
+    gemm.set_grouped(grouped);
+    dy.fill_bytes(0xff);
+    EXPECT_EQ(gemm.matmul_experts(t, groups, kRows, kCols, dx.get(), dy.get(), kMinRows), expected_rows);
+    std::vector<float> y(static_cast<size_t>(total * kRows));
+    dy.download(y.data(), y.size());
+    for (int e = 0; e < kExperts; ++e) {
+      const cuda::ExpertRows& g = groups[static_cast<size_t>(e)];
+      for (int64_t i = g.first_row; i < g.first_row + g.count; ++i)
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float got = y[static_cast<size_t>(i * kRows + r)];
+          if (g.count < kMinRows) {
+            ASSERT_TRUE(std::isnan(got)) << "expert " << e << " below the threshold was written at row " << i;
+            continue;
+          }
+          const Expected want = expected(x.data() + i * kCols, ms[static_cast<size_t>(e)].values.data() + r * kCols,
+                                         xr.data() + i * kCols, wrs[static_cast<size_t>(e)].data() + r * kCols, kCols,
+                                         GemmInput::BF16);
+          ASSERT_LE(std::fabs(got - want.value), want.tolerance)
+              << (grouped ? "grouped" : "loop") << ": expert " << e << " row " << i << " out " << r << ": got " << got
+              << ", reference " << want.value;
+        }
+    }
+    std::printf("experts asked %s: grouped call %s %s\n", grouped ? "grouped" : "loop", gemm.grouped() ? "in use" : "off",
+                gemm.grouped_off_reason().c_str());
+  }
+}
+
+// accumulate: Y += X W^T onto values already there; ldy wider than rows leaves the gap alone.
+TEST(GemmPrefillAccumulate, AddsOntoExistingOutputWithRowStride) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr TensorType t = TensorType::Q6_K;
+  constexpr int64_t kRows = 45, kCols = 512, kN = 5, kLdy = 50;
+  std::mt19937 rng(501);
+  const Matrix w = random_matrix(t, kRows, kCols, rng);
+  const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(kN * kCols));
+  const std::vector<float> y0 = cuda_test::random_values(rng, static_cast<size_t>(kN * kLdy));
+  cuda::DeviceBuffer<uint8_t> dw(w.bytes.size());
+  cuda::DeviceBuffer<float> dx(x.size()), dy(y0.size());
+  dw.upload(w.bytes.data(), w.bytes.size());
+  dx.upload(x.data(), x.size());
+  dy.upload(y0.data(), y0.size());
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = kN;
+  lim.max_cols = kCols;
+  cuda::PrefillGemm gemm(nullptr, lim);
+  gemm.matmul(t, dw.get(), kRows, kCols, dx.get(), kN, dy.get(), kLdy, /*accumulate=*/true);
+  std::vector<float> y(y0.size());
+  dy.download(y.data(), y.size());
+  const std::vector<float> xr = rounded(GemmInput::BF16, x), wr = rounded(GemmInput::BF16, w.values);
+  for (int64_t i = 0; i < kN; ++i)
+    for (int64_t r = 0; r < kLdy; ++r) {
+      const size_t at = static_cast<size_t>(i * kLdy + r);
+      if (r >= kRows) {
+        ASSERT_EQ(y[at], y0[at]) << "gap column " << r << " of row " << i << " changed";
+        continue;
+      }
+      const Expected want = expected(x.data() + i * kCols, w.values.data() + r * kCols, xr.data() + i * kCols,
+                                     wr.data() + r * kCols, kCols, GemmInput::BF16);
+      // One more float addition, of y0: 2^-22 relative to the larger of the two (generous).
+      const double tol = want.tolerance + std::ldexp(1.0, -22) * (std::fabs(y0[at]) + std::fabs(want.value) + want.tolerance);
+      ASSERT_LE(std::fabs(static_cast<double>(y[at]) - (y0[at] + want.value)), tol) << "row " << i << " out " << r;
+    }
+}
+
+// Argument checks come before any CUDA call, so these run without a device too.
+TEST(GemmPrefillArguments, DequantizeRejectsBadTypesShapesAndPointers) {
+  const void* one = reinterpret_cast<const void*>(uintptr_t{256});
+  void* out = reinterpret_cast<void*>(uintptr_t{4096});
+  EXPECT_FALSE(cuda::dequantize_weights_supported(TensorType::Q4_0));
+  EXPECT_TRUE(cuda::prefill_gemm_supported(TensorType::MXFP4));
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q4_0, &one, 1, 256, GemmInput::BF16, out), std::invalid_argument);
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q4_K, &one, 1, 128, GemmInput::BF16, out), std::invalid_argument);
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::F16, &one, 1, 48, GemmInput::BF16, out), std::invalid_argument);
+  const void* odd = reinterpret_cast<const void*>(uintptr_t{257});
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q8_0, &odd, 1, 256, GemmInput::BF16, out), std::invalid_argument);
+  const void* two = reinterpret_cast<const void*>(uintptr_t{258});
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::F32, &two, 1, 256, GemmInput::BF16, out), std::invalid_argument);
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q8_0, &one, 1, 256, GemmInput::BF16,
+                                        reinterpret_cast<void*>(uintptr_t{4098})),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::convert_gemm_input(reinterpret_cast<const float*>(uintptr_t{4096}), 6, GemmInput::BF16, out),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moraine

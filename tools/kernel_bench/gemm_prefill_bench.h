@@ -1,0 +1,15 @@
+// `moraine-kernel-bench cuda` section for the prefill GEMMs (kernels/cuda/gemm_prefill.h) at
+// Qwen3-30B-A3B's shapes and n = 512 / 8192 tokens: TFLOP/s of the whole call (X rounding,
+// weight expansion, cuBLAS) beside the card's BF16 peak measured with a plain cublasGemmEx, the
+// GEMM alone on an already expanded matrix, and the expansion (dequantize_weights) alone. Then
+// one MoE layer's 128 experts with R rows each, grouped cuBLAS call vs per-expert loop vs the
+// decode matvec on the same rows, which is where the expert threshold comes from.
+#pragma once
+#include <nlohmann/json.hpp>
+
+namespace moraine::kernel_bench {
+
+// Prints tables, or (json != null) stores the numbers under (*json)["gemm_prefill"].
+void run_gemm_prefill_bench(double min_ms, nlohmann::json* json);
+
+}  // namespace moraine::kernel_bench
