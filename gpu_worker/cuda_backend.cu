@@ -14,6 +14,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/delta_net.h"
@@ -268,8 +269,9 @@ class CudaBackend final : public Backend {
     // through in passes): enough to fill the GPU, about 34 MB at 32K context for 32 heads of 128.
     const int64_t rows16 = std::min<int64_t>(max_tokens_, kDecodeRows);
     attn_scratch_ = DeviceBuffer<float>(static_cast<size_t>(
-        std::max(cuda::attention_scratch_floats(shape, rows16, max_context_),
-                 cuda::attention_at_scratch_floats(shape, rows16, max_context_))));
+        std::max({cuda::attention_scratch_floats(shape, rows16, max_context_),
+                  cuda::attention_at_scratch_floats(shape, rows16, max_context_),
+                  cuda::attention_decode_scratch_floats(shape, rows16, max_context_)})));
     // Activation bytes for the widest row of any matrix, for every expert row of a step; a
     // quantized row never takes more bytes than the floats it came from.
     act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
@@ -943,7 +945,18 @@ class CudaBackend final : public Backend {
     const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
     const cuda::AttentionShape shape = attention_shape();
     const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
-    if (n <= kDecodeRows) {
+    const bool tiled = tiled_prefill_rows_ > 0 && n >= tiled_prefill_rows_;
+    if (!tiled && cuda::attention_decode_supported(shape)) {
+      // Flash decoding in passes of 16 rows: a row's bits do not depend on the pass, so decode
+      // after a prefill (below the tiled kernel's rows) equals a fresh prefill.
+      const int64_t qd = hp.n_head * hd;
+      for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
+        const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
+        cuda::attention_decode(shape, q_.get() + r0 * qd, L.k_cache.get(), L.v_cache.get(), rows, pos, r0,
+                               max_context_, gate != nullptr ? gate + r0 * q_rows : nullptr, q_rows, q_stride,
+                               attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+      }
+    } else if (n <= kDecodeRows) {
       cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, q_rows,
                          q_stride, attn_.get(), attn_scratch_.get(), scratch, stream_);
     } else if (tiled_prefill_rows_ <= 0 || n < tiled_prefill_rows_) {

@@ -80,6 +80,10 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   app.add_option("--backend", o.backend, "group: the gpu_worker's backend (cpu or cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--cpu-workers", o.cpu_workers, "group: cpu_expert_workers")->check(CLI::Range(1, 64));
+  app.add_option("--vram-adapt-every", o.vram_adapt_every,
+                 "group: steps between the gpu_worker's expert swaps into VRAM (0, the default: the placement "
+                 "stays; swaps change which side computes an expert, so greedy runs stop repeating exactly)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--bin-dir", o.bin_dir, "group: where moraine-supervisor and the workers are");
   app.add_flag("--census-warmup", o.census_warmup,
                "group: first a run of the longest prompt + n tokens that records the expert census, then "

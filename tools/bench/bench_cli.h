@@ -33,6 +33,7 @@ struct BenchOptions {
   std::string bin_dir;            // group: where moraine-supervisor is (default: found beside the bench)
   std::string vram_text, ram_text;  // the budgets as given, passed on to the group
   bool census_warmup = false;     // group: one run to record the census, restart, then measure
+  int vram_adapt_every = 0;       // group: the gpu_worker's adaptive VRAM tier (0: off)
   std::string socket_dir;         // group: where its sockets and logs go (default: a fresh temp dir)
 };
 

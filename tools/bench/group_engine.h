@@ -23,6 +23,11 @@ struct GroupEngineOptions {
   std::string vram, ram;         // budgets as the supervisor takes them ("12G"; empty: unlimited)
   std::string bin_dir;           // where moraine-supervisor and the workers are
   int max_tokens = 512;          // rows of one step (prefill chunk)
+  // The gpu_worker's adaptive VRAM tier (moraine-supervisor --vram-adapt-every): 0 by default,
+  // so the placement stays what the census (or uniform popularity) made it. Swaps move experts
+  // between GPU and CPU arithmetic, which round differently, so a greedy run would not repeat
+  // the warm-up's tokens exactly and the bench would call the run non-deterministic.
+  int vram_adapt_every = 0;
   // Empty: a fresh /tmp/moraine-bench-XXXXXX, removed at the end. Given: used (created if
   // missing) and kept, with the group's log (group.log) and the census of a warm-up.
   std::string socket_dir;

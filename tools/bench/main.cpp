@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
       g.model = o.model;
       g.backend = o.backend;
       g.cpu_workers = o.cpu_workers;
+      g.vram_adapt_every = o.vram_adapt_every;
       g.threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
       g.vram = o.vram_text;
       g.ram = o.ram_text;

@@ -13,6 +13,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
@@ -188,6 +189,16 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
                          out.get(), sc.get(), scratch);
     }, min_ms);
     add("attention_at (cap = ctx)", shape, ms, bytes, "GB/s");
+    {  // flash decoding (attention_decode.h), what the backend runs for short steps
+      const int64_t dsf = cuda::attention_decode_scratch_floats(s, 1, ctx);
+      DeviceBuffer<float> dsc(static_cast<size_t>(dsf));
+      ms = ms_per_call([&](int i) {
+        const int64_t c = i % copies;
+        cuda::attention_decode(s, q.get(), kc.get() + c * kv, vc.get() + c * kv, 1, past.get(), 0, ctx, nullptr, 0, 0,
+                               out.get(), dsc.get(), dsf);
+      }, min_ms);
+      add("attention_decode (cap = ctx)", shape, ms, bytes, "GB/s");
+    }
     if (ctx < cap) {
       DeviceBuffer<float> kbig = random_device(cap * n_kv * hd, 17), vbig = random_device(cap * n_kv * hd, 18);
       ms = ms_per_call([&](int) {
