@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <filesystem>
 #include <iomanip>
+#include <cstdio>
 #include <iostream>
 #include <sstream>
 
@@ -169,9 +170,23 @@ int stats_cmd(const std::string& dir, bool json) {
       }
       std::cout << "  counters:";
       for (const auto& [k, v] : c.items()) {
-        if (k.rfind("placement_", 0) != 0) std::cout << " " << k << "=" << v.get<uint64_t>();
+        if (k.rfind("placement_", 0) != 0 && k.rfind("layer_", 0) != 0) std::cout << " " << k << "=" << v.get<uint64_t>();
       }
       std::cout << "\n";
+      // The gpu_worker's per-layer counters as one line of VRAM hit rates (layer_NNN_vram_slots
+      // of layer_NNN_slots).
+      std::string rates;
+      for (int il = 0;; ++il) {
+        char slots[40], vram[40];
+        std::snprintf(slots, sizeof slots, "layer_%03d_slots", il);
+        std::snprintf(vram, sizeof vram, "layer_%03d_vram_slots", il);
+        if (!c.contains(slots) || !c.contains(vram)) break;
+        const uint64_t n = c[slots].get<uint64_t>();
+        char cell[24];
+        std::snprintf(cell, sizeof cell, " %d:%.0f%%", il, n == 0 ? 0.0 : 100.0 * c[vram].get<uint64_t>() / n);
+        rates += cell;
+      }
+      if (!rates.empty()) std::cout << "  VRAM hit rate per layer:" << rates << "\n";
     }
   }
   return failures == 0 ? 0 : 1;

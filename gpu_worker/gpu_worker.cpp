@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <iostream>
 
 #include "common/messaging/job_channel.h"
@@ -60,6 +61,8 @@ class StepRunner {
       for (int64_t e = 0; e < m.hp.n_expert; ++e)
         resident_[il * m.hp.n_expert + e] = placement_.at(il, e) == group::Tier::kVram ? 1 : 0;
     use_.assign(static_cast<size_t>(m.hp.n_layer * m.hp.n_expert), 0.0f);
+    layer_slots_ = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(m.hp.n_layer));
+    layer_vram_slots_ = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(m.hp.n_layer));
     const int64_t k = m.hp.n_expert_used;
     step_chosen_.resize(static_cast<size_t>(m.hp.n_layer * man.max_tokens * k));
     worker_busy_.resize(static_cast<size_t>(man.n_cpu_workers));
@@ -77,6 +80,16 @@ class StepRunner {
   void flush_census() { report(census_.flush()); }
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
+  // Per layer: routed slots, and those computed on the device (the VRAM hit rate per layer).
+  void layer_counters(control::StatsReply& r) const {
+    char name[40];
+    for (size_t il = 0; il < layer_slots_.size(); ++il) {
+      std::snprintf(name, sizeof name, "layer_%03zu_slots", il);
+      (*r.mutable_counters())[name] = layer_slots_[il].load();
+      std::snprintf(name, sizeof name, "layer_%03zu_vram_slots", il);
+      (*r.mutable_counters())[name] = layer_vram_slots_[il].load();
+    }
+  }
 
   messaging::JobLimits limits() const {
     return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
@@ -223,6 +236,10 @@ class StepRunner {
     uint64_t hits = 0;
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
       const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
+      uint64_t on_device = 0;
+      for (int64_t i = 0; i < n * k; ++i) on_device += c[i] >= 0 && c[i] < m_.hp.n_expert && resident_[il * m_.hp.n_expert + c[i]];
+      layer_slots_[il] += static_cast<uint64_t>(n * k);
+      layer_vram_slots_[il] += on_device;
       for (int64_t i = 0; i < n * k; ++i) {
         const int32_t e = c[i];
         if (e < 0 || e >= m_.hp.n_expert || seen_[e] || !resident_[il * m_.hp.n_expert + e]) continue;
@@ -331,6 +348,7 @@ class StepRunner {
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
   int steps_since_adapt_ = 0;
   std::atomic<uint64_t> experts_swapped_in_{0};
+  std::vector<std::atomic<uint64_t>> layer_slots_, layer_vram_slots_;
   zmq::context_t ctx_{1};
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<messaging::JobClient>> clients_;
@@ -354,6 +372,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
     (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
+    runner.layer_counters(r);
   });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), runner.limits());

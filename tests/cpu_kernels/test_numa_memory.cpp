@@ -44,7 +44,9 @@ TEST(NumaMemory, HugePageHintKeepsTheContract) {
   EXPECT_EQ(nonzero, 0u);
   for (size_t i = 0; i < kBytes; i += 4093) p[i] = static_cast<uint8_t>(i * 31);
   for (size_t i = 0; i < kBytes; i += 4093) ASSERT_EQ(p[i], static_cast<uint8_t>(i * 31)) << "byte " << i;
-  if (numa_available_here()) EXPECT_EQ(numa_node_of_address(p + kBytes / 2), 0);
+  if (numa_available_here()) {
+    EXPECT_EQ(numa_node_of_address(p + kBytes / 2), 0);
+  }
 }
 
 TEST(NumaMemory, MovesAndRefusesBadRequests) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <cstdio>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -154,6 +155,21 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
       file_bytes += cn.at("file_bytes_fetched").get<uint64_t>();
     } else if (p["role"] == "ROLE_GPU_WORKER") {
       experts_vram += cn.at("experts_vram").get<uint64_t>();
+      // Per layer: every layer routed the same slots; some of them on the device, never more.
+      uint64_t first_slots = 0, vram_slots = 0;
+      for (int64_t il = 0; il < plan.n_layer; ++il) {
+        char name[40];
+        std::snprintf(name, sizeof name, "layer_%03lld_slots", static_cast<long long>(il));
+        const uint64_t slots = cn.at(name).get<uint64_t>();
+        std::snprintf(name, sizeof name, "layer_%03lld_vram_slots", static_cast<long long>(il));
+        const uint64_t on_device = cn.at(name).get<uint64_t>();
+        if (il == 0) first_slots = slots;
+        EXPECT_EQ(slots, first_slots) << "layer " << il;
+        EXPECT_LE(on_device, slots) << "layer " << il;
+        vram_slots += on_device;
+      }
+      EXPECT_GT(first_slots, 0u);
+      EXPECT_GT(vram_slots, 0u);
     } else if (p["role"] == "ROLE_COORDINATOR") {
       EXPECT_EQ(cn.at("placement_vram_experts").get<uint64_t>(), static_cast<uint64_t>(plan.vram.experts));
       EXPECT_EQ(cn.at("placement_ram_experts").get<uint64_t>(), static_cast<uint64_t>(plan.ram.experts));
