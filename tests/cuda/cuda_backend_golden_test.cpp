@@ -302,6 +302,10 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaBackendGolden,
 // the host, computed by the reference kernel (as the cpu_expert_workers do) - the mixed path of
 // the group (layer_begin / layer_end). Logits against the reference executor within the same
 // bounds as everything on the device, greedy tokens identical.
+// Known failure on the H200 (2026-11-29): qwen3moe_odd q8_0, 0.029 of 9.37 at the first decoded
+// token only. A lockstep run showed h, routing and the Q8_0 codes of h equal to the reference's
+// at every layer, and the all-device backend off by the same 0.029 at that step: a rounding
+// knife edge in the last layer / output head, not the split (closing note of session 3).
 TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
   const Case& c = GetParam();
   const model::HParams& hp = model_->hp;

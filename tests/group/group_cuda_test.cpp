@@ -90,6 +90,9 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_k256"}) v.push_back({m, "f32", Experts::kCpu});
+  // Fails on the H200 by 0.029 of 9.37 at the first decoded token: the same knife edge the
+  // backend golden test's SplitExpertsMatchTheReference/qwen3moe_odd_q8_0 shows (the all-device
+  // backend is off by the same amount at that step).
   v.push_back({"qwen3moe_odd", "q8_0", Experts::kCpu});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kVram});
   v.push_back({"qwen3next_k256", "kmix", Experts::kVram});
