@@ -162,14 +162,7 @@ class StepRunner {
 
  private:
   void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
-    count_vram_hits(n);
-    const int64_t k = m_.hp.n_expert_used;
-    for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
-      const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
-      census_.add(il, c, n * k);
-      for (int64_t i = 0; i < n * k; ++i)
-        if (c[i] >= 0 && c[i] < m_.hp.n_expert) use_[il * m_.hp.n_expert + c[i]] += 1.0f;
-    }
+    record_routing(n);
     report(census_.flush_if_due());
     if (man_.vram_adapt_every > 0 && ++steps_since_adapt_ >= man_.vram_adapt_every) {
       steps_since_adapt_ = 0;
@@ -229,25 +222,31 @@ class StepRunner {
     return any;
   }
 
-  // Stats: distinct VRAM-tier experts each layer of the step used (the routing of every layer is
-  // in step_chosen_ once logits returned).
-  void count_vram_hits(int64_t n) {
-    const int64_t k = m_.hp.n_expert_used;
+  // What the step's routing (every layer's, in step_chosen_ once logits returned) feeds, in one
+  // pass: the census, the recent use counts of the adaptive VRAM tier, and the stats (slots per
+  // layer, those on the device, distinct device experts used per layer).
+  void record_routing(int64_t n) {
+    const int64_t k = m_.hp.n_expert_used, E = m_.hp.n_expert;
     uint64_t hits = 0;
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
       const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
+      census_.add(il, c, n * k);
       uint64_t on_device = 0;
-      for (int64_t i = 0; i < n * k; ++i) on_device += c[i] >= 0 && c[i] < m_.hp.n_expert && resident_[il * m_.hp.n_expert + c[i]];
-      layer_slots_[il] += static_cast<uint64_t>(n * k);
-      layer_vram_slots_[il] += on_device;
       for (int64_t i = 0; i < n * k; ++i) {
         const int32_t e = c[i];
-        if (e < 0 || e >= m_.hp.n_expert || seen_[e] || !resident_[il * m_.hp.n_expert + e]) continue;
-        seen_[e] = 1;
-        ++hits;
+        if (e < 0 || e >= E) continue;
+        use_[il * E + e] += 1.0f;
+        if (!resident_[il * E + e]) continue;
+        ++on_device;
+        if (!seen_[e]) {
+          seen_[e] = 1;
+          ++hits;
+        }
       }
       for (int64_t i = 0; i < n * k; ++i)
-        if (c[i] >= 0 && c[i] < m_.hp.n_expert) seen_[c[i]] = 0;
+        if (c[i] >= 0 && c[i] < E) seen_[c[i]] = 0;
+      layer_slots_[il] += static_cast<uint64_t>(n * k);
+      layer_vram_slots_[il] += on_device;
     }
     experts_vram_ += hits;
   }

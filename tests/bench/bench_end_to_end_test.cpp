@@ -16,25 +16,13 @@
 
 #include "common/gguf/gguf.h"
 
+#include "tests/bench/bench_test_support.h"
+
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-struct Scratch {
-  fs::path dir;
-  Scratch() {
-    dir = fs::temp_directory_path() / ("moraine-bench-e2e-" + std::to_string(::getpid()));
-    fs::create_directories(dir);
-  }
-  ~Scratch() { fs::remove_all(dir); }
-};
+using moraine::bench_test::Scratch;
+using moraine::bench_test::slurp;
 
 int sh(const std::string& cmd) { return std::system(cmd.c_str()); }
 
@@ -62,7 +50,7 @@ double expected_ram_bytes_per_token(const std::string& path) {
 }
 
 void run_shape(const std::string& shape) {
-  Scratch s;
+  Scratch s("moraine-bench-e2e-");
   const std::string build = MORAINE_BUILD_DIR;
   const std::string model = (s.dir / (shape + ".gguf")).string();
   ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape " + shape + " -o " + model + " --zipf 1.0 --seed 7 2>" +
@@ -100,7 +88,7 @@ void run_shape(const std::string& shape) {
 // with a RAM budget that leaves part of the experts in the file, and must report the expert
 // reads split over the RAM and disk tiers that add up to the same bytes per token.
 TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
-  Scratch s;
+  Scratch s("moraine-bench-e2e-");
   const std::string build = MORAINE_BUILD_DIR;
   const std::string model = (s.dir / "moe.gguf").string();
   ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape qwen3moe-tiny -o " + model + " --zipf 1.0 --seed 7 2>" +
@@ -136,7 +124,7 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
 // and places by it. At Zipf 1.2 with RAM for about a quarter of the experts, the RAM tier must then
 // serve clearly more of the expert reads than the uniform placement (low ids first) does.
 TEST(BenchEndToEnd, GroupEngineCensusWarmupPutsTheUsedExpertsInRam) {
-  Scratch s;
+  Scratch s("moraine-bench-e2e-");
   const std::string build = MORAINE_BUILD_DIR;
   const std::string model = (s.dir / "moe.gguf").string();
   ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape qwen3moe-tiny --experts 32 -o " + model +

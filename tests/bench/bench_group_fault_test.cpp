@@ -19,28 +19,14 @@
 #include "coordinator/group_layout.h"
 #include "proto/control.grpc.pb.h"
 
+#include "tests/bench/bench_test_support.h"
+
 namespace {
 
 namespace fs = std::filesystem;
+using moraine::bench_test::Scratch;
+using moraine::bench_test::slurp;
 using Clock = std::chrono::steady_clock;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-struct Scratch {
-  fs::path dir;
-  Scratch() {
-    dir = fs::temp_directory_path() / ("moraine-bench-fault-" + std::to_string(::getpid()));
-    fs::create_directories(dir);
-  }
-  ~Scratch() {
-    if (!::testing::Test::HasFailure()) fs::remove_all(dir);   // keep the group's log of a failure
-  }
-};
 
 std::unique_ptr<moraine::control::Control::Stub> stub(const std::string& socket_dir, const std::string& instance) {
   return moraine::control::Control::NewStub(grpc::CreateChannel(moraine::group::control_address(socket_dir, instance),
@@ -72,7 +58,7 @@ uint64_t experts_computed(const std::string& socket_dir, const std::string& inst
 }
 
 TEST(BenchGroupFault, KilledCpuWorkerMidRunIsRefused) {
-  Scratch s;
+  Scratch s("moraine-bench-fault-");
   const std::string build = MORAINE_BUILD_DIR;
   const std::string model = (s.dir / "moe.gguf").string();
   ASSERT_EQ(std::system((build + "/tools/synth/moraine-synth --shape qwen3moe-tiny -o " + model +

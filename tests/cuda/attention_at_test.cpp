@@ -18,23 +18,6 @@
 namespace moraine {
 namespace {
 
-std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
-  cuda::AttentionShape s;
-  s.n_head = n_head;
-  s.n_head_kv = n_head_kv;
-  s.head_dim = hd;
-  s.kv_stride = n_head_kv * hd;
-  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  return s;
-}
-
 // Random q (for kMaxRows rows), gate and a full cache of max_ctx positions on the device.
 struct Inputs {
   cuda::AttentionShape s;
@@ -45,10 +28,10 @@ struct Inputs {
       : s(shape_), max_ctx(max_ctx_), gated(gated_) {
     std::mt19937 rng(seed);
     const int64_t qd = s.n_head * s.head_dim, rows = cuda::kAttentionAtMaxRows;
-    const std::vector<float> hq = normal_values(rng, static_cast<size_t>(rows * qd), 1.0f);
-    const std::vector<float> hk = normal_values(rng, static_cast<size_t>(max_ctx * s.kv_stride), 1.0f);
+    const std::vector<float> hq = cuda_test::normal_values(rng, static_cast<size_t>(rows * qd), 1.0f);
+    const std::vector<float> hk = cuda_test::normal_values(rng, static_cast<size_t>(max_ctx * s.kv_stride), 1.0f);
     const std::vector<float> hv = cuda_test::random_values(rng, static_cast<size_t>(max_ctx * s.kv_stride));
-    const std::vector<float> hg = normal_values(rng, static_cast<size_t>(rows * 2 * qd), 2.0f);
+    const std::vector<float> hg = cuda_test::normal_values(rng, static_cast<size_t>(rows * 2 * qd), 2.0f);
     q = cuda::DeviceBuffer<float>(hq.size());
     k = cuda::DeviceBuffer<float>(hk.size());
     v = cuda::DeviceBuffer<float>(hv.size());
@@ -105,15 +88,15 @@ void check_positions(const cuda::AttentionShape& s, bool gated, uint32_t seed) {
 
 TEST(CudaAttentionAt, BitIdenticalToAttention) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check_positions(shape(32, 4, 128), false, 1);  // Qwen3-30B
-  check_positions(shape(16, 2, 256), true, 2);   // qwen3next, gated
-  check_positions(shape(6, 2, 40), true, 3);     // group of 3, odd head_dim
+  check_positions(cuda_test::attention_shape(32, 4, 128), false, 1);  // Qwen3-30B
+  check_positions(cuda_test::attention_shape(16, 2, 256), true, 2);   // qwen3next, gated
+  check_positions(cuda_test::attention_shape(6, 2, 40), true, 3);     // group of 3, odd head_dim
 }
 
 // One capture, replays at other positions: the captured launch reads the live position.
 TEST(CudaAttentionAt, CapturedGraphFollowsDevicePosition) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  const cuda::AttentionShape s = shape(32, 4, 128);
+  const cuda::AttentionShape s = cuda_test::attention_shape(32, 4, 128);
   const int64_t max_ctx = 4096, n = 2, qd = s.n_head * s.head_dim;
   const Inputs in(s, max_ctx, false, 4);
   const int64_t scratch = cuda::attention_at_scratch_floats(s, n, max_ctx);
@@ -146,7 +129,7 @@ TEST(CudaAttentionAt, CapturedGraphFollowsDevicePosition) {
 // NaN instead (compute-sanitizer runs this to show no read goes out of bounds).
 TEST(CudaAttentionAt, PositionOutsideCapacityGivesNaN) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  const cuda::AttentionShape s = shape(8, 2, 64);
+  const cuda::AttentionShape s = cuda_test::attention_shape(8, 2, 64);
   const int64_t max_ctx = 300, n = 3, qd = s.n_head * s.head_dim;
   const Inputs in(s, max_ctx, false, 5);
   const int64_t scratch = cuda::attention_at_scratch_floats(s, n, max_ctx);
@@ -164,7 +147,7 @@ TEST(CudaAttentionAt, PositionOutsideCapacityGivesNaN) {
 }
 
 TEST(CudaAttentionAtArguments, RejectsBadCalls) {
-  const cuda::AttentionShape s = shape(4, 2, 64);
+  const cuda::AttentionShape s = cuda_test::attention_shape(4, 2, 64);
   int32_t* fake = reinterpret_cast<int32_t*>(16);  // never dereferenced: the checks come first
   const int64_t need = cuda::attention_at_scratch_floats(s, 1, 512);
   EXPECT_THROW(cuda::attention_at(s, nullptr, nullptr, nullptr, 1, nullptr, 512, nullptr, 0, 0, nullptr, nullptr, need),
@@ -173,7 +156,7 @@ TEST(CudaAttentionAtArguments, RejectsBadCalls) {
                std::invalid_argument);  // more rows than kAttentionAtMaxRows
   EXPECT_THROW(cuda::attention_at(s, nullptr, nullptr, nullptr, 1, fake, 512, nullptr, 0, 0, nullptr, nullptr, need - 1),
                std::invalid_argument);  // scratch one float short
-  EXPECT_THROW(cuda::attention_at(shape(4, 3, 64), nullptr, nullptr, nullptr, 1, fake, 512, nullptr, 0, 0, nullptr,
+  EXPECT_THROW(cuda::attention_at(cuda_test::attention_shape(4, 3, 64), nullptr, nullptr, nullptr, 1, fake, 512, nullptr, 0, 0, nullptr,
                                   nullptr, 1 << 30),
                std::invalid_argument);  // 4 heads over 3 kv heads
 }

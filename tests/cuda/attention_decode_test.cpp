@@ -22,16 +22,6 @@
 namespace moraine {
 namespace {
 
-cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
-  cuda::AttentionShape s;
-  s.n_head = n_head;
-  s.n_head_kv = n_head_kv;
-  s.head_dim = hd;
-  s.kv_stride = n_head_kv * hd;
-  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  return s;
-}
-
 struct Case {
   cuda::AttentionShape s;
   int64_t max_ctx, n, pos;   // rows n at positions pos .. pos + n - 1
@@ -135,18 +125,18 @@ void check_exact(const Case& c) {
 
 TEST(CudaAttentionDecode, MatchesExactAttention) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check_exact({shape(32, 4, 128), 512, 1, 0, false, 1});      // the first token
-  check_exact({shape(32, 4, 128), 512, 1, 127, false, 2});    // a chunk's last position
-  check_exact({shape(32, 4, 128), 512, 5, 126, false, 3});    // rows straddling a chunk edge
-  check_exact({shape(32, 4, 128), 1024, 16, 700, false, 4});  // 16 rows, several chunks, partial tiles
-  check_exact({shape(16, 2, 256), 512, 3, 300, true, 5});     // qwen3next's gated heads of 256
-  check_exact({shape(4, 4, 64), 256, 2, 40, false, 6});       // no grouping
+  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 1, 0, false, 1});      // the first token
+  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 1, 127, false, 2});    // a chunk's last position
+  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 5, 126, false, 3});    // rows straddling a chunk edge
+  check_exact({cuda_test::attention_shape(32, 4, 128), 1024, 16, 700, false, 4});  // 16 rows, several chunks, partial tiles
+  check_exact({cuda_test::attention_shape(16, 2, 256), 512, 3, 300, true, 5});     // qwen3next's gated heads of 256
+  check_exact({cuda_test::attention_shape(4, 4, 64), 256, 2, 40, false, 6});       // no grouping
 }
 
 // The property decode after prefill relies on: the bits of a row do not depend on the call.
 TEST(CudaAttentionDecode, RowBitsDoNotDependOnTheCall) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  const Case c{shape(32, 4, 128), 1024, 9, 250, true, 7};
+  const Case c{cuda_test::attention_shape(32, 4, 128), 1024, 9, 250, true, 7};
   const Data d = make_data(c);
   const std::vector<float> all = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
   const int64_t qd = c.s.n_head * c.s.head_dim;
@@ -158,7 +148,7 @@ TEST(CudaAttentionDecode, RowBitsDoNotDependOnTheCall) {
 
 TEST(CudaAttentionDecode, PositionOutsideCapacityGivesNaN) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  const Case c{shape(8, 2, 64), 256, 4, 0, false, 8};
+  const Case c{cuda_test::attention_shape(8, 2, 64), 256, 4, 0, false, 8};
   const Data d = make_data(c);
   for (int32_t pos : {-1, 253, 100000}) {
     const std::vector<float> got = run(c, d, 0, c.n, pos);
@@ -167,15 +157,15 @@ TEST(CudaAttentionDecode, PositionOutsideCapacityGivesNaN) {
 }
 
 TEST(CudaAttentionDecodeArguments, RejectsBadCalls) {
-  const cuda::AttentionShape odd = shape(4, 2, 96);
+  const cuda::AttentionShape odd = cuda_test::attention_shape(4, 2, 96);
   EXPECT_FALSE(cuda::attention_decode_supported(odd));
-  EXPECT_TRUE(cuda::attention_decode_supported(shape(32, 4, 128)));
+  EXPECT_TRUE(cuda::attention_decode_supported(cuda_test::attention_shape(32, 4, 128)));
   float* p = nullptr;
   EXPECT_THROW(cuda::attention_decode(odd, p, p, p, 1, nullptr, 0, 16, nullptr, 0, 0, p, p, 1 << 20),
                std::invalid_argument);
-  EXPECT_THROW(cuda::attention_decode(shape(32, 4, 128), p, p, p, 17, nullptr, 0, 16, nullptr, 0, 0, p, p, 1 << 20),
+  EXPECT_THROW(cuda::attention_decode(cuda_test::attention_shape(32, 4, 128), p, p, p, 17, nullptr, 0, 16, nullptr, 0, 0, p, p, 1 << 20),
                std::invalid_argument);
-  EXPECT_THROW(cuda::attention_decode(shape(32, 4, 128), p, p, p, 1, nullptr, 0, 4096, nullptr, 0, 0, p, p, 10),
+  EXPECT_THROW(cuda::attention_decode(cuda_test::attention_shape(32, 4, 128), p, p, p, 1, nullptr, 0, 4096, nullptr, 0, 0, p, p, 10),
                std::invalid_argument);
 }
 

@@ -27,32 +27,15 @@
 namespace moraine {
 namespace {
 
-std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
-  cuda::AttentionShape s;
-  s.n_head = n_head;
-  s.n_head_kv = n_head_kv;
-  s.head_dim = hd;
-  s.kv_stride = n_head_kv * hd + 8;  // positions need not be packed
-  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  return s;
-}
-
 void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed) {
   std::mt19937 rng(seed);
   const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
-  const std::vector<float> q = normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
+  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
   // Wide scores (sd ~ 2.5 after scaling) so the running max moves across KV tiles.
-  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
+  const std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
   const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
   std::vector<float> gate;
-  if (gated) gate = normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
+  if (gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
 
   cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
       dout(q.size());
@@ -113,22 +96,22 @@ void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated,
 
 TEST(CudaAttentionPrefill, MatchesExactSoftmaxAttention) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check(shape(32, 4, 128), 200, 0, false, 1);   // Qwen3-30B, a prefill from empty
-  check(shape(32, 4, 128), 70, 333, false, 2);  // a second chunk after a cached past
-  check(shape(16, 2, 256), 90, 40, true, 3);    // qwen3next, gated
-  check(shape(6, 2, 40), 75, 5, true, 4);       // group of 3 (tiles cut mid-row), odd head_dim
-  check(shape(4, 4, 512), 40, 20, false, 5);    // largest head_dim, no grouping
-  check(shape(32, 4, 128), 1, 0, false, 6);     // a single row and position
+  check(cuda_test::attention_shape(32, 4, 128, 8), 200, 0, false, 1);   // Qwen3-30B, a prefill from empty
+  check(cuda_test::attention_shape(32, 4, 128, 8), 70, 333, false, 2);  // a second chunk after a cached past
+  check(cuda_test::attention_shape(16, 2, 256, 8), 90, 40, true, 3);    // qwen3next, gated
+  check(cuda_test::attention_shape(6, 2, 40, 8), 75, 5, true, 4);       // group of 3 (tiles cut mid-row), odd head_dim
+  check(cuda_test::attention_shape(4, 4, 512, 8), 40, 20, false, 5);    // largest head_dim, no grouping
+  check(cuda_test::attention_shape(32, 4, 128, 8), 1, 0, false, 6);     // a single row and position
 }
 
 TEST(CudaAttentionPrefillArguments, RejectsBadShape) {
-  cuda::AttentionShape s = shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
+  cuda::AttentionShape s = cuda_test::attention_shape(4, 3, 64, 8);  // 4 heads do not group over 3 kv heads
   EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
                std::invalid_argument);
-  s = shape(4, 2, 1024);  // head_dim above kAttentionPrefillMaxHeadDim
+  s = cuda_test::attention_shape(4, 2, 1024, 8);  // head_dim above kAttentionPrefillMaxHeadDim
   EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
                std::invalid_argument);
-  s = shape(4, 2, 64);
+  s = cuda_test::attention_shape(4, 2, 64, 8);
   EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, -1, nullptr, 0, 0, nullptr),
                std::invalid_argument);  // negative n_past
 }

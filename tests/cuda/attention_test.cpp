@@ -21,13 +21,6 @@
 namespace moraine {
 namespace {
 
-std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
 struct Run {
   cuda::AttentionShape s;
   int64_t n, n_past;
@@ -63,12 +56,12 @@ void check(const Run& r, uint32_t seed) {
   std::mt19937 rng(seed);
   const cuda::AttentionShape& s = r.s;
   const int64_t hd = s.head_dim, n_ctx = r.n_past + r.n, group = s.n_head / s.n_head_kv;
-  const std::vector<float> q = normal_values(rng, static_cast<size_t>(r.n * s.n_head * hd), 1.0f);
-  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
+  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(r.n * s.n_head * hd), 1.0f);
+  const std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
   const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
   // The gate rides beside each head in a row of 2 * n_head * hd (as in qwen3next's q projection).
   std::vector<float> gate;
-  if (r.gated) gate = normal_values(rng, static_cast<size_t>(r.n * 2 * s.n_head * hd), 2.0f);
+  if (r.gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(r.n * 2 * s.n_head * hd), 2.0f);
 
   const std::vector<float> got = run_gpu(r, q, kc, vc, gate, r.n, r.n);
   const double u = std::ldexp(1.0, -24);
@@ -121,23 +114,13 @@ void check(const Run& r, uint32_t seed) {
   EXPECT_EQ(std::memcmp(in_passes.data(), got.data(), got.size() * 4), 0) << "a batch in passes of two rows differs";
 }
 
-cuda::AttentionShape shape(int64_t n_head, int64_t n_head_kv, int64_t hd) {
-  cuda::AttentionShape s;
-  s.n_head = n_head;
-  s.n_head_kv = n_head_kv;
-  s.head_dim = hd;
-  s.kv_stride = n_head_kv * hd;
-  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  return s;
-}
-
 TEST(CudaAttention, MatchesExactSoftmaxAttention) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check({shape(4, 2, 128), 1, 0, false}, 1);     // the first decode step: one position
-  check({shape(4, 2, 128), 7, 0, false}, 2);     // a prefill from empty
-  check({shape(8, 2, 128), 3, 600, false}, 3);   // decode rows over three chunks
-  check({shape(6, 3, 256), 5, 250, true}, 4);    // gated, rows straddling a chunk boundary
-  check({shape(3, 1, 40), 300, 0, false}, 5);    // a long prefill, head_dim not a multiple of 32
+  check({cuda_test::attention_shape(4, 2, 128), 1, 0, false}, 1);     // the first decode step: one position
+  check({cuda_test::attention_shape(4, 2, 128), 7, 0, false}, 2);     // a prefill from empty
+  check({cuda_test::attention_shape(8, 2, 128), 3, 600, false}, 3);   // decode rows over three chunks
+  check({cuda_test::attention_shape(6, 3, 256), 5, 250, true}, 4);    // gated, rows straddling a chunk boundary
+  check({cuda_test::attention_shape(3, 1, 40), 300, 0, false}, 5);    // a long prefill, head_dim not a multiple of 32
 }
 
 // The GQA-shared kernel (`attention`: one CTA per kv head and chunk for all its query heads and
@@ -149,11 +132,11 @@ void check_shared_equals_unshared(const Run& r, uint32_t seed) {
   std::mt19937 rng(seed);
   const cuda::AttentionShape& s = r.s;
   const int64_t hd = s.head_dim, n_ctx = r.n_past + r.n, qd = s.n_head * hd;
-  const std::vector<float> q = normal_values(rng, static_cast<size_t>(r.n * qd), 1.0f);
-  const std::vector<float> kc = normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
+  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(r.n * qd), 1.0f);
+  const std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
   const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
   std::vector<float> gate;
-  if (r.gated) gate = normal_values(rng, static_cast<size_t>(r.n * 2 * qd), 2.0f);
+  if (r.gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(r.n * 2 * qd), 2.0f);
   cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
       dout(q.size());
   dq.upload(q.data(), q.size());
@@ -183,20 +166,20 @@ void check_shared_equals_unshared(const Run& r, uint32_t seed) {
 
 TEST(CudaAttention, GqaSharedKernelBitIdenticalToUnshared) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check_shared_equals_unshared({shape(32, 4, 128), 1, 3000, false}, 11);  // decode, 12 chunks
-  check_shared_equals_unshared({shape(32, 4, 128), 16, 250, false}, 12);  // 16 rows across a chunk edge
-  check_shared_equals_unshared({shape(32, 4, 128), 1, 0, false}, 13);     // one position
-  check_shared_equals_unshared({shape(16, 2, 256), 3, 511, true}, 14);    // qwen3next, gated
-  check_shared_equals_unshared({shape(4, 4, 64), 9, 100, false}, 15);     // no grouping
-  check_shared_equals_unshared({shape(6, 2, 40), 70, 200, true}, 16);     // group of 3, odd head_dim
-  check_shared_equals_unshared({shape(8, 1, 512), 2, 300, false}, 17);    // largest head_dim
+  check_shared_equals_unshared({cuda_test::attention_shape(32, 4, 128), 1, 3000, false}, 11);  // decode, 12 chunks
+  check_shared_equals_unshared({cuda_test::attention_shape(32, 4, 128), 16, 250, false}, 12);  // 16 rows across a chunk edge
+  check_shared_equals_unshared({cuda_test::attention_shape(32, 4, 128), 1, 0, false}, 13);     // one position
+  check_shared_equals_unshared({cuda_test::attention_shape(16, 2, 256), 3, 511, true}, 14);    // qwen3next, gated
+  check_shared_equals_unshared({cuda_test::attention_shape(4, 4, 64), 9, 100, false}, 15);     // no grouping
+  check_shared_equals_unshared({cuda_test::attention_shape(6, 2, 40), 70, 200, true}, 16);     // group of 3, odd head_dim
+  check_shared_equals_unshared({cuda_test::attention_shape(8, 1, 512), 2, 300, false}, 17);    // largest head_dim
 }
 
 TEST(CudaAttentionArguments, RejectsBadShapeAndSmallScratch) {
-  cuda::AttentionShape s = shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
+  cuda::AttentionShape s = cuda_test::attention_shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
   EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 1 << 20),
                std::invalid_argument);
-  s = shape(4, 2, 64);  // one row needs 4 heads x 1 chunk x 66 floats
+  s = cuda_test::attention_shape(4, 2, 64);  // one row needs 4 heads x 1 chunk x 66 floats
   EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 263),
                std::invalid_argument);
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/device.h"
 
 // Skips the current test when no CUDA device is present (the build machine and CI have nvcc
@@ -33,6 +34,26 @@ inline std::vector<float> random_values(std::mt19937& rng, size_t n) {
     v[i] = normal(rng) * scale * (outlier(rng) == 0 ? 8.0f : 1.0f);
   }
   return v;
+}
+
+// Plain Gaussian values (the attention tests' q, K, V and gates).
+inline std::vector<float> normal_values(std::mt19937& rng, size_t n, float sd) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// An attention shape with the usual 1/sqrt(head_dim) scale; kv_pad floats after each cached
+// position's heads (0: packed).
+inline cuda::AttentionShape attention_shape(int64_t n_head, int64_t n_head_kv, int64_t hd, int64_t kv_pad = 0) {
+  cuda::AttentionShape s;
+  s.n_head = n_head;
+  s.n_head_kv = n_head_kv;
+  s.head_dim = hd;
+  s.kv_stride = n_head_kv * hd + kv_pad;
+  s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  return s;
 }
 
 }  // namespace moraine::cuda_test

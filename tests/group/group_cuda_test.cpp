@@ -51,11 +51,8 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   std::string why;
   if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
   const Case& c = GetParam();
-  const std::string dir = temp_dir("model");
-  const std::string model = convert_golden(c.model, golden_quant_args(c.weights), dir);
-  const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
-  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "model", kTokens);
 
   GroupOptions o;
   o.model = model;

@@ -79,6 +79,16 @@ struct ReferenceRun {
 };
 ReferenceRun reference_greedy(const std::string& model, const std::vector<int32_t>& prompt, int n);
 
+// A golden model converted with golden_quant_args(weights) into a fresh temp_dir(tag), its
+// prompt, and the reference's greedy run of n tokens on it: what every group-vs-reference test
+// starts from.
+struct GoldenCase {
+  std::string dir, model;
+  std::vector<int32_t> prompt;
+  ReferenceRun ref;
+};
+GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n);
+
 std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm entries with prefix
 
 }  // namespace moraine::group_test

@@ -26,11 +26,8 @@ class GroupMatchesReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
   const Case& c = GetParam();
-  const std::string dir = temp_dir("model");
-  const std::string model = convert_golden(c.model, golden_quant_args(c.weights), dir);
-  const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
-  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "model", kTokens);
 
   GroupOptions o;
   o.model = model;

@@ -73,12 +73,8 @@ class GroupTiers : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   const Case& c = GetParam();
-  const std::string dir = temp_dir("tiers");
-  const std::string quant = golden_quant_args(c.weights);
-  const std::string model = convert_golden(c.model, quant, dir);
-  const std::vector<int32_t> prompt = golden_prompt(c.model);
   constexpr int kTokens = 12;
-  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "tiers", kTokens);
 
   GroupOptions o;
   o.model = model;

@@ -3,6 +3,7 @@
 // the size a step of that many tokens has, so their numbers include whatever L2 reuse a real
 // step gets. Inputs are random (the kernels' speed does not depend on the values).
 #include "tools/kernel_bench/backend_kernels_bench.h"
+#include "tools/kernel_bench/cuda_timing.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -31,30 +32,6 @@ namespace moraine::kernel_bench {
 namespace {
 
 using cuda::DeviceBuffer;
-
-// Milliseconds per call of fn(i), i counting calls, over at least min_ms of timed calls.
-double ms_per_call(const std::function<void(int)>& fn, double min_ms) {
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn(i);
-  int calls = 4;
-  double ms = 0;
-  for (;;) {
-    CUDA_CHECK(cudaEventRecord(a));
-    for (int i = 0; i < calls; ++i) fn(i);
-    CUDA_CHECK(cudaEventRecord(b));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float f = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&f, a, b));
-    ms = f;
-    if (ms >= min_ms || calls >= (1 << 20)) break;
-    calls *= ms < min_ms / 16 ? 8 : 2;
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / calls;
-}
 
 DeviceBuffer<float> random_device(size_t n, uint32_t seed, float sd = 1.0f) {
   std::mt19937 rng(seed);

@@ -5,6 +5,7 @@
 // Prefill reports tokens/s of one layer for a whole prompt in one call, with the recurrence's
 // token loop and chunked form side by side (delta_net_mix takes the chunked one from 64 tokens).
 #include "tools/kernel_bench/delta_net_bench.h"
+#include "tools/kernel_bench/cuda_timing.h"
 
 #include <cstdio>
 #include <random>
@@ -40,31 +41,6 @@ DeviceBuffer<float> random_device(size_t n, float mean, float sd, uint32_t seed)
   DeviceBuffer<float> b(n);
   b.upload(v.data(), n);
   return b;
-}
-
-// Milliseconds per call of fn(i), i counting calls, timed for at least min_ms after a warm-up.
-template <class Fn>
-double ms_per_call(Fn&& fn, double min_ms) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 2; ++i) fn(i);
-  int calls = 1;
-  double ms = 0.0;
-  for (;;) {
-    CUDA_CHECK(cudaEventRecord(start));
-    for (int i = 0; i < calls; ++i) fn(i);
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float f = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
-    ms = f;
-    if (ms >= min_ms || calls >= (1 << 20)) break;
-    calls *= ms < min_ms / 16 ? 8 : 2;
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms / calls;
 }
 
 struct Layer {

@@ -3,6 +3,7 @@
 // expansion reads its quantized bytes from HBM as a real layer sweep does (the expanded matrix
 // it writes is then read by the GEMM from wherever it sits, as in the real call).
 #include "tools/kernel_bench/gemm_prefill_bench.h"
+#include "tools/kernel_bench/cuda_timing.h"
 
 #include <cublas_v2.h>
 
@@ -28,31 +29,6 @@ using cuda::DeviceBuffer;
 
 void cublas_check(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS ") + cublasGetStatusName(st) + " in " + what);
-}
-
-// fn(i) repeated until min_ms of device time (count fixed from a probe); ms per call.
-template <class Fn>
-double time_ms(Fn&& fn, double min_ms) {
-  for (int i = 0; i < 2; ++i) fn(i);
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  int calls = 2;
-  double per = 0.0;
-  for (;;) {
-    CUDA_CHECK(cudaEventRecord(a));
-    for (int i = 0; i < calls; ++i) fn(i);
-    CUDA_CHECK(cudaEventRecord(b));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    per = ms / calls;
-    if (ms >= min_ms || calls >= (1 << 16)) break;
-    calls = static_cast<int>(std::min<double>(1 << 16, calls * std::max(2.0, 1.2 * min_ms / std::max<double>(ms, 1e-3))));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return per;
 }
 
 // `copies` matrices of rows x cols, back to back, made of quantized template rows.
@@ -98,7 +74,7 @@ double peak_bf16_tflops(cublasHandle_t h, double min_ms) {
   CUDA_CHECK(cudaMemset(a.get(), 0x3c, elems * 2));  // bf16 0x3c3c, about 0.0115
   CUDA_CHECK(cudaMemset(b.get(), 0x3c, elems * 2));
   const float alpha = 1.0f, beta = 0.0f;
-  const double ms = time_ms(
+  const double ms = ms_per_call(
       [&](int) {
         cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, kDim, kDim, kDim, &alpha, a.get(), CUDA_R_16BF, kDim,
                                   b.get(), CUDA_R_16BF, kDim, &beta, c.get(), CUDA_R_32F, kDim, CUBLAS_COMPUTE_32F,
@@ -143,17 +119,17 @@ std::vector<DensePoint> bench_dense(cublasHandle_t h, double min_ms) {
       const size_t copies = std::max<size_t>(1, (size_t{256} << 20) / mat);
       DeviceBuffer<uint8_t> pool = make_matrices(t, s.rows, s.cols, copies);
       auto weight = [&](int i) { return static_cast<const void*>(pool.get() + (static_cast<size_t>(i) % copies) * mat); };
-      const double dq_ms = time_ms(
+      const double dq_ms = ms_per_call(
           [&](int i) {
             const void* w = weight(i);
             cuda::dequantize_weights(t, &w, 1, static_cast<int64_t>(elems), cuda::GemmInput::BF16, expanded.get());
           },
           min_ms);
       for (int64_t n : ns) {
-        const double call_ms = time_ms(
+        const double call_ms = ms_per_call(
             [&](int i) { gemm.matmul(t, weight(i), s.rows, s.cols, dx.get(), n, y.get()); }, min_ms);
         const float alpha = 1.0f, beta = 0.0f;
-        const double gemm_ms = time_ms(
+        const double gemm_ms = ms_per_call(
             [&](int) {
               cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.rows), static_cast<int>(n),
                                         static_cast<int>(s.cols), &alpha, expanded.get(), CUDA_R_16BF,
@@ -211,7 +187,7 @@ std::vector<ExpertPoint> bench_experts(double min_ms) {
       double us[2];
       for (int mode = 0; mode < 2; ++mode) {
         gemm.set_grouped(mode == 0);
-        us[mode] = 1e3 * time_ms([&](int) { gemm.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); },
+        us[mode] = 1e3 * ms_per_call([&](int) { gemm.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); },
                                  min_ms);
         if (mode == 0 && !gemm.grouped())
           std::printf("note: grouped cuBLAS call refused (%s), the loop ran\n", gemm.grouped_off_reason().c_str());
@@ -226,7 +202,7 @@ std::vector<ExpertPoint> bench_experts(double min_ms) {
         batch.act_stride_bytes = static_cast<int64_t>(row_bytes(at, s.cols));
         batch.out_stride = s.rows;
         batch.expert_ids = dids.get();
-        mv_us = 1e3 * time_ms(
+        mv_us = 1e3 * ms_per_call(
                           [&](int) { cuda::matvec_quantized_batched(kType, pool.get(), s.rows, s.cols, act.get(), y.get(), batch); },
                           min_ms);
       }
