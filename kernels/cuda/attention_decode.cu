@@ -1,5 +1,8 @@
 #include "kernels/cuda/attention_decode.h"
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -8,7 +11,7 @@
 namespace moraine::cuda {
 namespace {
 
-constexpr int kTile = 32;   // positions staged at once: one per lane
+constexpr int kTile = static_cast<int>(kDecodeTile);   // positions staged at once: one per lane
 constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -27,128 +30,316 @@ __device__ __forceinline__ int64_t first_position(const int32_t* pos_dev, int64_
   return p < 0 || p + row_offset + n > max_ctx ? -1 : p + row_offset;
 }
 
-// DPL: head_dim / 32, the output floats each lane keeps. Record per (row, head, chunk):
-// [max, sum, out[head_dim]] at part + ((r * n_head + h) * max_chunks + c) * (hd + 2).
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Programmatic dependent launch (PDL): both are no-ops for a grid launched without the attribute.
+__device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// The merge keeps split c's max and sum in lane c % 32, register c / 32.
+constexpr int kSplitsPerLane = static_cast<int>((kDecodeMaxSplits + 31) / 32);
+
+struct DecodeArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* pos;
+  int64_t row_offset, max_ctx, kv_stride;
+  int n, n_head, group, slots;
+  float scale;
+  float* part;
+  const float* gate;
+  int64_t gate_row_stride, gate_head_stride;
+  float* out;
+};
+
+// Two stages of the cp.async ring: a third gave nothing (H200, 2026-11-30: 21.4 vs 20.5 us at 4096
+// positions, 71.6 vs 70.8 at 32768) and fits fewer CTAs per SM (2 instead of 3 for 8 query heads
+// of 128 per kv head).
+constexpr int kStages = 2;
+
+// Lane `lane` of a warp owns NV groups of VEC consecutive output floats: dims (j * 32 + lane) * VEC
+// + e (float4 loads of V rows and records, conflict-free).
 template <int DPL>
-__global__ void decode_chunk_kernel(const float* __restrict__ q, const float* __restrict__ kc,
-                                    const float* __restrict__ vc, int n, const int32_t* __restrict__ pos_dev,
-                                    int64_t row_offset, int64_t max_ctx, int n_head, int group, int64_t kv_stride,
-                                    float scale, int64_t max_chunks, float* __restrict__ part) {
-  constexpr int hd = DPL * 32;
-  constexpr int kRowK = hd + 1;   // padded K row: lane p reading row p hits bank (p + d) % 32
-  extern __shared__ float smem[];
-  float* ks = smem;                    // [kTile][kRowK]
-  float* vs = ks + kTile * kRowK;      // [kTile][hd]
-  float* qs = vs + kTile * hd;         // [group][hd]
-  const int kvh = blockIdx.y;
-  const int64_t c = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = kvh * group + warp;
-  const int64_t p0 = first_position(pos_dev, row_offset, n, max_ctx);
-  const int64_t j0 = c * kDecodeChunk;
-  for (int r = 0; r < n; ++r) {
-    const int64_t seen = p0 < 0 ? 0 : p0 + r + 1;   // positions this row sees
-    if (j0 >= seen) continue;                        // this row does not reach the chunk (later rows may)
-    const int64_t j1 = j0 + kDecodeChunk < seen ? j0 + kDecodeChunk : seen;
-    __syncthreads();   // qs / tiles of the previous row may still be read
-    for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
-      qs[i] = q[(static_cast<int64_t>(r) * n_head + kvh * group) * hd + i];
-    float m = -INFINITY, l = 0.0f, acc[DPL];
+struct LaneDims {
+  static constexpr int kVec = DPL >= 4 ? 4 : DPL;
+  static constexpr int kGroups = DPL / kVec;
+  __device__ static void load(const float* row, int lane, float* x, bool l2_only) {
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-    for (int64_t t0 = j0; t0 < j1; t0 += kTile) {
-      const int live = static_cast<int>(j1 - t0 < kTile ? j1 - t0 : kTile);
-      __syncthreads();
-      // Stage K and V of positions t0 .. t0 + live - 1 (float4 loads along head_dim).
-      for (int i = threadIdx.x; i < live * (hd / 4); i += blockDim.x) {
-        const int p = i / (hd / 4), d4 = i % (hd / 4);
-        const int64_t src = (t0 + p) * kv_stride + static_cast<int64_t>(kvh) * hd + d4 * 4;
-        const float4 kv = *reinterpret_cast<const float4*>(kc + src);
-        const float4 vv = *reinterpret_cast<const float4*>(vc + src);
-        float* kd = ks + p * kRowK + d4 * 4;
-        kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
-        *reinterpret_cast<float4*>(vs + p * hd + d4 * 4) = vv;
+    for (int j = 0; j < kGroups; ++j) {
+      const float* p = row + (j * 32 + lane) * kVec;
+      if constexpr (kVec == 4) {
+        const float4 f = l2_only ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+        x[j * 4] = f.x, x[j * 4 + 1] = f.y, x[j * 4 + 2] = f.z, x[j * 4 + 3] = f.w;
+      } else {
+        const float2 f = l2_only ? __ldcg(reinterpret_cast<const float2*>(p)) : *reinterpret_cast<const float2*>(p);
+        x[j * 2] = f.x, x[j * 2 + 1] = f.y;
       }
-      __syncthreads();
-      if (warp < group) {
-        float s = -INFINITY;
-        if (lane < live) {
-          const float* qh = qs + warp * hd;
-          const float* kr = ks + lane * kRowK;
-          float dot = 0.0f;
-          for (int d = 0; d < hd; ++d) dot = fmaf(qh[d], kr[d], dot);
-          s = dot * scale;
-        }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
-        const float w = lane < live ? expf(s - m_new) : 0.0f;
-        l = l * corr + warp_sum(w);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] *= corr;
-        for (int p = 0; p < live; ++p) {
-          const float wp = __shfl_sync(kFull, w, p);
-          const float* vr = vs + p * hd;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[i] = fmaf(wp, vr[lane + 32 * i], acc[i]);
-        }
-        m = m_new;
-      }
-    }
-    if (warp < group) {
-      float* rec = part + ((static_cast<int64_t>(r) * n_head + h) * max_chunks + c) * (hd + 2);
-      if (lane == 0) {
-        rec[0] = m;
-        rec[1] = l;
-      }
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) rec[2 + lane + 32 * i] = acc[i];
     }
   }
+  __device__ static int dim(int i, int lane) { return ((i / kVec) * 32 + lane) * kVec + i % kVec; }
+};
+
+__device__ void write_nan_head(const DecodeArgs& a, int r, int h, int hd, int lane) {
+  float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
+  for (int d = lane; d < hd; d += 32) o[d] = __int_as_float(0x7fc00000);
 }
 
-__global__ void decode_merge_kernel(const float* __restrict__ part, int n_head, int hd, const int32_t* pos_dev,
-                                    int64_t row_offset, int n, int64_t max_ctx, int64_t max_chunks,
-                                    const float* __restrict__ gate, int64_t gate_row_stride,
-                                    int64_t gate_head_stride, float* __restrict__ out) {
-  const int r = blockIdx.x, h = blockIdx.y;
-  const int64_t p0 = first_position(pos_dev, row_offset, n, max_ctx);
-  float* o = out + (static_cast<int64_t>(r) * n_head + h) * hd;
-  if (p0 < 0) {
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = __int_as_float(0x7fc00000);
-    return;
-  }
-  const int64_t chunks = (p0 + r + 1 + kDecodeChunk - 1) / kDecodeChunk;
-  const float* base = part + (static_cast<int64_t>(r) * n_head + h) * max_chunks * (hd + 2);
+// Combines the S split records of (row r, head h) in split order (one warp). Records:
+// [out[hd], max, sum, pad, pad] at part + ((r * n_head + h) * slots + split) * (hd + 4).
+template <int DPL>
+__device__ void merge_head(const DecodeArgs& a, int r, int h, int64_t S, int lane) {
+  constexpr int hd = DPL * 32, kRec = hd + 4, kPerLane = kSplitsPerLane;
+  const float* base = a.part + (static_cast<int64_t>(r) * a.n_head + h) * a.slots * kRec;
+  float mc[kPerLane], lc[kPerLane], fc[kPerLane];
   float mx = -INFINITY;
-  for (int64_t c = 0; c < chunks; ++c) mx = fmaxf(mx, base[c * (hd + 2)]);
-  float l = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) l += base[c * (hd + 2) + 1] * expf(base[c * (hd + 2)] - mx);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float v = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) v += base[c * (hd + 2) + 2 + d] * expf(base[c * (hd + 2)] - mx);
-    v /= l;
-    if (gate != nullptr) v *= 1.0f / (1.0f + expf(-gate[r * gate_row_stride + h * gate_head_stride + d]));
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t c = lane + 32 * k;
+    mc[k] = c < S ? __ldcg(base + c * kRec + hd) : -INFINITY;
+    lc[k] = c < S ? __ldcg(base + c * kRec + hd + 1) : 0.0f;
+    mx = fmaxf(mx, mc[k]);
+  }
+  mx = warp_max(mx);
+  float ls = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    fc[k] = lane + 32 * k < S ? expf(mc[k] - mx) : 0.0f;
+    ls += lc[k] * fc[k];
+  }
+  const float l = warp_sum(ls);
+  // Records in batches of kBatch loaded before any is used: the merge is L2-latency bound.
+  constexpr int kBatch = 8;
+  float acc[DPL], x[kBatch][DPL];
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+  for (int c0 = 0; c0 < S; c0 += kBatch) {
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (c0 + b < S) LaneDims<DPL>::load(base + (c0 + b) * kRec, lane, x[b], true);
+    float fk = fc[0];   // the factors of splits c0 .. c0 + kBatch - 1 (one register slot: kBatch divides 32)
+#pragma unroll
+    for (int k = 1; k < kPerLane; ++k)
+      if (c0 >= 32 * k) fk = fc[k];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (c0 + b >= S) break;
+      const float f = __shfl_sync(kFull, fk, (c0 + b) % 32);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] = fmaf(f, x[b][i], acc[i]);
+    }
+  }
+  float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
+  const float* g = a.gate != nullptr ? a.gate + r * a.gate_row_stride + h * a.gate_head_stride : nullptr;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) {
+    const int d = LaneDims<DPL>::dim(i, lane);
+    float v = acc[i] / l;
+    if (g != nullptr) v *= 1.0f / (1.0f + expf(-g[d]));
     o[d] = v;
   }
 }
 
-template <int DPL>
-void launch_chunks(const AttentionShape& s, const float* q, const float* k, const float* v, int n, const int32_t* pos,
-                   int64_t row_offset, int64_t max_ctx, int64_t max_chunks, float* part, cudaStream_t stream) {
-  const int group = static_cast<int>(s.n_head / s.n_head_kv);
-  const size_t smem = static_cast<size_t>(kTile * (DPL * 32 + 1) + kTile * DPL * 32 + group * DPL * 32) * sizeof(float);
-  static bool opted_in = false;   // above 48 KB needs an opt-in, once per kernel instance
-  if (!opted_in && smem > 48 * 1024) {
-    CUDA_CHECK(cudaFuncSetAttribute(decode_chunk_kernel<DPL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
-    opted_in = true;
+// One CTA per (row, split slot, kv head), row fastest so the rows of a step reading the same
+// positions run side by side (the second row finds the K/V tiles in L2). Warp w serves query heads
+// w * HPW .. w * HPW + HPW - 1 of the kv head's group (HPW = 2: each K and V float read from
+// shared memory serves two heads; extra warps, up to 4, only load). Tiles of 32 positions go
+// through a kStages-deep cp.async ring in shared memory (K rows padded by 4 floats: lane p's
+// float4 reads of row p are conflict-free), one __syncthreads per tile; lane p scores position p
+// (4 interleaved fma chains over head_dim), the warp keeps an online softmax per head and
+// accumulates its lane's output floats, then writes the split's record.
+template <int DPL, int HPW>
+__global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(const DecodeArgs a) {
+  constexpr int STAGES = kStages;
+  constexpr int hd = DPL * 32, kRowK = hd + 4, kRec = hd + 4;
+  constexpr int kStage = kTile * kRowK + kTile * hd;
+  extern __shared__ float4 smem_f4[];
+  float* qs = reinterpret_cast<float*>(smem_f4);   // [group][hd]
+  float* ring = qs + a.group * hd;                 // STAGES x ([kTile][kRowK] K, [kTile][hd] V)
+  const int r = blockIdx.x, slot = blockIdx.y, kvh = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int compute_warps = a.group / HPW;
+  const int h0 = kvh * a.group + warp * HPW;   // first head of this warp
+  wait_for_previous_grid();
+  allow_next_grid();
+  // q does not depend on the position: its load overlaps the position's.
+  const float* qg = a.q + (static_cast<int64_t>(r) * a.n_head + static_cast<int64_t>(kvh) * a.group) * hd;
+  for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
+  const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
+  const int64_t seen = p0 + r + 1, tiles = (seen + kTile - 1) / kTile;
+  const int64_t S = p0 < 0 ? 0 : attention_decode_splits(seen);
+  if (p0 < 0 || slot >= S) {
+    cp_async_wait<0>();   // no copy outlives the CTA (the merge kernel writes the NaN rows)
+    return;
   }
-  const dim3 grid(static_cast<unsigned>(max_chunks), static_cast<unsigned>(s.n_head_kv));
-  decode_chunk_kernel<DPL><<<grid, 32 * group, smem, stream>>>(q, k, v, n, pos, row_offset, max_ctx,
-                                                                 static_cast<int>(s.n_head), group, s.kv_stride,
-                                                                 s.scale, max_chunks, part);
-  CUDA_CHECK(cudaGetLastError());
+  const int64_t tb = slot * tiles / S, te = (slot + 1) * tiles / S;
+  auto issue = [&](int64_t t, int buf) {
+    float* ks = ring + buf * kStage;
+    float* vs = ks + kTile * kRowK;
+    const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
+    for (int i = threadIdx.x; i < live * (hd / 4); i += blockDim.x) {
+      const int p = i / (hd / 4), d4 = i % (hd / 4);
+      const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + d4 * 4;
+      cp_async16(ks + p * kRowK + d4 * 4, a.k + src);
+      cp_async16(vs + p * hd + d4 * 4, a.v + src);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (tb + s < te) issue(tb + s, s);
+    cp_async_commit();
+  }
+  float m[HPW], l[HPW], acc[HPW][DPL], vx[DPL];
+#pragma unroll
+  for (int j = 0; j < HPW; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[j][i] = 0.0f;
+  }
+  for (int64_t t = tb; t < te; ++t) {
+    const int k = static_cast<int>(t - tb);
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();   // tile t landed for every thread; every warp is done with the buffer refilled next
+    if (t + STAGES - 1 < te) issue(t + STAGES - 1, (k + STAGES - 1) % STAGES);
+    cp_async_commit();
+    if (warp >= compute_warps) continue;
+    const float* ks = ring + (k % STAGES) * kStage;
+    const float* vs = ks + kTile * kRowK;
+    const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
+    float sc[HPW];
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) sc[j] = -INFINITY;
+    if (lane < live) {
+      const float4* kr = reinterpret_cast<const float4*>(ks + lane * kRowK);
+      float d[HPW][4];
+#pragma unroll
+      for (int j = 0; j < HPW; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < hd / 4; ++i) {
+        const float4 y = kr[i];
+#pragma unroll
+        for (int j = 0; j < HPW; ++j) {
+          const float4 x = reinterpret_cast<const float4*>(qs + (warp * HPW + j) * hd)[i];
+          d[j][0] = fmaf(x.x, y.x, d[j][0]);
+          d[j][1] = fmaf(x.y, y.y, d[j][1]);
+          d[j][2] = fmaf(x.z, y.z, d[j][2]);
+          d[j][3] = fmaf(x.w, y.w, d[j][3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < HPW; ++j) sc[j] = ((d[j][0] + d[j][1]) + (d[j][2] + d[j][3])) * a.scale;
+    }
+    float w[HPW];
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+      const float m_new = fmaxf(m[j], warp_max(sc[j]));
+      const float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
+      w[j] = lane < live ? expf(sc[j] - m_new) : 0.0f;
+      l[j] = l[j] * corr + warp_sum(w[j]);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
+      m[j] = m_new;
+    }
+#pragma unroll 4
+    for (int p = 0; p < live; ++p) {
+      LaneDims<DPL>::load(vs + p * hd, lane, vx, false);
+#pragma unroll
+      for (int j = 0; j < HPW; ++j) {
+        const float wp = __shfl_sync(kFull, w[j], p);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[j][i] = fmaf(wp, vx[i], acc[j][i]);
+      }
+    }
+  }
+  if (warp < compute_warps) {
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+      float* rec = a.part + ((static_cast<int64_t>(r) * a.n_head + h0 + j) * a.slots + slot) * kRec;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) rec[LaneDims<DPL>::dim(i, lane)] = acc[j][i];
+      if (lane == 0) {
+        rec[hd] = m[j];
+        rec[hd + 1] = l[j];
+      }
+    }
+  }
 }
+
+// One warp per (row, head): the merges of a step spread over n * n_head CTAs.
+template <int DPL>
+__global__ void decode_merge_kernel(const DecodeArgs a) {
+  const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+  wait_for_previous_grid();
+  const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
+  if (p0 < 0) {
+    write_nan_head(a, r, h, DPL * 32, lane);
+    return;
+  }
+  merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1), lane);
+}
+
+size_t split_smem_bytes(int hd, int group) {
+  return static_cast<size_t>(group * hd + kStages * (kTile * (hd + 4) + kTile * hd)) * sizeof(float);
+}
+
+// Above 48 KB of shared memory a kernel needs an opt-in (per device): given once, for the largest
+// group (32 query heads per kv head), it serves every shape.
+template <int DPL, int HPW>
+void opt_in_shared_memory() {
+  static std::atomic<uint64_t> devices_done{0};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (devices_done.load(std::memory_order_relaxed) & bit) != 0) return;
+  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(split_smem_bytes(DPL * 32, 32))));
+  devices_done.fetch_or(bit);
+}
+
+// Both kernels go out with programmatic stream serialization: the split kernel lets the merge
+// kernel launch at once (its CTAs wait in griddepcontrol.wait for the split kernel's completion
+// and memory), and waits itself for whatever ran before it before reading q, K/V or the position.
+template <typename Kernel>
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const DecodeArgs& a) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
+template <int DPL, int HPW>
+void launch_split(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
+  const size_t smem = split_smem_bytes(DPL * 32, a.group);
+  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW>();
+  const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(a.slots), static_cast<unsigned>(n_kv));
+  launch_pdl(decode_split_kernel<DPL, HPW>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
+}
+
+template <int DPL>
+void launch(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
+  if (a.group % 2 == 0) launch_split<DPL, 2>(a, n_kv, stream);
+  else launch_split<DPL, 1>(a, n_kv, stream);
+  launch_pdl(decode_merge_kernel<DPL>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
+             stream, a);
+}
+
+// Split slots of the grid: enough for the longest row max_ctx allows (splits grow with length).
+int64_t split_slots(int64_t max_ctx) { return attention_decode_splits(max_ctx); }
 
 }  // namespace
 
@@ -158,8 +349,7 @@ bool attention_decode_supported(const AttentionShape& s) {
 }
 
 int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx) {
-  const int64_t chunks = (max_ctx + kDecodeChunk - 1) / kDecodeChunk;
-  return n * s.n_head * chunks * (s.head_dim + 2);
+  return n * s.n_head * split_slots(max_ctx) * (s.head_dim + 4);
 }
 
 void attention_decode(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
@@ -177,24 +367,33 @@ void attention_decode(const AttentionShape& s, const float* q, const float* k_ca
   if (scratch_floats < attention_decode_scratch_floats(s, n, max_ctx))
     throw std::invalid_argument("attention_decode: scratch of " + std::to_string(scratch_floats) + " floats, needs " +
                                 std::to_string(attention_decode_scratch_floats(s, n, max_ctx)));
-  const int64_t max_chunks = (max_ctx + kDecodeChunk - 1) / kDecodeChunk;
-  const int rows = static_cast<int>(n);
+  auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (misaligned(q) || misaligned(k_cache) || misaligned(v_cache) || misaligned(scratch))
+    throw std::invalid_argument("attention_decode: q, k_cache, v_cache and scratch need 16-byte alignment (float4 loads)");
+  DecodeArgs a{};
+  a.q = q;
+  a.k = k_cache;
+  a.v = v_cache;
+  a.pos = pos_dev;
+  a.row_offset = row_offset;
+  a.max_ctx = max_ctx;
+  a.kv_stride = s.kv_stride;
+  a.n = static_cast<int>(n);
+  a.n_head = static_cast<int>(s.n_head);
+  a.group = static_cast<int>(s.n_head / s.n_head_kv);
+  a.slots = static_cast<int>(split_slots(max_ctx));
+  a.scale = s.scale;
+  a.part = scratch;
+  a.gate = gate;
+  a.gate_row_stride = gate_row_stride;
+  a.gate_head_stride = gate_head_stride;
+  a.out = out;
+  const int n_kv = static_cast<int>(s.n_head_kv);
   switch (s.head_dim) {
-    case 64:
-      launch_chunks<2>(s, q, k_cache, v_cache, rows, pos_dev, row_offset, max_ctx, max_chunks, scratch, stream);
-      break;
-    case 128:
-      launch_chunks<4>(s, q, k_cache, v_cache, rows, pos_dev, row_offset, max_ctx, max_chunks, scratch, stream);
-      break;
-    default:
-      launch_chunks<8>(s, q, k_cache, v_cache, rows, pos_dev, row_offset, max_ctx, max_chunks, scratch, stream);
-      break;
+    case 64: launch<2>(a, n_kv, stream); break;
+    case 128: launch<4>(a, n_kv, stream); break;
+    default: launch<8>(a, n_kv, stream); break;
   }
-  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(s.n_head));
-  decode_merge_kernel<<<grid, 128, 0, stream>>>(scratch, static_cast<int>(s.n_head), static_cast<int>(s.head_dim),
-                                                pos_dev, row_offset, rows, max_ctx, max_chunks, gate, gate_row_stride,
-                                                gate_head_stride, out);
-  CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moraine::cuda

@@ -7,17 +7,32 @@
 // 2026-11-29), 48 layers of which made 6.7 ms of a 7.2 ms decode step; the K/V bytes are 2-17 MB
 // (a few us of HBM). Their CTAs walk positions through dependent global loads.
 //
-// Design: one CTA per (kv head, chunk of kDecodeChunk positions); one warp per query head of the
-// kv head's group. The CTA stages K and V of 32 positions at a time in shared memory (coalesced
-// float4 loads, K rows padded so lane p reading row p is conflict-free); lane p scores position p
-// (a sequential dot over head_dim), the warp keeps an online softmax (max, sum, and head_dim
-// output floats spread over its lanes) and writes the chunk's record (max, sum, unnormalised
-// output). A merge kernel combines a row's chunks in order and applies the gate. Rows of the call
-// are served one after another by the same CTA (K/V tiles come from L2 the second time).
-// A row's arithmetic depends only on how many positions it sees (its chunks and tiles are cut at
-// fixed multiples of kDecodeChunk and 32), never on n, row_offset or the other rows: a token gets
-// the same bits decoded alone or inside a step of any length served by this kernel. It is NOT
-// bit-identical to attention.h's kernels (other order of additions).
+// Design: a row seeing P positions (T = ceil(P / 32) tiles) is cut into
+// attention_decode_splits(P) splits of whole tiles; one CTA per (row, split, kv head), warps of
+// two query heads of the kv head's group (one for an odd group). The CTA streams K and V of its
+// tiles through a two-stage cp.async ring in shared memory; lane p scores position p, each warp
+// keeps an online softmax per head (max, sum, and head_dim output floats spread over its lanes)
+// and writes the split's record. A merge kernel (one warp per row and head) combines a row's
+// records in split order and applies the gate. Both kernels use programmatic dependent launch.
+// A row's arithmetic depends only on how many positions it sees (its splits are a function of
+// that), never on n, row_offset, max_ctx or the other rows: a token gets the same bits decoded
+// alone or inside a step of any length served by this kernel. It is NOT bit-identical to
+// attention.h's kernels (other order of additions).
+//
+// Measured on the H200 (2026-11-30, 32 query / 4 kv heads of 128, us per call on a stream, K/V
+// cycled above L2; one sweep of 18 variants, this kernel combines the best): the previous design
+// (one CTA per kv head and 128-position chunk serving all rows, warp per head, plain loads, merge
+// kernel) took 26.5 / 32.0 / 137.9 for 1 row at 512 / 4096 / 32768 positions and 275 / 287 /
+// 1292 for 16 rows; the variants kept here 8.5 / 17.9 / 60.1 and 20-23 / 107 / 644.
+// What decided the choices:
+//  - splits: 32 at most up to 128 tiles (4096 positions: 17.9 us, against 19.3 with 64 and 27.5
+//    with 128, the merge reading more records), 64 above (32768: 60.1 us against 81.9 with 32);
+//  - two heads per warp (each K/V float read from shared memory serves both): 32768 positions
+//    60.1 us against 70.8, 16 rows 644 against 857;
+//  - programmatic dependent launch: 512 positions 8.4 us against 10.5;
+//  - merge folded into the split kernel (the last CTA of a row and kv head, found by a counter,
+//    merges the group's heads): slower, 12.3 / 34.6 us at 512 / 4096 against 8.9 / 19.3: one CTA
+//    then reads all of a kv head's records, the merge kernel spreads them over n * n_head CTAs.
 //
 // Memory contract (device pointers, floats): q [n][n_head][head_dim] (the call's rows); row r of
 // the call is the step's row row_offset + r, at position *pos_dev + row_offset + r, and sees
@@ -35,15 +50,23 @@
 
 namespace moraine::cuda {
 
-constexpr int64_t kDecodeChunk = 128;
+constexpr int64_t kDecodeTile = 32;        // positions staged and scored at once (one per lane)
+constexpr int64_t kDecodeMaxSplits = 64;
 constexpr int64_t kAttentionDecodeMaxRows = 16;
+
+// Splits of a row that sees `positions` positions: one per tile up to 32, 32 up to 128 tiles, 64
+// above (balanced: split c of S takes tiles [c * T / S, (c + 1) * T / S)).
+__host__ __device__ constexpr int64_t attention_decode_splits(int64_t positions) {
+  const int64_t tiles = (positions + kDecodeTile - 1) / kDecodeTile;
+  return tiles <= 32 ? tiles : tiles <= 128 ? 32 : kDecodeMaxSplits;
+}
 
 // head_dim a multiple of 32 up to 256, at most 32 query heads per kv head.
 bool attention_decode_supported(const AttentionShape& s);
 int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx);
 
 // Throws std::invalid_argument naming the problem (unsupported shape, n outside
-// 1..kAttentionDecodeMaxRows, too small scratch).
+// 1..kAttentionDecodeMaxRows, too small scratch, q / K / V / scratch not 16-byte aligned).
 void attention_decode(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
                       const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
                       int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,

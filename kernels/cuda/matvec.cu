@@ -26,7 +26,7 @@ template <class F>
 __global__ void __launch_bounds__(32 * kRowsPerCta)
     matvec_kernel(const uint8_t* __restrict__ w, int rows, int nblocks, const uint8_t* __restrict__ act,
                   float* __restrict__ y, int64_t w_stride, int64_t act_stride, int64_t out_stride,
-                  const int32_t* __restrict__ ids, int act_words, int stage_words) {
+                  const int32_t* __restrict__ ids, int act_words, int stage_words, bool accumulate) {
   extern __shared__ uint4 stage[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = blockIdx.y;
@@ -98,7 +98,10 @@ __global__ void __launch_bounds__(32 * kRowsPerCta)
     done_units = max(done_units, avail_units);
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) y[e * out_stride + row] = acc;
+  if (lane == 0) {
+    float* out = y + e * out_stride + row;
+    *out = accumulate ? __fadd_rn(*out, acc) : acc;  // residual_add's rounded addition
+  }
 }
 
 // The current device and its opt-in shared-memory limit (the limit cached per thread).
@@ -171,7 +174,7 @@ void launch_format(TensorType t, const void* w, int64_t rows, int64_t n, const v
   matvec_kernel<F><<<grid, 32 * kRowsPerCta, static_cast<size_t>(smem), stream>>>(
       static_cast<const uint8_t*>(w), static_cast<int>(rows), static_cast<int>(nblocks),
       static_cast<const uint8_t*>(act), y, batch.weight_stride_bytes, batch.act_stride_bytes, batch.out_stride,
-      batch.expert_ids, static_cast<int>(act_words), static_cast<int>(stage_words));
+      batch.expert_ids, static_cast<int>(act_words), static_cast<int>(stage_words), batch.accumulate);
   CUDA_CHECK(cudaGetLastError());
 }
 

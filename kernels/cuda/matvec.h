@@ -26,12 +26,16 @@ bool matvec_supported(TensorType weight);
 // matrix e reads weights at w + id(e) * weight_stride_bytes with id(e) = expert_ids[e] (a
 // device array) or e when expert_ids is null, activations at act + e * act_stride_bytes (0:
 // every matrix sees the same activations) and writes y + e * out_stride.
+// accumulate: add each dot into y (y[r] = y[r] + dot, one rounded float addition) instead of
+// storing it, bit-identical to the plain matvec followed by residual_add(y, out) (so an output
+// projection can add straight into the residual stream; tests/cuda/matvec_accumulate_test.cpp).
 struct MatvecBatch {
   int count = 1;
   int64_t weight_stride_bytes = 0;
   int64_t act_stride_bytes = 0;
   int64_t out_stride = 0;
   const int32_t* expert_ids = nullptr;
+  bool accumulate = false;
 };
 
 // Throws std::invalid_argument naming the problem for an unsupported type, a bad shape or a

@@ -10,39 +10,20 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/matvec_float_row.cuh"
 
 namespace moraine::cuda {
 namespace {
 
+using namespace matvec_float_detail;
+
 constexpr int kRowsPerCta = 8;
-
-template <TensorType T>
-__device__ __forceinline__ float load_weight(const uint8_t* row, int64_t i) {
-  if constexpr (T == TensorType::F32) {
-    return reinterpret_cast<const float*>(row)[i];
-  } else if constexpr (T == TensorType::F16) {
-    return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(row)[i]));
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(reinterpret_cast<const unsigned short*>(row)[i]));
-  }
-}
-
-template <TensorType T>
-__device__ __forceinline__ float round_activation(float v) {
-  if constexpr (T == TensorType::F32) {
-    return v;
-  } else if constexpr (T == TensorType::F16) {
-    return __half2float(__float2half_rn(v));
-  } else {
-    return __bfloat162float(__float2bfloat16_rn(v));
-  }
-}
 
 template <TensorType T>
 __global__ void __launch_bounds__(32 * kRowsPerCta)
     matvec_float_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t n, const float* __restrict__ x,
                         float* __restrict__ y, int64_t w_stride, int64_t act_stride, int64_t out_stride,
-                        const int32_t* __restrict__ ids, size_t elem_bytes) {
+                        const int32_t* __restrict__ ids, size_t elem_bytes, bool accumulate) {
   extern __shared__ float xs[];
   const int e = blockIdx.y;
   const float* xe = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(x) + e * act_stride);
@@ -53,10 +34,11 @@ __global__ void __launch_bounds__(32 * kRowsPerCta)
   if (row >= rows) return;
   const int64_t mat = ids != nullptr ? ids[e] : e;
   const uint8_t* wr = w + mat * w_stride + row * n * static_cast<int64_t>(elem_bytes);
-  float acc = 0.0f;
-  for (int64_t i = lane; i < n; i += 32) acc = fmaf(load_weight<T>(wr, i), xs[i], acc);
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) y[e * out_stride + row] = acc;
+  const float acc = row_dot_warp<T>(wr, xs, n, lane);
+  if (lane == 0) {
+    float* out = y + e * out_stride + row;
+    *out = accumulate ? __fadd_rn(*out, acc) : acc;  // residual_add's rounded addition
+  }
 }
 
 template <TensorType T>
@@ -74,7 +56,7 @@ void launch(const void* w, int64_t rows, int64_t n, const float* x, float* y, co
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta), static_cast<unsigned>(b.count));
   matvec_float_kernel<T><<<grid, 32 * kRowsPerCta, smem, stream>>>(
       static_cast<const uint8_t*>(w), rows, n, x, y, b.weight_stride_bytes, b.act_stride_bytes, b.out_stride,
-      b.expert_ids, type_traits(T).block_bytes);
+      b.expert_ids, type_traits(T).block_bytes, b.accumulate);
   CUDA_CHECK(cudaGetLastError());
 }
 

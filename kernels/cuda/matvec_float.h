@@ -21,8 +21,9 @@ namespace moraine::cuda {
 bool matvec_float_supported(TensorType weight);
 
 // The batched form of matvec.h: matrix e reads w + id(e) * weight_stride_bytes, activations
-// x + e * act_stride_bytes (bytes, a multiple of 4) and writes y + e * out_stride. With
-// weight_stride_bytes 0 and one activation row per e, it is a token batch against one matrix.
+// x + e * act_stride_bytes (bytes, a multiple of 4) and writes (with batch.accumulate: adds
+// into, as matvec.h says) y + e * out_stride. With weight_stride_bytes 0 and one activation row
+// per e, it is a token batch against one matrix.
 // Throws std::invalid_argument naming the problem for an unsupported type or a bad shape.
 void matvec_float_batched(TensorType weight, const void* w, int64_t rows, int64_t n, const float* x,
                           float* y, const MatvecBatch& batch, cudaStream_t stream = nullptr);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/cuda_check.h"
@@ -28,6 +29,28 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxSlots = kMoeMaxTokens * kMoeMaxTopK;
 static_assert(kThreads >= kMaxSlots, "one thread per slot in the leader scan");
 
+// Activations (x for gate/up, h for down) in shared memory and the workspace are padded: Q8_K
+// block b at b * kQ8KStride + kQ8KOffset, Q8_0 block b at b * kQ80Stride + kQ80Offset, so the
+// quants (and Q8_K's sums) start on 16-byte boundaries (packed 292- and 34-byte blocks leave them
+// 4- or 2-byte aligned) and the Q4_K and Q8_0 dots read them as 16-byte words; lanes on
+// consecutive blocks then hit distinct banks (strides of 76 and 12 words).
+constexpr int kQ8KStride = 304, kQ8KOffset = 12;
+constexpr int kQ80Stride = 48, kQ80Offset = 14;
+static_assert(sizeof(BlockQ8_K) + kQ8KOffset <= kQ8KStride && (kQ8KOffset + 4) % 16 == 0 &&
+                  (kQ8KOffset + 4 + kQK_K) % 16 == 0,
+              "padded Q8_K layout: quants and sums 16-byte aligned");
+static_assert(sizeof(BlockQ8_0) + kQ80Offset <= kQ80Stride && (kQ80Offset + 2) % 16 == 0,
+              "padded Q8_0 layout: quants 16-byte aligned");
+template <class Act>
+__device__ __forceinline__ const Act& act_block(const uint8_t* act, int b) {
+  static_assert(sizeof(Act) == sizeof(BlockQ8_K) || sizeof(Act) == sizeof(BlockQ8_0), "Q8_K or Q8_0 activations");
+  if constexpr (sizeof(Act) == sizeof(BlockQ8_K)) {
+    return *reinterpret_cast<const Act*>(act + b * kQ8KStride + kQ8KOffset);
+  } else {
+    return *reinterpret_cast<const Act*>(act + b * kQ80Stride + kQ80Offset);
+  }
+}
+
 // Everything both kernels need, by value (kernel parameter space).
 struct Params {
   int gate_type, up_type, down_type;  // TensorType values
@@ -43,6 +66,7 @@ struct Params {
   const float* weight;
   const float* x;
   float* sum;
+  bool sum_accumulate;  // MoeOutputs::sum_accumulate
   float* slot_rows;
   const int32_t* slot_row_of;
   // workspace
@@ -55,6 +79,12 @@ struct Params {
   // shared-memory layout (bytes per token / words per staged row)
   int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
   bool dots_by_rows;  // dot_rows (default) or dot_staged per row (MoeLayerWeights::dots)
+  // Down kernel form: the per-row-tile kernel (moe_down_tile_kernel) quantizes h itself, so
+  // kernel 1 then only writes the F32 h (no counters).
+  bool k1_quantizes_h;
+  int tile_rows_d;  // moe_down_tile_kernel: n_embd rows per CTA
+  int stages_a;     // kernel 1 row buffers (1 or 2)
+  bool vec_loads;   // Q4_K / Q8_0 dots with 16-byte activation loads (MoeLayerWeights::Tuning)
 };
 
 __device__ __forceinline__ bool expert_present(const Params& p, int e) {
@@ -155,11 +185,40 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
+// One Q8_0 block's integer dot against a padded Q8_0 activation block: FormatQ8_0::part's sum,
+// with the activation quants as two 16-byte loads instead of two unaligned 16-byte reads (ten
+// 4-byte loads and eight funnel shifts).
+__device__ __forceinline__ int q8_0_block_isum_vec(const uint8_t* wb, const BlockQ8_0& a) {
+  const uint4* aq = reinterpret_cast<const uint4*>(a.qs);
+  int dot = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int wq[4];
+    load_16_unaligned(wb + 2 + 16 * h, wq);
+    const uint4 av = aq[h];
+    dot = __dp4a(wq[0], static_cast<int>(av.x), dot);
+    dot = __dp4a(wq[1], static_cast<int>(av.y), dot);
+    dot = __dp4a(wq[2], static_cast<int>(av.z), dot);
+    dot = __dp4a(wq[3], static_cast<int>(av.w), dot);
+  }
+  return dot;
+}
+
 // dot(row, act) over nblocks blocks, both in shared memory: lanes take block parts round-robin
 // (the matvec's per-block terms), the warp's result in every lane.
 template <class F>
-__device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_t* act, int lane) {
-  const auto* a = reinterpret_cast<const typename F::Act*>(act);
+__device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_t* act, int lane, bool vec) {
+  if constexpr (std::is_same_v<F, FormatQ8_0>) {  // one part per block: one block per lane
+    if (vec) {
+      float acc = 0.0f;
+      for (int b = lane; b < nblocks; b += 32) {
+        const uint8_t* wb = row + b * F::kBlockBytes;
+        acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
+      }
+      for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      return acc;
+    }
+  }
   const int units = nblocks * F::kParts;
   float acc = 0.0f;
   for (int u0 = 0; u0 < units; u0 += 32) {
@@ -167,35 +226,35 @@ __device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_
     const bool valid = u < units;
     const int b = u / F::kParts, part = u % F::kParts;
     int isum = 0, msum = 0;
-    if (valid) F::part(row + b * F::kBlockBytes, a[b], part, isum, msum);
+    if (valid) F::part(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part, isum, msum);
 #pragma unroll
     for (int off = 1; off < F::kParts; off *= 2) {
       isum += __shfl_xor_sync(0xffffffffu, isum, off);
       msum += __shfl_xor_sync(0xffffffffu, msum, off);
     }
-    if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, a[b], isum, msum);
+    if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), isum, msum);
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
 
 // Runtime format switch (warp-uniform): one kernel serves every format and mix of formats.
-__device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
+__device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane, bool vec) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
-      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane);
+      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane, vec);
     case TensorType::MXFP4:
-      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane);
+      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane, vec);
     case TensorType::Q2_K:
-      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane);
+      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane, vec);
     case TensorType::Q3_K:
-      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane);
+      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane, vec);
     case TensorType::Q4_K:
-      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane);
+      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane, vec);
     case TensorType::Q5_K:
-      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
+      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane, vec);
     case TensorType::Q6_K:
-      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
+      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane, vec);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
@@ -210,55 +269,117 @@ __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* 
 // levels per block and unit and reads each activation word once per row; here lanes of one
 // block index share the activation word (a broadcast) across rows, the parts of a block unpack
 // shared weight words once, and there are no per-block shuffles. row_of(r): row r in shared
-// memory. Returns, in every lane of group r, row r's dot (other lanes: 0).
+// memory, act_of(r): its activation row (the down kernel's per-row-tile form dots each group
+// against another slot's h). Returns, in every lane of group r, row r's dot (other lanes: 0).
 __device__ __forceinline__ int lanes_per_row(int nblocks) {
   int lanes = 1;
   while (lanes < nblocks && lanes < 32) lanes *= 2;
   return lanes;
 }
 
-template <class F, class RowOf>
-__device__ float dot_rows_format(RowOf row_of, int nrows, int nblocks, const uint8_t* act, int lane) {
+// One Q4_K block against a padded Q8_K block (kQ8KStride) with 16-byte shared-memory loads: the
+// integer sums FormatQ45_K<false>::part gives over the block's 8 parts (sub-block j: low nibbles
+// of quant words 8*(j/2).. for even j, high nibbles for odd j; 6-bit scale and min as
+// scale_min_k4), so term() sees the same isum and msum. Why: the generic part reads every weight
+// and activation word with its own 4-byte load (~130 shared loads per block and lane); this takes
+// 8 + 16 + 2 sixteen-byte loads and 3 four-byte ones. wb must be 16-byte aligned.
+__device__ __forceinline__ void q4k_block_sums_vec(const uint8_t* wb, const BlockQ8_K& a, int& isum, int& msum) {
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(wb + 4);
+  const uint32_t s[3] = {packed[0], packed[1], packed[2]};
+  auto byte = [&](int k) { return static_cast<int>((s[k / 4] >> (8 * (k % 4))) & 0xffu); };
+  const uint4* qs = reinterpret_cast<const uint4*>(wb + 16);
+  const uint4* aq = reinterpret_cast<const uint4*>(a.qs);
+  const uint4* bs = reinterpret_cast<const uint4*>(a.bsums);
+  const uint4 b0 = bs[0], b1 = bs[1];
+  const uint32_t bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+  int is = 0, ms = 0;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint4 q0 = qs[2 * p], q1 = qs[2 * p + 1];
+    const uint32_t qw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int j = 2 * p + t;
+      const uint4 a0 = aq[2 * j], a1 = aq[2 * j + 1];
+      const uint32_t aw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      int dot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        dot = __dp4a(static_cast<int>((qw[i] >> (4 * t)) & 0x0f0f0f0fu), static_cast<int>(aw[i]), dot);
+      int sc, m;
+      if (j < 4) {
+        sc = byte(j) & 63;
+        m = byte(j + 4) & 63;
+      } else {
+        sc = (byte(j + 4) & 0x0f) | ((byte(j - 4) >> 6) << 4);
+        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
+      }
+      is += sc * dot;
+      ms += m * (static_cast<int>(static_cast<int16_t>(bw[j] & 0xffffu)) + (static_cast<int>(bw[j]) >> 16));
+    }
+  }
+  isum = is;
+  msum = ms;
+}
+
+template <class F, class RowOf, class ActOf>
+__device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblocks, int lane, bool vec) {
   const int lanes = lanes_per_row(nblocks);
   const int r = lane / lanes;
   float acc = 0.0f;
   if (r < nrows) {
     const uint8_t* row = row_of(r);
-    const auto* a = reinterpret_cast<const typename F::Act*>(act);
+    const uint8_t* act = act_of(r);
+    // Q4_K rows are whole 16-byte words (the contract aligns them); Q8_0's weight reads are unaligned anyway.
+    vec = vec && (std::is_same_v<F, FormatQ8_0> || (reinterpret_cast<uintptr_t>(row) & 15) == 0);
     for (int b = lane % lanes; b < nblocks; b += lanes) {
       const uint8_t* wb = row + b * F::kBlockBytes;
       int isum = 0, msum = 0;
+      if constexpr (std::is_same_v<F, FormatQ45_K<false>>) {
+        if (vec) {
+          q4k_block_sums_vec(wb, act_block<BlockQ8_K>(act, b), isum, msum);
+          acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
+          continue;
+        }
+      }
+      if constexpr (std::is_same_v<F, FormatQ8_0>) {
+        if (vec) {
+          acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
+          continue;
+        }
+      }
 #pragma unroll
       for (int part = 0; part < F::kParts; ++part) {
         int is = 0, ms = 0;
-        F::part(wb, a[b], part, is, ms);
+        F::part(wb, act_block<typename F::Act>(act, b), part, is, ms);
         isum += is;
         msum += ms;
       }
-      acc += F::term(wb, a[b], isum, msum);
+      acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
     }
   }
   for (int off = lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
 
-template <class RowOf>
-__device__ float dot_rows(int type, RowOf row_of, int nrows, int n, const uint8_t* act, int lane) {
+// vec: the Q4_K dot's 16-byte loads (q4k_block_sums_vec; Params::vec_q4k).
+template <class RowOf, class ActOf>
+__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane, bool vec) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
-      return dot_rows_format<FormatQ8_0>(row_of, nrows, n / kQK, act, lane);
+      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane, vec);
     case TensorType::MXFP4:
-      return dot_rows_format<FormatMXFP4>(row_of, nrows, n / kQK, act, lane);
+      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane, vec);
     case TensorType::Q2_K:
-      return dot_rows_format<FormatQ2_K>(row_of, nrows, n / kQK_K, act, lane);
+      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
     case TensorType::Q3_K:
-      return dot_rows_format<FormatQ3_K>(row_of, nrows, n / kQK_K, act, lane);
+      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
     case TensorType::Q4_K:
-      return dot_rows_format<FormatQ45_K<false>>(row_of, nrows, n / kQK_K, act, lane);
+      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane, vec);
     case TensorType::Q5_K:
-      return dot_rows_format<FormatQ45_K<true>>(row_of, nrows, n / kQK_K, act, lane);
+      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane, vec);
     case TensorType::Q6_K:
-      return dot_rows_format<FormatQ6_K>(row_of, nrows, n / kQK_K, act, lane);
+      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
@@ -279,9 +400,10 @@ __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t* dst, 
     const float4* s = reinterpret_cast<const float4*>(src + b * kQK_K + 8 * lane);
     const float4 lo = __ldcg(s), hi = __ldcg(s + 1);
     const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    quantize_detail::quantize_q8_k_warp(v, reinterpret_cast<BlockQ8_K*>(dst)[b], lane);
+    quantize_detail::quantize_q8_k_warp(v, *reinterpret_cast<BlockQ8_K*>(dst + b * kQ8KStride + kQ8KOffset), lane);
   } else {
-    quantize_detail::quantize_q8_0_llama_warp(__ldcg(src + b * kQK + lane), reinterpret_cast<BlockQ8_0*>(dst)[b], lane);
+    quantize_detail::quantize_q8_0_llama_warp(__ldcg(src + b * kQK + lane),
+                                              *reinterpret_cast<BlockQ8_0*>(dst + b * kQ80Stride + kQ80Offset), lane);
   }
 }
 
@@ -305,9 +427,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
   uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
   uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
   const int pair_words = p.gate_seg_words + p.up_seg_words;
-  uint4* stage = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
-                 warp * p.rows_a * pair_words;
-  auto issue_rows = [&](int d) {  // this warp's rows of leader d's expert, in flight
+  // stages_a buffers of the CTA's rows: with two, expert d + 2G's rows fly while d + G's are
+  // dotted (CTAs serving several experts).
+  uint4* const stage_base = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
+                            warp * p.rows_a * pair_words;
+  const int buffer_words = kWarps * p.rows_a * pair_words;
+  auto issue_rows = [&](int d, int buffer) {  // this warp's rows of leader d's expert, in flight
+    uint4* stage = stage_base + buffer * buffer_words;
     const int e = st.chosen[st.leader[d]];
     const uint8_t* g = expert_tensor(p, 0, e);
     const uint8_t* u = expert_tensor(p, 1, e);
@@ -321,7 +447,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
   };
 
   const int n_leaders = find_leaders(p, st);
-  if (blockIdx.y < n_leaders) issue_rows(blockIdx.y);
+  if (blockIdx.y < n_leaders) issue_rows(blockIdx.y, 0);
+  if (p.stages_a > 1 && blockIdx.y + gridDim.y < n_leaders) issue_rows(blockIdx.y + gridDim.y, 1);
   allow_next_kernel();
   // x of every token, quantized as the scalar reference's pack_activations does, while the first
   // rows are in flight.
@@ -335,11 +462,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
         quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
     }
   }
-  for (int d = blockIdx.y; d < n_leaders; d += gridDim.y) {
+  for (int d = blockIdx.y, it = 0; d < n_leaders; d += gridDim.y, ++it) {
     const int leader = st.leader[d];
     const int e = st.chosen[leader];
     const int count = list_slots(p, st, e);  // CTA barrier: also publishes x the first time
-    __pipeline_wait_prior(0);
+    const int buffer = it % p.stages_a;
+    uint4* const stage = stage_base + buffer * buffer_words;
+    if (p.stages_a > 1 && d + gridDim.y < n_leaders) {
+      __pipeline_wait_prior(1);  // d's group; d + G's may still fly
+    } else {
+      __pipeline_wait_prior(0);
+    }
     __syncwarp();
     const uint8_t* g_base = expert_tensor(p, 0, e);
     const uint8_t* u_base = expert_tensor(p, 1, e);
@@ -358,7 +491,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
           return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
                             : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
         };
-        const float v = dot_rows(p.gate_type, row_of, 2 * np, p.n_embd, xg + t * p.xg_stride, lane);
+        const uint8_t* xt = xg + t * p.xg_stride;
+        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
         const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
         const int c = lane / lanes;
         if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
@@ -375,15 +509,18 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
       const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
       for (int i = 0; i < count; ++i) {
         const int slot = st.list[i], t = slot / p.k;
-        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
-        const float u = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
+        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
+        const float u = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
         // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
         const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
         if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
       }
     }
     __syncwarp();
-    if (d + gridDim.y < n_leaders) issue_rows(d + gridDim.y);  // next expert's rows fly meanwhile
+    const int next = d + p.stages_a * static_cast<int>(gridDim.y);
+    if (next < n_leaders) issue_rows(next, buffer);  // the next expert's rows fly meanwhile
+    // (The next list_slots' first barrier keeps st.list until every warp is done with it.)
+    if (!p.k1_quantizes_h) continue;
     // This tile of h is done for expert e: the last tile of its activation block quantizes it.
     __threadfence();
     __syncthreads();
@@ -445,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
       for (int t = 0; t < nt; ++t) {
         for (int j0 = 0; j0 < valid_rows && !p.dots_by_rows; ++j0) {  // the earlier per-row dot
           const uint8_t* down_row = staged(stage + j0 * p.down_seg_words, d_base + (row0 + j0) * p.down_row_bytes);
-          const float y = dot_staged(p.down_type, down_row, p.n_ff, act + t * p.hq_stride, lane);
+          const float y = dot_staged(p.down_type, down_row, p.n_ff, act + t * p.hq_stride, lane, p.vec_loads);
           if (lane == 0) slot_output_row(p, st.list[g0 + t])[row0 + j0] = y;
         }
         for (int j0 = 0; j0 < valid_rows && p.dots_by_rows; j0 += per_call) {
@@ -453,7 +590,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
           auto row_of = [&](int r) {
             return staged(stage + (j0 + r) * p.down_seg_words, d_base + (row0 + j0 + r) * p.down_row_bytes);
           };
-          const float y = dot_rows(p.down_type, row_of, nr, p.n_ff, act + t * p.hq_stride, lane);
+          const uint8_t* ht = act + t * p.hq_stride;
+          const float y = dot_rows(p.down_type, row_of, [&](int) { return ht; }, nr, p.n_ff, lane, p.vec_loads);
           if (lane % lanes == 0 && lane / lanes < nr) slot_output_row(p, st.list[g0 + t])[row0 + j0 + lane / lanes] = y;
         }
       }
@@ -474,15 +612,132 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
       const int t = i / tile_rows, r = blockIdx.x * tile_rows + i % tile_rows;
       if (r >= p.n_embd) continue;
       float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
-      for (int s = 0; s < p.k; ++s) {
-        const int slot = t * p.k + s;
-        if (!expert_present(p, st.chosen[slot])) continue;
-        acc = __fadd_rn(acc, __fmul_rn(p.weight[slot], __ldcg(slot_output_row(p, slot) + r)));
+      // Eight slots' loads issued together, then added in order: one L2 round trip per eight
+      // slots instead of one per slot.
+      for (int s0 = 0; s0 < p.k; s0 += 8) {
+        float wv[8], yv[8];
+        bool use[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int slot = t * p.k + s0 + q;
+          use[q] = s0 + q < p.k && expert_present(p, st.chosen[slot]);
+          wv[q] = use[q] ? p.weight[slot] : 0.0f;
+          yv[q] = use[q] ? __ldcg(slot_output_row(p, slot) + r) : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (use[q]) acc = __fadd_rn(acc, __fmul_rn(wv[q], yv[q]));
       }
-      p.sum[static_cast<int64_t>(t) * p.n_embd + r] = acc;
+      float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + r;
+      *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
     }
   }
   if (threadIdx.x == 0) *counter = 0;
+}
+
+// Kernel 2, per-row-tile form: the CTA owns rows row_base .. row_base + R - 1 of n_embd for every
+// present slot. It stages those rows of every distinct expert (all in flight before it waits for
+// kernel 1), quantizes the slots' h itself from kernel 1's F32 h (the same warp quantizer, so the
+// same bytes as kernel 1's quantization would give), dots, keeps y in shared memory and adds the
+// weighted sums in top-k order: no counters, no y round trip through L2, no "last CTA" step.
+// Shared memory: the slots' quantized h [present slot][hq_stride], y [present slot][R] floats,
+// then the staged rows [leader][R][down_seg_words].
+__global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  __shared__ SlotTables st;
+  __shared__ int16_t leader_index[kMaxSlots];  // by leader slot: its index in st.leader
+  __shared__ int16_t slot_leader[kMaxSlots];   // by slot: its expert's leader's index in st.leader
+  __shared__ int16_t present_pos[kMaxSlots];   // by slot: its index in st.list, -1 when absent
+  __shared__ uint8_t misalign[kMaxSlots];      // by leader: the expert's down tensor address mod 16
+  __shared__ float weight[kMaxSlots];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.tile_rows_d;
+  const int row_base = blockIdx.x * R;
+  const int rows_here = min(R, p.n_embd - row_base);
+  uint8_t* act = reinterpret_cast<uint8_t*>(smem);
+  float* ybuf = reinterpret_cast<float*>(act + p.n_slots * p.hq_stride);
+  uint4* stage = reinterpret_cast<uint4*>(ybuf + p.n_slots * R);
+
+  const int n_leaders = find_leaders(p, st);
+  for (int u = warp; u < n_leaders * rows_here; u += kWarps) {
+    const int d = u / rows_here, j = u % rows_here;
+    const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[d]]);
+    stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
+                    stage + (d * R + j) * p.down_seg_words, lane);
+  }
+  __pipeline_commit();
+  const int i = threadIdx.x;
+  if (i < n_leaders) {
+    const int e = st.chosen[st.leader[i]];
+    leader_index[st.leader[i]] = static_cast<int16_t>(i);
+    misalign[i] = static_cast<uint8_t>(reinterpret_cast<uintptr_t>(expert_tensor(p, 2, e)) & 15);
+  }
+  const bool present = i < p.n_slots && expert_present(p, st.chosen[i]);
+  if (i < p.n_slots) weight[i] = p.weight[i];
+  const int n_present = cta_compact(present, st.list, st.warp_count);  // barrier: leader_index set
+  if (i < p.n_slots) {
+    int first = i;  // the expert's leader: its first slot
+    for (int j = 0; present && j < i; ++j)
+      if (st.chosen[j] == st.chosen[i]) {
+        first = j;
+        break;
+      }
+    slot_leader[i] = present ? leader_index[first] : int16_t{-1};
+    present_pos[i] = -1;
+  }
+  __syncthreads();
+  if (i < n_present) present_pos[st.list[i]] = static_cast<int16_t>(i);
+
+  wait_for_previous_kernel();
+  const int h_block_elems = p.h_q8k ? kQK_K : kQK;
+  const int h_blocks = p.n_ff / h_block_elems;
+  for (int u = warp; u < n_present * h_blocks; u += kWarps) {
+    const int q = u / h_blocks, b = u % h_blocks;
+    quantize_block(p.h_q8k, p.h + static_cast<int64_t>(st.list[q]) * p.n_ff, b, act + q * p.hq_stride, lane);
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  const int units = n_present * rows_here;  // unit u: present slot u / rows_here, row u % rows_here
+  auto unit_row = [&](int u) {
+    const int q = u / rows_here, j = u % rows_here;
+    const int d = slot_leader[st.list[q]];
+    return reinterpret_cast<const uint8_t*>(stage + (d * R + j) * p.down_seg_words) +
+           ((misalign[d] + static_cast<int64_t>(row_base + j) * p.down_row_bytes) & 15);
+  };
+  auto unit_act = [&](int u) { return act + (u / rows_here) * p.hq_stride; };
+  auto store = [&](int u, float y) {
+    const int q = u / rows_here, j = u % rows_here;
+    ybuf[q * R + j] = y;
+    if (p.slot_rows != nullptr) slot_output_row(p, st.list[q])[row_base + j] = y;
+  };
+  if (p.dots_by_rows) {
+    const int lanes = lanes_per_row(p.n_ff / format_block_elems(p.down_type));
+    const int per_call = 32 / lanes;
+    for (int u0 = warp * per_call; u0 < units; u0 += kWarps * per_call) {
+      const int nr = min(per_call, units - u0);
+      const float y = dot_rows(p.down_type, [&](int c) { return unit_row(u0 + c); },
+                               [&](int c) { return unit_act(u0 + c); }, nr, p.n_ff, lane, p.vec_loads);
+      if (lane % lanes == 0 && lane / lanes < nr) store(u0 + lane / lanes, y);
+    }
+  } else {
+    for (int u = warp; u < units; u += kWarps) {
+      const float y = dot_staged(p.down_type, unit_row(u), p.n_ff, unit_act(u), lane, p.vec_loads);
+      if (lane == 0) store(u, y);
+    }
+  }
+  __syncthreads();
+  if (p.sum == nullptr) return;
+  for (int v = threadIdx.x; v < p.n_tokens * rows_here; v += kThreads) {
+    const int t = v / rows_here, j = v % rows_here;
+    float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
+    for (int s = 0; s < p.k; ++s) {
+      const int q = present_pos[t * p.k + s];
+      if (q >= 0) acc = __fadd_rn(acc, __fmul_rn(weight[t * p.k + s], ybuf[q * R + j]));
+    }
+    float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + row_base + j;
+    *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+  }
 }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -499,7 +754,10 @@ int host_lanes_per_row(int64_t nblocks) {
 int seg_words(int64_t row_bytes) { return static_cast<int>((row_bytes + 15 + 15) / 16 + 1); }
 
 // Activation row bytes in shared memory / the workspace: whole 16-byte words plus a spare one.
-int act_stride(TensorType act, int64_t n) { return static_cast<int>(round_up(static_cast<int64_t>(row_bytes(act, n)), 16) + 16); }
+int act_stride(TensorType act, int64_t n) {
+  const int64_t bytes = act == TensorType::Q8_K ? n / kQK_K * kQ8KStride : n / kQK * kQ80Stride;  // Q8_0
+  return static_cast<int>(round_up(bytes, 16) + 16);
+}
 
 struct WorkspaceLayout {
   size_t count_a = 0, count_b = 0, h = 0, hq = 0, slot_out = 0, total = 0;
@@ -699,6 +957,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   p.weight = routing.weight;
   p.x = x;
   p.sum = out.sum;
+  p.sum_accumulate = out.sum_accumulate;
   p.slot_rows = out.slot_rows;
   p.slot_row_of = out.slot_row_of;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
@@ -714,27 +973,61 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   p.up_seg_words = seg_words(p.up_row_bytes);
   p.down_seg_words = seg_words(p.down_row_bytes);
   p.dots_by_rows = w.dots == MoeLayerWeights::Dots::kRows;
+  p.vec_loads = w.tuning.vector_loads;
+  p.stages_a = w.tuning.gate_up_stages == 2 ? 2 : 1;
 
   const DeviceInfo dev = device_info();
+  const MoeLayerWeights::Tuning& tune = w.tuning;
+  // The down kernel's form: per row tile (moe_down_tile_kernel) when every slot's rows of a tile
+  // fit in shared memory (kPerRowTile), and under kAuto only when its grid is also one wave
+  // (each CTA stages every chosen expert's rows, so a second wave would wait for a whole first
+  // CTA's loads); else per expert.
+  int tile_rows_d = 0;
+  int64_t smem_d = 0;
+  if (tune.down != MoeLayerWeights::Tuning::Down::kPerExpert) {
+    const int64_t leaders = std::min<int64_t>(n_slots, w.n_expert);
+    const int64_t static_smem = static_cast<int64_t>(sizeof(SlotTables)) + int64_t{kMaxSlots} * 11;
+    const int candidates[3] = {tune.down_tile_rows > 0 ? tune.down_tile_rows : 16, 8, 0};
+    for (int r : candidates) {
+      if (r <= 0 || r % 8 != 0) continue;
+      const int64_t smem =
+          int64_t{n_slots} * p.hq_stride + int64_t{n_slots} * r * 4 + leaders * r * p.down_seg_words * 16;
+      if (smem + static_smem > dev.smem_optin) continue;
+      const int64_t per_sm = std::min<int64_t>(2, dev.smem_per_sm / (smem + static_smem + 1024));
+      const int64_t ctas = (w.n_embd + r - 1) / r;
+      if (tune.down == MoeLayerWeights::Tuning::Down::kAuto && ctas > per_sm * dev.sms) continue;
+      tile_rows_d = r;
+      smem_d = smem;
+      break;
+    }
+  }
+  p.k1_quantizes_h = tile_rows_d == 0;
+  p.tile_rows_d = tile_rows_d;
   // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
   // Rows per dot_rows call: 32 / lanes per row; kernel 1 pairs gate and up rows in one call.
   const int rows_per_call_a = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_embd / type_traits(w.gate_type).block_elems) : 1;
   const int rows_per_call_b = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_ff / type_traits(w.down_type).block_elems) : 1;
   auto plan_a_with = [&](int min_rows) {
     return plan_kernel(w.n_ff, int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)),
-                       p.gate_seg_words + p.up_seg_words, min_rows, 8, static_cast<int>(type_traits(h_act).block_elems),
-                       n_slots, w.n_expert, dev);
+                       (p.gate_seg_words + p.up_seg_words) * p.stages_a, min_rows,
+                       tune.gate_up_rows_per_warp > 0 && min_rows == tune.gate_up_rows_per_warp ? min_rows : 8,
+                       static_cast<int>(type_traits(h_act).block_elems), n_slots, w.n_expert, dev);
   };
   auto plan_b_with = [&](int min_rows) {
     return plan_kernel(w.n_embd, int64_t{n} * p.hq_stride, p.down_seg_words, min_rows, 16, 0, n_slots, w.n_expert, dev);
   };
-  KernelPlan plan_a = plan_a_with(std::max(1, rows_per_call_a / 2));
+  KernelPlan plan_a;
+  if (tune.gate_up_rows_per_warp > 0) plan_a = plan_a_with(tune.gate_up_rows_per_warp);
+  if (plan_a.rows_per_warp == 0) plan_a = plan_a_with(std::max(1, rows_per_call_a / 2));
   if (plan_a.rows_per_warp == 0) plan_a = plan_a_with(1);
   KernelPlan plan_b = plan_b_with(std::min(16, rows_per_call_b));
   if (plan_b.rows_per_warp == 0) plan_b = plan_b_with(1);
   if (plan_a.rows_per_warp == 0 || plan_b.rows_per_warp == 0)
     throw std::invalid_argument("moe_fused: rows too long for the shared-memory staging (" + std::to_string(n) +
                                 " tokens, device limit " + std::to_string(dev.smem_optin) + " bytes per CTA)" + where(w));
+  // One expert per kernel-1 CTA (more CTAs than one wave holds) rather than some CTAs serving
+  // two experts in turn while the rest of the grid idles.
+  if (tune.gate_up_cta_per_expert) plan_a.groups = static_cast<int>(std::min<int64_t>(n_slots, w.n_expert));
   p.rows_a = plan_a.rows_per_warp;
   p.rows_b = plan_b.rows_per_warp;
   ensure_smem<0>(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
@@ -743,6 +1036,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   const dim3 grid_a(static_cast<unsigned>(plan_a.tiles), static_cast<unsigned>(plan_a.groups));
   moe_gate_up_kernel<<<grid_a, kThreads, static_cast<size_t>(plan_a.smem), stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
+  if (tile_rows_d > 0) ensure_smem<2>(reinterpret_cast<const void*>(moe_down_tile_kernel), dev.device, smem_d);
   // Kernel 2 as a programmatic dependent launch where the device has it (sm_90+): its CTAs start
   // as kernel 1's leave room, fetch their down rows, and wait for kernel 1 inside.
   cudaLaunchConfig_t cfg{};
@@ -754,7 +1048,13 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = dev.cc_major >= 9 ? 1 : 0;
+  cfg.numAttrs = dev.cc_major >= 9 && tune.programmatic_launch ? 1 : 0;
+  if (tile_rows_d > 0) {
+    cfg.gridDim = dim3(static_cast<unsigned>((w.n_embd + tile_rows_d - 1) / tile_rows_d));
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem_d);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_tile_kernel, p));
+    return;
+  }
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_kernel, p));
 }
 

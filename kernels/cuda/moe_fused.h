@@ -20,25 +20,42 @@
 //     shared memory with cp.async (all in flight at once, the next expert's prefetched while the
 //     current one finishes) and dots them against x, which the CTA quantizes into shared memory
 //     meanwhile (x rows are small and L2-resident, and doing it here saves a launch). h goes to
-//     the workspace as F32; the CTA that finishes the last row tile of an activation block (32 or
-//     256 rows, counted with an atomic) quantizes that block for down, so h is quantized once.
-//  2. down kernel: the same leader scheme over row tiles of n_embd; the CTA copies the quantized
-//     h of its expert's tokens into shared memory, each warp dots its down rows, writes the
-//     unweighted rows, and the CTA that finishes a row tile last (atomic count over the groups)
-//     adds the weighted sums in top-k order: deterministic, no float atomics. On sm_90+ it is a
-//     programmatic dependent launch: its CTAs start while kernel 1 runs and fetch their down rows
-//     before waiting for kernel 1's h.
-//  Rows per warp (at least one dot_rows call's worth when that fits) and groups are chosen per
-//  call so the grid is one wave of 2 CTAs per SM when it can be. Why not one CTA per (expert, 256-row block) keeping h in shared memory: Qwen3-30B-A3B
-//  decode has 8 experts x 3 blocks = 24 CTAs for 132 SMs, far too few to pull HBM bandwidth; the
-//  F32 h (n*k*n_ff floats, <= 400 KB) round-trips through L2, not HBM.
+//     the workspace as F32; with the per-expert down kernel, the CTA that finishes the last row
+//     tile of an activation block (32 or 256 rows, counted with an atomic) quantizes that block
+//     for down, so h is quantized once.
+//  2a. down kernel per row tile (Tuning::Down::kPerRowTile; kAuto picks it when every slot's rows
+//     of a tile fit in shared memory and its grid is one wave: up to 3 tokens at Q4_K, 1 (30B-A3B)
+//     or 2 (Qwen3-Next) at Q8_0): CTA = R rows of n_embd for every
+//     present slot. It stages those rows of every chosen expert before waiting for kernel 1,
+//     then quantizes each slot's h itself from the F32 h (the same warp quantizer: the same
+//     bytes; a block of h is quantized once per CTA instead of once, cheap next to the dots),
+//     dots, and adds the weighted sums from shared memory. Why: the per-expert form's tail is a
+//     chain of dependent L2 round trips (h quantize after an atomic in kernel 1; y rows out,
+//     fence, atomic, then the last CTA reads k rows back), each step a few hundred ns at least,
+//     next to ~5 us of bytes at one token (the expectation; not timed yet, see below).
+//  2b. down kernel per expert (otherwise): the same leader scheme over row tiles of n_embd; the
+//     CTA copies the quantized h of its expert's tokens into shared memory, each warp dots its
+//     down rows, writes the unweighted rows, and the CTA that finishes a row tile last (atomic
+//     count over the groups) adds the weighted sums in top-k order: deterministic, no float
+//     atomics.
+//  Either down kernel is a programmatic dependent launch on sm_90+: its CTAs start while kernel 1
+//  runs (as far as registers and shared memory allow) and fetch their down rows before waiting
+//  for kernel 1's h. Rows per warp (at least one dot_rows call's worth when that fits) and groups
+//  are chosen per call so the grid is one wave of 2 CTAs per SM when it can be
+//  (MoeLayerWeights::Tuning overrides these for the bench). Why not one CTA per (expert, 256-row
+//  block) keeping h in shared memory: Qwen3-30B-A3B decode has 8 experts x 3 blocks = 24 CTAs for
+//  132 SMs, far too few to pull HBM bandwidth; the F32 h (n*k*n_ff floats, <= 400 KB)
+//  round-trips through L2, not HBM.
 //  Dots (dot_rows in moe_fused.cu): the lanes of a warp split into groups of L = blocks per row
 //  (rounded up to a power of two, <= 32); each group takes one row, each lane whole weight
 //  blocks of it (all of a block's parts in one lane, then the block's exact float term), so
 //  there are no per-block shuffles and lanes on the same block index share the activation word
 //  across rows; kernel 1 puts gate row j and up row j in adjacent groups of one call. The
 //  earlier per-row dot (dot_staged: 8 lanes per K-quant block, three shuffle levels per unit)
-//  stays as MoeLayerWeights::Dots::kStaged for comparison (the bench times both).
+//  stays as MoeLayerWeights::Dots::kStaged for comparison (the bench times both). Activations
+//  are stored padded (moe_fused.cu: kQ8KStride, kQ80Stride) so that the Q4_K and Q8_0 dots read
+//  them, and Q4_K its weights, as 16-byte words: the generic per-part code takes ~130 four-byte
+//  shared loads per Q4_K block and lane, the 16-byte form 29 loads for the same integer sums.
 //  Measured on the H200 (moraine-kernel-bench cuda --moe-only; read kernel 4.56 TB/s), us per
 //  layer, graph-replayed (stream-launched within 2 us of it), n = 1 / 8, with dot_staged:
 //  Qwen3-30B-A3B Q4_K 29.0 / 165, Q8_0 32.6 / 191; Qwen3-Next Q4_K 33.4 / 167, Q8_0 34.8 / 193:
@@ -52,9 +69,13 @@
 //  the same dots it took 46.8 / 163 (Q4_K) and 44.2 / 255 (Q8_0), slower at n = 1 because CTAs
 //  holding a down tile idle until the expert's gate/up tiles finish; and four tokens per
 //  unpacked weight part: 238 us at n = 8 (1 CTA per SM for the registers, and random routings
-//  rarely put two tokens on one expert). dot_rows is not measured on the GPU yet (its lane and
-//  row mapping was checked on the host against vec_dot_reference); the first version (one row per warp, register staging, plain launches) took
-//  48.6 / 235, 57.7 / 280, 52.7 / 256, 59.7 / 298.
+//  rarely put two tokens on one expert). The first version (one row per warp, register
+//  staging, plain launches) took 48.6 / 235, 57.7 / 280, 52.7 / 256, 59.7 / 298. dot_rows with
+//  the per-expert down kernel: Qwen3-30B-A3B Q4_K 26.3 / 119.6 (807 GB/s at n = 1, 18%).
+//  The per-row-tile down kernel and the 16-byte loads passed cuda_moe_fused_test on the H200
+//  (every form; memcheck clean) but have no timing yet: the bench's "auto" rows against
+//  "expert-novec" (the previous default) measure them; MoeLayerWeights::Tuning's defaults are
+//  the switch if they lose.
 //
 // Memory contract: weight rows are read as aligned 16-byte words (as matvec.h), so each
 // expert's gate/up/down tensor must start 16-byte aligned and be readable up to the next
@@ -97,6 +118,36 @@ struct MoeLayerWeights {
   // as the bench's baseline). Same per-block terms either way; float addition order differs.
   enum class Dots { kRows, kStaged };
   Dots dots = Dots::kRows;
+  // Launch shape and down-kernel form; the defaults pick per call. The bench sweeps these, the
+  // test runs every form; results are the same (per-block terms) whatever they are.
+  struct Tuning {
+    // Kernel 1 weight rows per warp (1, 2, 4 or 8; 0: chosen per call).
+    int gate_up_rows_per_warp = 0;
+    // Kernel 1 grid: a CTA per (row tile, distinct expert) even past one wave (false: at most
+    // one wave, CTAs serving several experts in turn when the tiles x experts exceed it).
+    bool gate_up_cta_per_expert = false;
+    // Kernel 1 row buffers per CTA: 2 keeps the next expert's rows in flight while one is dotted
+    // (for CTAs serving several experts; twice the shared memory), 1 reuses one buffer.
+    int gate_up_stages = 1;
+    // Down kernel form: kPerExpert (CTA = one expert's row tile, the last CTA of a tile adds the
+    // weighted sums; kernel 1 quantizes h) or kPerRowTile (CTA = a row tile for every slot,
+    // quantizes the slots' h itself and adds the sums from shared memory: no counters, no
+    // second pass through L2; only while all the slots' rows of a tile fit in shared memory,
+    // else kPerExpert). kAuto: kPerRowTile when it fits.
+    // Default kPerExpert: on the H200 (moraine-kernel-bench cuda --moe-only, graph, 2026-11-30)
+    // 30B Q4_K 23.6 / 38.6 / 108.8 us at 1 / 2 / 8 tokens against kAuto's 23.7 / 38.1 / 108.6,
+    // but 30B Q8_0 at 1 token 37.9 against 43.1: the row-tile form loses where it is chosen.
+    enum class Down { kAuto, kPerExpert, kPerRowTile };
+    Down down = Down::kPerExpert;
+    int down_tile_rows = 0;  // kPerRowTile rows per CTA (8, 16 or 32; 0: chosen per call)
+    // The Q4_K and Q8_0 dots read their activations (and Q4_K its weights) as 16-byte words
+    // (false: the generic 4-byte and unaligned loads of matvec_formats.cuh; same integer sums).
+    bool vector_loads = true;
+    // The down kernel as a programmatic dependent launch on sm_90+ (false: a plain launch after
+    // kernel 1; for measuring what the overlap gives).
+    bool programmatic_launch = true;
+  };
+  Tuning tuning;
 };
 
 struct MoeRouting {
@@ -115,6 +166,10 @@ struct MoeOutputs {
   // or i when slot_row_of is null. Rows of slots whose expert is absent are not written.
   float* slot_rows = nullptr;
   const int32_t* slot_row_of = nullptr;
+  // sum[t][r] = sum[t][r] + (the weighted sum), one rounded float addition, instead of
+  // overwriting: adds the routed experts straight into a residual stream, bit-identical to
+  // writing the sum and then adding it (as moe_combine's x + acc does).
+  bool sum_accumulate = false;
 };
 
 // Shape and formats check: throws std::invalid_argument naming the problem (a format without a

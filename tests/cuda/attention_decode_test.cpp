@@ -1,16 +1,19 @@
 // Flash-decoding attention (kernels/cuda/attention_decode.h) against the exact softmax attention
-// in double (the reference's formula), at positions around chunk and tile edges, for 1 to 16 rows,
+// in double (the reference's formula), at positions around tile and split edges, for 1 to 16 rows,
 // gated and not; a row gives the same bits whatever call serves it (the property decode after
-// prefill relies on); a device position outside the capacity gives NaN rows.
-// Tolerance, first order in u = 2^-24: a score is off by at most
-//   ds_j = (hd + 2) u scale sum_d |q_d k_jd| + u |s_j|     (sequential fma chain, scaling)
+// prefill relies on), also from a replayed CUDA graph at new device positions; a device position
+// outside the capacity gives NaN rows.
+// Tolerance, first order in u = 2^-24: a score (4 interleaved fma chains of head_dim / 4, their
+// sum, the scaling) is off by at most
+//   ds_j = (hd / 4 + 3) u scale sum_d |q_d k_jd| + u |s_j|
 // which moves p_j relatively by up to 2 max_j ds_j; exp, the per-tile rescaling (one product per
-// tile of 32) and the merge add (8 + 2 * tiles + chunks) u; the weighted sum of values adds
-// (positions per chunk + chunks + 8) u of sum_j p_j |v_jd|.
+// tile of 32 in a split) and the merge add (8 + 2 * tiles per split + splits) u; the weighted sum
+// of values adds (positions per split + splits + 8) u of sum_j p_j |v_jd|.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -75,13 +78,15 @@ std::vector<float> run(const Case& c, const Data& d, int64_t r0, int64_t n, int3
 
 void check_exact(const Case& c) {
   const Data d = make_data(c);
-  const std::vector<float> got = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
   const cuda::AttentionShape& s = c.s;
   const int64_t hd = s.head_dim, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
   const double u = std::ldexp(1.0, -24);
+  std::vector<double> want(static_cast<size_t>(c.n * qd)), tols(want.size());
   for (int64_t t = 0; t < c.n; ++t) {
     const int64_t n_kv = c.pos + t + 1;
-    const int64_t chunks = (n_kv + cuda::kDecodeChunk - 1) / cuda::kDecodeChunk;
+    const int64_t tiles = (n_kv + cuda::kDecodeTile - 1) / cuda::kDecodeTile;
+    const int64_t splits = cuda::attention_decode_splits(n_kv);
+    const int64_t split_tiles = (tiles + splits - 1) / splits;
     for (int64_t h = 0; h < s.n_head; ++h) {
       const int64_t kvh = h / group;
       const float* qh = d.q.data() + t * qd + h * hd;
@@ -96,12 +101,12 @@ void check_exact(const Case& c) {
         }
         sc[j] = dot * s.scale;
         mx = std::max(mx, sc[j]);
-        max_ds = std::max(max_ds, double(hd + 2) * u * s.scale * mag + u * std::fabs(sc[j]));
+        max_ds = std::max(max_ds, double(hd / 4 + 3) * u * s.scale * mag + u * std::fabs(sc[j]));
       }
       double sum = 0;
       for (double& x : sc) sum += (x = std::exp(x - mx));
-      const double rel = 2 * max_ds + double(8 + 2 * (cuda::kDecodeChunk / 32) + chunks) * u +
-                         double(std::min<int64_t>(n_kv, cuda::kDecodeChunk) + chunks + 8) * u;
+      const double rel = 2 * max_ds + double(8 + 2 * split_tiles + splits) * u +
+                         double(std::min(n_kv, split_tiles * cuda::kDecodeTile) + splits + 8) * u;
       for (int64_t e = 0; e < hd; ++e) {
         double o = 0, mag = 0;
         for (int64_t j = 0; j < n_kv; ++j) {
@@ -115,35 +120,87 @@ void check_exact(const Case& c) {
           o *= sg;
           tol = tol * sg + 4 * u * std::fabs(o);
         }
-        const double gd = got[static_cast<size_t>(t * qd + h * hd + e)];
-        ASSERT_LE(std::fabs(gd - o), tol + 1e-30) << "pos " << c.pos << " row " << t << " head " << h << " dim " << e
-                                                  << ": got " << gd << ", exact " << o << ", tolerance " << tol;
+        want[static_cast<size_t>(t * qd + h * hd + e)] = o;
+        tols[static_cast<size_t>(t * qd + h * hd + e)] = tol;
       }
     }
+  }
+  const std::vector<float> got = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int64_t t = static_cast<int64_t>(i) / qd, h = static_cast<int64_t>(i) % qd / hd;
+    ASSERT_LE(std::fabs(double(got[i]) - want[i]), tols[i] + 1e-30)
+        << "pos " << c.pos << " row " << t << " head " << h << " dim " << i % hd << ": got " << got[i] << ", exact "
+        << want[i] << ", tolerance " << tols[i];
   }
 }
 
 TEST(CudaAttentionDecode, MatchesExactAttention) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 1, 0, false, 1});      // the first token
-  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 1, 127, false, 2});    // a chunk's last position
-  check_exact({cuda_test::attention_shape(32, 4, 128), 512, 5, 126, false, 3});    // rows straddling a chunk edge
-  check_exact({cuda_test::attention_shape(32, 4, 128), 1024, 16, 700, false, 4});  // 16 rows, several chunks, partial tiles
-  check_exact({cuda_test::attention_shape(16, 2, 256), 512, 3, 300, true, 5});     // qwen3next's gated heads of 256
-  check_exact({cuda_test::attention_shape(4, 4, 64), 256, 2, 40, false, 6});       // no grouping
+  const cuda::AttentionShape qwen3 = cuda_test::attention_shape(32, 4, 128);
+  check_exact({qwen3, 512, 1, 0, false, 1});       // the first token
+  check_exact({qwen3, 512, 1, 31, false, 2});      // one full tile
+  check_exact({qwen3, 512, 5, 30, false, 3});      // rows straddling a tile edge (1 and 2 splits)
+  check_exact({qwen3, 2048, 16, 1010, false, 4});  // 32 tiles in 32 splits, then 33 (one split of 2 tiles)
+  check_exact({qwen3, 8192, 16, 4088, false, 5});  // 128 tiles in 32 splits, then 129 in 64
+  check_exact({cuda_test::attention_shape(16, 2, 256), 6144, 3, 5000, true, 6});  // gated heads of 256, 157 tiles
+  check_exact({cuda_test::attention_shape(4, 4, 64), 256, 2, 40, false, 7});       // no grouping
+  check_exact({cuda_test::attention_shape(12, 4, 128), 512, 2, 100, true, 8});     // odd group: one head per warp
+  check_exact({cuda_test::attention_shape(32, 1, 128), 512, 2, 200, false, 9});    // 32 query heads per kv head
 }
 
-// The property decode after prefill relies on: the bits of a row do not depend on the call.
+// The property decode after prefill relies on: the bits of a row do not depend on the call (rows
+// 4093 .. 4101 see 128 tiles in 32 splits, then 129 tiles in 64 splits).
 TEST(CudaAttentionDecode, RowBitsDoNotDependOnTheCall) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  const Case c{cuda_test::attention_shape(32, 4, 128), 1024, 9, 250, true, 7};
+  const Case c{cuda_test::attention_shape(32, 4, 128), 8192, 9, 4093, true, 10};
   const Data d = make_data(c);
-  const std::vector<float> all = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
   const int64_t qd = c.s.n_head * c.s.head_dim;
+  const std::vector<float> all = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
   for (int64_t r = 0; r < c.n; ++r) {
     const std::vector<float> one = run(c, d, r, 1, static_cast<int32_t>(c.pos));
     ASSERT_EQ(std::memcmp(one.data(), all.data() + r * qd, static_cast<size_t>(qd) * 4), 0) << "row " << r;
   }
+}
+
+// A captured graph reads the position from device memory at every replay and gives the bits of a
+// direct call (the same replay twice too: nothing a call leaves behind changes the next).
+TEST(CudaAttentionDecode, GraphReplayMatchesDirectCalls) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const Case c{cuda_test::attention_shape(32, 4, 128), 8192, 4, 0, true, 11};
+  const Data d = make_data(c);
+  const int64_t qd = c.s.n_head * c.s.head_dim;
+  cuda::DeviceBuffer<float> q(static_cast<size_t>(c.n * qd)), k(d.k.size()), v(d.v.size()), g(d.gate.size()),
+      out(static_cast<size_t>(c.n * qd));
+  q.upload(d.q.data(), q.size());
+  k.upload(d.k.data(), d.k.size());
+  v.upload(d.v.data(), d.v.size());
+  g.upload(d.gate.data(), d.gate.size());
+  cuda::DeviceBuffer<int32_t> dpos(1);
+  const int64_t sf = cuda::attention_decode_scratch_floats(c.s, c.n, c.max_ctx);
+  cuda::DeviceBuffer<float> scratch(static_cast<size_t>(sf));
+  scratch.fill_bytes(0xff);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  (void)run(c, d, 0, c.n, 0);   // one direct call first: one-time setup happens outside the capture
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::attention_decode(c.s, q.get(), k.get(), v.get(), c.n, dpos.get(), 0, c.max_ctx, g.get() + c.s.head_dim, 2 * qd,
+                         2 * c.s.head_dim, out.get(), scratch.get(), sf, stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int32_t pos : {5, 2046, 5000, 2046}) {   // 1, 32 and 64 splits
+    dpos.upload(&pos, 1);
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> replayed(out.size());
+    out.download(replayed.data(), replayed.size());
+    const std::vector<float> direct = run(c, d, 0, c.n, pos);
+    ASSERT_EQ(std::memcmp(replayed.data(), direct.data(), direct.size() * 4), 0) << "position " << pos;
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(CudaAttentionDecode, PositionOutsideCapacityGivesNaN) {
@@ -166,6 +223,9 @@ TEST(CudaAttentionDecodeArguments, RejectsBadCalls) {
   EXPECT_THROW(cuda::attention_decode(cuda_test::attention_shape(32, 4, 128), p, p, p, 17, nullptr, 0, 16, nullptr, 0, 0, p, p, 1 << 20),
                std::invalid_argument);
   EXPECT_THROW(cuda::attention_decode(cuda_test::attention_shape(32, 4, 128), p, p, p, 1, nullptr, 0, 4096, nullptr, 0, 0, p, p, 10),
+               std::invalid_argument);
+  float* odd_q = reinterpret_cast<float*>(uintptr_t{4});   // float4 loads need 16-byte alignment
+  EXPECT_THROW(cuda::attention_decode(cuda_test::attention_shape(32, 4, 128), odd_q, p, p, 1, nullptr, 0, 16, nullptr, 0, 0, p, p, 1 << 20),
                std::invalid_argument);
 }
 

@@ -29,7 +29,9 @@
 //    logged values are now within 0.1x to 0.2x of this one.
 //  - weighted sum: sum_s |w_s| tol_s (1 + 2u) + 2 gamma(k + 1) sum_s |w_s y_s|.
 // A wrong row, block, expert, token or weight moves results by the size of the values, orders of
-// magnitude above these bounds.
+// magnitude above these bounds. Every case runs each form of the kernels (MoeLayerWeights::dots
+// and ::tuning: both down kernels, 16-byte or generic loads, kernel 1's smallest and largest row
+// tiles): the bounds do not depend on the form, since every form adds the same per-block terms.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -371,10 +374,35 @@ void run_case(const Case& c) {
     out.slot_row_of = drow_of.get();
   }
 
-  // Twice per dot form (MoeLayerWeights::Dots): each second call checks that the first left the
-  // workspace's counters zeroed.
-  for (int call = 0; call < 4; ++call) {
-    w.dots = call < 2 ? cuda::MoeLayerWeights::Dots::kRows : cuda::MoeLayerWeights::Dots::kStaged;
+  // Twice per form (MoeLayerWeights::dots and the down kernel's form, with kernel 1's smallest
+  // and largest row tiles): each second call checks that the first left the workspace's counters
+  // zeroed. The per-row-tile form falls back to per-expert where its rows do not fit.
+  using Down = cuda::MoeLayerWeights::Tuning::Down;
+  using Dots = cuda::MoeLayerWeights::Dots;
+  struct Form {
+    const char* name;
+    Dots dots;
+    cuda::MoeLayerWeights::Tuning tuning;
+  };
+  const Form forms[] = {{"dot_rows, auto", Dots::kRows, {}},
+                        {"dot_rows, down per expert, two gate/up row buffers", Dots::kRows,
+                         {.gate_up_stages = 2, .down = Down::kPerExpert}},
+                        {"dot_rows without 16-byte loads, down per row tile", Dots::kRows,
+                         {.down = Down::kPerRowTile, .vector_loads = false}},
+                        {"dot_rows, down per row tile, 1 gate/up row per warp, a CTA per expert", Dots::kRows,
+                         {.gate_up_rows_per_warp = 1,
+                          .gate_up_cta_per_expert = true,
+                          .down = Down::kPerRowTile,
+                          .down_tile_rows = 8}},
+                        {"dot_rows, down per row tile, 8 gate/up rows per warp", Dots::kRows,
+                         {.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile, .down_tile_rows = 32}},
+                        {"staged dots without 16-byte loads, down per expert", Dots::kStaged,
+                         {.down = Down::kPerExpert, .vector_loads = false}},
+                        {"staged dots, down per row tile", Dots::kStaged, {.down = Down::kPerRowTile}}};
+  for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
+    const Form& form = forms[call / 2];
+    w.dots = form.dots;
+    w.tuning = form.tuning;
     dsum.fill_bytes(0xff);
     dslot_rows.fill_bytes(0xff);
     cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
@@ -385,7 +413,7 @@ void run_case(const Case& c) {
     const std::string what = std::string(type_name(c.gate)) + "/" + std::string(type_name(c.up)) + "/" +
                              std::string(type_name(c.down)) + " n=" + std::to_string(c.n_tokens) + " experts=" +
                              std::to_string(c.n_expert) + " k=" + std::to_string(c.k) + " call " + std::to_string(call) +
-                             (call < 2 ? " (dot_rows)" : " (staged dots)");
+                             " (" + form.name + ")";
     for (int t = 0; t < c.n_tokens; ++t) {
       for (int64_t r = 0; r < c.n_embd; ++r) {
         const ExpectedSum want = reference_sum(c, host, t, r);
@@ -408,6 +436,36 @@ void run_case(const Case& c) {
         ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
             << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
             << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
+      }
+    }
+  }
+
+  // MoeOutputs::sum_accumulate, per down-kernel form: sum starts as random residual values b and
+  // must become fl(b + a), a the weighted sum: |got - (b + want)| <= tol + u |b + a|, with
+  // |a - want| <= tol, so u (|b + want| + tol) bounds the addition's rounding.
+  std::vector<float> base(dsum.size());
+  for (float& v : base) v = std::normal_distribution<float>(0.0f, 4.0f)(rng);
+  for (const Down form : {Down::kPerRowTile, Down::kPerExpert}) {
+    w.dots = Dots::kRows;
+    w.tuning = {.down = form};
+    out.sum_accumulate = true;
+    dsum.upload(base.data(), base.size());
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    out.sum_accumulate = false;
+    std::vector<float> sum(dsum.size());
+    dsum.download(sum.data(), sum.size());
+    for (int t = 0; t < c.n_tokens; ++t) {
+      for (int64_t r = 0; r < c.n_embd; ++r) {
+        const size_t i = static_cast<size_t>(t * c.n_embd + r);
+        const ExpectedSum want = reference_sum(c, host, t, r);
+        const double expect = static_cast<double>(base[i]) + want.value;
+        const double tol = want.tolerance + kU * (std::fabs(expect) + want.tolerance);
+        ASSERT_TRUE(std::fabs(static_cast<double>(sum[i]) - expect) <= tol)
+            << type_name(c.gate) << " n=" << c.n_tokens << " accumulate ("
+            << (form == Down::kPerRowTile ? "row tile" : "per expert")
+            << "): token " << t << " row " << r << ": got " << sum[i] << ", residual " << base[i] << " + reference "
+            << want.value << ", tolerance " << tol;
       }
     }
   }

@@ -20,12 +20,18 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
 #include "kernels/cuda/head_rms_norm.h"
+#include "kernels/cuda/kv_store.h"
+#include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
+#include "kernels/cuda/qk_norm_rope_store.h"
 #include "kernels/cuda/quantize_activations_llama.h"
 #include "kernels/cuda/residual_add.h"
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rms_norm_quantize.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/router_fused.h"
 #include "kernels/cuda/swiglu.h"
 
 namespace moraine::kernel_bench {
@@ -43,6 +49,28 @@ DeviceBuffer<float> random_device(size_t n, uint32_t seed, float sd = 1.0f) {
   return b;
 }
 
+// Microseconds per call of fn(stream, i) when kReps calls are captured into one CUDA graph and
+// the graph is replayed, as the backend's decode step runs: launch gaps between tiny kernels in a
+// graph are what the fused kernels remove, and stream launches from the host hide them behind
+// the host's own launch cost.
+template <class Fn>
+double graph_ms_per_call(Fn&& fn, double min_ms) {
+  constexpr int kReps = 20;
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kReps; ++i) fn(stream, i);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double ms = ms_per_call([&](int) { CUDA_CHECK(cudaGraphLaunch(exec, nullptr)); }, min_ms) / kReps;
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return ms;
+}
+
 struct Line {
   std::string kernel, shape;
   double us, rate;
@@ -57,6 +85,129 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
     lines.push_back({std::move(k), std::move(s), ms * 1e3, amount / (ms * 1e-3) / (unit[0] == 'G' ? 1e9 : 1e12), unit});
   };
   const int64_t d = 2048, n_head = 32, n_kv = 4, hd = 128, ff = 768, n_expert = 128, k = 8;
+
+  // Fused decode-step kernels against the unfused sequences they replace (bit-identical outputs:
+  // tests/cuda/{rms_norm_quantize,qk_norm_rope_store,matvec_accumulate,router_fused}_test.cpp), per stream
+  // launch and per call inside a captured graph (the backend's decode step).
+  for (int64_t n : {int64_t{1}, int64_t{16}}) {
+    const std::string tok = std::to_string(n) + (n == 1 ? " token" : " tokens");
+    const auto both = [&](const std::string& name, const std::string& shape, double amount,
+                          const std::function<void(cudaStream_t, int)>& fn) {
+      add(name, shape + ", stream", ms_per_call([&](int i) { fn(nullptr, i); }, min_ms), amount, "GB/s");
+      add(name, shape + ", graph", graph_ms_per_call(fn, min_ms), amount, "GB/s");
+    };
+    {  // attention / FFN norm then q8_0 activations
+      DeviceBuffer<float> x = random_device(n * d, 20), w = random_device(d, 21), h(n * d);
+      DeviceBuffer<uint8_t> q(row_bytes(TensorType::Q8_0, d) * n);
+      const double bytes = double(n * d * 8 + q.bytes());
+      both("rms_norm + quantize q8_0", "2048 x " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::rms_norm(x.get(), w.get(), h.get(), d, n, 1e-6f, s);
+        cuda::quantize_activations_llama(TensorType::Q8_0, h.get(), q.get(), d, n, s);
+      });
+      both("rms_norm_quantize q8_0", "2048 x " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::rms_norm_quantize(x.get(), w.get(), h.get(), TensorType::Q8_0, q.get(), d, n, 1e-6f, s);
+      });
+    }
+    {  // q/k norm, RoPE, K/V store from one qkv matvec output
+      const int64_t kv_dim = n_kv * hd, q_rows = n_head * hd, stride = q_rows + 2 * kv_dim, max_pos = 4096;
+      DeviceBuffer<float> qkv = random_device(n * stride, 22), qn = random_device(hd, 23), kn = random_device(hd, 24);
+      DeviceBuffer<float> q(n * q_rows), kt(n * kv_dim), vt(n * kv_dim), kc(max_pos * kv_dim), vc(max_pos * kv_dim);
+      const int32_t pos_h = 1000;
+      DeviceBuffer<int32_t> pos(1);
+      pos.upload(&pos_h, 1);
+      const double bytes = double(n * (stride + q_rows + 2 * kv_dim) * 4);
+      const std::string shape = "32/4 heads x128, " + tok;
+      // The unfused sequence on separate k/v scratch (the backend's layout before fusion).
+      both("q/k norm+rope+kv store (6)", shape, bytes, [&](cudaStream_t s, int) {
+        cuda::head_rms_norm(qkv.get(), stride, hd, qn.get(), q.get(), n, n_head, hd, 1e-6f, s);
+        cuda::rope_neox_at(q.get(), n, n_head, q_rows, hd, hd, pos.get(), 1e6, s);
+        cuda::head_rms_norm(qkv.get() + q_rows, stride, hd, kn.get(), kt.get(), n, n_kv, hd, 1e-6f, s);
+        cuda::rope_neox_at(kt.get(), n, n_kv, kv_dim, hd, hd, pos.get(), 1e6, s);
+        cuda::kv_store_at(kt.get(), kc.get(), n, kv_dim, pos.get(), max_pos, s);
+        cuda::kv_store_at(vt.get(), vc.get(), n, kv_dim, pos.get(), max_pos, s);
+      });
+      cuda::QkNormRopeStoreArgs a;
+      a.q = qkv.get();
+      a.q_row_stride = stride;
+      a.q_head_stride = hd;
+      a.k = qkv.get() + q_rows;
+      a.v = qkv.get() + q_rows + kv_dim;
+      a.k_row_stride = a.v_row_stride = stride;
+      a.q_norm = qn.get();
+      a.k_norm = kn.get();
+      a.rows = n;
+      a.n_head = n_head;
+      a.n_head_kv = n_kv;
+      a.head_dim = hd;
+      a.n_rot = hd;
+      a.pos0_dev = pos.get();
+      a.freq_base = 1e6;
+      a.max_pos = max_pos;
+      a.q_out = q.get();
+      a.k_cache = kc.get();
+      a.v_cache = vc.get();
+      both("qk_norm_rope_store", shape, bytes, [&](cudaStream_t s, int) { cuda::qk_norm_rope_store(a, s); });
+    }
+    {  // MoE combine into x, then the next layer's norm and q8_0 activations
+      DeviceBuffer<float> x = random_device(n * d, 27), slots = random_device(n * k * d, 28), w = random_device(n * k, 29);
+      DeviceBuffer<float> nw = random_device(d, 30), h(n * d);
+      DeviceBuffer<uint8_t> q(row_bytes(TensorType::Q8_0, d) * n);
+      const double bytes = double((n * k * d + 3 * n * d) * 4 + q.bytes());
+      both("combine + norm + quantize", "8x2048 x " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::moe_combine_mixed(x.get(), slots.get(), nullptr, nullptr, w.get(), nullptr, nullptr, n, k, d, s);
+        cuda::rms_norm(x.get(), nw.get(), h.get(), d, n, 1e-6f, s);
+        cuda::quantize_activations_llama(TensorType::Q8_0, h.get(), q.get(), d, n, s);
+      });
+      both("moe_combine_rms_norm_quant", "8x2048 x " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::moe_combine_rms_norm_quantize(x.get(), slots.get(), nullptr, nullptr, w.get(), nullptr, nullptr, n, k, d,
+                                            nw.get(), h.get(), TensorType::Q8_0, q.get(), 1e-6f, s);
+      });
+    }
+    {  // router: F32 matvec 128 x 2048 then softmax top-8 (weights L2-resident, as in decode)
+      DeviceBuffer<float> rw = random_device(n_expert * d, 31, 0.05f), h = random_device(n * d, 32);
+      DeviceBuffer<float> logits(n * n_expert), wt(n * k);
+      DeviceBuffer<int32_t> ids(n * k);
+      DeviceBuffer<uint32_t> arrivals(n);
+      arrivals.fill_bytes(0);
+      cuda::MatvecBatch b;
+      b.count = static_cast<int>(n);
+      b.act_stride_bytes = d * 4;
+      b.out_stride = n_expert;
+      const double bytes = double((n_expert + n) * d * 4);
+      both("router matvec + top-8", "128x2048 f32, " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::matvec_float_batched(TensorType::F32, rw.get(), n_expert, d, h.get(), logits.get(), b, s);
+        cuda::route_softmax_top_k(logits.get(), n, n_expert, k, true, ids.get(), wt.get(), s);
+      });
+      both("router_fused", "128x2048 f32, " + tok, bytes, [&](cudaStream_t s, int) {
+        cuda::router_fused(TensorType::F32, rw.get(), n_expert, d, h.get(), n, k, true, logits.get(), ids.get(), wt.get(),
+                           arrivals.get(), s);
+      });
+    }
+    {  // o projection (q8_0, 2048 x 4096) into the residual stream, weights cycled above L2
+      const int64_t cols = n_head * hd;
+      const size_t mat = row_bytes(TensorType::Q8_0, cols) * d;
+      const size_t copies = (size_t{512} << 20) / mat;
+      DeviceBuffer<uint8_t> w(mat * copies);
+      CUDA_CHECK(cudaMemset(w.get(), 0x11, w.bytes()));
+      DeviceBuffer<float> attn = random_device(n * cols, 25), x = random_device(n * d, 26), y(n * d);
+      DeviceBuffer<uint8_t> act(row_bytes(TensorType::Q8_0, cols) * n);
+      cuda::quantize_activations_llama(TensorType::Q8_0, attn.get(), act.get(), cols, n);
+      cuda::MatvecBatch b;
+      b.count = static_cast<int>(n);
+      b.act_stride_bytes = static_cast<int64_t>(row_bytes(TensorType::Q8_0, cols));
+      b.out_stride = d;
+      const std::string shape = "q8_0 2048x4096, " + tok;
+      both("matvec + residual_add", shape, double(mat), [&](cudaStream_t s, int i) {
+        cuda::matvec_quantized_batched(TensorType::Q8_0, w.get() + (i % copies) * mat, d, cols, act.get(), y.get(), b, s);
+        cuda::residual_add(x.get(), y.get(), n * d, s);
+      });
+      cuda::MatvecBatch acc = b;
+      acc.accumulate = true;
+      both("matvec accumulate", shape, double(mat), [&](cudaStream_t s, int i) {
+        cuda::matvec_quantized_batched(TensorType::Q8_0, w.get() + (i % copies) * mat, d, cols, act.get(), x.get(), acc, s);
+      });
+    }
+  }
 
   // Float-weight matvec, one token, a 2048 x 2048 matrix from a set well above L2.
   for (TensorType t : {TensorType::F32, TensorType::F16, TensorType::BF16}) {
@@ -166,15 +317,28 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
                          out.get(), sc.get(), scratch);
     }, min_ms);
     add("attention_at (cap = ctx)", shape, ms, bytes, "GB/s");
-    {  // flash decoding (attention_decode.h), what the backend runs for short steps
-      const int64_t dsf = cuda::attention_decode_scratch_floats(s, 1, ctx);
-      DeviceBuffer<float> dsc(static_cast<size_t>(dsf));
-      ms = ms_per_call([&](int i) {
-        const int64_t c = i % copies;
-        cuda::attention_decode(s, q.get(), kc.get() + c * kv, vc.get() + c * kv, 1, past.get(), 0, ctx, nullptr, 0, 0,
-                               out.get(), dsc.get(), dsf);
-      }, min_ms);
-      add("attention_decode (cap = ctx)", shape, ms, bytes, "GB/s");
+    {  // flash decoding (attention_decode.h), what the backend runs for steps below 64 rows: 1 row
+       // and 16 (the last 16 positions) with the grid sized for the live length, and 1 row with
+       // the backend's grid (capacity 32768) at a shorter live length
+      DeviceBuffer<float> q16 = random_device(16 * n_head * hd, 19), out16(16 * n_head * hd);
+      for (int pass = 0; pass < (ctx < cap ? 2 : 1); ++pass) {
+        const int64_t cap_d = pass == 0 ? ctx : cap;
+        for (int64_t rows : {int64_t{1}, int64_t{16}}) {
+          if (pass == 1 && rows != 1) continue;
+          const int32_t first_h = static_cast<int32_t>(ctx - rows);
+          DeviceBuffer<int32_t> first(1);
+          first.upload(&first_h, 1);
+          const int64_t dsf = cuda::attention_decode_scratch_floats(s, rows, cap_d);
+          DeviceBuffer<float> dsc(static_cast<size_t>(dsf));
+          ms = ms_per_call([&](int i) {
+            const int64_t c = i % copies;
+            cuda::attention_decode(s, q16.get(), kc.get() + c * kv, vc.get() + c * kv, rows, first.get(), 0, cap_d,
+                                   nullptr, 0, 0, out16.get(), dsc.get(), dsf);
+          }, min_ms);
+          add("attention_decode " + std::to_string(rows) + (rows == 1 ? " row" : " rows"),
+              shape + (cap_d == ctx ? "" : " (cap 32768)"), ms, bytes, "GB/s");
+        }
+      }
     }
     if (ctx < cap) {
       DeviceBuffer<float> kbig = random_device(cap * n_kv * hd, 17), vbig = random_device(cap * n_kv * hd, 18);

@@ -4,14 +4,27 @@
 // Weights are a few quantized template rows replicated on the device (the kernel's speed does
 // not depend on the values). Bytes per call count each distinct expert chosen in the step once
 // (gate + up + down), which is what the kernel reads.
+// Variants (MoeLayerWeights::dots and ::tuning) are timed on the same weights and routings; by
+// default the chosen-per-call form (auto), the form that was the default before the per-row-tile
+// down kernel and the 16-byte loads (expert-novec), and the earlier per-row dots (staged).
+// Environment, for experiments (the GPU runs are batched, so one run should measure every
+// candidate):
+//   MORAINE_MOE_BENCH_VARIANTS=all or a comma list of variant names (kVariants below)
+//   MORAINE_MOE_BENCH_TOKENS=1,4,8 (tokens per call; default 1,8)
+//   MORAINE_MOE_BENCH_ONLY=<shape>,<format> (one shape and format, e.g. for a profiler run)
 #include "tools/kernel_bench/moe_fused_bench.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
 #include <numeric>
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/formats/quant.h"
@@ -29,6 +42,58 @@ struct MoeShape {
   int64_t n_embd, n_ff, n_expert;
   int k;
 };
+
+struct Variant {
+  const char* name;
+  cuda::MoeLayerWeights::Dots dots;
+  cuda::MoeLayerWeights::Tuning tuning;
+};
+
+using Down = cuda::MoeLayerWeights::Tuning::Down;
+using Dots = cuda::MoeLayerWeights::Dots;
+const Variant kVariants[] = {
+    {"expert", Dots::kRows, {.down = Down::kPerExpert}},
+    {"expert-novec", Dots::kRows, {.down = Down::kPerExpert, .vector_loads = false}},
+    {"staged", Dots::kStaged, {.down = Down::kPerExpert, .vector_loads = false}},
+    {"expert-nopdl", Dots::kRows, {.down = Down::kPerExpert, .programmatic_launch = false}},
+    {"expert-k1r4", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerExpert}},
+    {"expert-k1e", Dots::kRows, {.gate_up_cta_per_expert = true, .down = Down::kPerExpert}},
+    {"expert-k1s2", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerExpert}},
+    {"expert-k1r1s2", Dots::kRows, {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerExpert}},
+    {"auto", Dots::kRows, {}},
+    {"tile-novec", Dots::kRows, {.down = Down::kPerRowTile, .vector_loads = false}},
+    {"tile-nopdl", Dots::kRows, {.down = Down::kPerRowTile, .programmatic_launch = false}},
+    {"tile", Dots::kRows, {.down = Down::kPerRowTile}},
+    {"tile-r8", Dots::kRows, {.down = Down::kPerRowTile, .down_tile_rows = 8}},
+    {"tile-r32", Dots::kRows, {.down = Down::kPerRowTile, .down_tile_rows = 32}},
+    {"tile-k1r1", Dots::kRows, {.gate_up_rows_per_warp = 1, .down = Down::kPerRowTile}},
+    {"tile-k1r4", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerRowTile}},
+    {"tile-k1r4-r8", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerRowTile, .down_tile_rows = 8}},
+    {"tile-k1r8", Dots::kRows, {.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile}},
+    {"tile-k1e", Dots::kRows, {.gate_up_cta_per_expert = true, .down = Down::kPerRowTile}},
+    {"tile-k1r1e", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_cta_per_expert = true, .down = Down::kPerRowTile}},
+    {"tile-k1s2", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerRowTile}},
+    {"tile-k1s2-r8", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
+    {"tile-k1r1s2-r8", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
+};
+
+std::vector<std::string> split(const char* s) {
+  std::vector<std::string> out;
+  if (s == nullptr) return out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+// Case-insensitive name match (formats print as q4_k, people type Q4_K).
+bool same_name(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+         });
+}
 
 struct MoePoint {
   std::string shape, format;
@@ -56,8 +121,10 @@ void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::
 
 size_t round256(size_t v) { return (v + 255) / 256 * 256; }
 
-MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib,
-                   cuda::MoeLayerWeights::Dots dots) {
+// emit(point) as each variant is measured (the table prints it at once: a variant that fails
+// still leaves the earlier rows).
+void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib, const std::vector<const Variant*>& variants,
+               const std::function<void(const MoePoint&)>& emit) {
   std::mt19937 rng(5);
   const size_t gate_bytes = row_bytes(t, s.n_embd) * static_cast<size_t>(s.n_ff);  // one expert
   const size_t down_bytes = row_bytes(t, s.n_ff) * static_cast<size_t>(s.n_embd);
@@ -114,7 +181,6 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
   w.n_embd = s.n_embd;
   w.n_ff = s.n_ff;
   w.n_expert = s.n_expert;
-  w.dots = dots;
   w.gate = pool.get();
   w.up = pool.get() + kind_bytes[0];
   w.down = pool.get() + kind_bytes[0] + kind_bytes[1];
@@ -136,62 +202,66 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
     routing.weight = dweight.get() + static_cast<size_t>(i % kRoutings) * slots;
     cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes, stream);
   };
-  for (int i = 0; i < 5; ++i) call(i, nullptr);
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
-  int calls = 16;
-  double ms = 0.0;
-  for (;;) {
-    CUDA_CHECK(cudaEventRecord(start));
-    for (int i = 0; i < calls; ++i) call(i, nullptr);
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float f = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
-    ms = f;
-    if (ms >= min_ms || calls >= (1 << 20)) break;
-    calls = static_cast<int>(std::min<double>(1 << 20, calls * std::max(2.0, 1.2 * min_ms / std::max(ms, 1e-3))));
-  }
-  const double ms_per_call = ms / calls;
-
-  // The same calls captured in a CUDA graph, as the backend runs them: no host launch cost, so
-  // this is the kernels' own time per layer.
-  constexpr int kGraphCalls = 64;
-  cudaStream_t gs = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
-  CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_CHECK(cudaGraphLaunch(exec, gs));
-  CUDA_CHECK(cudaStreamSynchronize(gs));
-  int reps = 4;
-  double graph_ms = 0.0;
-  for (;;) {
-    CUDA_CHECK(cudaEventRecord(start, gs));
-    for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
-    CUDA_CHECK(cudaEventRecord(stop, gs));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float f = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
-    graph_ms = f;
-    if (graph_ms >= min_ms || reps >= (1 << 16)) break;
-    reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
-  }
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  CUDA_CHECK(cudaStreamDestroy(gs));
-  const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   // Distinct experts per call, averaged over the routings (the timed calls cycle through them).
   const double distinct = distinct_total / kRoutings;
   const double bytes = distinct * static_cast<double>(expert_bytes);
-  return {s.name + std::string(dots == cuda::MoeLayerWeights::Dots::kStaged ? " staged" : ""), std::string(type_name(t)), n, ms_per_call * 1e3, bytes, bytes / ms_per_call / 1e6,
-          graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6};
+  for (const Variant* v : variants) {
+    w.dots = v->dots;
+    w.tuning = v->tuning;
+    for (int i = 0; i < 5; ++i) call(i, nullptr);
+    int calls = 16;
+    double ms = 0.0;
+    for (;;) {
+      CUDA_CHECK(cudaEventRecord(start));
+      for (int i = 0; i < calls; ++i) call(i, nullptr);
+      CUDA_CHECK(cudaEventRecord(stop));
+      CUDA_CHECK(cudaEventSynchronize(stop));
+      float f = 0.0f;
+      CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+      ms = f;
+      if (ms >= min_ms || calls >= (1 << 20)) break;
+      calls = static_cast<int>(std::min<double>(1 << 20, calls * std::max(2.0, 1.2 * min_ms / std::max(ms, 1e-3))));
+    }
+    const double ms_per_call = ms / calls;
+
+    // The same calls captured in a CUDA graph, as the backend runs them: no host launch cost, so
+    // this is the kernels' own time per layer.
+    constexpr int kGraphCalls = 64;
+    cudaStream_t gs = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
+    CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, gs));
+    CUDA_CHECK(cudaStreamSynchronize(gs));
+    int reps = 4;
+    double graph_ms = 0.0;
+    for (;;) {
+      CUDA_CHECK(cudaEventRecord(start, gs));
+      for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
+      CUDA_CHECK(cudaEventRecord(stop, gs));
+      CUDA_CHECK(cudaEventSynchronize(stop));
+      float f = 0.0f;
+      CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+      graph_ms = f;
+      if (graph_ms >= min_ms || reps >= (1 << 16)) break;
+      reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    CUDA_CHECK(cudaStreamDestroy(gs));
+    const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
+    emit({s.name + std::string(" ") + v->name, std::string(type_name(t)), n, ms_per_call * 1e3, bytes,
+                      bytes / ms_per_call / 1e6, graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6});
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
 }
 
 }  // namespace
@@ -199,29 +269,50 @@ MoePoint bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int se
 void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann::json* json) {
   const MoeShape shapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"qwen3-next", 2048, 512, 512, 10}};
   const TensorType formats[] = {TensorType::Q4_K, TensorType::Q8_0};
-  std::vector<MoePoint> points;
-  for (const MoeShape& s : shapes)
-    for (TensorType t : formats)
-      for (int n : {1, 8})
-        for (auto dots : {cuda::MoeLayerWeights::Dots::kRows, cuda::MoeLayerWeights::Dots::kStaged})
-          points.push_back(bench_moe(s, t, n, min_ms, set_mib, dots));
-  if (json != nullptr) {
-    for (const MoePoint& p : points)
+  std::vector<const Variant*> variants;
+  const std::vector<std::string> names = split(std::getenv("MORAINE_MOE_BENCH_VARIANTS"));
+  for (const Variant& v : kVariants) {
+    const bool wanted = names.empty() ? v.name == std::string("auto") || v.name == std::string("expert-novec") ||
+                                            v.name == std::string("staged")
+                                      : std::find(names.begin(), names.end(), "all") != names.end() ||
+                                            std::find(names.begin(), names.end(), v.name) != names.end();
+    if (wanted) variants.push_back(&v);
+  }
+  std::vector<int> tokens;
+  for (const std::string& n : split(std::getenv("MORAINE_MOE_BENCH_TOKENS"))) tokens.push_back(std::stoi(n));
+  if (tokens.empty()) tokens = {1, 8};
+  const std::vector<std::string> only = split(std::getenv("MORAINE_MOE_BENCH_ONLY"));
+  if (json == nullptr) {
+    std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
+    std::printf("(stream: back-to-back calls from the host; graph: the same calls replayed from a CUDA graph)\n");
+    std::printf("(auto: the form moe_fused picks; staged: the earlier per-row dots, per-expert down kernel;\n"
+                " expert / tile: down kernel per expert / per row tile; -k1rN: N gate/up rows per warp;\n"
+                " -rN: N rows per down CTA; -novec: Q4_K / Q8_0 dots without 16-byte activation loads;\n"
+                " -nopdl: down kernel launched plainly; -k1e: a gate/up CTA per expert;\n"
+                " -k1s2: two gate/up row buffers per CTA)\n");
+    std::printf("%-28s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
+                "expert B/call", "graph us/layer", "graph GB/s", "of read");
+    std::fflush(stdout);
+  }
+  auto emit = [&](const MoePoint& p) {
+    if (json != nullptr) {
       (*json)["moe_fused"].push_back({{"shape", p.shape}, {"format", p.format}, {"tokens", p.n_tokens},
                                       {"us_per_layer", p.us_per_layer}, {"expert_bytes_per_call", p.bytes_per_call},
                                       {"gbps", p.gbps}, {"share_of_read", p.gbps / read_gbps},
                                       {"graph_us_per_layer", p.graph_us_per_layer}, {"graph_gbps", p.graph_gbps},
                                       {"graph_share_of_read", p.graph_gbps / read_gbps}});
-    return;
-  }
-  std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
-  std::printf("(stream: back-to-back calls from the host; graph: the same calls replayed from a CUDA graph)\n");
-  std::printf("(\"staged\": the earlier per-row dot form, MoeLayerWeights::Dots::kStaged)\n");
-  std::printf("%-21s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
-              "expert B/call", "graph us/layer", "graph GB/s", "of read");
-  for (const MoePoint& p : points)
-    std::printf("%-21s %-6s %6d %14.2f %14.0f %14.2f %10.0f %7.0f%%\n", p.shape.c_str(), p.format.c_str(), p.n_tokens,
+      return;
+    }
+    std::printf("%-28s %-6s %6d %14.2f %14.0f %14.2f %10.0f %7.0f%%\n", p.shape.c_str(), p.format.c_str(), p.n_tokens,
                 p.us_per_layer, p.bytes_per_call, p.graph_us_per_layer, p.graph_gbps, 100.0 * p.graph_gbps / read_gbps);
+    std::fflush(stdout);
+  };
+  for (const MoeShape& s : shapes)
+    for (TensorType t : formats) {
+      if (only.size() == 2 && (!same_name(only[0], s.name) || !same_name(only[1], type_name(t)))) continue;
+      for (int n : tokens)
+        if (n >= 1 && n <= cuda::kMoeMaxTokens) bench_moe(s, t, n, min_ms, set_mib, variants, emit);
+    }
 }
 
 }  // namespace moraine::kernel_bench

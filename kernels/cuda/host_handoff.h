@@ -1,0 +1,29 @@
+// Sequence-number flags in mapped host memory, for a captured step that hands layers to the host
+// and waits for the host's answer without returning to it (the GPU <-> CPU hand-off inside one
+// CUDA graph): the device raises `routed` once a layer's routing and h are in host memory, the
+// host computes the experts off the device and raises `ready`, the device waits for it and goes
+// on. A step's sequence number is read from device memory (seq_dev), so one captured graph
+// serves every step.
+//
+// Memory contract: flags live in host memory the device can address (cudaHostAlloc with
+// cudaHostAllocMapped, or registered memory; pass the device-side pointer); seq_dev and
+// error_dev are device memory. The host writes `ready` with release semantics after the data it
+// guards; the device reads it with acquire semantics at system scope, so the copies that follow
+// in the stream see that data.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moraine::cuda {
+
+// flag = *seq_dev, visible to the host once every earlier operation of the stream finished.
+void signal_host(uint64_t* flag, const uint64_t* seq_dev, cudaStream_t stream = nullptr);
+
+// Returns (lets the stream go on) once *flag >= *seq_dev. After timeout_ns without that, sets
+// *error_dev = 1 and returns anyway: a graph cannot throw, and a host that died must not leave
+// the GPU spinning forever; the caller checks error_dev after the step.
+void wait_host(const uint64_t* flag, const uint64_t* seq_dev, uint64_t timeout_ns, int32_t* error_dev,
+               cudaStream_t stream = nullptr);
+
+}  // namespace moraine::cuda

@@ -1,0 +1,52 @@
+// The attention block's per-token preparation in one launch: it replaces, in the CUDA backend's
+// decode step,
+//   head_rms_norm(q) -> rope_neox_at(q) -> head_rms_norm(k) -> rope_neox_at(k)
+//   -> kv_store_at(k -> k_cache) -> kv_store_at(v -> v_cache)
+// and gives bit for bit their outputs: packed q normed and rotated, k normed and rotated into the
+// cache, v copied into the cache (tests/cuda/qk_norm_rope_store_test.cpp compares with memcmp).
+// Every float step is the unfused kernels' (head_rms_norm.cu's double sum of squares over the
+// same 32-lane tree, rope.cu's double theta/cos/sin and rounded rotation).
+//
+// Memory contract (device pointers, floats):
+//   q: head h of row t at q + t * q_row_stride + h * q_head_stride (a q projection carrying a
+//      gate beside each head has q_head_stride 2 * head_dim), as head_rms_norm reads it;
+//   k, v: head h of row t at k + t * k_row_stride + h * head_dim (v likewise), so separate k/v
+//      buffers (row stride kv_dim) and one concatenated qkv matvec output [rows][q_rows + 2 kv_dim]
+//      (k = qkv + q_rows, v = qkv + q_rows + kv_dim, both row strides q_rows + 2 kv_dim) both work;
+//   q_out: [rows][n_head][head_dim] packed; must not overlap q, k or v;
+//   k_cache, v_cache: at least max_pos positions of kv_dim = n_head_kv * head_dim floats; row t
+//      goes to position *pos0_dev + t.
+// A device position outside [0, max_pos - rows] cannot be thrown from a graph replay: as
+// kv_store_at, the caches are then left untouched; as rope_neox_at, a negative position leaves
+// q_out NaN in its first n_rot dims of every head (a position past the end rotates q normally).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moraine::cuda {
+
+struct QkNormRopeStoreArgs {
+  const float* q = nullptr;
+  int64_t q_row_stride = 0, q_head_stride = 0;
+  const float* k = nullptr;
+  int64_t k_row_stride = 0;
+  const float* v = nullptr;
+  int64_t v_row_stride = 0;
+  const float* q_norm = nullptr;  // [head_dim], the weight of every q head
+  const float* k_norm = nullptr;  // [head_dim]
+  int64_t rows = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+  int64_t n_rot = 0;  // rotated dims per head (even, <= head_dim; partial rotary when smaller)
+  const int32_t* pos0_dev = nullptr;
+  double freq_base = 10000.0;
+  float eps = 1e-6f;
+  int64_t max_pos = 0;  // cache capacity in positions
+  float* q_out = nullptr;
+  float* k_cache = nullptr;
+  float* v_cache = nullptr;
+};
+
+// Throws std::invalid_argument naming the problem for a bad shape or a null pointer.
+void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream = nullptr);
+
+}  // namespace moraine::cuda

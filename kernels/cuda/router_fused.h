@@ -1,0 +1,28 @@
+// The MoE router in one launch: the router matvec (float weights: F32, F16 or BF16, as
+// matvec_float.h) and the softmax top-k (router.h) for n tokens. Bit-identical to
+// matvec_float_batched (token batch: weight stride 0, activation stride d floats, out stride
+// n_expert) followed by route_softmax_top_k: logits, chosen and weight get exactly their bytes
+// (tests/cuda/router_fused_test.cpp). The CTAs of a token write its logits; the last one to
+// finish (a per-token arrival counter) routes the token.
+//
+// Memory contract (device): w [n_expert][d] of w_type; x [n][d] floats; logits [n][n_expert]
+// floats (written: the unfused pair's intermediate); chosen / weight [n][k] as router.h.
+// `arrivals`: n uint32 counters, zero before the first call (cudaMemset once); every call leaves
+// them zero again, so a captured graph can replay it. One call at a time per counter array.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/formats/tensor_type.h"
+
+namespace moraine::cuda {
+
+// Throws std::invalid_argument naming the problem: w_type not F32/F16/BF16, n outside 1..65535,
+// n_expert outside 1..4096, k outside 1..min(n_expert, 64), (d + 2 n_expert) floats above 48 KiB
+// of shared memory, or a null pointer.
+void router_fused(TensorType w_type, const void* w, int64_t n_expert, int64_t d, const float* x, int64_t n, int64_t k,
+                  bool renormalize, float* logits, int32_t* chosen, float* weight, uint32_t* arrivals,
+                  cudaStream_t stream = nullptr);
+
+}  // namespace moraine::cuda
