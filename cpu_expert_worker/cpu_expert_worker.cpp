@@ -44,13 +44,14 @@ constexpr auto kFetchAttempt = std::chrono::seconds(10);
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus)
+               const std::vector<int>& cpus, int spin_us)
       : man_(man), index_(index), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
         plan_(group::PlacementPlan::read(man.placement_path, group::model_sizes(model_, 0))),
-        al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus),
+        al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus, {spin_us, true}),
+        spin_(std::chrono::microseconds(std::max(0, spin_us))),
         io_endpoint_(group::jobs_endpoint(socket_dir, group::kIoWorkerInstance)) {
     const model::HParams& hp = model_.hp;
     if (index_ < 0 || index_ >= man.n_cpu_workers) {
@@ -85,12 +86,30 @@ class ExpertWorker {
             static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(model_.hp.n_embd * sizeof(float)), {}};
   }
 
+  // The doorbell thread computes the layers: it runs the pool's worker 0 on the first CPU. (The
+  // ZeroMQ path's thread, the reference hand-off, joins unpinned: correct, a little slower.)
+  void pin_doorbell_thread() const {
+    try {
+      fast_pool_.pin_caller();
+    } catch (const std::exception& e) {
+      std::cerr << "cpu_expert_worker " << index_ << ": " << e.what() << "; the doorbell thread runs unpinned\n";
+    }
+  }
+
   // Doorbell path: returns false when it gave up waiting (caller checks liveness and shutdown).
+  // Within --spin-us of the last answer the bell is polled (cpu::spin_poll: the next layer's
+  // request comes 0.15-0.5 ms later while tokens are generated, and a futex wake costs tens of
+  // us in a VM), then slept on.
   bool serve_doorbell(std::chrono::milliseconds wait, group::StageRecorder& stage) {
     shm::Doorbell* req = bell(group::ExchangeLayout::request_bell(index_));
     shm::Doorbell* done = bell(group::ExchangeLayout::done_bell(index_));
     const uint64_t answered = done->load();
-    if (req->wait_for(answered + 1, wait) != shm::WaitResult::kReady) return false;
+    const auto spin_left = std::chrono::duration_cast<std::chrono::microseconds>(last_answer_ + spin_ - Clock::now()).count();
+    if (!(spin_left > 0 && cpu::spin_poll([&] { return req->load() > answered; }, static_cast<int>(spin_left)))) {
+      shm::WaitStats ws;
+      if (req->wait_for(answered + 1, wait, std::chrono::microseconds(20), &ws) != shm::WaitResult::kReady) return false;
+      if (ws.slept) ++bell_sleeps_;
+    }
     const uint64_t seq = req->load();
     const auto* r = xl_.region("expert_req").at<const group::ExpertRequest>(exchange_.data());
     const auto t0 = Clock::now();
@@ -128,6 +147,7 @@ class ExpertWorker {
       return true;
     }
     done->ring(seq);
+    last_answer_ = Clock::now();
     stage.record(r->n_tokens, work_.size(), work_bytes(r->layer), us_since(t0));
     return true;
   }
@@ -163,6 +183,10 @@ class ExpertWorker {
     c["experts_file"] = experts_file_.load();
     c["file_fetches"] = fetches_.load();
     c["file_bytes_fetched"] = fetched_bytes_.load();
+    // Futex sleeps of the doorbell thread before a request and of the expert threads between
+    // job lists: while tokens are generated both should stay near zero (--spin-us).
+    c["doorbell_sleeps"] = bell_sleeps_.load();
+    c["pool_sleeps"] = fast_pool_.sleeps();
   }
 
  private:
@@ -317,7 +341,9 @@ class ExpertWorker {
   group::PlacementPlan plan_;
   group::ArenaLayout al_;
   reference::ThreadPool pool_;     // float experts (reference kernel)
-  cpu::ThreadPool fast_pool_;      // quantized experts: one pinned thread per core of --cpus
+  cpu::ThreadPool fast_pool_;      // quantized experts: one pinned thread per core of --cpus, the first the doorbell thread's
+  const std::chrono::microseconds spin_;  // --spin-us
+  Clock::time_point last_answer_{};       // when the doorbell path last answered (the poll window starts there)
   cpu::MoeFfn ffn_;
   std::vector<cpu::ExpertWeights> fast_weights_;
   std::vector<cpu::MoeFfn::RowsJob> fast_jobs_;
@@ -337,10 +363,10 @@ class ExpertWorker {
   jobs::JobEnvelope envelope_;
   jobs::JobReply io_reply_;
   uint64_t io_seq_ = 0;
-  std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0};
+  std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0}, bell_sleeps_{0};
 };
 
-int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads) {
+int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -378,13 +404,14 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
   control.set_state(control::SERVING);
 
   std::thread bells([&] {
+    worker.pin_doorbell_thread();
     while (!control.shutdown_requested()) {
       if (!worker.serve_doorbell(std::chrono::milliseconds(100), doorbell_stage) &&
           !shm::process_alive(man.coordinator_pid, man.coordinator_start_ticks)) {
@@ -424,14 +451,20 @@ int main(int argc, char** argv) {
   CLI::App app{"moraine-cpu-expert-worker: routed experts from the RAM arena and, via the io_worker, the model file"};
   std::string socket_dir, cpus;
   int index = 0, numa_node = -1, threads = 0;
+  // The default is what the supervisor runs (it passes no --spin-us); why 2 ms: kDecodeSpinUs.
+  int spin_us = moraine::cpu::kDecodeSpinUs;
   app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();
   app.add_option("--index", index, "worker index in the group (0-based)");
   app.add_option("--cpus", cpus, "cores to pin to, e.g. 0-3,8");
   app.add_option("--numa-node", numa_node, "NUMA node whose cores and memory to use");
   app.add_option("--threads", threads, "expert threads (default: the --cpus count, else all)");
+  app.add_option("--spin-us", spin_us,
+                 "microseconds the request doorbell and the expert threads keep polling after a layer before they sleep "
+                 "(default 2000: covers the gap between layers while tokens are generated; 0: sleep at once)")
+      ->check(CLI::Range(0, 1000000));
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(socket_dir, index, cpus, numa_node, threads);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;

@@ -40,6 +40,8 @@ std::atomic<int64_t> g_down_rows{FfnJobRows{}.down};
 // out from a shared counter gets 40 GB/s against 67 GB/s in 1 MiB chunks, and the layer at 1
 // token (median of 8 interleaved runs, the box loaded by other builds) went Q4_K / Q8_0 / MXFP4
 // 9.5 / 11.1 / 8.3 GB/s shared -> 12.0 / 11.8 / 10.5 sliced; at 4 and 16 tokens they are level.
+// On the 16-core H200 host (session 4, one run each) shared 106 / 115 / 93 against sliced
+// 90-105 / 98-122 / 76-105: level within that machine's noise.
 std::atomic<FfnSchedule> g_schedule{FfnSchedule::Sliced};
 // Activation rows quantized by the calling thread instead of in the job list (about 1 us each
 // at hidden 2048, about what handing them to the pool costs).

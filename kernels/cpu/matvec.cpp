@@ -15,6 +15,7 @@ namespace {
 std::atomic<int> g_amx_min_tokens{kPrefillTokens};
 std::atomic<size_t> g_prefetch_l1{MatvecPrefetch{}.l1_bytes};
 std::atomic<size_t> g_prefetch_l2{MatvecPrefetch{}.l2_bytes};
+std::atomic<bool> g_prefetch_past_end{MatvecPrefetch{}.past_end};
 
 // Issues prefetches for the lines from `next` up to `until` (capped at `end`), moving `next`.
 template <int kLocality>
@@ -32,10 +33,12 @@ int amx_min_tokens() { return g_amx_min_tokens.load(std::memory_order_relaxed); 
 void set_matvec_prefetch(MatvecPrefetch p) {
   g_prefetch_l1.store(p.l1_bytes, std::memory_order_relaxed);
   g_prefetch_l2.store(p.l2_bytes, std::memory_order_relaxed);
+  g_prefetch_past_end.store(p.past_end, std::memory_order_relaxed);
 }
 
 MatvecPrefetch matvec_prefetch() {
-  return {g_prefetch_l1.load(std::memory_order_relaxed), g_prefetch_l2.load(std::memory_order_relaxed)};
+  return {g_prefetch_l1.load(std::memory_order_relaxed), g_prefetch_l2.load(std::memory_order_relaxed),
+          g_prefetch_past_end.load(std::memory_order_relaxed)};
 }
 
 bool matvec_uses_amx(TensorType type, int n_tok) {
@@ -62,12 +65,21 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   // none 48 / 60 / 42; t0 4 KB 65 / 81 / 49; t0 8 KB 61 / 80 / 49; t0 2 KB + t1 8 KB 60 / 84 /
   // 51; t0 4 KB + t1 16 or 32 KB 61 / 78 / 50 and 59 / 81 / 48; t1 16 KB alone 50 / 45 / 43.
   // An L2 stream ahead of the L1 one adds nothing measurable, so the default stays t0 4 KB.
+  // Session 4 on the H200 host (16 threads, caller joining, 2 ms spin; one run each, the DRAM
+  // probe itself ranged 111-183 GB/s over the run): t0 4 KB 90-105 / 98-122 / 76-105; off 65 /
+  // 49 / 43; t0 8 KB 95 / 74 / 81; t0 2 KB + t1 16 KB 119 / 116 / 77; the same prefetching past
+  // a job's end 107 / 113 / 89; t0 4 KB past the end 104 / 120 / 85: nothing beats the default
+  // beyond that machine's noise.
   const size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed), pf_l2 = g_prefetch_l2.load(std::memory_order_relaxed);
   const uint8_t *pf1 = wrow, *pf2 = wrow;
+  // Prefetches never fault, so running past the matrix's end (into whatever follows) is safe.
+  const bool past_end = g_prefetch_past_end.load(std::memory_order_relaxed);
+  const uint8_t* const pf1_end = past_end ? wend + pf_l1 : wend;
+  const uint8_t* const pf2_end = past_end ? wend + pf_l2 : wend;
   // Everything before `p` plus the prefetch distances is requested.
   auto prefetch_to = [&](const uint8_t* p) {
-    if (pf_l1) prefetch_lines<3>(pf1, p + pf_l1, wend);
-    if (pf_l2) prefetch_lines<2>(pf2, p + pf_l2, wend);
+    if (pf_l1) prefetch_lines<3>(pf1, p + pf_l1, pf1_end);
+    if (pf_l2) prefetch_lines<2>(pf2, p + pf_l2, pf2_end);
   };
   prefetch_to(wrow);
   int64_t r = row_begin;

@@ -37,9 +37,14 @@ int amx_min_tokens();
 // ahead and prefetcht1 (into L2) `l2_bytes` ahead (0: off). Process-wide, for the benches'
 // A/B runs (--prefetch-l1/--prefetch-l2); results do not depend on it. The defaults and the
 // measurements that chose them are in matvec.cpp.
+// past_end: keep prefetching up to the distance beyond row_end, into the rows that follow. On
+// the sliced schedule a thread's next job is usually those rows (the next chunk of the same
+// matrix), so its first lines are in flight when it starts instead of a demand miss per call;
+// on the shared one the lines usually go to waste.
 struct MatvecPrefetch {
   size_t l1_bytes = 4096;
   size_t l2_bytes = 0;
+  bool past_end = false;
 };
 void set_matvec_prefetch(MatvecPrefetch p);
 MatvecPrefetch matvec_prefetch();

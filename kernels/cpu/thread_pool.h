@@ -1,7 +1,8 @@
 // The CPU expert worker's thread pool: one pinned thread per listed CPU, fed one flat job list
-// at a time. Workers spin briefly after a list (the next one usually follows within
-// microseconds: the next phase of the same layer), then sleep on a futex (std::atomic::wait),
-// so an idle pool costs no CPU. Running a list allocates nothing.
+// at a time. Workers spin for a while after a list (the next one usually follows: the next
+// layer of the same token), then sleep on a futex (std::atomic::wait), so an idle pool costs no
+// CPU. Optionally the calling thread takes part as worker 0 (Options::caller_joins), so that no
+// thread waits on a CPU a worker needs. Running a list allocates nothing.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -12,26 +13,81 @@
 
 namespace moraine::cpu {
 
+// The short spin every wait starts with: a list's phases and the caller's hand-over follow each
+// other within a few microseconds.
+inline constexpr int kShortSpinUs = 50;
+
+// The spin window for decode, where the pool's lists are a model's layers, one every 0.15-0.5
+// ms while tokens are generated (H200 host, 12 GB VRAM budget: expert_cpu 197-229 us p50 per
+// layer, the GPU part between two layers 150-300 us). Any window shorter than that gap lets
+// every worker fall asleep between two layers, and each layer then pays the futex wake-ups:
+// the H200 host's KVM guest has no halt polling (cpuidle "none"), so waking a halted vCPU
+// goes through the host. Measured there (moraine-kernel-bench cpu, 16 threads, a list of 16
+// empty jobs issued 250 us after the last one): 4.5 us with this window and the caller
+// joining, 92 us with a 50 us window, 156 us with 50 us and the caller only waiting (the
+// session-3 pool). 2 ms covers the gap with margin and the gaps between tokens of a running
+// generation, and costs at most 2 ms of CPU per thread once generation stops (the tests check
+// the pool sleeps after it). A spinner that finds its CPU shared stops early (spin_poll): on
+// an oversubscribed machine it sleeps as before.
+inline constexpr int kDecodeSpinUs = 2000;
+
+// Polls ready() until it is true (returns true), spin_us pass or the CPU turns out to be shared
+// (false: sleep now). Shared: over 2% of the last >= 10 ms interval spent waiting for the CPU
+// (the scheduler's run_delay for this thread, sampled at most once per interval), or an
+// involuntary context switch while spinning (getrusage, read every ~30 us past kShortSpinUs)
+// after over 100 us of such waiting. Another task then wants this CPU, and a spinner would
+// take turns with it, reacting a scheduler slice late (the 2-core dev box under a parallel
+// build: 2.3 ms per empty list after 250 us idle with a 2 ms spin that only yielded, 0.5 ms
+// with this watch, 0.3 ms with a 50 us spin). A shared thread spins only kShortSpinUs until
+// an interval shows its CPU free again.
+// watch_sharing false: spin the whole window regardless (tests, or cores known to be exclusive).
+bool spin_poll(bool (*ready)(const void* ctx), const void* ctx, int spin_us, bool watch_sharing = true);
+template <typename Ready>
+bool spin_poll(Ready&& ready, int spin_us, bool watch_sharing = true) {
+  using R = std::remove_reference_t<Ready>;
+  return spin_poll([](const void* c) { return (*static_cast<R*>(const_cast<void*>(c)))(); }, static_cast<const void*>(&ready), spin_us,
+                   watch_sharing);
+}
+
 class ThreadPool {
  public:
-  // One worker per CPU in `cpus`, each pinned to its CPU (pthread_setaffinity_np). Two pools
-  // with disjoint lists split a node's cores (the worker's --cpus). Throws
-  // std::invalid_argument for an empty list, a duplicate or a CPU this process may not use.
-  explicit ThreadPool(const std::vector<int>& cpus);
+  struct Options {
+    // How long a worker keeps polling for the next list after one, and the caller for the end
+    // of its list, before sleeping on a futex (values < 0 become 0).
+    int spin_us = kShortSpinUs;
+    // The thread calling run() runs jobs as worker 0 on cpus[0]; threads are started for
+    // cpus[1..] only. The caller should run on cpus[0] (pin_caller()): otherwise it shares a CPU
+    // with a pinned worker, and a spinning worker and the caller then take turns on it.
+    bool caller_joins = false;
+    // Spinners stop early on a CPU found shared (spin_poll); false: always the whole window.
+    bool watch_sharing = true;
+  };
+
+  // One worker per CPU in `cpus`, each pinned to its CPU (pthread_setaffinity_np); with
+  // caller_joins, cpus[0] is the caller's. Two pools with disjoint lists split a node's cores
+  // (the worker's --cpus). Throws std::invalid_argument for an empty list, a duplicate or a CPU
+  // this process may not use.
+  explicit ThreadPool(const std::vector<int>& cpus) : ThreadPool(cpus, Options{}) {}
+  ThreadPool(const std::vector<int>& cpus, Options options);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return static_cast<int>(workers_.size()); }
+  // Workers, the caller included when it joins.
+  int size() const { return static_cast<int>(cpus_.size()); }
+  bool caller_joins() const { return caller_joins_; }
 
-  // How long run()'s caller keeps polling for the end of its list before it sleeps on a futex
-  // (default 50 us, the workers' own spin). Past the first 50 us the caller yields the CPU
-  // between polls (sched_yield), so a worker pinned to the caller's CPU keeps running; a longer
-  // window saves the futex wake-up (tens of us) at the end of lists that take longer than
-  // 50 us: a whole layer's experts at decode take 0.2-1 ms. Per pool, for A/B runs.
-  void set_caller_spin_us(int us) { caller_spin_us_ = us < 0 ? 0 : us; }
-  int caller_spin_us() const { return caller_spin_us_; }
+  // Options::spin_us, changeable between lists (workers read it at their next wait).
+  void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+  int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
   const std::vector<int>& cpus() const { return cpus_; }
+  // Times a worker or the caller went to sleep on a futex (a wait outlasting its spin): at
+  // decode, each one costs the next list a wake-up.
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
+
+  // Pins the calling thread to cpus[0] (the caller's CPU with caller_joins). Throws
+  // std::runtime_error when the kernel refuses.
+  void pin_caller() const;
 
   // Calls job(i, worker) for every i in [0, n_jobs) on the workers (worker = 0..size()-1, the
   // index of the thread running it) and returns when all have finished. Jobs are claimed one
@@ -62,17 +118,23 @@ class ThreadPool {
   using JobFn = void (*)(void* ctx, int64_t i, int worker);
   void run_erased(int64_t n_jobs, const int64_t* slice_end, JobFn fn, void* ctx);
   void worker_loop(int index);
+  // Worker `index`'s part of the current list; the last one out publishes `gen` as finished.
+  void work_on_list(int index, uint32_t gen);
   void shutdown();
 
   std::vector<int> cpus_;
-  std::vector<std::thread> workers_;
+  std::vector<std::thread> workers_;  // worker i + first_thread_ runs on cpus_[i + first_thread_]
+  bool caller_joins_ = false;
+  int first_thread_ = 0;  // 1 with caller_joins (worker 0 is the caller)
+  std::atomic<int> spin_us_{kShortSpinUs};
+  bool watch_sharing_ = true;
+  std::atomic<uint64_t> sleeps_{0};
   // The current list. Written by run() before `generation_` is bumped (release), read by the
   // workers after they see the bump (acquire).
   JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
   int64_t n_jobs_ = 0;
   bool stop_ = false;
-  int caller_spin_us_ = 50;
   alignas(64) std::atomic<int64_t> next_{0};
   // run_sliced's slices: next job to claim and end, one cache line each.
   struct alignas(64) Slice {

@@ -291,10 +291,12 @@ TEST(MoeFfn, RunExpertEqualsReferenceSwigluExpert) {
 }
 
 // A layer of experts with overlapping token subsets equals the experts applied one by one, and
-// does not depend on the number of threads (bitwise: fixed summation order).
+// does not depend on the number of threads, the schedule or the caller joining the pool as the
+// worker does (bitwise: fixed summation order).
 TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
   const std::vector<int> cpus = cpu::allowed_cpus();
   cpu::ThreadPool big(cpus), one(std::vector<int>{cpus.front()});
+  cpu::ThreadPool joined(cpus, {cpu::kDecodeSpinUs, true});
   std::vector<Expert> experts;
   const TensorType types[] = {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K};
   for (int i = 0; i < 4; ++i) experts.push_back(make_expert(types[i], types[(i + 1) % 4], 3000 + 77 * static_cast<uint32_t>(i)));
@@ -321,7 +323,8 @@ TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
                       static_cast<int>(toks[static_cast<size_t>(i)].size())});
   }
   cpu::MoeFfn ffn;
-  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f), y_sliced(x.size(), 0.0f);
+  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f), y_sliced(x.size(), 0.0f),
+      y_joined(x.size(), 0.0f);
   const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
   cpu::set_ffn_schedule(cpu::FfnSchedule::Shared);
   ffn.run(assign, x.data(), y_big.data(), kTokens, kHidden, big);
@@ -329,8 +332,10 @@ TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
   EXPECT_EQ(y_big, y_one) << "the result depends on the thread count";
   cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
   ffn.run(assign, x.data(), y_sliced.data(), kTokens, kHidden, big);
+  ffn.run(assign, x.data(), y_joined.data(), kTokens, kHidden, joined);
   cpu::set_ffn_schedule(schedule0);
   EXPECT_EQ(y_big, y_sliced) << "the result depends on the schedule";
+  EXPECT_EQ(y_big, y_joined) << "the result depends on the caller joining the pool";
   // Expert by expert, each token on its own: same per-element sums in the same expert order.
   for (int i = 0; i < 4; ++i) {
     for (size_t k = 0; k < toks[static_cast<size_t>(i)].size(); ++k) {

@@ -1,6 +1,7 @@
 // The pool: every job of every list runs exactly once, on a CPU of the pool's list; pools with
 // disjoint lists run side by side; an idle pool sleeps; bad CPU lists are refused clearly.
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 
@@ -46,30 +47,67 @@ TEST(ThreadPool, ManySmallJobListsRunEveryJobOnce) {
   EXPECT_GT(total, 0);
 }
 
-// The caller's long polling window (set_caller_spin_us) changes only how run() waits: every
-// job still runs once, and run() returns only after all have finished (lists of uneven jobs,
-// some longer than the plain 50 us spin, some shorter).
-TEST(ThreadPool, LongCallerSpinStillWaitsForEveryJob) {
-  ThreadPool pool(allowed_cpus());
-  pool.set_caller_spin_us(3000);
-  EXPECT_EQ(pool.caller_spin_us(), 3000);
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> size(1, 48), work(0, 20000);
-  std::vector<std::atomic<int>> done(48);
-  for (int list = 0; list < 300; ++list) {
-    const int n = size(rng);
-    std::vector<int> spins(static_cast<size_t>(n));
-    for (int& v : spins) v = work(rng);
-    for (auto& d : done) d.store(0, std::memory_order_relaxed);
-    pool.run(n, [&](int64_t i, int) {
-      volatile double acc = 0;
-      for (int k = 0; k < spins[static_cast<size_t>(i)]; ++k) acc = acc + 1.0;
-      done[static_cast<size_t>(i)].store(1, std::memory_order_relaxed);
-    });
-    for (int i = 0; i < n; ++i) ASSERT_EQ(done[static_cast<size_t>(i)].load(), 1) << "list " << list << " job " << i << " not finished";
+// A long spin window (Options::spin_us, set_spin_us) changes only how workers and run() wait:
+// every job still runs once, and run() returns only after all have finished (lists of uneven
+// jobs, some longer than the short spin, some shorter), with or without the caller joining.
+TEST(ThreadPool, LongSpinStillWaitsForEveryJob) {
+  for (const bool joins : {false, true}) {
+    ThreadPool pool(allowed_cpus(), {3000, joins});
+    EXPECT_EQ(pool.spin_us(), 3000);
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> size(1, 48), work(0, 20000);
+    std::vector<std::atomic<int>> done(48);
+    for (int list = 0; list < 300; ++list) {
+      const int n = size(rng);
+      std::vector<int> spins(static_cast<size_t>(n));
+      for (int& v : spins) v = work(rng);
+      for (auto& d : done) d.store(0, std::memory_order_relaxed);
+      pool.run(n, [&](int64_t i, int) {
+        volatile double acc = 0;
+        for (int k = 0; k < spins[static_cast<size_t>(i)]; ++k) acc = acc + 1.0;
+        done[static_cast<size_t>(i)].store(1, std::memory_order_relaxed);
+      });
+      for (int i = 0; i < n; ++i) ASSERT_EQ(done[static_cast<size_t>(i)].load(), 1) << "list " << list << " job " << i << " not finished";
+    }
+    pool.set_spin_us(-5);
+    EXPECT_EQ(pool.spin_us(), 0);
   }
-  pool.set_caller_spin_us(-5);
-  EXPECT_EQ(pool.caller_spin_us(), 0);
+}
+
+// Caller joins: the calling thread is worker 0 (pinned to cpus[0] by pin_caller), the threads
+// take cpus[1..]; plain and sliced lists run every job once, each on its worker's CPU.
+TEST(ThreadPool, CallerJoinsAsWorkerZeroOnTheFirstCpu) {
+  const std::vector<int> cpus = allowed_cpus();
+  std::vector<int> cpu_of_job(3000, -1), worker_of_job(3000, -1);
+  std::thread caller([&] {
+    ThreadPool pool(cpus, {ThreadPool::Options{}.spin_us, true});
+    ASSERT_TRUE(pool.caller_joins());
+    ASSERT_EQ(pool.size(), static_cast<int>(cpus.size()));
+    pool.pin_caller();
+    pool.run(2000, [&](int64_t i, int w) {
+      cpu_of_job[static_cast<size_t>(i)] = sched_getcpu();
+      worker_of_job[static_cast<size_t>(i)] = w;
+      volatile double spin = 0;
+      for (int k = 0; k < 2000; ++k) spin = spin + k;
+    });
+    // A sliced list of 1000 jobs, recorded after the plain list's 2000.
+    std::vector<int64_t> ends(static_cast<size_t>(pool.size()));
+    for (int w = 0; w < pool.size(); ++w) ends[static_cast<size_t>(w)] = 1000 * (w + 1) / pool.size();
+    pool.run_sliced(ends.data(), [&](int64_t i, int w) {
+      cpu_of_job[static_cast<size_t>(2000 + i)] = sched_getcpu();
+      worker_of_job[static_cast<size_t>(2000 + i)] = w;
+    });
+  });
+  caller.join();
+  std::vector<int> per_worker(cpus.size(), 0);
+  for (size_t i = 0; i < cpu_of_job.size(); ++i) {
+    const int w = worker_of_job[i];
+    ASSERT_GE(w, 0) << "job " << i << " did not run";
+    ASSERT_LT(w, static_cast<int>(cpus.size()));
+    ++per_worker[static_cast<size_t>(w)];
+    EXPECT_EQ(cpu_of_job[i], cpus[static_cast<size_t>(w)]) << "job " << i << ": worker " << w << " must run on its CPU";
+  }
+  EXPECT_GT(per_worker[0], 0) << "the caller ran no job";
 }
 
 // run_sliced: every job once, on uneven slices (some empty); with jobs that take a while, each
@@ -167,6 +205,65 @@ TEST(ThreadPool, IdleWorkersSleep) {
   sum = 0;
   pool.run(10, [&](int64_t i, int) { sum.fetch_add(i); });
   EXPECT_EQ(sum.load(), 45);
+}
+
+// The decode window (spin_us, sharing watch off so a loaded test machine cannot shorten it): a
+// list issued 30 ms after the last one, inside a 150 ms window, finds every worker still awake
+// (no futex sleep in between); once the window has passed every worker sleeps (one sleep each)
+// and the idle pool uses next to no CPU over 200 ms. With the window at 0 they sleep at once.
+TEST(ThreadPool, SpinWindowIsHonouredThenWorkersSleep) {
+  const std::vector<int> cpus = allowed_cpus();
+  ThreadPool::Options opt;
+  opt.spin_us = 150000;
+  opt.watch_sharing = false;
+  ThreadPool pool(cpus, opt);
+  std::atomic<int64_t> sum{0};
+  pool.run(64, [&](int64_t i, int) { sum.fetch_add(i); });
+  const uint64_t sleeps0 = pool.sleeps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  pool.run(64, [&](int64_t i, int) { sum.fetch_add(i); });
+  EXPECT_EQ(pool.sleeps(), sleeps0) << "a worker slept inside the 150 ms window";
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // window over (with a loaded machine's margin)
+  EXPECT_EQ(pool.sleeps(), sleeps0 + cpus.size()) << "every worker sleeps once after the window";
+  const double before = process_cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const double used = process_cpu_seconds() - before;
+  EXPECT_LT(used, 0.010) << "pool of " << pool.size() << " threads used " << used * 1e3 << " ms CPU in 200 ms after its spin window";
+  EXPECT_EQ(sum.load(), 2 * (63 * 64 / 2));
+
+  pool.set_spin_us(0);
+  pool.run(64, [&](int64_t i, int) { sum.fetch_add(i); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // (The caller may sleep too, waiting for workers that had to be woken.)
+  EXPECT_GE(pool.sleeps(), sleeps0 + 2 * cpus.size()) << "with no spin window every worker sleeps right after a list";
+  EXPECT_LE(pool.sleeps(), sleeps0 + 2 * cpus.size() + 1);
+}
+
+// The sharing watch: a worker whose CPU is also wanted by a busy thread gives up a long spin
+// window early and sleeps (here within 200 ms of a 2 s window), where a spinner would take
+// turns with the busy thread for the whole window.
+TEST(ThreadPool, SpinnerOnASharedCpuSleepsEarly) {
+  const int c = allowed_cpus().front();
+  ThreadPool pool(std::vector<int>{c}, {2000000, false});
+  std::atomic<bool> stop{false};
+  std::thread hog([&] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(c, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    while (!stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::atomic<int> ran{0};
+  const uint64_t before = pool.sleeps();
+  pool.run(1, [&](int64_t, int) { ran = 1; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const uint64_t later = pool.sleeps();
+  stop = true;
+  hog.join();
+  EXPECT_EQ(ran.load(), 1);
+  EXPECT_GE(later, before + 1) << "the worker kept spinning on a CPU it shares with a busy thread";
 }
 
 TEST(ThreadPool, RefusesBadCpuLists) {

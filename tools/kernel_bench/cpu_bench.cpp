@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <pthread.h>
 #include <time.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <iostream>
 #include <random>
 #include <stdexcept>
+#include <thread>
 
 #include "common/formats/quant.h"
 #include "kernels/cpu/cpu_topology.h"
@@ -107,8 +109,9 @@ struct Point {
 };
 
 // GB/s of expert bytes consumed: whole sweeps over the set (8 distinct experts per layer call)
-// until min_seconds have passed.
-Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, cpu::ThreadPool& pool) {
+// until min_seconds have passed. With gap_us > 0 the bench's thread sleeps that long after each
+// layer call, as the worker idles while the GPU runs the rest of a layer; only the calls count.
+Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, int gap_us, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / kExpertsPerToken;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -128,12 +131,22 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds,
   layer(n_layers - 1);  // warm-up (scratch sized, threads awake); the sweep starts at layer 0
   const auto t0 = Clock::now();
   int64_t done = 0;
-  double s = 0.0;
+  double s = 0.0, busy = 0.0;
   do {
-    for (int64_t l = 0; l < n_layers; ++l) layer(l);
+    if (gap_us > 0) {
+      for (int64_t l = 0; l < n_layers; ++l) {
+        std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+        const auto c0 = Clock::now();
+        layer(l);
+        busy += std::chrono::duration<double>(Clock::now() - c0).count();
+      }
+    } else {
+      for (int64_t l = 0; l < n_layers; ++l) layer(l);
+    }
     done += n_layers;
     s = std::chrono::duration<double>(Clock::now() - t0).count();
   } while (s < min_seconds);
+  if (gap_us > 0) s = busy;
   Point p;
   p.format = std::string(type_name(t));
   p.tokens = n_tok;
@@ -185,6 +198,100 @@ double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_se
   return gbps;
 }
 
+// The same L2-resident matvec on every worker at once, for `seconds` of wall time: GB/s of all
+// of them together. Against [core L2] x threads it shows what running every CPU costs each one
+// (SMT siblings sharing a core, an all-core clock): the kernels' real compute ceiling.
+double all_cores_ceiling(const ExpertSet& set, TensorType t, int n_tok, double seconds, cpu::ThreadPool& pool) {
+  const TensorType at = dot_activation_type(t);
+  const size_t arb = row_bytes(at, kHidden);
+  std::vector<uint8_t> acts(arb * static_cast<size_t>(n_tok), 0);
+  std::vector<float> x(static_cast<size_t>(kHidden), 0.5f);
+  for (int i = 0; i < n_tok; ++i) cpu::quantize_activation_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kHidden);
+  const int n = pool.size();
+  std::vector<std::vector<float>> y(static_cast<size_t>(n), std::vector<float>(static_cast<size_t>(n_tok * kCeilingRows)));
+  std::vector<int64_t> reps(static_cast<size_t>(n) * 8, 0), ends(static_cast<size_t>(n));
+  for (int w = 0; w < n; ++w) ends[static_cast<size_t>(w)] = w + 1;
+  const auto until = Clock::now() + std::chrono::duration<double>(seconds);
+  const auto t0 = Clock::now();
+  pool.run_sliced(ends.data(), [&](int64_t job, int w) {
+    const cpu::ExpertWeights& ew = set.experts[static_cast<size_t>(job) % set.experts.size()];
+    float* out = y[static_cast<size_t>(w)].data();
+    do {
+      cpu::matvec_tokens(t, kHidden, ew.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, out, kCeilingRows);
+      ++reps[static_cast<size_t>(job) * 8];
+    } while (Clock::now() < until);
+  });
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  int64_t total = 0;
+  for (int w = 0; w < n; ++w) total += reps[static_cast<size_t>(w) * 8] - 1;  // the first pass fills L2
+  return static_cast<double>(row_bytes(t, kHidden)) * kCeilingRows * static_cast<double>(total) / s / 1e9;
+}
+
+// The first CPU's kernel rate with each other CPU running the same kernel beside it, as a share
+// of its rate alone. A hypervisor may show SMT siblings as separate cores; a sibling halves the
+// rate (~0.5-0.65), a separate core leaves it (~0.95-1).
+std::vector<double> smt_probe(const ExpertSet& set, TensorType t, const std::vector<int>& cpus) {
+  const TensorType at = dot_activation_type(t);
+  const size_t arb = row_bytes(at, kHidden);
+  std::vector<uint8_t> acts(arb, 0);
+  std::vector<float> x(static_cast<size_t>(kHidden), 0.5f);
+  cpu::quantize_activation_row(at, x.data(), acts.data(), kHidden);
+  auto spin_on = [&](int cpu, std::atomic<int>& go, std::atomic<int>& stop, double* rate) {
+    cpu_set_t cs;
+    CPU_ZERO(&cs);
+    CPU_SET(cpu, &cs);
+    pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
+    std::vector<float> y(kCeilingRows);
+    while (!go.load()) {
+    }
+    const auto t0 = Clock::now();
+    int64_t reps = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      cpu::matvec_tokens(t, kHidden, set.experts.front().gate, 0, kCeilingRows, acts.data(), arb, nullptr, 1, y.data(), kCeilingRows);
+      ++reps;
+    }
+    if (rate) *rate = static_cast<double>(reps) / std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  auto run_pair = [&](int other) {
+    std::atomic<int> go{0}, stop{0};
+    double rate = 0.0;
+    std::thread a([&] { spin_on(cpus.front(), go, stop, &rate); });
+    std::thread b;
+    if (other >= 0) b = std::thread([&] { spin_on(other, go, stop, nullptr); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    go = 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    stop = 1;
+    a.join();
+    if (b.joinable()) b.join();
+    return rate;
+  };
+  const double alone = run_pair(-1);
+  std::vector<double> share;
+  for (size_t j = 1; j < cpus.size(); ++j) share.push_back(run_pair(cpus[j]) / alone);
+  return share;
+}
+
+// Microseconds per job list of size() empty jobs: back to back, and each after gap_us of the
+// caller sleeping (the decode pattern: do the workers wake in time?).
+std::pair<double, double> list_overhead_us(cpu::ThreadPool& pool, int gap_us) {
+  std::atomic<int64_t> sink{0};
+  auto one = [&] { pool.run(pool.size(), [&](int64_t i, int) { sink.fetch_add(i, std::memory_order_relaxed); }); };
+  for (int i = 0; i < 100; ++i) one();
+  auto t0 = Clock::now();
+  constexpr int kBack = 2000, kGapped = 200;
+  for (int i = 0; i < kBack; ++i) one();
+  const double back = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / kBack;
+  double gapped = 0.0;
+  for (int i = 0; i < kGapped; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+    t0 = Clock::now();
+    one();
+    gapped += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  }
+  return {back, gapped / kGapped};
+}
+
 }  // namespace
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
@@ -204,6 +311,8 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
       ->check(CLI::Range(0, 1 << 20));
   cpu->add_option("--prefetch-l2", opt.prefetch_l2, "matvec prefetcht1 distance in bytes (0: off; default: the library's)")
       ->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--prefetch-past-end", opt.prefetch_past_end, "1: matvec prefetches past a job's last row into the next rows; 0: not "
+                  "(default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--gate-up-rows", opt.gate_up_rows, "rows of one expert per gate+up job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--down-rows", opt.down_rows, "output rows per down job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--probe-chunk-kib", opt.probe_chunk_kib, "also measure the DRAM read in chunks of this many KiB (0: not)")
@@ -213,8 +322,12 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   // Huge pages by default: the expert arena asks for 2 MiB pages too (common/shm/page_backing.h).
   cpu->add_flag("--huge-pages,!--small-pages", opt.huge_pages,
                 "back the expert set and the DRAM probe with transparent huge pages (madvise; the default) or small pages");
-  cpu->add_option("--caller-spin-us", opt.caller_spin_us, "how long the layer's caller polls before it sleeps (default: the pool's)")
-      ->check(CLI::Range(0, 1000000));
+  cpu->add_option("--spin-us", opt.spin_us, "how long pool workers and the caller poll after a list before they sleep (default: "
+                  "cpu::kDecodeSpinUs, the worker's)")->check(CLI::Range(0, 1000000));
+  cpu->add_flag("--caller-joins,!--caller-waits", opt.caller_joins,
+                "the bench's thread runs jobs as worker 0 on the first CPU (the default, as the worker does) or only waits");
+  cpu->add_option("--gap-us", opt.gap_us, "idle microseconds between layer calls (decode's GPU part; not timed)")->check(CLI::Range(0, 100000));
+  cpu->add_flag("--smt-probe", opt.smt_probe, "print the first CPU's kernel rate beside each other CPU (hidden SMT siblings)");
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
@@ -224,6 +337,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   cpu::MatvecPrefetch prefetch = cpu::matvec_prefetch();
   if (opt.prefetch_l1 >= 0) prefetch.l1_bytes = static_cast<size_t>(opt.prefetch_l1);
   if (opt.prefetch_l2 >= 0) prefetch.l2_bytes = static_cast<size_t>(opt.prefetch_l2);
+  if (opt.prefetch_past_end >= 0) prefetch.past_end = opt.prefetch_past_end == 1;
   cpu::set_matvec_prefetch(prefetch);
   cpu::FfnJobRows job_rows = cpu::ffn_job_rows();
   if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
@@ -245,8 +359,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     if (!t || !cpu::best_vec_dot_fn(*t) || *t == TensorType::Q8_K) throw std::invalid_argument("--formats: no CPU kernel for '" + f + "'");
     types.push_back(*t);
   }
-  cpu::ThreadPool pool(cpus);
-  if (opt.caller_spin_us >= 0) pool.set_caller_spin_us(opt.caller_spin_us);
+  cpu::ThreadPool pool(cpus, {opt.spin_us >= 0 ? opt.spin_us : cpu::kDecodeSpinUs, opt.caller_joins});
+  if (opt.caller_joins) pool.pin_caller();
   const int node = cpu::numa_node_of_cpu_id(cpus.front());
   const size_t set_bytes = static_cast<size_t>(opt.set_mib) << 20;
 
@@ -258,22 +372,30 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       dram_chunked = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3, static_cast<size_t>(opt.probe_chunk_kib) << 10) / 1e9;
     }
   }
+  const int list_gap_us = opt.gap_us > 0 ? opt.gap_us : 250;
+  const std::pair<double, double> list_us = list_overhead_us(pool, list_gap_us);
+  std::vector<double> smt;
   if (!opt.json) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B; job rows %lld/%lld; "
-                "schedule %s; caller spin %d us; huge pages %s\n",
+    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B%s; job rows %lld/%lld; "
+                "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s\n",
                 static_cast<long long>(kHidden), static_cast<long long>(kFfn), kExpertsPerToken, prefetch.l1_bytes, prefetch.l2_bytes,
-                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.caller_spin_us(),
-                opt.huge_pages ? "asked (madvise)" : "no");
+                prefetch.past_end ? " past job end" : "",
+                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
+                opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no");
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
     if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
-    std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second (x threads = the compute ceiling)\n\n",
+    std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
+                list_gap_us);
+    std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second; {all}: every worker at once, GB/s "
+                "together (the compute ceiling)\n\n",
                 static_cast<long long>(kCeilingRows));
     std::printf("%-7s %14s", "format", "bytes/expert");
-    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) [core L2]", t);
+    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) [core L2] {all}", t);
     std::printf("\n");
+    std::fflush(stdout);
   }
   nlohmann::json rows = nlohmann::json::array();
   for (TensorType t : types) {
@@ -283,16 +405,26 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     // does not change while the set is built).
     const double huge_share = static_cast<double>(anon_huge_bytes() - std::min(anon_huge_bytes(), huge_before)) /
                               static_cast<double>(set.memory.size());
+    if (opt.smt_probe && t == types.front()) {
+      smt = smt_probe(set, t, cpus);
+      if (!opt.json) {
+        std::printf("smt probe (%s, CPU %d's kernel rate beside each CPU, share of alone):", std::string(type_name(t)).c_str(), cpus.front());
+        for (size_t j = 0; j < smt.size(); ++j) std::printf(" %d:%.2f", cpus[j + 1], smt[j]);
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+    }
     if (!opt.json) std::printf("%-7s %14zu", std::string(type_name(t)).c_str(), set.expert_bytes);
     for (int n_tok : opt.tokens) {
-      const Point p = measure(set, t, n_tok, opt.min_seconds, pool);
+      const Point p = measure(set, t, n_tok, opt.min_seconds, opt.gap_us, pool);
       const double ceiling = core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool);
+      const double all = all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool);
       if (!opt.json) {
-        std::printf("   %13.1f (%5.1f%%) [%5.1f]", p.gbps, 100.0 * p.gbps / dram, ceiling);
+        std::printf("   %13.1f (%5.1f%%) [%5.1f] {%5.1f}", p.gbps, 100.0 * p.gbps / dram, ceiling, all);
         std::fflush(stdout);
       }
       rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"gb_per_s", p.gbps}, {"share_of_dram", p.gbps / dram},
-                      {"core_l2_gb_per_s", ceiling},
+                      {"core_l2_gb_per_s", ceiling}, {"all_cores_l2_gb_per_s", all},
                       {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()}, {"layer_calls", p.layers},
                       {"huge_page_share", huge_share},
                       {"seconds", p.seconds}});
@@ -314,10 +446,16 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"amx_min_tokens", cpu::amx_min_tokens()},
                                 {"prefetch_l1", prefetch.l1_bytes},
                                 {"prefetch_l2", prefetch.l2_bytes},
+                                {"prefetch_past_end", prefetch.past_end},
                                 {"gate_up_rows", job_rows.gate_up},
                                 {"down_rows", job_rows.down},
                                 {"schedule", schedule},
-                                {"caller_spin_us", pool.caller_spin_us()},
+                                {"spin_us", pool.spin_us()},
+                                {"caller_joins", opt.caller_joins},
+                                {"gap_us", opt.gap_us},
+                                {"list_us", list_us.first},
+                                {"list_after_gap_us", list_us.second},
+                                {"smt_probe", smt},
                                 {"huge_pages", opt.huge_pages},
                                 {"dram_read_gb_per_s", dram},
                                 {"dram_read_chunk_kib", opt.probe_chunk_kib},

@@ -22,12 +22,16 @@ struct CpuBenchOptions {
   int amx_min_tokens = 0;     // 0: the library default (cpu::kPrefillTokens)
   int prefetch_l1 = -1;       // bytes; -1: the library default (cpu::MatvecPrefetch)
   int prefetch_l2 = -1;
+  int prefetch_past_end = -1;  // 0/1; -1: the library default
   int gate_up_rows = 0;       // 0: the library default (cpu::FfnJobRows)
   int down_rows = 0;
   bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on the expert set and the DRAM probe's buffer
   int probe_chunk_kib = 32;   // second DRAM probe with job-sized chunks; 0: off
-  int caller_spin_us = -1;
-  std::string schedule;       // shared / sliced; empty: the library default (cpu::FfnSchedule)    // -1: the pool's default (ThreadPool::set_caller_spin_us)
+  int spin_us = -1;           // pool spin after a list (workers and caller); -1: cpu::kDecodeSpinUs
+  bool caller_joins = true;   // the bench's thread runs jobs as worker 0 on the first CPU (as the worker does)
+  int gap_us = 0;             // idle time between layer calls (decode: the GPU part of a layer); not timed
+  bool smt_probe = false;     // which CPUs slow the first one down when both run the kernel (hidden SMT siblings)
+  std::string schedule;       // shared / sliced; empty: the library default (cpu::FfnSchedule)
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);
