@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -86,6 +87,44 @@ class Backend {
     logits(logit_rows, logits_out);
   }
   virtual int64_t n_layer() const = 0;
+
+  // A step with cpu workers, launched whole (a device backend that can: the CUDA one replays one
+  // captured graph): the device runs every layer in order; at each layer that is not
+  // layer_on_device it copies the routing and h into `io` (host memory pinned by
+  // pin_host_memory), raises a flag and waits until the host releases the layer; the host
+  // meanwhile walks those layers: handoff_wait_routed(il), has the cpu workers write the rows
+  // the plan names into io.host_rows, handoff_release(il, plan). handoff_finish ends the step
+  // (advance and logits included); after a failure on the host side, handoff_abort lets the
+  // device run to the end and the sequence must be reset. Layers stay the same for the whole
+  // step: layer_on_device does not change between steps' begin_swap / landed_swaps.
+  struct HandoffIo {
+    int32_t* chosen = nullptr;     // [n][k]
+    float* weight = nullptr;       // [n][k]
+    float* h = nullptr;            // [n][n_embd]: what the cpu workers read
+    const float* host_rows = nullptr;   // the cpu workers' packed rows, plan.row_of order
+  };
+  virtual bool handoff_supported(int64_t n) const { return (void)n, false; }
+  // False when the backend could not start it after all (nothing started: run the step layer
+  // by layer).
+  virtual bool handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_rows, const HandoffIo& io) {
+    (void)tokens, (void)n, (void)logit_rows, (void)io;
+    no_handoff();
+  }
+  virtual void handoff_wait_routed(int64_t il) { (void)il, no_handoff(); }
+  virtual void handoff_release(int64_t il, const group::ExpertPlan& plan) { (void)il, (void)plan, no_handoff(); }
+  // Logits of the last logit_rows rows to logits_out; chosen_out as in step_whole.
+  virtual void handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) {
+    (void)logits_out, (void)chosen_out, (void)chosen_stride;
+    no_handoff();
+  }
+  virtual void handoff_abort() {}
+
+ private:
+  [[noreturn]] static void no_handoff() {
+    throw std::logic_error("this backend has no in-graph hand-off (handoff_supported is false)");
+  }
+
+ public:
 
   // The VRAM tier adapting while running (called between steps only). begin_swap: expert `out`
   // of layer il is no longer computed here from now on and `in` is copied into its place in the

@@ -2,8 +2,10 @@
 #include "gpu_worker/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <immintrin.h>
 #include <iostream>
 #include <map>
 #include <numeric>
@@ -23,11 +25,13 @@
 #include "kernels/cuda/embed_rows.h"
 #include "kernels/cuda/gemm_prefill.h"
 #include "kernels/cuda/head_rms_norm.h"
+#include "kernels/cuda/host_handoff.h"
 #include "kernels/cuda/kv_store.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
 #include "kernels/cuda/moe_fused.h"
+#include "kernels/cuda/qk_norm_rope_store.h"
 #include "kernels/cuda/quantize_activations_llama.h"
 #include "kernels/cuda/residual_add.h"
 #include "kernels/cuda/rms_norm.h"
@@ -114,6 +118,28 @@ DevMatrix upload_rows(const model::Matrix& m, const std::vector<int64_t>& order)
   return upload_matrix(part);
 }
 
+// q, k and v stacked into one matrix (rows q | k | v) when they share a format and a width: one
+// activation quantization and one matvec launch instead of three, each output row the same bits
+// (a row's dot does not depend on its neighbours). Empty when they differ (per-tensor formats).
+DevMatrix upload_stacked(const std::vector<const model::Matrix*>& parts) {
+  DevMatrix d;
+  for (const model::Matrix* m : parts)
+    if (!*m || m->type != parts[0]->type || m->n_cols != parts[0]->n_cols) return d;
+  check_kernel(*parts[0]);
+  d.type = parts[0]->type;
+  d.cols = parts[0]->n_cols;
+  for (const model::Matrix* m : parts) d.rows += m->n_rows;
+  d.matrix_bytes = parts[0]->row_bytes * static_cast<size_t>(d.rows);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  size_t at = 0;
+  for (const model::Matrix* m : parts) {
+    const size_t bytes = m->row_bytes * static_cast<size_t>(m->n_rows);
+    CUDA_CHECK(cudaMemcpy(d.bytes.get() + at, m->data, bytes, cudaMemcpyHostToDevice));
+    at += bytes;
+  }
+  return d;
+}
+
 DeviceBuffer<float> upload_vector(const std::vector<float>& v) {
   DeviceBuffer<float> d(v.size());
   if (!v.empty()) d.upload(v.data(), v.size());
@@ -124,6 +150,8 @@ struct DevLayer {
   bool recurrent = false;
   DeviceBuffer<float> attn_norm, ffn_norm, q_norm, k_norm, shared_router;
   DevMatrix q, k, v, o, router, shared_gate, shared_up, shared_down;
+  DevMatrix attn_qkv;     // q | k | v stacked (upload_stacked); then q, k, v stay empty
+  int64_t q_rows = 0;     // rows of the q projection (with the gate beside each head, if any)
   // The VRAM tier: resident experts' gate / up / down slabs and expert id -> slab index (-1).
   DevMatrix gate, up, down;
   std::vector<int32_t> slab_of;
@@ -159,9 +187,29 @@ struct StepGraph {
   StepGraph() = default;
   StepGraph(const StepGraph&) = delete;
   StepGraph& operator=(const StepGraph&) = delete;
-  ~StepGraph() {
+  ~StepGraph() { reset(); }
+  void reset() {
     if (exec != nullptr) cudaGraphExecDestroy(exec);
+    exec = nullptr;
   }
+};
+
+// A mixed layer's first half (layer_begin) for one token count, captured: the mixer, the router
+// and the routing's copies to the host (into the addresses it was captured with), then the
+// device's experts and the shared expert, which run while the host plans and the cpu workers
+// work. Two launches instead of ~25 per layer: the host, not the GPU, bounded these layers
+// (3-5 us per kernel launch).
+// A whole step with in-graph hand-offs (handoff_begin) for one (rows, logit rows), the host
+// addresses it was captured with, and which layers it runs whole (the rest hand off).
+struct HandoffGraph {
+  StepGraph step;
+  Backend::HandoffIo io;
+  std::vector<char> whole;
+};
+
+struct LayerBeginGraphs {
+  StepGraph route, experts;
+  const void *chosen = nullptr, *weight = nullptr, *h_out = nullptr;
 };
 
 class CudaBackend final : public Backend {
@@ -202,7 +250,7 @@ class CudaBackend final : public Backend {
 
     std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
     for (int64_t e = 0; e < hp.n_expert; ++e) all[e] = static_cast<int32_t>(e);
-    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(hp.n_layer * hp.n_expert));
+    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(hp.n_layer * slot_stride()));
     layers_.resize(static_cast<size_t>(hp.n_layer));
     for (int64_t il = 0; il < hp.n_layer; ++il) {
       const model::LayerWeights& L = m.layers[il];
@@ -223,7 +271,7 @@ class CudaBackend final : public Backend {
       D.up = upload_expert_slab(L.moe.up, ids);
       D.down = upload_expert_slab(L.moe.down, ids);
       for (size_t i = 0; i < ids.size(); ++i)
-        table[il * hp.n_expert + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
+        table[il * slot_stride() + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
       if (L.moe.shared_up) {
         D.shared_gate = upload_matrix(L.moe.shared_gate);
         D.shared_up = upload_matrix(L.moe.shared_up);
@@ -236,12 +284,16 @@ class CudaBackend final : public Backend {
       }
       D.q_norm = upload_vector(L.attn.q_norm);
       D.k_norm = upload_vector(L.attn.k_norm);
-      D.q = upload_matrix(L.attn.q);
-      D.k = upload_matrix(L.attn.k);
-      D.v = upload_matrix(L.attn.v);
+      D.attn_qkv = upload_stacked({&L.attn.q, &L.attn.k, &L.attn.v});
+      if (!D.attn_qkv) {
+        D.q = upload_matrix(L.attn.q);
+        D.k = upload_matrix(L.attn.k);
+        D.v = upload_matrix(L.attn.v);
+      }
+      D.q_rows = L.attn.q.n_rows;
       D.o = upload_matrix(L.attn.o);
       D.q_has_gate = L.attn.q_has_gate;
-      q_rows = std::max(q_rows, L.attn.q.n_rows);
+      q_rows = std::max(q_rows, L.attn.q.n_rows + 2 * kv_dim);   // the stacked q | k | v output
       D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
       D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
     }
@@ -276,7 +328,7 @@ class CudaBackend final : public Backend {
     // quantized row never takes more bytes than the floats it came from.
     act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
     router_logits_ = DeviceBuffer<float>(T * hp.n_expert);
-    chosen_ = DeviceBuffer<int32_t>(slots);
+    chosen_ = DeviceBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
     weight_ = DeviceBuffer<float>(slots);
     token_ids_ = DeviceBuffer<int32_t>(T);
     pos_dev_ = DeviceBuffer<int32_t>(1);
@@ -303,6 +355,13 @@ class CudaBackend final : public Backend {
     alt_pinned_ = PinnedBuffer<int32_t>(slots);
     idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
     chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+    handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
+    std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
+    handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
+    handoff_seq_dev_ = DeviceBuffer<uint64_t>(1);
+    handoff_error_ = DeviceBuffer<int32_t>(1);
+    CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
     setup_experts();
     setup_swaps(o.all_experts);
     zero_states();
@@ -312,6 +371,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     graphs_.clear();
+    begin_graphs_.clear();
+    handoff_graphs_.clear();
     if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
     for (PendingSwap& p : swaps_)
       if (p.landed != nullptr) cudaEventDestroy(p.landed);
@@ -327,6 +388,7 @@ class CudaBackend final : public Backend {
     const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
     if (err == cudaSuccess) {
       pinned_.push_back(p);
+      pinned_ranges_.emplace_back(static_cast<const char*>(p), bytes);
       return;
     }
     cudaGetLastError();  // not sticky; copies from pageable memory still work, only slower
@@ -366,24 +428,53 @@ class CudaBackend final : public Backend {
       layer_end(il, n, host_plan_, nullptr);
       return;
     }
-    enqueue_layer_whole(il, n);
+    enqueue_layer_whole(il, n, true);
     if (chosen_out != nullptr)
-      pending_chosen_.push_back({chosen_pinned_.get() + il * slots_per_layer(), chosen_out, n * m_.hp.n_expert_used});
+      pending_chosen_.push_back({chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_out, n * m_.hp.n_expert_used});
   }
 
   void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override {
     use_device();
     check_step(il, n);
-    const int64_t d = m_.hp.n_embd, nk = n * m_.hp.n_expert_used;
-    enqueue_mixer(il, n);
-    enqueue_route(il, n);
-    copy_to_host(chosen, chosen_.get(), nk * sizeof(int32_t));
-    copy_to_host(weight, weight_.get(), nk * sizeof(float));
-    if (h_out != nullptr) copy_to_host(h_out, h_.get(), n * d * sizeof(float));
-    CUDA_CHECK(cudaEventRecord(routed_, stream_));
+    const auto route = [&] {
+      const int64_t d = m_.hp.n_embd, nk = n * m_.hp.n_expert_used;
+      enqueue_mixer(il, n);
+      enqueue_route(il, n);
+      copy_to_host(chosen, chosen_of(il, n), nk * sizeof(int32_t));
+      copy_to_host(weight, weight_.get(), nk * sizeof(float));
+      if (h_out != nullptr) copy_to_host(h_out, h_.get(), n * d * sizeof(float));
+    };
     // The resident experts and the shared expert run while the host plans and the cpu workers work.
-    if (layers_[il].fused && !gemm_experts(layers_[il], n)) enqueue_fused_experts(il, n);
-    enqueue_shared(il, n);
+    const auto experts = [&] {
+      if (layers_[il].fused && !gemm_experts(layers_[il], n)) enqueue_fused_experts(il, n);
+      enqueue_shared(il, n);
+    };
+    const int64_t nk = n * m_.hp.n_expert_used;
+    // Captured copies need page-locked host memory (a pageable one would fail the capture).
+    const bool host_pinned = pinned(chosen, nk * sizeof(int32_t)) && pinned(weight, nk * sizeof(float)) &&
+                             (h_out == nullptr || pinned(h_out, n * m_.hp.n_embd * sizeof(float)));
+    if (layer_graphs_ok_ && host_pinned && n <= kDecodeRows) {
+      LayerBeginGraphs& g = begin_graphs_[{il, n}];
+      if (g.route.exec == nullptr || g.chosen != chosen || g.weight != weight || g.h_out != h_out) {
+        g.route.reset();
+        g.experts.reset();
+        g.chosen = chosen;
+        g.weight = weight;
+        g.h_out = h_out;
+        layer_graphs_ok_ = capture_into(g.route, route) && capture_into(g.experts, experts);
+      }
+      if (layer_graphs_ok_) {
+        CUDA_CHECK(cudaGraphLaunch(g.route.exec, stream_));
+        CUDA_CHECK(cudaEventRecord(routed_, stream_));
+        CUDA_CHECK(cudaGraphLaunch(g.experts.exec, stream_));
+        CUDA_CHECK(cudaEventSynchronize(routed_));
+        return;
+      }
+      begin_graphs_.clear();
+    }
+    route();
+    CUDA_CHECK(cudaEventRecord(routed_, stream_));
+    experts();
     CUDA_CHECK(cudaEventSynchronize(routed_));
   }
 
@@ -397,22 +488,7 @@ class CudaBackend final : public Backend {
                                   std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
                                   std::to_string(nk));
     if (!L.fused || gemm_experts(L, n)) enqueue_matvec_experts(il, n, plan);
-    // Slots whose expert is off the device read the cpu workers' packed rows.
-    int32_t* alt = alt_pinned_.get();
-    std::fill(alt, alt + nk, -1);
-    int32_t lo = INT32_MAX, hi = -1;
-    for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
-      if (plan.count(e) == 0 || L.slab_of[e] >= 0) continue;
-      for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
-        const int32_t slot = plan.slot_of[r];
-        if (slot < 0 || slot >= nk)
-          throw std::invalid_argument("layer_end: the plan names slot " + std::to_string(slot) + " outside the step's " +
-                                      std::to_string(nk));
-        alt[slot] = r;
-      }
-      lo = std::min(lo, plan.start[e]);
-      hi = std::max(hi, plan.start[e + 1]);
-    }
+    const auto [lo, hi] = fill_alt_rows(il, plan);
     if (hi < 0) {
       enqueue_combine(il, n, false);
       return;
@@ -421,7 +497,7 @@ class CudaBackend final : public Backend {
       throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " has slots off the device and no host rows");
     CUDA_CHECK(cudaMemcpyAsync(cpu_rows_.get() + int64_t{lo} * d, host_rows + int64_t{lo} * d,
                                static_cast<size_t>(hi - lo) * d * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt, static_cast<size_t>(nk) * sizeof(int32_t), cudaMemcpyHostToDevice,
+    CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt_pinned_.get(), static_cast<size_t>(nk) * sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_));
     enqueue_combine(il, n, true);
   }
@@ -509,19 +585,197 @@ class CudaBackend final : public Backend {
     n_past_ += n;
     if (chosen_out != nullptr)
       for (int64_t il = 0; il < m_.hp.n_layer; ++il)
-        pending_chosen_.push_back({chosen_pinned_.get() + il * slots_per_layer(), chosen_out + il * chosen_stride,
+        pending_chosen_.push_back({chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_out + il * chosen_stride,
                                    n * m_.hp.n_expert_used});
     finish_step(logit_rows, logits_out);
   }
 
+  // ---- the in-graph hand-off (backend.h) ----
+
+  bool handoff_supported(int64_t n) const override {
+    return handoff_ok_ && embed_on_device() && n <= kDecodeRows && !all_on_device();
+  }
+
+  bool handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_rows, const HandoffIo& io) override {
+    use_device();
+    if (!handoff_supported(n))
+      throw std::logic_error("CUDA backend: handoff_begin for a step of " + std::to_string(n) + " rows it cannot hand off");
+    if (logit_rows <= 0 || logit_rows > n)
+      throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) + " rows of a step of " +
+                                  std::to_string(n));
+    const model::HParams& hp = m_.hp;
+    const int64_t nk = n * hp.n_expert_used;
+    const std::pair<const void*, size_t> ranges[] = {{io.chosen, nk * sizeof(int32_t)}, {io.weight, nk * sizeof(float)},
+                                                     {io.h, n * hp.n_embd * sizeof(float)},
+                                                     {io.host_rows, nk * hp.n_embd * sizeof(float)}};
+    for (const auto& [p, bytes] : ranges)
+      if (!pinned(p, bytes))
+        throw std::invalid_argument("CUDA backend: handoff_begin's host buffers must lie in memory given to pin_host_memory");
+    begin_step(tokens, n);
+    std::vector<char> whole(static_cast<size_t>(hp.n_layer));
+    for (int64_t il = 0; il < hp.n_layer; ++il) whole[il] = layer_on_device(il) ? 1 : 0;
+    HandoffGraph& g = handoff_graphs_[{n, logit_rows}];
+    if (g.step.exec == nullptr || g.whole != whole || g.io.chosen != io.chosen || g.io.weight != io.weight ||
+        g.io.h != io.h || g.io.host_rows != io.host_rows) {
+      g.step.reset();
+      g.io = io;
+      g.whole = whole;
+      if (!capture_into(g.step, [&] { enqueue_handoff_step(n, logit_rows, io, whole); })) {
+        handoff_ok_ = false;   // from now on steps hand off layer by layer
+        handoff_graphs_.clear();
+        return false;
+      }
+    }
+    handoff_seq_pinned_[0] = ++handoff_seq_;
+    handoff_rows_ = logit_rows;
+    handoff_whole_ = std::move(whole);
+    CUDA_CHECK(cudaGraphLaunch(g.step.exec, stream_));
+    return true;
+  }
+
+  void handoff_wait_routed(int64_t il) override {
+    check_layer(il);
+    const uint64_t* flag = handoff_flags_.get() + il;
+    const auto start = std::chrono::steady_clock::now();
+    for (uint64_t spins = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) < handoff_seq_; ++spins) {
+      _mm_pause();
+      if (spins % 4096 != 0) continue;
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q != cudaErrorNotReady && q != cudaSuccess) CUDA_CHECK(q);
+      if (q == cudaSuccess && __atomic_load_n(flag, __ATOMIC_ACQUIRE) < handoff_seq_)
+        throw std::logic_error("CUDA backend: the step finished without handing off layer " + std::to_string(il));
+      if (std::chrono::steady_clock::now() - start > kHandoffTimeout)
+        throw std::runtime_error("CUDA backend: layer " + std::to_string(il) + "'s routing did not arrive within " +
+                                 std::to_string(kHandoffTimeout.count()) + " s");
+    }
+  }
+
+  void handoff_release(int64_t il, const group::ExpertPlan& plan) override {
+    check_layer(il);
+    const int64_t nk = step_n_ * m_.hp.n_expert_used;
+    if (static_cast<int64_t>(plan.start.size()) != m_.hp.n_expert + 1 || plan.start.back() != nk)
+      throw std::invalid_argument("handoff_release: the plan covers " +
+                                  std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
+                                  std::to_string(nk));
+    fill_alt_rows(il, plan);   // read by the graph's copy once the flag is up
+    __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
+  }
+
+  void handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) override {
+    use_device();
+    n_past_ += step_n_;
+    if (chosen_out != nullptr)
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+        pending_chosen_.push_back({chosen_pinned_.get() + il * step_n_ * m_.hp.n_expert_used,
+                                   chosen_out + il * chosen_stride, step_n_ * m_.hp.n_expert_used});
+    finish_step(handoff_rows_, logits_out);
+    check_handoff_error();
+  }
+
+  void handoff_abort() override {
+    use_device();
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+      __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
+    cudaStreamSynchronize(stream_);
+    cudaGetLastError();
+    pending_chosen_.clear();
+  }
+
  private:
+  static constexpr std::chrono::seconds kHandoffTimeout{60};
+
+  bool embed_on_device() const { return tok_embd_.size() != 0; }
+
+  bool pinned(const void* p, size_t bytes) const {
+    const char* c = static_cast<const char*>(p);
+    for (const auto& [base, size] : pinned_ranges_)
+      if (c >= base && c + bytes <= base + size) return true;
+    return false;
+  }
+
+  void check_handoff_error() {
+    int32_t err = 0;
+    CUDA_CHECK(cudaMemcpy(&err, handoff_error_.get(), sizeof err, cudaMemcpyDeviceToHost));
+    if (err == 0) return;
+    CUDA_CHECK(cudaMemset(handoff_error_.get(), 0, sizeof err));
+    throw std::runtime_error("CUDA backend: the device waited " + std::to_string(kHandoffTimeout.count() * 2) +
+                             " s for the host's expert rows and gave up; this step's results are void");
+  }
+
+  // Slots whose expert is off the device read row alt[slot] of the cpu workers' rows (plan
+  // order); -1 for the device's own. The rows' span [lo, hi), empty (hi < 0) when none.
+  std::pair<int32_t, int32_t> fill_alt_rows(int64_t il, const group::ExpertPlan& plan) {
+    const DevLayer& L = layers_[il];
+    const int64_t nk = step_n_ * m_.hp.n_expert_used;
+    int32_t* alt = alt_pinned_.get();
+    std::fill(alt, alt + nk, -1);
+    int32_t lo = INT32_MAX, hi = -1;
+    for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
+      if (plan.count(e) == 0 || L.slab_of[e] >= 0) continue;
+      for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
+        const int32_t slot = plan.slot_of[r];
+        if (slot < 0 || slot >= nk)
+          throw std::invalid_argument("layer " + std::to_string(il) + ": the plan names slot " + std::to_string(slot) +
+                                      " outside the step's " + std::to_string(nk));
+        alt[slot] = r;
+      }
+      lo = std::min(lo, plan.start[e]);
+      hi = std::max(hi, plan.start[e + 1]);
+    }
+    return {lo, hi};
+  }
+
+  // The captured hand-off step: layers run whole on the device or hand off through the flags.
+  void enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo& io, const std::vector<char>& whole) {
+    const model::HParams& hp = m_.hp;
+    const int64_t d = hp.n_embd, nk = n * hp.n_expert_used;
+    const uint64_t* seq = handoff_seq_dev_.get();
+    uint64_t* routed = handoff_flags_dev_;
+    uint64_t* ready = routed + hp.n_layer;
+    CUDA_CHECK(cudaMemcpyAsync(handoff_seq_dev_.get(), handoff_seq_pinned_.get(), sizeof(uint64_t),
+                               cudaMemcpyHostToDevice, stream_));
+    enqueue_embed(n);
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+      if (whole[il]) {
+        enqueue_layer_whole(il, n, false);
+        continue;
+      }
+      enqueue_mixer(il, n);
+      enqueue_route(il, n);
+      copy_to_host(io.chosen, chosen_of(il, n), nk * sizeof(int32_t));
+      copy_to_host(io.weight, weight_.get(), nk * sizeof(float));
+      copy_to_host(io.h, h_.get(), n * d * sizeof(float));
+      cuda::signal_host(routed + il, seq, stream_);
+      if (layers_[il].fused) enqueue_fused_experts(il, n);
+      enqueue_shared(il, n);
+      cuda::wait_host(ready + il, seq, static_cast<uint64_t>(kHandoffTimeout.count()) * 2'000'000'000ull,
+                      handoff_error_.get(), stream_);
+      // Every slot's row and the whole map: the sizes of a captured copy are fixed (n * k rows of
+      // n_embd floats: 64 KB per token over PCIe, ~1-2 us).
+      CUDA_CHECK(cudaMemcpyAsync(cpu_rows_.get(), io.host_rows, static_cast<size_t>(nk * d) * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt_pinned_.get(), static_cast<size_t>(nk) * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, stream_));
+      enqueue_combine(il, n, true);
+    }
+    copy_to_host(chosen_pinned_.get(), chosen_.get(), static_cast<size_t>(hp.n_layer * nk) * sizeof(int32_t));
+    enqueue_logits(rows);
+  }
+
   struct PendingChosen {
     const int32_t* from;   // pinned
     int32_t* to;
     int64_t count;
   };
 
-  int64_t slots_per_layer() const { return max_tokens_ * m_.hp.n_expert_used; }
+  // Entries per layer in the (layer, expert) slot table: an even count keeps every layer's slice
+  // 16-byte aligned (entries are 24 bytes), as moe_fused requires; with an odd expert count
+  // (the 3-expert golden models) every other layer used to fall back to the matvec path.
+  int64_t slot_stride() const { return (m_.hp.n_expert + 1) / 2 * 2; }
+
+  // Layer il's routing of a step of n rows: the layers' routings lie back to back, so a captured
+  // step copies all of them to the host in one transfer at its end.
+  int32_t* chosen_of(int64_t il, int64_t n) const { return chosen_.get() + il * n * m_.hp.n_expert_used; }
 
   // Expert copies of the adaptive VRAM tier (begin_swap): a copy stream, and per pending swap a
   // pinned staging buffer the size of the largest expert (sized once, only when some experts
@@ -552,7 +806,7 @@ class CudaBackend final : public Backend {
     }
   }
   void set_table_entry(int64_t il, int32_t e, const cuda::MoeExpertSlot& v) {
-    CUDA_CHECK(cudaMemcpy(slot_table_.get() + il * m_.hp.n_expert + e, &v, sizeof v, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(slot_table_.get() + il * slot_stride() + e, &v, sizeof v, cudaMemcpyHostToDevice));
   }
 
   // Which layers' experts go through moe_fused, the expert-path scratch, and whether steps can
@@ -578,6 +832,8 @@ class CudaBackend final : public Backend {
       }
       any_matvec = any_matvec || (L.resident > 0 && !L.fused);
       graphs_ok_ = graphs_ok_ && L.fused && L.resident == hp.n_expert;
+      // The hand-off step computes the device's experts of a layer with moe_fused only.
+      handoff_ok_ = handoff_ok_ && (L.resident == 0 || L.fused);
     }
     if (ws > 0) {
       fused_ws_ = DeviceBuffer<uint8_t>(ws);
@@ -605,13 +861,12 @@ class CudaBackend final : public Backend {
     host_plan_.reserve(hp.n_expert, static_cast<int64_t>(slots));
   }
 
-  // moe_fused takes quantized experts whose activations are Q8_K: it quantizes Q8_0 activations
-  // with ggml's reference rule while the reference executor (and so the matvec path) uses
-  // llama.cpp's x86 rule, and one activation rounded the other way moves a tiny model's logits
-  // visibly; Q8_K is the same under both rules.
+  // moe_fused takes every quantized expert format the matvec takes; it quantizes x and h with
+  // the reference executor's rules (Q8_0 with llama.cpp's x86 rule, as pack_activations), so Q8_0
+  // experts are fused too (tests/cuda/moe_fused_test checks both against the reference).
   static bool fused_formats(const DevLayer& L) {
     for (const DevMatrix* w : {&L.gate, &L.up, &L.down})
-      if (!cuda::matvec_supported(w->type) || dot_activation_type(w->type) != TensorType::Q8_K) return false;
+      if (!cuda::matvec_supported(w->type)) return false;
     return true;
   }
 
@@ -624,10 +879,10 @@ class CudaBackend final : public Backend {
     w.n_embd = m_.hp.n_embd;
     w.n_ff = m_.hp.n_ff_exp;
     w.n_expert = m_.hp.n_expert;
-    w.slots = slot_table_.get() + il * m_.hp.n_expert;
-    // The per-row dots: the form every backend test and measurement so far ran with. dot_rows
-    // (the kernel's default) passed its kernel test later; switch when it has run here too.
-    w.dots = cuda::MoeLayerWeights::Dots::kStaged;
+    w.slots = slot_table_.get() + il * slot_stride();
+    // dot_rows: 26.3 / 119.6 us per 30B-shape Q4_K layer at 1 / 8 tokens where the per-row
+    // dots (kStaged) took 29.8 / 167.3 (moraine-kernel-bench cuda --moe-only, H200, 2026-11-29).
+    w.dots = cuda::MoeLayerWeights::Dots::kRows;
     return w;
   }
 
@@ -664,13 +919,25 @@ class CudaBackend final : public Backend {
   }
 
   bool capture(StepGraph& g, int64_t n, int64_t rows) {
+    graphs_ok_ = capture_into(g, [&] {
+      enqueue_embed(n);
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il) enqueue_layer_whole(il, n, false);
+      copy_to_host(chosen_pinned_.get(), chosen_.get(), static_cast<size_t>(m_.hp.n_layer * n * m_.hp.n_expert_used) *
+                                                            sizeof(int32_t));
+      enqueue_logits(rows);
+    });
+    return graphs_ok_;
+  }
+
+  // What `enqueue` puts on stream_, captured into g. On failure (said once on stderr) g stays
+  // empty and the caller runs without graphs from then on.
+  template <class Enqueue>
+  bool capture_into(StepGraph& g, const Enqueue& enqueue) {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     std::string failed;
     try {
-      enqueue_embed(n);
-      for (int64_t il = 0; il < m_.hp.n_layer; ++il) enqueue_layer_whole(il, n);
-      enqueue_logits(rows);
+      enqueue();
     } catch (const std::exception& e) {
       failed = e.what();
     }
@@ -684,8 +951,7 @@ class CudaBackend final : public Backend {
     if (failed.empty()) return true;
     cudaGetLastError();
     g.exec = nullptr;
-    graphs_ok_ = false;
-    std::cerr << "CUDA backend: capturing a step as a graph failed (" << failed << "); steps run without graphs\n";
+    std::cerr << "CUDA backend: capturing work as a graph failed (" << failed << "); it runs without graphs\n";
     return false;
   }
 
@@ -709,51 +975,82 @@ class CudaBackend final : public Backend {
                      stream_);
   }
 
-  void enqueue_layer_whole(int64_t il, int64_t n) {
+  // copy_chosen: the layer's routing goes to chosen_pinned_ now (a captured step copies every
+  // layer's at its end instead).
+  void enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen) {
     enqueue_mixer(il, n);
     enqueue_route(il, n);
-    CUDA_CHECK(cudaMemcpyAsync(chosen_pinned_.get() + il * slots_per_layer(), chosen_.get(),
-                               static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                               stream_));
+    if (copy_chosen)
+      copy_to_host(chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_of(il, n),
+                   static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t));
+    if (!layers_[il].shared_up) {
+      enqueue_fused_experts(il, n, true);
+      return;
+    }
     enqueue_fused_experts(il, n);
     enqueue_shared(il, n);
     enqueue_combine(il, n, false);
   }
 
   void enqueue_mixer(int64_t il, int64_t n) {
-    const model::HParams& hp = m_.hp;
-    const int64_t d = hp.n_embd;
-    const float eps = static_cast<float>(hp.rms_eps);
     DevLayer& L = layers_[il];
-    cuda::rms_norm(x_.get(), L.attn_norm.get(), h_.get(), d, n, eps, stream_);
+    norm_h(x_.get(), L.attn_norm.get(), n, L.recurrent ? L.qkv : L.attn_qkv ? L.attn_qkv : L.q);
     if (L.recurrent) {
       delta_net_block(L, n);
     } else {
       attention_block(L, n);
     }
-    cuda::rms_norm(x_.get(), L.ffn_norm.get(), h_.get(), d, n, eps, stream_);
+    // The router is F32 in the files we know; the shared expert's matrices are quantized.
+    norm_h(x_.get(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
+  }
+
+  // h_ = RMSNorm(x) * w for n rows, and act_ = h_ quantized for `consumer` when it dots q8
+  // activations; run_matvec then skips quantizing h_ again for every matrix of that activation
+  // type (q, k and v when not stacked) until act_ is overwritten. Two launches: the first fused
+  // rms_norm_quantize took 4.52 us per token inside a graph against 3.15 for this pair
+  // (moraine-kernel-bench cuda --backend-only, H200, 2026-11-30); its faster rewrite has not run
+  // on the GPU yet.
+  void norm_h(const float* x, const float* w, int64_t n, const DevMatrix& consumer) {
+    const int64_t d = m_.hp.n_embd;
+    const float eps = static_cast<float>(m_.hp.rms_eps);
+    cuda::rms_norm(x, w, h_.get(), d, n, eps, stream_);
+    act_of_h_ = TensorType::F32;   // none
+    if (consumer && consumer.cols == d && cuda::matvec_supported(consumer.type) && !use_gemm(consumer, n)) {
+      const TensorType at = dot_activation_type(consumer.type);
+      cuda::quantize_activations_llama(at, h_.get(), act_.get(), d, n, stream_);
+      act_of_h_ = at;
+      act_of_h_rows_ = n;
+    }
   }
 
   void enqueue_route(int64_t il, int64_t n) {
     const model::HParams& hp = m_.hp;
     matmul(layers_[il].router, h_.get(), n, router_logits_.get());
     cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
-                              chosen_.get(), weight_.get(), stream_);
+                              chosen_of(il, n), weight_.get(), stream_);
   }
 
   // The resident experts' unweighted rows into dev_slots_ (slot order), through moe_fused in
   // groups of kMoeMaxTokens tokens: a token's rows come from the same kernel whatever the
   // step's length, which keeps decode after prefill equal to a fresh prefill.
-  void enqueue_fused_experts(int64_t il, int64_t n) {
+  // into_residual: the route-weighted sum goes straight into x_ (MoeOutputs::sum_accumulate, the
+  // bits of moe_combine without the launch) instead of unweighted rows for enqueue_combine; only
+  // for a layer whose every expert is here and that has no shared expert.
+  void enqueue_fused_experts(int64_t il, int64_t n, bool into_residual = false) {
     const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
     for (int64_t t0 = 0; t0 < n; t0 += cuda::kMoeMaxTokens) {
       cuda::MoeRouting routing;
       routing.n_tokens = static_cast<int>(std::min<int64_t>(cuda::kMoeMaxTokens, n - t0));
       routing.k = static_cast<int>(k);
-      routing.chosen = chosen_.get() + t0 * k;
-      routing.weight = weight_.get() + t0 * k;  // unused: only the unweighted rows are asked for
+      routing.chosen = chosen_of(il, n) + t0 * k;
+      routing.weight = weight_.get() + t0 * k;
       cuda::MoeOutputs out;
-      out.slot_rows = dev_slots_.get() + t0 * k * d;
+      if (into_residual) {
+        out.sum = x_.get() + t0 * d;
+        out.sum_accumulate = true;
+      } else {
+        out.slot_rows = dev_slots_.get() + t0 * k * d;
+      }
       cuda::moe_fused(fused_weights(il), h_.get() + t0 * d, routing, out, fused_ws_.get(), fused_ws_.size(), stream_);
     }
   }
@@ -840,8 +1137,7 @@ class CudaBackend final : public Backend {
   void enqueue_logits(int64_t rows) {
     const model::HParams& hp = m_.hp;
     const int64_t d = hp.n_embd;
-    cuda::rms_norm(x_.get() + (step_n_ - rows) * d, output_norm_.get(), h_.get(), d, rows,
-                   static_cast<float>(hp.rms_eps), stream_);
+    norm_h(x_.get() + (step_n_ - rows) * d, output_norm_.get(), rows, output_);
     matmul(output_, h_.get(), rows, logits_.get());
   }
 
@@ -908,8 +1204,7 @@ class CudaBackend final : public Backend {
     st.ssm_state = L.ssm_state.get();
     cuda::delta_net_mix(s, w, st, mixed_.get(), z_.get(), ba_.get(), n, static_cast<float>(hp.rms_eps),
                         delta_ws_.get(), core_.get(), stream_);
-    matmul(L.ssm_out, core_.get(), n, y_.get());
-    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd, stream_);
+    matmul_into_residual(L.ssm_out, core_.get(), n);
   }
 
   cuda::AttentionShape attention_shape() const {
@@ -930,18 +1225,48 @@ class CudaBackend final : public Backend {
   void attention_block(DevLayer& L, int64_t n) {
     const model::HParams& hp = m_.hp;
     const int64_t hd = hp.head_dim, kv_dim = hp.n_head_kv * hd;
-    const int64_t q_rows = L.q.rows, q_stride = L.q_has_gate ? 2 * hd : hd;
+    const int64_t q_rows = L.q_rows, q_stride = L.q_has_gate ? 2 * hd : hd;
     const float eps = static_cast<float>(hp.rms_eps);
     const int32_t* pos = pos_dev_.get();
-    matmul(L.q, h_.get(), n, qg_.get());
-    matmul(L.k, h_.get(), n, k_new_.get());
-    matmul(L.v, h_.get(), n, v_new_.get());
-    cuda::head_rms_norm(qg_.get(), q_rows, q_stride, L.q_norm.get(), q_.get(), n, hp.n_head, hd, eps, stream_);
-    cuda::rope_neox_at(q_.get(), n, hp.n_head, hp.n_head * hd, hd, hp.n_rot, pos, hp.rope_freq_base, stream_);
-    cuda::head_rms_norm(k_new_.get(), kv_dim, hd, L.k_norm.get(), k_new_.get(), n, hp.n_head_kv, hd, eps, stream_);
-    cuda::rope_neox_at(k_new_.get(), n, hp.n_head_kv, kv_dim, hd, hp.n_rot, pos, hp.rope_freq_base, stream_);
-    cuda::kv_store_at(k_new_.get(), L.k_cache.get(), n, kv_dim, pos, max_context_, stream_);
-    cuda::kv_store_at(v_new_.get(), L.v_cache.get(), n, kv_dim, pos, max_context_, stream_);
+    // The projections: row t of q at qg_ + t * row_stride (k and v beside it when stacked).
+    int64_t row_stride = q_rows;
+    const float *k_rows = k_new_.get(), *v_rows = v_new_.get();
+    int64_t kv_row_stride = kv_dim;
+    if (L.attn_qkv) {
+      matmul(L.attn_qkv, h_.get(), n, qg_.get());
+      row_stride = kv_row_stride = L.attn_qkv.rows;
+      k_rows = qg_.get() + q_rows;
+      v_rows = k_rows + kv_dim;
+    } else {
+      matmul(L.q, h_.get(), n, qg_.get());
+      matmul(L.k, h_.get(), n, k_new_.get());
+      matmul(L.v, h_.get(), n, v_new_.get());
+    }
+    // q and k normalised per head and rotated, k and v stored at the step's position: one
+    // launch, the bits of head_rms_norm / rope_neox_at / kv_store_at.
+    cuda::QkNormRopeStoreArgs a;
+    a.q = qg_.get();
+    a.q_row_stride = row_stride;
+    a.q_head_stride = q_stride;
+    a.k = k_rows;
+    a.k_row_stride = kv_row_stride;
+    a.v = v_rows;
+    a.v_row_stride = kv_row_stride;
+    a.q_norm = L.q_norm.get();
+    a.k_norm = L.k_norm.get();
+    a.rows = n;
+    a.n_head = hp.n_head;
+    a.n_head_kv = hp.n_head_kv;
+    a.head_dim = hd;
+    a.n_rot = hp.n_rot;
+    a.pos0_dev = pos;
+    a.freq_base = hp.rope_freq_base;
+    a.eps = eps;
+    a.max_pos = max_context_;
+    a.q_out = q_.get();
+    a.k_cache = L.k_cache.get();
+    a.v_cache = L.v_cache.get();
+    cuda::qk_norm_rope_store(a, stream_);
     const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
     const cuda::AttentionShape shape = attention_shape();
     const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
@@ -953,25 +1278,39 @@ class CudaBackend final : public Backend {
       for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
         const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
         cuda::attention_decode(shape, q_.get() + r0 * qd, L.k_cache.get(), L.v_cache.get(), rows, pos, r0,
-                               max_context_, gate != nullptr ? gate + r0 * q_rows : nullptr, q_rows, q_stride,
+                               max_context_, gate != nullptr ? gate + r0 * row_stride : nullptr, row_stride, q_stride,
                                attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
       }
     } else if (n <= kDecodeRows) {
-      cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, q_rows,
+      cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, row_stride,
                          q_stride, attn_.get(), attn_scratch_.get(), scratch, stream_);
     } else if (tiled_prefill_rows_ <= 0 || n < tiled_prefill_rows_) {
-      cuda::attention(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, q_rows, q_stride,
+      cuda::attention(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
                       attn_.get(), attn_scratch_.get(), scratch, stream_);
     } else {
-      cuda::attention_prefill(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, q_rows, q_stride,
+      cuda::attention_prefill(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
                               attn_.get(), stream_);
     }
-    matmul(L.o, attn_.get(), n, y_.get());
-    cuda::residual_add(x_.get(), y_.get(), n * hp.n_embd, stream_);
+    matmul_into_residual(L.o, attn_.get(), n);
   }
 
   // y[t] = W x[t] for n rows of x (device), one batched launch; quantized weights dot the rows
   // quantized with llama.cpp's x86 rule, as the reference executor's matmul does.
+  // x_ += W x for n rows: the matvec adds into the residual itself (MatvecBatch::accumulate,
+  // the bits of matvec then residual_add); cuBLAS steps add afterwards.
+  void matmul_into_residual(const DevMatrix& W, const float* x, int64_t n) {
+    if (use_gemm(W, n)) {
+      matmul(W, x, n, y_.get());
+      cuda::residual_add(x_.get(), y_.get(), n * m_.hp.n_embd, stream_);
+      return;
+    }
+    cuda::MatvecBatch b;
+    b.count = static_cast<int>(n);
+    b.out_stride = W.rows;
+    b.accumulate = true;
+    run_matvec(W, x, n, x_.get(), b);
+  }
+
   void matmul(const DevMatrix& W, const float* x, int64_t n, float* y) {
     if (use_gemm(W, n)) {
       gemm_->matmul(W.type, W.bytes.get(), W.rows, W.cols, x, n, y);
@@ -1011,7 +1350,10 @@ class CudaBackend final : public Backend {
     const size_t rb = row_bytes(at, W.cols);
     if (rb * static_cast<size_t>(n) > act_.size())
       throw std::logic_error("CUDA backend: activation scratch too small for " + std::to_string(n) + " rows");
-    cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
+    if (x != h_.get() || at != act_of_h_ || n != act_of_h_rows_) {
+      cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
+      act_of_h_ = TensorType::F32;   // act_ no longer holds h_
+    }
     b.act_stride_bytes = static_cast<int64_t>(rb);
     cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y, b, stream_);
   }
@@ -1055,6 +1397,11 @@ class CudaBackend final : public Backend {
   DeviceBuffer<uint8_t> tok_embd_;  // empty when embed falls back to the host dequantizer
   DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
   DeviceBuffer<uint8_t> act_;
+  // What act_ holds: h_'s rows quantized as act_of_h_ (F32: nothing of h_), act_of_h_rows_ rows.
+  // Host-side bookkeeping of the enqueue order (norm_h sets it, run_matvec clears it when it
+  // quantizes something else into act_), valid inside captured graphs as well.
+  TensorType act_of_h_ = TensorType::F32;
+  int64_t act_of_h_rows_ = 0;
   DeviceBuffer<int32_t> chosen_, token_ids_, pos_dev_, alt_row_, expert_idx_;
   // dev_slots_: this device's expert rows in slot order; cpu_rows_: the cpu workers' packed rows.
   DeviceBuffer<float> dev_slots_, cpu_rows_;
@@ -1069,6 +1416,20 @@ class CudaBackend final : public Backend {
   std::vector<float> host_weight_;
   group::ExpertPlan host_plan_;
   bool graphs_ok_ = false;
+  bool layer_graphs_ok_ = true;   // layer_begin's captures (begin_graphs_) work
+  // The in-graph hand-off: flags [routed: n_layer][ready: n_layer] in mapped pinned memory, the
+  // step's sequence number (host and device copies), the device's timeout flag.
+  bool handoff_ok_ = true;
+  PinnedBuffer<uint64_t> handoff_flags_, handoff_seq_pinned_;
+  uint64_t* handoff_flags_dev_ = nullptr;   // the device's address of handoff_flags_
+  DeviceBuffer<uint64_t> handoff_seq_dev_;
+  DeviceBuffer<int32_t> handoff_error_;
+  uint64_t handoff_seq_ = 0;
+  int64_t handoff_rows_ = 0;
+  std::vector<char> handoff_whole_;
+  std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
+  std::vector<std::pair<const char*, size_t>> pinned_ranges_;
+  std::map<std::pair<int64_t, int64_t>, LayerBeginGraphs> begin_graphs_;   // (layer, rows)
   std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;   // (rows, logit rows) -> captured step
 };
 

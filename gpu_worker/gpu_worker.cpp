@@ -33,6 +33,11 @@ double us_since(Clock::time_point t0) {
 // worker is gone for good.
 constexpr auto kExpertDeadline = std::chrono::seconds(60);
 constexpr auto kZmqAttempt = std::chrono::milliseconds(2000);
+// How long the host thread spins on a cpu worker's answer before it sleeps: the answer takes
+// ~50-300 us per layer during decode (expert_cpu, 12 GB budget, H200 machine), past the
+// doorbell's default 20 us, and a futex wake-up adds tens of us per layer. The thread has a
+// core of its own (supervisor --reserve-cores), so spinning costs nothing the workers need.
+constexpr auto kExpertSpin = std::chrono::milliseconds(2);
 
 class StepRunner {
  public:
@@ -133,6 +138,24 @@ class StepRunner {
       finish_step(step, reply, n, t0);
       return;
     }
+    // The whole step in one launch when the backend can: the device waits on flags in host
+    // memory at each layer with cpu-worker experts while this thread hands the layers over.
+    if (backend_->handoff_supported(n) && backend_->handoff_begin(tokens, n, hdr->logit_rows, {chosen, weights, hidden, expert_out})) {
+      try {
+        for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+          if (backend_->layer_on_device(il)) continue;
+          backend_->handoff_wait_routed(il);
+          hand_layer_to_workers(step.step_seq(), il, n, chosen);
+          backend_->handoff_release(il, plan_);
+        }
+        backend_->handoff_finish(logits, step_chosen_.data(), man_.max_tokens * k);
+      } catch (...) {
+        backend_->handoff_abort();
+        throw;
+      }
+      finish_step(step, reply, n, t0);
+      return;
+    }
     backend_->embed(tokens, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
       int32_t* layer_chosen = step_chosen_.data() + il * man_.max_tokens * k;
@@ -142,17 +165,7 @@ class StepRunner {
       }
       backend_->layer_begin(il, n, chosen, weights, hidden);
       std::copy_n(chosen, nk, layer_chosen);
-      plan_.build(chosen, nk, m_.hp.n_expert);
-      const auto th = Clock::now();
-      // The VRAM-tier experts are already running on the device; only the workers that own a
-      // chosen expert of this layer are called.
-      if (man_.zmq_handoff) {
-        handoff_zmq(step.step_seq(), il, n);
-      } else if (mark_busy_workers(il, chosen, nk)) {
-        ring_workers(il, n);
-        wait_workers(il);
-      }
-      handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
+      hand_layer_to_workers(step.step_seq(), il, n, chosen);
       backend_->layer_end(il, n, plan_, expert_out);
     }
     backend_->advance(n);
@@ -161,6 +174,22 @@ class StepRunner {
   }
 
  private:
+  // Layer il's experts off the device: the plan of the routing in `chosen`, then the cpu
+  // workers that own a chosen expert compute their rows into the exchange's expert_out (the
+  // VRAM-tier experts are already running on the device).
+  void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen) {
+    const int64_t nk = n * m_.hp.n_expert_used;
+    plan_.build(chosen, nk, m_.hp.n_expert);
+    const auto th = Clock::now();
+    if (man_.zmq_handoff) {
+      handoff_zmq(step_seq, il, n);
+    } else if (mark_busy_workers(il, chosen, nk)) {
+      ring_workers(il, n);
+      wait_workers(il);
+    }
+    handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
+  }
+
   void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
     record_routing(n);
     report(census_.flush_if_due());
@@ -262,7 +291,8 @@ class StepRunner {
 
   void wait_workers(int64_t il) {
     for (int w = 0; w < man_.n_cpu_workers; ++w) {
-      if (worker_busy_[w] && bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline) != shm::WaitResult::kReady) {
+      if (worker_busy_[w] &&
+          bell(group::ExchangeLayout::done_bell(w))->wait_for(expert_seq_, kExpertDeadline, kExpertSpin) != shm::WaitResult::kReady) {
         throw std::runtime_error("layer " + std::to_string(il) + ": " + group::cpu_worker_instance(w) +
                                  " did not answer within " + std::to_string(kExpertDeadline.count()) + " s");
       }

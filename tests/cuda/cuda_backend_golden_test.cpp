@@ -136,10 +136,48 @@ enum class Drive {
             // reference kernel into packed rows, as the cpu workers do
 };
 
-// One step of n tokens; logits of every row when all_logits, else the last.
+// The experts of layer il the device lacks (not in `here`), computed by the reference kernel
+// into packed rows in plan order, as the cpu workers do.
+void host_experts(const model::Model& m, int64_t il, const group::ExpertPlan& plan, const float* h,
+                  const std::vector<int32_t>& here, float* host_rows) {
+  const int64_t d = m.hp.n_embd, k = m.hp.n_expert_used;
+  reference::ExpertScratch scratch;
+  scratch.reserve(plan.start.back(), m.hp.n_ff_exp);
+  reference::ThreadPool pool(1);
+  std::vector<float> gathered(static_cast<size_t>(plan.start.back() * d));
+  const model::MoeWeights& W = m.layers[il].moe;
+  for (int32_t e = 0; e < m.hp.n_expert; ++e) {
+    if (plan.count(e) == 0 || std::binary_search(here.begin(), here.end(), e)) continue;
+    for (int32_t j = 0; j < plan.count(e); ++j)
+      std::copy_n(h + (plan.slot_of[plan.start[e] + j] / k) * d, d, gathered.data() + j * d);
+    reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), gathered.data(), plan.count(e),
+                             host_rows + int64_t{plan.start[e]} * d, scratch, pool);
+  }
+}
+
+// Host memory a hand-off step reads and writes (backend.h HandoffIo), registered with the backend
+// (pin_host_memory): it must outlive the backend, which unregisters it.
+struct HandoffBuffers {
+  std::vector<int32_t> chosen;
+  std::vector<float> weight, h, host_rows;
+  HandoffBuffers(const model::HParams& hp, int64_t max_tokens)
+      : chosen(max_tokens * hp.n_expert_used), weight(chosen.size()), h(max_tokens * hp.n_embd),
+        host_rows(chosen.size() * hp.n_embd) {}
+  void pin(gpu_worker::Backend& b) {
+    b.pin_host_memory(chosen.data(), chosen.size() * sizeof(int32_t));
+    b.pin_host_memory(weight.data(), weight.size() * sizeof(float));
+    b.pin_host_memory(h.data(), h.size() * sizeof(float));
+    b.pin_host_memory(host_rows.data(), host_rows.size() * sizeof(float));
+  }
+  gpu_worker::Backend::HandoffIo io() { return {chosen.data(), weight.data(), h.data(), host_rows.data()}; }
+};
+
+// One step of n tokens; logits of every row when all_logits, else the last. kSplit passes the
+// host buffers of `pinned_io` to the backend when given (then it may capture layer_begin).
 std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const std::vector<int32_t>& tokens,
                             bool all_logits, Drive drive = Drive::kLayers,
-                            const std::vector<std::vector<int32_t>>* device_experts = nullptr) {
+                            const std::vector<std::vector<int32_t>>* device_experts = nullptr,
+                            HandoffBuffers* pinned_io = nullptr) {
   const model::HParams& hp = m.hp;
   const int64_t n = static_cast<int64_t>(tokens.size()), d = hp.n_embd, k = hp.n_expert_used;
   const int64_t rows = all_logits ? n : 1;
@@ -149,28 +187,21 @@ std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const
     return logits;
   }
   b.embed(tokens.data(), n);
-  std::vector<float> h(n * d, NAN), weight(n * k, NAN), host_rows(n * k * d, NAN), gathered(n * d);
-  std::vector<int32_t> chosen(n * k, -1);
-  reference::ExpertScratch scratch;
-  scratch.reserve(n, hp.n_ff_exp);
-  reference::ThreadPool pool(1);
+  std::vector<float> h_own(n * d, NAN), weight_own(n * k, NAN), rows_own(n * k * d, NAN);
+  std::vector<int32_t> chosen_own(n * k, -1);
+  float* h = pinned_io != nullptr ? pinned_io->h.data() : h_own.data();
+  float* weight = pinned_io != nullptr ? pinned_io->weight.data() : weight_own.data();
+  float* host_rows = pinned_io != nullptr ? pinned_io->host_rows.data() : rows_own.data();
+  int32_t* chosen_ptr = pinned_io != nullptr ? pinned_io->chosen.data() : chosen_own.data();
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     if (drive == Drive::kLayers) {
-      b.layer_whole(il, n, chosen.data());
+      b.layer_whole(il, n, chosen_ptr);
       continue;
     }
-    b.layer_begin(il, n, chosen.data(), weight.data(), h.data());
-    const group::ExpertPlan plan = plan_of(chosen, hp.n_expert);
-    const model::MoeWeights& W = m.layers[il].moe;
-    const std::vector<int32_t>& here = device_experts->at(il);
-    for (int32_t e = 0; e < hp.n_expert; ++e) {
-      if (plan.count(e) == 0 || std::binary_search(here.begin(), here.end(), e)) continue;
-      for (int32_t j = 0; j < plan.count(e); ++j)
-        std::copy_n(h.data() + (plan.slot_of[plan.start[e] + j] / k) * d, d, gathered.data() + j * d);
-      reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), gathered.data(), plan.count(e),
-                               host_rows.data() + int64_t{plan.start[e]} * d, scratch, pool);
-    }
-    b.layer_end(il, n, plan, host_rows.data());
+    b.layer_begin(il, n, chosen_ptr, weight, h);
+    const group::ExpertPlan plan = plan_of(std::vector<int32_t>(chosen_ptr, chosen_ptr + n * k), hp.n_expert);
+    host_experts(m, il, plan, h, device_experts->at(il), host_rows);
+    b.layer_end(il, n, plan, host_rows);
   }
   b.advance(n);
   b.logits(rows, logits.data());
@@ -331,6 +362,78 @@ TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
   std::printf("[ %s %s ] even experts on the device, odd on the host: max |diff| %.3g (%.3g of max)\n",
               c.model.c_str(), c.variant.c_str(), g.max_diff, g.max_diff / g.max_ref);
   EXPECT_LE(g.max_diff, (c.variant == "f32" ? 1e-4 : 1e-3) * g.max_ref);
+}
+
+// A decode step launched whole (handoff_begin), this thread computing the off-device experts at
+// each layer the device hands over, as the gpu_worker does with its cpu workers.
+std::vector<float> run_handoff_step(gpu_worker::Backend& b, const model::Model& m, int32_t token,
+                                    HandoffBuffers& io, const std::vector<std::vector<int32_t>>& device_experts) {
+  std::vector<float> logits(m.hp.n_vocab, NAN);
+  if (!b.handoff_begin(&token, 1, 1, io.io())) {
+    ADD_FAILURE() << "handoff_begin did not start the step";
+    return logits;
+  }
+  for (int64_t il = 0; il < m.hp.n_layer; ++il) {
+    if (b.layer_on_device(il)) continue;
+    b.handoff_wait_routed(il);
+    const group::ExpertPlan plan = plan_of(std::vector<int32_t>(io.chosen.begin(), io.chosen.begin() + m.hp.n_expert_used),
+                                           m.hp.n_expert);
+    host_experts(m, il, plan, io.h.data(), device_experts[il], io.host_rows.data());
+    b.handoff_release(il, plan);
+  }
+  b.handoff_finish(logits.data(), nullptr, 0);
+  return logits;
+}
+
+// The hand-off inside one launch gives the layer-by-layer split's logits bit for bit (the same
+// kernels in the same order; only who waits for whom changes), and a hand-off the host abandons
+// (a cpu worker died) ends without a hang; after a reset the backend works again.
+TEST_P(CudaBackendGolden, HandoffStepEqualsLayerByLayer) {
+  const model::HParams& hp = model_->hp;
+  const int64_t V = hp.n_vocab;
+  std::vector<std::vector<int32_t>> even(static_cast<size_t>(hp.n_layer));
+  for (auto& l : even)
+    for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
+  HandoffBuffers io(hp, kMaxTokens);
+  auto by_layer = cuda_backend(*model_, kMaxTokens, 256, &even);
+  auto handoff = cuda_backend(*model_, kMaxTokens, 256, &even);
+  io.pin(*handoff);
+  // The hand-off step computes the device's experts with moe_fused, which takes the quantized
+  // formats whose blocks divide the expert shapes: F32 experts and the odd models' (FFN 40 of
+  // hidden 96) go layer by layer.
+  const bool fused = GetParam().variant != "f32" && GetParam().model.find("_odd") == std::string::npos;
+  ASSERT_EQ(handoff->handoff_supported(1), fused);
+  if (!fused) return;
+  HandoffBuffers unpinned(hp, kMaxTokens);
+  const int32_t first_token = prompt_[0];
+  EXPECT_THROW(by_layer->handoff_begin(&first_token, 1, 1, unpinned.io()), std::invalid_argument)
+      << "host buffers the backend did not pin";
+  std::vector<float> want = run_step(*by_layer, *model_, prompt_, false, Drive::kSplit, &even);
+  // The prompt layer by layer, with layer_begin captured (pinned buffers) on this side only.
+  const std::vector<float> first = run_step(*handoff, *model_, prompt_, false, Drive::kSplit, &even, &io);
+  ASSERT_EQ(0, std::memcmp(first.data(), want.data(), want.size() * sizeof(float)));
+  for (int i = 0; i < 5; ++i) {
+    const int32_t next = sampling::argmax(std::span<const float>(want.data(), V));
+    want = run_step(*by_layer, *model_, {next}, false, Drive::kSplit, &even);
+    const std::vector<float> got = run_handoff_step(*handoff, *model_, next, io, even);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float))) << "decode step " << i;
+  }
+  for (int i = 0; i < 2; ++i) {   // layer by layer again, layer_begin captured on one side only
+    const int32_t next = sampling::argmax(std::span<const float>(want.data(), V));
+    want = run_step(*by_layer, *model_, {next}, false, Drive::kSplit, &even);
+    const std::vector<float> got = run_step(*handoff, *model_, {next}, false, Drive::kSplit, &even, &io);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float))) << "captured layer_begin, step " << i;
+  }
+  const int64_t past = handoff->n_past();
+  const int32_t token = prompt_[0];
+  ASSERT_TRUE(handoff->handoff_begin(&token, 1, 1, io.io()));
+  handoff->handoff_abort();   // no layer released: the device must still finish
+  EXPECT_EQ(handoff->n_past(), past);
+  handoff->reset();
+  by_layer->reset();
+  EXPECT_EQ(0, std::memcmp(run_step(*handoff, *model_, prompt_, false, Drive::kSplit, &even, &io).data(),
+                           run_step(*by_layer, *model_, prompt_, false, Drive::kSplit, &even).data(),
+                           V * sizeof(float)));
 }
 
 // A prefill of 64 rows or more takes the tiled attention (attention_prefill.h): within the same
