@@ -337,6 +337,9 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaBackendGolden,
 // token only. A lockstep run showed h, routing and the Q8_0 codes of h equal to the reference's
 // at every layer, and the all-device backend off by the same 0.029 at that step: a rounding
 // knife edge in the last layer / output head, not the split (closing note of session 3).
+// 2026-11-30: the same file with only the output head kept F32 (moraine-quantize --map
+// attn_output=q8_0 --map output=f32 --default q8_0) gives 0.00035 of max here: most of the 0.029
+// is the Q8_0 output head's activation rounding; 0.0033 absolute remains (other models: <= 7e-6).
 TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
   const Case& c = GetParam();
   const model::HParams& hp = model_->hp;
@@ -442,6 +445,10 @@ TEST_P(CudaBackendGolden, HandoffStepEqualsLayerByLayer) {
 // (gemm_prefill_rows, BF16 inputs) is not equal to the reference's quantized dots: its own bound
 // is tested per product in gemm_prefill_test; here it must give finite logits and the
 // reference's top token wherever the reference's top two are more than 1% of max |logit| apart.
+// Known failures on the H200 (q8_0 of qwen3moe_odd, qwen3moe_k256, qwen3next_k256: 0.0016 /
+// 0.0082 / 0.0073 of max with the tiled and the split-KV kernel alike). With the output head kept
+// F32 (2026-11-30): 1.7e-6 / 0.0038 / 0.0035, so the Q8_0 output head accounts for qwen3moe_odd's
+// gap and half of the k256 models'; the rest is not found.
 TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
   const Case& c = GetParam();
   const int64_t V = model_->hp.n_vocab;
