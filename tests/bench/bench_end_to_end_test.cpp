@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "common/gguf/gguf.h"
 
@@ -96,7 +98,8 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
             0)
       << slurp(s.dir / "synth.err");
   uint64_t expert_bytes = 0;
-  for (const auto& t : moraine::gguf::GgufFile::open(model).tensors()) {
+  const auto file = moraine::gguf::GgufFile::open(model);   // named: tensors() refers into it
+  for (const auto& t : file.tensors()) {
     if (t.name.find("_exps.") != std::string::npos) expert_bytes += t.n_bytes;
   }
   const std::string ram = std::to_string(expert_bytes * 2 / 5);
@@ -132,7 +135,8 @@ TEST(BenchEndToEnd, GroupEngineCensusWarmupPutsTheUsedExpertsInRam) {
             0)
       << slurp(s.dir / "synth.err");
   uint64_t expert_bytes = 0;
-  for (const auto& t : moraine::gguf::GgufFile::open(model).tensors()) {
+  const auto file = moraine::gguf::GgufFile::open(model);   // named: tensors() refers into it
+  for (const auto& t : file.tensors()) {
     if (t.name.find("_exps.") != std::string::npos) expert_bytes += t.n_bytes;
   }
   const std::string bench = build + "/tools/bench/moraine-bench -m " + model + " --engine group --cpu-workers 2 --ram " +
@@ -152,6 +156,55 @@ TEST(BenchEndToEnd, GroupEngineCensusWarmupPutsTheUsedExpertsInRam) {
   std::printf("RAM hit rate: uniform placement %.3f, after the census warm-up %.3f\n", ram_uniform, ram_warm);
   // Measured: 0.213 uniform, 0.662 warm (seed 3).
   EXPECT_GT(ram_warm, ram_uniform + 0.1);
+}
+
+// pp8192 on the group: the gpu_worker's KV cache holds the positions placement planned, which
+// were min(4096, the model's) whatever the prompts. moraine-bench now plans what its runs need
+// (longest prompt + n + 1, or --ctx) and refuses runs longer than the model's context_length
+// before starting anything. The plan the group followed is read back from the coordinator's log.
+TEST(BenchEndToEnd, GroupEnginePlansTheContextItsRunsNeed) {
+  Scratch s("moraine-bench-e2e-");
+  const std::string build = MORAINE_BUILD_DIR;
+  const std::string model = (s.dir / "moe.gguf").string();
+  ASSERT_EQ(sh(build + "/tools/synth/moraine-synth --shape qwen3moe-tiny -o " + model + " --seed 5 2>" +
+               (s.dir / "synth.err").string()),
+            0)
+      << slurp(s.dir / "synth.err");
+  const auto f = moraine::gguf::GgufFile::open(model);
+  const uint64_t model_ctx = *f.get_u64("qwen3moe.context_length");
+  const std::string bench = build + "/tools/bench/moraine-bench -m " + model +
+                            " --engine group -t 2 --dram-probe-mib 64 --disk-probe-mib 8 --gpu-probe-mib 8 --json";
+  // Returns the exit status; the plan's context through `planned` when the run passed.
+  const auto run = [&](const std::string& extra, const std::string& tag, int64_t* planned) {
+    const fs::path dir = s.dir / tag, out = s.dir / (tag + ".json"), err = s.dir / (tag + ".err");
+    const int rc = sh(bench + extra + " --socket-dir " + dir.string() + " >" + out.string() + " 2>" + err.string());
+    if (rc == 0 && planned) {
+      // The coordinator's log line "placement: ... context N" (placement.json goes with the group).
+      const std::string log = slurp(dir / "coordinator.log");
+      const size_t at = log.rfind(" context ");
+      *planned = at == std::string::npos ? -1 : std::stoll(log.substr(at + 9));
+    }
+    return std::make_pair(rc, slurp(err));
+  };
+  // Not the supervisor's default of min(4096, the model's), which the group planned before.
+  ASSERT_GE(model_ctx, 4096u);
+  const int64_t n = 3, longest = 2000;
+  int64_t planned = 0;
+  auto [rc, err] = run(" -n " + std::to_string(n) + " -p 7," + std::to_string(longest), "auto", &planned);
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_EQ(planned, longest + n + 1);
+  // An explicit --ctx is passed through as it is.
+  std::tie(rc, err) = run(" -n 4 -p 9 --ctx 1000", "explicit", &planned);
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_EQ(planned, 1000);
+  // Refused before any run: --ctx below what the runs need, and runs longer than the model allows.
+  std::tie(rc, err) = run(" -n 4 -p 300 --ctx 200", "short", nullptr);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("--ctx 200 is less than the 305 positions"), std::string::npos) << err;
+  std::tie(rc, err) = run(" -n 4 -p " + std::to_string(model_ctx), "too_long", nullptr);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("context_length " + std::to_string(model_ctx)), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(s.dir / "too_long" / "coordinator.log")) << "a group was started for a refused run";
 }
 
 TEST(BenchEndToEnd, Qwen3MoeTiny) { run_shape("qwen3moe-tiny"); }

@@ -88,7 +88,7 @@ void GroupEngine::start(bool record_census) {
   lo.log_path = socket_dir_ + "/group.log";
   lo.start_args = {"-m", o_.model, "--bin-dir", o_.bin_dir, "--cpu-workers", std::to_string(o_.cpu_workers),
                    "--backend", o_.backend, "--max-tokens", std::to_string(o_.max_tokens), "--census", census_path_,
-                   "--vram-adapt-every", std::to_string(o_.vram_adapt_every)};
+                   "--vram-adapt-every", std::to_string(o_.vram_adapt_every), "--ctx", std::to_string(o_.ctx)};
   // Placement reads the census when the file is there (after a warm-up); only the warm-up run writes it.
   if (!record_census) lo.start_args.push_back("--no-census");
   if (!o_.vram.empty()) lo.start_args.insert(lo.start_args.end(), {"--vram", o_.vram});

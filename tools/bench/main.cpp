@@ -8,10 +8,13 @@
 #include <iostream>
 #include <algorithm>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "common/model/hparams.h"
 #include "common/model/model.h"
+#include "coordinator/placement.h"
 #include "tools/bench/bench_cli.h"
 #include "tools/bench/bench_run.h"
 #include "tools/bench/group_engine.h"
@@ -36,6 +39,23 @@ int main(int argc, char** argv) {
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
       g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
+      // The longest run is the census warm-up's: the longest prompt, then n + 1 tokens, the
+      // last of which is never fed back.
+      const int64_t needed = longest + o.n_gen + 1;
+      if (o.ctx > 0 && o.ctx < needed) {
+        throw std::invalid_argument("--ctx " + std::to_string(o.ctx) + " is less than the " + std::to_string(needed) +
+                                    " positions the runs need (longest prompt " + std::to_string(longest) + " + n " +
+                                    std::to_string(o.n_gen) + " + 1)");
+      }
+      g.ctx = o.ctx > 0 ? o.ctx : needed;
+      // The group plans min(--ctx, the model's context_length): a longer run would only fail
+      // inside the gpu_worker, mid-bench.
+      if (moraine::group::planned_context(*m, g.ctx) < needed) {
+        throw std::invalid_argument(o.model + ": the runs need " + std::to_string(needed) +
+                                    " positions (longest prompt " + std::to_string(longest) + " + n " +
+                                    std::to_string(o.n_gen) + " + 1), more than the model's context_length " +
+                                    std::to_string(moraine::group::planned_context(*m, needed)));
+      }
       g.socket_dir = o.socket_dir;
       auto engine = std::make_unique<GroupEngine>(g, std::move(m));
       if (o.census_warmup) engine->warm_census(bench_prompt(longest, engine->n_vocab()), o.n_gen + 1);
