@@ -36,6 +36,9 @@ TEST(CudaKvStore, CopiesRowsToDevicePositionThroughAGraph) {
       dcache.upload(cache0.data(), cache0.size());
       dpos.upload(&pos, 1);
       if (graphed) {
+        // The uploads are pageable copies on the legacy stream, which may still be landing when
+        // they return, and the non-blocking stream does not wait for them.
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       } else {
