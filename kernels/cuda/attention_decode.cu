@@ -39,9 +39,19 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Programmatic dependent launch (PDL): both are no-ops for a grid launched without the attribute.
-__device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Programmatic dependent launch (PDL): both are no-ops for a grid launched without the attribute,
+// and compiled only for sm_90+ (the instruction does not exist before; launch_pdl sets the
+// attribute only on such devices, so older ones serialise the two kernels as plain launches).
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // The merge keeps split c's max and sum in lane c % 32, register c / 32.
 constexpr int kSplitsPerLane = static_cast<int>((kDecodeMaxSplits + 31) / 32);
@@ -304,6 +314,22 @@ void opt_in_shared_memory() {
   devices_done.fetch_or(bit);
 }
 
+// Whether the current device has programmatic dependent launch (compute capability 9.0+), cached
+// per host thread and device.
+bool device_has_pdl() {
+  thread_local int cached_device = -1;
+  thread_local bool cached = false;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    int major = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cached = major >= 9;
+    cached_device = device;
+  }
+  return cached;
+}
+
 // Both kernels go out with programmatic stream serialization: the split kernel lets the merge
 // kernel launch at once (its CTAs wait in griddepcontrol.wait for the split kernel's completion
 // and memory), and waits itself for whatever ran before it before reading q, K/V or the position.
@@ -318,7 +344,7 @@ void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t 
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = device_has_pdl() ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
