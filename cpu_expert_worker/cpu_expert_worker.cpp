@@ -187,6 +187,7 @@ class ExpertWorker {
     // job lists: while tokens are generated both should stay near zero (--spin-us).
     c["doorbell_sleeps"] = bell_sleeps_.load();
     c["pool_sleeps"] = fast_pool_.sleeps();
+    c["spin_cut_short"] = cpu::spins_cut_short();
   }
 
  private:

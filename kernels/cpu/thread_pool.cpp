@@ -102,10 +102,26 @@ T await_change(const std::atomic<T>& a, T old, int spin_us, bool watch_sharing, 
 
 }  // namespace
 
+namespace {
+std::atomic<uint64_t> g_spins_cut_short{0};
+// The poll ends early because the CPU is shared: counted when it ends without `ready`.
+bool cut_short(bool (*ready)(const void* ctx), const void* ctx) {
+  if (ready(ctx)) return true;
+  g_spins_cut_short.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+}  // namespace
+
+uint64_t spins_cut_short() { return g_spins_cut_short.load(std::memory_order_relaxed); }
+
 bool spin_poll(bool (*ready)(const void* ctx), const void* ctx, int spin_us, bool watch_sharing) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  if (watch_sharing && spin_us > kShortSpinUs && t_cpu_share.cpu_shared(start)) spin_us = kShortSpinUs;
+  bool shortened = false;
+  if (watch_sharing && spin_us > kShortSpinUs && t_cpu_share.cpu_shared(start)) {
+    spin_us = kShortSpinUs;
+    shortened = true;
+  }
   const auto short_end = start + std::chrono::microseconds(std::min(spin_us, kShortSpinUs));
   const auto until = start + std::chrono::microseconds(spin_us);
   long switches = -1;  // read once the wait outlasts the short spin (most waits end before: no syscall)
@@ -114,7 +130,7 @@ bool spin_poll(bool (*ready)(const void* ctx), const void* ctx, int spin_us, boo
     cpu_relax();
     if ((i & 63) != 0) continue;
     const auto now = Clock::now();
-    if (now >= until) return ready(ctx);
+    if (now >= until) return shortened ? cut_short(ready, ctx) : ready(ctx);
     if (now < short_end) continue;
     if (!watch_sharing) continue;
     if (switches < 0) {
@@ -123,7 +139,7 @@ bool spin_poll(bool (*ready)(const void* ctx), const void* ctx, int spin_us, boo
       const long s = involuntary_switches();
       if (s != switches) {
         switches = s;
-        if (t_cpu_share.preempted_for_long(now)) return ready(ctx);
+        if (t_cpu_share.preempted_for_long(now)) return cut_short(ready, ctx);
       }
     }
   }

@@ -42,6 +42,10 @@ inline constexpr int kDecodeSpinUs = 2000;
 // an interval shows its CPU free again.
 // watch_sharing false: spin the whole window regardless (tests, or cores known to be exclusive).
 bool spin_poll(bool (*ready)(const void* ctx), const void* ctx, int spin_us, bool watch_sharing = true);
+// Polls of this process that gave up before their window because the CPU was found shared (and
+// so went to sleep): tells a pool that sleeps because of another thread on its CPUs from one
+// whose window simply ran out (the cpu worker reports it as `spin_cut_short`).
+uint64_t spins_cut_short();
 template <typename Ready>
 bool spin_poll(Ready&& ready, int spin_us, bool watch_sharing = true) {
   using R = std::remove_reference_t<Ready>;

@@ -256,14 +256,15 @@ TEST(ThreadPool, SpinnerOnASharedCpuSleepsEarly) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   std::atomic<int> ran{0};
-  const uint64_t before = pool.sleeps();
+  const uint64_t before = pool.sleeps(), cut_before = spins_cut_short();
   pool.run(1, [&](int64_t, int) { ran = 1; });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const uint64_t later = pool.sleeps();
+  const uint64_t later = pool.sleeps(), cut_later = spins_cut_short();
   stop = true;
   hog.join();
   EXPECT_EQ(ran.load(), 1);
   EXPECT_GE(later, before + 1) << "the worker kept spinning on a CPU it shares with a busy thread";
+  EXPECT_GE(cut_later, cut_before + 1) << "a poll given up for sharing is counted";
 }
 
 TEST(ThreadPool, RefusesBadCpuLists) {
