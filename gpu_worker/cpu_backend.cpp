@@ -1,7 +1,12 @@
 // The CPU backend: the reference executor's layer-step pieces, so the group's numbers are the
 // reference's. Scratch is sized once for max_tokens rows.
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include "common/reference/executor.h"
 #include "common/reference/moe_parts.h"
@@ -47,6 +52,7 @@ class CpuBackend final : public Backend {
       }
     }
   }
+  ~CpuBackend() override { handoff_abort(); }
   void reset() override { exec_.reset(); }
   int64_t n_past() const override { return exec_.n_past(); }
   void embed(const int32_t* tokens, int64_t n) override {
@@ -111,7 +117,106 @@ class CpuBackend final : public Backend {
     exec_.output_logits(x_.data() + (last_n_ - rows) * m_.hp.n_embd, rows, norm_.data(), out);
   }
 
+  // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the
+  // step's layers in order and waits on a condition variable where the CUDA graph waits on a flag
+  // in pinned memory. Same arithmetic as layer by layer (the group's bit-identity tests run through
+  // it), and the gpu_worker's hand-off loop and its failure path run in CI, which has no GPU.
+  bool handoff_supported(int64_t n) const override { return n >= 1 && n <= kHandoffRows && !all_on_device(); }
+
+  bool handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_rows, const HandoffIo& io) override {
+    if (!handoff_supported(n) || handoff_thread_.joinable())
+      throw std::logic_error("CPU backend: handoff_begin for a step of " + std::to_string(n) + " rows it cannot hand off");
+    if (logit_rows <= 0 || logit_rows > n)
+      throw std::invalid_argument("CPU backend: logits of " + std::to_string(logit_rows) + " rows of a step of " +
+                                  std::to_string(n));
+    const int64_t k = m_.hp.n_expert_used;
+    handoff_tokens_.assign(tokens, tokens + n);
+    handoff_chosen_.assign(static_cast<size_t>(m_.hp.n_layer * n * k), -1);
+    handoff_logits_.assign(static_cast<size_t>(logit_rows * m_.hp.n_vocab), 0.0f);
+    routed_ = released_ = -1;
+    handoff_done_ = handoff_abort_ = false;
+    handoff_error_ = nullptr;
+    handoff_n_ = n;
+    handoff_thread_ = std::thread([this, n, logit_rows, io] { run_handoff_step(n, logit_rows, io); });
+    return true;
+  }
+
+  void handoff_wait_routed(int64_t il) override {
+    std::unique_lock<std::mutex> lock(handoff_mu_);
+    if (!handoff_cv_.wait_for(lock, kHandoffTimeout, [&] { return routed_ >= il || handoff_done_; }))
+      throw std::runtime_error("CPU backend: layer " + std::to_string(il) + "'s routing did not come within " +
+                               std::to_string(kHandoffTimeout.count()) + " s");
+    if (routed_ >= il) return;
+    if (handoff_error_) std::rethrow_exception(handoff_error_);
+    throw std::logic_error("CPU backend: the step ended without handing off layer " + std::to_string(il));
+  }
+
+  void handoff_release(int64_t il, const group::ExpertPlan& plan) override {
+    std::lock_guard<std::mutex> lock(handoff_mu_);
+    handoff_plan_ = plan;
+    released_ = il;
+    handoff_cv_.notify_all();
+  }
+
+  void handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) override {
+    if (handoff_thread_.joinable()) handoff_thread_.join();
+    if (handoff_error_) std::rethrow_exception(std::exchange(handoff_error_, nullptr));
+    std::copy(handoff_logits_.begin(), handoff_logits_.end(), logits_out);
+    const int64_t nk = handoff_n_ * m_.hp.n_expert_used;
+    if (chosen_out != nullptr)
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+        std::copy_n(handoff_chosen_.data() + il * nk, nk, chosen_out + il * chosen_stride);
+  }
+
+  void handoff_abort() override {
+    {
+      std::lock_guard<std::mutex> lock(handoff_mu_);
+      handoff_abort_ = true;
+      handoff_cv_.notify_all();
+    }
+    if (handoff_thread_.joinable()) handoff_thread_.join();
+    handoff_error_ = nullptr;
+  }
+
  private:
+  static constexpr int64_t kHandoffRows = 16;   // as the CUDA backend's captured steps
+  static constexpr std::chrono::seconds kHandoffTimeout{60};
+  struct Aborted {};
+
+  void run_handoff_step(int64_t n, int64_t logit_rows, const HandoffIo& io) {
+    const int64_t nk = n * m_.hp.n_expert_used;
+    try {
+      embed(handoff_tokens_.data(), n);
+      for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+        int32_t* chosen = handoff_chosen_.data() + il * nk;
+        if (layer_on_device(il)) {
+          layer_whole(il, n, chosen);
+          continue;
+        }
+        layer_begin(il, n, io.chosen, io.weight, io.h);
+        std::copy_n(io.chosen, nk, chosen);
+        group::ExpertPlan plan;
+        {
+          std::unique_lock<std::mutex> lock(handoff_mu_);
+          routed_ = il;
+          handoff_cv_.notify_all();
+          handoff_cv_.wait(lock, [&] { return released_ >= il || handoff_abort_; });
+          if (handoff_abort_) throw Aborted{};
+          plan = handoff_plan_;
+        }
+        layer_end(il, n, plan, io.host_rows);
+      }
+      advance(n);
+      logits(logit_rows, handoff_logits_.data());
+    } catch (const Aborted&) {
+    } catch (...) {
+      handoff_error_ = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(handoff_mu_);
+    handoff_done_ = true;
+    handoff_cv_.notify_all();
+  }
+
   void check_rows(int64_t n) const {
     if (n <= 0 || n > max_tokens_)
       throw std::invalid_argument("CPU backend: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_tokens_));
@@ -128,6 +233,17 @@ class CpuBackend final : public Backend {
   std::vector<uint8_t> on_device_;   // [layer * n_expert + expert]
   std::vector<bool> whole_;          // [layer]: every expert on this device
   group::ExpertPlan plan_;
+  // The hand-off step's thread and what it shares with the caller (under handoff_mu_: routed_,
+  // released_, handoff_plan_, handoff_done_, handoff_abort_; handoff_error_ once the thread ended).
+  std::thread handoff_thread_;
+  std::mutex handoff_mu_;
+  std::condition_variable handoff_cv_;
+  int64_t routed_ = -1, released_ = -1, handoff_n_ = 0;
+  bool handoff_done_ = false, handoff_abort_ = false;
+  std::exception_ptr handoff_error_;
+  group::ExpertPlan handoff_plan_;
+  std::vector<int32_t> handoff_tokens_, handoff_chosen_;
+  std::vector<float> handoff_logits_;
 };
 
 }  // namespace

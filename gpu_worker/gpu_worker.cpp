@@ -85,6 +85,7 @@ class StepRunner {
   void flush_census() { report(census_.flush()); }
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
+  uint64_t handoff_steps() const { return handoff_steps_.load(); }
   // Per layer: routed slots, and those computed on the device (the VRAM hit rate per layer).
   void layer_counters(control::StatsReply& r) const {
     char name[40];
@@ -149,6 +150,7 @@ class StepRunner {
           backend_->handoff_release(il, plan_);
         }
         backend_->handoff_finish(logits, step_chosen_.data(), man_.max_tokens * k);
+        ++handoff_steps_;
       } catch (...) {
         backend_->handoff_abort();
         throw;
@@ -377,6 +379,7 @@ class StepRunner {
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
   int steps_since_adapt_ = 0;
   std::atomic<uint64_t> experts_swapped_in_{0};
+  std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::vector<std::atomic<uint64_t>> layer_slots_, layer_vram_slots_;
   zmq::context_t ctx_{1};
   std::vector<std::string> endpoints_;
@@ -401,6 +404,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
     (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
+    (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
     runner.layer_counters(r);
   });
   zmq::context_t ctx(1);

@@ -166,6 +166,9 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
       }
       EXPECT_GT(first_slots, 0u);
       EXPECT_GT(vram_slots, 0u);
+      // Decode steps with cpu-worker experts go out whole (backend.h handoff_*; the CPU backend
+      // emulates the device with a thread).
+      EXPECT_GT(cn.at("handoff_steps").get<uint64_t>(), 0u);
     } else if (p["role"] == "ROLE_COORDINATOR") {
       EXPECT_EQ(cn.at("placement_vram_experts").get<uint64_t>(), static_cast<uint64_t>(plan.vram.experts));
       EXPECT_EQ(cn.at("placement_ram_experts").get<uint64_t>(), static_cast<uint64_t>(plan.ram.experts));
