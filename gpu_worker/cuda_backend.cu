@@ -24,9 +24,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
 #include "kernels/cuda/gemm_prefill.h"
-#include "kernels/cuda/head_rms_norm.h"
 #include "kernels/cuda/host_handoff.h"
-#include "kernels/cuda/kv_store.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -35,7 +33,6 @@
 #include "kernels/cuda/quantize_activations_llama.h"
 #include "kernels/cuda/residual_add.h"
 #include "kernels/cuda/rms_norm.h"
-#include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/row_gather.h"
 #include "kernels/cuda/swiglu.h"
@@ -612,7 +609,8 @@ class CudaBackend final : public Backend {
       if (!pinned(p, bytes))
         throw std::invalid_argument("CUDA backend: handoff_begin's host buffers must lie in memory given to pin_host_memory");
     begin_step(tokens, n);
-    std::vector<char> whole(static_cast<size_t>(hp.n_layer));
+    std::vector<char>& whole = handoff_whole_;   // reused: no allocation per step
+    whole.resize(static_cast<size_t>(hp.n_layer));
     for (int64_t il = 0; il < hp.n_layer; ++il) whole[il] = layer_on_device(il) ? 1 : 0;
     HandoffGraph& g = handoff_graphs_[{n, logit_rows}];
     if (g.step.exec == nullptr || g.whole != whole || g.io.chosen != io.chosen || g.io.weight != io.weight ||
@@ -628,7 +626,6 @@ class CudaBackend final : public Backend {
     }
     handoff_seq_pinned_[0] = ++handoff_seq_;
     handoff_rows_ = logit_rows;
-    handoff_whole_ = std::move(whole);
     CUDA_CHECK(cudaGraphLaunch(g.step.exec, stream_));
     return true;
   }
@@ -1426,7 +1423,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer<int32_t> handoff_error_;
   uint64_t handoff_seq_ = 0;
   int64_t handoff_rows_ = 0;
-  std::vector<char> handoff_whole_;
+  std::vector<char> handoff_whole_;   // this step's layers run whole (handoff_begin's scratch)
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
   std::map<std::pair<int64_t, int64_t>, LayerBeginGraphs> begin_graphs_;   // (layer, rows)
