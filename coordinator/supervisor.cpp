@@ -8,6 +8,7 @@
 //                            [--config FILE]
 //   moraine-supervisor stop [--socket-dir DIR]
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -42,6 +43,7 @@ struct Options {
   bool no_census = false;
   int vram_adapt_every = 8;
   int reserve_cores = -1;   // cores left out of the cpu workers' pins; -1: 1 with --backend cuda, else 0
+  bool pin_control_plane = true;   // coordinator, gpu_worker and io_worker on the reserved cores
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
   std::string backend = "cpu";
@@ -54,6 +56,7 @@ struct Child {
   std::vector<std::string> argv;
   pid_t pid = -1;
   std::vector<Clock::time_point> restarts;
+  std::vector<int> cpus;     // CPU affinity set before exec (inherited by every thread); empty: any
 };
 
 std::string find_binary(const Options& o, const std::string& name, const char* subdir) {
@@ -84,6 +87,13 @@ pid_t spawn(const Child& c, const std::string& log_dir) {
     // Restore default signal handling: the supervisor's handlers do not belong to the child.
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
+    if (!c.cpus.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int cpu : c.cpus) CPU_SET(cpu, &set);
+      // Best effort: a container may forbid some CPUs; the child then runs unpinned (its log says so).
+      if (sched_setaffinity(0, sizeof(set), &set) != 0) std::perror("supervisor: sched_setaffinity");
+    }
     execv(argv[0], argv.data());
     _exit(127);
   }
@@ -176,7 +186,16 @@ int start(const Options& o) {
                       std::vector<std::string>{cpu_bin, "--socket-dir", o.socket_dir, "--index", std::to_string(i), "--cpus", list});
   }
   // The io_worker fills arena slots of file-resident experts for the cpu_expert_workers.
-  Child io{"io_worker-0", {find_binary(o, "moraine-io-worker", "io_worker"), "--socket-dir", o.socket_dir}};
+  Child io{group::kIoWorkerInstance, {find_binary(o, "moraine-io-worker", "io_worker"), "--socket-dir", o.socket_dir}};
+  // Reserving a core is not enough: unpinned, the gpu_worker's threads (the host thread spins
+  // through a whole hand-off step), the coordinator's and the io_worker's float onto the cpu
+  // workers' pinned pool CPUs, and a layer's job list waits behind the descheduled pool thread.
+  // So the control plane is pinned to the reserved cores.
+  if (reserve > 0 && o.pin_control_plane) {
+    std::vector<int> control_cpus(static_cast<size_t>(reserve));
+    for (int c = 0; c < reserve; ++c) control_cpus[static_cast<size_t>(c)] = c;
+    coord.cpus = gpu.cpus = io.cpus = control_cpus;
+  }
   std::vector<Child*> workers{&gpu};
   for (Child& c : cpus) workers.push_back(&c);
   workers.push_back(&io);
@@ -301,6 +320,8 @@ int main(int argc, char** argv) {
   st->add_option("--reserve-cores", o.reserve_cores,
                  "cores the cpu workers leave free (default: 1 with --backend cuda, for the gpu_worker's host thread; else 0)")
       ->check(CLI::NonNegativeNumber);
+  st->add_flag("!--no-pin-control-plane", o.pin_control_plane,
+               "leave the coordinator, gpu_worker and io_worker unpinned (default: pinned to the reserved cores)");
   st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
   st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   st->add_option("--device", o.device, "GPU index for --backend cuda");

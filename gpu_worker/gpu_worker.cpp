@@ -43,11 +43,12 @@ class StepRunner {
  public:
   StepRunner(const std::string& socket_dir, const group::GroupManifest& man, const std::string& backend_kind,
              int device, int threads, const model::Model& m, group::StageRecorder& step_stage,
-             group::StageRecorder& handoff_stage)
+             group::StageRecorder& handoff_stage, group::StageRecorder& routed_wait_stage)
       : man_(man), m_(m), exchange_(shm::ShmSegment::open(man.exchange_locator)),
         xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
         placement_(group::PlacementPlan::read(man.placement_path, group::model_sizes(m, 0))),
-        census_(m.hp.n_layer, m.hp.n_expert, man.census_path), step_stage_(step_stage), handoff_stage_(handoff_stage) {
+        census_(m.hp.n_layer, m.hp.n_expert, man.census_path), step_stage_(step_stage), handoff_stage_(handoff_stage),
+        routed_wait_stage_(routed_wait_stage) {
     if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
     for (int64_t il = 0; il < m.hp.n_layer; ++il) vram_experts_.push_back(placement_.experts_in(il, group::Tier::kVram));
     std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts\n";
@@ -145,7 +146,9 @@ class StepRunner {
       try {
         for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
           if (backend_->layer_on_device(il)) continue;
+          const auto tw = Clock::now();
           backend_->handoff_wait_routed(il);
+          routed_wait_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(tw));
           hand_layer_to_workers(step.step_seq(), il, n, chosen);
           backend_->handoff_release(il, plan_);
         }
@@ -369,6 +372,9 @@ class StepRunner {
   group::CensusRecorder census_;   // routing counts, merged into the census file beside the model
   group::StageRecorder& step_stage_;
   group::StageRecorder& handoff_stage_;
+  // In a hand-off step: how long this thread waited for the device to route the next layer that
+  // has cpu-worker experts (the device's mixer and own experts since the last release).
+  group::StageRecorder& routed_wait_stage_;
   std::vector<int32_t> step_chosen_;   // [layer][max_tokens * k]: the step's routing
   std::vector<uint8_t> worker_busy_, seen_;
   group::ExpertPlan plan_;
@@ -394,12 +400,13 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
   group::ControlServer control(control::ROLE_GPU_WORKER, instance, group::control_address(socket_dir, instance));
   group::StageRecorder& step_stage = control.add_stage("layer_chain");
   group::StageRecorder& handoff_stage = control.add_stage("expert_handoff");
+  group::StageRecorder& routed_wait_stage = control.add_stage("routed_wait");
   control.set_state(control::LOADING);
   control.start();
 
   const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir));
   const model::Model model = model::Model::load(man.model_path);
-  StepRunner runner(socket_dir, man, backend_kind, device, threads, model, step_stage, handoff_stage);
+  StepRunner runner(socket_dir, man, backend_kind, device, threads, model, step_stage, handoff_stage, routed_wait_stage);
   control.set_stats_hook([&](control::StatsReply& r) {
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();

@@ -111,6 +111,7 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
   if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
   if (!o_.write_census) lo.start_args.push_back("--no-census");
   if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
+  lo.start_args.insert(lo.start_args.end(), o_.extra_args.begin(), o_.extra_args.end());
   try {
     launched_ = std::make_unique<group::LaunchedGroup>(lo);
   } catch (const std::exception& e) {

@@ -46,6 +46,7 @@ struct GroupOptions {
   // place the second by the first's routing.
   bool write_census = false;
   std::string backend = "cpu";  // the gpu_worker's --backend: cpu or cuda
+  std::vector<std::string> extra_args;  // appended to `moraine-supervisor start`
 };
 
 class Group {

@@ -91,6 +91,9 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   app.add_option("--ctx", o.ctx,
                  "group: context the group plans KV memory for (0, the default: the longest prompt + n + 1)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--supervisor-arg", o.supervisor_args,
+                 "group: an extra argument for `moraine-supervisor start` (repeat; e.g. --supervisor-arg=--reserve-cores=2)")
+      ->allow_extra_args(false);
   app.add_option("--socket-dir", o.socket_dir, "group: socket and log directory, kept (default: a temp dir, removed)");
   app.add_option("-t,--threads", o.threads, "engine threads (0 = all cores)")->check(CLI::NonNegativeNumber);
   app.add_option("-r,--repeat", o.repeat, "runs per test; the first is the warm-up and is not counted")
@@ -107,8 +110,8 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   try {
     if (!vram.empty()) o.vram_budget = parse_size(vram);
     if (!ram.empty()) o.ram_budget = parse_size(ram);
-    if ((o.census_warmup || !o.socket_dir.empty() || o.ctx > 0) && o.engine != "group") {
-      throw std::invalid_argument("--census-warmup, --socket-dir and --ctx need --engine group");
+    if ((o.census_warmup || !o.socket_dir.empty() || o.ctx > 0 || !o.supervisor_args.empty()) && o.engine != "group") {
+      throw std::invalid_argument("--census-warmup, --socket-dir, --ctx and --supervisor-arg need --engine group");
     }
     o.vram_text = vram;
     o.ram_text = ram;

@@ -35,6 +35,7 @@ struct BenchOptions {
   bool census_warmup = false;     // group: one run to record the census, restart, then measure
   int vram_adapt_every = 0;       // group: the gpu_worker's adaptive VRAM tier (0: off)
   std::string socket_dir;         // group: where its sockets and logs go (default: a fresh temp dir)
+  std::vector<std::string> supervisor_args;  // group: appended to `moraine-supervisor start` (A/B of its flags)
   // group: positions the group plans KV memory for (moraine-supervisor --ctx). 0: what the runs
   // need, the longest prompt + n + 1 (the census warm-up's run), as llama-bench sizes n_ctx to
   // its test; the supervisor's own default, min(4096, the model's), cannot run pp8192.

@@ -93,6 +93,7 @@ void GroupEngine::start(bool record_census) {
   if (!record_census) lo.start_args.push_back("--no-census");
   if (!o_.vram.empty()) lo.start_args.insert(lo.start_args.end(), {"--vram", o_.vram});
   if (!o_.ram.empty()) lo.start_args.insert(lo.start_args.end(), {"--ram", o_.ram});
+  lo.start_args.insert(lo.start_args.end(), o_.supervisor_args.begin(), o_.supervisor_args.end());
   // Loading a large model can take minutes from a slow disk.
   lo.ready_timeout = std::chrono::minutes(20);
   group_ = std::make_unique<group::LaunchedGroup>(lo);

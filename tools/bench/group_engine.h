@@ -7,6 +7,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/model/model.h"
 #include "coordinator/group_launcher.h"
@@ -32,6 +33,7 @@ struct GroupEngineOptions {
   // Empty: a fresh /tmp/moraine-bench-XXXXXX, removed at the end. Given: used (created if
   // missing) and kept, with the group's log (group.log) and the census of a warm-up.
   std::string socket_dir;
+  std::vector<std::string> supervisor_args;   // appended to the supervisor's start arguments
 };
 
 class GroupEngine final : public BenchEngine {

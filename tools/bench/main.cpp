@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
       g.vram = o.vram_text;
       g.ram = o.ram_text;
       g.bin_dir = o.bin_dir;
+      g.supervisor_args = o.supervisor_args;
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
       g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
