@@ -196,8 +196,6 @@ int start(const Options& o) {
     std::vector<int> control_cpus(static_cast<size_t>(reserve));
     for (int c = 0; c < reserve; ++c) control_cpus[static_cast<size_t>(c)] = c;
     coord.cpus = gpu.cpus = io.cpus = control_cpus;
-    // The pool CPUs are then the cpu workers' alone: they poll their whole window.
-    for (Child& c : cpus) c.argv.push_back("--exclusive-cpus");
   }
   for (Child& c : cpus) c.argv.insert(c.argv.end(), o.cpu_worker_args.begin(), o.cpu_worker_args.end());
   std::vector<Child*> workers{&gpu};

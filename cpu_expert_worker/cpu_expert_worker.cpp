@@ -44,7 +44,7 @@ constexpr auto kFetchAttempt = std::chrono::seconds(10);
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool adaptive_job_rows)
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus)
       : man_(man), index_(index), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
@@ -52,7 +52,6 @@ class ExpertWorker {
         plan_(group::PlacementPlan::read(man.placement_path, group::model_sizes(model_, 0))),
         al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus, {spin_us, true, !exclusive_cpus}),
         spin_(std::chrono::microseconds(std::max(0, spin_us))), watch_sharing_(!exclusive_cpus),
-        adaptive_job_rows_(adaptive_job_rows),
         io_endpoint_(group::jobs_endpoint(socket_dir, group::kIoWorkerInstance)) {
     const model::HParams& hp = model_.hp;
     if (index_ < 0 || index_ >= man.n_cpu_workers) {
@@ -332,30 +331,9 @@ class ExpertWorker {
   }
 
   void finish_compute() {
-    if (fast_jobs_.empty()) return;
-    size_jobs();
-    ffn_.run_experts(fast_jobs_, fast_x_, fast_rows_, fast_pool_);
+    if (!fast_jobs_.empty()) ffn_.run_experts(fast_jobs_, fast_x_, fast_rows_, fast_pool_);
   }
 
-  // Rows per pool job for this pass. The library's defaults (32 gate/up rows, 128 down rows)
-  // suit the 8 experts of a decoded token; a 12G decode's misses are 1-3 experts per layer, for
-  // which they leave 24-72 gate/up and 16-48 down jobs to 15 threads, and the last round runs on
-  // a few threads while the rest wait (1 expert: 1.6 gate/up and 1.07 down jobs per thread, two
-  // rounds each). With fewer experts than half the threads each expert's rows split into
-  // threads / experts jobs instead: one round. Rows stay multiples of 4 (the Q8_0 / MXFP4 row
-  // tiles start at a job's first row), so the results do not change (expert_ffn.h).
-  void size_jobs() {
-    const int threads = fast_pool_.size();
-    const int n = static_cast<int>(fast_jobs_.size());
-    if (!adaptive_job_rows_ || 2 * n > threads) {
-      cpu::set_ffn_job_rows(default_job_rows_);
-      return;
-    }
-    const int64_t per = threads / n;
-    auto rows = [per](int64_t total) { return ((total + per - 1) / per + 3) / 4 * 4; };
-    const cpu::ExpertWeights& w = fast_weights_.front();
-    cpu::set_ffn_job_rows({std::max(default_job_rows_.gate_up, rows(w.ffn)), std::max(default_job_rows_.down, rows(w.hidden))});
-  }
 
   group::GroupManifest man_;
   int index_;
@@ -368,8 +346,6 @@ class ExpertWorker {
   cpu::ThreadPool fast_pool_;      // quantized experts: one pinned thread per core of --cpus, the first the doorbell thread's
   const std::chrono::microseconds spin_;  // --spin-us
   const bool watch_sharing_;              // !--exclusive-cpus: polls end early on a CPU found shared
-  const bool adaptive_job_rows_;          // !--fixed-job-rows: size_jobs()
-  const cpu::FfnJobRows default_job_rows_ = cpu::ffn_job_rows();
   Clock::time_point last_answer_{};       // when the doorbell path last answered (the poll window starts there)
   cpu::MoeFfn ffn_;
   std::vector<cpu::ExpertWeights> fast_weights_;
@@ -394,7 +370,7 @@ class ExpertWorker {
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, bool adaptive_job_rows) {
+        bool exclusive_cpus) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -432,7 +408,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, adaptive_job_rows);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -490,21 +466,19 @@ int main(int argc, char** argv) {
                  "microseconds the request doorbell and the expert threads keep polling after a layer before they sleep "
                  "(default 2000: covers the gap between layers while tokens are generated; 0: sleep at once)")
       ->check(CLI::Range(0, 1000000));
-  // Why the watch is off when the supervisor says the CPUs are ours: in a VM a sleeping thread's
-  // wake-up (an IPI to a halted vCPU) counts as run delay, so a few sleeps make a CPU look
-  // shared, the next polls are cut short and sleep in turn: on the H200 machine's 12G decode,
-  // 3582 polls cut short and 3852 pool sleeps in 126 tokens with no other thread on those CPUs.
+  // Off by default, measured: in a VM a sleeping thread's wake-up (an IPI to a halted vCPU)
+  // counts as run delay, so a few sleeps make a CPU look shared and the next polls are cut
+  // short (the H200 machine's 12G decode, control plane pinned: 3582 polls cut short and 3852
+  // pool sleeps in 126 tokens, nothing else on the pool CPUs). With --exclusive-cpus: 0 and 84,
+  // but decode was no faster (12G Zipf 1 123.5 vs 128.8 tok/s, expert_cpu p50 116 vs 102 us:
+  // likely fifteen spinning vCPUs cost their SMT siblings or the host; not isolated).
   bool exclusive_cpus = false;
   app.add_flag("--exclusive-cpus,!--shared-cpus", exclusive_cpus,
-               "the --cpus are this worker's alone (the supervisor pins everything else elsewhere): poll the whole "
-               "--spin-us window; default --shared-cpus: a poll that finds its CPU shared sleeps early");
-  bool adaptive_job_rows = true;
-  app.add_flag("!--fixed-job-rows", adaptive_job_rows,
-               "keep the kernels' default rows per pool job for every pass (default: split a pass of few experts "
-               "into one round of jobs for the threads)");
+               "the --cpus are this worker's alone: poll the whole --spin-us window even when a CPU looks shared "
+               "(default --shared-cpus: such a poll sleeps early)");
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, adaptive_job_rows);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;
