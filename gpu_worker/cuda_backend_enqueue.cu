@@ -1,0 +1,202 @@
+// What a CUDA backend step enqueues on its stream (cuda_backend_impl.h).
+#include "gpu_worker/cuda_backend_impl.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/embed_rows.h"
+#include "kernels/cuda/matvec_float.h"
+#include "kernels/cuda/moe_combine.h"
+#include "kernels/cuda/quantize_activations_llama.h"
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/router.h"
+#include "kernels/cuda/row_gather.h"
+#include "kernels/cuda/swiglu.h"
+
+namespace moraine::gpu_worker::cuda_impl {
+
+void CudaBackend::enqueue_embed(int64_t n) {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd;
+  CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (tok_embd_.size() == 0) {  // a format without a device kernel: the scalar dequantizer
+    std::vector<float> rows(static_cast<size_t>(n * d));
+    for (int64_t t = 0; t < n; ++t) dequantize_row(m_.tok_embd.type, m_.tok_embd.row(tok_pinned_[t]), rows.data() + t * d, d);
+    CUDA_CHECK(cudaMemcpyAsync(x_.get(), rows.data(), rows.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // `rows` is pageable and about to go
+    return;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(token_ids_.get(), tok_pinned_.get(), static_cast<size_t>(n) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  cuda::embed_rows(m_.tok_embd.type, tok_embd_.get(), m_.tok_embd.row_bytes, d, token_ids_.get(), n, x_.get(),
+                   stream_);
+}
+
+// copy_chosen: the layer's routing goes to chosen_pinned_ now (a captured step copies every
+// layer's at its end instead).
+void CudaBackend::enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen) {
+  enqueue_mixer(il, n);
+  enqueue_route(il, n);
+  if (copy_chosen)
+    copy_to_host(chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_of(il, n),
+                 static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t));
+  if (!layers_[il].shared_up) {
+    enqueue_fused_experts(il, n, true);
+    return;
+  }
+  enqueue_fused_experts(il, n);
+  enqueue_shared(il, n);
+  enqueue_combine(il, n, false);
+}
+
+void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
+  DevLayer& L = layers_[il];
+  norm_h(x_.get(), L.attn_norm.get(), n, L.recurrent ? L.qkv : L.attn_qkv ? L.attn_qkv : L.q);
+  if (L.recurrent) {
+    delta_net_block(L, n);
+  } else {
+    attention_block(L, n);
+  }
+  // The router is F32 in the files we know; the shared expert's matrices are quantized.
+  norm_h(x_.get(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
+}
+
+// h_ = RMSNorm(x) * w for n rows, and act_ = h_ quantized for `consumer` when it dots q8
+// activations; run_matvec then skips quantizing h_ again for every matrix of that activation
+// type (q, k and v when not stacked) until act_ is overwritten. Two launches: the first fused
+// rms_norm_quantize took 4.52 us per token inside a graph against 3.15 for this pair
+// (moraine-kernel-bench cuda --backend-only, H200, 2026-11-30); its faster rewrite has not run
+// on the GPU yet.
+void CudaBackend::norm_h(const float* x, const float* w, int64_t n, const DevMatrix& consumer) {
+  const int64_t d = m_.hp.n_embd;
+  const float eps = static_cast<float>(m_.hp.rms_eps);
+  cuda::rms_norm(x, w, h_.get(), d, n, eps, stream_);
+  act_of_h_ = TensorType::F32;   // none
+  if (consumer && consumer.cols == d && cuda::matvec_supported(consumer.type) && !use_gemm(consumer, n)) {
+    const TensorType at = dot_activation_type(consumer.type);
+    cuda::quantize_activations_llama(at, h_.get(), act_.get(), d, n, stream_);
+    act_of_h_ = at;
+    act_of_h_rows_ = n;
+  }
+}
+
+void CudaBackend::enqueue_route(int64_t il, int64_t n) {
+  const model::HParams& hp = m_.hp;
+  matmul(layers_[il].router, h_.get(), n, router_logits_.get());
+  cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
+                            chosen_of(il, n), weight_.get(), stream_);
+}
+
+// The resident experts' unweighted rows into dev_slots_ (slot order), through moe_fused in
+// groups of kMoeMaxTokens tokens: a token's rows come from the same kernel whatever the
+// step's length, which keeps decode after prefill equal to a fresh prefill.
+// into_residual: the route-weighted sum goes straight into x_ (MoeOutputs::sum_accumulate, the
+// bits of moe_combine without the launch) instead of unweighted rows for enqueue_combine; only
+// for a layer whose every expert is here and that has no shared expert.
+void CudaBackend::enqueue_fused_experts(int64_t il, int64_t n, bool into_residual) {
+  const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
+  for (int64_t t0 = 0; t0 < n; t0 += cuda::kMoeMaxTokens) {
+    cuda::MoeRouting routing;
+    routing.n_tokens = static_cast<int>(std::min<int64_t>(cuda::kMoeMaxTokens, n - t0));
+    routing.k = static_cast<int>(k);
+    routing.chosen = chosen_of(il, n) + t0 * k;
+    routing.weight = weight_.get() + t0 * k;
+    cuda::MoeOutputs out;
+    if (into_residual) {
+      out.sum = x_.get() + t0 * d;
+      out.sum_accumulate = true;
+    } else {
+      out.slot_rows = dev_slots_.get() + t0 * k * d;
+    }
+    cuda::moe_fused(fused_weights(il), h_.get() + t0 * d, routing, out, fused_ws_.get(), fused_ws_.size(), stream_);
+  }
+}
+
+// The resident experts of a layer moe_fused does not take: rows gathered per expert on the
+// device from the host's plan, the batched matvec over slab ids, outputs scattered to slots.
+void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan) {
+  const model::HParams& hp = m_.hp;
+  const DevLayer& L = layers_[il];
+  const int64_t d = hp.n_embd, k = hp.n_expert_used, ff = hp.n_ff_exp, slots = n * k;
+  int32_t* token = idx_pinned_.get();
+  int32_t* slab = token + slots;
+  int32_t* slot = slab + slots;
+  int64_t rows = 0;
+  for (int64_t e = 0; e < hp.n_expert; ++e) {
+    if (L.slab_of[e] < 0) continue;
+    for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
+      if (plan.slot_of[r] < 0 || plan.slot_of[r] >= slots || rows >= slots)
+        throw std::invalid_argument("layer_end: the plan names slot " + std::to_string(plan.slot_of[r]) +
+                                    " outside the step's " + std::to_string(slots));
+      token[rows] = plan.slot_of[r] / static_cast<int32_t>(k);
+      slab[rows] = L.slab_of[e];
+      slot[rows] = plan.slot_of[r];
+      ++rows;
+    }
+  }
+  if (rows == 0) return;
+  int32_t* dev = expert_idx_.get();
+  const size_t S = static_cast<size_t>(max_tokens_ * k);
+  CUDA_CHECK(cudaMemcpyAsync(dev, token, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(dev + S, slab, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(dev + 2 * S, slot, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  cuda::gather_rows(h_.get(), dev, expert_in_.get(), rows, d, stream_);
+  if (gemm_experts(L, n)) {   // one GEMM per expert over its rows (they are contiguous, by expert)
+    std::vector<cuda::ExpertRows>& g = gemm_groups_;
+    g.clear();
+    for (int64_t r = 0; r < rows;) {
+      int64_t end = r;
+      while (end < rows && slab[end] == slab[r]) ++end;
+      g.push_back({nullptr, r, end - r});
+      r = end;
+    }
+    const auto run = [&](const DevMatrix& W, const float* x, float* y) {
+      for (cuda::ExpertRows& e : g) e.weight = W.matrix(slab[e.first_row]);
+      gemm_->matmul_experts(W.type, g, W.rows, W.cols, x, y);
+    };
+    run(L.gate, expert_in_.get(), expert_g_.get());
+    run(L.up, expert_in_.get(), expert_u_.get());
+    cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
+    run(L.down, expert_g_.get(), expert_out_.get());
+  } else {
+    expert_matmul(L.gate, expert_in_.get(), rows, dev + S, expert_g_.get());
+    expert_matmul(L.up, expert_in_.get(), rows, dev + S, expert_u_.get());
+    cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
+    expert_matmul(L.down, expert_g_.get(), rows, dev + S, expert_out_.get());
+  }
+  cuda::scatter_rows(expert_out_.get(), dev + 2 * S, dev_slots_.get(), rows, d, stream_);
+}
+
+void CudaBackend::enqueue_shared(int64_t il, int64_t n) {
+  const DevLayer& L = layers_[il];
+  if (!L.shared_up) return;
+  const int64_t d = m_.hp.n_embd;
+  matmul(L.shared_gate, h_.get(), n, shared_g_.get());
+  matmul(L.shared_up, h_.get(), n, shared_u_.get());
+  cuda::swiglu(shared_g_.get(), shared_u_.get(), n * m_.hp.n_ff_shexp, stream_);
+  matmul(L.shared_down, shared_g_.get(), n, shared_out_.get());
+  cuda::MatvecBatch b;  // the shared router: one F32 row dotted with each token's h
+  b.count = static_cast<int>(n);
+  b.act_stride_bytes = d * static_cast<int64_t>(sizeof(float));
+  b.out_stride = 1;
+  cuda::matvec_float_batched(TensorType::F32, L.shared_router.get(), 1, d, h_.get(), shared_logit_.get(), b, stream_);
+}
+
+void CudaBackend::enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows) {
+  const DevLayer& L = layers_[il];
+  const bool shared = static_cast<bool>(L.shared_up);
+  cuda::moe_combine_mixed(x_.get(), dev_slots_.get(), with_cpu_rows ? cpu_rows_.get() : nullptr,
+                          with_cpu_rows ? alt_row_.get() : nullptr, weight_.get(),
+                          shared ? shared_out_.get() : nullptr, shared ? shared_logit_.get() : nullptr, n,
+                          m_.hp.n_expert_used, m_.hp.n_embd, stream_);
+}
+
+void CudaBackend::enqueue_logits(int64_t rows) {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd;
+  norm_h(x_.get() + (step_n_ - rows) * d, output_norm_.get(), rows, output_);
+  matmul(output_, h_.get(), rows, logits_.get());
+}
+
+}  // namespace moraine::gpu_worker::cuda_impl

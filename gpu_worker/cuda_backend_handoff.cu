@@ -1,0 +1,146 @@
+// The CUDA backend's in-graph GPU <-> CPU hand-off (cuda_backend_impl.h, backend.h).
+#include "gpu_worker/cuda_backend_impl.h"
+
+#include <immintrin.h>
+#include <stdexcept>
+
+#include "kernels/cuda/host_handoff.h"
+
+namespace moraine::gpu_worker::cuda_impl {
+
+bool CudaBackend::handoff_supported(int64_t n) const {
+  return handoff_ok_ && embed_on_device() && n <= kDecodeRows && !all_on_device();
+}
+
+bool CudaBackend::handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_rows, const HandoffIo& io) {
+  use_device();
+  if (!handoff_supported(n))
+    throw std::logic_error("CUDA backend: handoff_begin for a step of " + std::to_string(n) + " rows it cannot hand off");
+  if (logit_rows <= 0 || logit_rows > n)
+    throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) + " rows of a step of " +
+                                std::to_string(n));
+  const model::HParams& hp = m_.hp;
+  const int64_t nk = n * hp.n_expert_used;
+  const std::pair<const void*, size_t> ranges[] = {{io.chosen, nk * sizeof(int32_t)}, {io.weight, nk * sizeof(float)},
+                                                   {io.h, n * hp.n_embd * sizeof(float)},
+                                                   {io.host_rows, nk * hp.n_embd * sizeof(float)}};
+  for (const auto& [p, bytes] : ranges)
+    if (!pinned(p, bytes))
+      throw std::invalid_argument("CUDA backend: handoff_begin's host buffers must lie in memory given to pin_host_memory");
+  begin_step(tokens, n);
+  std::vector<char>& whole = handoff_whole_;   // reused: no allocation per step
+  whole.resize(static_cast<size_t>(hp.n_layer));
+  for (int64_t il = 0; il < hp.n_layer; ++il) whole[il] = layer_on_device(il) ? 1 : 0;
+  HandoffGraph& g = handoff_graphs_[{n, logit_rows}];
+  if (g.step.exec == nullptr || g.whole != whole || g.io.chosen != io.chosen || g.io.weight != io.weight ||
+      g.io.h != io.h || g.io.host_rows != io.host_rows) {
+    g.step.reset();
+    g.io = io;
+    g.whole = whole;
+    if (!capture_into(g.step, [&] { enqueue_handoff_step(n, logit_rows, io, whole); })) {
+      handoff_ok_ = false;   // from now on steps hand off layer by layer
+      handoff_graphs_.clear();
+      return false;
+    }
+  }
+  handoff_seq_pinned_[0] = ++handoff_seq_;
+  handoff_rows_ = logit_rows;
+  CUDA_CHECK(cudaGraphLaunch(g.step.exec, stream_));
+  return true;
+}
+
+void CudaBackend::handoff_wait_routed(int64_t il) {
+  check_layer(il);
+  const uint64_t* flag = handoff_flags_.get() + il;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spins = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) < handoff_seq_; ++spins) {
+    _mm_pause();
+    if (spins % 4096 != 0) continue;
+    const cudaError_t q = cudaStreamQuery(stream_);
+    if (q != cudaErrorNotReady && q != cudaSuccess) CUDA_CHECK(q);
+    if (q == cudaSuccess && __atomic_load_n(flag, __ATOMIC_ACQUIRE) < handoff_seq_)
+      throw std::logic_error("CUDA backend: the step finished without handing off layer " + std::to_string(il));
+    if (std::chrono::steady_clock::now() - start > kHandoffTimeout)
+      throw std::runtime_error("CUDA backend: layer " + std::to_string(il) + "'s routing did not arrive within " +
+                               std::to_string(kHandoffTimeout.count()) + " s");
+  }
+}
+
+void CudaBackend::handoff_release(int64_t il, const group::ExpertPlan& plan) {
+  check_layer(il);
+  const int64_t nk = step_n_ * m_.hp.n_expert_used;
+  if (static_cast<int64_t>(plan.start.size()) != m_.hp.n_expert + 1 || plan.start.back() != nk)
+    throw std::invalid_argument("handoff_release: the plan covers " +
+                                std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
+                                std::to_string(nk));
+  fill_alt_rows(il, plan);   // read by the graph's copy once the flag is up
+  __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
+}
+
+void CudaBackend::handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) {
+  use_device();
+  n_past_ += step_n_;
+  if (chosen_out != nullptr)
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+      pending_chosen_.push_back({chosen_pinned_.get() + il * step_n_ * m_.hp.n_expert_used,
+                                 chosen_out + il * chosen_stride, step_n_ * m_.hp.n_expert_used});
+  finish_step(handoff_rows_, logits_out);
+  check_handoff_error();
+}
+
+void CudaBackend::handoff_abort() {
+  use_device();
+  for (int64_t il = 0; il < m_.hp.n_layer; ++il)
+    __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
+  cudaStreamSynchronize(stream_);
+  cudaGetLastError();
+  pending_chosen_.clear();
+}
+
+void CudaBackend::check_handoff_error() {
+  int32_t err = 0;
+  CUDA_CHECK(cudaMemcpy(&err, handoff_error_.get(), sizeof err, cudaMemcpyDeviceToHost));
+  if (err == 0) return;
+  CUDA_CHECK(cudaMemset(handoff_error_.get(), 0, sizeof err));
+  throw std::runtime_error("CUDA backend: the device waited " + std::to_string(kHandoffTimeout.count() * 2) +
+                           " s for the host's expert rows and gave up; this step's results are void");
+}
+
+// The captured hand-off step: layers run whole on the device or hand off through the flags.
+void CudaBackend::enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo& io, const std::vector<char>& whole) {
+  const model::HParams& hp = m_.hp;
+  const int64_t d = hp.n_embd, nk = n * hp.n_expert_used;
+  const uint64_t* seq = handoff_seq_dev_.get();
+  uint64_t* routed = handoff_flags_dev_;
+  uint64_t* ready = routed + hp.n_layer;
+  CUDA_CHECK(cudaMemcpyAsync(handoff_seq_dev_.get(), handoff_seq_pinned_.get(), sizeof(uint64_t),
+                             cudaMemcpyHostToDevice, stream_));
+  enqueue_embed(n);
+  for (int64_t il = 0; il < hp.n_layer; ++il) {
+    if (whole[il]) {
+      enqueue_layer_whole(il, n, false);
+      continue;
+    }
+    enqueue_mixer(il, n);
+    enqueue_route(il, n);
+    copy_to_host(io.chosen, chosen_of(il, n), nk * sizeof(int32_t));
+    copy_to_host(io.weight, weight_.get(), nk * sizeof(float));
+    copy_to_host(io.h, h_.get(), n * d * sizeof(float));
+    cuda::signal_host(routed + il, seq, stream_);
+    if (layers_[il].fused) enqueue_fused_experts(il, n);
+    enqueue_shared(il, n);
+    cuda::wait_host(ready + il, seq, static_cast<uint64_t>(kHandoffTimeout.count()) * 2'000'000'000ull,
+                    handoff_error_.get(), stream_);
+    // Every slot's row and the whole map: the sizes of a captured copy are fixed (n * k rows of
+    // n_embd floats: 64 KB per token over PCIe, ~1-2 us).
+    CUDA_CHECK(cudaMemcpyAsync(cpu_rows_.get(), io.host_rows, static_cast<size_t>(nk * d) * sizeof(float),
+                               cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt_pinned_.get(), static_cast<size_t>(nk) * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    enqueue_combine(il, n, true);
+  }
+  copy_to_host(chosen_pinned_.get(), chosen_.get(), static_cast<size_t>(hp.n_layer * nk) * sizeof(int32_t));
+  enqueue_logits(rows);
+}
+
+}  // namespace moraine::gpu_worker::cuda_impl

@@ -1,0 +1,303 @@
+// The CUDA backend's class, private to gpu_worker/ (cuda_backend.h is the public face: only
+// make_cuda_backend). The members are defined by idea, one file each:
+//   cuda_backend.cu          the layer-by-layer calls (embed, layer_whole / begin / end, logits),
+//                            the expert path's setup, a step's host side, make_cuda_backend
+//   cuda_backend_upload.cu   construction: weights to the device (matrices, stacked q | k | v,
+//                            expert slabs and the slot table, DeltaNet weights), the step scratch
+//   cuda_backend_graph.cu    a whole step captured once per token count and replayed (step_whole)
+//   cuda_backend_handoff.cu  the in-graph GPU <-> CPU hand-off (handoff_*)
+//   cuda_backend_swap.cu     the adaptive VRAM tier's expert swaps (begin_swap / landed_swaps)
+//   cuda_backend_enqueue.cu  what a step enqueues on the stream (embed, mixer, route, experts)
+//   cuda_backend_layers.cu   the attention and Gated DeltaNet blocks, the recurrent state
+//   cuda_backend_matmul.cu   matmuls: batched matvec or cuBLAS, the activation quantization
+// capture_into is a template (layer_begin and handoff_begin capture too), so it stays here.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu_worker/cuda_backend.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/delta_net.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm_prefill.h"
+#include "kernels/cuda/matvec.h"
+#include "kernels/cuda/moe_fused.h"
+
+namespace moraine::gpu_worker::cuda_impl {
+
+using cuda::DeviceBuffer;
+using cuda::PinnedBuffer;
+
+// Steps of at most this many rows take the graph-safe decode kernels (attention_at) and may be
+// replayed from a captured graph; it is also moe_fused's token limit.
+constexpr int64_t kDecodeRows = cuda::kAttentionAtMaxRows;
+
+// A weight matrix (or a set of experts' matrices of one kind) in device memory, in its file
+// format: matrix i at bytes + i * matrix_bytes.
+struct DevMatrix {
+  TensorType type = TensorType::F32;
+  int64_t rows = 0;         // rows of one matrix
+  int64_t cols = 0;
+  size_t matrix_bytes = 0;  // the stride between matrices (experts)
+  DeviceBuffer<uint8_t> bytes;
+  explicit operator bool() const { return rows > 0; }
+  const uint8_t* matrix(int64_t i) const { return bytes.get() + static_cast<size_t>(i) * matrix_bytes; }
+};
+
+struct DevLayer {
+  bool recurrent = false;
+  DeviceBuffer<float> attn_norm, ffn_norm, q_norm, k_norm, shared_router;
+  DevMatrix q, k, v, o, router, shared_gate, shared_up, shared_down;
+  DevMatrix attn_qkv;     // q | k | v stacked (upload_stacked); then q, k, v stay empty
+  int64_t q_rows = 0;     // rows of the q projection (with the gate beside each head, if any)
+  // The VRAM tier: resident experts' gate / up / down slabs and expert id -> slab index (-1).
+  DevMatrix gate, up, down;
+  std::vector<int32_t> slab_of;
+  int64_t resident = 0;
+  bool fused = false;   // the routed experts go through moe_fused
+  bool q_has_gate = false;
+  DeviceBuffer<float> k_cache, v_cache;  // [max_context][n_head_kv * head_dim]
+  // Gated DeltaNet (qwen3next): projections, small weights, and the recurrent state.
+  DevMatrix qkv, z, ba, ssm_out;
+  DeviceBuffer<float> conv_w, ssm_a, dt_bias, ssm_norm, conv_state, ssm_state;
+};
+
+// A captured step (step_whole) for one token count, and the host memory its copies touch.
+struct StepGraph {
+  cudaGraphExec_t exec = nullptr;
+  StepGraph() = default;
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+  ~StepGraph() { reset(); }
+  void reset() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    exec = nullptr;
+  }
+};
+
+// A whole step with in-graph hand-offs (handoff_begin) for one (rows, logit rows), the host
+// addresses it was captured with, and which layers it runs whole (the rest hand off).
+struct HandoffGraph {
+  StepGraph step;
+  Backend::HandoffIo io;
+  std::vector<char> whole;
+};
+
+// A mixed layer's first half (layer_begin) for one token count, captured: the mixer, the router
+// and the routing's copies to the host (into the addresses it was captured with), then the
+// device's experts and the shared expert, which run while the host plans and the cpu workers
+// work. Two launches instead of ~25 per layer: the host, not the GPU, bounded these layers
+// (3-5 us per kernel launch).
+struct LayerBeginGraphs {
+  StepGraph route, experts;
+  const void *chosen = nullptr, *weight = nullptr, *h_out = nullptr;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const model::Model& m, const BackendOptions& o);
+  ~CudaBackend() override;
+  void pin_host_memory(void* p, size_t bytes) override;
+  void reset() override;
+  int64_t n_past() const override { return n_past_; }
+  int64_t n_layer() const override { return m_.hp.n_layer; }
+  bool layer_on_device(int64_t il) const override;
+  void embed(const int32_t* tokens, int64_t n) override;
+  void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) override;
+  void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override;
+  void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override;
+
+  void advance(int64_t n) override { n_past_ += n; }
+
+  void logits(int64_t rows, float* out) override;
+  bool begin_swap(int64_t il, int32_t out, int32_t in) override;
+  std::vector<std::pair<int64_t, int32_t>> landed_swaps() override;
+
+  void step_whole(const int32_t* tokens, int64_t n, int64_t logit_rows, float* logits_out, int32_t* chosen_out,
+                  int64_t chosen_stride) override;
+
+  // ---- the in-graph hand-off (backend.h) ----
+
+  bool handoff_supported(int64_t n) const override;
+  bool handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_rows, const HandoffIo& io) override;
+  void handoff_wait_routed(int64_t il) override;
+  void handoff_release(int64_t il, const group::ExpertPlan& plan) override;
+  void handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) override;
+  void handoff_abort() override;
+
+ private:
+  static constexpr std::chrono::seconds kHandoffTimeout{60};
+
+  bool embed_on_device() const { return tok_embd_.size() != 0; }
+
+  bool pinned(const void* p, size_t bytes) const;
+  void check_handoff_error();
+  std::pair<int32_t, int32_t> fill_alt_rows(int64_t il, const group::ExpertPlan& plan);
+  void enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo& io, const std::vector<char>& whole);
+
+  struct PendingChosen {
+    const int32_t* from;   // pinned
+    int32_t* to;
+    int64_t count;
+  };
+
+  // Entries per layer in the (layer, expert) slot table: an even count keeps every layer's slice
+  // 16-byte aligned (entries are 24 bytes), as moe_fused requires; with an odd expert count
+  // (the 3-expert golden models) every other layer used to fall back to the matvec path.
+  int64_t slot_stride() const { return (m_.hp.n_expert + 1) / 2 * 2; }
+
+  // Layer il's routing of a step of n rows: the layers' routings lie back to back, so a captured
+  // step copies all of them to the host in one transfer at its end.
+  int32_t* chosen_of(int64_t il, int64_t n) const { return chosen_.get() + il * n * m_.hp.n_expert_used; }
+
+  // Expert copies of the adaptive VRAM tier (begin_swap): a copy stream, and per pending swap a
+  // pinned staging buffer the size of the largest expert (sized once, only when some experts
+  // are off the device).
+  static constexpr int kMaxPendingSwaps = 8;
+  struct PendingSwap {
+    bool busy = false;
+    int64_t il = 0;
+    int32_t in = -1, slab = -1;
+    cudaEvent_t landed = nullptr;
+    PinnedBuffer<uint8_t> staging;
+  };
+  void setup_swaps(bool all_experts);
+  void set_table_entry(int64_t il, int32_t e, const cuda::MoeExpertSlot& v);
+  void setup_experts();
+  static bool fused_formats(const DevLayer& L);
+  cuda::MoeLayerWeights fused_weights(int64_t il) const;
+
+  // ---- host side of a step ----
+
+  void begin_step(const int32_t* tokens, int64_t n);
+  void finish_step(int64_t rows, float* out);
+  void copy_to_host(void* dst, const void* src, size_t bytes);
+  bool capture(StepGraph& g, int64_t n, int64_t rows);
+
+  // What `enqueue` puts on stream_, captured into g. On failure (said once on stderr) g stays
+  // empty and the caller runs without graphs from then on.
+  template <class Enqueue>
+  bool capture_into(StepGraph& g, const Enqueue& enqueue) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    std::string failed;
+    try {
+      enqueue();
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    if (failed.empty() && end != cudaSuccess) failed = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+    if (failed.empty()) {
+      const cudaError_t inst = cudaGraphInstantiate(&g.exec, graph, 0);
+      if (inst != cudaSuccess) failed = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
+    }
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (failed.empty()) return true;
+    cudaGetLastError();
+    g.exec = nullptr;
+    std::cerr << "CUDA backend: capturing work as a graph failed (" << failed << "); it runs without graphs\n";
+    return false;
+  }
+
+  // ---- what a step enqueues on stream_ (nothing here reads device data back or allocates, so
+  // a short step's sequence can be captured as a graph) ----
+
+  void enqueue_embed(int64_t n);
+  void enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen);
+  void enqueue_mixer(int64_t il, int64_t n);
+  void norm_h(const float* x, const float* w, int64_t n, const DevMatrix& consumer);
+  void enqueue_route(int64_t il, int64_t n);
+  void enqueue_fused_experts(int64_t il, int64_t n, bool into_residual = false);
+  void enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan);
+  void enqueue_shared(int64_t il, int64_t n);
+  void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
+  void enqueue_logits(int64_t rows);
+
+  // ---- layers ----
+
+  cuda::DeltaNetShape delta_shape() const;
+  void upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D);
+  void zero_states();
+  void delta_net_block(DevLayer& L, int64_t n);
+  cuda::AttentionShape attention_shape() const;
+  void attention_block(DevLayer& L, int64_t n);
+  void matmul_into_residual(const DevMatrix& W, const float* x, int64_t n);
+  void matmul(const DevMatrix& W, const float* x, int64_t n, float* y);
+  bool use_gemm(const DevMatrix& W, int64_t n) const;
+  bool gemm_experts(const DevLayer& L, int64_t n) const;
+  void expert_matmul(const DevMatrix& W, const float* x, int64_t rows, const int32_t* slab_ids, float* y);
+  void run_matvec(const DevMatrix& W, const float* x, int64_t n, float* y, cuda::MatvecBatch& b);
+
+  // The current device is per host thread: a backend built on one thread and stepped on another
+  // must select its device again (a no-op when it already is the current one).
+  void use_device() const { CUDA_CHECK(cudaSetDevice(device_)); }
+
+  void check_rows(int64_t n, const char* what) const;
+  void check_layer(int64_t il) const;
+  void check_step(int64_t il, int64_t n) const;
+
+  const model::Model& m_;
+  const int device_;
+  const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_, max_context_;
+  std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
+  std::vector<cuda::ExpertRows> gemm_groups_;
+  int64_t n_past_ = 0, step_n_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t routed_ = nullptr;   // layer_begin: routing and h copied to the host
+  cudaStream_t copy_stream_ = nullptr;   // expert copies of the adaptive VRAM tier
+  std::vector<PendingSwap> swaps_;
+  std::vector<void*> pinned_;      // host ranges registered by pin_host_memory
+  std::vector<DevLayer> layers_;
+  DeviceBuffer<cuda::MoeExpertSlot> slot_table_;   // [layer][expert]: the VRAM tier's addresses
+  DeviceBuffer<float> output_norm_;
+  DevMatrix output_;
+  DeviceBuffer<uint8_t> tok_embd_;  // empty when embed falls back to the host dequantizer
+  DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
+  DeviceBuffer<uint8_t> act_;
+  // What act_ holds: h_'s rows quantized as act_of_h_ (F32: nothing of h_), act_of_h_rows_ rows.
+  // Host-side bookkeeping of the enqueue order (norm_h sets it, run_matvec clears it when it
+  // quantizes something else into act_), valid inside captured graphs as well.
+  TensorType act_of_h_ = TensorType::F32;
+  int64_t act_of_h_rows_ = 0;
+  DeviceBuffer<int32_t> chosen_, token_ids_, pos_dev_, alt_row_, expert_idx_;
+  // dev_slots_: this device's expert rows in slot order; cpu_rows_: the cpu workers' packed rows.
+  DeviceBuffer<float> dev_slots_, cpu_rows_;
+  DeviceBuffer<float> expert_in_, expert_g_, expert_u_, expert_out_;
+  DeviceBuffer<float> shared_g_, shared_u_, shared_out_, shared_logit_, logits_;
+  DeviceBuffer<float> mixed_, z_, ba_, core_, delta_ws_;  // Gated DeltaNet scratch
+  DeviceBuffer<uint8_t> fused_ws_;
+  PinnedBuffer<int32_t> tok_pinned_, pos_pinned_, alt_pinned_, idx_pinned_;
+  PinnedBuffer<int32_t> chosen_pinned_;   // [layer][max_tokens * k]: routing of layer_whole layers
+  std::vector<PendingChosen> pending_chosen_;
+  std::vector<int32_t> host_chosen_;
+  std::vector<float> host_weight_;
+  group::ExpertPlan host_plan_;
+  bool graphs_ok_ = false;
+  bool layer_graphs_ok_ = true;   // layer_begin's captures (begin_graphs_) work
+  // The in-graph hand-off: flags [routed: n_layer][ready: n_layer] in mapped pinned memory, the
+  // step's sequence number (host and device copies), the device's timeout flag.
+  bool handoff_ok_ = true;
+  PinnedBuffer<uint64_t> handoff_flags_, handoff_seq_pinned_;
+  uint64_t* handoff_flags_dev_ = nullptr;   // the device's address of handoff_flags_
+  DeviceBuffer<uint64_t> handoff_seq_dev_;
+  DeviceBuffer<int32_t> handoff_error_;
+  uint64_t handoff_seq_ = 0;
+  int64_t handoff_rows_ = 0;
+  std::vector<char> handoff_whole_;   // this step's layers run whole (handoff_begin's scratch)
+  std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
+  std::vector<std::pair<const char*, size_t>> pinned_ranges_;
+  std::map<std::pair<int64_t, int64_t>, LayerBeginGraphs> begin_graphs_;   // (layer, rows)
+  std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;   // (rows, logit rows) -> captured step
+};
+
+}  // namespace moraine::gpu_worker::cuda_impl

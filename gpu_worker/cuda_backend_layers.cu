@@ -1,0 +1,142 @@
+// The CUDA backend's mixers (cuda_backend_impl.h): full attention and Gated DeltaNet.
+#include "gpu_worker/cuda_backend_impl.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/attention_decode.h"
+#include "kernels/cuda/attention_prefill.h"
+#include "kernels/cuda/qk_norm_rope_store.h"
+
+namespace moraine::gpu_worker::cuda_impl {
+
+cuda::DeltaNetShape CudaBackend::delta_shape() const {
+  const model::HParams& hp = m_.hp;
+  cuda::DeltaNetShape s;
+  s.n_k_heads = hp.ssm_n_k_heads;
+  s.n_v_heads = hp.ssm_n_v_heads;
+  s.head_k_dim = hp.ssm_head_k_dim;
+  s.head_v_dim = hp.ssm_head_v_dim;
+  s.conv_kernel = hp.ssm_conv_kernel;
+  return s;
+}
+
+// A new sequence: the recurrent layers start from zero state (the KV cache needs no clearing:
+// attention reads only positions below n_past + n, all written by then).
+void CudaBackend::zero_states() {
+  for (DevLayer& L : layers_) {
+    if (!L.recurrent) continue;
+    CUDA_CHECK(cudaMemsetAsync(L.conv_state.get(), 0, L.conv_state.bytes(), stream_));
+    CUDA_CHECK(cudaMemsetAsync(L.ssm_state.get(), 0, L.ssm_state.bytes(), stream_));
+  }
+}
+
+// Gated DeltaNet over the normalised rows in h_, its output added to x_: the projections as
+// matvecs, the conv / gates / recurrence / gated norm by delta_net_mix, then the out projection.
+void CudaBackend::delta_net_block(DevLayer& L, int64_t n) {
+  const model::HParams& hp = m_.hp;
+  const cuda::DeltaNetShape s = delta_shape();
+  matmul(L.qkv, h_.get(), n, mixed_.get());
+  matmul(L.z, h_.get(), n, z_.get());
+  matmul(L.ba, h_.get(), n, ba_.get());
+  cuda::DeltaNetWeightsDevice w;
+  w.conv_w = L.conv_w.get();
+  w.a = L.ssm_a.get();
+  w.dt_bias = L.dt_bias.get();
+  w.norm_w = L.ssm_norm.get();
+  cuda::DeltaNetStateDevice st;
+  st.conv_state = s.conv_kernel > 1 ? L.conv_state.get() : nullptr;
+  st.ssm_state = L.ssm_state.get();
+  cuda::delta_net_mix(s, w, st, mixed_.get(), z_.get(), ba_.get(), n, static_cast<float>(hp.rms_eps),
+                      delta_ws_.get(), core_.get(), stream_);
+  matmul_into_residual(L.ssm_out, core_.get(), n);
+}
+
+cuda::AttentionShape CudaBackend::attention_shape() const {
+  const model::HParams& hp = m_.hp;
+  cuda::AttentionShape s;
+  s.n_head = hp.n_head;
+  s.n_head_kv = hp.n_head_kv;
+  s.head_dim = hp.head_dim;
+  s.kv_stride = hp.n_head_kv * hp.head_dim;
+  s.scale = 1.0f / std::sqrt(static_cast<float>(hp.head_dim));
+  return s;
+}
+
+// Full attention over the normalised rows in h_, its output added to x_. The new rows' K and V
+// are normalised and rotated in scratch, then stored into the cache at the step's position
+// (read from pos_dev_, as RoPE reads it: a captured step serves every position), so row t sees
+// positions 0 .. n_past + t as in decode.
+void CudaBackend::attention_block(DevLayer& L, int64_t n) {
+  const model::HParams& hp = m_.hp;
+  const int64_t hd = hp.head_dim, kv_dim = hp.n_head_kv * hd;
+  const int64_t q_rows = L.q_rows, q_stride = L.q_has_gate ? 2 * hd : hd;
+  const float eps = static_cast<float>(hp.rms_eps);
+  const int32_t* pos = pos_dev_.get();
+  // The projections: row t of q at qg_ + t * row_stride (k and v beside it when stacked).
+  int64_t row_stride = q_rows;
+  const float *k_rows = k_new_.get(), *v_rows = v_new_.get();
+  int64_t kv_row_stride = kv_dim;
+  if (L.attn_qkv) {
+    matmul(L.attn_qkv, h_.get(), n, qg_.get());
+    row_stride = kv_row_stride = L.attn_qkv.rows;
+    k_rows = qg_.get() + q_rows;
+    v_rows = k_rows + kv_dim;
+  } else {
+    matmul(L.q, h_.get(), n, qg_.get());
+    matmul(L.k, h_.get(), n, k_new_.get());
+    matmul(L.v, h_.get(), n, v_new_.get());
+  }
+  // q and k normalised per head and rotated, k and v stored at the step's position: one
+  // launch, the bits of head_rms_norm / rope_neox_at / kv_store_at.
+  cuda::QkNormRopeStoreArgs a;
+  a.q = qg_.get();
+  a.q_row_stride = row_stride;
+  a.q_head_stride = q_stride;
+  a.k = k_rows;
+  a.k_row_stride = kv_row_stride;
+  a.v = v_rows;
+  a.v_row_stride = kv_row_stride;
+  a.q_norm = L.q_norm.get();
+  a.k_norm = L.k_norm.get();
+  a.rows = n;
+  a.n_head = hp.n_head;
+  a.n_head_kv = hp.n_head_kv;
+  a.head_dim = hd;
+  a.n_rot = hp.n_rot;
+  a.pos0_dev = pos;
+  a.freq_base = hp.rope_freq_base;
+  a.eps = eps;
+  a.max_pos = max_context_;
+  a.q_out = q_.get();
+  a.k_cache = L.k_cache.get();
+  a.v_cache = L.v_cache.get();
+  cuda::qk_norm_rope_store(a, stream_);
+  const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
+  const cuda::AttentionShape shape = attention_shape();
+  const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
+  const bool tiled = tiled_prefill_rows_ > 0 && n >= tiled_prefill_rows_;
+  if (!tiled && cuda::attention_decode_supported(shape)) {
+    // Flash decoding in passes of 16 rows: a row's bits do not depend on the pass, so decode
+    // after a prefill (below the tiled kernel's rows) equals a fresh prefill.
+    const int64_t qd = hp.n_head * hd;
+    for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
+      const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
+      cuda::attention_decode(shape, q_.get() + r0 * qd, L.k_cache.get(), L.v_cache.get(), rows, pos, r0,
+                             max_context_, gate != nullptr ? gate + r0 * row_stride : nullptr, row_stride, q_stride,
+                             attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+    }
+  } else if (n <= kDecodeRows) {
+    cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, row_stride,
+                       q_stride, attn_.get(), attn_scratch_.get(), scratch, stream_);
+  } else if (tiled_prefill_rows_ <= 0 || n < tiled_prefill_rows_) {
+    cuda::attention(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
+                    attn_.get(), attn_scratch_.get(), scratch, stream_);
+  } else {
+    cuda::attention_prefill(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
+                            attn_.get(), stream_);
+  }
+  matmul_into_residual(L.o, attn_.get(), n);
+}
+
+}  // namespace moraine::gpu_worker::cuda_impl

@@ -1,0 +1,297 @@
+// The CUDA backend's construction (cuda_backend_impl.h): the weights uploaded once in their
+// GGUF formats, the VRAM tier's expert slabs and slot table, the step scratch.
+#include "gpu_worker/cuda_backend_impl.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+#include "common/formats/quant.h"
+#include "kernels/cuda/attention_decode.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/embed_rows.h"
+#include "kernels/cuda/matvec_float.h"
+
+namespace moraine::gpu_worker::cuda_impl {
+
+namespace {
+
+bool has_kernel(TensorType t) { return cuda::matvec_supported(t) || cuda::matvec_float_supported(t); }
+
+void check_kernel(const model::Matrix& m) {
+  if (has_kernel(m.type)) return;
+  const std::string name = m.info != nullptr ? m.info->name : std::string("(unnamed)");
+  throw std::runtime_error("CUDA backend: tensor " + name + " is " + std::string(type_name(m.type)) +
+                           ", which has no CUDA matvec kernel (kernels/cuda/matvec.h and matvec_float.h list "
+                           "the formats); requantize it with moraine-quantize");
+}
+
+DevMatrix upload_matrix(const model::Matrix& m) {
+  DevMatrix d;
+  if (!m) return d;
+  check_kernel(m);
+  d.type = m.type;
+  d.rows = m.n_rows;
+  d.cols = m.n_cols;
+  d.matrix_bytes = m.row_bytes * static_cast<size_t>(m.n_rows);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  d.bytes.upload(m.data, d.matrix_bytes);
+  return d;
+}
+
+// The experts `ids` of one expert tensor packed in a slab. The stride between experts is a whole
+// number of format blocks (the batched matvec steps through the slab in blocks) and of 16 bytes
+// (moe_fused and the matvec read aligned 16-byte words from each expert's start).
+DevMatrix upload_expert_slab(const model::ExpertTensor& t, const std::vector<int32_t>& ids) {
+  DevMatrix d;
+  if (!t.all || ids.empty()) return d;
+  check_kernel(t.all);
+  d.type = t.all.type;
+  d.rows = t.rows_per_expert;
+  d.cols = t.all.n_cols;
+  const size_t one = t.all.row_bytes * static_cast<size_t>(t.rows_per_expert);
+  const size_t block = type_traits(d.type).block_bytes;
+  const size_t unit = block / std::gcd(block, size_t{16}) * 16;   // lcm(block bytes, 16)
+  d.matrix_bytes = (one + unit - 1) / unit * unit;
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes * ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    CUDA_CHECK(cudaMemcpy(d.bytes.get() + i * d.matrix_bytes, t.all.data + static_cast<size_t>(ids[i]) * one, one,
+                          cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Rows `order` of m (in that order) as a matrix of their own: the legacy fused ssm_in of
+// qwen3next is split into its qkv and z rows at upload, so one code path serves both layouts.
+DevMatrix upload_rows(const model::Matrix& m, const std::vector<int64_t>& order) {
+  std::vector<uint8_t> bytes(m.row_bytes * order.size());
+  for (size_t i = 0; i < order.size(); ++i) std::copy_n(m.row(order[i]), m.row_bytes, bytes.data() + i * m.row_bytes);
+  model::Matrix part = m;
+  part.n_rows = static_cast<int64_t>(order.size());
+  part.data = bytes.data();
+  return upload_matrix(part);
+}
+
+// q, k and v stacked into one matrix (rows q | k | v) when they share a format and a width: one
+// activation quantization and one matvec launch instead of three, each output row the same bits
+// (a row's dot does not depend on its neighbours). Empty when they differ (per-tensor formats).
+DevMatrix upload_stacked(const std::vector<const model::Matrix*>& parts) {
+  DevMatrix d;
+  for (const model::Matrix* m : parts)
+    if (!*m || m->type != parts[0]->type || m->n_cols != parts[0]->n_cols) return d;
+  check_kernel(*parts[0]);
+  d.type = parts[0]->type;
+  d.cols = parts[0]->n_cols;
+  for (const model::Matrix* m : parts) d.rows += m->n_rows;
+  d.matrix_bytes = parts[0]->row_bytes * static_cast<size_t>(d.rows);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  size_t at = 0;
+  for (const model::Matrix* m : parts) {
+    const size_t bytes = m->row_bytes * static_cast<size_t>(m->n_rows);
+    CUDA_CHECK(cudaMemcpy(d.bytes.get() + at, m->data, bytes, cudaMemcpyHostToDevice));
+    at += bytes;
+  }
+  return d;
+}
+
+DeviceBuffer<float> upload_vector(const std::vector<float>& v) {
+  DeviceBuffer<float> d(v.size());
+  if (!v.empty()) d.upload(v.data(), v.size());
+  return d;
+}
+
+// The legacy ssm_in rows (per key head g: q(dk) | k(dk) | v(r*dv) | z(r*dv)) that make the
+// current layout's qkv ([q all heads | k all heads | v all heads]) and z.
+void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std::vector<int64_t>& z) {
+  const int64_t dk = hp.ssm_head_k_dim, dv = hp.ssm_head_v_dim, nk = hp.ssm_n_k_heads;
+  const int64_t r = hp.ssm_n_v_heads / nk, gsz = 2 * dk + 2 * r * dv;
+  qkv.clear();
+  z.clear();
+  for (int64_t g = 0; g < nk; ++g)
+    for (int64_t i = 0; i < dk; ++i) qkv.push_back(g * gsz + i);
+  for (int64_t g = 0; g < nk; ++g)
+    for (int64_t i = 0; i < dk; ++i) qkv.push_back(g * gsz + dk + i);
+  for (int64_t g = 0; g < nk; ++g)
+    for (int64_t i = 0; i < r * dv; ++i) qkv.push_back(g * gsz + 2 * dk + i);
+  for (int64_t g = 0; g < nk; ++g)
+    for (int64_t i = 0; i < r * dv; ++i) z.push_back(g * gsz + 2 * dk + r * dv + i);
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
+    : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
+      gemm_prefill_rows_(o.gemm_prefill_rows),
+      max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)) {
+  const model::HParams& hp = m.hp;
+  std::string why;
+  if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
+  CUDA_CHECK(cudaSetDevice(device_));
+  if (max_tokens_ <= 0 || max_tokens_ > 65535 || max_context_ < max_tokens_ || max_context_ > INT32_MAX)
+    throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens_) + " must be in 1..65535 and "
+                             "at most the context (" + std::to_string(max_context_) + ")");
+  if (!o.all_experts && static_cast<int64_t>(o.device_experts.size()) != hp.n_layer)
+    throw std::invalid_argument("CUDA backend: device_experts names " + std::to_string(o.device_experts.size()) +
+                                " layers, the model has " + std::to_string(hp.n_layer));
+  bool any_recurrent = false;
+  for (int64_t il = 0; il < hp.n_layer; ++il) any_recurrent = any_recurrent || m.layers[il].recurrent;
+  if (any_recurrent) {
+    try {
+      cuda::check_delta_net_shape(delta_shape());
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(std::string("CUDA backend: the Gated DeltaNet kernels cannot run this model: ") +
+                               e.what());
+    }
+  }
+  if (hp.head_dim > cuda::kAttentionMaxHeadDim)
+    throw std::runtime_error("CUDA backend: head_dim " + std::to_string(hp.head_dim) + " above the attention "
+                             "kernel's " + std::to_string(cuda::kAttentionMaxHeadDim));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
+  const int64_t d = hp.n_embd, k = hp.n_expert_used, hd = hp.head_dim;
+  const int64_t kv_dim = hp.n_head_kv * hd;
+  int64_t q_rows = hp.n_head * hd;
+  const int64_t max_cols = std::max({d, hp.n_head * hd, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+
+  std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
+  for (int64_t e = 0; e < hp.n_expert; ++e) all[e] = static_cast<int32_t>(e);
+  std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(hp.n_layer * slot_stride()));
+  layers_.resize(static_cast<size_t>(hp.n_layer));
+  for (int64_t il = 0; il < hp.n_layer; ++il) {
+    const model::LayerWeights& L = m.layers[il];
+    DevLayer& D = layers_[il];
+    D.attn_norm = upload_vector(L.attn_norm);
+    D.ffn_norm = upload_vector(L.ffn_norm);
+    D.router = upload_matrix(L.moe.router);
+    const std::vector<int32_t>& ids = o.all_experts ? all : o.device_experts[il];
+    D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= hp.n_expert || (i > 0 && ids[i] <= ids[i - 1]))
+        throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + "'s device experts must be "
+                                    "ascending ids in [0, " + std::to_string(hp.n_expert) + ")");
+      D.slab_of[ids[i]] = static_cast<int32_t>(i);
+    }
+    D.resident = static_cast<int64_t>(ids.size());
+    D.gate = upload_expert_slab(L.moe.gate, ids);
+    D.up = upload_expert_slab(L.moe.up, ids);
+    D.down = upload_expert_slab(L.moe.down, ids);
+    for (size_t i = 0; i < ids.size(); ++i)
+      table[il * slot_stride() + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
+    if (L.moe.shared_up) {
+      D.shared_gate = upload_matrix(L.moe.shared_gate);
+      D.shared_up = upload_matrix(L.moe.shared_up);
+      D.shared_down = upload_matrix(L.moe.shared_down);
+      D.shared_router = upload_vector(L.moe.shared_router);
+    }
+    if (L.recurrent) {
+      upload_delta_net(L.delta, D);
+      continue;
+    }
+    D.q_norm = upload_vector(L.attn.q_norm);
+    D.k_norm = upload_vector(L.attn.k_norm);
+    D.attn_qkv = upload_stacked({&L.attn.q, &L.attn.k, &L.attn.v});
+    if (!D.attn_qkv) {
+      D.q = upload_matrix(L.attn.q);
+      D.k = upload_matrix(L.attn.k);
+      D.v = upload_matrix(L.attn.v);
+    }
+    D.q_rows = L.attn.q.n_rows;
+    D.o = upload_matrix(L.attn.o);
+    D.q_has_gate = L.attn.q_has_gate;
+    q_rows = std::max(q_rows, L.attn.q.n_rows + 2 * kv_dim);   // the stacked q | k | v output
+    D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
+    D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
+  }
+  slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size());
+  slot_table_.upload(table.data(), table.size());
+  output_norm_ = upload_vector(m.output_norm);
+  output_ = upload_matrix(m.output);
+  if (cuda::embed_rows_supported(m.tok_embd.type)) {
+    tok_embd_ = DeviceBuffer<uint8_t>(m.tok_embd.row_bytes * static_cast<size_t>(m.tok_embd.n_rows));
+    tok_embd_.upload(m.tok_embd.data, tok_embd_.size());
+  }
+
+  const size_t T = static_cast<size_t>(max_tokens_);
+  const size_t slots = T * static_cast<size_t>(k);
+  x_ = DeviceBuffer<float>(T * d);
+  h_ = DeviceBuffer<float>(T * d);
+  y_ = DeviceBuffer<float>(T * d);
+  qg_ = DeviceBuffer<float>(T * q_rows);
+  q_ = DeviceBuffer<float>(T * hp.n_head * hd);
+  k_new_ = DeviceBuffer<float>(T * kv_dim);
+  v_new_ = DeviceBuffer<float>(T * kv_dim);
+  attn_ = DeviceBuffer<float>(T * hp.n_head * hd);
+  const cuda::AttentionShape shape = attention_shape();
+  // Split-KV records for 16 rows at a time (longer steps between 16 and the tiled prefill go
+  // through in passes): enough to fill the GPU, about 34 MB at 32K context for 32 heads of 128.
+  const int64_t rows16 = std::min<int64_t>(max_tokens_, kDecodeRows);
+  attn_scratch_ = DeviceBuffer<float>(static_cast<size_t>(
+      std::max({cuda::attention_scratch_floats(shape, rows16, max_context_),
+                cuda::attention_at_scratch_floats(shape, rows16, max_context_),
+                cuda::attention_decode_scratch_floats(shape, rows16, max_context_)})));
+  // Activation bytes for the widest row of any matrix, for every expert row of a step; a
+  // quantized row never takes more bytes than the floats it came from.
+  act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
+  router_logits_ = DeviceBuffer<float>(T * hp.n_expert);
+  chosen_ = DeviceBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+  weight_ = DeviceBuffer<float>(slots);
+  token_ids_ = DeviceBuffer<int32_t>(T);
+  pos_dev_ = DeviceBuffer<int32_t>(1);
+  dev_slots_ = DeviceBuffer<float>(slots * d);
+  cpu_rows_ = DeviceBuffer<float>(slots * d);
+  alt_row_ = DeviceBuffer<int32_t>(slots);
+  if (hp.n_ff_shexp > 0) {
+    shared_g_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
+    shared_u_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
+    shared_out_ = DeviceBuffer<float>(T * d);
+    shared_logit_ = DeviceBuffer<float>(T);
+  }
+  logits_ = DeviceBuffer<float>(T * hp.n_vocab);
+  if (any_recurrent) {
+    const cuda::DeltaNetShape ds = delta_shape();
+    mixed_ = DeviceBuffer<float>(T * ds.conv_dim());
+    z_ = DeviceBuffer<float>(T * ds.value_dim());
+    ba_ = DeviceBuffer<float>(T * 2 * ds.n_v_heads);
+    core_ = DeviceBuffer<float>(T * ds.value_dim());
+    delta_ws_ = DeviceBuffer<float>(static_cast<size_t>(cuda::delta_net_workspace_floats(ds, max_tokens_)));
+  }
+  tok_pinned_ = PinnedBuffer<int32_t>(T);
+  pos_pinned_ = PinnedBuffer<int32_t>(1);
+  alt_pinned_ = PinnedBuffer<int32_t>(slots);
+  idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
+  chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+  handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
+  std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
+  handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
+  handoff_seq_dev_ = DeviceBuffer<uint64_t>(1);
+  handoff_error_ = DeviceBuffer<int32_t>(1);
+  CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
+  setup_experts();
+  setup_swaps(o.all_experts);
+  zero_states();
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D) {
+  const cuda::DeltaNetShape s = delta_shape();
+  D.recurrent = true;
+  if (W.qkv) {
+    D.qkv = upload_matrix(W.qkv);
+    D.z = upload_matrix(W.z);
+  } else {
+    std::vector<int64_t> qkv_rows, z_rows;
+    legacy_qkvz_orders(m_.hp, qkv_rows, z_rows);
+    D.qkv = upload_rows(W.qkvz, qkv_rows);
+    D.z = upload_rows(W.qkvz, z_rows);
+  }
+  D.ba = upload_matrix(W.ba);
+  D.ssm_out = upload_matrix(W.out);
+  D.conv_w = upload_vector(W.conv);
+  D.ssm_a = upload_vector(W.a);
+  D.dt_bias = upload_vector(W.dt_bias);
+  D.ssm_norm = upload_vector(W.norm);
+  D.conv_state = DeviceBuffer<float>(static_cast<size_t>(std::max<int64_t>(s.conv_state_floats(), 1)));
+  D.ssm_state = DeviceBuffer<float>(static_cast<size_t>(s.ssm_state_floats()));
+}
+
+}  // namespace moraine::gpu_worker::cuda_impl
