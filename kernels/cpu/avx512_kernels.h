@@ -35,6 +35,30 @@ void q6_k_rows4(int64_t n, const void* w, size_t row_stride, const void* const* 
 void q8_0_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
 void mxfp4_rows4(int64_t n, const void* w, size_t row_stride, const void* const* acts, int n_tok, float* y, int64_t y_stride);
 
+// Tier Avx512Vnni plus AVX-512 VBMI: matvec_avx512_groups4.cpp. MXFP4 and Q8_0 four blocks per
+// step: pack_*_acts writes one Q8_0 activation row of n elements (n a multiple of 32) in the
+// order those tiles read it (groups4_packed_act_bytes(n) bytes, 64-byte aligned), once per
+// matvec_tokens call; *_rows4_packed are mxfp4_rows4 / q8_0_rows4 against such rows (same
+// contract). The two formats' packings differ (the bias they take back).
+inline constexpr size_t kPackedGroupBytes = 256;  // four blocks
+constexpr size_t groups4_packed_act_bytes(int64_t n) { return static_cast<size_t>((n / 32 + 3) / 4) * kPackedGroupBytes; }
+void pack_mxfp4_acts(int64_t n, const void* act, void* dst);
+// row_by_row: the four rows one after the other (each row's bytes read in order) instead of
+// side by side; the same instructions but for the activation loads, the same results.
+void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
+                        bool row_by_row);
+void pack_q8_0_acts(int64_t n, const void* act, void* dst);
+void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
+                       bool row_by_row);
+
+// Tier Avx512Vnni plus GFNI: matvec_avx512_q4k.cpp. Q4_K against Q8_K activation rows repacked
+// once per matvec_tokens call (pack_q4_k_acts: q4_k_packed_act_bytes(n) bytes, 64-byte aligned);
+// q4_k_rows4_packed is q4_k_rows4 against such rows (bitwise the same results).
+inline constexpr size_t kQ4KPackedBlockBytes = 384;
+constexpr size_t q4_k_packed_act_bytes(int64_t n) { return static_cast<size_t>(n / 256) * kQ4KPackedBlockBytes; }
+void pack_q4_k_acts(int64_t n, const void* act, void* dst);
+void q4_k_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride);
+
 // Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar quantizers.
 void quantize_q8_0(const float* x, void* dst, int64_t n);
 void quantize_q8_k(const float* x, void* dst, int64_t n);

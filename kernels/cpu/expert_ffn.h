@@ -33,7 +33,7 @@ struct ExpertAssignment {
 
 // Runs one layer's routed experts as ONE flat job list on the pool (one fork/join per layer):
 // [quantize each used token row once per activation type (inline for a few)] [gate+up row
-// chunks of every expert; the last chunk of an expert applies SwiGLU, quantizes its
+// chunks of every expert; each chunk applies SwiGLU to its rows, the last of an expert quantizes its
 // intermediate and marks the expert ready] [down row chunks, expert by expert]. A job waits
 // (spinning) only for what it reads: gate/up for the quantized rows, an expert's down chunks
 // for that expert's intermediate. Jobs are claimed in list order, so what a job waits for was

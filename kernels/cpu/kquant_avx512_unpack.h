@@ -36,4 +36,19 @@ inline __mmask64 bit_set(__m512i bytes, int b_lo, int b_hi) {
   return _mm512_test_epi8_mask(bytes, sel);
 }
 
+// Per 128-bit lane: dword k = the sum of v_k's four dwords in that lane (integer adds: exact).
+inline __m512i lane_sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// Lanes 0..3 = the sums of all sixteen dwords of v0..v3.
+inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  __m512i s = lane_sums4(v0, v1, v2, v3);
+  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castsi512_si128(s);
+}
+
 }  // namespace moraine::cpu::avx512

@@ -1,9 +1,11 @@
 // Row-outer, token-inner matrix-vector products over the per-row dot kernels.
 #include "kernels/cpu/matvec.h"
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cpu/amx_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
@@ -16,6 +18,36 @@ std::atomic<int> g_amx_min_tokens{kPrefillTokens};
 std::atomic<size_t> g_prefetch_l1{MatvecPrefetch{}.l1_bytes};
 std::atomic<size_t> g_prefetch_l2{MatvecPrefetch{}.l2_bytes};
 std::atomic<bool> g_prefetch_past_end{MatvecPrefetch{}.past_end};
+std::atomic<int> g_prefetch_next_call{MatvecPrefetch{}.next_call};
+std::atomic<bool> g_tile_mxfp4_vbmi{MatvecTiles{}.mxfp4_vbmi};
+std::atomic<bool> g_tile_q4_k_gfni{MatvecTiles{}.q4_k_gfni};
+std::atomic<bool> g_tile_q8_0_vbmi{MatvecTiles{}.q8_0_vbmi};
+std::atomic<bool> g_tile_rows4{MatvecTiles{}.rows4};
+std::atomic<bool> g_tile_row_by_row{MatvecTiles{}.row_by_row};
+
+bool cpu_has_avx512_vbmi() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_gfni() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("gfni") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
 
 // Issues prefetches for the lines from `next` up to `until` (capped at `end`), moving `next`.
 template <int kLocality>
@@ -34,11 +66,26 @@ void set_matvec_prefetch(MatvecPrefetch p) {
   g_prefetch_l1.store(p.l1_bytes, std::memory_order_relaxed);
   g_prefetch_l2.store(p.l2_bytes, std::memory_order_relaxed);
   g_prefetch_past_end.store(p.past_end, std::memory_order_relaxed);
+  g_prefetch_next_call.store(p.next_call, std::memory_order_relaxed);
 }
 
 MatvecPrefetch matvec_prefetch() {
   return {g_prefetch_l1.load(std::memory_order_relaxed), g_prefetch_l2.load(std::memory_order_relaxed),
-          g_prefetch_past_end.load(std::memory_order_relaxed)};
+          g_prefetch_past_end.load(std::memory_order_relaxed), g_prefetch_next_call.load(std::memory_order_relaxed)};
+}
+
+void set_matvec_tiles(MatvecTiles t) {
+  g_tile_mxfp4_vbmi.store(t.mxfp4_vbmi, std::memory_order_relaxed);
+  g_tile_q4_k_gfni.store(t.q4_k_gfni, std::memory_order_relaxed);
+  g_tile_q8_0_vbmi.store(t.q8_0_vbmi, std::memory_order_relaxed);
+  g_tile_rows4.store(t.rows4, std::memory_order_relaxed);
+  g_tile_row_by_row.store(t.row_by_row, std::memory_order_relaxed);
+}
+
+MatvecTiles matvec_tiles() {
+  return {g_tile_mxfp4_vbmi.load(std::memory_order_relaxed), g_tile_q4_k_gfni.load(std::memory_order_relaxed),
+          g_tile_q8_0_vbmi.load(std::memory_order_relaxed), g_tile_rows4.load(std::memory_order_relaxed),
+          g_tile_row_by_row.load(std::memory_order_relaxed)};
 }
 
 bool matvec_uses_amx(TensorType type, int n_tok) {
@@ -47,6 +94,11 @@ bool matvec_uses_amx(TensorType type, int n_tok) {
 
 void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
                    size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride) {
+  matvec_tokens(type, n_cols, w, row_begin, row_end, acts, act_row_bytes, tok, n_tok, y, y_stride, nullptr, 0);
+}
+
+void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
+                   size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride, const void* next, size_t next_bytes) {
   const VecDotFn fn = best_vec_dot_fn(type);
   if (!fn) throw std::invalid_argument("matvec_tokens: no kernel for weight type " + std::string(type_name(type)));
   if (row_end <= row_begin || n_tok <= 0) return;
@@ -70,16 +122,44 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   // 49 / 43; t0 8 KB 95 / 74 / 81; t0 2 KB + t1 16 KB 119 / 116 / 77; the same prefetching past
   // a job's end 107 / 113 / 89; t0 4 KB past the end 104 / 120 / 85: nothing beats the default
   // beyond that machine's noise.
+  // Session 5 with the faster tiles (matvec_tiles; same host, 16 threads, 1 token, one run each
+  // unless a range is given; the default's five runs: 94-109 / 97-112 / 86-99, probe 120-154):
+  // t0 1 KB 92 / 100 / 81; t0 2 KB 101 / 109 / 95; t0 4 KB + t1 32 KB 98 / 101 / 82; past the
+  // end 96 / 99 / 84; the next-call hint (next_call 1) 110 / 97 / 93, with t0 2 KB + t1 16 KB
+  // 103 / 125 / 99; every row through the per-row kernels (one row's bytes after the other)
+  // 65 / 110 / 50, the four-block tiles' rows one after the other 99 / 110 / 96. Every format
+  // and variant lands near 100 GB/s: the limit is on the memory side, not in the tiles' compute
+  // (all cores in L2 reach 220-340 GB/s). Q4_K's 21 MB layer against Q8_0's 40 MB at about the
+  // same GB/s suggests ~30 us per layer that do not scale with the bytes (~32 calls per
+  // thread, each starting on a cold stream, a join): next_call 2 starts the next call's
+  // stream one call early.
   const size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed), pf_l2 = g_prefetch_l2.load(std::memory_order_relaxed);
   const uint8_t *pf1 = wrow, *pf2 = wrow;
   // Prefetches never fault, so running past the matrix's end (into whatever follows) is safe.
-  const bool past_end = g_prefetch_past_end.load(std::memory_order_relaxed);
+  // With a next-call hint (followed), the stream continues there instead of past the end.
+  const auto* nx = static_cast<const uint8_t*>(next);
+  const int next_mode = nx ? g_prefetch_next_call.load(std::memory_order_relaxed) : 0;
+  if (next_mode == 2) {
+    // The next call's first lines into L2 now; this call's own streams stop at its end.
+    const uint8_t* early = nx;
+    prefetch_lines<2>(early, nx + std::min(next_bytes, std::max(pf_l1, pf_l2)), nx + next_bytes);
+  }
+  if (next_mode != 1) nx = nullptr;
+  const bool past_end = next_mode == 0 && g_prefetch_past_end.load(std::memory_order_relaxed);
   const uint8_t* const pf1_end = past_end ? wend + pf_l1 : wend;
   const uint8_t* const pf2_end = past_end ? wend + pf_l2 : wend;
-  // Everything before `p` plus the prefetch distances is requested.
+  const uint8_t *nx1 = nx, *nx2 = nx;
+  // Everything before `p` plus the prefetch distances is requested; what reaches beyond this
+  // call's rows goes to the hinted region, up to the distance (the next call's own start).
   auto prefetch_to = [&](const uint8_t* p) {
-    if (pf_l1) prefetch_lines<3>(pf1, p + pf_l1, pf1_end);
-    if (pf_l2) prefetch_lines<2>(pf2, p + pf_l2, pf2_end);
+    if (pf_l1) {
+      prefetch_lines<3>(pf1, p + pf_l1, pf1_end);
+      if (nx && p + pf_l1 > wend) prefetch_lines<3>(nx1, nx + static_cast<size_t>(p + pf_l1 - wend), nx + std::min(next_bytes, pf_l1));
+    }
+    if (pf_l2) {
+      prefetch_lines<2>(pf2, p + pf_l2, pf2_end);
+      if (nx && p + pf_l2 > wend) prefetch_lines<2>(nx2, nx + static_cast<size_t>(p + pf_l2 - wend), nx + std::min(next_bytes, pf_l2));
+    }
   };
   prefetch_to(wrow);
   int64_t r = row_begin;
@@ -88,7 +168,7 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   // block once for all four rows.
   using Rows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t);
   Rows4Fn rows4 = nullptr;
-  if (fn == vec_dot_fn(type, CpuIsa::Avx512Vnni)) {
+  if (fn == vec_dot_fn(type, CpuIsa::Avx512Vnni) && g_tile_rows4.load(std::memory_order_relaxed)) {
     if (type == TensorType::Q4_K) rows4 = avx512::q4_k_rows4;
     else if (type == TensorType::Q5_K) rows4 = avx512::q5_k_rows4;
     else if (type == TensorType::Q6_K) rows4 = avx512::q6_k_rows4;
@@ -111,6 +191,45 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
     };
     const bool one_chunk = n_tok <= kTokenChunk;
     if (one_chunk) fill_chunk(0, n_tok);
+    // MXFP4 and Q8_0 with VBMI, Q4_K with GFNI: the activation rows repacked once for this call (a few
+    // hundred instructions per row, against thousands for the weight rows of even one job),
+    // then tiles that read them (matvec_avx512_groups4.cpp, matvec_avx512_q4k.cpp). Beyond one
+    // token chunk the older tiles (no repacked copy of every row).
+    using PackFn = void (*)(int64_t, const void*, void*);
+    using PackedRows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t, bool);
+    PackFn pack = nullptr;
+    PackedRows4Fn packed_rows4 = nullptr;
+    size_t pb = 0;
+    if (one_chunk && type == TensorType::MXFP4 && cpu_has_avx512_vbmi() && g_tile_mxfp4_vbmi.load(std::memory_order_relaxed)) {
+      pack = avx512::pack_mxfp4_acts;
+      packed_rows4 = avx512::mxfp4_rows4_packed;
+      pb = avx512::groups4_packed_act_bytes(n_cols);
+    } else if (one_chunk && type == TensorType::Q8_0 && cpu_has_avx512_vbmi() && g_tile_q8_0_vbmi.load(std::memory_order_relaxed)) {
+      pack = avx512::pack_q8_0_acts;
+      packed_rows4 = avx512::q8_0_rows4_packed;
+      pb = avx512::groups4_packed_act_bytes(n_cols);
+    } else if (one_chunk && type == TensorType::Q4_K && cpu_has_gfni() && g_tile_q4_k_gfni.load(std::memory_order_relaxed)) {
+      pack = avx512::pack_q4_k_acts;
+      packed_rows4 = [](int64_t n, const void* w4, size_t stride, const void* const* pk, int nt, float* y4, int64_t ys, bool) {
+        avx512::q4_k_rows4_packed(n, w4, stride, pk, nt, y4, ys);
+      };
+      pb = avx512::q4_k_packed_act_bytes(n_cols);
+    }
+    const bool row_by_row = g_tile_row_by_row.load(std::memory_order_relaxed);
+    if (packed_rows4 && r + 4 <= row_end) {
+      thread_local std::vector<uint8_t> packed_buf;  // grows to the largest call, then reused
+      if (packed_buf.size() < pb * static_cast<size_t>(n_tok) + 64) packed_buf.resize(pb * static_cast<size_t>(n_tok) + 64);
+      auto* packed = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed_buf.data()) + 63) & ~uintptr_t{63});
+      const void* packed_ptr[kTokenChunk];
+      for (int t = 0; t < n_tok; ++t) {
+        packed_ptr[t] = packed + static_cast<size_t>(t) * pb;
+        pack(n_cols, act_ptr[t], packed + static_cast<size_t>(t) * pb);
+      }
+      for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {
+        prefetch_to(wrow + 4 * wb);
+        packed_rows4(n_cols, wrow, wb, packed_ptr, n_tok, y + r, y_stride, row_by_row);
+      }
+    }
     for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {
       prefetch_to(wrow + 4 * wb);
       for (int t0 = 0; t0 < n_tok; t0 += kTokenChunk) {

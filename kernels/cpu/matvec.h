@@ -21,6 +21,13 @@ namespace moraine::cpu {
 void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
                    size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride);
 
+// The same, told where the caller's next matvec_tokens call will start reading (next_bytes
+// bytes from `next`): with matvec_prefetch().next_call the software prefetch stream runs on
+// from this call's last rows into that region (instead of stopping at row_end), so the next
+// call does not begin with a run of demand misses. A hint only: results do not depend on it.
+void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
+                   size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride, const void* next, size_t next_bytes);
+
 // Measured on the 16-core Xeon (moraine-kernel-bench cpu, expert FFN GB/s at 2 / 4 / 8 / 16
 // tokens, VNNI tiles vs the AMX path forced from 2 tokens): Q4_K 53 / 43 / 27 / 15 vs 16 / 14 /
 // 12 / 11; Q8_0 68 / 56 / 35 / 20 vs 33 / 31 / 23 / 17; MXFP4 44 / 33 / 18 / 10 vs 16 / 12 /
@@ -41,13 +48,43 @@ int amx_min_tokens();
 // the sliced schedule a thread's next job is usually those rows (the next chunk of the same
 // matrix), so its first lines are in flight when it starts instead of a demand miss per call;
 // on the shared one the lines usually go to waste.
+// next_call: what to do with the next-call hint (the overload above) where the caller gives one
+// (the expert FFN does on the sliced schedule, expert_ffn.cpp): 0 ignore it; 1 run the prefetch
+// streams on into that region over this call's last rows; 2 prefetch its first max(l1, l2)
+// bytes into L2 (prefetcht1) when this call starts, so they have a whole call to arrive.
 struct MatvecPrefetch {
   size_t l1_bytes = 4096;
   size_t l2_bytes = 0;
   bool past_end = false;
+  int next_call = 0;
 };
 void set_matvec_prefetch(MatvecPrefetch p);
 MatvecPrefetch matvec_prefetch();
+
+// The newer register tiles matvec_tokens may take, process-wide, for the benches' A/B runs
+// (--tile-*); each falls back to the older tile when off or when the CPU lacks what it needs.
+// Results meet the same contract either way. mxfp4_vbmi / q8_0_vbmi: MXFP4 (vpermb lookups) and
+// Q8_0 four blocks per step against activations repacked per call (matvec_avx512_groups4.cpp;
+// AVX-512 VBMI).
+// q4_k_gfni: Q4_K with gf2p8affineqb nibble unpacking against activations repacked per call
+// (matvec_avx512_q4k.cpp; GFNI). Both are on by default: one Zen 5 core, matvec_tokens over 256
+// L2-resident rows of 2048 (moraine-kernel-bench cpu --threads 1, [core L2] GB/s per CPU second,
+// median of 3, older -> newer tile at 1 / 4 / 16 tokens): Q4_K 39.4 -> 49.5 / 17.8 -> 20.7 /
+// 4.8 -> 5.5; MXFP4 30.0 -> 49.3 / 12.7 -> 22.6 / 3.3 -> 5.9. The 16-core Xeon numbers are in
+// the files' headers.
+// rows4: the register tiles at all (off: every row through the per-row kernel, one row's bytes
+// after the other: an A/B of the tiles' four interleaved row streams against the hardware
+// prefetchers). row_by_row: the four-block tiles (MXFP4, Q8_0) take a tile's four rows one
+// after the other instead of side by side (the same arithmetic; each row's bytes in order).
+struct MatvecTiles {
+  bool mxfp4_vbmi = true;
+  bool q4_k_gfni = true;
+  bool q8_0_vbmi = true;
+  bool rows4 = true;
+  bool row_by_row = false;
+};
+void set_matvec_tiles(MatvecTiles t);
+MatvecTiles matvec_tiles();
 
 // Whether matvec_tokens takes the AMX path for this type and token count right now.
 bool matvec_uses_amx(TensorType type, int n_tok);

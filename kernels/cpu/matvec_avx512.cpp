@@ -46,21 +46,6 @@ constexpr int kRows = 4;
 inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Per 128-bit lane: dword k = the sum of v_k's four dwords in that lane (integer adds: exact).
-inline __m512i lane_sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-}
-
-// Lanes 0..3 = the sums of all sixteen dwords of v0..v3.
-inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
-  __m512i s = lane_sums4(v0, v1, v2, v3);
-  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castsi512_si128(s);
-}
-
 // vpermw indices of the scale words for weight vector pairs (0,1) and (2,3) of row r, out of a
 // register of the four rows' scales (row r = words 8r..8r+7). vpackssdw works per 128-bit lane
 // L: words 0..3 come from vector 2k's dwords 4L..4L+3 (sub-block 4k + L/2), words 4..7 from

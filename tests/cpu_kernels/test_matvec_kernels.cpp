@@ -6,6 +6,7 @@
 // (additions + slack) * 2^-24 * sum |block terms| (the same bound tests/formats uses).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -66,7 +67,11 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
     // Tokens gathered out of order, as an expert's routed subset is.
     std::vector<int32_t> tok(kMaxTok);
     for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 7 + 3) % kMaxTok;
+    // Each tier, and on the VNNI tiers both the newer tiles (matvec_tiles) and the older ones.
+    for (int tiles = 0; tiles < 2; ++tiles)
     for (cpu::CpuIsa isa : test::available_tiers()) {
+      if (tiles == 1 && isa < cpu::CpuIsa::Avx512Vnni) continue;
+      cpu::set_matvec_tiles({tiles == 0, tiles == 0, tiles == 0, true});
       cpu::set_max_cpu_isa(isa);
       std::vector<int> batches;
       for (int n = 1; n <= 16; ++n) batches.push_back(n);
@@ -82,7 +87,8 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
             const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
             const float ref = vec_dot_reference(t, kCols, wrow, acts.data() + ti * arb);
             const float got = y[static_cast<size_t>(i * kRows + r)];
-            const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + " n_tok " + std::to_string(n_tok) +
+            const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + (tiles ? " older tiles" : "") +
+                                      " n_tok " + std::to_string(n_tok) +
                                       " row " + std::to_string(r) + " token " + std::to_string(ti);
             // The AMX prefill path is exact for every format it takes (integer tile sums, the
             // reference's float expression per block in block order).
@@ -130,6 +136,89 @@ TEST(IsaCap, SelectsTheTierAndFallsBack) {
   EXPECT_EQ(cpu::detect_cpu_isa(), cpu::hardware_cpu_isa());
   EXPECT_EQ(cpu::parse_isa("avx2"), cpu::CpuIsa::Avx2);
   EXPECT_EQ(cpu::parse_isa("sse9"), std::nullopt);
+}
+
+// Q8_0 / MXFP4 rows of any block count (the tiles step over two or four blocks and must take
+// a last partial step), with each of their tiles (matvec_tiles: the VBMI four-block tiles
+// when the CPU has VBMI, rows side by side and row by row; the block-pair tiles), against the
+// reference within the bound.
+TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
+  test::IsaCapGuard guard;
+  constexpr int64_t kRows = 11;
+  constexpr int kMaxTok = 6;
+  int checked = 0;
+  for (TensorType t : {TensorType::MXFP4, TensorType::Q8_0}) {
+    for (int64_t cols : {32, 64, 96, 128, 160, 224, 480}) {
+      const Matrix m = random_matrix(t, kRows, cols, 7 * static_cast<uint32_t>(cols) + static_cast<uint32_t>(t));
+      const TensorType at = dot_activation_type(t);
+      const size_t arb = row_bytes(at, cols);
+      std::vector<uint8_t> acts(arb * kMaxTok);
+      std::vector<float> a_deq(static_cast<size_t>(cols * kMaxTok));
+      for (int i = 0; i < kMaxTok; ++i) {
+        const std::vector<float> x = test::random_row(test::kAllDists[i % 3], cols, 500 + static_cast<uint32_t>(i + 10 * cols));
+        quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, cols);
+        dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * cols, cols);
+      }
+      for (int tiles = 0; tiles < 3; ++tiles) {
+        const bool vbmi = tiles < 2;
+        cpu::set_matvec_tiles({vbmi, vbmi, vbmi, true, tiles == 1});
+        for (cpu::CpuIsa isa : test::available_tiers()) {
+          cpu::set_max_cpu_isa(isa);
+          for (int n_tok = 1; n_tok <= kMaxTok; ++n_tok) {
+            std::vector<float> y(static_cast<size_t>(n_tok * kRows), NAN);
+            // Rows [1, 11): two tiles of four and two rows through the per-row kernel.
+            cpu::matvec_tokens(t, cols, m.q.data(), 1, kRows, acts.data(), arb, nullptr, n_tok, y.data(), kRows);
+            for (int i = 0; i < n_tok; ++i) {
+              for (int64_t r = 1; r < kRows; ++r) {
+                const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
+                const float ref = vec_dot_reference(t, cols, wrow, acts.data() + static_cast<size_t>(i) * arb);
+                const std::vector<uint8_t> wq(wrow, wrow + m.rb);
+                const std::vector<float> wd(m.deq.begin() + r * cols, m.deq.begin() + (r + 1) * cols);
+                const std::vector<float> ad(a_deq.begin() + i * cols, a_deq.begin() + (i + 1) * cols);
+                const double adds = static_cast<double>(cols / type_traits(t).block_elems) + 16.0;
+                ASSERT_NEAR(y[static_cast<size_t>(i * kRows + r)], ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad))
+                    << type_name(t) << " " << cpu::isa_name(isa) << " cols " << cols << " tiles " << tiles << " n_tok " << n_tok << " row " << r;
+                ++checked;
+              }
+              EXPECT_TRUE(std::isnan(y[static_cast<size_t>(i * kRows)])) << "row 0 is outside the slice";
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// The next-call prefetch hint (followed, with short and long distances) leaves every result
+// bitwise as it is without the hint.
+TEST(MatvecTokens, NextCallHintChangesNothing) {
+  const cpu::MatvecPrefetch saved = cpu::matvec_prefetch();
+  constexpr int64_t kCols = 512, kRows = 21;
+  for (TensorType t : kExpertFormats) {
+    const Matrix m = random_matrix(t, kRows, kCols, 31 + static_cast<uint32_t>(t));
+    const Matrix other = random_matrix(t, 3, kCols, 77);
+    const TensorType at = dot_activation_type(t);
+    const size_t arb = row_bytes(at, kCols);
+    std::vector<uint8_t> acts(arb * 3);
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 40 + static_cast<uint32_t>(i));
+      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
+    }
+    for (int n_tok = 1; n_tok <= 3; ++n_tok) {
+      cpu::set_matvec_prefetch({4096, 0, false, 0});
+      std::vector<float> plain(static_cast<size_t>(n_tok * kRows)), hinted(plain.size());
+      cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, plain.data(), kRows);
+      for (const cpu::MatvecPrefetch pf : {cpu::MatvecPrefetch{4096, 0, false, 1}, cpu::MatvecPrefetch{256, 65536, true, 1},
+                                           cpu::MatvecPrefetch{4096, 16384, false, 2}}) {
+        cpu::set_matvec_prefetch(pf);
+        std::fill(hinted.begin(), hinted.end(), 0.0f);
+        cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, hinted.data(), kRows, other.q.data(), other.q.size());
+        for (size_t i = 0; i < plain.size(); ++i) ASSERT_EQ(plain[i], hinted[i]) << type_name(t) << " n_tok " << n_tok << " at " << i;
+      }
+    }
+  }
+  cpu::set_matvec_prefetch(saved);
 }
 
 TEST(MatvecTokens, RejectsTypesWithoutKernel) {

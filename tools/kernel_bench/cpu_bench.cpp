@@ -313,10 +313,23 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
       ->check(CLI::Range(0, 1 << 20));
   cpu->add_option("--prefetch-past-end", opt.prefetch_past_end, "1: matvec prefetches past a job's last row into the next rows; 0: not "
                   "(default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--prefetch-next", opt.prefetch_next, "the expert FFN's next-call prefetch hints (sliced schedule): 0 ignored; "
+                  "1 matvec's streams run on into the next call's region; 2 its first lines into L2 at the call's start "
+                  "(default: the library's)")->check(CLI::Range(0, 2));
   cpu->add_option("--gate-up-rows", opt.gate_up_rows, "rows of one expert per gate+up job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--down-rows", opt.down_rows, "output rows per down job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--probe-chunk-kib", opt.probe_chunk_kib, "also measure the DRAM read in chunks of this many KiB (0: not)")
       ->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--tile-mxfp4", opt.tile_mxfp4, "1: MXFP4 through the VBMI four-block tile (where the CPU has VBMI); 0: the "
+                  "block-pair tile (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--tile-q4k", opt.tile_q4k, "1: Q4_K through the GFNI tile against repacked activations (where the CPU has "
+                  "GFNI); 0: the older tile (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--tile-q8-0", opt.tile_q8_0, "1: Q8_0 through the VBMI four-block tile (where the CPU has VBMI); 0: the "
+                  "block-pair tile (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--tile-rows4", opt.tile_rows4, "0: no register tiles, every row through the per-row kernel (default: the "
+                  "library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--tile-row-by-row", opt.tile_row_by_row, "1: the MXFP4 / Q8_0 four-block tiles take their four rows one after "
+                  "the other; 0: side by side (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--schedule", opt.schedule, "how the layer's jobs reach the threads (default: the library's)")
       ->check(CLI::IsMember({"shared", "sliced"}));
   // Huge pages by default: the expert arena asks for 2 MiB pages too (common/shm/page_backing.h).
@@ -338,7 +351,15 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.prefetch_l1 >= 0) prefetch.l1_bytes = static_cast<size_t>(opt.prefetch_l1);
   if (opt.prefetch_l2 >= 0) prefetch.l2_bytes = static_cast<size_t>(opt.prefetch_l2);
   if (opt.prefetch_past_end >= 0) prefetch.past_end = opt.prefetch_past_end == 1;
+  if (opt.prefetch_next >= 0) prefetch.next_call = opt.prefetch_next;
   cpu::set_matvec_prefetch(prefetch);
+  cpu::MatvecTiles tiles = cpu::matvec_tiles();
+  if (opt.tile_mxfp4 >= 0) tiles.mxfp4_vbmi = opt.tile_mxfp4 == 1;
+  if (opt.tile_q4k >= 0) tiles.q4_k_gfni = opt.tile_q4k == 1;
+  if (opt.tile_q8_0 >= 0) tiles.q8_0_vbmi = opt.tile_q8_0 == 1;
+  if (opt.tile_rows4 >= 0) tiles.rows4 = opt.tile_rows4 == 1;
+  if (opt.tile_row_by_row >= 0) tiles.row_by_row = opt.tile_row_by_row == 1;
+  cpu::set_matvec_tiles(tiles);
   cpu::FfnJobRows job_rows = cpu::ffn_job_rows();
   if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
   if (opt.down_rows > 0) job_rows.down = opt.down_rows;
@@ -379,12 +400,12 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B%s; job rows %lld/%lld; "
-                "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s\n",
+    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B%s%s; job rows %lld/%lld; "
+                "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
                 static_cast<long long>(kHidden), static_cast<long long>(kFfn), kExpertsPerToken, prefetch.l1_bytes, prefetch.l2_bytes,
-                prefetch.past_end ? " past job end" : "",
+                prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
                 static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
-                opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no");
+                opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
     if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
     std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
@@ -447,9 +468,15 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"prefetch_l1", prefetch.l1_bytes},
                                 {"prefetch_l2", prefetch.l2_bytes},
                                 {"prefetch_past_end", prefetch.past_end},
+                                {"prefetch_next_call", prefetch.next_call},
                                 {"gate_up_rows", job_rows.gate_up},
                                 {"down_rows", job_rows.down},
                                 {"schedule", schedule},
+                                {"tile_mxfp4_vbmi", tiles.mxfp4_vbmi},
+                                {"tile_q4k_gfni", tiles.q4_k_gfni},
+                                {"tile_q8_0_vbmi", tiles.q8_0_vbmi},
+                                {"tile_rows4", tiles.rows4},
+                                {"tile_row_by_row", tiles.row_by_row},
                                 {"spin_us", pool.spin_us()},
                                 {"caller_joins", opt.caller_joins},
                                 {"gap_us", opt.gap_us},

@@ -23,6 +23,7 @@ struct CpuBenchOptions {
   int prefetch_l1 = -1;       // bytes; -1: the library default (cpu::MatvecPrefetch)
   int prefetch_l2 = -1;
   int prefetch_past_end = -1;  // 0/1; -1: the library default
+  int prefetch_next = -1;      // 0/1/2: the expert FFN's next-call prefetch hints (cpu::MatvecPrefetch); -1: the library default
   int gate_up_rows = 0;       // 0: the library default (cpu::FfnJobRows)
   int down_rows = 0;
   bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on the expert set and the DRAM probe's buffer
@@ -31,6 +32,11 @@ struct CpuBenchOptions {
   bool caller_joins = true;   // the bench's thread runs jobs as worker 0 on the first CPU (as the worker does)
   int gap_us = 0;             // idle time between layer calls (decode: the GPU part of a layer); not timed
   bool smt_probe = false;     // which CPUs slow the first one down when both run the kernel (hidden SMT siblings)
+  int tile_q4k = -1;          // 0/1: Q4_K's GFNI tile against repacked activations; -1: the library default
+  int tile_row_by_row = -1;   // 1: the four-block tiles take their rows one after the other; -1: the library default
+  int tile_rows4 = -1;        // 0: no register tiles (per-row kernels only); -1: the library default
+  int tile_q8_0 = -1;         // 0/1: Q8_0's VBMI four-block tile; -1: the library default
+  int tile_mxfp4 = -1;        // 0/1: MXFP4's VBMI four-block tile (cpu::MatvecTiles); -1: the library default
   std::string schedule;       // shared / sliced; empty: the library default (cpu::FfnSchedule)
 };
 
