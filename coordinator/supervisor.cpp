@@ -45,6 +45,7 @@ struct Options {
   int reserve_cores = -1;   // cores left out of the cpu workers' pins; -1: 1 with --backend cuda, else 0
   bool pin_control_plane = true;   // coordinator, gpu_worker and io_worker on the reserved cores
   std::vector<std::string> cpu_worker_args;   // appended to every cpu_expert_worker's command line
+  std::vector<std::string> gpu_worker_args;   // appended to the gpu_worker's
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
   std::string backend = "cpu";
@@ -198,6 +199,7 @@ int start(const Options& o) {
     coord.cpus = gpu.cpus = io.cpus = control_cpus;
   }
   for (Child& c : cpus) c.argv.insert(c.argv.end(), o.cpu_worker_args.begin(), o.cpu_worker_args.end());
+  gpu.argv.insert(gpu.argv.end(), o.gpu_worker_args.begin(), o.gpu_worker_args.end());
   std::vector<Child*> workers{&gpu};
   for (Child& c : cpus) workers.push_back(&c);
   workers.push_back(&io);
@@ -326,6 +328,9 @@ int main(int argc, char** argv) {
                "leave the coordinator, gpu_worker and io_worker unpinned (default: pinned to the reserved cores)");
   st->add_option("--cpu-worker-arg", o.cpu_worker_args,
                  "an extra argument for every cpu_expert_worker (repeat; e.g. --cpu-worker-arg=--spin-us=500)")
+      ->allow_extra_args(false);
+  st->add_option("--gpu-worker-arg", o.gpu_worker_args,
+                 "an extra argument for the gpu_worker (repeat; e.g. --gpu-worker-arg=--handoff-copies)")
       ->allow_extra_args(false);
   st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
   st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));

@@ -37,6 +37,13 @@ struct BackendOptions {
   // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
   // 0: never. Within BF16 rounding of the matvec path, not equal to it.
   int64_t gemm_prefill_rows = 64;
+  // The in-graph hand-off (CUDA): the device writes the routing into the host's mapped memory and
+  // reads the cpu workers' rows back itself; false: memcpy nodes around the flag kernels (the
+  // fallback when the memory is not mapped; tests compare the two).
+  bool handoff_zero_copy = true;
+  // CUDA: kernels launched with programmatic dependent launch where the device has it
+  // (kernels/cuda/launch.h; a process-wide switch, set by the backend's constructor).
+  bool programmatic_launch = true;
 };
 
 inline constexpr int64_t kDefaultContext = 8192;

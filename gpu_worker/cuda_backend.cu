@@ -31,6 +31,14 @@ void CudaBackend::pin_host_memory(void* p, size_t bytes) {
   if (err == cudaSuccess) {
     pinned_.push_back(p);
     pinned_ranges_.emplace_back(static_cast<const char*>(p), bytes);
+    // Registered memory is mapped on a system with unified addressing (cudaHostRegisterDefault):
+    // the hand-off's kernels read and write it at this address.
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, p, 0) != cudaSuccess) {
+      cudaGetLastError();
+      dev = nullptr;
+    }
+    pinned_dev_.push_back(static_cast<char*>(dev));
     return;
   }
   cudaGetLastError();  // not sticky; copies from pageable memory still work, only slower
@@ -157,6 +165,15 @@ bool CudaBackend::pinned(const void* p, size_t bytes) const {
   for (const auto& [base, size] : pinned_ranges_)
     if (c >= base && c + bytes <= base + size) return true;
   return false;
+}
+
+void* CudaBackend::mapped(const void* p, size_t bytes) const {
+  const char* c = static_cast<const char*>(p);
+  for (size_t i = 0; i < pinned_ranges_.size(); ++i) {
+    const auto& [base, size] = pinned_ranges_[i];
+    if (c >= base && c + bytes <= base + size) return pinned_dev_[i] == nullptr ? nullptr : pinned_dev_[i] + (c - base);
+  }
+  return nullptr;
 }
 
 // Slots whose expert is off the device read row alt[slot] of the cpu workers' rows (plan

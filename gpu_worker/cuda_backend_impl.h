@@ -140,6 +140,9 @@ class CudaBackend final : public Backend {
   bool embed_on_device() const { return tok_embd_.size() != 0; }
 
   bool pinned(const void* p, size_t bytes) const;
+  // The device's address of [p, p + bytes) in memory given to pin_host_memory; nullptr when it is
+  // not there or not mapped.
+  void* mapped(const void* p, size_t bytes) const;
   void check_handoff_error();
   std::pair<int32_t, int32_t> fill_alt_rows(int64_t il, const group::ExpertPlan& plan);
   void enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo& io, const std::vector<char>& whole);
@@ -248,7 +251,9 @@ class CudaBackend final : public Backend {
 
   const model::Model& m_;
   const int device_;
-  const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_, max_context_;
+  const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
+  const bool handoff_zero_copy_;
+  const int64_t max_context_;
   std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
   std::vector<cuda::ExpertRows> gemm_groups_;
   int64_t n_past_ = 0, step_n_ = 0;
@@ -289,6 +294,7 @@ class CudaBackend final : public Backend {
   bool handoff_ok_ = true;
   PinnedBuffer<uint64_t> handoff_flags_, handoff_seq_pinned_;
   uint64_t* handoff_flags_dev_ = nullptr;   // the device's address of handoff_flags_
+  int32_t* alt_pinned_dev_ = nullptr;       // and of alt_pinned_
   DeviceBuffer<uint64_t> handoff_seq_dev_;
   DeviceBuffer<int32_t> handoff_error_;
   uint64_t handoff_seq_ = 0;
@@ -296,6 +302,7 @@ class CudaBackend final : public Backend {
   std::vector<char> handoff_whole_;   // this step's layers run whole (handoff_begin's scratch)
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
+  std::vector<char*> pinned_dev_;   // [range]: its device address (nullptr: not mapped)
   std::map<std::pair<int64_t, int64_t>, LayerBeginGraphs> begin_graphs_;   // (layer, rows)
   std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;   // (rows, logit rows) -> captured step
 };

@@ -10,6 +10,7 @@
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/embed_rows.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec_float.h"
 
 namespace moraine::gpu_worker::cuda_impl {
@@ -120,12 +121,13 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
 
 CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
-      gemm_prefill_rows_(o.gemm_prefill_rows),
+      gemm_prefill_rows_(o.gemm_prefill_rows), handoff_zero_copy_(o.handoff_zero_copy),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)) {
   const model::HParams& hp = m.hp;
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));
+  cuda::set_programmatic_launch(o.programmatic_launch);
   if (max_tokens_ <= 0 || max_tokens_ > 65535 || max_context_ < max_tokens_ || max_context_ > INT32_MAX)
     throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens_) + " must be in 1..65535 and "
                              "at most the context (" + std::to_string(max_context_) + ")");
@@ -262,6 +264,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
   std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&alt_pinned_dev_), alt_pinned_.get(), 0));
   handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
   handoff_seq_dev_ = DeviceBuffer<uint64_t>(1);
   handoff_error_ = DeviceBuffer<int32_t>(1);

@@ -41,8 +41,10 @@ constexpr auto kExpertSpin = std::chrono::milliseconds(2);
 
 class StepRunner {
  public:
+  // base: the command line's backend options (device, threads, hand-off copies); the rest comes
+  // from the manifest and the placement.
   StepRunner(const std::string& socket_dir, const group::GroupManifest& man, const std::string& backend_kind,
-             int device, int threads, const model::Model& m, group::StageRecorder& step_stage,
+             const gpu_worker::BackendOptions& base, const model::Model& m, group::StageRecorder& step_stage,
              group::StageRecorder& handoff_stage, group::StageRecorder& routed_wait_stage)
       : man_(man), m_(m), exchange_(shm::ShmSegment::open(man.exchange_locator)),
         xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
@@ -52,11 +54,9 @@ class StepRunner {
     if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
     for (int64_t il = 0; il < m.hp.n_layer; ++il) vram_experts_.push_back(placement_.experts_in(il, group::Tier::kVram));
     std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts\n";
-    gpu_worker::BackendOptions o;
-    o.device = device;
+    gpu_worker::BackendOptions o = base;
     o.max_tokens = man.max_tokens;
     o.max_context = std::max<int64_t>(placement_.context, man.max_tokens);
-    o.threads = threads;
     o.all_experts = placement_.vram.experts == m.hp.n_layer * m.hp.n_expert;
     if (!o.all_experts) o.device_experts = vram_experts_;
     backend_ = gpu_worker::make_backend(backend_kind, m, o);
@@ -394,7 +394,7 @@ class StepRunner {
   jobs::JobReply reply_;
 };
 
-int run(const std::string& socket_dir, const std::string& backend_kind, int device, int threads) {
+int run(const std::string& socket_dir, const std::string& backend_kind, const gpu_worker::BackendOptions& base) {
   group::install_stop_signals();
   const std::string instance = group::kGpuWorkerInstance;
   group::ControlServer control(control::ROLE_GPU_WORKER, instance, group::control_address(socket_dir, instance));
@@ -406,7 +406,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
 
   const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir));
   const model::Model model = model::Model::load(man.model_path);
-  StepRunner runner(socket_dir, man, backend_kind, device, threads, model, step_stage, handoff_stage, routed_wait_stage);
+  StepRunner runner(socket_dir, man, backend_kind, base, model, step_stage, handoff_stage, routed_wait_stage);
   control.set_stats_hook([&](control::StatsReply& r) {
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
@@ -444,14 +444,19 @@ int run(const std::string& socket_dir, const std::string& backend_kind, int devi
 int main(int argc, char** argv) {
   CLI::App app{"moraine-gpu-worker: dense layers, KV cache, routers; routed experts handed to cpu workers"};
   std::string socket_dir, backend = "cpu";
-  int device = 0, threads = 0;
+  moraine::gpu_worker::BackendOptions base;
   app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();
   app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--device", device, "GPU index (cuda backend)");
-  app.add_option("--threads", threads, "CPU backend threads (default: all)");
+  app.add_option("--device", base.device, "GPU index (cuda backend)");
+  app.add_option("--threads", base.threads, "CPU backend threads (default: all)");
+  app.add_flag("!--handoff-copies", base.handoff_zero_copy,
+               "cuda: move the in-graph hand-off's routing and rows with memcpy nodes instead of the device's own "
+               "reads and writes of the mapped exchange (A/B and fallback)");
+  app.add_flag("!--no-pdl", base.programmatic_launch,
+               "cuda: launch the kernels without programmatic dependent launch (A/B)");
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(socket_dir, backend, device, threads);
+    return run(socket_dir, backend, base);
   } catch (const std::exception& e) {
     std::cerr << "moraine-gpu-worker: " << e.what() << "\n";
     return 1;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -39,20 +40,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Programmatic dependent launch (PDL): both are no-ops for a grid launched without the attribute,
-// and compiled only for sm_90+ (the instruction does not exist before; launch_pdl sets the
-// attribute only on such devices, so older ones serialise the two kernels as plain launches).
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // The merge keeps split c's max and sum in lane c % 32, register c / 32.
 constexpr int kSplitsPerLane = static_cast<int>((kDecodeMaxSplits + 31) / 32);
 
@@ -177,8 +164,8 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int compute_warps = a.group / HPW;
   const int h0 = kvh * a.group + warp * HPW;   // first head of this warp
-  wait_for_previous_grid();
-  allow_next_grid();
+  wait_for_prior_grids();   // PDL (launch.h)
+  allow_dependent_grids();
   // q does not depend on the position: its load overlaps the position's.
   const float* qg = a.q + (static_cast<int64_t>(r) * a.n_head + static_cast<int64_t>(kvh) * a.group) * hd;
   for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
@@ -287,7 +274,8 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
 template <int DPL>
 __global__ void decode_merge_kernel(const DecodeArgs a) {
   const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-  wait_for_previous_grid();
+  wait_for_prior_grids();
+  allow_dependent_grids();
   const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
   if (p0 < 0) {
     write_nan_head(a, r, h, DPL * 32, lane);
@@ -314,54 +302,24 @@ void opt_in_shared_memory() {
   devices_done.fetch_or(bit);
 }
 
-// Whether the current device has programmatic dependent launch (compute capability 9.0+), cached
-// per host thread and device.
-bool device_has_pdl() {
-  thread_local int cached_device = -1;
-  thread_local bool cached = false;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
-    int major = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    cached = major >= 9;
-    cached_device = device;
-  }
-  return cached;
-}
-
-// Both kernels go out with programmatic stream serialization: the split kernel lets the merge
-// kernel launch at once (its CTAs wait in griddepcontrol.wait for the split kernel's completion
-// and memory), and waits itself for whatever ran before it before reading q, K/V or the position.
-template <typename Kernel>
-void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const DecodeArgs& a) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = device_has_pdl() ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-}
-
+// Both kernels go out with programmatic stream serialization (launch.h): the split kernel lets the
+// merge kernel launch at once (its CTAs wait in wait_for_prior_grids for the split kernel's
+// completion and memory), and waits itself for whatever ran before it before reading q, K/V or
+// the position.
 template <int DPL, int HPW>
 void launch_split(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
   const size_t smem = split_smem_bytes(DPL * 32, a.group);
   if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW>();
   const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(a.slots), static_cast<unsigned>(n_kv));
-  launch_pdl(decode_split_kernel<DPL, HPW>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
+  launch_kernel(decode_split_kernel<DPL, HPW>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
 }
 
 template <int DPL>
 void launch(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
   if (a.group % 2 == 0) launch_split<DPL, 2>(a, n_kv, stream);
   else launch_split<DPL, 1>(a, n_kv, stream);
-  launch_pdl(decode_merge_kernel<DPL>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
-             stream, a);
+  launch_kernel(decode_merge_kernel<DPL>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
+                stream, a);
 }
 
 // Split slots of the grid: enough for the longest row max_ctx allows (splits grow with length).

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -18,6 +19,8 @@ __device__ __forceinline__ uint16_t load_u16(const uint8_t* p) {
 // Grid (column blocks, token); one thread per element.
 __global__ void embed_rows_kernel(TensorType type, const uint8_t* __restrict__ table, size_t row_bytes,
                                   int64_t n_cols, const int32_t* __restrict__ ids, float* __restrict__ out) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t t = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_cols) return;
@@ -58,9 +61,8 @@ void embed_rows(TensorType t, const void* table, size_t row_bytes, int64_t n_col
                                 " (n_cols a positive multiple of the block, n in 1..65535)");
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>((n_cols + kThreads - 1) / kThreads), static_cast<unsigned>(n));
-  embed_rows_kernel<<<grid, kThreads, 0, stream>>>(t, static_cast<const uint8_t*>(table), row_bytes, n_cols, ids,
-                                                    out);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(embed_rows_kernel, grid, dim3(kThreads), 0, stream, t, static_cast<const uint8_t*>(table), row_bytes, n_cols,
+                ids, out);
 }
 
 }  // namespace moraine::cuda

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -15,6 +16,8 @@ constexpr int kWarpsPerCta = 4;
 __global__ void head_rms_norm_kernel(const float* x, int64_t x_row_stride, int64_t x_head_stride,
                                      const float* __restrict__ w, float* out, int64_t heads_total,
                                      int64_t n_heads, int64_t hd, float eps) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t head = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (head >= heads_total) return;
   const int lane = threadIdx.x % 32;
@@ -42,9 +45,8 @@ void head_rms_norm(const float* x, int64_t x_row_stride, int64_t x_head_stride, 
                                 ", head stride " + std::to_string(x_head_stride) +
                                 " (need positive counts, head stride >= head_dim and a weight)");
   const int64_t total = rows * n_heads;
-  head_rms_norm_kernel<<<static_cast<unsigned>((total + kWarpsPerCta - 1) / kWarpsPerCta), 32 * kWarpsPerCta, 0,
-                         stream>>>(x, x_row_stride, x_head_stride, w, out, total, n_heads, head_dim, eps);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(head_rms_norm_kernel, dim3(static_cast<unsigned>((total + kWarpsPerCta - 1) / kWarpsPerCta)),
+                dim3(32 * kWarpsPerCta), 0, stream, x, x_row_stride, x_head_stride, w, out, total, n_heads, head_dim, eps);
 }
 
 }  // namespace moraine::cuda

@@ -13,6 +13,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moraine::cuda {
@@ -25,5 +26,27 @@ void signal_host(uint64_t* flag, const uint64_t* seq_dev, cudaStream_t stream = 
 // the GPU spinning forever; the caller checks error_dev after the step.
 void wait_host(const uint64_t* flag, const uint64_t* seq_dev, uint64_t timeout_ns, int32_t* error_dev,
                cudaStream_t stream = nullptr);
+
+// One span of bytes between device memory and mapped host memory (the device-side address of
+// host memory registered or allocated mapped: cudaHostGetDevicePointer). bytes: a multiple of 4,
+// both addresses 4-byte aligned.
+struct HostSpan {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+};
+inline constexpr int kMaxHostSpans = 3;
+
+// The spans (device -> mapped host memory) written by the device itself, then flag = *seq_dev
+// raised once they are visible to the host: one launch where signal_host needs a memcpy node per
+// span before it (each a few us in a graph, serialized with the kernels).
+void publish_to_host(const HostSpan* spans, int n_spans, uint64_t* flag, const uint64_t* seq_dev,
+                     cudaStream_t stream = nullptr);
+
+// wait_host, then the spans (mapped host memory -> device) read by the device itself: one launch
+// where wait_host needs a memcpy node per span after it. A timeout sets *error_dev and copies
+// nothing (the step is void).
+void fetch_from_host(const uint64_t* flag, const uint64_t* seq_dev, uint64_t timeout_ns, int32_t* error_dev,
+                     const HostSpan* spans, int n_spans, cudaStream_t stream = nullptr);
 
 }  // namespace moraine::cuda

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -12,6 +13,8 @@ namespace {
 // same captured launch serves every step.
 __global__ void kv_store_kernel(const float* __restrict__ src, float* __restrict__ cache, int64_t rows,
                                 int64_t row_floats, const int32_t* __restrict__ pos0_dev, int64_t max_pos) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * row_floats) return;
   const int64_t pos0 = *pos0_dev;
@@ -30,9 +33,8 @@ void kv_store_at(const float* src, float* cache, int64_t rows, int64_t row_float
                                 " (need positive rows and row_floats, max_pos >= rows, a position pointer)");
   const int64_t total = rows * row_floats;
   constexpr int kThreads = 256;
-  kv_store_kernel<<<static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      src, cache, rows, row_floats, pos0_dev, max_pos);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(kv_store_kernel, dim3(static_cast<unsigned>((total + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream,
+                src, cache, rows, row_floats, pos0_dev, max_pos);
 }
 
 }  // namespace moraine::cuda

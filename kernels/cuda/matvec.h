@@ -29,6 +29,15 @@ bool matvec_supported(TensorType weight);
 // accumulate: add each dot into y (y[r] = y[r] + dot, one rounded float addition) instead of
 // storing it, bit-identical to the plain matvec followed by residual_add(y, out) (so an output
 // projection can add straight into the residual stream; tests/cuda/matvec_accumulate_test.cpp).
+// weights_from_previous_kernel: launched with programmatic dependent launch (launch.h), the
+// kernel starts its first weight loads before it waits for the previous kernel in the stream
+// (model weights are written once, long before), so the HBM latency overlaps that kernel's
+// tail. Set it when the kernel right before this one in the stream writes the weights; with
+// expert_ids the kernel always waits first (the ids select the weights).
+// Not used by the kernel now: the PDL + shared-memory-staged matvec of 2026-11-30 (qkv 7.7 -> 5.2
+// us, LM head 118 -> 83 us) gave the group's kmix models (Q4_K o projection, Q8_0 q/k, Q6_K v)
+// logits 0.077 of max away from the reference on the H200 while its own tests passed; it was
+// taken back whole and the matvec launches plainly until that is found (closing note, session 5).
 struct MatvecBatch {
   int count = 1;
   int64_t weight_stride_bytes = 0;
@@ -36,6 +45,7 @@ struct MatvecBatch {
   int64_t out_stride = 0;
   const int32_t* expert_ids = nullptr;
   bool accumulate = false;
+  bool weights_from_previous_kernel = false;
 };
 
 // Throws std::invalid_argument naming the problem for an unsupported type, a bad shape or a

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -12,6 +13,8 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
                                    const float* __restrict__ host_rows, const int32_t* __restrict__ host_row_of,
                                    const float* __restrict__ weight, const float* __restrict__ shared,
                                    const float* __restrict__ gate_logit, int64_t k, int64_t d) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t t = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d) return;
@@ -47,8 +50,8 @@ void moe_combine_mixed(float* x, const float* slots, const float* host_rows, con
                                 "given or both null)");
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads), static_cast<unsigned>(n));
-  moe_combine_kernel<<<grid, kThreads, 0, stream>>>(x, slots, host_rows, host_row_of, weight, shared, gate_logit, k, d);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(moe_combine_kernel, grid, dim3(kThreads), 0, stream, x, slots, host_rows, host_row_of, weight, shared,
+                gate_logit, k, d);
 }
 
 }  // namespace moraine::cuda

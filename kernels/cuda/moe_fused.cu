@@ -15,6 +15,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_formats.cuh"
 #include "kernels/cuda/quantize_block.cuh"
@@ -84,6 +85,7 @@ struct Params {
   bool k1_quantizes_h;
   int tile_rows_d;  // moe_down_tile_kernel: n_embd rows per CTA
   int stages_a;     // kernel 1 row buffers (1 or 2)
+  int stages_b;     // moe_down_units_kernel row buffers per warp (1 or 2)
   bool vec_loads;   // Q4_K / Q8_0 dots with 16-byte activation loads (MoeLayerWeights::Tuning)
 };
 
@@ -413,6 +415,7 @@ __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t* dst, 
 __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
+  wait_for_previous_kernel();  // a no-op unless launched programmatically (Tuning::gate_up_programmatic_launch)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tile_rows = kWarps * p.rows_a;
   const int row0 = blockIdx.x * tile_rows + warp * p.rows_a;  // this warp's rows: row0 .. row0 + rows_a - 1
@@ -740,6 +743,293 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params
   }
 }
 
+// The slots naming expert e, ascending, 32 at a time: fn(slot) in every lane of the warp (a
+// warp's own scan of st.chosen, so the warp-unit kernels need no CTA barrier per expert).
+template <class Fn>
+__device__ __forceinline__ void for_each_slot_of(const Params& p, const SlotTables& st, int e, int lane, Fn fn) {
+  for (int c0 = 0; c0 < p.n_slots; c0 += 32) {
+    unsigned m = __ballot_sync(0xffffffffu, c0 + lane < p.n_slots && st.chosen[c0 + lane] == e);
+    while (m != 0) {
+      const int slot = c0 + __ffs(m) - 1;
+      m &= m - 1;
+      fn(slot);
+    }
+  }
+}
+
+// Unit `it` of this warp in the warp-unit kernels: units are dealt round-robin over the CTAs
+// first, so every CTA (and so every SM of a one-wave grid) gets the same number +-1 whatever the
+// expert count; the tiled grid gave 60 of 132 SMs two 32-row tiles and the rest one (30B-A3B,
+// one token: 8 experts x 24 tiles = 192 CTAs).
+__device__ __forceinline__ int unit_of_warp(int warp, int it) {
+  return static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) * (warp + kWarps * it);
+}
+
+// Kernel 1, warp-unit form (Tuning::gate_up_warp_units): unit = (leader d, rows_a gate/up row
+// pairs); a warp stages its unit's rows with cp.async (stages_a units in flight), dots them
+// against every token routed to the expert (the same dots and h expression as
+// moe_gate_up_kernel), and, when kernel 1 quantizes h, counts the unit on the (expert, h block)
+// counter: the warp that completes a block quantizes it. Only one CTA barrier (x published).
+__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  __shared__ SlotTables st;
+  wait_for_previous_kernel();  // a no-op unless launched programmatically (Tuning::gate_up_programmatic_launch)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
+  uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
+  const int pair_words = p.gate_seg_words + p.up_seg_words;
+  const int unit_words = p.rows_a * pair_words;
+  uint4* const ring = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
+                      warp * p.stages_a * unit_words;
+  const int n_leaders = find_leaders(p, st);
+  const int units_per_expert = p.n_ff / p.rows_a;  // rows_a divides the h block, which divides n_ff
+  const int n_units = n_leaders * units_per_expert;
+  auto issue = [&](int it) {  // this warp's unit `it`, in flight (an empty group past the last)
+    const int u = unit_of_warp(warp, it);
+    if (u < n_units) {
+      const int e = st.chosen[st.leader[u / units_per_expert]];
+      const int row0 = (u % units_per_expert) * p.rows_a;
+      const uint8_t* g = expert_tensor(p, 0, e);
+      const uint8_t* up = expert_tensor(p, 1, e);
+      uint4* stage = ring + (it % p.stages_a) * unit_words;
+      for (int j = 0; j < p.rows_a; ++j) {
+        const int64_t row = row0 + j;
+        stage_row_async(g + row * p.gate_row_bytes, p.gate_row_bytes, stage + j * pair_words, lane);
+        stage_row_async(up + row * p.up_row_bytes, p.up_row_bytes, stage + j * pair_words + p.gate_seg_words, lane);
+      }
+    }
+    __pipeline_commit();
+  };
+  for (int s = 0; s < p.stages_a; ++s) issue(s);
+  allow_next_kernel();
+  {  // x of every token, quantized as the scalar reference's pack_activations does
+    const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
+    for (int u = warp; u < p.n_tokens * bg; u += kWarps)
+      quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
+    if (!same_x) {
+      const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
+      for (int u = warp; u < p.n_tokens * bu; u += kWarps)
+        quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+    }
+  }
+  __syncthreads();  // x published; from here on every warp runs on its own
+  const int h_block_rows = p.h_q8k ? kQK_K : kQK;
+  const int h_blocks = p.n_ff / h_block_rows;
+  const int lanes = lanes_per_row(p.n_embd / format_block_elems(p.gate_type));
+  const int pairs = 32 / lanes / 2;  // gate/up row pairs per dot_rows call
+  const bool by_rows = p.dots_by_rows && p.gate_type == p.up_type && pairs >= 1;
+  for (int it = 0; unit_of_warp(warp, it) < n_units; ++it) {
+    if (p.stages_a > 1) {
+      __pipeline_wait_prior(1);  // unit it's group; it + 1's may still fly
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncwarp();
+    const int u = unit_of_warp(warp, it);
+    const int leader = st.leader[u / units_per_expert];
+    const int e = st.chosen[leader];
+    const int row0 = (u % units_per_expert) * p.rows_a;
+    const uint4* stage = ring + (it % p.stages_a) * unit_words;
+    const uint8_t* g_base = expert_tensor(p, 0, e);
+    const uint8_t* u_base = expert_tensor(p, 1, e);
+    for_each_slot_of(p, st, e, lane, [&](int slot) {
+      const int t = slot / p.k;
+      float* h_row = p.h + static_cast<int64_t>(slot) * p.n_ff + row0;
+      for (int j0 = 0; by_rows && j0 < p.rows_a; j0 += pairs) {
+        const int np = min(pairs, p.rows_a - j0);
+        auto row_of = [&](int c) {
+          const int j = j0 + c / 2;
+          const int64_t row = row0 + j;
+          return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
+                            : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+        };
+        const uint8_t* xt = xg + t * p.xg_stride;
+        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
+        const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
+        const int c = lane / lanes;
+        // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+        if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np)
+          h_row[j0 + c / 2] = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), uv);
+      }
+      for (int j = 0; !by_rows && j < p.rows_a; ++j) {
+        const int64_t row = row0 + j;
+        const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
+        const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
+        const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
+        if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
+      }
+    });
+    __syncwarp();                  // every lane is done with the buffer
+    issue(it + p.stages_a);        // this warp's next unit flies meanwhile
+    if (!p.k1_quantizes_h) continue;
+    // This unit's h rows are done for expert e: the unit completing its activation block quantizes it.
+    __threadfence();
+    __syncwarp();
+    const int h_block = row0 / h_block_rows;
+    int* counter = p.count_a + leader * h_blocks + h_block;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(counter, 1) == h_block_rows / p.rows_a - 1;
+    if (__shfl_sync(0xffffffffu, last, 0) == 0) continue;
+    __threadfence();
+    for_each_slot_of(p, st, e, lane, [&](int slot) {
+      quantize_block(p.h_q8k, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block, p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
+    });
+    if (lane == 0) *counter = 0;  // the workspace is left zeroed for the next call
+  }
+}
+
+// A whole row of h (n_ff floats, global memory written by kernel 1) quantized by one warp into
+// dst (padded Q8_K or Q8_0 blocks), as quantize_block does block by block, but with the loads of
+// up to kBatch blocks issued before any is reduced: one L2 round trip per batch instead of per
+// block (moe_down_units_kernel with Tuning::down_quantizes_h).
+__device__ void quantize_h_row(const Params& p, const float* src, uint8_t* dst, int lane) {
+  constexpr int kBatch = 4;
+  if (p.h_q8k) {
+    const int blocks = p.n_ff / kQK_K;
+    for (int b0 = 0; b0 < blocks; b0 += kBatch) {
+      float v[kBatch][8];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        float4 lo = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi = lo;
+        if (b0 + i < blocks) {
+          const float4* s = reinterpret_cast<const float4*>(src + (b0 + i) * kQK_K + 8 * lane);
+          lo = __ldcg(s);
+          hi = __ldcg(s + 1);
+        }
+        v[i][0] = lo.x, v[i][1] = lo.y, v[i][2] = lo.z, v[i][3] = lo.w;
+        v[i][4] = hi.x, v[i][5] = hi.y, v[i][6] = hi.z, v[i][7] = hi.w;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        if (b0 + i < blocks)
+          quantize_detail::quantize_q8_k_warp(v[i], *reinterpret_cast<BlockQ8_K*>(dst + (b0 + i) * kQ8KStride + kQ8KOffset), lane);
+    }
+    return;
+  }
+  const int blocks = p.n_ff / kQK;
+  for (int b0 = 0; b0 < blocks; b0 += 4 * kBatch) {
+    float v[4 * kBatch];
+#pragma unroll
+    for (int i = 0; i < 4 * kBatch; ++i) v[i] = b0 + i < blocks ? __ldcg(src + (b0 + i) * kQK + lane) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4 * kBatch; ++i)
+      if (b0 + i < blocks)
+        quantize_detail::quantize_q8_0_llama_warp(v[i], *reinterpret_cast<BlockQ8_0*>(dst + (b0 + i) * kQ80Stride + kQ80Offset), lane);
+  }
+}
+
+// Kernel 2, warp-unit form (Tuning::down_warp_units): unit = (leader d, rows_b rows of n_embd);
+// the warp stages the rows (stages_b units in flight; issued before waiting for kernel 1), then
+// per token routed to the expert copies its quantized h into its own shared buffer (L2 reads
+// with __ldcg, as moe_down_kernel), dots, writes the unweighted row; the unit completing a row
+// chunk over all the experts (count_b) adds the weighted sums of those rows in top-k order.
+__global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  __shared__ SlotTables st;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.rows_b;
+  const int unit_words = R * p.down_seg_words;
+  const int act_words = p.hq_stride / 16;
+  uint4* const act = smem + warp * (p.stages_b * unit_words + act_words);
+  uint4* const ring = act + act_words;
+  const int n_leaders = find_leaders(p, st);
+  const int chunks = p.n_embd / R;  // R divides n_embd (host)
+  const int n_units = n_leaders * chunks;
+  auto issue = [&](int it) {
+    const int u = unit_of_warp(warp, it);
+    if (u < n_units) {
+      const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[u / chunks]]);
+      const int64_t r0 = static_cast<int64_t>(u % chunks) * R;
+      uint4* stage = ring + (it % p.stages_b) * unit_words;
+      for (int j = 0; j < R; ++j)
+        stage_row_async(w + (r0 + j) * p.down_row_bytes, p.down_row_bytes, stage + j * p.down_seg_words, lane);
+    }
+    __pipeline_commit();
+  };
+  for (int s = 0; s < p.stages_b; ++s) issue(s);  // the weights do not depend on kernel 1
+  allow_next_kernel();  // the next kernel may launch now; it still waits for this grid's completion
+  wait_for_previous_kernel();
+  const int lanes = lanes_per_row(p.n_ff / format_block_elems(p.down_type));
+  const int per_call = p.dots_by_rows ? 32 / lanes : 1;
+  const uint8_t* ht = reinterpret_cast<const uint8_t*>(act);
+  // Rows r0 .. r0 + R - 1 of every token's weighted sum, from the slots' rows in L2.
+  auto add_weighted_sums = [&](int r0) {
+    for (int i = lane; p.sum != nullptr && i < p.n_tokens * R; i += 32) {
+      const int t = i / R, r = r0 + i % R;
+      float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
+      for (int s0 = 0; s0 < p.k; s0 += 8) {  // eight slots' loads in flight, then added in order
+        float wv[8], yv[8];
+        bool use[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int slot = t * p.k + s0 + q;
+          use[q] = s0 + q < p.k && expert_present(p, st.chosen[slot]);
+          wv[q] = use[q] ? p.weight[slot] : 0.0f;
+          yv[q] = use[q] ? __ldcg(slot_output_row(p, slot) + r) : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (use[q]) acc = __fadd_rn(acc, __fmul_rn(wv[q], yv[q]));
+      }
+      float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + r;
+      *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+    }
+  };
+  for (int it = 0; unit_of_warp(warp, it) < n_units; ++it) {
+    if (p.stages_b > 1) {
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncwarp();
+    const int u = unit_of_warp(warp, it);
+    const int e = st.chosen[st.leader[u / chunks]];
+    const int chunk = u % chunks;
+    const int r0 = chunk * R;
+    const uint4* stage = ring + (it % p.stages_b) * unit_words;
+    const uint8_t* d_base = expert_tensor(p, 2, e);
+    for_each_slot_of(p, st, e, lane, [&](int slot) {
+      if (p.k1_quantizes_h) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.hq + static_cast<int64_t>(slot) * p.hq_stride);
+        for (int i = lane; i < act_words; i += 32) act[i] = __ldcg(src + i);
+      } else {
+        quantize_h_row(p, p.h + static_cast<int64_t>(slot) * p.n_ff, reinterpret_cast<uint8_t*>(act), lane);
+      }
+      __syncwarp();
+      float* y_row = slot_output_row(p, slot) + r0;
+      for (int j0 = 0; p.dots_by_rows && j0 < R; j0 += per_call) {
+        const int nr = min(per_call, R - j0);
+        auto row_of = [&](int r) {
+          return staged(stage + (j0 + r) * p.down_seg_words, d_base + static_cast<int64_t>(r0 + j0 + r) * p.down_row_bytes);
+        };
+        const float y = dot_rows(p.down_type, row_of, [&](int) { return ht; }, nr, p.n_ff, lane, p.vec_loads);
+        if (lane % lanes == 0 && lane / lanes < nr) y_row[j0 + lane / lanes] = y;
+      }
+      for (int j = 0; !p.dots_by_rows && j < R; ++j) {
+        const uint8_t* row = staged(stage + j * p.down_seg_words, d_base + static_cast<int64_t>(r0 + j) * p.down_row_bytes);
+        const float y = dot_staged(p.down_type, row, p.n_ff, ht, lane, p.vec_loads);
+        if (lane == 0) y_row[j] = y;
+      }
+      __syncwarp();  // act is rewritten for the next slot
+    });
+    issue(it + p.stages_b);
+    // Every expert's unit of this row chunk counts once; the last one adds the weighted sums.
+    __threadfence();
+    __syncwarp();
+    int* counter = p.count_b + chunk;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(counter, 1) == n_leaders - 1;
+    if (__shfl_sync(0xffffffffu, last, 0) == 0) continue;
+    __threadfence();
+    add_weighted_sums(r0);
+    if (lane == 0) *counter = 0;
+  }
+  // No expert present at all: no units; the sums are still written (0, or the residual + 0).
+  for (int it = 0; n_leaders == 0 && unit_of_warp(warp, it) < chunks; ++it) add_weighted_sums(unit_of_warp(warp, it) * R);
+}
+
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // lanes_per_row on the host.
@@ -776,7 +1066,8 @@ WorkspaceLayout workspace_layout(const MoeLayerWeights& w, int64_t slots) {
     return here;
   };
   l.count_a = take(sizeof(int) * static_cast<size_t>(kMaxSlots * h_blocks));
-  l.count_b = take(sizeof(int) * static_cast<size_t>((w.n_embd + kWarps - 1) / kWarps));  // tiles of the smallest size
+  // Row tiles of the smallest size: kWarps rows (moe_down_kernel), 8 (moe_down_units_kernel).
+  l.count_b = take(sizeof(int) * static_cast<size_t>((w.n_embd + 7) / 8));
   l.h = take(sizeof(float) * static_cast<size_t>(slots * w.n_ff));
   l.hq = take(static_cast<size_t>(slots * act_stride(h_act, w.n_ff)));
   l.slot_out = take(sizeof(float) * static_cast<size_t>(slots * w.n_embd));
@@ -810,13 +1101,16 @@ DeviceInfo device_info() {
 }
 
 // Raises a kernel's dynamic shared-memory limit when needed (once per kernel, device and size).
+// From the first launch on, not only past 48 KB: the kernels' static SlotTables count against the
+// 48 KB a kernel gets without the attribute, so 47 KB of dynamic memory failed to launch
+// (cudaErrorInvalidValue, the golden k256 models' down kernel, H200 2026-11-30).
 template <int kKernel>
 void ensure_smem(const void* kernel, int device, int64_t bytes) {
   thread_local int raised_device = -1;
   thread_local int64_t raised = 0;
   if (device != raised_device) {
     raised_device = device;
-    raised = 48 * 1024;
+    raised = -1;
   }
   if (bytes > raised) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
@@ -984,7 +1278,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   // CTA's loads); else per expert.
   int tile_rows_d = 0;
   int64_t smem_d = 0;
-  if (tune.down != MoeLayerWeights::Tuning::Down::kPerExpert) {
+  if (tune.down != MoeLayerWeights::Tuning::Down::kPerExpert && !tune.down_warp_units) {
     const int64_t leaders = std::min<int64_t>(n_slots, w.n_expert);
     const int64_t static_smem = static_cast<int64_t>(sizeof(SlotTables)) + int64_t{kMaxSlots} * 11;
     const int candidates[3] = {tune.down_tile_rows > 0 ? tune.down_tile_rows : 16, 8, 0};
@@ -1030,12 +1324,84 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   if (tune.gate_up_cta_per_expert) plan_a.groups = static_cast<int>(std::min<int64_t>(n_slots, w.n_expert));
   p.rows_a = plan_a.rows_per_warp;
   p.rows_b = plan_b.rows_per_warp;
-  ensure_smem<0>(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
-  ensure_smem<1>(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan_b.smem);
+  p.stages_b = 1;
 
-  const dim3 grid_a(static_cast<unsigned>(plan_a.tiles), static_cast<unsigned>(plan_a.groups));
-  moe_gate_up_kernel<<<grid_a, kThreads, static_cast<size_t>(plan_a.smem), stream>>>(p);
-  CUDA_CHECK(cudaGetLastError());
+  // Warp-unit forms: a grid of one wave (the CTAs per SM their shared memory allows, at most 2),
+  // at most a CTA per unit; 0 where the buffers do not fit (the tiled kernel runs).
+  const int64_t leaders_max = std::min<int64_t>(n_slots, w.n_expert);
+  auto units_grid = [&](int64_t smem, int64_t max_units) -> int {
+    const int64_t need = smem + static_cast<int64_t>(sizeof(SlotTables));
+    if (need > dev.smem_optin) return 0;
+    const int64_t per_sm = std::min<int64_t>(tune.units_ctas_per_sm == 1 ? 1 : 2, dev.smem_per_sm / (need + 1024));
+    // Two CTAs (32 warps) per SM or the tiled kernel, unless one was asked for: every one-CTA
+    // form measured slower than the tiled kernels (H200, 2026-11-30: 30B-A3B Q8_0's down units
+    // at 128 KB per CTA 38.6 / 219 us at 1 / 8 tokens against 37.6 / 207 with the tiled down
+    // kernel; two row buffers per warp, which halve the CTAs, 25.7 against 22.1 us at Q4_K).
+    if (per_sm < (tune.units_ctas_per_sm == 1 ? 1 : 2)) return 0;
+    // A whole wave even when fewer warps would hold the units: the units are dealt over the CTAs
+    // first, so each SM gets its share (192 CTAs of 16 warps for 30B-A3B's 3072 gate/up units at
+    // one token would again put two CTAs' work on 60 SMs and one on the rest).
+    return static_cast<int>(std::clamp<int64_t>(max_units, 1, per_sm * dev.sms));
+  };
+  int grid_units_a = 0, grid_units_b = 0;
+  int64_t smem_units_a = 0, smem_units_b = 0;
+  if (tune.gate_up_warp_units) {
+    // Pairs per unit: one dot_rows call's worth by default; they must divide the h block (the
+    // unit's counter is per block).
+    int pairs = tune.gate_up_rows_per_warp > 0 ? tune.gate_up_rows_per_warp : std::max(1, rows_per_call_a / 2);
+    while (pairs > 1 && type_traits(h_act).block_elems % pairs != 0) pairs /= 2;
+    for (int stages = p.stages_a; stages >= 1 && grid_units_a == 0; --stages) {
+      const int64_t smem = int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)) +
+                           int64_t{kWarps} * stages * pairs * (p.gate_seg_words + p.up_seg_words) * 16;
+      grid_units_a = units_grid(smem, leaders_max * (w.n_ff / pairs));
+      if (grid_units_a > 0) {
+        smem_units_a = smem;
+        p.rows_a = pairs;
+        p.stages_a = stages;
+      }
+    }
+  }
+  if (tune.down_warp_units) {
+    // Rows per unit: a dot_rows call's worth, at least 8 (the counters' granularity) and at most 32.
+    const int first = static_cast<int>(std::clamp(p.dots_by_rows ? rows_per_call_b : 1, 8, 32));
+    for (int r : {first, 8}) {
+      for (int stages = std::clamp(tune.down_stages, 1, 2); stages >= 1 && grid_units_b == 0; --stages) {
+        if (w.n_embd % r != 0) break;
+        const int64_t smem = int64_t{kWarps} * (int64_t{stages} * r * p.down_seg_words * 16 + p.hq_stride);
+        grid_units_b = units_grid(smem, leaders_max * (w.n_embd / r));
+        if (grid_units_b > 0) {
+          smem_units_b = smem;
+          p.rows_b = r;
+          p.stages_b = stages;
+        }
+      }
+    }
+  }
+  // The warp-unit down kernel reads kernel 1's quantized h, or quantizes h itself per unit.
+  if (grid_units_b > 0) p.k1_quantizes_h = !tune.down_quantizes_h;
+
+  // Programmatic launches where the device has them (sm_90+) and launch.h's switch is on.
+  const bool pdl = dev.cc_major >= 9 && programmatic_launch_enabled();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg_a{};
+  cfg_a.blockDim = dim3(kThreads);
+  cfg_a.stream = stream;
+  cfg_a.attrs = attr;
+  cfg_a.numAttrs = pdl && tune.gate_up_programmatic_launch ? 1 : 0;
+  if (grid_units_a > 0) {
+    ensure_smem<3>(reinterpret_cast<const void*>(moe_gate_up_units_kernel), dev.device, smem_units_a);
+    cfg_a.gridDim = dim3(static_cast<unsigned>(grid_units_a));
+    cfg_a.dynamicSmemBytes = static_cast<size_t>(smem_units_a);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg_a, moe_gate_up_units_kernel, p));
+  } else {
+    ensure_smem<0>(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
+    cfg_a.gridDim = dim3(static_cast<unsigned>(plan_a.tiles), static_cast<unsigned>(plan_a.groups));
+    cfg_a.dynamicSmemBytes = static_cast<size_t>(plan_a.smem);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg_a, moe_gate_up_kernel, p));
+  }
+  ensure_smem<1>(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan_b.smem);
   if (tile_rows_d > 0) ensure_smem<2>(reinterpret_cast<const void*>(moe_down_tile_kernel), dev.device, smem_d);
   // Kernel 2 as a programmatic dependent launch where the device has it (sm_90+): its CTAs start
   // as kernel 1's leave room, fetch their down rows, and wait for kernel 1 inside.
@@ -1044,11 +1410,15 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(plan_b.smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = dev.cc_major >= 9 && tune.programmatic_launch ? 1 : 0;
+  cfg.numAttrs = pdl && tune.programmatic_launch ? 1 : 0;
+  if (grid_units_b > 0) {
+    ensure_smem<4>(reinterpret_cast<const void*>(moe_down_units_kernel), dev.device, smem_units_b);
+    cfg.gridDim = dim3(static_cast<unsigned>(grid_units_b));
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem_units_b);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_units_kernel, p));
+    return;
+  }
   if (tile_rows_d > 0) {
     cfg.gridDim = dim3(static_cast<unsigned>((w.n_embd + tile_rows_d - 1) / tile_rows_d));
     cfg.dynamicSmemBytes = static_cast<size_t>(smem_d);

@@ -76,6 +76,25 @@
 //  (every form; memcheck clean) but have no timing yet: the bench's "auto" rows against
 //  "expert-novec" (the previous default) measure them; MoeLayerWeights::Tuning's defaults are
 //  the switch if they lose.
+//  Warp-unit kernels (Tuning::gate_up_warp_units, down_warp_units, the default; moe_fused.cu
+//  moe_gate_up_units_kernel / moe_down_units_kernel): the same dots, staging, h expression,
+//  counters and top-k-order sums, but the grid is one wave of CTAs and the work is cut into
+//  units of (expert, a dot_rows call's rows) dealt round-robin over the CTAs first, then their
+//  warps; each warp stages, dots and counts its own units with no CTA barrier after the start.
+//  Hypotheses: (a) balance: the tiled kernel 1 at one token (30B-A3B: 8 experts x 24 tiles =
+//  192 CTAs on 132 SMs) gives 60 SMs two tiles and 72 one (148 KB of rows where the average is
+//  107 KB); (b) no CTA-wide waits for the slowest warp; (c) at 8 tokens a warp holds its next
+//  unit in flight while it dots (stages 2); (d) one CTA per SM leaves room for a down CTA that
+//  fetches its rows while kernel 1 runs. Measured (H200, graph, us per layer, 1 / 8 tokens):
+//  (a)+(b) give 4-10% (30B-A3B Q4_K 23.5 -> 22.1 / 108.6 -> 106.0; Qwen3-Next Q4_K 24.7 ->
+//  22.1 / 107.2 -> 102.0, Q8_0 34.7 -> 33.7 / 189.0 -> 179.2; 30B-A3B Q8_0 with gate/up units
+//  37.9 -> 37.6 / 221.6 -> 206.6), far from the read bandwidth's ~5 us; (c) and (d) lose
+//  (25.7 and 25.5 / 30.2 us at 30B Q4_K one token): everything that halves the warps per SM
+//  loses ~3.5 us even with all rows in flight from the start, and one pair per unit (twice the
+//  units, half-filled dot_rows calls) 27.6. So the time is not the transfer and not the grid's
+//  balance; per-warp latency chains (rows, dot, h store + fence + atomic, quantize; in kernel 2
+//  h copy, dot, y store + fence + atomic, sums) and how many warps overlap them decide it. Not
+//  profiled yet (ncu of the units kernels is the next step).
 //
 // Memory contract: weight rows are read as aligned 16-byte words (as matvec.h), so each
 // expert's gate/up/down tensor must start 16-byte aligned and be readable up to the next
@@ -146,6 +165,37 @@ struct MoeLayerWeights {
     // The down kernel as a programmatic dependent launch on sm_90+ (false: a plain launch after
     // kernel 1; for measuring what the overlap gives).
     bool programmatic_launch = true;
+    // Warp-unit forms (moe_fused.cu: moe_gate_up_units_kernel, moe_down_units_kernel): a grid of
+    // one wave of CTAs whose warps each take (expert, few rows) units in turn, spread evenly over
+    // the SMs, every warp on its own after the start (its own row buffers, its own completion
+    // counter: no CTA barrier waits for the slowest warp). false: the tiled kernels above.
+    // gate_up_warp_units uses gate_up_rows_per_warp as the pairs per unit (0: one dot_rows
+    // call's worth) and gate_up_stages as the units in flight per warp; down_warp_units uses
+    // down_stages likewise, implies h quantized by kernel 1 (the per-expert bookkeeping) and
+    // ignores `down`. Each is used only where two CTAs fit on an SM (units_ctas_per_sm says
+    // otherwise), else the tiled form runs: 30B-A3B Q8_0's down units need 128 KB per CTA.
+    // Default on: H200, moraine-kernel-bench cuda --moe-only, graph, us per layer at 1 / 8 tokens,
+    // tiled (the previous default) -> warp units in both kernels: 30B-A3B Q4_K 23.5 -> 22.1 /
+    // 108.6 -> 106.0; Qwen3-Next Q4_K 24.7 -> 22.1 / 107.2 -> 102.0, Q8_0 34.7 -> 33.7 /
+    // 189.0 -> 179.2; 30B-A3B Q8_0 (gate/up units, tiled down) 37.9 -> 37.6 / 221.6 -> 206.6.
+    bool gate_up_warp_units = false;
+    bool down_warp_units = false;
+    int down_stages = 1;  // 1 or 2
+    // CTAs per SM of the warp-unit grids: 0 (or 2) two, and the tiled kernel where two do not
+    // fit; 1 one, which leaves room beside each kernel-1 CTA for a down CTA that fetches its
+    // rows while kernel 1 still runs, but measured slower (30B-A3B Q4_K, 1 token: 25.5 us
+    // against 22.1 with two): the warps per SM matter more.
+    int units_ctas_per_sm = 0;
+    // Kernel 1 as a programmatic dependent launch too (sm_90+, and launch.h's process switch on):
+    // its launch overlaps the previous kernel's tail; its threads wait for that kernel before
+    // reading anything (kernels/cuda/launch.h's contract). Measured with the bench's own
+    // back-to-back calls only (the predecessor is the previous call's down kernel): Qwen3-Next
+    // Q4_K 1 token 22.1 -> 21.6 us, the other rows within +-0.5 us.
+    bool gate_up_programmatic_launch = false;
+    // With down_warp_units: the down kernel quantizes each of its units' h rows itself (a few
+    // warp reductions per unit and token) and kernel 1 ends after writing the F32 h, without the
+    // fence, counter and block quantization on its critical path.
+    bool down_quantizes_h = false;
   };
   Tuning tuning;
 };

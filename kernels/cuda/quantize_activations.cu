@@ -8,6 +8,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/quantize_block.cuh"
 
 namespace moraine::cuda {
@@ -18,6 +19,8 @@ constexpr int kWarpsPerCta = 8;
 // One warp per 32-element block, one element per lane.
 __global__ void quantize_q8_0_kernel(const float* __restrict__ x, BlockQ8_0* __restrict__ out,
                                      int64_t nblocks) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (b >= nblocks) return;  // whole warps leave together: b is uniform per warp
   const int lane = threadIdx.x % 32;
@@ -27,6 +30,8 @@ __global__ void quantize_q8_0_kernel(const float* __restrict__ x, BlockQ8_0* __r
 // One warp per 256-element block, 8 consecutive elements per lane.
 __global__ void quantize_q8_k_kernel(const float* __restrict__ x, BlockQ8_K* __restrict__ out,
                                      int64_t nblocks) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (b >= nblocks) return;
   const int lane = threadIdx.x % 32;
@@ -51,11 +56,12 @@ void quantize_activations(TensorType act_type, const float* x, void* out, int64_
   const int64_t nblocks = n / block * rows;
   const unsigned grid = static_cast<unsigned>((nblocks + kWarpsPerCta - 1) / kWarpsPerCta);
   if (act_type == TensorType::Q8_0) {
-    quantize_q8_0_kernel<<<grid, 32 * kWarpsPerCta, 0, stream>>>(x, static_cast<BlockQ8_0*>(out), nblocks);
+    launch_kernel(quantize_q8_0_kernel, dim3(grid), dim3(32 * kWarpsPerCta), 0, stream, x, static_cast<BlockQ8_0*>(out),
+                  nblocks);
   } else {
-    quantize_q8_k_kernel<<<grid, 32 * kWarpsPerCta, 0, stream>>>(x, static_cast<BlockQ8_K*>(out), nblocks);
+    launch_kernel(quantize_q8_k_kernel, dim3(grid), dim3(32 * kWarpsPerCta), 0, stream, x, static_cast<BlockQ8_K*>(out),
+                  nblocks);
   }
-  CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moraine::cuda

@@ -7,6 +7,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/quantize_activations.h"
 
 namespace moraine::cuda {
@@ -26,6 +27,8 @@ __device__ __forceinline__ int8_t to_int8_like_packs(float v) {
 // One warp per 32-element block, one element per lane.
 __global__ void quantize_q8_0_llama_kernel(const float* __restrict__ x, BlockQ8_0* __restrict__ out,
                                            int64_t nblocks) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (b >= nblocks) return;
   const int lane = threadIdx.x % 32;
@@ -47,8 +50,8 @@ void quantize_activations_llama(TensorType act_type, const float* x, void* out, 
                                 std::to_string(rows) + " (n must be a positive multiple of 32 for q8_0)");
   const int64_t nblocks = n / kQK * rows;
   const unsigned grid = static_cast<unsigned>((nblocks + kWarpsPerCta - 1) / kWarpsPerCta);
-  quantize_q8_0_llama_kernel<<<grid, 32 * kWarpsPerCta, 0, stream>>>(x, static_cast<BlockQ8_0*>(out), nblocks);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(quantize_q8_0_llama_kernel, dim3(grid), dim3(32 * kWarpsPerCta), 0, stream, x,
+                static_cast<BlockQ8_0*>(out), nblocks);
 }
 
 }  // namespace moraine::cuda

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -15,6 +16,8 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* __restrict__ w, float* out, int64_t n, float eps) {
   __shared__ double partial[kThreads / 32];
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const float* xr = x + blockIdx.x * n;
   float* orow = out + blockIdx.x * n;
   double ss = 0.0;
@@ -43,8 +46,7 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, int64_t row
   if (n <= 0 || rows <= 0 || rows > 0x7fffffff)
     throw std::invalid_argument("rms_norm: n=" + std::to_string(n) + ", rows=" + std::to_string(rows) +
                                 " (both must be positive, rows below 2^31)");
-  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, w, out, n, eps);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, x, w, out, n, eps);
 }
 
 }  // namespace moraine::cuda

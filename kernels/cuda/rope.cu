@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -13,6 +14,8 @@ namespace {
 __global__ void rope_neox_kernel(float* x, int64_t rows, int64_t n_heads, int64_t row_stride,
                                  int64_t head_stride, int64_t n_rot, int64_t pos0, const int32_t* pos0_dev,
                                  double freq_base) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t half = n_rot / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * n_heads * half) return;
@@ -48,9 +51,8 @@ void launch(float* x, int64_t rows, int64_t n_heads, int64_t row_stride, int64_t
             int64_t pos0, const int32_t* pos0_dev, double freq_base, cudaStream_t stream) {
   const int64_t total = rows * n_heads * (n_rot / 2);
   constexpr int kThreads = 256;
-  rope_neox_kernel<<<static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      x, rows, n_heads, row_stride, head_stride, n_rot, pos0, pos0_dev, freq_base);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(rope_neox_kernel, dim3(static_cast<unsigned>((total + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream,
+                x, rows, n_heads, row_stride, head_stride, n_rot, pos0, pos0_dev, freq_base);
 }
 
 }  // namespace

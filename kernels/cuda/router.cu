@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/route_warp.cuh"
 
 namespace moraine::cuda {
@@ -16,9 +17,16 @@ constexpr int kWarpsPerCta = 4;
 __global__ void route_kernel(const float* __restrict__ logits, int64_t n, int64_t ne, int64_t k, bool renorm,
                              int32_t* __restrict__ chosen, float* __restrict__ weight) {
   extern __shared__ float prob_all[];
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
   if (t >= n) return;
+  if (ne <= 128) {  // every Qwen3 MoE (128 experts) and smaller: probabilities in registers
+    route_detail::route_token_warp_regs<4>(logits + t * ne, static_cast<int>(ne), static_cast<int>(k), renorm,
+                                           chosen + t * k, weight + t * k, lane);
+    return;
+  }
   route_detail::route_token_warp(logits + t * ne, prob_all + warp * ne, ne, k, renorm, chosen + t * k, weight + t * k,
                                  lane);
 }
@@ -32,9 +40,11 @@ void route_softmax_top_k(const float* logits, int64_t n, int64_t n_expert, int64
                                 std::to_string(n_expert) + ", k=" + std::to_string(k) +
                                 " (need n > 0, n_expert in 1..4096, k in 1..min(n_expert, 64))");
   const size_t smem = static_cast<size_t>(kWarpsPerCta * n_expert) * sizeof(float);
-  route_kernel<<<static_cast<unsigned>((n + kWarpsPerCta - 1) / kWarpsPerCta), 32 * kWarpsPerCta, smem, stream>>>(
-      logits, n, n_expert, k, renormalize, chosen, weight);
-  CUDA_CHECK(cudaGetLastError());
+  // Above 3072 experts the table passes the 48 KB a launch gets without opting in (64 KB at 4096).
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  launch_kernel(route_kernel, dim3(static_cast<unsigned>((n + kWarpsPerCta - 1) / kWarpsPerCta)), dim3(32 * kWarpsPerCta),
+                smem, stream, logits, n, n_expert, k, renormalize, chosen, weight);
 }
 
 }  // namespace moraine::cuda

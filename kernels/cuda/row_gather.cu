@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 
 namespace moraine::cuda {
 namespace {
@@ -13,6 +14,8 @@ namespace {
 template <bool kGather>
 __global__ void row_copy_kernel(const float* __restrict__ src, const int32_t* __restrict__ idx,
                                 float* __restrict__ dst, int64_t d) {
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
   const int64_t r = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= d) return;
@@ -32,8 +35,7 @@ void launch(const float* src, const int32_t* idx, float* dst, int64_t rows, int6
   if (rows == 0) return;
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads), static_cast<unsigned>(rows));
-  row_copy_kernel<kGather><<<grid, kThreads, 0, stream>>>(src, idx, dst, d);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(row_copy_kernel<kGather>, grid, dim3(kThreads), 0, stream, src, idx, dst, d);
 }
 
 }  // namespace

@@ -209,10 +209,12 @@ std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const
 }
 
 std::unique_ptr<gpu_worker::Backend> cuda_backend(const model::Model& m, int max_tokens, int64_t context,
-                                                  const std::vector<std::vector<int32_t>>* device_experts = nullptr) {
+                                                  const std::vector<std::vector<int32_t>>* device_experts = nullptr,
+                                                  bool handoff_zero_copy = true) {
   gpu_worker::BackendOptions o;
   o.max_tokens = max_tokens;
   o.max_context = context;
+  o.handoff_zero_copy = handoff_zero_copy;
   if (device_experts != nullptr) {
     o.all_experts = false;
     o.device_experts = *device_experts;
@@ -250,6 +252,7 @@ class CudaBackendGolden : public ::testing::TestWithParam<Case> {
     prompt_ = read_json(dir_ / "tokens.json").at("ids").get<std::vector<int32_t>>();
     backend_ = cuda_backend(*model_, kMaxTokens, 256);
   }
+  void handoff_equals_layer_by_layer(bool zero_copy);   // HandoffStepEqualsLayerByLayer's body
   fs::path dir_;
   std::unique_ptr<model::Model> model_;
   std::vector<int32_t> prompt_;
@@ -389,9 +392,19 @@ std::vector<float> run_handoff_step(gpu_worker::Backend& b, const model::Model& 
 }
 
 // The hand-off inside one launch gives the layer-by-layer split's logits bit for bit (the same
-// kernels in the same order; only who waits for whom changes), and a hand-off the host abandons
-// (a cpu worker died) ends without a hang; after a reset the backend works again.
+// kernels in the same order; only who waits for whom changes), with the routing and the host's
+// rows moved by the device itself (zero copy, the default) and by memcpy nodes alike, and a
+// hand-off the host abandons (a cpu worker died) ends without a hang; after a reset the backend
+// works again.
 TEST_P(CudaBackendGolden, HandoffStepEqualsLayerByLayer) {
+  for (bool zero_copy : {true, false}) {
+    SCOPED_TRACE(zero_copy ? "zero copy" : "memcpy nodes");
+    handoff_equals_layer_by_layer(zero_copy);
+    if (HasFatalFailure()) return;
+  }
+}
+
+void CudaBackendGolden::handoff_equals_layer_by_layer(bool zero_copy) {
   const model::HParams& hp = model_->hp;
   const int64_t V = hp.n_vocab;
   std::vector<std::vector<int32_t>> even(static_cast<size_t>(hp.n_layer));
@@ -399,7 +412,7 @@ TEST_P(CudaBackendGolden, HandoffStepEqualsLayerByLayer) {
     for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
   HandoffBuffers io(hp, kMaxTokens);
   auto by_layer = cuda_backend(*model_, kMaxTokens, 256, &even);
-  auto handoff = cuda_backend(*model_, kMaxTokens, 256, &even);
+  auto handoff = cuda_backend(*model_, kMaxTokens, 256, &even, zero_copy);
   io.pin(*handoff);
   // The hand-off step computes the device's experts with moe_fused, which takes the quantized
   // formats whose blocks divide the expert shapes: F32 experts and the odd models' (FFN 40 of

@@ -30,11 +30,15 @@
 //  - weighted sum: sum_s |w_s| tol_s (1 + 2u) + 2 gamma(k + 1) sum_s |w_s y_s|.
 // A wrong row, block, expert, token or weight moves results by the size of the values, orders of
 // magnitude above these bounds. Every case runs each form of the kernels (MoeLayerWeights::dots
-// and ::tuning: both down kernels, 16-byte or generic loads, kernel 1's smallest and largest row
-// tiles): the bounds do not depend on the form, since every form adds the same per-block terms.
+// and ::tuning: the tiled and the warp-unit kernels, both tiled down kernels, 16-byte or generic
+// loads, kernel 1's smallest and largest row tiles, one or two units in flight per warp): the
+// bounds do not depend on the form, since every form adds the same per-block terms.
+// Cost: the host side (quantizing the weights, the scalar reference) runs on every core, and
+// only the experts the routing reads get weights of their own (make_kind).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +47,7 @@
 #include <numeric>
 #include <random>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "common/formats/block_layouts.h"
@@ -79,11 +84,46 @@ std::vector<float> scaled_values(std::mt19937& rng, size_t n, float scale) {
   return v;
 }
 
-Kind make_kind(TensorType t, int64_t experts, int64_t rows, int64_t cols, std::mt19937& rng) {
+// fn(0) .. fn(n - 1) spread over the host's cores (the scalar reference and the weight
+// quantization are the test's cost: one thread took > 60 s for the whole file).
+template <class Fn>
+void parallel_for(int64_t n, const Fn& fn) {
+  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 32);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < std::min(threads, n); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
+// Each routed expert's values from its own generator (seeded from the case's stream), so experts
+// can be made in parallel and the data stay fixed for a seed. Quantizing is the test's cost (the
+// K-quant searches: ~0.4 us per element; all 61 experts of the widest case took 37 s), so an
+// expert no token chose gets, instead of values of its own, the rows of a routed expert rotated
+// by one: a kernel that reads it in place of the right expert still gets another row's values.
+Kind make_kind(TensorType t, int64_t experts, int64_t rows, int64_t cols, const std::vector<bool>& routed,
+               std::mt19937& rng) {
   Kind k{t, rows, cols, row_bytes(t, cols), {}};
-  const std::vector<float> v = scaled_values(rng, static_cast<size_t>(experts * rows * cols), 1e-3f);
   k.bytes.resize(k.row_bytes * static_cast<size_t>(experts * rows));
-  for (int64_t r = 0; r < experts * rows; ++r) quantize_row(t, v.data() + r * cols, k.bytes.data() + r * k.row_bytes, cols);
+  std::vector<uint32_t> seeds(static_cast<size_t>(experts));
+  for (uint32_t& s : seeds) s = static_cast<uint32_t>(rng());
+  parallel_for(experts, [&](int64_t e) {
+    if (!routed[static_cast<size_t>(e)]) return;
+    std::mt19937 expert_rng(seeds[static_cast<size_t>(e)]);
+    const std::vector<float> v = scaled_values(expert_rng, static_cast<size_t>(rows * cols), 1e-3f);
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_row(t, v.data() + r * cols, k.bytes.data() + (e * rows + r) * k.row_bytes, cols);
+  });
+  const auto first = std::find(routed.begin(), routed.end(), true);
+  const int64_t donor = first == routed.end() ? -1 : first - routed.begin();
+  for (int64_t e = 0; e < experts && donor >= 0; ++e) {
+    if (routed[static_cast<size_t>(e)]) continue;
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(k.bytes.data() + (e * rows + r) * k.row_bytes, k.row(donor, (r + 1) % rows), k.row_bytes);
+  }
   return k;
 }
 
@@ -171,6 +211,7 @@ struct Case {
   int64_t n_embd, n_ff;
   bool slot_table;  // slot-table mode with every third expert absent, and slot_rows out
   uint32_t seed;
+  bool plain_launches = false;  // every form with both kernels launched plainly (no PDL), as below sm_90
 };
 
 // Host reference for one slot: the expert's output row and its tolerance.
@@ -251,10 +292,6 @@ struct HostCase {
 
 HostCase make_host_case(const Case& c) {
   std::mt19937 rng(c.seed);
-  Kind gate = make_kind(c.gate, c.n_expert, c.n_ff, c.n_embd, rng);
-  Kind up = make_kind(c.up, c.n_expert, c.n_ff, c.n_embd, rng);
-  Kind down = make_kind(c.down, c.n_expert, c.n_embd, c.n_ff, rng);
-  std::vector<float> x = scaled_values(rng, static_cast<size_t>(c.n_tokens * c.n_embd), 1e-1f);
   // Routing: k distinct experts per token in random order, positive weights.
   const int n_slots = c.n_tokens * c.k;
   std::vector<int32_t> chosen(static_cast<size_t>(n_slots));
@@ -272,14 +309,20 @@ HostCase make_host_case(const Case& c) {
   std::vector<bool> present(static_cast<size_t>(c.n_expert), true);
   if (c.slot_table)
     for (int e = 0; e < c.n_expert; e += 3) present[static_cast<size_t>(e)] = false;
+  std::vector<bool> routed(static_cast<size_t>(c.n_expert), false);  // chosen and present: read by the kernel
+  for (const int32_t e : chosen) routed[static_cast<size_t>(e)] = present[static_cast<size_t>(e)];
+  Kind gate = make_kind(c.gate, c.n_expert, c.n_ff, c.n_embd, routed, rng);
+  Kind up = make_kind(c.up, c.n_expert, c.n_ff, c.n_embd, routed, rng);
+  Kind down = make_kind(c.down, c.n_expert, c.n_embd, c.n_ff, routed, rng);
+  std::vector<float> x = scaled_values(rng, static_cast<size_t>(c.n_tokens * c.n_embd), 1e-1f);
 
   // Host reference, once per slot whose expert is present.
   std::vector<SlotRef> ref(static_cast<size_t>(n_slots));
-  for (int i = 0; i < n_slots; ++i) {
+  parallel_for(n_slots, [&](int64_t i) {
     const int e = chosen[static_cast<size_t>(i)];
     if (present[static_cast<size_t>(e)])
       ref[static_cast<size_t>(i)] = reference_slot(gate, up, down, e, x.data() + (i / c.k) * c.n_embd);
-  }
+  });
   return {std::move(gate), std::move(up), std::move(down), std::move(x), std::move(chosen), std::move(weight),
           std::move(present), std::move(ref), rng};
 }
@@ -384,25 +427,52 @@ void run_case(const Case& c) {
     Dots dots;
     cuda::MoeLayerWeights::Tuning tuning;
   };
-  const Form forms[] = {{"dot_rows, auto", Dots::kRows, {}},
-                        {"dot_rows, down per expert, two gate/up row buffers", Dots::kRows,
-                         {.gate_up_stages = 2, .down = Down::kPerExpert}},
-                        {"dot_rows without 16-byte loads, down per row tile", Dots::kRows,
-                         {.down = Down::kPerRowTile, .vector_loads = false}},
-                        {"dot_rows, down per row tile, 1 gate/up row per warp, a CTA per expert", Dots::kRows,
-                         {.gate_up_rows_per_warp = 1,
-                          .gate_up_cta_per_expert = true,
-                          .down = Down::kPerRowTile,
-                          .down_tile_rows = 8}},
-                        {"dot_rows, down per row tile, 8 gate/up rows per warp", Dots::kRows,
-                         {.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile, .down_tile_rows = 32}},
-                        {"staged dots without 16-byte loads, down per expert", Dots::kStaged,
-                         {.down = Down::kPerExpert, .vector_loads = false}},
-                        {"staged dots, down per row tile", Dots::kStaged, {.down = Down::kPerRowTile}}};
+  // The tiled kernels whatever the defaults are (Tuning's warp-unit switches off).
+  auto tiled = [](cuda::MoeLayerWeights::Tuning t) {
+    t.gate_up_warp_units = false;
+    t.down_warp_units = false;
+    return t;
+  };
+  const Form forms[] = {
+      {"dot_rows, defaults", Dots::kRows, {}},
+      {"dot_rows, tiled, down per expert, two gate/up row buffers", Dots::kRows,
+       tiled({.gate_up_stages = 2, .down = Down::kPerExpert})},
+      {"dot_rows without 16-byte loads, tiled, down per row tile", Dots::kRows,
+       tiled({.down = Down::kPerRowTile, .vector_loads = false})},
+      {"dot_rows, tiled, down per row tile, 1 gate/up row per warp, a CTA per expert", Dots::kRows,
+       tiled({.gate_up_rows_per_warp = 1, .gate_up_cta_per_expert = true, .down = Down::kPerRowTile, .down_tile_rows = 8})},
+      {"dot_rows, tiled, down per row tile, 8 gate/up rows per warp", Dots::kRows,
+       tiled({.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile, .down_tile_rows = 32})},
+      {"staged dots without 16-byte loads, tiled, down per expert", Dots::kStaged,
+       tiled({.down = Down::kPerExpert, .vector_loads = false})},
+      {"staged dots, tiled, down per row tile", Dots::kStaged, tiled({.down = Down::kPerRowTile})},
+      {"dot_rows, warp units in both kernels, both launched programmatically", Dots::kRows,
+       {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true}},
+      {"dot_rows, warp units of 1 gate/up pair, two units in flight per warp in both kernels, one CTA per SM",
+       Dots::kRows,
+       {.gate_up_rows_per_warp = 1,
+        .gate_up_stages = 2,
+        .gate_up_warp_units = true,
+        .down_warp_units = true,
+        .down_stages = 2,
+        .units_ctas_per_sm = 1}},
+      {"dot_rows, warp-unit gate/up, tiled down per row tile", Dots::kRows,
+       {.down = Down::kPerRowTile, .gate_up_warp_units = true, .down_warp_units = false}},
+      {"dot_rows, tiled gate/up, warp-unit down", Dots::kRows, {.gate_up_warp_units = false, .down_warp_units = true}},
+      {"dot_rows, warp units in both kernels, h quantized by the down kernel", Dots::kRows,
+       {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}},
+      {"dot_rows, tiled gate/up, warp-unit down quantizing h, two units in flight", Dots::kRows,
+       {.gate_up_warp_units = false, .down_warp_units = true, .down_stages = 2, .down_quantizes_h = true}},
+      {"staged dots without 16-byte loads, warp units in both kernels", Dots::kStaged,
+       {.vector_loads = false, .gate_up_warp_units = true, .down_warp_units = true}}};
   for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
     const Form& form = forms[call / 2];
     w.dots = form.dots;
     w.tuning = form.tuning;
+    if (c.plain_launches) {
+      w.tuning.programmatic_launch = false;
+      w.tuning.gate_up_programmatic_launch = false;
+    }
     dsum.fill_bytes(0xff);
     dslot_rows.fill_bytes(0xff);
     cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
@@ -445,9 +515,22 @@ void run_case(const Case& c) {
   // |a - want| <= tol, so u (|b + want| + tol) bounds the addition's rounding.
   std::vector<float> base(dsum.size());
   for (float& v : base) v = std::normal_distribution<float>(0.0f, 4.0f)(rng);
-  for (const Down form : {Down::kPerRowTile, Down::kPerExpert}) {
+  struct SumForm {
+    const char* name;
+    cuda::MoeLayerWeights::Tuning tuning;
+  };
+  const SumForm sum_forms[] = {{"tiled, row tile", tiled({.down = Down::kPerRowTile})},
+                               {"tiled, per expert", tiled({.down = Down::kPerExpert})},
+                               {"warp units", {.gate_up_warp_units = true, .down_warp_units = true}},
+                               {"warp units, h quantized by the down kernel",
+                                {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}}};
+  for (const SumForm& form : sum_forms) {
     w.dots = Dots::kRows;
-    w.tuning = {.down = form};
+    w.tuning = form.tuning;
+    if (c.plain_launches) {
+      w.tuning.programmatic_launch = false;
+      w.tuning.gate_up_programmatic_launch = false;
+    }
     out.sum_accumulate = true;
     dsum.upload(base.data(), base.size());
     cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
@@ -463,7 +546,7 @@ void run_case(const Case& c) {
         const double tol = want.tolerance + kU * (std::fabs(expect) + want.tolerance);
         ASSERT_TRUE(std::fabs(static_cast<double>(sum[i]) - expect) <= tol)
             << type_name(c.gate) << " n=" << c.n_tokens << " accumulate ("
-            << (form == Down::kPerRowTile ? "row tile" : "per expert")
+            << form.name
             << "): token " << t << " row " << r << ": got " << sum[i] << ", residual " << base[i] << " + reference "
             << want.value << ", tolerance " << tol;
       }
@@ -506,12 +589,21 @@ TEST(CudaMoeFusedMixed, MixedFormatsMatchReference) {
   run_case({TensorType::MXFP4, TensorType::Q6_K, TensorType::Q5_K, 8, 11, 6, 512, 256, true, 32});
 }
 
-// Wide rows and many distinct experts: the grid has fewer CTAs per row tile than experts, so each
-// CTA serves several experts in turn (the next one's rows prefetched), in both kernels.
+// Wide rows and many distinct experts: the tiled kernel 1's grid has fewer CTAs per row tile than
+// experts, so each CTA serves several experts in turn (the next one's rows prefetched), and the
+// warp-unit kernels' warps take several units each (~1.7 gate/up units per warp here).
 TEST(CudaMoeFusedMixed, SeveralExpertsPerCtaMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 4, 61, 8, 2048, 512, false, 41});
   run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 4, 61, 8, 2048, 512, true, 42});
+}
+
+// Every form with plain launches (what devices below sm_90 run, and what compute-sanitizer can
+// check: under memcheck the programmatic launches were refused with cudaErrorInvalidValue).
+TEST(CudaMoeFusedMixed, PlainLaunchesMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q4_K, 3, 13, 4, 512, 256, true, 51, true});
+  run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 2, 9, 3, 512, 256, false, 52, true});
 }
 
 // Argument checks come before any CUDA call, so these run without a device too.

@@ -27,9 +27,11 @@ struct Case {
   std::string model;
   std::string weights;  // "f32", "q8_0", "kmix"
   Experts experts;
+  std::vector<std::string> gpu_worker_args = {};   // e.g. --no-pdl
   std::string name() const {
     return model + "_" + weights +
-           (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts");
+           (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts") +
+           (gpu_worker_args.empty() ? "" : "_no_pdl");
   }
 };
 
@@ -60,6 +62,7 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   o.logits_dump = dir + "/logits.f32";
   if (c.experts == Experts::kVram) o.vram = "1099511627776";  // 1 TiB: every expert fits
   if (c.experts == Experts::kHalf) o.vram = half_the_experts(model);
+  for (const std::string& a : c.gpu_worker_args) o.extra_args.push_back("--gpu-worker-arg=" + a);
   Group g(o);
   if (c.experts == Experts::kHalf) {   // both sides really compute: some experts in each tier
     const group::PlacementPlan plan =
@@ -92,6 +95,7 @@ std::vector<Case> cases() {
   // backend is off by the same amount at that step).
   v.push_back({"qwen3moe_odd", "q8_0", Experts::kCpu});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kVram});
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kVram, {"--no-pdl"}});
   v.push_back({"qwen3next_k256", "kmix", Experts::kVram});
   v.push_back({"qwen3next_odd", "f32", Experts::kVram});
   // A VRAM budget smaller than the model: the device's experts and the cpu workers' in one step.

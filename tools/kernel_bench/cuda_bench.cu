@@ -24,6 +24,8 @@
 #include "tools/kernel_bench/delta_net_bench.h"
 #include "tools/kernel_bench/backend_kernels_bench.h"
 #include "tools/kernel_bench/gemm_prefill_bench.h"
+#include "tools/kernel_bench/pdl_chain_bench.h"
+#include "tools/kernel_bench/mixer_bench.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -206,6 +208,14 @@ void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt) {
   sub->add_flag("--gemm-only", opt.gemm_only, "only the prefill GEMM section (gemm_prefill: cuBLAS on expanded weights)");
   sub->add_flag("--moe-only", opt.moe_only, "only the fused MoE layer bench (moe_fused), after the bandwidth measure");
   sub->add_flag("--backend-only", opt.backend_only, "only the backend kernels section, after the bandwidth measure");
+  sub->add_flag("--pdl-only", opt.pdl_only, "only the decode-chain section, PDL off vs on (pdl_chain_bench.h)");
+  sub->add_flag("--mixer-only", opt.mixer_only, "only the attention/router small kernels, old vs new (mixer_bench.h)");
+  sub->add_flag("--mixer-ncu", opt.mixer_ncu, "with --mixer-only: a few plain launches of each kernel, for ncu");
+  sub->add_option("--moe-variants", opt.moe.variants, "fused MoE forms to time: all, or names of moe_fused_bench.cu's table")
+      ->delimiter(',');
+  sub->add_option("--moe-tokens", opt.moe.tokens, "fused MoE tokens per call (default 1,8)")->delimiter(',');
+  sub->add_option("--moe-select", opt.moe.only, "fused MoE rows of one SHAPE,FORMAT only (e.g. qwen3-30b-a3b,q4_k)")
+      ->delimiter(',')->expected(2);
 }
 
 int run_cuda_bench(const CudaBenchOptions& opt) {
@@ -227,6 +237,18 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
     if (opt.json) std::cout << j.dump(2) << "\n";
     return 0;
   }
+  if (opt.mixer_only) {  // latency-bound small kernels: no bandwidth measure needed
+    nlohmann::json j;
+    run_mixer_bench(opt.min_ms, opt.mixer_ncu, opt.json ? &j : nullptr);
+    if (opt.json) std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  if (opt.pdl_only) {  // launch gaps: no bandwidth measure needed
+    nlohmann::json j;
+    run_pdl_chain_bench(opt.min_ms, opt.json ? &j : nullptr);
+    if (opt.json) std::cout << j.dump(2) << "\n";
+    return 0;
+  }
   const Bandwidth bw = measure_bandwidth(opt.min_ms);
   if (opt.backend_only) {
     nlohmann::json j;
@@ -238,13 +260,13 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
     if (!opt.json) {
       std::printf("device %s, %d SMs; weight set %d MiB per point; read kernel %.0f GB/s\n", prop.name,
                   prop.multiProcessorCount, opt.set_mib, bw.read_gbps);
-      run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr);
+      run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr, opt.moe);
       return 0;
     }
     nlohmann::json j;
     j["device"] = prop.name;
     j["read_gbps"] = bw.read_gbps;
-    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j);
+    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j, opt.moe);
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -269,9 +291,10 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
                               {"us_per_call", p.us_per_call}, {"gbps", p.gbps},
                               {"share_of_read", p.gbps / bw.read_gbps}});
     run_delta_net_bench(opt.min_ms, &j);
-    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j);
+    run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j, opt.moe);
     run_backend_kernels_bench(opt.min_ms, bw.read_gbps, &j);
     run_gemm_prefill_bench(opt.min_ms, &j);
+    run_pdl_chain_bench(opt.min_ms, &j);
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -283,9 +306,10 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
     std::printf("%-6s %-14s %12.0f %10.2f %10.0f %7.0f%%\n", p.format.c_str(), p.shape.c_str(), p.bytes_per_call,
                 p.us_per_call, p.gbps, 100.0 * p.gbps / bw.read_gbps);
   run_delta_net_bench(opt.min_ms, nullptr);
-  run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr);
+  run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr, opt.moe);
   run_backend_kernels_bench(opt.min_ms, bw.read_gbps, nullptr);
   run_gemm_prefill_bench(opt.min_ms, nullptr);
+  run_pdl_chain_bench(opt.min_ms, nullptr);
   return 0;
 }
 

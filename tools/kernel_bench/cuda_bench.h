@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "tools/kernel_bench/moe_fused_bench.h"
+
 namespace CLI {
 class App;
 }
@@ -19,6 +21,10 @@ struct CudaBenchOptions {
   bool gemm_only = false;  // only the prefill GEMM section (gemm_prefill_bench.h)
   bool moe_only = false;  // only the fused MoE layer (after the bandwidth measure)
   bool backend_only = false;  // only the backend kernels section (backend_kernels_bench.h)
+  bool pdl_only = false;  // only the PDL decode-chain section (pdl_chain_bench.h)
+  bool mixer_only = false;  // only the attention/router small kernels, old vs new (mixer_bench.h)
+  bool mixer_ncu = false;   // with mixer_only: a few plain launches each, for ncu
+  MoeBenchSelection moe;    // the fused MoE rows to time (moe_fused_bench.h)
 };
 
 void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt);

@@ -5,13 +5,10 @@
 // not depend on the values). Bytes per call count each distinct expert chosen in the step once
 // (gate + up + down), which is what the kernel reads.
 // Variants (MoeLayerWeights::dots and ::tuning) are timed on the same weights and routings; by
-// default the chosen-per-call form (auto), the form that was the default before the per-row-tile
-// down kernel and the 16-byte loads (expert-novec), and the earlier per-row dots (staged).
-// Environment, for experiments (the GPU runs are batched, so one run should measure every
-// candidate):
-//   MORAINE_MOE_BENCH_VARIANTS=all or a comma list of variant names (kVariants below)
-//   MORAINE_MOE_BENCH_TOKENS=1,4,8 (tokens per call; default 1,8)
-//   MORAINE_MOE_BENCH_ONLY=<shape>,<format> (one shape and format, e.g. for a profiler run)
+// default the default form (auto), the tiled kernels with the per-expert down kernel (expert) and
+// the warp-unit kernels (units).
+// Which variants, token counts and shape: MoeBenchSelection (moraine-kernel-bench cuda
+// --moe-variants all|NAME,... --moe-tokens 1,4,8 --moe-select SHAPE,FORMAT).
 #include "tools/kernel_bench/moe_fused_bench.h"
 
 #include <algorithm>
@@ -19,7 +16,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <sstream>
 #include <numeric>
 #include <random>
 #include <set>
@@ -47,6 +43,10 @@ struct Variant {
   const char* name;
   cuda::MoeLayerWeights::Dots dots;
   cuda::MoeLayerWeights::Tuning tuning;
+  // The tiled kernels whatever Tuning's defaults are (the warp-unit switches and kernel 1's
+  // programmatic launch off), so the tiled variants keep their meaning when the defaults
+  // change; false for "auto" (the defaults) and the warp-unit variants.
+  bool tiled = true;
 };
 
 using Down = cuda::MoeLayerWeights::Tuning::Down;
@@ -60,7 +60,7 @@ const Variant kVariants[] = {
     {"expert-k1e", Dots::kRows, {.gate_up_cta_per_expert = true, .down = Down::kPerExpert}},
     {"expert-k1s2", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerExpert}},
     {"expert-k1r1s2", Dots::kRows, {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerExpert}},
-    {"auto", Dots::kRows, {}},
+    {"auto", Dots::kRows, {}, false},
     {"tile-novec", Dots::kRows, {.down = Down::kPerRowTile, .vector_loads = false}},
     {"tile-nopdl", Dots::kRows, {.down = Down::kPerRowTile, .programmatic_launch = false}},
     {"tile", Dots::kRows, {.down = Down::kPerRowTile}},
@@ -77,16 +77,43 @@ const Variant kVariants[] = {
     {"tile-k1s2-r8", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
     {"tile-k1r1s2-r8", Dots::kRows,
      {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
+    // Warp-unit kernels (MoeLayerWeights::Tuning::gate_up_warp_units / down_warp_units).
+    {"units", Dots::kRows, {.gate_up_warp_units = true, .down_warp_units = true}, false},
+    {"units-nopdl", Dots::kRows,
+     {.programmatic_launch = false, .gate_up_warp_units = true, .down_warp_units = true}, false},
+    {"units-s2", Dots::kRows,
+     {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true, .down_stages = 2}, false},
+    {"units-k1s2", Dots::kRows, {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true}, false},
+    {"units-p1", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_warp_units = true, .down_warp_units = true}, false},
+    {"units-p1s2", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
+      .down_stages = 2}, false},
+    {"units-k1", Dots::kRows, {.down = Down::kPerExpert, .gate_up_warp_units = true, .down_warp_units = false}, false},
+    {"units-k1-tile", Dots::kRows, {.down = Down::kPerRowTile, .gate_up_warp_units = true, .down_warp_units = false},
+     false},
+    {"units-down", Dots::kRows, {.gate_up_warp_units = false, .down_warp_units = true}, false},
+    {"units-1sm", Dots::kRows,
+     {.gate_up_warp_units = true, .down_warp_units = true, .units_ctas_per_sm = 1}, false},
+    {"units-1sm-p1s2", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
+      .units_ctas_per_sm = 1}, false},
+    {"units-pdl1", Dots::kRows,
+     {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true}, false},
+    {"units-1sm-p1s2-pdl1", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
+      .units_ctas_per_sm = 1, .gate_up_programmatic_launch = true}, false},
+    {"units-dq", Dots::kRows, {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}, false},
+    {"units-dq-pdl1", Dots::kRows,
+     {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true, .down_quantizes_h = true},
+     false},
+    {"units-1sm-p1s2-dq", Dots::kRows,
+     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
+      .units_ctas_per_sm = 1, .down_quantizes_h = true}, false},
+    {"units-1sm-s2", Dots::kRows,
+     {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true, .down_stages = 2,
+      .units_ctas_per_sm = 1}, false},
 };
-
-std::vector<std::string> split(const char* s) {
-  std::vector<std::string> out;
-  if (s == nullptr) return out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(item);
-  return out;
-}
 
 // Case-insensitive name match (formats print as q4_k, people type Q4_K).
 bool same_name(std::string_view a, std::string_view b) {
@@ -211,6 +238,11 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
   for (const Variant* v : variants) {
     w.dots = v->dots;
     w.tuning = v->tuning;
+    if (v->tiled) {  // exactly the kernels and launches of the default before the warp units
+      w.tuning.gate_up_warp_units = false;
+      w.tuning.down_warp_units = false;
+      w.tuning.gate_up_programmatic_launch = false;
+    }
     for (int i = 0; i < 5; ++i) call(i, nullptr);
     int calls = 16;
     double ms = 0.0;
@@ -266,22 +298,22 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
 
 }  // namespace
 
-void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann::json* json) {
+void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann::json* json,
+                         const MoeBenchSelection& select) {
   const MoeShape shapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"qwen3-next", 2048, 512, 512, 10}};
   const TensorType formats[] = {TensorType::Q4_K, TensorType::Q8_0};
   std::vector<const Variant*> variants;
-  const std::vector<std::string> names = split(std::getenv("MORAINE_MOE_BENCH_VARIANTS"));
+  const std::vector<std::string>& names = select.variants;
   for (const Variant& v : kVariants) {
-    const bool wanted = names.empty() ? v.name == std::string("auto") || v.name == std::string("expert-novec") ||
-                                            v.name == std::string("staged")
+    const bool wanted = names.empty() ? v.name == std::string("auto") || v.name == std::string("expert") ||
+                                            v.name == std::string("units")
                                       : std::find(names.begin(), names.end(), "all") != names.end() ||
                                             std::find(names.begin(), names.end(), v.name) != names.end();
     if (wanted) variants.push_back(&v);
   }
-  std::vector<int> tokens;
-  for (const std::string& n : split(std::getenv("MORAINE_MOE_BENCH_TOKENS"))) tokens.push_back(std::stoi(n));
+  std::vector<int> tokens = select.tokens;
   if (tokens.empty()) tokens = {1, 8};
-  const std::vector<std::string> only = split(std::getenv("MORAINE_MOE_BENCH_ONLY"));
+  const std::vector<std::string>& only = select.only;
   if (json == nullptr) {
     std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
     std::printf("(stream: back-to-back calls from the host; graph: the same calls replayed from a CUDA graph)\n");
@@ -289,7 +321,10 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
                 " expert / tile: down kernel per expert / per row tile; -k1rN: N gate/up rows per warp;\n"
                 " -rN: N rows per down CTA; -novec: Q4_K / Q8_0 dots without 16-byte activation loads;\n"
                 " -nopdl: down kernel launched plainly; -k1e: a gate/up CTA per expert;\n"
-                " -k1s2: two gate/up row buffers per CTA)\n");
+                " -k1s2: two gate/up row buffers per CTA; units: the warp-unit kernels, -sN: N units in\n"
+                " flight per warp, -p1: one gate/up pair per unit, -k1 / -down: only that kernel as units,\n"
+                " -1sm: one CTA per SM, leaving room for the down kernel's CTAs beside kernel 1's;\n"
+                " -pdl1: kernel 1 launched programmatically too; -dq: the down kernel quantizes h itself)\n");
     std::printf("%-28s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
                 "expert B/call", "graph us/layer", "graph GB/s", "of read");
     std::fflush(stdout);
