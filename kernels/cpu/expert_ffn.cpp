@@ -98,6 +98,15 @@ inline void spin_until_at_least(const std::atomic<T>& a, T target) {
 
 }  // namespace
 
+std::atomic<bool> g_balanced{FfnSliceOptions{}.balanced};
+std::atomic<bool> g_wait_prefetch{FfnSliceOptions{}.wait_prefetch};
+
+void set_ffn_slice_options(FfnSliceOptions o) {
+  g_balanced.store(o.balanced, std::memory_order_relaxed);
+  g_wait_prefetch.store(o.wait_prefetch, std::memory_order_relaxed);
+}
+FfnSliceOptions ffn_slice_options() { return {g_balanced.load(std::memory_order_relaxed), g_wait_prefetch.load(std::memory_order_relaxed)}; }
+
 void set_ffn_schedule(FfnSchedule s) { g_schedule.store(s, std::memory_order_relaxed); }
 FfnSchedule ffn_schedule() { return g_schedule.load(std::memory_order_relaxed); }
 
@@ -132,7 +141,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   plan_.resize(experts.size());
   active_.clear();
   row_used_.assign(static_cast<size_t>(n_tokens), 0);
-  int64_t h_total = 0, q_total = 0, y_total = 0, gate_up_jobs = 0;
+  int64_t h_total = 0, q_total = 0, y_total = 0;
   int n_accumulating = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
     const ExpertAssignment& a = experts[e];
@@ -162,12 +171,10 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     p.q_offset = q_total;
     p.y_offset = y_total;
     p.q_row_bytes = row_bytes(dot_activation_type(w.down_type), w.ffn);
-    p.first_job = gate_up_jobs;
     h_total += static_cast<int64_t>(a.n_tok) * w.ffn;
     q_total += static_cast<int64_t>(a.n_tok) * static_cast<int64_t>(p.q_row_bytes);
     if (a.n_tok > 0) {
       active_.push_back(static_cast<int32_t>(e));
-      gate_up_jobs += (w.ffn + gate_up_rows - 1) / gate_up_rows;
       if (!out_[e]) {
         y_total += static_cast<int64_t>(a.n_tok) * hidden;
         ++n_accumulating;
@@ -209,8 +216,17 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   const bool sliced = ffn_schedule() == FfnSchedule::Sliced && pool.size() > 1;
   // In the list only on the shared schedule (a slice's gate/up jobs would wait for quantization
   // jobs in other slices); the sliced one quantizes in a list of its own first.
-  const int64_t x_jobs = x_jobs_all <= kInlineQuantizeJobs || sliced ? 0 : x_jobs_all;
-  if (x_jobs_all <= kInlineQuantizeJobs) {
+  const FfnSliceOptions slice_opt = ffn_slice_options();
+  const bool balanced = sliced && slice_opt.balanced && n_accumulating == 0;
+  // Balanced slices with the caller joining: the caller quantizes the few rows as the first jobs
+  // of its own slice, and the other threads' first gate/up jobs wait for them there (pulling
+  // their weight rows into L2 meanwhile with wait_prefetch), instead of the whole pool waiting
+  // for the caller's ~1 us per row (hidden 2048) before the list starts.
+  const bool x_in_slice0 = balanced && pool.caller_joins() && x_jobs_all <= kInlineQuantizeJobs;
+  const int64_t x_jobs = x_in_slice0 ? x_jobs_all : x_jobs_all <= kInlineQuantizeJobs || sliced ? 0 : x_jobs_all;
+  if (x_in_slice0) {
+    // quantized in the list
+  } else if (x_jobs_all <= kInlineQuantizeJobs) {
     for (int64_t j = 0; j < x_jobs_all; ++j) quantize_x(j);
   } else if (sliced) {
     pool.run(x_jobs_all, [&](int64_t j, int) { quantize_x(j); });
@@ -221,55 +237,128 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   grow_atomics(ready_, ready_capacity_, experts.size());
   grow_atomics(chunk_left_, chunk_capacity_, static_cast<size_t>(down_chunks));
   for (int32_t e : active_) {
-    remaining_[e].store(static_cast<int>((experts[static_cast<size_t>(e)].weights->ffn + gate_up_rows - 1) / gate_up_rows),
-                        std::memory_order_relaxed);
+    remaining_[e].store(0, std::memory_order_relaxed);
     ready_[e].store(0, std::memory_order_relaxed);
   }
   for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(n_accumulating, std::memory_order_relaxed);
   x_done_.store(0, std::memory_order_relaxed);
 
-  const int64_t gate_up_end = x_jobs + gate_up_jobs;
-  const int64_t down_jobs = down_chunks * static_cast<int64_t>(active_.size());
-  const int64_t n_jobs = gate_up_end + down_jobs;
+  // The job list (after the x_jobs quantization jobs): spans_. Fixed chunks: every expert's
+  // gate/up rows in FfnJobRows::gate_up chunks, then every expert's down rows in chunks of
+  // FfnJobRows::down (chunk c of each expert covers the same rows: the accumulating form adds
+  // them up per chunk). Balanced (sliced, no accumulating expert): each thread's equal share.
+  const int n_slices = pool.size();
+  spans_.clear();
+  int64_t gate_up_spans = 0;
+  if (!balanced) {
+    for (int32_t e : active_) {
+      const int64_t ffn = experts[static_cast<size_t>(e)].weights->ffn;
+      for (int64_t r0 = 0; r0 < ffn; r0 += gate_up_rows) spans_.push_back({e, 0, r0, std::min(r0 + gate_up_rows, ffn), -1});
+    }
+    gate_up_spans = static_cast<int64_t>(spans_.size());
+    for (int32_t e : active_) {
+      for (int64_t r0 = 0; r0 < hidden; r0 += down_rows) spans_.push_back({e, 1, r0, std::min(r0 + down_rows, hidden), -1});
+    }
+    // Hints (sliced only, as before): the next job of the same phase in list order.
+    if (sliced) {
+      for (size_t i = 0; i + 1 < spans_.size(); ++i) {
+        if (spans_[i].down == spans_[i + 1].down) spans_[i].next = static_cast<int64_t>(i + 1);
+      }
+    }
+  } else {
+    // Runs of 4 rows (Q8_0 / MXFP4 tiles start at a job's first row: boundaries at multiples of
+    // 4 keep every row in the same tile position as the fixed chunks, so results are bitwise the
+    // same). Thread w's share of the rows of a phase is units [U w / T, U (w + 1) / T), cut where
+    // an expert ends.
+    constexpr int64_t kUnit = 4;
+    slice_end_.resize(static_cast<size_t>(n_slices));
+    auto units_of = [&](int64_t rows) { return (rows + kUnit - 1) / kUnit; };
+    int64_t gu_units = 0, dn_units = 0;
+    for (int32_t e : active_) {
+      gu_units += units_of(experts[static_cast<size_t>(e)].weights->ffn);
+      dn_units += units_of(hidden);
+    }
+    // Emits the spans of units [u0, u1) of one phase (expert by expert in active_ order).
+    auto emit = [&](int down, int64_t u0, int64_t u1) {
+      int64_t base = 0;
+      for (int32_t e : active_) {
+        const int64_t rows = down ? hidden : experts[static_cast<size_t>(e)].weights->ffn;
+        const int64_t n = units_of(rows);
+        const int64_t a = std::max(u0, base), b = std::min(u1, base + n);
+        if (a < b) spans_.push_back({e, down, (a - base) * kUnit, std::min((b - base) * kUnit, rows), -1});
+        base += n;
+        if (base >= u1) break;
+      }
+    };
+    for (int w = 0; w < n_slices; ++w) {
+      const size_t first = spans_.size();
+      emit(0, gu_units * w / n_slices, gu_units * (w + 1) / n_slices);
+      emit(1, dn_units * w / n_slices, dn_units * (w + 1) / n_slices);
+      for (size_t i = first; i + 1 < spans_.size(); ++i) spans_[i].next = static_cast<int64_t>(i + 1);
+      slice_end_[static_cast<size_t>(w)] = x_jobs + static_cast<int64_t>(spans_.size());  // slice 0 starts with the x jobs
+    }
+  }
+  // Gate/up jobs per expert (no other thread runs yet: plain loads and stores, no locked adds).
+  for (const Span& sp : spans_) {
+    if (!sp.down) remaining_[sp.expert].store(remaining_[sp.expert].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+
+  // While `ready()` is false, pulls `bytes` from `p` toward L2 (prefetcht1), 8 lines between two
+  // looks, so the end of the wait is seen within a few hundred ns: the thread's memory traffic
+  // would otherwise idle while it waits for another job.
+  auto prefetch_while_waiting = [&](auto&& ready, const uint8_t* p, size_t bytes) {
+    if (!slice_opt.wait_prefetch) return;
+    for (size_t off = 0; off < bytes && !ready(); off += 512) {
+#if defined(__x86_64__) || defined(__i386__)
+      for (size_t l = off; l < std::min(bytes, off + 512); l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+#endif
+    }
+  };
+  // Where job i's first matrix rows start, and how many bytes (the next-call hint).
+  auto span_weights = [&](const Span& sp, size_t& bytes) -> const uint8_t* {
+    const ExpertWeights& w = *experts[static_cast<size_t>(sp.expert)].weights;
+    const TensorType t = sp.down ? w.down_type : w.gate_type;
+    const size_t rb = row_bytes(t, sp.down ? w.ffn : hidden);
+    bytes = static_cast<size_t>(sp.r1 - sp.r0) * rb;
+    return static_cast<const uint8_t*>(sp.down ? w.down : w.gate) + static_cast<size_t>(sp.r0) * rb;
+  };
+
+  const int64_t n_jobs = x_jobs + static_cast<int64_t>(spans_.size());
   auto run_job = [&](int64_t job) {
     if (job < x_jobs) {
       quantize_x(job);
       x_done_.fetch_add(1, std::memory_order_release);
       return;
     }
-    if (job < gate_up_end) {
-      // Gate and up rows, a chunk of one expert, all of that expert's tokens.
-      if (x_jobs) spin_until_at_least(x_done_, x_jobs);
-      const int64_t gj = job - x_jobs;
-      // The owner is the last expert whose first job is <= gj among those with tokens.
-      const auto it = std::upper_bound(active_.begin(), active_.end(), gj,
-                                       [&](int64_t j, int32_t ex) { return j < plan_[static_cast<size_t>(ex)].first_job; });
-      const auto e = static_cast<size_t>(*(it - 1));
-      const ExpertAssignment& a = experts[e];
-      const ExpertWeights& w = *a.weights;
-      const Plan& p = plan_[e];
-      const int64_t r0 = (gj - p.first_job) * gate_up_rows, r1 = std::min(r0 + gate_up_rows, w.ffn);
-      const int gi = act_index(dot_activation_type(w.gate_type)), ui = act_index(dot_activation_type(w.up_type));
-      // Next-call prefetch hints (sliced: a thread's next job is usually the next chunk of the
-      // same expert, or the next expert's first): the gate rows lead into the up rows of the
-      // same chunk, the up rows into the next chunk's gate rows.
-      const size_t gate_rb = row_bytes(w.gate_type, hidden), up_rb = row_bytes(w.up_type, hidden);
-      const uint8_t* up_start = static_cast<const uint8_t*>(w.up) + static_cast<size_t>(r0) * up_rb;
-      const uint8_t* after_up = nullptr;
-      size_t after_up_bytes = 0;
-      if (sliced && r1 < w.ffn) {
-        after_up = static_cast<const uint8_t*>(w.gate) + static_cast<size_t>(r1) * gate_rb;
-        after_up_bytes = static_cast<size_t>(std::min(gate_up_rows, w.ffn - r1)) * gate_rb;
-      } else if (sliced && it != active_.end()) {
-        const ExpertWeights& nw = *experts[static_cast<size_t>(*it)].weights;
-        after_up = static_cast<const uint8_t*>(nw.gate);
-        after_up_bytes = static_cast<size_t>(std::min(gate_up_rows, nw.ffn)) * row_bytes(nw.gate_type, hidden);
+    const Span& sp = spans_[static_cast<size_t>(job - x_jobs)];
+    const auto e = static_cast<size_t>(sp.expert);
+    const ExpertAssignment& a = experts[e];
+    const ExpertWeights& w = *a.weights;
+    const Plan& p = plan_[e];
+    const int64_t r0 = sp.r0, r1 = sp.r1;
+    const uint8_t* after = nullptr;
+    size_t after_bytes = 0;
+    if (sp.next >= 0) after = span_weights(spans_[static_cast<size_t>(sp.next)], after_bytes);
+    if (!sp.down) {
+      // Gate and up rows [r0, r1) of one expert, all of that expert's tokens.
+      if (x_jobs) {
+        if (x_done_.load(std::memory_order_acquire) < x_jobs) {
+          size_t bytes = 0;
+          const uint8_t* wp = span_weights(sp, bytes);
+          prefetch_while_waiting([&] { return x_done_.load(std::memory_order_acquire) >= x_jobs; }, wp, bytes);
+        }
+        spin_until_at_least(x_done_, x_jobs);
       }
+      const int gi = act_index(dot_activation_type(w.gate_type)), ui = act_index(dot_activation_type(w.up_type));
+      // Next-call prefetch hints: the gate rows lead into the up rows of the same job, the up
+      // rows into the thread's next job.
+      const size_t up_rb = row_bytes(w.up_type, hidden);
+      const uint8_t* up_start = static_cast<const uint8_t*>(w.up) + static_cast<size_t>(r0) * up_rb;
       matvec_tokens(w.gate_type, hidden, w.gate, r0, r1, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok,
                     gate_.data() + p.h_offset, w.ffn, sliced ? up_start : nullptr, static_cast<size_t>(r1 - r0) * up_rb);
       matvec_tokens(w.up_type, hidden, w.up, r0, r1, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok,
-                    up_.data() + p.h_offset, w.ffn, after_up, after_up_bytes);
-      // SwiGLU of this chunk's rows, in place into gate_ (elementwise: the same floats whichever
+                    up_.data() + p.h_offset, w.ffn, after, after_bytes);
+      // SwiGLU of this job's rows, in place into gate_ (elementwise: the same floats whichever
       // job computes them). It used to run over the whole expert in the job finishing its last
       // chunk, while the expert's down jobs on other threads waited: ffn scalar exps (768 take
       // 2.6 us on a Zen 5 core, ~1.5% of a 1-token layer on 16 Xeon cores) on the critical path
@@ -293,24 +382,10 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     // Down: output rows [r0, r1) of one expert, through matvec_tokens (register-blocked tiles,
     // prefetch). Experts are taken in list order, so the first experts' down work runs while
     // the last ones' gate/up chunks finish.
-    const int64_t dj = job - gate_up_end;
-    const auto e = static_cast<size_t>(active_[static_cast<size_t>(dj / down_chunks)]);
-    const int64_t c = dj % down_chunks;
-    const ExpertAssignment& a = experts[e];
-    const ExpertWeights& w = *a.weights;
-    const Plan& p = plan_[e];
-    const int64_t r0 = c * down_rows, r1 = std::min(r0 + down_rows, hidden);
-    // Next-call prefetch hint (sliced): the next chunk's rows, or the next expert's first.
-    const size_t down_rb = row_bytes(w.down_type, w.ffn);
-    const uint8_t* after = nullptr;
-    size_t after_bytes = 0;
-    if (sliced && r1 < hidden) {
-      after = static_cast<const uint8_t*>(w.down) + static_cast<size_t>(r1) * down_rb;
-      after_bytes = static_cast<size_t>(std::min(down_rows, hidden - r1)) * down_rb;
-    } else if (sliced && static_cast<size_t>(dj / down_chunks) + 1 < active_.size()) {
-      const ExpertWeights& nw = *experts[static_cast<size_t>(active_[static_cast<size_t>(dj / down_chunks) + 1])].weights;
-      after = static_cast<const uint8_t*>(nw.down);
-      after_bytes = static_cast<size_t>(std::min(down_rows, hidden)) * row_bytes(nw.down_type, nw.ffn);
+    if (ready_[e].load(std::memory_order_acquire) == 0) {
+      size_t bytes = 0;
+      const uint8_t* wp = span_weights(sp, bytes);
+      prefetch_while_waiting([&] { return ready_[e].load(std::memory_order_acquire) != 0; }, wp, bytes);
     }
     spin_until_at_least(ready_[e], 1);
     if (float* out = out_[e]) {
@@ -323,6 +398,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       }
       return;
     }
+    const int64_t c = r0 / down_rows;  // fixed chunks only (balanced needs every expert writing its own rows)
     matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, part_.data() + p.y_offset,
                   hidden, after, after_bytes);
     if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
@@ -343,19 +419,25 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     pool.run(n_jobs, [&](int64_t job, int) { run_job(job); });
     return;
   }
+  if (balanced) {
+    // The x jobs (if any) and then spans_ are already in slice order.
+    pool.run_sliced(slice_end_.data(), [&](int64_t i, int) { run_job(i); });
+    return;
+  }
   // Slice w: the w-th share of the gate/up jobs, then the w-th share of the down jobs (both in
   // list order, so consecutive jobs of a slice are consecutive rows of one matrix). A slice's
   // down jobs wait only for gate/up jobs, which never wait and sit before every down job of
   // their own slice, so each waited-for job is either running or will be claimed by a thread
-  // that is not waiting: no deadlock. At one token the experts are equal, so the gate/up
-  // shares end together and the down jobs find their experts ready.
-  const int n_slices = pool.size();
+  // that is not waiting: no deadlock (the balanced list has the same shape). At one token the
+  // experts are equal, so the gate/up shares end together and the down jobs find their experts
+  // ready.
+  const int64_t down_jobs = static_cast<int64_t>(spans_.size()) - gate_up_spans;
   order_.resize(static_cast<size_t>(n_jobs));
   slice_end_.resize(static_cast<size_t>(n_slices));
   size_t k = 0;
   for (int w = 0; w < n_slices; ++w) {
-    for (int64_t j = gate_up_jobs * w / n_slices; j < gate_up_jobs * (w + 1) / n_slices; ++j) order_[k++] = j;
-    for (int64_t j = down_jobs * w / n_slices; j < down_jobs * (w + 1) / n_slices; ++j) order_[k++] = gate_up_end + j;
+    for (int64_t j = gate_up_spans * w / n_slices; j < gate_up_spans * (w + 1) / n_slices; ++j) order_[k++] = j;
+    for (int64_t j = down_jobs * w / n_slices; j < down_jobs * (w + 1) / n_slices; ++j) order_[k++] = gate_up_spans + j;
     slice_end_[static_cast<size_t>(w)] = static_cast<int64_t>(k);
   }
   pool.run_sliced(slice_end_.data(), [&](int64_t i, int) { run_job(order_[static_cast<size_t>(i)]); });
@@ -378,6 +460,13 @@ void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_expert
   // worker's forms write their own outputs and never use it.
   if (hq_.size() < rows * hq_row) hq_.resize(rows * hq_row);
   plan_.reserve(static_cast<size_t>(max_experts));
+  {
+    // The job table: fixed chunks, or balanced slices (at most two jobs per thread and phase
+    // plus one per expert boundary; 256 threads is far more than a pool has).
+    const FfnJobRows jr = ffn_job_rows();
+    const int64_t fixed = max_experts * ((ffn + jr.gate_up - 1) / jr.gate_up + (hidden + jr.down - 1) / jr.down);
+    spans_.reserve(static_cast<size_t>(std::max<int64_t>(fixed, 4 * 256 + 2 * max_experts)));
+  }
   active_.reserve(static_cast<size_t>(max_experts));
   out_.reserve(static_cast<size_t>(max_experts));
   job_assign_.reserve(static_cast<size_t>(max_experts));

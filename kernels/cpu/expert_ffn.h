@@ -43,7 +43,8 @@ struct ExpertAssignment {
 // adds the chunk into y_accum in expert list order, so no two jobs write the same y element
 // (no atomics) and the sum order is fixed: results do not depend on the thread count, and are
 // bitwise those of the earlier two-barrier version. Scratch grows on demand and is reused; a
-// steady layer loop allocates nothing.
+// steady layer loop allocates nothing. On the sliced schedule the worker's forms (each expert
+// writing its own rows) cut the jobs per thread instead (FfnSliceOptions::balanced).
 class MoeFfn {
  public:
   // x, y_accum: [n_tokens][hidden] floats. Throws std::invalid_argument on inconsistent shapes,
@@ -101,7 +102,6 @@ class MoeFfn {
     int64_t q_offset = 0;  // where its quantized intermediate rows start (bytes)
     int64_t y_offset = 0;  // where its [n_tok][hidden] down partials start (accumulating experts)
     size_t q_row_bytes = 0;
-    int64_t first_job = 0;  // first gate/up job
   };
   // The layer, once x_rows_ (a source pointer per token row, n_tokens of them) and out_ (per
   // assignment: its own output rows, overwritten, or nullptr to accumulate into y_accum[token])
@@ -128,10 +128,18 @@ class MoeFfn {
   std::vector<float> ones_;    // and its route weights
   std::vector<ExpertAssignment> job_assign_;
   std::vector<int64_t> order_, slice_end_;  // the sliced schedule's job order and slice ends
+  // One job: rows [r0, r1) of one expert's gate+up (down == 0) or down (1) matrices; next: the
+  // job the same thread runs after it (its weights are the next-call prefetch hint), or -1.
+  struct Span {
+    int32_t expert = 0, down = 0;
+    int64_t r0 = 0, r1 = 0, next = -1;
+  };
+  std::vector<Span> spans_;
 };
 
 // Rows of one matrix per pool job: gate+up jobs take `gate_up` rows of one expert, down jobs
-// `down` output rows of one expert. Process-wide, for the benches' A/B runs (--gate-up-rows,
+// `down` output rows of one expert (the shared schedule, the accumulating run(), and the sliced
+// schedule with FfnSliceOptions::balanced off; balanced slices size their jobs by thread count). Process-wide, for the benches' A/B runs (--gate-up-rows,
 // --down-rows); results do not depend on it (each y element is still summed in expert order)
 // as long as the rows are multiples of 4 for Q8_0 / MXFP4 (matvec_tokens runs rows in tiles of
 // four from a job's first row, and a tail row through the per-row kernel, whose float sum order
@@ -152,6 +160,22 @@ FfnJobRows ffn_job_rows();
 enum class FfnSchedule { Shared, Sliced };
 void set_ffn_schedule(FfnSchedule s);
 FfnSchedule ffn_schedule();
+
+// Latency options of the sliced schedule for layers whose experts write their own rows (the
+// worker's run_experts forms), process-wide, for the benches' A/B runs (--balanced-slices,
+// --wait-prefetch). Results do not depend on them.
+// balanced: instead of fixed FfnJobRows chunks dealt out whole (at 2 experts and 15 threads,
+// 48 gate/up chunks: some threads get 4, others 3, and every down job waits for the slowest),
+// thread w gets the w-th equal share (in runs of 4 rows) of all gate/up rows and then of all
+// down rows, cut only where an expert ends: one job per matrix run and thread.
+// wait_prefetch: a down job whose expert's intermediate is not ready yet prefetches its own
+// weight rows into L2 (prefetcht1) while it waits, instead of only spinning.
+struct FfnSliceOptions {
+  bool balanced = true;
+  bool wait_prefetch = true;
+};
+void set_ffn_slice_options(FfnSliceOptions o);
+FfnSliceOptions ffn_slice_options();
 
 // One expert over n_tok contiguous tokens: y_accum[t] += route_weight[t] * FFN(x[t]).
 // Uses a thread-local MoeFfn for scratch.

@@ -481,6 +481,56 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
   cpu::set_ffn_schedule(schedule0);
 }
 
+// The latency options of the sliced schedule (balanced slices: one run of rows per thread and
+// phase, cut at multiples of 4 rows wherever the thread count puts them, mid-expert included;
+// the down jobs' prefetch while they wait) change which thread computes a row, never a bit of
+// it: Q8_0 / MXFP4 tiles start at multiples of 4 rows either way. 1 to 3 experts of 1 and 3
+// rows, as the worker gets them at a 12 GB budget, on a pool the caller joins (its slice then
+// starts with the activation rows' quantization, which the other slices wait for) and one it
+// does not.
+TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
+  cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  const cpu::FfnSliceOptions opt0 = cpu::ffn_slice_options();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  const TensorType types[] = {TensorType::Q8_0, TensorType::MXFP4, TensorType::Q4_K};
+  std::vector<Expert> experts;
+  for (int i = 0; i < 3; ++i) experts.push_back(make_expert(types[i], types[(i + 1) % 3], 8100 + 17 * static_cast<uint32_t>(i)));
+  constexpr int kRows = 3;
+  std::vector<float> x(kRows * kHidden);
+  for (int t = 0; t < kRows; ++t) {
+    const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 700 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  const int32_t one_row[] = {1}, three_rows[] = {2, 0, 1};
+  auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnSliceOptions o, int n_exp, int m) {
+    cpu::set_ffn_slice_options(o);
+    std::vector<std::vector<float>> ys(static_cast<size_t>(n_exp), std::vector<float>(static_cast<size_t>(m * kHidden), NAN));
+    std::vector<cpu::MoeFfn::RowsJob> jobs;
+    for (int i = 0; i < n_exp; ++i) jobs.push_back({&experts[static_cast<size_t>(i)].w, m == 1 ? one_row : three_rows, m, ys[static_cast<size_t>(i)].data()});
+    cpu::MoeFfn ffn;
+    ffn.run_experts(jobs, x.data(), kRows, pool);
+    return ys;
+  };
+  const cpu::FfnSliceOptions variants[] = {{true, false}, {false, true}, {true, true}};
+  for (int n_exp = 1; n_exp <= 3; ++n_exp) {
+    for (int m : {1, 3}) {
+      const auto want = run_with(waits, {false, false}, n_exp, m);
+      double norm = 0;
+      for (float v : want.back()) norm += std::fabs(v);
+      EXPECT_GT(norm, 1.0);
+      for (cpu::ThreadPool* pool : {&waits, &joined}) {
+        for (const cpu::FfnSliceOptions& o : variants) {
+          EXPECT_EQ(run_with(*pool, o, n_exp, m), want) << n_exp << " experts, " << m << " rows, balanced " << o.balanced << ", wait prefetch "
+                                                         << o.wait_prefetch << ", caller joins " << pool->caller_joins();
+        }
+      }
+    }
+  }
+  cpu::set_ffn_slice_options(opt0);
+  cpu::set_ffn_schedule(schedule0);
+}
+
 TEST(MoeFfn, RejectsBadShapesAndTokens) {
   cpu::ThreadPool pool(std::vector<int>{cpu::allowed_cpus().front()});
   Expert e = make_expert(TensorType::Q4_K, TensorType::Q4_K, 1);

@@ -32,7 +32,7 @@ namespace moraine::kernel_bench {
 namespace {
 
 constexpr int64_t kHidden = 2048, kFfn = 768;
-constexpr int kExpertsPerToken = 8;
+constexpr int kMaxExpertsPerCall = 64;  // --experts-per-call's bound; the set holds at least two calls' worth
 constexpr int kTemplateRows = 64;  // distinct quantized rows, replicated through the set
 
 using Clock = std::chrono::steady_clock;
@@ -61,7 +61,7 @@ ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node, bool huge_pa
   const size_t wide_row = row_bytes(t, kHidden), narrow_row = row_bytes(t, kFfn);
   const size_t mat_wide = wide_row * kFfn, mat_narrow = narrow_row * kHidden;
   const size_t expert_bytes = 2 * mat_wide + mat_narrow;
-  const size_t n_experts = std::max<size_t>(2 * kExpertsPerToken, set_bytes / expert_bytes);
+  const size_t n_experts = std::max<size_t>(2 * kMaxExpertsPerCall, set_bytes / expert_bytes);
   ExpertSet set{cpu::NodeMemory(n_experts * expert_bytes, node, huge_pages), {}, expert_bytes};
   auto* base = static_cast<uint8_t*>(set.memory.data());
   for (size_t e = 0; e < n_experts; ++e) {
@@ -106,29 +106,39 @@ struct Point {
   int tokens = 0;
   double gbps = 0.0, seconds = 0.0;
   int64_t layers = 0;
+  double sleeps_per_call = 0.0;  // pool futex sleeps (workers and caller) per timed call: each costs a wake-up
 };
 
-// GB/s of expert bytes consumed: whole sweeps over the set (8 distinct experts per layer call)
-// until min_seconds have passed. With gap_us > 0 the bench's thread sleeps that long after each
-// layer call, as the worker idles while the GPU runs the rest of a layer; only the calls count.
-Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, int gap_us, cpu::ThreadPool& pool) {
-  const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / kExpertsPerToken;
+// GB/s of expert bytes consumed: whole sweeps over the set (n_per_call distinct experts per
+// layer call) until min_seconds have passed. With gap_us > 0 the bench's thread sleeps that
+// long after each layer call, as the worker idles while the GPU runs the rest of a layer; only
+// the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
+// cpu_expert_worker's call) instead of run() accumulating into one y.
+Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
+              cpu::ThreadPool& pool) {
+  const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> x(static_cast<size_t>(n_tok * kHidden)), y(x.size(), 0.0f);
   for (float& v : x) v = dist(rng);
   std::vector<int32_t> tokens(static_cast<size_t>(n_tok));
   for (int i = 0; i < n_tok; ++i) tokens[static_cast<size_t>(i)] = i;
-  const std::vector<float> route(static_cast<size_t>(n_tok), 1.0f / kExpertsPerToken);
-  std::vector<cpu::ExpertAssignment> assign(kExpertsPerToken);
+  const std::vector<float> route(static_cast<size_t>(n_tok), 1.0f / static_cast<float>(n_per_call));
+  std::vector<cpu::ExpertAssignment> assign(static_cast<size_t>(n_per_call));
+  std::vector<cpu::MoeFfn::RowsJob> jobs(static_cast<size_t>(n_per_call));
+  std::vector<float> y_own(static_cast<size_t>(n_per_call) * x.size());
   cpu::MoeFfn ffn;
   auto layer = [&](int64_t l) {
-    for (int k = 0; k < kExpertsPerToken; ++k) {
-      assign[static_cast<size_t>(k)] = {&set.experts[static_cast<size_t>(l * kExpertsPerToken + k)], tokens.data(), route.data(), n_tok};
+    for (int k = 0; k < n_per_call; ++k) {
+      const cpu::ExpertWeights* w = &set.experts[static_cast<size_t>(l * n_per_call + k)];
+      assign[static_cast<size_t>(k)] = {w, tokens.data(), route.data(), n_tok};
+      jobs[static_cast<size_t>(k)] = {w, tokens.data(), n_tok, y_own.data() + static_cast<size_t>(k) * x.size()};
     }
-    ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
+    if (worker_form) ffn.run_experts(std::span<const cpu::MoeFfn::RowsJob>(jobs), x.data(), n_tok, pool);
+    else ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
   };
   layer(n_layers - 1);  // warm-up (scratch sized, threads awake); the sweep starts at layer 0
+  const uint64_t sleeps0 = pool.sleeps();
   const auto t0 = Clock::now();
   int64_t done = 0;
   double s = 0.0, busy = 0.0;
@@ -152,7 +162,8 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, double min_seconds,
   p.tokens = n_tok;
   p.layers = done;
   p.seconds = s;
-  p.gbps = static_cast<double>(done) * kExpertsPerToken * static_cast<double>(set.expert_bytes) / s / 1e9;
+  p.sleeps_per_call = static_cast<double>(pool.sleeps() - sleeps0) / static_cast<double>(done);
+  p.gbps = static_cast<double>(done) * n_per_call * static_cast<double>(set.expert_bytes) / s / 1e9;
   return p;
 }
 
@@ -341,6 +352,14 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                 "the bench's thread runs jobs as worker 0 on the first CPU (the default, as the worker does) or only waits");
   cpu->add_option("--gap-us", opt.gap_us, "idle microseconds between layer calls (decode's GPU part; not timed)")->check(CLI::Range(0, 100000));
   cpu->add_flag("--smt-probe", opt.smt_probe, "print the first CPU's kernel rate beside each other CPU (hidden SMT siblings)");
+  cpu->add_option("--experts-per-call", opt.experts_per_call, "experts of one token per layer call, a row each (default 8, a token's "
+                  "top-k; the 12 GB worker gets 1-3), e.g. 1,2,3,8")->delimiter(',')->check(CLI::Range(1, kMaxExpertsPerCall));
+  cpu->add_flag("--worker-form,!--accumulate-form", opt.worker_form, "call run_experts with each expert writing its own rows, as "
+                "the cpu_expert_worker does (default: run(), accumulating into one y)");
+  cpu->add_option("--balanced-slices", opt.balanced_slices, "1: the sliced schedule gives each thread one equal run of each phase's "
+                  "rows (worker form only); 0: fixed job rows (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--wait-prefetch", opt.wait_prefetch, "1: a down job waiting for its expert prefetches its rows into L2 meanwhile; "
+                  "0: it only spins (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
@@ -364,6 +383,10 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
   if (opt.down_rows > 0) job_rows.down = opt.down_rows;
   cpu::set_ffn_job_rows(job_rows);
+  cpu::FfnSliceOptions slice_opt = cpu::ffn_slice_options();
+  if (opt.balanced_slices >= 0) slice_opt.balanced = opt.balanced_slices == 1;
+  if (opt.wait_prefetch >= 0) slice_opt.wait_prefetch = opt.wait_prefetch == 1;
+  cpu::set_ffn_slice_options(slice_opt);
   if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
   const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
   std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
@@ -396,13 +419,16 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   const int list_gap_us = opt.gap_us > 0 ? opt.gap_us : 250;
   const std::pair<double, double> list_us = list_overhead_us(pool, list_gap_us);
   std::vector<double> smt;
+  std::string experts_list;
+  for (int n : opt.experts_per_call) experts_list += (experts_list.empty() ? "" : ",") + std::to_string(n);
   if (!opt.json) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %d experts per layer call (gate+up+down fused); prefetch l1 %zu l2 %zu B%s%s; job rows %lld/%lld; "
+    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s; job rows %lld/%lld; "
                 "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
-                static_cast<long long>(kHidden), static_cast<long long>(kFfn), kExpertsPerToken, prefetch.l1_bytes, prefetch.l2_bytes,
+                static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0,
+                slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
                 prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
                 static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
                 opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
@@ -413,8 +439,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second; {all}: every worker at once, GB/s "
                 "together (the compute ceiling)\n\n",
                 static_cast<long long>(kCeilingRows));
-    std::printf("%-7s %14s", "format", "bytes/expert");
-    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) [core L2] {all}", t);
+    std::printf("%-7s %8s %14s", "format", "exp/call", "bytes/expert");
+    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) us/call [core L2] {all}", t);
     std::printf("\n");
     std::fflush(stdout);
   }
@@ -435,24 +461,33 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
         std::fflush(stdout);
       }
     }
-    if (!opt.json) std::printf("%-7s %14zu", std::string(type_name(t)).c_str(), set.expert_bytes);
+    // The ceilings do not depend on the experts per call: measured once per token count.
+    std::vector<std::pair<double, double>> ceilings;
     for (int n_tok : opt.tokens) {
-      const Point p = measure(set, t, n_tok, opt.min_seconds, opt.gap_us, pool);
-      const double ceiling = core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool);
-      const double all = all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool);
-      if (!opt.json) {
-        std::printf("   %13.1f (%5.1f%%) [%5.1f] {%5.1f}", p.gbps, 100.0 * p.gbps / dram, ceiling, all);
-        std::fflush(stdout);
-      }
-      rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"gb_per_s", p.gbps}, {"share_of_dram", p.gbps / dram},
-                      {"core_l2_gb_per_s", ceiling}, {"all_cores_l2_gb_per_s", all},
-                      {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()}, {"layer_calls", p.layers},
-                      {"huge_page_share", huge_share},
-                      {"seconds", p.seconds}});
+      ceilings.emplace_back(core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool),
+                            all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool));
     }
-    if (!opt.json) {
-      if (opt.huge_pages) std::printf("   huge pages %3.0f%%", 100.0 * huge_share);
-      std::printf("\n");
+    for (int n_per_call : opt.experts_per_call) {
+      if (!opt.json) std::printf("%-7s %8d %14zu", std::string(type_name(t)).c_str(), n_per_call, set.expert_bytes);
+      for (size_t ti = 0; ti < opt.tokens.size(); ++ti) {
+        const int n_tok = opt.tokens[ti];
+        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, pool);
+        const double us_per_call = 1e6 * p.seconds / static_cast<double>(p.layers);
+        const auto [ceiling, all] = ceilings[ti];
+        if (!opt.json) {
+          std::printf("   %13.1f (%5.1f%%) %7.1f [%5.1f] {%5.1f} sleeps/call %.2f", p.gbps, 100.0 * p.gbps / dram, us_per_call, ceiling, all,
+                      p.sleeps_per_call);
+          std::fflush(stdout);
+        }
+        rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"experts_per_call", n_per_call}, {"gb_per_s", p.gbps},
+                        {"share_of_dram", p.gbps / dram}, {"us_per_call", us_per_call}, {"core_l2_gb_per_s", ceiling},
+                        {"all_cores_l2_gb_per_s", all}, {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()},
+                        {"layer_calls", p.layers}, {"sleeps_per_call", p.sleeps_per_call}, {"huge_page_share", huge_share}, {"seconds", p.seconds}});
+      }
+      if (!opt.json) {
+        if (opt.huge_pages) std::printf("   huge pages %3.0f%%", 100.0 * huge_share);
+        std::printf("\n");
+      }
     }
   }
   if (opt.json) {
@@ -462,7 +497,10 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"isa", std::string(cpu::isa_name(cpu::detect_cpu_isa()))},
                                 {"hidden", kHidden},
                                 {"ffn", kFfn},
-                                {"experts_per_layer", kExpertsPerToken},
+                                {"experts_per_call", opt.experts_per_call},
+                                {"worker_form", opt.worker_form},
+                                {"balanced_slices", slice_opt.balanced},
+                                {"wait_prefetch", slice_opt.wait_prefetch},
                                 {"set_mib", opt.set_mib},
                                 {"amx_min_tokens", cpu::amx_min_tokens()},
                                 {"prefetch_l1", prefetch.l1_bytes},

@@ -38,6 +38,10 @@ struct CpuBenchOptions {
   int tile_q8_0 = -1;         // 0/1: Q8_0's VBMI four-block tile; -1: the library default
   int tile_mxfp4 = -1;        // 0/1: MXFP4's VBMI four-block tile (cpu::MatvecTiles); -1: the library default
   std::string schedule;       // shared / sliced; empty: the library default (cpu::FfnSchedule)
+  std::vector<int> experts_per_call{8};  // experts of one layer call, one table row each (8: a token's top-k; the 12 GB worker gets 1-3)
+  bool worker_form = false;   // call MoeFfn::run_experts (RowsJob, each expert its own rows) as the worker does, not run()
+  int balanced_slices = -1;   // 0/1: cpu::FfnSliceOptions::balanced; -1: the library default
+  int wait_prefetch = -1;     // 0/1: cpu::FfnSliceOptions::wait_prefetch; -1: the library default
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);
