@@ -1,5 +1,5 @@
 // The decode kernels of tools/kernel_bench/mixer_bench.cu as they were before the changes that
-// bench measures (kernels/cuda/matvec.cu, matvec_float.cu, router.cu, qk_norm_rope_store.cu at
+// bench measures (kernels/cuda/matvec_float.cu, router.cu, qk_norm_rope_store.cu at
 // the commit before them), kept verbatim so one run can compare old and new side by side.
 // Bench-only code: nothing else links it.
 #include "tools/kernel_bench/mixer_bench_baseline.h"
@@ -8,100 +8,9 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/matvec_float_row.cuh"
-#include "kernels/cuda/matvec_formats.cuh"
 #include "kernels/cuda/route_warp.cuh"
 
 namespace moraine::kernel_bench::baseline {
-
-namespace mv {
-using namespace cuda::matvec_detail;
-constexpr int kRowsPerCta = 4;
-constexpr int kWordsPerLane = 4;  // 16-byte words in flight per lane: 2 KB per warp
-constexpr int kChunkWords = 32 * kWordsPerLane;
-
-template <class F>
-__global__ void __launch_bounds__(32 * kRowsPerCta)
-    matvec_kernel(const uint8_t* __restrict__ w, int rows, int nblocks, const uint8_t* __restrict__ act,
-                  float* __restrict__ y, int64_t w_stride, int64_t act_stride, int64_t out_stride,
-                  const int32_t* __restrict__ ids, int act_words, int stage_words, bool accumulate) {
-  extern __shared__ uint4 stage[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int e = blockIdx.y;
-  const int row = blockIdx.x * kRowsPerCta + warp;
-  const bool row_valid = row < rows;  // uniform per warp
-
-  // The first chunk of this warp's row goes in flight before anything else, so its HBM latency
-  // overlaps the activation staging below.
-  const int64_t mat = ids != nullptr ? ids[e] : e;
-  const int64_t row_bytes = static_cast<int64_t>(nblocks) * F::kBlockBytes;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(w + mat * w_stride + static_cast<int64_t>(row) * row_bytes);
-  const uintptr_t first = start & ~uintptr_t{15};
-  const int nwords = row_valid ? static_cast<int>((start + row_bytes - first + 15) / 16) : 0;
-  const uint4* src = reinterpret_cast<const uint4*>(first);
-  uint4 next[kWordsPerLane];
-#pragma unroll
-  for (int k = 0; k < kWordsPerLane; ++k) {
-    const int i = k * 32 + lane;
-    if (i < nwords) next[k] = __ldg(src + i);
-  }
-
-  // The activation row, once per CTA, into shared memory: lanes read blocks 34 or 292 bytes
-  // apart, which from global memory costs one L1 wavefront per few lanes; from shared memory,
-  // a few bank conflicts at most.
-  const uintptr_t a_start = reinterpret_cast<uintptr_t>(act + e * act_stride);
-  const uintptr_t a_first = a_start & ~uintptr_t{15};
-  const int a_nwords = static_cast<int>((a_start + static_cast<uintptr_t>(nblocks) * sizeof(typename F::Act) - a_first + 15) / 16);
-  for (int i = threadIdx.x; i < a_nwords; i += blockDim.x) stage[i] = __ldg(reinterpret_cast<const uint4*>(a_first) + i);
-  __syncthreads();
-  if (!row_valid) return;  // no CTA-wide barrier below
-  const auto* a = reinterpret_cast<const typename F::Act*>(reinterpret_cast<const uint8_t*>(stage) + (a_start - a_first));
-  uint4* mine = stage + act_words + warp * stage_words;
-  const uint8_t* row_smem = reinterpret_cast<const uint8_t*>(mine) + (start - first);
-
-  // Software pipeline: while the lanes dot the blocks already in shared memory, the next chunk
-  // of the row is in flight in registers. Measured on the H200 against the first version (whole
-  // row staged, then computed; activations read from global): 4096x4096 q8_0 went from 31% to
-  // 38% of the read bandwidth, q4_k stayed at 21%, so the main limit is still elsewhere.
-  float acc = 0.0f;
-  int done_units = 0;
-  for (int c0 = 0; c0 < nwords; c0 += kChunkWords) {
-#pragma unroll
-    for (int k = 0; k < kWordsPerLane; ++k) {
-      const int i = c0 + k * 32 + lane;
-      if (i < nwords) mine[i] = next[k];
-    }
-#pragma unroll
-    for (int k = 0; k < kWordsPerLane; ++k) {
-      const int i = c0 + kChunkWords + k * 32 + lane;
-      if (i < nwords) next[k] = __ldg(src + i);
-    }
-    __syncwarp();
-    // Blocks whose bytes are all staged now.
-    const int64_t staged = static_cast<int64_t>(min(nwords, c0 + kChunkWords)) * 16 - static_cast<int64_t>(start - first);
-    const int avail_units = static_cast<int>(min(static_cast<int64_t>(nblocks), staged / F::kBlockBytes)) * F::kParts;
-    for (int u0 = done_units; u0 < avail_units; u0 += 32) {  // done_units is a multiple of kParts
-      const int u = u0 + lane;
-      const bool valid = u < avail_units;
-      const int b = u / F::kParts, part = u % F::kParts;
-      int isum = 0, msum = 0;
-      if (valid) F::part(row_smem + b * F::kBlockBytes, a[b], part, isum, msum);
-#pragma unroll
-      for (int off = 1; off < F::kParts; off *= 2) {  // exact integer sums over one block's lanes
-        isum += __shfl_xor_sync(0xffffffffu, isum, off);
-        msum += __shfl_xor_sync(0xffffffffu, msum, off);
-      }
-      if (valid && part == 0) acc += F::term(row_smem + b * F::kBlockBytes, a[b], isum, msum);
-    }
-    done_units = max(done_units, avail_units);
-  }
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
-    float* out = y + e * out_stride + row;
-    *out = accumulate ? __fadd_rn(*out, acc) : acc;  // residual_add's rounded addition
-  }
-}
-
-}  // namespace mv
 
 namespace mf {
 using namespace cuda::matvec_float_detail;
@@ -243,22 +152,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
 }
 
 }  // namespace qk
-
-void matvec_q8_0(const void* w, int rows, int n, const void* act, float* y, int count, int64_t act_stride,
-                 int64_t out_stride, cudaStream_t stream) {
-  using F = cuda::matvec_detail::FormatQ8_0;
-  const int nblocks = n / 32;
-  const int64_t row_bytes = int64_t{nblocks} * F::kBlockBytes;
-  const int64_t stage_words = (row_bytes + 15 + 15) / 16 + 1;
-  const int64_t act_words = (nblocks * static_cast<int64_t>(sizeof(F::Act)) + 15 + 15) / 16 + 1;
-  const int64_t smem = (act_words + stage_words * mv::kRowsPerCta) * 16;
-  CUDA_CHECK(cudaFuncSetAttribute(mv::matvec_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>((rows + mv::kRowsPerCta - 1) / mv::kRowsPerCta), static_cast<unsigned>(count));
-  mv::matvec_kernel<F><<<grid, 32 * mv::kRowsPerCta, static_cast<size_t>(smem), stream>>>(
-      static_cast<const uint8_t*>(w), rows, nblocks, static_cast<const uint8_t*>(act), y, 0, act_stride, out_stride,
-      nullptr, static_cast<int>(act_words), static_cast<int>(stage_words), false);
-  CUDA_CHECK(cudaGetLastError());
-}
 
 void matvec_f32(const float* w, int64_t rows, int64_t n, const float* x, float* y, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((rows + mf::kRowsPerCta - 1) / mf::kRowsPerCta), 1);

@@ -9,9 +9,6 @@
 
 namespace moraine::kernel_bench::baseline {
 
-// Q8_0 weights [rows][n] against `count` Q8_0 activation rows act_stride bytes apart.
-void matvec_q8_0(const void* w, int rows, int n, const void* act, float* y, int count, int64_t act_stride,
-                 int64_t out_stride, cudaStream_t stream);
 void matvec_f32(const float* w, int64_t rows, int64_t n, const float* x, float* y, cudaStream_t stream);
 void route(const float* logits, int64_t n, int64_t ne, int64_t k, bool renorm, int32_t* chosen, float* weight,
            cudaStream_t stream);
