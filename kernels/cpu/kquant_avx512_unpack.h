@@ -51,4 +51,29 @@ inline __m128i reduce4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
   return _mm512_castsi512_si128(s);
 }
 
+// Q4_K / Q5_K block headers of four rows, one row per 128-bit lane: each block's first 16 bytes
+// (dword 0 = fp16 d and dmin, dwords 1..3 = u0 u1 u2, the 12 packed scale bytes) decoded to the
+// 6-bit scales and mins as words: row r's scales 0..7 in words 8r.. of `scales`, its mins in
+// words 8r.. of `mins`. Per lane: scales 0..3 = u0 & 0x3f.., scales 4..7 = (u2 & 0x0f..) |
+// ((u0 >> 6) & 3..) << 4, and the mins alike from u1 and u2 >> 4 (dwords [sc lo, sc hi, min lo,
+// min hi] before widening). Shared by the block-pair tile and the GFNI tile.
+struct KQuantHeaders {
+  __m512i head, scales, mins;
+};
+inline KQuantHeaders k_quant_headers4(const void* b0, const void* b1, const void* b2, const void* b3) {
+  const __m512i dec_shift = _mm512_setr4_epi32(0, 0, 0, 4);
+  const __m512i dec_low = _mm512_setr4_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+  const __m512i dec_high = _mm512_setr4_epi32(0, 0x03030303, 0, 0x03030303);
+  __m512i head = _mm512_zextsi128_si512(_mm_loadu_si128(static_cast<const __m128i*>(b0)));
+  head = _mm512_inserti32x4(head, _mm_loadu_si128(static_cast<const __m128i*>(b1)), 1);
+  head = _mm512_inserti32x4(head, _mm_loadu_si128(static_cast<const __m128i*>(b2)), 2);
+  head = _mm512_inserti32x4(head, _mm_loadu_si128(static_cast<const __m128i*>(b3)), 3);
+  const __m512i u0_u2_u1_u2 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(3, 2, 3, 1)));
+  const __m512i u0_u0_u1_u1 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(2, 2, 1, 1)));
+  const __m512i decoded =
+      _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(u0_u2_u1_u2, dec_shift), dec_low),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0_u0_u1_u1, 6), dec_high), 4));
+  return {head, _mm512_unpacklo_epi8(decoded, _mm512_setzero_si512()), _mm512_unpackhi_epi8(decoded, _mm512_setzero_si512())};
+}
+
 }  // namespace moraine::cpu::avx512

@@ -81,12 +81,6 @@ void q45_k_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_K
   // is exact, and one vpmaddwd then applies the 6-bit scales (word pairs share a sub-block):
   // 6 multiplies per 256 elements instead of vpmaddubsw + vpmaddwd's 8.
   const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  // Scale decode, per 128-bit lane (= row) on dwords u0 u1 u2 of the 12 packed bytes:
-  // scales 0..3 = u0 & 0x3f.., scales 4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 3..) << 4, and the
-  // mins alike from u1 and u2 >> 4: dwords [sc lo, sc hi, min lo, min hi].
-  const __m512i dec_shift = _mm512_setr4_epi32(0, 0, 0, 4);
-  const __m512i dec_low = _mm512_setr4_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
-  const __m512i dec_high = _mm512_setr4_epi32(0, 0x03030303, 0, 0x03030303);
   auto row_block = [&](int r, int64_t b) -> const Block& {
     return reinterpret_cast<const Block*>(w + static_cast<size_t>(r) * row_stride)[b];
   };
@@ -95,19 +89,8 @@ void q45_k_tile(int64_t nb, const uint8_t* w, size_t row_stride, const BlockQ8_K
   for (int k = 0; k < 4; ++k) bit_sel[k] = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * k))), _mm256_set1_epi8(static_cast<char>(1 << (2 * k + 1))), 1);
   const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
-    // The first 16 bytes of each row's block, one row per 128-bit lane: dword 0 = fp16 d and
-    // dmin, dwords 1..3 = u0 u1 u2, the 12 packed scale bytes.
-    __m512i head = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(0, b))));
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(1, b))), 1);
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(2, b))), 2);
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(3, b))), 3);
-    const __m512i u0_u2_u1_u2 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(3, 2, 3, 1)));
-    const __m512i u0_u0_u1_u1 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(2, 2, 1, 1)));
-    const __m512i decoded =
-        _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(u0_u2_u1_u2, dec_shift), dec_low),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0_u0_u1_u1, 6), dec_high), 4));
-    const __m512i scales = _mm512_unpacklo_epi8(decoded, _mm512_setzero_si512());  // row r: words 8r.. = scales 0..7
-    const __m512i mins = _mm512_unpackhi_epi8(decoded, _mm512_setzero_si512());    // row r: words 8r.. = mins 0..7
+    // The four rows' block headers, one row per 128-bit lane, and their scales and mins as words.
+    const auto [head, scales, mins] = k_quant_headers4(&row_block(0, b), &row_block(1, b), &row_block(2, b), &row_block(3, b));
     // Min sums: lane r, dword t = sum_j min_j(row r) * (bsums[2j] + bsums[2j+1])(token t). Pair
     // sums are at most 2 * 16 * 128 = 4096: int16.
     __m512i mx[4];

@@ -73,25 +73,12 @@ void q4_k_packed_tile(int64_t nb, const uint8_t* w, size_t row_stride, const Pac
   for (auto& v : acc) v = _mm_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
-  // Scale decode as q45_k_tile's (see there).
-  const __m512i dec_shift = _mm512_setr4_epi32(0, 0, 0, 4);
-  const __m512i dec_low = _mm512_setr4_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
-  const __m512i dec_high = _mm512_setr4_epi32(0, 0x03030303, 0, 0x03030303);
   auto row_block = [&](int r, int64_t b) -> const BlockQ4_K& {
     return reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * row_stride)[b];
   };
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i head = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(0, b))));
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(1, b))), 1);
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(2, b))), 2);
-    head = _mm512_inserti32x4(head, _mm_loadu_si128(reinterpret_cast<const __m128i*>(&row_block(3, b))), 3);
-    const __m512i u0_u2_u1_u2 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(3, 2, 3, 1)));
-    const __m512i u0_u0_u1_u1 = _mm512_shuffle_epi32(head, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(2, 2, 1, 1)));
-    const __m512i decoded =
-        _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(u0_u2_u1_u2, dec_shift), dec_low),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0_u0_u1_u1, 6), dec_high), 4));
-    const __m512i scales = _mm512_unpacklo_epi8(decoded, _mm512_setzero_si512());
-    const __m512i mins = _mm512_unpackhi_epi8(decoded, _mm512_setzero_si512());
+    // The block headers, scales and mins as in q45_k_tile (k_quant_headers4).
+    const auto [head, scales, mins] = k_quant_headers4(&row_block(0, b), &row_block(1, b), &row_block(2, b), &row_block(3, b));
     // Min sums: lane r, dword t (t < T) = sum_j min_j(row r) * bs2_j(token t).
     __m512i msums;
     if constexpr (T == 1) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "kernels/cuda/cuda_check.h"
 
@@ -98,5 +99,13 @@ class PinnedBuffer {
   T* ptr_ = nullptr;
   size_t count_ = 0;
 };
+
+// A device copy of v (synchronous upload).
+template <typename T>
+DeviceBuffer<T> uploaded(const std::vector<T>& v) {
+  DeviceBuffer<T> b(v.size());
+  b.upload(v.data(), v.size());
+  return b;
+}
 
 }  // namespace moraine::cuda

@@ -45,6 +45,7 @@ namespace moraine {
 namespace {
 
 using cuda::DeviceBuffer;
+using cuda::uploaded;
 using cuda::PinnedBuffer;
 
 // A small model of the decode step's proportions (head_dim 64 is one attention_decode form).
@@ -59,13 +60,6 @@ std::vector<uint8_t> quantized(std::mt19937& rng, TensorType t, int64_t rows, in
   std::vector<uint8_t> q(rb * static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) quantize_row(t, w.data() + r * n, q.data() + r * rb, n);
   return q;
-}
-
-template <typename T>
-DeviceBuffer<T> uploaded(const std::vector<T>& v) {
-  DeviceBuffer<T> b(v.size());
-  b.upload(v.data(), v.size());
-  return b;
 }
 
 struct Layer {

@@ -41,6 +41,7 @@ namespace moraine::kernel_bench {
 namespace {
 
 using cuda::DeviceBuffer;
+using cuda::uploaded;
 
 constexpr int64_t kEmbd = 2048, kHeads = 32, kKvHeads = 4, kHeadDim = 128, kExperts = 128, kTopK = 8;
 constexpr int64_t kLayers = 48, kMaxCtx = 1024;
@@ -52,13 +53,6 @@ std::vector<float> normal(std::mt19937& rng, size_t n, float sd) {
   std::vector<float> v(n);
   for (float& x : v) x = d(rng);
   return v;
-}
-
-template <typename T>
-DeviceBuffer<T> uploaded(const std::vector<T>& v) {
-  DeviceBuffer<T> b(v.size());
-  b.upload(v.data(), v.size());
-  return b;
 }
 
 std::vector<uint8_t> q8_0(std::mt19937& rng, int64_t rows, int64_t n) {
