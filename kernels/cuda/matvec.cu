@@ -9,8 +9,11 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec_formats.cuh"
 
 namespace moraine::cuda {
@@ -19,34 +22,40 @@ namespace {
 using namespace matvec_detail;
 
 constexpr int kRowsPerCta = 4;
-constexpr int kWordsPerLane = 4;  // 16-byte words in flight per lane: 2 KB per warp
-constexpr int kChunkWords = 32 * kWordsPerLane;
 
 template <class F>
 __global__ void __launch_bounds__(32 * kRowsPerCta)
     matvec_kernel(const uint8_t* __restrict__ w, int rows, int nblocks, const uint8_t* __restrict__ act,
                   float* __restrict__ y, int64_t w_stride, int64_t act_stride, int64_t out_stride,
-                  const int32_t* __restrict__ ids, int act_words, int stage_words, bool accumulate) {
+                  const int32_t* __restrict__ ids, int act_words, int stage_words, bool accumulate,
+                  bool weights_first) {
   extern __shared__ uint4 stage[];
+  // PDL (launch.h): everything the previous kernel may write (ids, activations, y) is read after
+  // the wait; with weights_first the weight row's copies go out before it.
+  if (!weights_first) wait_for_prior_grids();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = blockIdx.y;
   const int row = blockIdx.x * kRowsPerCta + warp;
   const bool row_valid = row < rows;  // uniform per warp
 
-  // The first chunk of this warp's row goes in flight before anything else, so its HBM latency
-  // overlaps the activation staging below.
+  // The whole row goes in flight at once, as asynchronous copies straight into this warp's
+  // shared-memory slice (async_copy.cuh), before the activations: no registers are held per
+  // word, so every warp of a decode-sized matrix has its row in flight in the first wave.
+  // The previous version moved the row through registers 2 KB per warp at a time (64 registers:
+  // 8 CTAs per SM, so 5120 rows took two waves, and each further 2 KB chunk cost another HBM
+  // round trip). Measured on the H200 (moraine-kernel-bench cuda --mixer-only, ncu-timed, old ->
+  // new): Q8_0 5120 x 2048 9.0 -> 7.7 us (x16 tokens 66 -> 42), 2048 x 4096 6.9 -> 6.5 us (x16
+  // 46 -> 32), LM head 151936 x 2048 125 -> 85 us (2.7 -> 3.9 TB/s).
   const int64_t mat = ids != nullptr ? ids[e] : e;
   const int64_t row_bytes = static_cast<int64_t>(nblocks) * F::kBlockBytes;
   const uintptr_t start = reinterpret_cast<uintptr_t>(w + mat * w_stride + static_cast<int64_t>(row) * row_bytes);
   const uintptr_t first = start & ~uintptr_t{15};
   const int nwords = row_valid ? static_cast<int>((start + row_bytes - first + 15) / 16) : 0;
   const uint4* src = reinterpret_cast<const uint4*>(first);
-  uint4 next[kWordsPerLane];
-#pragma unroll
-  for (int k = 0; k < kWordsPerLane; ++k) {
-    const int i = k * 32 + lane;
-    if (i < nwords) next[k] = __ldg(src + i);
-  }
+  uint4* mine = stage + act_words + warp * stage_words;
+  for (int i = lane; i < nwords; i += 32) async_copy::copy_16(mine + i, src + i);
+  if (weights_first) wait_for_prior_grids();
+  allow_dependent_grids();
 
   // The activation row, once per CTA, into shared memory: lanes read blocks 34 or 292 bytes
   // apart, which from global memory costs one L1 wavefront per few lanes; from shared memory,
@@ -54,48 +63,35 @@ __global__ void __launch_bounds__(32 * kRowsPerCta)
   const uintptr_t a_start = reinterpret_cast<uintptr_t>(act + e * act_stride);
   const uintptr_t a_first = a_start & ~uintptr_t{15};
   const int a_nwords = static_cast<int>((a_start + static_cast<uintptr_t>(nblocks) * sizeof(typename F::Act) - a_first + 15) / 16);
-  for (int i = threadIdx.x; i < a_nwords; i += blockDim.x) stage[i] = __ldg(reinterpret_cast<const uint4*>(a_first) + i);
+  for (int i = threadIdx.x; i < a_nwords; i += blockDim.x)
+    async_copy::copy_16(stage + i, reinterpret_cast<const uint4*>(a_first) + i);
+  async_copy::wait_all();
   __syncthreads();
   if (!row_valid) return;  // no CTA-wide barrier below
   const auto* a = reinterpret_cast<const typename F::Act*>(reinterpret_cast<const uint8_t*>(stage) + (a_start - a_first));
-  uint4* mine = stage + act_words + warp * stage_words;
   const uint8_t* row_smem = reinterpret_cast<const uint8_t*>(mine) + (start - first);
 
-  // Software pipeline: while the lanes dot the blocks already in shared memory, the next chunk
-  // of the row is in flight in registers. Measured on the H200 against the first version (whole
-  // row staged, then computed; activations read from global): 4096x4096 q8_0 went from 31% to
-  // 38% of the read bandwidth, q4_k stayed at 21%, so the main limit is still elsewhere.
+  // Lane l takes block parts l, l + 32, ... of the row (a fixed assignment: the float sum of a
+  // row does not depend on the batch or the launch). Aligned Q8_0 rows read block pairs instead
+  // (matvec_formats.cuh: q8_0_dot_pairs) and hand each block's term to the same lane, so both
+  // paths give the same bits (tests/cuda/matvec_test.cpp BlockPairPathEqualsPerBlockPath...).
   float acc = 0.0f;
-  int done_units = 0;
-  for (int c0 = 0; c0 < nwords; c0 += kChunkWords) {
+  bool pairs = false;
+  if constexpr (std::is_same_v<F, FormatQ8_0>) pairs = nblocks % 2 == 0 && ((start | a_start) & 3) == 0;
+  if (pairs) acc = q8_0_dot_pairs(row_smem, reinterpret_cast<const uint8_t*>(a), nblocks, lane);
+  const int units = pairs ? 0 : nblocks * F::kParts;
+  for (int u0 = 0; u0 < units; u0 += 32) {
+    const int u = u0 + lane;
+    const bool valid = u < units;
+    const int b = u / F::kParts, part = u % F::kParts;
+    int isum = 0, msum = 0;
+    if (valid) F::part(row_smem + b * F::kBlockBytes, a[b], part, isum, msum);
 #pragma unroll
-    for (int k = 0; k < kWordsPerLane; ++k) {
-      const int i = c0 + k * 32 + lane;
-      if (i < nwords) mine[i] = next[k];
+    for (int off = 1; off < F::kParts; off *= 2) {  // exact integer sums over one block's lanes
+      isum += __shfl_xor_sync(0xffffffffu, isum, off);
+      msum += __shfl_xor_sync(0xffffffffu, msum, off);
     }
-#pragma unroll
-    for (int k = 0; k < kWordsPerLane; ++k) {
-      const int i = c0 + kChunkWords + k * 32 + lane;
-      if (i < nwords) next[k] = __ldg(src + i);
-    }
-    __syncwarp();
-    // Blocks whose bytes are all staged now.
-    const int64_t staged = static_cast<int64_t>(min(nwords, c0 + kChunkWords)) * 16 - static_cast<int64_t>(start - first);
-    const int avail_units = static_cast<int>(min(static_cast<int64_t>(nblocks), staged / F::kBlockBytes)) * F::kParts;
-    for (int u0 = done_units; u0 < avail_units; u0 += 32) {  // done_units is a multiple of kParts
-      const int u = u0 + lane;
-      const bool valid = u < avail_units;
-      const int b = u / F::kParts, part = u % F::kParts;
-      int isum = 0, msum = 0;
-      if (valid) F::part(row_smem + b * F::kBlockBytes, a[b], part, isum, msum);
-#pragma unroll
-      for (int off = 1; off < F::kParts; off *= 2) {  // exact integer sums over one block's lanes
-        isum += __shfl_xor_sync(0xffffffffu, isum, off);
-        msum += __shfl_xor_sync(0xffffffffu, msum, off);
-      }
-      if (valid && part == 0) acc += F::term(row_smem + b * F::kBlockBytes, a[b], isum, msum);
-    }
-    done_units = max(done_units, avail_units);
+    if (valid && part == 0) acc += F::term(row_smem + b * F::kBlockBytes, a[b], isum, msum);
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
@@ -171,11 +167,11 @@ void launch_format(TensorType t, const void* w, int64_t rows, int64_t n, const v
     smem_raised = smem;
   }
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta), static_cast<unsigned>(batch.count));
-  matvec_kernel<F><<<grid, 32 * kRowsPerCta, static_cast<size_t>(smem), stream>>>(
-      static_cast<const uint8_t*>(w), static_cast<int>(rows), static_cast<int>(nblocks),
-      static_cast<const uint8_t*>(act), y, batch.weight_stride_bytes, batch.act_stride_bytes, batch.out_stride,
-      batch.expert_ids, static_cast<int>(act_words), static_cast<int>(stage_words), batch.accumulate);
-  CUDA_CHECK(cudaGetLastError());
+  launch_kernel(matvec_kernel<F>, grid, dim3(32 * kRowsPerCta), static_cast<size_t>(smem), stream,
+                static_cast<const uint8_t*>(w), static_cast<int>(rows), static_cast<int>(nblocks),
+                static_cast<const uint8_t*>(act), y, batch.weight_stride_bytes, batch.act_stride_bytes, batch.out_stride,
+                batch.expert_ids, static_cast<int>(act_words), static_cast<int>(stage_words), batch.accumulate,
+                batch.expert_ids == nullptr && !batch.weights_from_previous_kernel);
 }
 
 }  // namespace

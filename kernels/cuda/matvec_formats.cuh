@@ -81,6 +81,55 @@ struct FormatQ8_0 {
   }
 };
 
+// Q8_0 rows whose weight and activation rows both start 4-byte aligned, with an even block count,
+// are read as block pairs: for each run of 64 blocks, lane p reads the pair (2p, 2p + 1). A pair
+// is 68 bytes = 17 aligned words and lanes are 17 words apart (17 is odd): each 4-byte
+// shared-memory load of the warp hits 32 distinct banks, 34 loads per 64 blocks for weights and
+// activations together. FormatQ8_0's per-block lanes sit 34 bytes apart (2-way bank conflicts)
+// and funnel five words per 16 bytes: 40 loads per 32 blocks, about 2.4x the shared-memory
+// cycles, which ncu-timed 5120 x 2048 (11 MB) at 7.7 us against 5.0 us for a plain read of the
+// same bytes.
+// The block terms then move by shuffles to the lane the per-block path gives them (block b to
+// lane b % 32), and each lane adds its terms in increasing block order: the float sum is the
+// per-block path's, bit for bit. Summing in pair order instead moved group_cuda_test's kmix
+// cases from 9.5e-7 to 0.077 of max |logit| against the reference executor (session 5, run F):
+// an order change amplified by Q8 re-quantization downstream, so the order is kept.
+__device__ __forceinline__ float q8_0_dot_pairs(const uint8_t* wrow, const uint8_t* arow, int nblocks, int lane) {
+  const uint32_t* w32 = reinterpret_cast<const uint32_t*>(wrow);
+  const uint32_t* a32 = reinterpret_cast<const uint32_t*>(arow);
+  float acc = 0.0f;
+  for (int b0 = 0; b0 < nblocks; b0 += 64) {  // uniform per warp: every lane shuffles
+    const int p = b0 / 2 + lane;               // this lane's pair
+    float t_even = 0.0f, t_odd = 0.0f;
+    if (2 * p < nblocks) {                      // nblocks is even: both blocks exist
+      const uint32_t* wp = w32 + 17 * p;
+      const uint32_t* ap = a32 + 17 * p;
+      // Block 2p: d in the low half of word 0, quants in bytes 2..33 (words 0..8, 2 bytes off).
+      int dot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        dot = __dp4a(static_cast<int>(__funnelshift_r(wp[i], wp[i + 1], 16)),
+                     static_cast<int>(__funnelshift_r(ap[i], ap[i + 1], 16)), dot);
+      t_even = __fmul_rn(__int2float_rn(dot), __fmul_rn(half_bits_to_float(static_cast<uint16_t>(wp[0] & 0xffffu)),
+                                                        half_bits_to_float(static_cast<uint16_t>(ap[0] & 0xffffu))));
+      // Block 2p + 1: d in the high half of word 8, quants in words 9..16.
+      dot = 0;
+#pragma unroll
+      for (int i = 9; i < 17; ++i) dot = __dp4a(static_cast<int>(wp[i]), static_cast<int>(ap[i]), dot);
+      t_odd = __fmul_rn(__int2float_rn(dot), __fmul_rn(half_bits_to_float(static_cast<uint16_t>(wp[8] >> 16)),
+                                                       half_bits_to_float(static_cast<uint16_t>(ap[8] >> 16))));
+    }
+    // Block b0 + lane sits in pair lane / 2, block b0 + 32 + lane in pair 16 + lane / 2.
+    const bool odd = lane & 1;
+    const float lo_e = __shfl_sync(0xffffffffu, t_even, lane / 2), lo_o = __shfl_sync(0xffffffffu, t_odd, lane / 2);
+    const float hi_e = __shfl_sync(0xffffffffu, t_even, 16 + lane / 2);
+    const float hi_o = __shfl_sync(0xffffffffu, t_odd, 16 + lane / 2);
+    if (b0 + lane < nblocks) acc += odd ? lo_o : lo_e;
+    if (b0 + 32 + lane < nblocks) acc += odd ? hi_o : hi_e;
+  }
+  return acc;
+}
+
 struct FormatMXFP4 {
   using Act = BlockQ8_0;
   static constexpr int kBlockBytes = sizeof(BlockMXFP4);

@@ -8,6 +8,7 @@
 // 2 * gamma(k) * sum|t_i|; t_i is vec_dot_reference on block i alone.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -111,6 +112,40 @@ TEST_P(CudaMatvec, OddRowCountsMatchReference) {
 TEST_P(CudaMatvec, SelectedExpertsInOneLaunchMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   check_matvec(GetParam(), 97, 2048, 8, 201);
+}
+
+// Q8_0 rows with 4-byte aligned weights and activations and an even block count take the
+// block-pair path (matvec_formats.cuh q8_0_dot_pairs); activations 2 bytes off that alignment
+// take the per-block path. Both must add the same terms in the same order: equal bits, for row
+// lengths of one run of 64 blocks or less (the golden models' 256 columns) and several.
+TEST(CudaMatvecQ8_0, BlockPairPathEqualsPerBlockPathBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  for (const int64_t n : {int64_t{64}, int64_t{256}, int64_t{2048}, int64_t{4096}, int64_t{6144}}) {
+    std::mt19937 rng(static_cast<uint32_t>(300 + n));
+    const int64_t rows = 37, tokens = 3;
+    const Quantized w = quantize_rows(TensorType::Q8_0, cuda_test::random_values(rng, static_cast<size_t>(rows * n)), rows, n);
+    const Quantized a = quantize_rows(TensorType::Q8_0, cuda_test::random_values(rng, static_cast<size_t>(tokens * n)), tokens, n);
+    ASSERT_EQ(a.row_bytes % 4, 0u);  // n is a multiple of 64: aligned rows stay aligned
+    cuda::DeviceBuffer<uint8_t> dw(w.bytes.size()), da(a.bytes.size() + 4);
+    dw.upload(w.bytes.data(), w.bytes.size());
+    std::vector<float> y[2];
+    for (int shifted = 0; shifted < 2; ++shifted) {
+      const size_t off = shifted ? 2 : 0;
+      CUDA_CHECK(cudaMemcpy(da.get() + off, a.bytes.data(), a.bytes.size(), cudaMemcpyHostToDevice));
+      cuda::DeviceBuffer<float> dy(static_cast<size_t>(tokens * rows));
+      dy.fill_bytes(0xff);
+      cuda::MatvecBatch batch;
+      batch.count = static_cast<int>(tokens);
+      batch.act_stride_bytes = static_cast<int64_t>(a.row_bytes);
+      batch.out_stride = rows;
+      cuda::matvec_quantized_batched(TensorType::Q8_0, dw.get(), rows, n, da.get() + off, dy.get(), batch);
+      y[shifted].resize(static_cast<size_t>(tokens * rows));
+      dy.download(y[shifted].data(), y[shifted].size());
+    }
+    for (size_t i = 0; i < y[0].size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(y[0][i]), std::bit_cast<uint32_t>(y[1][i]))
+          << "n=" << n << " output " << i << ": pairs " << y[0][i] << ", per block " << y[1][i];
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaMatvec,
