@@ -34,10 +34,9 @@ bool matvec_supported(TensorType weight);
 // (model weights are written once, long before), so the HBM latency overlaps that kernel's
 // tail. Set it when the kernel right before this one in the stream writes the weights; with
 // expert_ids the kernel always waits first (the ids select the weights).
-// Not used by the kernel now: the PDL + shared-memory-staged matvec of 2026-11-30 (qkv 7.7 -> 5.2
-// us, LM head 118 -> 83 us) gave the group's kmix models (Q4_K o projection, Q8_0 q/k, Q6_K v)
-// logits 0.077 of max away from the reference on the H200 while its own tests passed; it was
-// taken back whole and the matvec launches plainly until that is found (closing note, session 5).
+// (The staged kernel's first version summed aligned Q8_0 rows in block-pair order and moved the
+// group's kmix models 0.077 of max |logit| off the reference; matvec_formats.cuh's
+// q8_0_dot_pairs now keeps the per-block order, bits equal: matvec_test.cpp.)
 struct MatvecBatch {
   int count = 1;
   int64_t weight_stride_bytes = 0;
