@@ -25,6 +25,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
 #include "coordinator/control_server.h"
+#include "coordinator/device_reserve.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
 #include "coordinator/process_util.h"
@@ -46,15 +47,18 @@ struct Options {
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, step_retries = 2;
+  std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
 };
 
 // The placement every process of the group follows: planned once, here.
 group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx));
-  // "dense": exactly the dense weights and KV/state, no experts: what a gpu_worker on its CPU
+  if (o.backend == "cuda") in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
+  // "dense": exactly the dense weights, KV/state (and a CUDA device's context and scratch), no experts: what a gpu_worker on its CPU
   // backend gets by default, so that the cpu_expert_workers compute the routed experts.
-  in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes : group::parse_byte_budget(o.vram, "--vram");
+  in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes + in.sizes.device_reserve_bytes
+                                     : group::parse_byte_budget(o.vram, "--vram");
   in.ram_budget = group::parse_byte_budget(o.ram, "--ram");
   in.n_cpu_workers = o.cpu_workers;
   const std::string census = o.census.empty() ? group::default_census_path(o.model) : o.census;
@@ -383,6 +387,8 @@ int main(int argc, char** argv) {
                  "steps between the gpu_worker's swaps of popular experts into VRAM (0: keep the placement's set)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
+  app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

@@ -218,17 +218,19 @@ PlacementPlan plan_placement(const PlacementInput& in) {
   p.ram_budget = in.ram_budget;
   p.dense_bytes = s.dense_bytes;
   p.kv_bytes = s.kv_bytes;
+  p.device_reserve_bytes = s.device_reserve_bytes;
   p.context = s.context;
   p.tiers.assign(static_cast<std::size_t>(s.n_layer * s.n_expert), Tier::kFile);
   const Census census = in.census.counts.empty() ? Census::uniform(s.n_layer, s.n_expert) : in.census;
   if (static_cast<std::int64_t>(census.counts.size()) != s.n_layer) throw std::invalid_argument("placement: census has the wrong number of layers");
 
-  const std::uint64_t fixed = s.dense_bytes + s.kv_bytes;
+  const std::uint64_t fixed = s.dense_bytes + s.kv_bytes + s.device_reserve_bytes;
   if (in.vram_budget < fixed) {
     throw std::invalid_argument("--vram " + format_bytes(in.vram_budget) + " (" + std::to_string(in.vram_budget) +
                                 " bytes) is too small for the dense weights (" + std::to_string(s.dense_bytes) +
                                 " bytes) + KV/state for " + std::to_string(s.context) + " tokens (" +
-                                std::to_string(s.kv_bytes) + " bytes) = " + std::to_string(fixed) + " bytes");
+                                std::to_string(s.kv_bytes) + " bytes) + the device's context and scratch (" +
+                                std::to_string(s.device_reserve_bytes) + " bytes) = " + std::to_string(fixed) + " bytes");
   }
   Candidates c;
   c.next.assign(static_cast<std::size_t>(s.n_layer), 0);
@@ -293,9 +295,9 @@ std::string PlacementPlan::table() const {
   o << line;
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s\n", "tier", "experts", "bytes", "budget");
   o << line;
-  std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (dense %s + KV/state %s first)\n", "VRAM",
+  std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (dense %s + KV/state %s + context/scratch %s first)\n", "VRAM",
                 std::to_string(vram.experts).c_str(), format_bytes(vram.bytes).c_str(), format_bytes(vram_budget).c_str(),
-                format_bytes(dense_bytes).c_str(), format_bytes(kv_bytes).c_str());
+                format_bytes(dense_bytes).c_str(), format_bytes(kv_bytes).c_str(), format_bytes(device_reserve_bytes).c_str());
   o << line;
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (+ staging %d workers x %lld slots = %s)\n", "RAM",
                 std::to_string(ram.experts).c_str(), format_bytes(ram.bytes).c_str(), format_bytes(ram_budget).c_str(),
@@ -319,6 +321,7 @@ void PlacementPlan::write(const std::string& path) const {
   j["ram_budget"] = ram_budget;
   j["dense_bytes"] = dense_bytes;
   j["kv_bytes"] = kv_bytes;
+  j["device_reserve_bytes"] = device_reserve_bytes;
   j["context"] = context;
   // One string per layer, a letter per expert: V(RAM), R(AM), F(ILE).
   nlohmann::json layers = nlohmann::json::array();
@@ -357,6 +360,7 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
     p.ram_budget = j.at("ram_budget").get<std::uint64_t>();
     p.dense_bytes = j.at("dense_bytes").get<std::uint64_t>();
     p.kv_bytes = j.at("kv_bytes").get<std::uint64_t>();
+    p.device_reserve_bytes = j.value("device_reserve_bytes", std::uint64_t{0});
     p.context = j.at("context").get<std::int64_t>();
     if (p.n_cpu_workers < 1 || p.staging_slots < 0 || p.staging_slots > s.n_expert_used) {
       throw std::runtime_error("n_cpu_workers or staging_slots out of range");

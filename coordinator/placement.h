@@ -39,6 +39,9 @@ struct ModelSizes {
   std::int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
   std::uint64_t dense_bytes = 0;         // every tensor but the trunk layers' routed experts
   std::uint64_t kv_bytes = 0;            // KV cache + recurrent state for `context` tokens
+  // Device memory the gpu_worker holds beside weights and KV (context, scratch:
+  // coordinator/device_reserve.h); charged against a --vram budget. 0: not on a GPU.
+  std::uint64_t device_reserve_bytes = 0;
   std::int64_t context = 0;
   std::vector<std::uint64_t> expert_bytes;       // [layer] gate + up + down of one expert
   std::vector<std::uint64_t> expert_slot_bytes;  // [layer] the same with each part 4 KiB aligned
@@ -72,7 +75,7 @@ struct PlacementPlan {
   std::vector<Tier> tiers;   // [layer * n_expert + expert]
   // Inputs, kept for the log and the stats table.
   std::uint64_t vram_budget = kUnlimitedBytes, ram_budget = kUnlimitedBytes;
-  std::uint64_t dense_bytes = 0, kv_bytes = 0;
+  std::uint64_t dense_bytes = 0, kv_bytes = 0, device_reserve_bytes = 0;
   std::int64_t context = 0;
   TierTotals vram, ram, file;
 

@@ -154,7 +154,7 @@ int start(const Options& o) {
   Child coord{group::kCoordinatorInstance,
               {find_binary(o, "moraine-coordinator", "coordinator"), "-m", o.model, "--socket-dir", o.socket_dir,
                "--cpu-workers", std::to_string(o.cpu_workers), "--max-tokens", std::to_string(o.max_tokens),
-               "--handoff", o.handoff, "--vram", o.vram.empty() ? (o.backend == "cuda" ? "unlimited" : "dense") : o.vram, "--ram", o.ram, "--ctx", std::to_string(o.ctx)}};
+               "--handoff", o.handoff, "--vram", o.vram.empty() ? (o.backend == "cuda" ? "unlimited" : "dense") : o.vram, "--ram", o.ram, "--ctx", std::to_string(o.ctx), "--backend", o.backend}};
   if (!o.census.empty()) {
     coord.argv.push_back("--census");
     coord.argv.push_back(o.census);

@@ -56,6 +56,9 @@ class Backend {
   // Host memory the backend will copy to and from at every step (the exchange segment): a device
   // backend pins it once so those copies are direct DMA. Optional.
   virtual void pin_host_memory(void* p, size_t bytes) { (void)p, (void)bytes; }
+  // Device memory in use now, as the driver reports it for the whole device (every process:
+  // on a machine given to the group, the gpu_worker's own). 0 for a backend without a device.
+  virtual uint64_t device_bytes_in_use() const { return 0; }
   // Starts a step: the n tokens' embeddings become the residual.
   virtual void embed(const int32_t* tokens, int64_t n) = 0;
   // Whether every routed expert of layer il is computed on this device.

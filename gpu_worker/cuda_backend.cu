@@ -25,6 +25,23 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+uint64_t CudaBackend::device_bytes_in_use() const {
+  cudaSetDevice(device_);
+  size_t free_bytes = 0, total = 0;
+  if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return total - free_bytes;
+}
+
+// One stderr line per setup stage (the supervisor keeps the gpu_worker's log): where the device
+// memory above the --vram budget goes (context, weights, scratch).
+void CudaBackend::log_device_memory(const char* stage) const {
+  std::cerr << "gpu_worker: device memory in use after " << stage << ": " << (device_bytes_in_use() >> 20)
+            << " MiB (device buffers " << (cuda::device_buffer_live_bytes().load() >> 20) << " MiB)\n";
+}
+
 void CudaBackend::pin_host_memory(void* p, size_t bytes) {
   use_device();
   const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);

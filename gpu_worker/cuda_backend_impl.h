@@ -60,7 +60,8 @@ struct DevLayer {
   DevMatrix attn_qkv;     // q | k | v stacked (upload_stacked); then q, k, v stay empty
   int64_t q_rows = 0;     // rows of the q projection (with the gate beside each head, if any)
   // The VRAM tier: resident experts' gate / up / down slabs and expert id -> slab index (-1).
-  DevMatrix gate, up, down;
+  DevMatrix gate, up, down;      // views into expert_slabs
+  DeviceBuffer<uint8_t> expert_slabs;
   std::vector<int32_t> slab_of;
   int64_t resident = 0;
   bool fused = false;   // the routed experts go through moe_fused
@@ -107,6 +108,8 @@ class CudaBackend final : public Backend {
   CudaBackend(const model::Model& m, const BackendOptions& o);
   ~CudaBackend() override;
   void pin_host_memory(void* p, size_t bytes) override;
+  uint64_t device_bytes_in_use() const override;
+  void log_device_memory(const char* stage) const;
   void reset() override;
   int64_t n_past() const override { return n_past_; }
   int64_t n_layer() const override { return m_.hp.n_layer; }
@@ -262,6 +265,8 @@ class CudaBackend final : public Backend {
   cudaStream_t copy_stream_ = nullptr;   // expert copies of the adaptive VRAM tier
   std::vector<PendingSwap> swaps_;
   std::vector<void*> pinned_;      // host ranges registered by pin_host_memory
+  // Weights, KV caches and the slot table: placed with little rounding waste, freed with the backend.
+  cuda::DeviceArena weights_arena_;
   std::vector<DevLayer> layers_;
   DeviceBuffer<cuda::MoeExpertSlot> slot_table_;   // [layer][expert]: the VRAM tier's addresses
   DeviceBuffer<float> output_norm_;

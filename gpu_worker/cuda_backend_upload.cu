@@ -27,7 +27,7 @@ void check_kernel(const model::Matrix& m) {
                            "the formats); requantize it with moraine-quantize");
 }
 
-DevMatrix upload_matrix(const model::Matrix& m) {
+DevMatrix upload_matrix(cuda::DeviceArena& arena, const model::Matrix& m) {
   DevMatrix d;
   if (!m) return d;
   check_kernel(m);
@@ -35,7 +35,7 @@ DevMatrix upload_matrix(const model::Matrix& m) {
   d.rows = m.n_rows;
   d.cols = m.n_cols;
   d.matrix_bytes = m.row_bytes * static_cast<size_t>(m.n_rows);
-  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes, arena);
   d.bytes.upload(m.data, d.matrix_bytes);
   return d;
 }
@@ -43,9 +43,9 @@ DevMatrix upload_matrix(const model::Matrix& m) {
 // The experts `ids` of one expert tensor packed in a slab. The stride between experts is a whole
 // number of format blocks (the batched matvec steps through the slab in blocks) and of 16 bytes
 // (moe_fused and the matvec read aligned 16-byte words from each expert's start).
-DevMatrix upload_expert_slab(const model::ExpertTensor& t, const std::vector<int32_t>& ids) {
+DevMatrix expert_slab_shape(const model::ExpertTensor& t) {
   DevMatrix d;
-  if (!t.all || ids.empty()) return d;
+  if (!t.all) return d;
   check_kernel(t.all);
   d.type = t.all.type;
   d.rows = t.rows_per_expert;
@@ -54,28 +54,51 @@ DevMatrix upload_expert_slab(const model::ExpertTensor& t, const std::vector<int
   const size_t block = type_traits(d.type).block_bytes;
   const size_t unit = block / std::gcd(block, size_t{16}) * 16;   // lcm(block bytes, 16)
   d.matrix_bytes = (one + unit - 1) / unit * unit;
-  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes * ids.size());
-  for (size_t i = 0; i < ids.size(); ++i)
-    CUDA_CHECK(cudaMemcpy(d.bytes.get() + i * d.matrix_bytes, t.all.data + static_cast<size_t>(ids[i]) * one, one,
-                          cudaMemcpyHostToDevice));
   return d;
+}
+
+// The gate, up and down slabs of a layer's experts `ids`, in one allocation (one 2 MiB-rounded
+// cudaMalloc per layer instead of three; device_buffer.h's DeviceArena says why that matters).
+void upload_expert_slabs(cuda::DeviceArena& arena, const model::MoeWeights& moe, const std::vector<int32_t>& ids,
+                         DevLayer& D) {
+  if (ids.empty()) return;
+  DevMatrix* parts[3] = {&D.gate, &D.up, &D.down};
+  const model::ExpertTensor* tensors[3] = {&moe.gate, &moe.up, &moe.down};
+  size_t total = 0;
+  for (int i = 0; i < 3; ++i) {
+    *parts[i] = expert_slab_shape(*tensors[i]);
+    total += parts[i]->matrix_bytes * ids.size();
+  }
+  D.expert_slabs = DeviceBuffer<uint8_t>(total, arena);
+  size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    DevMatrix& d = *parts[i];
+    if (!d) continue;
+    d.bytes = DeviceBuffer<uint8_t>::view(D.expert_slabs.get() + at, d.matrix_bytes * ids.size());
+    at += d.matrix_bytes * ids.size();
+    const model::ExpertTensor& t = *tensors[i];
+    const size_t one = t.all.row_bytes * static_cast<size_t>(t.rows_per_expert);
+    for (size_t j = 0; j < ids.size(); ++j)
+      CUDA_CHECK(cudaMemcpy(d.bytes.get() + j * d.matrix_bytes, t.all.data + static_cast<size_t>(ids[j]) * one, one,
+                            cudaMemcpyHostToDevice));
+  }
 }
 
 // Rows `order` of m (in that order) as a matrix of their own: the legacy fused ssm_in of
 // qwen3next is split into its qkv and z rows at upload, so one code path serves both layouts.
-DevMatrix upload_rows(const model::Matrix& m, const std::vector<int64_t>& order) {
+DevMatrix upload_rows(cuda::DeviceArena& arena, const model::Matrix& m, const std::vector<int64_t>& order) {
   std::vector<uint8_t> bytes(m.row_bytes * order.size());
   for (size_t i = 0; i < order.size(); ++i) std::copy_n(m.row(order[i]), m.row_bytes, bytes.data() + i * m.row_bytes);
   model::Matrix part = m;
   part.n_rows = static_cast<int64_t>(order.size());
   part.data = bytes.data();
-  return upload_matrix(part);
+  return upload_matrix(arena, part);
 }
 
 // q, k and v stacked into one matrix (rows q | k | v) when they share a format and a width: one
 // activation quantization and one matvec launch instead of three, each output row the same bits
 // (a row's dot does not depend on its neighbours). Empty when they differ (per-tensor formats).
-DevMatrix upload_stacked(const std::vector<const model::Matrix*>& parts) {
+DevMatrix upload_stacked(cuda::DeviceArena& arena, const std::vector<const model::Matrix*>& parts) {
   DevMatrix d;
   for (const model::Matrix* m : parts)
     if (!*m || m->type != parts[0]->type || m->n_cols != parts[0]->n_cols) return d;
@@ -84,7 +107,7 @@ DevMatrix upload_stacked(const std::vector<const model::Matrix*>& parts) {
   d.cols = parts[0]->n_cols;
   for (const model::Matrix* m : parts) d.rows += m->n_rows;
   d.matrix_bytes = parts[0]->row_bytes * static_cast<size_t>(d.rows);
-  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes);
+  d.bytes = DeviceBuffer<uint8_t>(d.matrix_bytes, arena);
   size_t at = 0;
   for (const model::Matrix* m : parts) {
     const size_t bytes = m->row_bytes * static_cast<size_t>(m->n_rows);
@@ -94,8 +117,8 @@ DevMatrix upload_stacked(const std::vector<const model::Matrix*>& parts) {
   return d;
 }
 
-DeviceBuffer<float> upload_vector(const std::vector<float>& v) {
-  DeviceBuffer<float> d(v.size());
+DeviceBuffer<float> upload_vector(cuda::DeviceArena& arena, const std::vector<float>& v) {
+  DeviceBuffer<float> d(v.size(), arena);
   if (!v.empty()) d.upload(v.data(), v.size());
   return d;
 }
@@ -149,6 +172,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
                              "kernel's " + std::to_string(cuda::kAttentionMaxHeadDim));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
+  log_device_memory("context");
   const int64_t d = hp.n_embd, k = hp.n_expert_used, hd = hp.head_dim;
   const int64_t kv_dim = hp.n_head_kv * hd;
   int64_t q_rows = hp.n_head * hd;
@@ -161,9 +185,9 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     const model::LayerWeights& L = m.layers[il];
     DevLayer& D = layers_[il];
-    D.attn_norm = upload_vector(L.attn_norm);
-    D.ffn_norm = upload_vector(L.ffn_norm);
-    D.router = upload_matrix(L.moe.router);
+    D.attn_norm = upload_vector(weights_arena_, L.attn_norm);
+    D.ffn_norm = upload_vector(weights_arena_, L.ffn_norm);
+    D.router = upload_matrix(weights_arena_, L.moe.router);
     const std::vector<int32_t>& ids = o.all_experts ? all : o.device_experts[il];
     D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -173,45 +197,44 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
       D.slab_of[ids[i]] = static_cast<int32_t>(i);
     }
     D.resident = static_cast<int64_t>(ids.size());
-    D.gate = upload_expert_slab(L.moe.gate, ids);
-    D.up = upload_expert_slab(L.moe.up, ids);
-    D.down = upload_expert_slab(L.moe.down, ids);
+    upload_expert_slabs(weights_arena_, L.moe, ids, D);
     for (size_t i = 0; i < ids.size(); ++i)
       table[il * slot_stride() + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
     if (L.moe.shared_up) {
-      D.shared_gate = upload_matrix(L.moe.shared_gate);
-      D.shared_up = upload_matrix(L.moe.shared_up);
-      D.shared_down = upload_matrix(L.moe.shared_down);
-      D.shared_router = upload_vector(L.moe.shared_router);
+      D.shared_gate = upload_matrix(weights_arena_, L.moe.shared_gate);
+      D.shared_up = upload_matrix(weights_arena_, L.moe.shared_up);
+      D.shared_down = upload_matrix(weights_arena_, L.moe.shared_down);
+      D.shared_router = upload_vector(weights_arena_, L.moe.shared_router);
     }
     if (L.recurrent) {
       upload_delta_net(L.delta, D);
       continue;
     }
-    D.q_norm = upload_vector(L.attn.q_norm);
-    D.k_norm = upload_vector(L.attn.k_norm);
-    D.attn_qkv = upload_stacked({&L.attn.q, &L.attn.k, &L.attn.v});
+    D.q_norm = upload_vector(weights_arena_, L.attn.q_norm);
+    D.k_norm = upload_vector(weights_arena_, L.attn.k_norm);
+    D.attn_qkv = upload_stacked(weights_arena_, {&L.attn.q, &L.attn.k, &L.attn.v});
     if (!D.attn_qkv) {
-      D.q = upload_matrix(L.attn.q);
-      D.k = upload_matrix(L.attn.k);
-      D.v = upload_matrix(L.attn.v);
+      D.q = upload_matrix(weights_arena_, L.attn.q);
+      D.k = upload_matrix(weights_arena_, L.attn.k);
+      D.v = upload_matrix(weights_arena_, L.attn.v);
     }
     D.q_rows = L.attn.q.n_rows;
-    D.o = upload_matrix(L.attn.o);
+    D.o = upload_matrix(weights_arena_, L.attn.o);
     D.q_has_gate = L.attn.q_has_gate;
     q_rows = std::max(q_rows, L.attn.q.n_rows + 2 * kv_dim);   // the stacked q | k | v output
-    D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
-    D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim));
+    D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim), weights_arena_);
+    D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim), weights_arena_);
   }
-  slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size());
+  slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size(), weights_arena_);
   slot_table_.upload(table.data(), table.size());
-  output_norm_ = upload_vector(m.output_norm);
-  output_ = upload_matrix(m.output);
+  output_norm_ = upload_vector(weights_arena_, m.output_norm);
+  output_ = upload_matrix(weights_arena_, m.output);
   if (cuda::embed_rows_supported(m.tok_embd.type)) {
-    tok_embd_ = DeviceBuffer<uint8_t>(m.tok_embd.row_bytes * static_cast<size_t>(m.tok_embd.n_rows));
+    tok_embd_ = DeviceBuffer<uint8_t>(m.tok_embd.row_bytes * static_cast<size_t>(m.tok_embd.n_rows), weights_arena_);
     tok_embd_.upload(m.tok_embd.data, tok_embd_.size());
   }
 
+  log_device_memory("weights");
   const size_t T = static_cast<size_t>(max_tokens_);
   const size_t slots = T * static_cast<size_t>(k);
   x_ = DeviceBuffer<float>(T * d);
@@ -269,32 +292,34 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   handoff_seq_dev_ = DeviceBuffer<uint64_t>(1);
   handoff_error_ = DeviceBuffer<int32_t>(1);
   CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
+  log_device_memory("scratch");
   setup_experts();
   setup_swaps(o.all_experts);
   zero_states();
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  log_device_memory("expert scratch");
 }
 
 void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D) {
   const cuda::DeltaNetShape s = delta_shape();
   D.recurrent = true;
   if (W.qkv) {
-    D.qkv = upload_matrix(W.qkv);
-    D.z = upload_matrix(W.z);
+    D.qkv = upload_matrix(weights_arena_, W.qkv);
+    D.z = upload_matrix(weights_arena_, W.z);
   } else {
     std::vector<int64_t> qkv_rows, z_rows;
     legacy_qkvz_orders(m_.hp, qkv_rows, z_rows);
-    D.qkv = upload_rows(W.qkvz, qkv_rows);
-    D.z = upload_rows(W.qkvz, z_rows);
+    D.qkv = upload_rows(weights_arena_, W.qkvz, qkv_rows);
+    D.z = upload_rows(weights_arena_, W.qkvz, z_rows);
   }
-  D.ba = upload_matrix(W.ba);
-  D.ssm_out = upload_matrix(W.out);
-  D.conv_w = upload_vector(W.conv);
-  D.ssm_a = upload_vector(W.a);
-  D.dt_bias = upload_vector(W.dt_bias);
-  D.ssm_norm = upload_vector(W.norm);
-  D.conv_state = DeviceBuffer<float>(static_cast<size_t>(std::max<int64_t>(s.conv_state_floats(), 1)));
-  D.ssm_state = DeviceBuffer<float>(static_cast<size_t>(s.ssm_state_floats()));
+  D.ba = upload_matrix(weights_arena_, W.ba);
+  D.ssm_out = upload_matrix(weights_arena_, W.out);
+  D.conv_w = upload_vector(weights_arena_, W.conv);
+  D.ssm_a = upload_vector(weights_arena_, W.a);
+  D.dt_bias = upload_vector(weights_arena_, W.dt_bias);
+  D.ssm_norm = upload_vector(weights_arena_, W.norm);
+  D.conv_state = DeviceBuffer<float>(static_cast<size_t>(std::max<int64_t>(s.conv_state_floats(), 1)), weights_arena_);
+  D.ssm_state = DeviceBuffer<float>(static_cast<size_t>(s.ssm_state_floats()), weights_arena_);
 }
 
 }  // namespace moraine::gpu_worker::cuda_impl

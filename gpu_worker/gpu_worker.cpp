@@ -61,6 +61,12 @@ class StepRunner {
     if (!o.all_experts) o.device_experts = vram_experts_;
     backend_ = gpu_worker::make_backend(backend_kind, m, o);
     backend_->pin_host_memory(exchange_.data(), exchange_.data_bytes());
+    if (const uint64_t used = backend_->device_bytes_in_use();
+        placement_.vram_budget != group::kUnlimitedBytes && used > placement_.vram_budget) {
+      std::cerr << "gpu_worker: device memory in use after setup, " << (used >> 20) << " MiB, is above --vram "
+                << (placement_.vram_budget >> 20) << " MiB (the placement charged " << (placement_.device_reserve_bytes >> 20)
+                << " MiB for context and scratch)\n";
+    }
     all_on_device_ = backend_->all_on_device();
     resident_ = xl_.region("resident").at<uint8_t>(exchange_.data());
     for (int64_t il = 0; il < m.hp.n_layer; ++il)
@@ -87,6 +93,7 @@ class StepRunner {
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
+  uint64_t device_used_peak() const { return device_used_peak_.load(); }
   // Per layer: routed slots, and those computed on the device (the VRAM hit rate per layer).
   void layer_counters(control::StatsReply& r) const {
     char name[40];
@@ -196,6 +203,8 @@ class StepRunner {
   }
 
   void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
+    const uint64_t used = backend_->device_bytes_in_use();
+    if (used > device_used_peak_.load()) device_used_peak_.store(used);
     record_routing(n);
     report(census_.flush_if_due());
     if (man_.vram_adapt_every > 0 && ++steps_since_adapt_ >= man_.vram_adapt_every) {
@@ -385,7 +394,8 @@ class StepRunner {
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
   int steps_since_adapt_ = 0;
   std::atomic<uint64_t> experts_swapped_in_{0};
-  std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
+  std::atomic<uint64_t> handoff_steps_{0};
+  std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen   // steps with cpu workers launched whole (handoff_begin)
   std::vector<std::atomic<uint64_t>> layer_slots_, layer_vram_slots_;
   zmq::context_t ctx_{1};
   std::vector<std::string> endpoints_;
@@ -412,6 +422,8 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
     (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
+    // What the --vram budget is checked against (moraine-bench prints it beside the budget).
+    (*r.mutable_counters())["device_used_bytes"] = runner.device_used_peak();
     runner.layer_counters(r);
   });
   zmq::context_t ctx(1);

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "coordinator/group_layout.h"
+#include "coordinator/device_reserve.h"
 #include "coordinator/placement.h"
 #include "kernels/cuda/device.h"
 #include "tests/group/group_harness.h"
@@ -35,14 +36,15 @@ struct Case {
   }
 };
 
-// A VRAM budget of the dense part, the KV cache and half of the experts' bytes, for the context
-// the group plans by default.
+// A VRAM budget of the dense part, the KV cache, the device's context and scratch (charged by
+// the coordinator for the supervisor's default 64-row steps) and half of the experts' bytes, for
+// the context the group plans by default.
 std::string half_the_experts(const std::string& path) {
   const model::Model m = model::Model::load(path);
   const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
   uint64_t experts = 0;
   for (uint64_t b : s.expert_bytes) experts += b * static_cast<uint64_t>(s.n_expert);
-  return std::to_string(s.dense_bytes + s.kv_bytes + experts / 2);
+  return std::to_string(s.dense_bytes + s.kv_bytes + group::cuda_device_reserve_bytes(m, 64, s.context) + experts / 2);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }

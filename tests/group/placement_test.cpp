@@ -12,6 +12,7 @@
 #include <random>
 
 #include "common/model/model.h"
+#include "coordinator/device_reserve.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
 #include "tests/group/group_harness.h"
@@ -193,6 +194,49 @@ TEST(Placement, BudgetsTooSmallAreClearErrors) {
   const PlacementPlan p = plan_placement(in);
   EXPECT_EQ(p.file.experts, 16);
   EXPECT_EQ(p.staging_slots, 2);
+}
+
+// A CUDA gpu_worker's context and scratch (ModelSizes::device_reserve_bytes) come out of --vram
+// before any expert: the same budget places that many fewer bytes of experts, and a budget
+// that does not cover dense + KV + reserve is refused naming the reserve.
+TEST(Placement, DeviceReserveIsChargedToTheVramBudget) {
+  ModelSizes s;
+  s.n_layer = 2;
+  s.n_expert = 8;
+  s.n_expert_used = 2;
+  s.dense_bytes = 5'000'000;
+  s.kv_bytes = 1'000'000;
+  s.context = 4096;
+  s.expert_bytes.assign(2, 300'000);
+  s.expert_slot_bytes.assign(2, 303'104);
+  PlacementInput in{s, 6'000'000 + 10 * 300'000, kUnlimitedBytes, 2, {}};
+  EXPECT_EQ(plan_placement(in).vram.experts, 10);
+  in.sizes.device_reserve_bytes = 1'200'000;   // four experts' worth
+  const PlacementPlan p = plan_placement(in);
+  EXPECT_EQ(p.vram.experts, 6);
+  EXPECT_EQ(p.device_reserve_bytes, 1'200'000u);
+  EXPECT_LE(p.dense_bytes + p.kv_bytes + p.device_reserve_bytes + p.vram.bytes, in.vram_budget);
+  in.vram_budget = 7'199'999;
+  try {
+    plan_placement(in);
+    FAIL() << "a VRAM budget below dense + KV + the device reserve was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    for (const char* part : {"7199999", "1200000", "context and scratch", "7200000"})
+      EXPECT_NE(m.find(part), std::string::npos) << part << " missing from: " << m;
+  }
+}
+
+// The CUDA reserve grows with the rows of a step (the logits rows alone: max_tokens x n_vocab
+// floats) and covers at least the runtime's context.
+TEST(Placement, CudaDeviceReserveCoversContextAndLogits) {
+  const std::string dir = group_test::temp_dir("placement-reserve");
+  const std::string path = group_test::convert_golden("qwen3moe_odd", "--default q8_0", dir);
+  const model::Model m = model::Model::load(path);
+  const uint64_t small = cuda_device_reserve_bytes(m, 1, 256), big = cuda_device_reserve_bytes(m, 512, 1024);
+  EXPECT_GE(small, kCudaContextReserve);
+  EXPECT_GE(big - small, uint64_t{511} * static_cast<uint64_t>(m.hp.n_vocab) * sizeof(float));
+  fs::remove_all(dir);
 }
 
 TEST(Placement, ByteBudgetsParse) {

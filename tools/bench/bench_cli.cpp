@@ -48,6 +48,10 @@ BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   for (int64_t n : o.prompt_lengths) r.prefill.push_back(time_prefill(e, bench_prompt(n, e.n_vocab()), o.repeat));
   r.decode = time_decode(e, o.n_gen, o.repeat);
   r.stats = e.stats();
+  // The engine (for the group: the processes holding the GPU) goes before the GPU probes: the
+  // probes' own CUDA context and buffers beside it added ~0.5 GiB to the device memory that
+  // bench/side-by-side measures for the row (H200: the gpu_worker 13.5 GiB, nvidia-smi 14.1).
+  eut.engine.reset();
 
   const size_t gpu_bytes = static_cast<size_t>(o.gpu_probe_mib) << 20;
   r.bandwidth[static_cast<int>(Tier::Vram)] = measure_device_memory(gpu_bytes);

@@ -26,6 +26,9 @@ struct EngineStats {
   // Where the placement's expert popularity came from ("warm: ..." after a census warm-up run,
   // "none: uniform ..."); empty for engines without a placement.
   std::string census;
+  // Device memory in use after a step, the most the gpu_worker saw since the group started (the
+  // driver's figure for the whole device); 0 without a device. Printed beside the --vram budget.
+  uint64_t device_used_bytes = 0;
 };
 
 class BenchEngine {

@@ -200,8 +200,11 @@ EngineStats GroupEngine::stats() const {
   // Experts computed per tier over the last run (counters were zeroed by reset()). A process
   // that restarted since lost its counters: no hit rate from that.
   double vram = 0, ram = 0, file = 0;
+  uint64_t device_used = 0;
   try {
-    vram = static_cast<double>(counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "experts_vram"));
+    const control::StatsReply gw = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
+    vram = static_cast<double>(counter(gw, "experts_vram"));
+    device_used = counter(gw, "device_used_bytes");
     for (int i = 0; i < o_.cpu_workers; ++i) {
       const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
       ram += static_cast<double>(counter(r, "experts_ram"));
@@ -218,6 +221,7 @@ EngineStats GroupEngine::stats() const {
   EngineStats s;
   s.budgets_applied = true;
   s.census = census_note_;
+  s.device_used_bytes = device_used;
   const double total = vram + ram + file;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

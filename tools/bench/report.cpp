@@ -37,7 +37,10 @@ nlohmann::json report_json(const BenchReport& r) {
   j["repeat"] = r.repeat;
   j["budgets"] = {{"vram_bytes", opt_number(r.vram_budget)},
                   {"ram_bytes", opt_number(r.ram_budget)},
-                  {"applied", r.stats.budgets_applied}};
+                  {"applied", r.stats.budgets_applied},
+                  {"device_used_bytes", opt_number(r.stats.device_used_bytes > 0
+                                                       ? std::optional<uint64_t>(r.stats.device_used_bytes)
+                                                       : std::nullopt)}};
   j["prefill"] = nlohmann::json::array();
   for (const Timing& t : r.prefill) j["prefill"].push_back(timing_json(t));
   j["decode"] = timing_json(r.decode);
@@ -62,7 +65,10 @@ void print_table(const BenchReport& r, std::ostream& out) {
   out << "\nmodel: " << r.model.path << " (" << r.model.arch << ", " << gib(static_cast<double>(r.model.file_bytes))
       << ", " << r.model.n_layer << " layers, " << r.model.n_expert << " experts top-" << r.model.n_expert_used << ")\n";
   out << "budgets: vram " << budget(r.vram_budget) << ", ram " << budget(r.ram_budget)
-      << (r.stats.budgets_applied ? "" : " (recorded; this engine does not apply them)") << "\n";
+      << (r.stats.budgets_applied ? "" : " (recorded; this engine does not apply them)");
+  if (r.stats.device_used_bytes > 0)
+    out << "; device memory in use (measured, most after a step): " << gib(static_cast<double>(r.stats.device_used_bytes));
+  out << "\n";
   if (!r.stats.census.empty()) out << "census: " << r.stats.census << "\n";
   out << "\n";
 
