@@ -54,7 +54,10 @@ struct Options {
 group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx));
-  if (o.backend == "cuda") in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
+  if (o.backend == "cuda") {
+    in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
+    in.sizes.dense_bytes -= group::cuda_host_resident_bytes(m);
+  }
   // "dense": exactly the dense weights, KV/state (and a CUDA device's context and scratch), no experts: what a gpu_worker on its CPU
   // backend gets by default, so that the cpu_expert_workers compute the routed experts.
   in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes + in.sizes.device_reserve_bytes

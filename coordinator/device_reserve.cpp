@@ -26,7 +26,7 @@ std::uint64_t cuda_device_reserve_bytes(const model::Model& m, std::int64_t max_
   floats += T * static_cast<std::uint64_t>(hp.n_expert) + 2 * S;   // router logits, weights, chosen
   floats += static_cast<std::uint64_t>(hp.n_layer) * S;             // every layer's chosen ids
   floats += 2 * S * d;                        // the device's and the cpu workers' expert rows
-  floats += T * static_cast<std::uint64_t>(hp.n_vocab);             // logits
+  floats += std::min<std::uint64_t>(T, 16) * static_cast<std::uint64_t>(hp.n_vocab);   // logits, 16 rows a pass
   if (shexp > 0) floats += 2 * T * shexp + T * d + T;
   if (hp.ssm_n_v_heads > 0) {
     const std::uint64_t conv = static_cast<std::uint64_t>(hp.ssm_conv_dim()), value = static_cast<std::uint64_t>(hp.ssm_value_dim());
@@ -44,6 +44,11 @@ std::uint64_t cuda_device_reserve_bytes(const model::Model& m, std::int64_t max_
   // buffers, and the arena's last, partly used 64 MiB chunk.
   bytes += (static_cast<std::uint64_t>(hp.n_layer) + 48) * (std::uint64_t{2} << 20) + (std::uint64_t{64} << 20);
   return bytes + kCudaContextReserve;
+}
+
+std::uint64_t cuda_host_resident_bytes(const model::Model& m) {
+  if (!m.tok_embd || m.output.data == m.tok_embd.data) return 0;
+  return m.tok_embd.row_bytes * static_cast<std::uint64_t>(m.tok_embd.n_rows);
 }
 
 }  // namespace moraine::group

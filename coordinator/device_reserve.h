@@ -21,4 +21,10 @@ inline constexpr std::uint64_t kCudaContextReserve = std::uint64_t{640} << 20;
 // backend's default GEMM threshold (64 rows).
 std::uint64_t cuda_device_reserve_bytes(const model::Model& m, std::int64_t max_tokens, std::int64_t context);
 
+// Dense bytes a CUDA gpu_worker keeps in pinned host memory rather than on the device: the token
+// embedding table (the embed kernel reads one row per token over PCIe, as llama.cpp keeps
+// token_embd on the CPU), unless the output head is that same tensor (tied embeddings), which
+// the device holds anyway. Placement takes it off the dense bytes charged to --vram.
+std::uint64_t cuda_host_resident_bytes(const model::Model& m);
+
 }  // namespace moraine::group

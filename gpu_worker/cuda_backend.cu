@@ -173,8 +173,14 @@ void CudaBackend::logits(int64_t rows, float* out) {
   if (rows <= 0 || rows > step_n_)
     throw std::invalid_argument("CUDA backend logits: " + std::to_string(rows) + " rows of a step of " +
                                 std::to_string(step_n_));
-  enqueue_logits(rows);
-  finish_step(rows, out);
+  // The head in passes of logits_rows_ rows (a long prefill asking for every row's logits).
+  const int64_t V = m_.hp.n_vocab;
+  for (int64_t r0 = 0; r0 < rows; r0 += logits_rows_) {
+    const int64_t r = std::min(logits_rows_, rows - r0);
+    enqueue_logits(step_n_ - rows + r0, r);
+    if (r0 + r < rows) copy_to_host(out + r0 * V, logits_.get(), static_cast<size_t>(r * V) * sizeof(float));
+    else finish_step(r, out + r0 * V);
+  }
 }
 
 bool CudaBackend::pinned(const void* p, size_t bytes) const {

@@ -192,10 +192,11 @@ void CudaBackend::enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows) {
                           m_.hp.n_expert_used, m_.hp.n_embd, stream_);
 }
 
-void CudaBackend::enqueue_logits(int64_t rows) {
+void CudaBackend::enqueue_logits(int64_t first, int64_t rows) {
   const model::HParams& hp = m_.hp;
   const int64_t d = hp.n_embd;
-  norm_h(x_.get() + (step_n_ - rows) * d, output_norm_.get(), rows, output_);
+  if (rows > logits_rows_) throw std::logic_error("CUDA backend: " + std::to_string(rows) + " logits rows at once");
+  norm_h(x_.get() + first * d, output_norm_.get(), rows, output_);
   matmul(output_, h_.get(), rows, logits_.get());
 }
 

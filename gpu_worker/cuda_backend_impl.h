@@ -227,7 +227,10 @@ class CudaBackend final : public Backend {
   void enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan);
   void enqueue_shared(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
-  void enqueue_logits(int64_t rows);
+  // The head over `rows` rows of the step starting at row `first` (default: the step's last
+  // rows), into logits_ (at most logits_rows_ rows).
+  void enqueue_logits(int64_t rows) { enqueue_logits(step_n_ - rows, rows); }
+  void enqueue_logits(int64_t first, int64_t rows);
 
   // ---- layers ----
 
@@ -257,6 +260,7 @@ class CudaBackend final : public Backend {
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
   const bool handoff_zero_copy_;
   const int64_t max_context_;
+  int64_t logits_rows_ = 1;   // rows logits_ holds
   std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
   std::vector<cuda::ExpertRows> gemm_groups_;
   int64_t n_past_ = 0, step_n_ = 0;
@@ -271,7 +275,10 @@ class CudaBackend final : public Backend {
   DeviceBuffer<cuda::MoeExpertSlot> slot_table_;   // [layer][expert]: the VRAM tier's addresses
   DeviceBuffer<float> output_norm_;
   DevMatrix output_;
-  DeviceBuffer<uint8_t> tok_embd_;  // empty when embed falls back to the host dequantizer
+  // The embedding table in pinned host memory, read by the embed kernel (one row per token over
+  // PCIe) so that its bytes go to experts (coordinator/device_reserve.h cuda_host_resident_bytes);
+  // empty when embed falls back to the host dequantizer.
+  cuda::PinnedBuffer<uint8_t> tok_embd_;
   DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
   DeviceBuffer<uint8_t> act_;
   // What act_ holds: h_'s rows quantized as act_of_h_ (F32: nothing of h_), act_of_h_rows_ rows.

@@ -3,6 +3,7 @@
 #include "gpu_worker/cuda_backend_impl.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <stdexcept>
 
@@ -230,8 +231,8 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   output_norm_ = upload_vector(weights_arena_, m.output_norm);
   output_ = upload_matrix(weights_arena_, m.output);
   if (cuda::embed_rows_supported(m.tok_embd.type)) {
-    tok_embd_ = DeviceBuffer<uint8_t>(m.tok_embd.row_bytes * static_cast<size_t>(m.tok_embd.n_rows), weights_arena_);
-    tok_embd_.upload(m.tok_embd.data, tok_embd_.size());
+    tok_embd_ = cuda::PinnedBuffer<uint8_t>(m.tok_embd.row_bytes * static_cast<size_t>(m.tok_embd.n_rows));
+    std::memcpy(tok_embd_.get(), m.tok_embd.data, tok_embd_.size());
   }
 
   log_device_memory("weights");
@@ -270,7 +271,11 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     shared_out_ = DeviceBuffer<float>(T * d);
     shared_logit_ = DeviceBuffer<float>(T);
   }
-  logits_ = DeviceBuffer<float>(T * hp.n_vocab);
+  // Logits for one decode-sized step at a time (longer requests go in passes: CudaBackend::logits):
+  // T x n_vocab floats would be 297 MiB at 512-row steps of a 151936-token vocabulary, VRAM the
+  // experts can use instead.
+  logits_rows_ = std::min<int64_t>(max_tokens_, kDecodeRows);
+  logits_ = DeviceBuffer<float>(static_cast<size_t>(logits_rows_) * static_cast<size_t>(hp.n_vocab));
   if (any_recurrent) {
     const cuda::DeltaNetShape ds = delta_shape();
     mixed_ = DeviceBuffer<float>(T * ds.conv_dim());
