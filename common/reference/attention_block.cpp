@@ -22,9 +22,9 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const float eps = static_cast<float>(hp.rms_eps);
 
   std::vector<float> qg(n * q_rows), k(n * kv_dim), v(n * kv_dim);
-  matmul(A.q, h, n, qg.data(), pool_);
-  matmul(A.k, h, n, k.data(), pool_);
-  matmul(A.v, h, n, v.data(), pool_);
+  matmul(A.q, h, n, qg.data(), pool_, order_);
+  matmul(A.k, h, n, k.data(), pool_, order_);
+  matmul(A.v, h, n, v.data(), pool_, order_);
 
   // Normalise and rotate; append k and v to the cache before attending so token t of this
   // batch sees exactly positions 0..n_past+t, as it would if decoded alone.
@@ -67,7 +67,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   });
 
   std::vector<float> y(n * hp.n_embd);
-  matmul(A.o, out.data(), n, y.data(), pool_);
+  matmul(A.o, out.data(), n, y.data(), pool_, order_);
   for (int64_t i = 0; i < n * hp.n_embd; ++i) x[i] += y[i];
 }
 

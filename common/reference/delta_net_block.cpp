@@ -27,13 +27,13 @@ void ReferenceExecutor::delta_net_block(int64_t il, const float* h, int64_t n, f
   // mixed: [n][q all heads | k all heads | v all heads]; z: [n][v_dim].
   std::vector<float> mixed(n * conv_dim), z(n * v_dim);
   if (W.qkv) {
-    matmul(W.qkv, h, n, mixed.data(), pool_);
-    matmul(W.z, h, n, z.data(), pool_);
+    matmul(W.qkv, h, n, mixed.data(), pool_, order_);
+    matmul(W.z, h, n, z.data(), pool_, order_);
   } else {
     // Legacy ssm_in: per key head g, [q(dk) | k(dk) | v(r*dv) | z(r*dv)].
     const int64_t gsz = 2 * dk + 2 * r * dv;
     std::vector<float> qkvz(n * gsz * nk);
-    matmul(W.qkvz, h, n, qkvz.data(), pool_);
+    matmul(W.qkvz, h, n, qkvz.data(), pool_, order_);
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t g = 0; g < nk; ++g) {
         const float* src = qkvz.data() + t * gsz * nk + g * gsz;
@@ -48,7 +48,7 @@ void ReferenceExecutor::delta_net_block(int64_t il, const float* h, int64_t n, f
 
   // ba: per key head g, [b(r) | a(r)]; value head g*r+i takes b[i] and a[i] of its group.
   std::vector<float> ba(n * 2 * nv), beta(n * nv), gdecay(n * nv);
-  matmul(W.ba, h, n, ba.data(), pool_);
+  matmul(W.ba, h, n, ba.data(), pool_, order_);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t g = 0; g < nk; ++g) {
       for (int64_t i = 0; i < r; ++i) {
@@ -88,7 +88,7 @@ void ReferenceExecutor::delta_net_block(int64_t il, const float* h, int64_t n, f
   }
 
   std::vector<float> y(n * hp.n_embd);
-  matmul(W.out, core.data(), n, y.data(), pool_);
+  matmul(W.out, core.data(), n, y.data(), pool_, order_);
   for (int64_t i = 0; i < n * hp.n_embd; ++i) x[i] += y[i];
 }
 

@@ -10,7 +10,7 @@
 namespace moraine::reference {
 
 ReferenceExecutor::ReferenceExecutor(const model::Model& model, ExecutorOptions opt)
-    : m_(model), pool_(opt.n_threads, opt.min_parallel_work) {
+    : m_(model), pool_(opt.n_threads, opt.min_parallel_work), order_(opt.dot_order) {
   reset();
 }
 
@@ -58,7 +58,7 @@ void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, fl
   const int64_t d = hp.n_embd;
   const float eps = static_cast<float>(hp.rms_eps);
   for (int64_t t = 0; t < rows; ++t) rms_norm(x + t * d, m_.output_norm.data(), d, eps, h + t * d);
-  matmul(m_.output, h, rows, logits, pool_);
+  matmul(m_.output, h, rows, logits, pool_, order_);
 }
 
 std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, bool all_logits) {

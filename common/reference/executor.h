@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/model/model.h"
+#include "common/reference/matmul.h"
 #include "common/reference/thread_pool.h"
 
 namespace moraine::reference {
@@ -16,6 +17,9 @@ namespace moraine::reference {
 struct ExecutorOptions {
   int n_threads = 0;  // <= 0: all hardware threads
   int64_t min_parallel_work = ThreadPool::kDefaultMinParallelWork;  // see ThreadPool
+  // Every matmul's dot order (matmul.h): 0, the default, is the kernels' own; another seed gives
+  // another valid float order, to measure how far that alone moves the logits.
+  DotOrderSeed dot_order = 0;
 };
 
 class ReferenceExecutor {
@@ -39,6 +43,7 @@ class ReferenceExecutor {
   // Final norm and lm head over `rows` rows of x: logits [rows][n_vocab]; h is rows * n_embd scratch.
   void output_logits(const float* x, int64_t rows, float* h, float* logits);
   ThreadPool& pool() { return pool_; }
+  DotOrderSeed dot_order() const { return order_; }
 
   void reset();  // forget every cached token
   int64_t n_past() const { return n_past_; }
@@ -60,6 +65,7 @@ class ReferenceExecutor {
 
   const model::Model& m_;
   ThreadPool pool_;
+  DotOrderSeed order_;
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
 };

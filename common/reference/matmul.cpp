@@ -1,7 +1,9 @@
 #include "common/reference/matmul.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common/formats/quant.h"
 #include "kernels/cpu/vec_dot.h"
@@ -33,6 +35,48 @@ float dot_row(TensorType weight_type, int64_t n, const void* w_row, const void* 
   return cpu::vec_dot(weight_type, n, w_row, act_row);
 }
 
+namespace {
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+float dot_row_in_order(TensorType weight_type, int64_t n, const void* w_row, const void* act_row, DotOrderSeed order,
+                       int64_t row, int64_t n_rows) {
+  if (order == 0) return dot_row(weight_type, n, w_row, act_row);
+  const TypeTraits& wt = type_traits(weight_type);
+  const TensorType act_type = dot_activation_type(weight_type);
+  // A block of a quantized type; 32 elements of a float type (its own 8-lane dot_f32 inside).
+  const int64_t elems = wt.block_elems > 1 ? wt.block_elems : 32;
+  const int64_t nb = (n + elems - 1) / elems;
+  const size_t w_bytes = row_bytes(weight_type, std::min(elems, n));
+  const size_t a_bytes = row_bytes(act_type, std::min(elems, n));
+  thread_local std::vector<float> terms;
+  thread_local std::vector<int64_t> perm;
+  terms.resize(static_cast<size_t>(nb));
+  perm.resize(static_cast<size_t>(nb));
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t len = std::min(elems, n - b * elems);
+    terms[b] = dot_row(weight_type, len, static_cast<const uint8_t*>(w_row) + b * w_bytes,
+                       static_cast<const uint8_t*>(act_row) + b * a_bytes);
+    perm[b] = b;
+  }
+  uint64_t state = order ^ (static_cast<uint64_t>(row) * 0x100000001b3ull) ^
+                   (static_cast<uint64_t>(n_rows) << 32) ^ static_cast<uint64_t>(n);
+  splitmix64(state);
+  for (int64_t i = nb - 1; i > 0; --i) {
+    std::swap(perm[i], perm[splitmix64(state) % static_cast<uint64_t>(i + 1)]);
+  }
+  float acc = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) acc += terms[perm[i]];
+  return acc;
+}
+
 PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
                                    int64_t n_cols) {
   PackedActivations p;
@@ -57,7 +101,7 @@ PackedActivations pack_activations(TensorType weight_type, const float* x, int64
   return p;
 }
 
-void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool) {
+void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool, DotOrderSeed order) {
   if (x.n_cols != w.n_cols || x.type != dot_activation_type(w.type)) {
     throw std::invalid_argument("matmul: activations (" + std::to_string(x.n_cols) +
                                 " cols) do not fit weight " + std::to_string(w.n_cols) + " cols");
@@ -69,14 +113,16 @@ void matmul(const model::Matrix& w, const PackedActivations& x, float* y, Thread
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wr = w.row(r);
       for (int64_t t = 0; t < n_tokens; ++t) {
-        y[t * n_rows + r] = dot_row(w.type, w.n_cols, wr, x.row(t));
+        y[t * n_rows + r] = order == 0 ? dot_row(w.type, w.n_cols, wr, x.row(t))
+                                       : dot_row_in_order(w.type, w.n_cols, wr, x.row(t), order, r, n_rows);
       }
     }
   });
 }
 
-void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool) {
-  matmul(w, pack_activations(w.type, x, n_tokens, w.n_cols), y, pool);
+void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,
+            DotOrderSeed order) {
+  matmul(w, pack_activations(w.type, x, n_tokens, w.n_cols), y, pool, order);
 }
 
 }  // namespace moraine::reference

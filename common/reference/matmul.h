@@ -31,11 +31,27 @@ struct PackedActivations {
 PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
                                    int64_t n_cols);
 
+// The float order a dot adds its terms in. 0: the kernel's own (vec_dot, dot_f32), what every
+// caller gets by default. Any other value: another order, equally valid, drawn from the seed:
+// each block's term (32 elements for the float types) is its own kernel call, and the terms are
+// added in a permutation of the blocks picked per weight row from (seed, row, shape) - the
+// same for every token, as a GPU kernel's order is. The integer block sums are exact either way,
+// so two seeds differ by float rounding only; what that moves downstream (a re-quantized
+// activation or a top-k choice on a rounding edge) is how far apart two correct engines may be
+// (tests/reference/float_order_bound.h, tools/float_order_gap.cpp).
+using DotOrderSeed = uint64_t;
+
 // y[t * w.n_rows + r] = dot(w.row(r), x_t) for t < n_tokens.
-void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool);
-void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool);
+void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,
+            DotOrderSeed order = 0);
+void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool,
+            DotOrderSeed order = 0);
 
 // One dot product of a weight row with a packed activation row (float accumulation for f32).
 float dot_row(TensorType weight_type, int64_t n, const void* w_row, const void* act_row);
+// The same dot with its block terms added in the order `order` picks for weight row `row` of a
+// matrix of `n_rows` rows (order 0: dot_row).
+float dot_row_in_order(TensorType weight_type, int64_t n, const void* w_row, const void* act_row, DotOrderSeed order,
+                       int64_t row, int64_t n_rows);
 
 }  // namespace moraine::reference

@@ -23,7 +23,7 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
   router.reserve(hp, n);
   std::vector<int32_t> chosen(n * k);
   std::vector<float> weight(n * k);
-  route_top_k(hp, W, h, n, chosen.data(), weight.data(), router, pool_);
+  route_top_k(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
 
   // Per expert: gather its tokens, run it once, scatter into [token][slot].
   std::vector<float> slot_out(n * k * d);
@@ -41,7 +41,8 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     xg.resize(m * d);
     yg.resize(m * d);
     for (int64_t j = 0; j < m; ++j) std::copy_n(h + (rows[j] / k) * d, d, xg.data() + j * d);
-    swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), xg.data(), m, yg.data(), scratch, pool_);
+    swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), xg.data(), m, yg.data(), scratch, pool_,
+                  order_);
     for (int64_t j = 0; j < m; ++j) std::copy_n(yg.data() + j * d, d, slot_out.data() + rows[j] * d);
   }
 
@@ -50,7 +51,8 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     shared.resize(n * d);
     ExpertScratch shared_scratch;
     shared_scratch.reserve(n, W.shared_gate.n_rows);
-    swiglu_expert(W.shared_gate, W.shared_up, W.shared_down, h, n, shared.data(), shared_scratch, pool_);
+    swiglu_expert(W.shared_gate, W.shared_up, W.shared_down, h, n, shared.data(), shared_scratch, pool_,
+                  order_);
   }
 
   std::vector<const float*> slot_rows(n * k);

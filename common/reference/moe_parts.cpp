@@ -16,10 +16,11 @@ void RouterScratch::reserve(const model::HParams& hp, int64_t max_tokens) {
 }
 
 void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
-                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool) {
+                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                 DotOrderSeed dot_order) {
   const int64_t ne = hp.n_expert;
   const int64_t k = hp.n_expert_used;
-  matmul(W.router, h, n, scratch.logits.data(), pool);
+  matmul(W.router, h, n, scratch.logits.data(), pool, dot_order);
   std::vector<float>& prob = scratch.prob;
   std::vector<int64_t>& order = scratch.order;
   for (int64_t t = 0; t < n; ++t) {
@@ -47,19 +48,20 @@ void ExpertScratch::reserve(int64_t max_rows, int64_t ff) {
 }
 
 void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const model::Matrix& down,
-                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool) {
+                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool,
+                   DotOrderSeed order) {
   const int64_t ff = gate.n_rows;
   float* g = scratch.g.data();
   float* u = scratch.u.data();
   PackedActivations px = pack_activations(gate.type, x, m, gate.n_cols);
-  matmul(gate, px, g, pool);
+  matmul(gate, px, g, pool, order);
   if (up.type == gate.type) {
-    matmul(up, px, u, pool);
+    matmul(up, px, u, pool, order);
   } else {
-    matmul(up, x, m, u, pool);
+    matmul(up, x, m, u, pool, order);
   }
   for (int64_t i = 0; i < m * ff; ++i) g[i] = silu(g[i]) * u[i];
-  matmul(down, g, m, y, pool);
+  matmul(down, g, m, y, pool, order);
 }
 
 void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,

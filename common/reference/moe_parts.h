@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/model/model.h"
+#include "common/reference/matmul.h"
 #include "common/reference/thread_pool.h"
 
 namespace moraine::reference {
@@ -22,7 +23,8 @@ struct RouterScratch {
 
 // chosen[t * k + s] / weight[t * k + s]: the s-th expert of token t and its router weight.
 void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
-                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool);
+                 int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                 DotOrderSeed order = 0);
 
 struct ExpertScratch {
   std::vector<float> g, u;   // [max_rows * ff]
@@ -31,7 +33,8 @@ struct ExpertScratch {
 
 // y[m][n_embd] = down(silu(gate x) * up x) for m rows of x.
 void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const model::Matrix& down,
-                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool);
+                   const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool,
+                   DotOrderSeed order = 0);
 
 // x[t] += sum_s weight[t,s] * slot_rows[t * k + s] (+ sigmoid(h . shared_router) * shared[t]).
 // slot_rows[i] points at slot i's expert output row; shared is null when the model has none.

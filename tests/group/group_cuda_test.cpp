@@ -1,7 +1,8 @@
 // The process group with the gpu_worker on the CUDA backend (--backend cuda) generates the
 // reference executor's greedy tokens (what the group gives with --backend cpu, group_test.cpp),
 // with every sampled row's logits within the CUDA backend's bound against the reference
-// (tests/cuda/cuda_backend_golden_test.cpp: 1e-4 of max |logit| for F32, 1e-3 quantized), both
+// (tests/cuda/cuda_backend_golden_test.cpp: 1e-4 of max |logit| for F32; quantized, the
+// reference's float-order bound of tests/reference/float_order_bound.h on the same rows), both
 // with every expert on the cpu_expert_workers, with every expert in the VRAM tier, and with a VRAM
 // budget that holds half of them (both sides compute in every step). Skips without a CUDA device.
 #include <gtest/gtest.h>
@@ -14,8 +15,10 @@
 #include "coordinator/group_layout.h"
 #include "coordinator/device_reserve.h"
 #include "coordinator/placement.h"
+#include "common/model/model.h"
 #include "kernels/cuda/device.h"
 #include "tests/group/group_harness.h"
+#include "tests/reference/float_order_bound.h"
 
 namespace moraine::group_test {
 namespace {
@@ -36,15 +39,16 @@ struct Case {
   }
 };
 
-// A VRAM budget of the dense part, the KV cache, the device's context and scratch (charged by
-// the coordinator for the supervisor's default 64-row steps) and half of the experts' bytes, for
-// the context the group plans by default.
+// A VRAM budget of the dense part (less the embedding table, kept in host memory), the KV cache,
+// the device's context and scratch (charged by the coordinator for the supervisor's default
+// 64-row steps) and half of the experts' bytes, for the context the group plans by default.
 std::string half_the_experts(const std::string& path) {
   const model::Model m = model::Model::load(path);
   const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
   uint64_t experts = 0;
   for (uint64_t b : s.expert_bytes) experts += b * static_cast<uint64_t>(s.n_expert);
-  return std::to_string(s.dense_bytes + s.kv_bytes + group::cuda_device_reserve_bytes(m, 64, s.context) + experts / 2);
+  return std::to_string(s.dense_bytes - group::cuda_host_resident_bytes(m) + s.kv_bytes +
+                        group::cuda_device_reserve_bytes(m, 64, s.context) + experts / 2);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
@@ -83,8 +87,17 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
     max_ref = std::max(max_ref, std::fabs(double(ref.logits[i])));
     max_diff = std::max(max_diff, std::isfinite(got[i]) ? std::fabs(double(got[i]) - ref.logits[i]) : INFINITY);
   }
-  std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f\n", c.name().c_str(), max_diff, max_ref);
-  EXPECT_LE(max_diff, (c.weights == "f32" ? 1e-4 : 1e-3) * max_ref);
+  // The same rows (the reference's tokens) in other float orders of the reference's dots.
+  const model::Model m = model::Model::load(model);
+  // Named references: not every C++20 compiler lets a lambda capture structured bindings.
+  const std::vector<int32_t>& fed_prompt = prompt;
+  const ReferenceRun& fed = ref;
+  const test_support::OrderBound b = test_support::bound_for(c.weights != "f32", ref.logits, [&](reference::DotOrderSeed s) {
+    return test_support::generation_logits(m, s, fed_prompt, fed.ids);
+  });
+  std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f (%.3g of max), %s\n", c.name().c_str(), max_diff, max_ref,
+              max_diff / max_ref, b.describe().c_str());
+  EXPECT_LE(max_diff, b.bound * max_ref);
   g.stop();
   fs::remove_all(dir);
 }
@@ -92,9 +105,8 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_k256"}) v.push_back({m, "f32", Experts::kCpu});
-  // Fails on the H200 by 0.029 of 9.37 at the first decoded token: the same knife edge the
-  // backend golden test's SplitExpertsMatchTheReference/qwen3moe_odd_q8_0 shows (the all-device
-  // backend is off by the same amount at that step).
+  // 0.029 of max on the H200, above the old flat 1e-3: the reference's own gap over other float
+  // orders on these 12 rows is 0.045 (a near-tied top-k choice flips; float_order_bound.h).
   v.push_back({"qwen3moe_odd", "q8_0", Experts::kCpu});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kVram});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kVram, {"--no-pdl"}});
