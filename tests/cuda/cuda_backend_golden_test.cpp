@@ -44,12 +44,14 @@
 #include "kernels/cpu/matvec.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
+#include "tests/support/shell.h"
 
 namespace moraine {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test_support::run_command;
 
 const fs::path kGolden = fs::path(MORAINE_SOURCE_DIR) / "tests" / "golden";
 const fs::path kTools = fs::path(MORAINE_BUILD_DIR) / "tools";
@@ -69,23 +71,7 @@ json read_json(const fs::path& p) {
   return json::parse(f);
 }
 
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
-std::string sh(const fs::path& p) {
-  std::string s = "'";
-  s += p.string();
-  s += '\'';
-  return s;
-}
 
 // The GGUF of model/variant: ready-made, or converted (and quantized) once per process.
 fs::path golden_gguf(const std::string& model, const std::string& variant) {
@@ -99,14 +85,14 @@ fs::path golden_gguf(const std::string& model, const std::string& variant) {
   fs::create_directories(tmp);
   const fs::path f32 = tmp / (model + "_f32.gguf");
   if (!fs::exists(f32)) {
-    auto [rc, out] = run_command(sh(kTools / "moraine-convert") + " " + sh(kGolden / model) + " " + sh(f32) +
+    auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-convert") + " " + test_support::quoted(kGolden / model) + " " + test_support::quoted(f32) +
                                  " --outtype f32");
     if (rc != 0) throw std::runtime_error("moraine-convert " + model + " failed:\n" + out);
   }
   if (variant == "f32") return f32;
   const fs::path q = tmp / file;
   if (!fs::exists(q)) {
-    auto [rc, out] = run_command(sh(kTools / "moraine-quantize") + " " + sh(f32) + " " + sh(q) + " " +
+    auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-quantize") + " " + test_support::quoted(f32) + " " + test_support::quoted(q) + " " +
                                  kQuantArgs.at(variant));
     if (rc != 0) throw std::runtime_error("moraine-quantize " + file + " failed:\n" + out);
   }

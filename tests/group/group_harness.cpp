@@ -32,17 +32,6 @@ namespace fs = std::filesystem;
 const fs::path kBuild = MORAINE_BUILD_DIR;
 const fs::path kSource = MORAINE_SOURCE_DIR;
 
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  char buf[4096];
-  size_t got = 0;
-  while ((got = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);

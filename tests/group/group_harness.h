@@ -11,10 +11,11 @@
 #include <vector>
 
 #include "coordinator/group_launcher.h"
+#include "tests/support/shell.h"
 
 namespace moraine::group_test {
 
-std::pair<int, std::string> run_command(const std::string& cmd);
+using test_support::run_command;
 std::string shell_quote(const std::string& s);
 std::string temp_dir(const std::string& tag);   // fresh, unique per call
 

@@ -155,7 +155,8 @@ TEST(Placement, UniformCensusFillsLowIdsFirstWithEqualQuotas) {
   EXPECT_EQ(p.file.experts, 0);
 }
 
-TEST(Placement, BudgetsTooSmallAreClearErrors) {
+// 2 layers x 8 experts of 300 KB, dense 5 MB + KV 1 MB: budgets in round numbers of experts.
+ModelSizes small_sizes() {
   ModelSizes s;
   s.n_layer = 2;
   s.n_expert = 8;
@@ -165,7 +166,11 @@ TEST(Placement, BudgetsTooSmallAreClearErrors) {
   s.context = 4096;
   s.expert_bytes.assign(2, 300'000);
   s.expert_slot_bytes.assign(2, 303'104);
-  PlacementInput in{s, 5'999'999, kUnlimitedBytes, 2, {}};
+  return s;
+}
+
+TEST(Placement, BudgetsTooSmallAreClearErrors) {
+  PlacementInput in{small_sizes(), 5'999'999, kUnlimitedBytes, 2, {}};
   try {
     plan_placement(in);
     FAIL() << "a VRAM budget below dense + KV was accepted";
@@ -200,16 +205,7 @@ TEST(Placement, BudgetsTooSmallAreClearErrors) {
 // before any expert: the same budget places that many fewer bytes of experts, and a budget
 // that does not cover dense + KV + reserve is refused naming the reserve.
 TEST(Placement, DeviceReserveIsChargedToTheVramBudget) {
-  ModelSizes s;
-  s.n_layer = 2;
-  s.n_expert = 8;
-  s.n_expert_used = 2;
-  s.dense_bytes = 5'000'000;
-  s.kv_bytes = 1'000'000;
-  s.context = 4096;
-  s.expert_bytes.assign(2, 300'000);
-  s.expert_slot_bytes.assign(2, 303'104);
-  PlacementInput in{s, 6'000'000 + 10 * 300'000, kUnlimitedBytes, 2, {}};
+  PlacementInput in{small_sizes(), 6'000'000 + 10 * 300'000, kUnlimitedBytes, 2, {}};
   EXPECT_EQ(plan_placement(in).vram.experts, 10);
   in.sizes.device_reserve_bytes = 1'200'000;   // four experts' worth
   const PlacementPlan p = plan_placement(in);

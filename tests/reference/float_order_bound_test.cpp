@@ -32,6 +32,7 @@
 #include "common/reference/matmul.h"
 #include "common/sampling/sampler.h"
 #include "tests/reference/float_order_bound.h"
+#include "tests/support/shell.h"
 
 namespace moraine {
 namespace {
@@ -40,6 +41,7 @@ namespace fs = std::filesystem;
 using reference::DotOrderSeed;
 using reference::ReferenceExecutor;
 using test_support::logit_gap;
+using test_support::run_command;
 
 const fs::path kGolden = fs::path(MORAINE_SOURCE_DIR) / "tests" / "golden";
 const fs::path kTools = fs::path(MORAINE_BUILD_DIR) / "tools";
@@ -95,23 +97,7 @@ TEST(DotOrder, DiffersFromTheKernelOnlyByFloatRounding) {
 
 // ---- golden models ----------------------------------------------------------------------------
 
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  char buf[4096];
-  size_t got = 0;
-  while ((got = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
-std::string quoted(const fs::path& p) {
-  std::string s = "'";   // appended piecewise: "'" + str + "'" trips GCC 12's -Wrestrict
-  s += p.string();
-  s += '\'';
-  return s;
-}
 
 // The weight variants of the GPU tests: tests/cuda/cuda_backend_golden_test.cpp ("kmix") and
 // tests/group/group_harness.cpp ("kmix_group").
@@ -127,14 +113,14 @@ fs::path golden_gguf(const std::string& model, const std::string& variant) {
   fs::create_directories(tmp);
   const fs::path f32 = tmp / (model + "_f32.gguf");
   if (!fs::exists(f32)) {
-    auto [rc, out] = run_command(quoted(kTools / "moraine-convert") + " " + quoted(kGolden / model) + " " +
-                                 quoted(f32) + " --outtype f32");
+    auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-convert") + " " + test_support::quoted(kGolden / model) + " " +
+                                 test_support::quoted(f32) + " --outtype f32");
     if (rc != 0) throw std::runtime_error("moraine-convert " + model + " failed:\n" + out);
   }
   if (variant == "f32") return f32;
   const fs::path q = tmp / (model + "_" + variant + ".gguf");
   if (!fs::exists(q)) {
-    auto [rc, out] = run_command(quoted(kTools / "moraine-quantize") + " " + quoted(f32) + " " + quoted(q) + " " +
+    auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-quantize") + " " + test_support::quoted(f32) + " " + test_support::quoted(q) + " " +
                                  kQuantArgs.at(variant));
     if (rc != 0) throw std::runtime_error("moraine-quantize " + model + " " + variant + " failed:\n" + out);
   }

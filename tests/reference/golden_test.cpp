@@ -21,6 +21,7 @@
 #include "common/reference/npy.h"
 #include "common/sampling/sampler.h"
 #include "synthetic_model.h"
+#include "tests/support/shell.h"
 
 namespace moraine::testing {
 namespace {
@@ -28,6 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using reference::ReferenceExecutor;
+using test_support::run_command;
 
 const fs::path kGolden = fs::path(MORAINE_SOURCE_DIR) / "tests" / "golden";
 const fs::path kConvert = fs::path(MORAINE_BUILD_DIR) / "tools" / "moraine-convert";
@@ -50,19 +52,7 @@ std::vector<std::string> golden_models() {
   }
 }
 
-// Runs a shell command, returning (exit status, combined output).
-std::pair<int, std::string> run_command(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
-std::string shell_quote(const fs::path& p) { return "'" + p.string() + "'"; }
 
 class Golden : public ::testing::TestWithParam<std::string> {
  protected:
@@ -72,7 +62,7 @@ class Golden : public ::testing::TestWithParam<std::string> {
         << "golden fixtures missing: " << kGolden << " (made by tests/golden/make_golden.py)";
     ASSERT_TRUE(fs::exists(kConvert)) << "build moraine-convert first: " << kConvert;
     gguf_ = temp_path("golden-" + GetParam());
-    auto [rc, out] = run_command(shell_quote(kConvert) + " " + shell_quote(dir_) + " " + shell_quote(gguf_) + " --outtype f32");
+    auto [rc, out] = run_command(test_support::quoted(kConvert) + " " + test_support::quoted(dir_) + " " + test_support::quoted(gguf_) + " --outtype f32");
     ASSERT_EQ(rc, 0) << "moraine-convert failed on " << dir_ << ":\n" << out;
     model_ = std::make_unique<model::Model>(model::Model::load(gguf_));
     prompt_ = read_json(dir_ / "tokens.json").at("ids").get<std::vector<int32_t>>();
@@ -143,9 +133,12 @@ TEST_P(Golden, RunToolWritesTheExecutorsLogits) {
   ASSERT_TRUE(fs::exists(kRun)) << "build moraine-run first: " << kRun;
   const std::string npy = temp_path("golden-logits") + ".npy";
   std::string ids;
-  for (int32_t t : prompt_) ids += (ids.empty() ? "" : ",") + std::to_string(t);
-  auto [rc, out] = run_command(shell_quote(kRun) + " -m " + shell_quote(gguf_) + " --tokens " + ids +
-                               " -n 5 --ignore-eos --json --threads 2 --logits-out " + shell_quote(npy));
+  for (int32_t t : prompt_) {
+    if (!ids.empty()) ids += ',';
+    ids += std::to_string(t);
+  }
+  auto [rc, out] = run_command(test_support::quoted(kRun) + " -m " + test_support::quoted(gguf_) + " --tokens " + ids +
+                               " -n 5 --ignore-eos --json --threads 2 --logits-out " + test_support::quoted(npy));
   ASSERT_EQ(rc, 0) << out;
   const json j = json::parse(out.substr(out.find('{')));
   const auto gen = j.at("generated_ids").get<std::vector<int32_t>>();

@@ -41,12 +41,14 @@
 #include "common/reference/executor.h"
 #include "kernels/cpu/vec_dot.h"
 #include "synthetic_model.h"
+#include "tests/support/shell.h"
 
 namespace moraine::testing {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test_support::run_command;
 
 const fs::path kSource = MORAINE_SOURCE_DIR;
 const fs::path kGolden = kSource / "tests" / "golden";
@@ -55,23 +57,7 @@ const fs::path kGgmlBins = kOracle / "node_modules" / "@node-llama-cpp" / "linux
 const fs::path kTools = fs::path(MORAINE_BUILD_DIR) / "tools";
 const char* const kModels[] = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
 
-std::string sh(const fs::path& p) {
-  std::string s = "'";  // (not "'" + ... + "'": GCC 12 warns falsely on that, -Wrestrict, bug 105329)
-  s += p.string();
-  s += '\'';
-  return s;
-}
 
-std::pair<int, std::string> run_command(const std::string& cmd, bool merge_stderr = true) {
-  std::string out;
-  FILE* p = popen((cmd + (merge_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
 struct Case {
   std::string model;
@@ -135,7 +121,7 @@ struct OracleRuns {
       }
       ids[m] = json::parse(std::ifstream(dir / "tokens.json")).at("ids").get<std::vector<int32_t>>();
       const std::string f32 = tmp(std::string("oracle-") + m + "-f32");
-      auto [rc, out] = run_command(sh(kTools / "moraine-convert") + " " + sh(dir) + " " + sh(f32) + " --outtype f32");
+      auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-convert") + " " + test_support::quoted(dir) + " " + test_support::quoted(f32) + " --outtype f32");
       if (rc != 0) {
         error = "moraine-convert " + dir.string() + ":\n" + out;
         return;
@@ -145,7 +131,7 @@ struct OracleRuns {
         std::string file = f32;
         if (c.weights != "f32") {
           file = tmp("oracle-" + c.key());
-          std::tie(rc, out) = run_command(sh(kTools / "moraine-quantize") + " " + sh(f32) + " " + sh(file) + " " +
+          std::tie(rc, out) = run_command(test_support::quoted(kTools / "moraine-quantize") + " " + test_support::quoted(f32) + " " + test_support::quoted(file) + " " +
                                           quantize_args(c.weights));
           if (rc != 0) {
             error = "moraine-quantize " + c.key() + ":\n" + out;
@@ -160,7 +146,7 @@ struct OracleRuns {
     const std::string job_file = tmp("oracle-jobs");
     std::ofstream(job_file) << jobs.dump();
     const fs::path script = kSource / "tests" / "reference" / "llama_logits.mjs";
-    auto [rc, out] = run_command("cd " + sh(kOracle) + " && node " + sh(script) + " " + sh(job_file),
+    auto [rc, out] = run_command("cd " + test_support::quoted(kOracle) + " && node " + test_support::quoted(script) + " " + test_support::quoted(job_file),
                                  /*merge_stderr=*/false);
     if (rc != 0) {
       error = "node-llama-cpp failed (exit " + std::to_string(rc) + "):\n" + out;
