@@ -38,6 +38,8 @@
 //     down rows, writes the unweighted rows, and the CTA that finishes a row tile last (atomic
 //     count over the groups) adds the weighted sums in top-k order: deterministic, no float
 //     atomics.
+//  3. the staged form (Tuning::staged, kernels/cuda/moe_staged.cu; opt-in): both kernels one
+//     wave, no counters; its header says how, Tuning::staged what it measured.
 //  Either down kernel is a programmatic dependent launch on sm_90+: its CTAs start while kernel 1
 //  runs (as far as registers and shared memory allow) and fetch their down rows before waiting
 //  for kernel 1's h. Rows per warp (at least one dot_rows call's worth when that fits) and groups
@@ -196,6 +198,31 @@ struct MoeLayerWeights {
     // warp reductions per unit and token) and kernel 1 ends after writing the F32 h, without the
     // fence, counter and block quantization on its critical path.
     bool down_quantizes_h = false;
+    // The staged decode form (kernels/cuda/moe_staged.cu), up to 4 tokens with Dots::kRows: kernel
+    // 1 is one CTA per SM whose warps put all their gate/up rows in flight at once (cp.async) and
+    // write the F32 h; the down kernel, launched programmatically, owns a slice of output rows,
+    // fetches those rows of every chosen expert before waiting for kernel 1 (its CTAs sit beside
+    // kernel 1's), quantizes h itself, and one warp per output row dots every slot and adds the
+    // weighted sums in top-k order: no counters, atomics or y round trip. Bit-identical to the
+    // default path. Falls back to the kernels above where its buffers do not fit (the other
+    // Tuning fields then apply; programmatic_launch and gate_up_programmatic_launch apply to it
+    // too). Measured (H200, moraine-kernel-bench cuda --moe-only --moe-variants auto,sform, graph,
+    // us per layer, default -> staged; 2026-11-30 run B, per-lane cp.async): 30B-A3B Q4_K 1 / 2
+    // tokens 23.4 -> 20.8 / 38.4 -> 35.0, Qwen3-Next Q4_K 24.7 -> 20.3 / 35.3 -> 32.2; Q8_0
+    // 1 token 38.1 -> 39.8 (30B) and 34.6 -> 34.7 (Next); 4 tokens fall back. The down kernel's
+    // early row fetch is worth 4.4 us (30B Q4_K without its programmatic launch: 25.3). ncu
+    // (isolated launches) timed kernel 1 at 14.6 us for 14 MB: the rows' transfer, not the
+    // chains, is what is left. Opt-in (moraine-kernel-bench's "sform" rows).
+    bool staged = false;
+    // With staged: kernel 1 takes a whole SM's shared memory for its rows (all in flight where
+    // they fit: 30B-A3B Q8_0, 2 tokens) instead of leaving room for a down CTA beside it; the
+    // down kernel then fetches its rows as kernel 1's CTAs leave.
+    bool staged_k1_whole_sm = false;
+    // With staged, on sm_90+: rows staged with bulk copies (cp.async.bulk, one instruction per
+    // row, completing on shared-memory mbarriers) instead of per-lane 16-byte cp.async. Why: ncu
+    // (H200, 30B-A3B Q4_K, 1 token, isolated launches) timed the cp.async kernel 1 at 14.6 us for
+    // 14 MB (20% of DRAM) with every row in flight from the start.
+    bool staged_bulk_copies = false;
   };
   Tuning tuning;
 };
@@ -226,6 +253,10 @@ struct MoeOutputs {
 // matvec kernel, n_embd / n_ff not multiples of the formats' blocks, rows too long for the
 // shared-memory staging). moe_fused calls it too.
 void moe_fused_check(const MoeLayerWeights& w);
+
+// Whether moe_fused with Tuning::staged runs the staged kernels (moe_staged.cu) for n_tokens
+// tokens of top-k on the current device, rather than falling back to the others (tests, bench).
+bool moe_fused_staged_applies(const MoeLayerWeights& w, int n_tokens, int k);
 
 // Workspace (device memory, 256-byte aligned) for up to max_tokens tokens of top-k: scratch h,
 // its quantized form, per-slot outputs and the completion counters. Sized once, e.g. for the

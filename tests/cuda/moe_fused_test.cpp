@@ -464,7 +464,15 @@ void run_case(const Case& c) {
       {"dot_rows, tiled gate/up, warp-unit down quantizing h, two units in flight", Dots::kRows,
        {.gate_up_warp_units = false, .down_warp_units = true, .down_stages = 2, .down_quantizes_h = true}},
       {"staged dots without 16-byte loads, warp units in both kernels", Dots::kStaged,
-       {.vector_loads = false, .gate_up_warp_units = true, .down_warp_units = true}}};
+       {.vector_loads = false, .gate_up_warp_units = true, .down_warp_units = true}},
+      {"dot_rows, the staged form (moe_staged.cu; the defaults past 4 tokens)", Dots::kRows, {.staged = true}},
+      {"dot_rows without 16-byte loads, the staged form", Dots::kRows, {.vector_loads = false, .staged = true}},
+      {"dot_rows, the staged form, kernel 1 with a whole SM", Dots::kRows,
+       {.staged = true, .staged_k1_whole_sm = true}},
+      {"dot_rows, the staged form with bulk copies", Dots::kRows, {.staged = true, .staged_bulk_copies = true}},
+      {"dot_rows, the staged form with bulk copies, kernel 1 with a whole SM, both launched programmatically",
+       Dots::kRows,
+       {.gate_up_programmatic_launch = true, .staged = true, .staged_k1_whole_sm = true, .staged_bulk_copies = true}}};
   for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
     const Form& form = forms[call / 2];
     w.dots = form.dots;
@@ -523,7 +531,9 @@ void run_case(const Case& c) {
                                {"tiled, per expert", tiled({.down = Down::kPerExpert})},
                                {"warp units", {.gate_up_warp_units = true, .down_warp_units = true}},
                                {"warp units, h quantized by the down kernel",
-                                {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}}};
+                                {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}},
+                               {"staged", {.staged = true}},
+                               {"staged, bulk copies", {.staged = true, .staged_bulk_copies = true}}};
   for (const SumForm& form : sum_forms) {
     w.dots = Dots::kRows;
     w.tuning = form.tuning;
@@ -604,6 +614,165 @@ TEST(CudaMoeFusedMixed, PlainLaunchesMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q4_K, 3, 13, 4, 512, 256, true, 51, true});
   run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 2, 9, 3, 512, 256, false, 52, true});
+}
+
+// The staged form (Tuning::staged, moe_staged.cu) against the default kernels on the same inputs:
+// equal bits, since it adds the same per-block terms in the same order per row, forms h with the
+// same expression, quantizes it with the same warp quantizer and adds the slots in top-k order.
+// At the model shapes it is made for (Qwen3-30B-A3B, and Qwen3-Next's 512 experts top-10 with a
+// 512-row FFN), 1, 2 and 4 tokens (where it runs: at one token it must; past its shared memory it
+// falls back to the default kernels); the sum, the accumulated sum and the slot rows, every
+// output NaN-poisoned first and checked written. Weights: each (expert, row) a random pick among
+// 64 quantized random rows (quantizing every chosen expert's 1.5M weights per matrix would cost
+// the host about a minute per case); a kernel reading a wrong row or expert gets another row's
+// values. Only the chosen experts' bytes are uploaded (the rest of the tensors are zero).
+struct BitsShape {
+  const char* name;
+  TensorType type;
+  int64_t n_embd, n_ff;
+  int n_expert, k;
+};
+
+// One kind's tensor of all experts on the device, the chosen experts filled from templates.
+cuda::DeviceBuffer<uint8_t> template_tensor(TensorType t, int64_t rows, int64_t cols, int n_expert,
+                                            const std::vector<bool>& chosen, std::mt19937& rng) {
+  constexpr int kTemplates = 64;
+  const size_t rb = row_bytes(t, cols);
+  std::vector<uint8_t> templ(rb * kTemplates);
+  for (int r = 0; r < kTemplates; ++r) {
+    const std::vector<float> v = scaled_values(rng, static_cast<size_t>(cols), 1e-3f);
+    quantize_row(t, v.data(), templ.data() + static_cast<size_t>(r) * rb, cols);
+  }
+  const size_t expert_bytes = rb * static_cast<size_t>(rows);
+  cuda::DeviceBuffer<uint8_t> d(expert_bytes * static_cast<size_t>(n_expert));
+  d.fill_bytes(0);
+  std::vector<uint8_t> host(expert_bytes);
+  std::uniform_int_distribution<int> pick(0, kTemplates - 1);
+  for (int e = 0; e < n_expert; ++e) {
+    if (!chosen[static_cast<size_t>(e)]) continue;
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(host.data() + static_cast<size_t>(r) * rb, templ.data() + static_cast<size_t>(pick(rng)) * rb, rb);
+    CUDA_CHECK(cudaMemcpy(d.get() + expert_bytes * static_cast<size_t>(e), host.data(), expert_bytes,
+                          cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool must_apply) {
+  std::mt19937 rng(seed);
+  const int n_slots = n_tokens * s.k;
+  std::vector<int32_t> chosen(static_cast<size_t>(n_slots));
+  std::vector<float> weight(static_cast<size_t>(n_slots));
+  std::uniform_real_distribution<float> wdist(0.05f, 1.0f);
+  std::vector<int32_t> ids(static_cast<size_t>(s.n_expert));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::vector<bool> used(static_cast<size_t>(s.n_expert), false);
+  for (int t = 0; t < n_tokens; ++t) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (int j = 0; j < s.k; ++j) {
+      chosen[static_cast<size_t>(t * s.k + j)] = ids[static_cast<size_t>(j)];
+      weight[static_cast<size_t>(t * s.k + j)] = wdist(rng);
+      used[static_cast<size_t>(ids[static_cast<size_t>(j)])] = true;
+    }
+  }
+  cuda::DeviceBuffer<uint8_t> dgate = template_tensor(s.type, s.n_ff, s.n_embd, s.n_expert, used, rng);
+  cuda::DeviceBuffer<uint8_t> dup = template_tensor(s.type, s.n_ff, s.n_embd, s.n_expert, used, rng);
+  cuda::DeviceBuffer<uint8_t> ddown = template_tensor(s.type, s.n_embd, s.n_ff, s.n_expert, used, rng);
+  const std::vector<float> x = scaled_values(rng, static_cast<size_t>(n_tokens * s.n_embd), 1e-1f);
+  std::vector<float> base(x.size());
+  for (float& v : base) v = std::normal_distribution<float>(0.0f, 4.0f)(rng);
+  std::vector<int32_t> row_of(static_cast<size_t>(n_slots));
+  std::iota(row_of.begin(), row_of.end(), 0);
+  std::shuffle(row_of.begin(), row_of.end(), rng);
+
+  cuda::MoeLayerWeights w;
+  w.gate_type = w.up_type = w.down_type = s.type;
+  w.n_embd = s.n_embd;
+  w.n_ff = s.n_ff;
+  w.n_expert = s.n_expert;
+  w.gate = dgate.get();
+  w.up = dup.get();
+  w.down = ddown.get();
+  const std::string what = std::string(s.name) + " " + std::string(type_name(s.type)) + " n=" + std::to_string(n_tokens);
+  const bool applies = cuda::moe_fused_staged_applies(w, n_tokens, s.k);
+  if (must_apply) {
+    ASSERT_TRUE(applies) << what << ": the staged form must run at this shape";
+  }
+  cuda::DeviceBuffer<float> dx(x.size()), dweight(weight.size()), dsum(x.size());
+  cuda::DeviceBuffer<float> dslot_rows(static_cast<size_t>(n_slots) * static_cast<size_t>(s.n_embd));
+  cuda::DeviceBuffer<int32_t> dchosen(chosen.size()), drow_of(row_of.size());
+  dx.upload(x.data(), x.size());
+  dweight.upload(weight.data(), weight.size());
+  dchosen.upload(chosen.data(), chosen.size());
+  drow_of.upload(row_of.data(), row_of.size());
+  const size_t ws_bytes = cuda::moe_fused_workspace_bytes(w, n_tokens, s.k);
+  cuda::DeviceBuffer<uint8_t> ws(ws_bytes);
+  cuda::moe_fused_workspace_init(ws.get(), ws_bytes);
+  cuda::MoeRouting routing;
+  routing.n_tokens = n_tokens;
+  routing.k = s.k;
+  routing.chosen = dchosen.get();
+  routing.weight = dweight.get();
+
+  // Outputs of one form: sum, slot rows, then the sum accumulated onto `base`.
+  auto run = [&](const cuda::MoeLayerWeights::Tuning& tuning, std::vector<float>& sum, std::vector<float>& rows,
+                 std::vector<float>& acc) {
+    w.tuning = tuning;
+    cuda::MoeOutputs out;
+    out.sum = dsum.get();
+    out.slot_rows = dslot_rows.get();
+    out.slot_row_of = drow_of.get();
+    dsum.fill_bytes(0xff);
+    dslot_rows.fill_bytes(0xff);
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    sum.resize(dsum.size());
+    rows.resize(dslot_rows.size());
+    dsum.download(sum.data(), sum.size());
+    dslot_rows.download(rows.data(), rows.size());
+    out.slot_rows = nullptr;
+    out.slot_row_of = nullptr;
+    out.sum_accumulate = true;
+    dsum.upload(base.data(), base.size());
+    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    acc.resize(dsum.size());
+    dsum.download(acc.data(), acc.size());
+  };
+  std::vector<float> sum0, rows0, acc0, sum1, rows1, acc1;
+  run({}, sum0, rows0, acc0);
+  std::string form;
+  auto same_bits = [&](const char* name, const std::vector<float>& a, const std::vector<float>& b) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(a[i])) << what << " " << name << "[" << i << "]: the default left " << a[i];
+      uint32_t ua, ub;
+      std::memcpy(&ua, &a[i], 4);
+      std::memcpy(&ub, &b[i], 4);
+      ASSERT_EQ(ua, ub) << what << " (" << form << (applies ? "" : ", falls back") << ") " << name << "[" << i
+                        << "]: default " << a[i] << ", staged " << b[i];
+    }
+  };
+  // Kernel 1 beside the down kernel's CTAs or with a whole SM (other ring depths); rows by
+  // per-lane cp.async or by bulk copies.
+  for (const bool whole_sm : {false, true}) {
+    for (const bool bulk : {false, true}) {
+      form = std::string("staged") + (whole_sm ? ", kernel 1 with a whole SM" : "") + (bulk ? ", bulk copies" : "");
+      run({.staged = true, .staged_k1_whole_sm = whole_sm, .staged_bulk_copies = bulk}, sum1, rows1, acc1);
+      same_bits("sum", sum0, sum1);
+      same_bits("slot rows", rows0, rows1);
+      same_bits("accumulated sum", acc0, acc1);
+    }
+  }
+}
+
+TEST(CudaMoeFusedStaged, SameBitsAsDefaultAtModelShapes) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const BitsShape shapes[] = {{"qwen3-30b-a3b", TensorType::Q4_K, 2048, 768, 128, 8},
+                              {"qwen3-30b-a3b", TensorType::Q8_0, 2048, 768, 128, 8},
+                              {"qwen3-next", TensorType::Q4_K, 2048, 512, 512, 10}};
+  uint32_t seed = 61;
+  for (const BitsShape& s : shapes)
+    for (int n : {1, 2, 4}) expect_staged_bits(s, n, seed++, n == 1);
 }
 
 // Argument checks come before any CUDA call, so these run without a device too.

@@ -6,7 +6,7 @@
 // (gate + up + down), which is what the kernel reads.
 // Variants (MoeLayerWeights::dots and ::tuning) are timed on the same weights and routings; by
 // default the default form (auto), the tiled kernels with the per-expert down kernel (expert) and
-// the warp-unit kernels (units).
+// the warp-unit kernels (units); "sform" is moe_staged.cu's form (Tuning::staged).
 // Which variants, token counts and shape: MoeBenchSelection (moraine-kernel-bench cuda
 // --moe-variants all|NAME,... --moe-tokens 1,4,8 --moe-select SHAPE,FORMAT).
 #include "tools/kernel_bench/moe_fused_bench.h"
@@ -113,6 +113,17 @@ const Variant kVariants[] = {
     {"units-1sm-s2", Dots::kRows,
      {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true, .down_stages = 2,
       .units_ctas_per_sm = 1}, false},
+    // The staged form (Tuning::staged, moe_staged.cu); rows where it falls back are marked.
+    // ("staged" above is the earlier per-row dot, Dots::kStaged.)
+    {"sform", Dots::kRows, {.staged = true}, false},
+    {"sform-nopdl", Dots::kRows, {.programmatic_launch = false, .staged = true}, false},
+    {"sform-pdl1", Dots::kRows, {.gate_up_programmatic_launch = true, .staged = true}, false},
+    {"sform-k1w", Dots::kRows, {.staged = true, .staged_k1_whole_sm = true}, false},
+    {"sform-bulk", Dots::kRows, {.staged = true, .staged_bulk_copies = true}, false},
+    {"sform-bulk-pdl1", Dots::kRows,
+     {.gate_up_programmatic_launch = true, .staged = true, .staged_bulk_copies = true}, false},
+    {"sform-bulk-k1w", Dots::kRows,
+     {.staged = true, .staged_k1_whole_sm = true, .staged_bulk_copies = true}, false},
 };
 
 // Case-insensitive name match (formats print as q4_k, people type Q4_K).
@@ -289,7 +300,9 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
     CUDA_CHECK(cudaGraphDestroy(graph));
     CUDA_CHECK(cudaStreamDestroy(gs));
     const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
-    emit({s.name + std::string(" ") + v->name, std::string(type_name(t)), n, ms_per_call * 1e3, bytes,
+    const bool falls_back = v->tuning.staged && !cuda::moe_fused_staged_applies(w, n, s.k);
+    emit({s.name + std::string(" ") + v->name + (falls_back ? "(=auto)" : ""), std::string(type_name(t)), n,
+          ms_per_call * 1e3, bytes,
                       bytes / ms_per_call / 1e6, graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6});
   }
   cudaEventDestroy(start);
@@ -324,7 +337,11 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
                 " -k1s2: two gate/up row buffers per CTA; units: the warp-unit kernels, -sN: N units in\n"
                 " flight per warp, -p1: one gate/up pair per unit, -k1 / -down: only that kernel as units,\n"
                 " -1sm: one CTA per SM, leaving room for the down kernel's CTAs beside kernel 1's;\n"
-                " -pdl1: kernel 1 launched programmatically too; -dq: the down kernel quantizes h itself)\n");
+                " -pdl1: kernel 1 launched programmatically too; -dq: the down kernel quantizes h itself;\n"
+                " sform: the staged form, Tuning::staged (moe_staged.cu: one-wave kernels, all rows in\n"
+                " flight, down rows fetched during kernel 1, no counters), -k1w: its kernel 1 with a\n"
+                " whole SM's shared memory, -bulk: rows by cp.async.bulk, (=auto): it does not fit and\n"
+                " the defaults run)\n");
     std::printf("%-28s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
                 "expert B/call", "graph us/layer", "graph GB/s", "of read");
     std::fflush(stdout);
