@@ -380,7 +380,7 @@ int main(int argc, char** argv) {
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
-  app.add_option("--vram", o.vram, "GPU memory for dense weights, KV and experts (12G, 512M, ..., unlimited; dense: no experts)");
+  app.add_option("--vram", o.vram, "GPU memory for dense weights, KV, the CUDA context and scratch (--backend cuda) and experts (12G, 512M, ..., unlimited; dense: no experts)");
   app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + staging for file-resident ones (unlimited)");
   app.add_option("--census", o.census,
                  "expert popularity counts (JSON), read for placement and merged into by the gpu_worker "

@@ -314,7 +314,7 @@ int main(int argc, char** argv) {
   st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
   st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
   st->add_option("--max-tokens", o.max_tokens, "rows of one step");
-  st->add_option("--vram", o.vram, "GPU memory budget: dense + KV first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
+  st->add_option("--vram", o.vram, "GPU memory budget, what the gpu_worker may hold on the card: dense + KV + (cuda) its context and scratch first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
   st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");
   st->add_flag("--no-census", o.no_census, "the gpu_worker writes no census");
