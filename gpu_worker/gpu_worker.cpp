@@ -5,6 +5,7 @@
 // summed with the shared expert. Experts the placement plan put in VRAM are computed here, by
 // the backend, while the cpu workers compute theirs. Logits go to the exchange segment's logits rows.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -93,7 +94,8 @@ class StepRunner {
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
-  uint64_t device_used_peak() const { return device_used_peak_.load(); }
+  // The most seen after a step, or now if more (Stats reads it after a run's last step).
+  uint64_t device_used_peak() const { return std::max(device_used_peak_.load(), backend_->device_bytes_in_use()); }
   // Per layer: routed slots, and those computed on the device (the VRAM hit rate per layer).
   void layer_counters(control::StatsReply& r) const {
     char name[40];
@@ -203,8 +205,13 @@ class StepRunner {
   }
 
   void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
-    const uint64_t used = backend_->device_bytes_in_use();
-    if (used > device_used_peak_.load()) device_used_peak_.store(used);
+    // cudaMemGetInfo is a driver call: read it at most once a second, not on every decode step
+    // (nothing the backend allocates is freed before it goes, so a later read still sees it).
+    if (const auto now = Clock::now(); now - device_used_sampled_ >= std::chrono::seconds(1)) {
+      device_used_sampled_ = now;
+      const uint64_t used = backend_->device_bytes_in_use();
+      if (used > device_used_peak_.load()) device_used_peak_.store(used);
+    }
     record_routing(n);
     report(census_.flush_if_due());
     if (man_.vram_adapt_every > 0 && ++steps_since_adapt_ >= man_.vram_adapt_every) {
@@ -394,8 +401,9 @@ class StepRunner {
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
   int steps_since_adapt_ = 0;
   std::atomic<uint64_t> experts_swapped_in_{0};
-  std::atomic<uint64_t> handoff_steps_{0};
-  std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen   // steps with cpu workers launched whole (handoff_begin)
+  std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
+  std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
+  Clock::time_point device_used_sampled_{};     // when it was last read
   std::vector<std::atomic<uint64_t>> layer_slots_, layer_vram_slots_;
   zmq::context_t ctx_{1};
   std::vector<std::string> endpoints_;
