@@ -76,4 +76,18 @@ inline KQuantHeaders k_quant_headers4(const void* b0, const void* b1, const void
   return {head, _mm512_unpacklo_epi8(decoded, _mm512_setzero_si512()), _mm512_unpackhi_epi8(decoded, _mm512_setzero_si512())};
 }
 
+// The register tiles' outputs: lane l of acc[g] holds (row, token) pair 4g + l, pairs ordered
+// token-fastest over T tokens; y[token * y_stride + row].
+template <int T, int kGroups>
+inline void store_tile_pairs(const __m128 (&acc)[kGroups], float* y, int64_t y_stride) {
+  for (int g = 0; g < kGroups; ++g) {
+    alignas(16) float out[4];
+    _mm_store_ps(out, acc[g]);
+    for (int l = 0; l < 4; ++l) {
+      const int pi = 4 * g + l;
+      y[(pi % T) * y_stride + pi / T] = out[l];
+    }
+  }
+}
+
 }  // namespace moraine::cpu::avx512

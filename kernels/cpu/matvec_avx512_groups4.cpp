@@ -234,31 +234,39 @@ void by_token_groups(const PackedGroup* const* a, int n_tok, float* y, int64_t y
 void pack_mxfp4_acts(int64_t n, const void* act, void* dst) { pack_groups<12>(n, act, dst); }
 void pack_q8_0_acts(int64_t n, const void* act, void* dst) { pack_groups<128>(n, act, dst); }
 
-void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                       bool row_by_row) {
+namespace {
+
+// Four rows against packed activations, token groups as by_token_groups cuts them; Tile is
+// q8_0_group_tile or mxfp4_group_tile (as a generic lambda over <rows, tokens>).
+template <class Tile>
+void rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
+                  int64_t y_stride, bool row_by_row, Tile tile) {
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* const* a = reinterpret_cast<const PackedGroup* const*>(packed);
   const int64_t nb = n / kQK;
   by_token_groups(a, n_tok, y, y_stride, [&]<int T>(const PackedGroup* const* at, float* yt) {
     if (row_by_row) {
-      for (int r = 0; r < 4; ++r) q8_0_group_tile<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride);
+      for (int r = 0; r < 4; ++r)
+        tile.template operator()<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride);
     } else {
-      q8_0_group_tile<4, T>(nb, wb, row_stride, at, yt, y_stride);
+      tile.template operator()<4, T>(nb, wb, row_stride, at, yt, y_stride);
     }
   });
 }
 
-void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                        bool row_by_row) {
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* const* a = reinterpret_cast<const PackedGroup* const*>(packed);
-  const int64_t nb = n / kQK;
-  by_token_groups(a, n_tok, y, y_stride, [&]<int T>(const PackedGroup* const* at, float* yt) {
-    if (row_by_row) {
-      for (int r = 0; r < 4; ++r) mxfp4_group_tile<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride);
-    } else {
-      mxfp4_group_tile<4, T>(nb, wb, row_stride, at, yt, y_stride);
-    }
+}  // namespace
+
+void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
+                       bool row_by_row) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, []<int R, int T>(auto... args) {
+    q8_0_group_tile<R, T>(args...);
+  });
+}
+
+void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
+                        int64_t y_stride, bool row_by_row) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, []<int R, int T>(auto... args) {
+    mxfp4_group_tile<R, T>(args...);
   });
 }
 

@@ -138,14 +138,7 @@ void q4_k_packed_tile(int64_t nb, const uint8_t* w, size_t row_stride, const Pac
       acc[g] = _mm_add_ps(acc[g], _mm_sub_ps(_mm_mul_ps(d, _mm_cvtepi32_ps(tot)), _mm_mul_ps(dmin, _mm_cvtepi32_ps(ms))));
     }
   }
-  for (int g = 0; g < kGroups; ++g) {
-    alignas(16) float out[4];
-    _mm_store_ps(out, acc[g]);
-    for (int l = 0; l < 4; ++l) {
-      const int pi = 4 * g + l;
-      y[(pi % T) * y_stride + pi / T] = out[l];
-    }
-  }
+  store_tile_pairs<T>(acc, y, y_stride);
 }
 
 }  // namespace
