@@ -121,6 +121,15 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   for (const char* tier : {"vram", "pcie", "ram", "disk"}) total += j.at("bytes_per_token").at(tier).get<double>();
   EXPECT_NEAR(total, expected_ram_bytes_per_token(model), 1e-9 * total);
   EXPECT_GT(j.at("bytes_per_token").at("disk").get<double>(), 0.0);
+  // The shares are of the decode run alone (the workers' counters run from their start, so the
+  // bench takes the difference over the run): the prefill of the 1-token prompt and 6 decode
+  // steps, each computing top-k experts in every layer. Counted since start, the prefill runs
+  // (-p 5, twice) would add theirs.
+  const int64_t n_layer = static_cast<int64_t>(*file.get_u64("qwen3moe.block_count"));
+  const int64_t k = static_cast<int64_t>(*file.get_u64("qwen3moe.expert_used_count"));
+  const nlohmann::json& reads = j.at("expert_reads");
+  EXPECT_EQ(reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>(), (6 + 1) * n_layer * k) << reads.dump();
+  EXPECT_EQ(reads.at("vram").get<int64_t>(), 0) << reads.dump();
 }
 
 // The census warm-up: a first run records which experts the routing uses, the group restarts

@@ -22,6 +22,9 @@ struct EngineStats {
   std::array<double, kTierCount> bytes_per_token{};
   // Share of expert reads served by each tier (sums to 1 over the tiers that serve any).
   std::array<double, kTierCount> hit_rate{};
+  // Experts computed by each tier over the last run (what hit_rate is the share of); 0 for
+  // engines that do not count them.
+  std::array<uint64_t, kTierCount> expert_reads{};
   bool budgets_applied = false;  // false: --vram/--ram were recorded but this engine ignores them
   // Where the placement's expert popularity came from ("warm: ..." after a census warm-up run,
   // "none: uniform ..."); empty for engines without a placement.

@@ -5,6 +5,8 @@
 // tier (gpu_worker: VRAM, cpu_expert_workers: RAM and FILE) give the hit rates and the bytes per
 // token per tier; a worker restart (supervisor) or a re-issued step (coordinator) is a fault.
 #pragma once
+#include <array>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,7 +64,11 @@ class GroupEngine final : public BenchEngine {
 
  private:
   void start(bool record_census);
+  // Experts computed per tier since the process started (vram, ram, file): the workers' counters
+  // are not zeroed by Stats' reset, so reset() keeps a snapshot and stats() reports the difference.
+  std::array<uint64_t, 3> expert_counts() const;
   GroupEngineOptions o_;
+  std::array<uint64_t, 3> counts_at_reset_{};
   std::unique_ptr<model::Model> model_;
   ModelReadBytes bytes_;
   std::string socket_dir_;

@@ -47,6 +47,7 @@ nlohmann::json report_json(const BenchReport& r) {
   for (int t = 0; t < kTierCount; ++t) {
     j["bytes_per_token"][kTierNames[t]] = r.stats.bytes_per_token[t];
     j["hit_rate"][kTierNames[t]] = r.stats.hit_rate[t];
+    j["expert_reads"][kTierNames[t]] = r.stats.expert_reads[t];
     j["bandwidth"][kTierNames[t]] = {{"bytes_per_s", opt_number(r.bandwidth[t].bytes_per_s)},
                                      {"note", r.bandwidth[t].note}};
   }
