@@ -15,6 +15,9 @@
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
 #include "coordinator/census.h"
+#ifdef MORAINE_HAVE_CUDA
+#include "gpu_worker/kernel_trace.h"
+#endif
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
@@ -474,8 +477,20 @@ int main(int argc, char** argv) {
                "reads and writes of the mapped exchange (A/B and fallback)");
   app.add_flag("!--no-pdl", base.programmatic_launch,
                "cuda: launch the kernels without programmatic dependent launch (A/B)");
+  std::string kernel_trace;
+  uint64_t kernel_trace_rows = 2'000'000;
+  app.add_option("--kernel-trace", kernel_trace,
+                 "cuda: write every kernel, memcpy and memset with its device start and end (ns) to this CSV "
+                 "(CUPTI, loaded only then; bench/kernel-trace-summary reads it)");
+  app.add_option("--kernel-trace-rows", kernel_trace_rows, "most rows --kernel-trace writes")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
+#ifdef MORAINE_HAVE_CUDA
+    std::unique_ptr<moraine::gpu_worker::KernelTrace> trace;
+    if (!kernel_trace.empty()) trace = std::make_unique<moraine::gpu_worker::KernelTrace>(kernel_trace, kernel_trace_rows);
+#else
+    if (!kernel_trace.empty()) throw std::runtime_error("--kernel-trace: this build has no CUDA");
+#endif
     return run(socket_dir, backend, base);
   } catch (const std::exception& e) {
     std::cerr << "moraine-gpu-worker: " << e.what() << "\n";
