@@ -95,6 +95,7 @@ class Coordinator final : public generate::Coordinator::Service {
         // Never empty: a group with every expert in VRAM still maps an arena.
         arena_(shm::ShmSegment::create({prefix_, "arena", std::max<size_t>(al_.total_bytes, group::kArenaAlign), true, true})),
         prefill_(control.add_stage("prefill")), decode_(control.add_stage("decode")),
+        sample_(control.add_stage("sample")), stream_write_(control.add_stage("stream_write")),
         gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
     try {
@@ -185,6 +186,7 @@ class Coordinator final : public generate::Coordinator::Service {
           finish = generate::FINISH_CANCELLED;
           break;
         }
+        const auto tsample = Clock::now();
         if (sp.check_logits()) check_finite(logits, context.size());
         const int32_t id = sampler.sample(logits);
         context.push_back(id);
@@ -203,7 +205,10 @@ class Coordinator final : public generate::Coordinator::Service {
           writer->Write(chunk);
           return grpc::Status::OK;
         }
+        const auto twrite = Clock::now();
+        sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
         writer->Write(chunk);
+        stream_write_.record(1, 0, 0, us_since(twrite));
         const auto ts = Clock::now();
         logits = feed(&context.back(), 1, false, context);
         decode_.record(1, 0, 0, us_since(ts));
@@ -339,6 +344,10 @@ class Coordinator final : public generate::Coordinator::Service {
   shm::ShmSegment exchange_, arena_;
   group::StageRecorder& prefill_;
   group::StageRecorder& decode_;
+  // Per generated token, between two steps: the finite check, sampling and detokenizing; then
+  // the chunk's write to the client's stream.
+  group::StageRecorder& sample_;
+  group::StageRecorder& stream_write_;
   zmq::context_t ctx_{1};
   messaging::JobClient gpu_;
   jobs::JobEnvelope envelope_;

@@ -7,13 +7,32 @@
 
 namespace moraine::sampling {
 
+// Two passes instead of one loop: the loop `if (logits[i] > logits[best]) best = i` carries a load
+// whose address depends on the previous iteration's result, ~12 cycles per logit: on the H200
+// machine the coordinator's sample stage took 598 us per token over a 151,936-word vocabulary,
+// 17% of an all-in-VRAM decode step. Here the maximum comes from 16 independent lanes (one
+// vector max instruction per 16 logits: `v > m ? v : m` is exactly x86's maxps), then the first
+// index holding it. Same answer as the one loop: a NaN never wins (nor does anything against
+// a NaN at index 0, which then stays the answer), ties go to the lowest index.
 int32_t argmax(std::span<const float> logits) {
   if (logits.empty()) throw std::invalid_argument("argmax: empty logits");
-  int32_t best = 0;
-  for (size_t i = 1; i < logits.size(); ++i) {
-    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
+  constexpr size_t kLanes = 16;
+  const float* x = logits.data();
+  const size_t n = logits.size();
+  float lane[kLanes];
+  for (float& m : lane) m = x[0];
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
   }
-  return best;
+  float best = x[0];
+  for (float m : lane) best = m > best ? m : best;
+  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  if (best != best) return 0;   // x[0] is NaN: nothing compares greater
+  for (size_t k = 0; k < n; ++k) {
+    if (x[k] == best) return static_cast<int32_t>(k);
+  }
+  return 0;   // not reached: best is one of the values
 }
 
 Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {

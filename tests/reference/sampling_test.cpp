@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -53,6 +54,40 @@ TEST(Sampling, ArgmaxTakesLowestIndexOnTies) {
   EXPECT_EQ(argmax(l), std::max_element(l.begin(), l.end()) - l.begin());
   Sampler greedy({0.0f, 5, 0.5f, 9});
   EXPECT_EQ(greedy.sample(l), argmax(l));
+}
+
+// The vectorised argmax against the definition (first index of the strict maximum, scanning
+// left to right; a NaN never compares greater) on lengths around its 16-wide lanes and the real
+// vocabulary size, with the maximum repeated inside one lane, across lanes and in the tail, and
+// with NaN and infinities.
+int32_t argmax_by_definition(const std::vector<float>& l) {
+  int32_t best = 0;
+  for (size_t i = 1; i < l.size(); ++i)
+    if (l[i] > l[best]) best = static_cast<int32_t>(i);
+  return best;
+}
+
+TEST(Sampling, ArgmaxEqualsTheDefinitionOnEveryShape) {
+  std::mt19937_64 rng(11);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (size_t n : {1, 2, 15, 16, 17, 31, 32, 33, 47, 100, 151936}) {
+    for (int variant = 0; variant < 8; ++variant) {
+      std::vector<float> l = random_logits(n * 8 + variant, n);
+      std::uniform_int_distribution<size_t> at(0, n - 1);
+      const float top = *std::max_element(l.begin(), l.end()) + 1.0f;
+      switch (variant) {
+        case 1: l[at(rng)] = top; l[at(rng)] = top; break;   // a tie anywhere
+        case 2: l[n - 1] = top; if (n > 16) l[n - 17] = top; break;   // tail and the lane before
+        case 3: l[0] = nan; break;
+        case 4: l[at(rng)] = nan; l[at(rng)] = nan; break;
+        case 5: l[at(rng)] = inf; l[at(rng)] = inf; break;
+        case 6: std::fill(l.begin(), l.end(), -inf); break;
+        case 7: std::fill(l.begin(), l.end(), 0.5f); break;
+        default: break;
+      }
+      EXPECT_EQ(argmax(l), argmax_by_definition(l)) << "n " << n << " variant " << variant;
+    }
+  }
 }
 
 struct Case {
