@@ -40,58 +40,117 @@ Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {
   if (!(p_.top_p > 0.0f)) throw std::invalid_argument("sampler: top_p must be > 0");
 }
 
-std::vector<std::pair<int32_t, float>> Sampler::distribution(std::span<const float> logits) const {
-  if (logits.empty()) throw std::invalid_argument("sampler: empty logits");
-  if (p_.temperature <= 0.0f) return {{argmax(logits), 1.0f}};
-
-  std::vector<int32_t> ids(logits.size());
-  std::iota(ids.begin(), ids.end(), 0);
-  auto by_logit = [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+// The kept tokens, most likely first (ties: lower id), with their unnormalised weights
+// exp((logit - max) / T) and the normaliser the top-p cut measures mass against.
+//
+// Without top-k this sorted the whole vocabulary for every token: 20-22 ms per token over
+// 151,936 logits at temperature 0.8, with or without top-p (`moraine-kernel-bench sampling`, 2-core
+// dev box), a 50 tok/s ceiling on sampled generation. Now top-k sorts only its k; top-p sorts the
+// tokens above a weight threshold once they hold the mass (peaked logits: 20 ms -> 0.47 ms; flat
+// random logits need nearly all of them, 10 ms); no cut sorts nothing (sample() draws in id order,
+// distribution() still lists every token sorted); weights in float exp (0.88 -> 0.69 ms).
+Sampler::Kept Sampler::kept(std::span<const float> logits, bool sorted_all) const {
+  Kept k;
+  const size_t V = logits.size();
+  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  const auto weigh = [&](double mx, const int32_t* ids, size_t n, std::vector<double>& w) {
+    w.resize(n);
+    const float mxf = static_cast<float>(mx), inv_t = 1.0f / p_.temperature;
+    for (size_t i = 0; i < n; ++i) w[i] = std::exp((logits[ids[i]] - mxf) * inv_t);
   };
-  size_t keep = ids.size();
-  if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < keep) keep = static_cast<size_t>(p_.top_k);
-  std::partial_sort(ids.begin(), ids.begin() + keep, ids.end(), by_logit);
-  ids.resize(keep);
-
-  // Softmax over the survivors in double: the sums below decide cut points.
-  const double mx = logits[ids[0]];
-  std::vector<double> w(keep);
-  double sum = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    w[i] = std::exp((static_cast<double>(logits[ids[i]]) - mx) / p_.temperature);
-    sum += w[i];
+  if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < V) {   // top-k: softmax over the k survivors
+    k.ids.resize(V);
+    std::iota(k.ids.begin(), k.ids.end(), 0);
+    std::partial_sort(k.ids.begin(), k.ids.begin() + p_.top_k, k.ids.end(), by_logit);
+    k.ids.resize(static_cast<size_t>(p_.top_k));
+    weigh(logits[k.ids[0]], k.ids.data(), k.ids.size(), k.w);
+    for (double x : k.w) k.z += x;
+    k.sorted = true;
+  } else {
+    const double mx = logits[argmax(logits)];
+    std::vector<int32_t> all(V);
+    std::iota(all.begin(), all.end(), 0);
+    std::vector<double> w_all;
+    weigh(mx, all.data(), V, w_all);
+    for (double x : w_all) k.z += x;
+    if (p_.top_p >= 1.0f && !sorted_all) {   // no cut: every token, in id order
+      k.ids = std::move(all);
+      k.w = std::move(w_all);
+      return k;
+    }
+    // The smallest prefix whose mass reaches top_p lies among the tokens of weight >= tau as soon
+    // as those hold top_p of the mass (every other token weighs less than each of them): gather
+    // them with one plain scan, sort only them; lower tau until they do (a flat distribution).
+    for (double tau = p_.top_p >= 1.0f ? 0.0 : k.z * 1e-4;; tau *= 1e-3) {
+      std::vector<int32_t> ids;
+      double held = 0.0;
+      for (size_t i = 0; i < V; ++i) {
+        if (w_all[i] >= tau) {
+          ids.push_back(static_cast<int32_t>(i));
+          held += w_all[i];
+        }
+      }
+      if (held < p_.top_p * k.z && ids.size() < V && tau > 0.0) continue;
+      std::sort(ids.begin(), ids.end(), by_logit);
+      double cum = 0.0;
+      size_t cut = ids.size();
+      for (size_t i = 0; i < ids.size() && p_.top_p < 1.0f; ++i) {
+        cum += w_all[ids[i]] / k.z;
+        if (cum >= p_.top_p) {
+          cut = i + 1;
+          break;
+        }
+      }
+      if (cut == ids.size() && ids.size() < V && p_.top_p < 1.0f && tau > 0.0) continue;   // rounding at the edge
+      k.ids.assign(ids.begin(), ids.begin() + cut);
+      k.w.resize(cut);
+      for (size_t i = 0; i < cut; ++i) k.w[i] = w_all[k.ids[i]];
+      break;
+    }
+    k.sorted = true;
+    return k;
   }
-  size_t n = keep;
+  // top-k survivors, then the top-p cut among them.
   if (p_.top_p < 1.0f) {
     double cum = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
-      cum += w[i] / sum;
+    for (size_t i = 0; i < k.ids.size(); ++i) {
+      cum += k.w[i] / k.z;
       if (cum >= p_.top_p) {
-        n = i + 1;
+        k.ids.resize(i + 1);
+        k.w.resize(i + 1);
         break;
       }
     }
   }
-  double kept = 0.0;
-  for (size_t i = 0; i < n; ++i) kept += w[i];
-  std::vector<std::pair<int32_t, float>> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = {ids[i], static_cast<float>(w[i] / kept)};
+  return k;
+}
+
+std::vector<std::pair<int32_t, float>> Sampler::distribution(std::span<const float> logits) const {
+  if (logits.empty()) throw std::invalid_argument("sampler: empty logits");
+  if (p_.temperature <= 0.0f) return {{argmax(logits), 1.0f}};
+  const Kept k = kept(logits, true);
+  double total = 0.0;
+  for (double x : k.w) total += x;
+  std::vector<std::pair<int32_t, float>> out(k.ids.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = {k.ids[i], static_cast<float>(k.w[i] / total)};
   return out;
 }
 
 double Sampler::uniform01() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
 int32_t Sampler::sample(std::span<const float> logits) {
+  if (logits.empty()) throw std::invalid_argument("sampler: empty logits");
   if (p_.temperature <= 0.0f) return argmax(logits);
-  const std::vector<std::pair<int32_t, float>> d = distribution(logits);
-  const double u = uniform01();
+  const Kept k = kept(logits, false);
+  double total = 0.0;
+  for (double x : k.w) total += x;
+  const double u = uniform01() * total;
   double cum = 0.0;
-  for (const auto& [id, p] : d) {
-    cum += p;
-    if (u < cum) return id;
+  for (size_t i = 0; i < k.ids.size(); ++i) {
+    cum += k.w[i];
+    if (u < cum) return k.ids[i];
   }
-  return d.back().first;  // u landed in the rounding gap above the last cumulative sum
+  return k.ids.back();   // u landed in the rounding gap above the last cumulative sum
 }
 
 }  // namespace moraine::sampling

@@ -34,6 +34,14 @@ class Sampler {
   const SamplerParams& params() const { return p_; }
 
  private:
+  struct Kept {
+    std::vector<int32_t> ids;   // the kept tokens: by probability descending when sorted, else every id in order
+    std::vector<double> w;      // their weights exp((logit - max) / temperature)
+    double z = 0.0;             // the weights' sum over what the top-p cut measures against
+    bool sorted = false;
+  };
+  // sorted_all: list every token sorted even when no cut applies (distribution()).
+  Kept kept(std::span<const float> logits, bool sorted_all) const;
   double uniform01();  // [0, 1) with 53 random bits
   SamplerParams p_;
   std::mt19937_64 rng_;

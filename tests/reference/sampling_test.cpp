@@ -130,6 +130,46 @@ TEST(Sampling, DrawFrequenciesFollowTheDistribution) {
   }
 }
 
+// A vocabulary large enough that the top-p prefix outgrows the first sorted prefixes (64, 512)
+// and the no-cut draw goes through every token in id order.
+TEST(Sampling, LargeVocabularyCutsAndDrawsMatchDefinitions) {
+  const auto l = random_logits(24, 5000);
+  for (Case c : {Case{1.0f, 0, 0.9f}, Case{0.5f, 0, 0.3f}, Case{2.0f, 0, 0.99f}, Case{1.0f, 700, 0.95f}}) {
+    Sampler s({c.temp, c.top_k, c.top_p, 1});
+    const auto d = s.distribution(l);
+    const auto e = expected(l, c.temp, c.top_k, c.top_p);
+    ASSERT_EQ(d.size(), e.size()) << "temp " << c.temp << " k " << c.top_k << " p " << c.top_p;
+    for (size_t i = 0; i < d.size(); ++i) {
+      ASSERT_TRUE(e.count(d[i].first)) << "token " << d[i].first << " should have been cut";
+      EXPECT_NEAR(d[i].second, e.at(d[i].first), 1e-6);
+      if (i > 0) {
+        EXPECT_GE(l[d[i - 1].first], l[d[i].first]) << "not sorted at " << i;
+      }
+    }
+  }
+  // No cut: draws in id order must still follow the softmax. Bucket the tokens by probability
+  // rank so each bucket's count is large.
+  Sampler s({1.0f, 0, 1.0f, 99});
+  const auto e = expected(l, 1.0f, 0, 1.0f);
+  std::vector<std::pair<double, int32_t>> by_p;
+  for (const auto& [id, p] : e) by_p.push_back({p, id});
+  std::sort(by_p.rbegin(), by_p.rend());
+  std::map<int32_t, int> bucket_of;
+  std::vector<double> bucket_p(10, 0.0);
+  for (size_t r = 0; r < by_p.size(); ++r) {
+    const int b = static_cast<int>(std::min<size_t>(9, r / 8));   // the top 72 one by one-ish, then the rest
+    bucket_of[by_p[r].second] = b;
+    bucket_p[b] += by_p[r].first;
+  }
+  const int N = 40000;
+  std::vector<int> count(10, 0);
+  for (int i = 0; i < N; ++i) ++count[bucket_of.at(s.sample(l))];
+  for (int b = 0; b < 10; ++b) {
+    const double sigma = std::sqrt(N * bucket_p[b] * (1 - bucket_p[b]));
+    EXPECT_NEAR(count[b], N * bucket_p[b], 5 * sigma + 1) << "bucket " << b << " p " << bucket_p[b];
+  }
+}
+
 TEST(Sampling, SameSeedSameSequenceOtherSeedDiffers) {
   const auto l = random_logits(23, 100);
   Sampler a({1.0f, 0, 1.0f, 77}), b({1.0f, 0, 1.0f, 77}), c({1.0f, 0, 1.0f, 78});
