@@ -48,12 +48,24 @@ struct Options {
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, step_retries = 2;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
+  std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default
 };
+
+// --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
+// VRAM of F32, which then holds experts), f32 with the CPU backend, whose reference executor
+// holds floats (its cache would be charged at 2 bytes and use 4).
+model::KvType kv_type_for(const Options& o) {
+  if (o.kv_type.empty()) return o.backend == "cuda" ? model::KvType::F16 : model::KvType::F32;
+  const model::KvType t = model::parse_kv_type(o.kv_type, "--kv-type");
+  if (t == model::KvType::F16 && o.backend != "cuda")
+    throw std::invalid_argument("--kv-type f16 needs --backend cuda (the CPU backend holds an F32 cache)");
+  return t;
+}
 
 // The placement every process of the group follows: planned once, here.
 group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   group::PlacementInput in;
-  in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx));
+  in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
   if (o.backend == "cuda") {
     in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
     in.sizes.dense_bytes -= group::cuda_host_resident_bytes(m);
@@ -401,6 +413,10 @@ int main(int argc, char** argv) {
   app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
   app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--kv-type", o.kv_type,
+                 "KV cache element type, charged to --vram and held by the gpu_worker: f16 (default with --backend "
+                 "cuda) or f32 (default, and the only one, with cpu)")
+      ->check(CLI::IsMember({"f16", "f32"}));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

@@ -86,13 +86,14 @@ std::int64_t planned_context(const model::Model& m, std::int64_t requested) {
   return ctx;
 }
 
-ModelSizes model_sizes(const model::Model& m, std::int64_t context) {
+ModelSizes model_sizes(const model::Model& m, std::int64_t context, model::KvType kv_type) {
   const model::HParams& hp = m.hp;
   ModelSizes s;
   s.n_layer = hp.n_layer;
   s.n_expert = hp.n_expert;
   s.n_expert_used = hp.n_expert_used;
   s.context = context;
+  s.kv_type = kv_type;
   std::uint64_t all = 0;
   for (const gguf::TensorInfo& t : m.file.tensors()) all += t.n_bytes;
   std::uint64_t experts = 0;
@@ -110,14 +111,12 @@ ModelSizes model_sizes(const model::Model& m, std::int64_t context) {
   s.dense_bytes = all - experts;
   const auto ctx = static_cast<std::uint64_t>(context);
   for (std::int64_t il = 0; il < hp.n_layer; ++il) {
-    std::uint64_t floats = 0;
     if (hp.is_recurrent(il)) {
-      floats = static_cast<std::uint64_t>((hp.ssm_conv_kernel - 1) * hp.ssm_conv_dim() +
-                                          hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim);
+      s.kv_bytes += static_cast<std::uint64_t>((hp.ssm_conv_kernel - 1) * hp.ssm_conv_dim() +
+                                               hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim) * sizeof(float);
     } else {
-      floats = 2 * ctx * static_cast<std::uint64_t>(hp.n_head_kv * hp.head_dim);
+      s.kv_bytes += 2 * ctx * static_cast<std::uint64_t>(hp.n_head_kv * hp.head_dim) * model::kv_type_bytes(kv_type);
     }
-    s.kv_bytes += floats * sizeof(float);
   }
   return s;
 }
@@ -218,6 +217,7 @@ PlacementPlan plan_placement(const PlacementInput& in) {
   p.ram_budget = in.ram_budget;
   p.dense_bytes = s.dense_bytes;
   p.kv_bytes = s.kv_bytes;
+  p.kv_type = s.kv_type;
   p.device_reserve_bytes = s.device_reserve_bytes;
   p.context = s.context;
   p.tiers.assign(static_cast<std::size_t>(s.n_layer * s.n_expert), Tier::kFile);
@@ -289,9 +289,9 @@ PlacementPlan plan_placement(const PlacementInput& in) {
 std::string PlacementPlan::table() const {
   std::ostringstream o;
   char line[160];
-  std::snprintf(line, sizeof line, "placement: %lld layers x %lld experts, %d cpu workers, context %lld\n",
+  std::snprintf(line, sizeof line, "placement: %lld layers x %lld experts, %d cpu workers, context %lld (%s KV)\n",
                 static_cast<long long>(n_layer), static_cast<long long>(n_expert), n_cpu_workers,
-                static_cast<long long>(context));
+                static_cast<long long>(context), model::kv_type_name(kv_type));
   o << line;
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s\n", "tier", "experts", "bytes", "budget");
   o << line;
@@ -321,6 +321,7 @@ void PlacementPlan::write(const std::string& path) const {
   j["ram_budget"] = ram_budget;
   j["dense_bytes"] = dense_bytes;
   j["kv_bytes"] = kv_bytes;
+  j["kv_type"] = model::kv_type_name(kv_type);
   j["device_reserve_bytes"] = device_reserve_bytes;
   j["context"] = context;
   // One string per layer, a letter per expert: V(RAM), R(AM), F(ILE).
@@ -360,6 +361,7 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
     p.ram_budget = j.at("ram_budget").get<std::uint64_t>();
     p.dense_bytes = j.at("dense_bytes").get<std::uint64_t>();
     p.kv_bytes = j.at("kv_bytes").get<std::uint64_t>();
+    p.kv_type = model::parse_kv_type(j.value("kv_type", std::string("f32")), "kv_type");
     p.device_reserve_bytes = j.value("device_reserve_bytes", std::uint64_t{0});
     p.context = j.at("context").get<std::int64_t>();
     if (p.n_cpu_workers < 1 || p.staging_slots < 0 || p.staging_slots > s.n_expert_used) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/model/kv_type.h"
 #include "common/model/model.h"
 #include "coordinator/census.h"   // Census: the popularity placement orders experts by
 
@@ -39,6 +40,7 @@ struct ModelSizes {
   std::int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
   std::uint64_t dense_bytes = 0;         // every tensor but the trunk layers' routed experts
   std::uint64_t kv_bytes = 0;            // KV cache + recurrent state for `context` tokens
+  model::KvType kv_type = model::KvType::F32;   // the KV cache's elements (recurrent state: floats)
   // Device memory the gpu_worker holds beside weights and KV (context, scratch:
   // coordinator/device_reserve.h); charged against a --vram budget. 0: not on a GPU.
   std::uint64_t device_reserve_bytes = 0;
@@ -46,8 +48,9 @@ struct ModelSizes {
   std::vector<std::uint64_t> expert_bytes;       // [layer] gate + up + down of one expert
   std::vector<std::uint64_t> expert_slot_bytes;  // [layer] the same with each part 4 KiB aligned
 };
-// KV and state are counted as float32, what the backends hold today.
-ModelSizes model_sizes(const model::Model& m, std::int64_t context);
+// The KV cache counted at kv_type's element size (an F16 cache: 2 bytes, what the CUDA backend then
+// holds), the recurrent state as float32.
+ModelSizes model_sizes(const model::Model& m, std::int64_t context, model::KvType kv_type = model::KvType::F32);
 // The context the coordinator plans for: `requested` (> 0) capped by the model's
 // {arch}.context_length when it has one; 0 asks for min(4096, context_length).
 std::int64_t planned_context(const model::Model& m, std::int64_t requested);
@@ -77,6 +80,8 @@ struct PlacementPlan {
   std::uint64_t vram_budget = kUnlimitedBytes, ram_budget = kUnlimitedBytes;
   std::uint64_t dense_bytes = 0, kv_bytes = 0, device_reserve_bytes = 0;
   std::int64_t context = 0;
+  // The KV cache's element type kv_bytes was charged for: the gpu_worker allocates its cache so.
+  model::KvType kv_type = model::KvType::F32;
   TierTotals vram, ram, file;
 
   Tier at(std::int64_t layer, std::int64_t expert) const {

@@ -49,6 +49,7 @@ struct Options {
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
   std::string backend = "cpu";
+  std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
   double ready_timeout_s = 120;
 };
 
@@ -160,6 +161,10 @@ int start(const Options& o) {
     coord.argv.push_back(o.census);
   }
   if (o.no_census) coord.argv.push_back("--no-census");
+  if (!o.kv_type.empty()) {
+    coord.argv.push_back("--kv-type");
+    coord.argv.push_back(o.kv_type);
+  }
   coord.argv.push_back("--vram-adapt-every");
   coord.argv.push_back(std::to_string(o.vram_adapt_every));
   Child gpu{group::kGpuWorkerInstance,
@@ -334,6 +339,10 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
   st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  st->add_option("--kv-type", o.kv_type,
+                 "KV cache element type: f16 (default with --backend cuda, as llama.cpp's) or f32 (default, and the "
+                 "only one, with cpu); the coordinator charges it to --vram, the gpu_worker holds it")
+      ->check(CLI::IsMember({"f16", "f32"}));
   st->add_option("--device", o.device, "GPU index for --backend cuda");
   st->add_option("--gpu-threads", o.gpu_threads, "CPU backend threads of the gpu_worker (0 = all)");
   st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/model/kv_type.h"
 #include "common/model/model.h"
 #include "coordinator/group_layout.h"
 
@@ -25,6 +26,9 @@ struct BackendOptions {
   int device = 0;              // GPU index (cuda)
   int max_tokens = 1;          // rows of one step
   int64_t max_context = 0;     // positions the KV cache holds; 0: kDefaultContext
+  // The KV cache's element type (CUDA; the CPU backend holds F32): the gpu_worker takes it from
+  // the placement (coordinator --kv-type), which charged its bytes against --vram.
+  model::KvType kv_type = model::KvType::F32;
   int threads = 0;             // CPU backend threads (0: all)
   // The routed experts this device computes: every expert when all_experts, else per layer the
   // ascending ids in device_experts[layer] (the placement's VRAM tier).

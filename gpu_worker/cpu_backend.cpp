@@ -22,6 +22,9 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens) {
+    if (o.kv_type != model::KvType::F32)   // the coordinator refuses --kv-type f16 with --backend cpu
+      throw std::invalid_argument(std::string("CPU backend: a ") + model::kv_type_name(o.kv_type) +
+                                  " KV cache was asked for; it holds an F32 cache");
     const int64_t T = o.max_tokens, d = m.hp.n_embd, k = m.hp.n_expert_used;
     router_.reserve(m.hp, T);
     if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(T, m.hp.n_ff_shexp);

@@ -66,7 +66,9 @@ struct DevLayer {
   int64_t resident = 0;
   bool fused = false;   // the routed experts go through moe_fused
   bool q_has_gate = false;
-  DeviceBuffer<float> k_cache, v_cache;  // [max_context][n_head_kv * head_dim]
+  // [max_context][n_head_kv * head_dim]: floats, or halves with an F16 cache (the other pair empty)
+  DeviceBuffer<float> k_cache, v_cache;
+  DeviceBuffer<__half> k_cache_f16, v_cache_f16;
   // Gated DeltaNet (qwen3next): projections, small weights, and the recurrent state.
   DevMatrix qkv, z, ba, ssm_out;
   DeviceBuffer<float> conv_w, ssm_a, dt_bias, ssm_norm, conv_state, ssm_state;
@@ -260,6 +262,7 @@ class CudaBackend final : public Backend {
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
   const bool handoff_zero_copy_;
   const int64_t max_context_;
+  const bool kv_f16_;   // the KV cache holds IEEE halves (BackendOptions::kv_type)
   int64_t logits_rows_ = 1;   // rows logits_ holds
   std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
   std::vector<cuda::ExpertRows> gemm_groups_;

@@ -109,33 +109,42 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   a.eps = eps;
   a.max_pos = max_context_;
   a.q_out = q_.get();
-  a.k_cache = L.k_cache.get();
-  a.v_cache = L.v_cache.get();
+  if (kv_f16_) {
+    a.k_cache_f16 = L.k_cache_f16.get();
+    a.v_cache_f16 = L.v_cache_f16.get();
+  } else {
+    a.k_cache = L.k_cache.get();
+    a.v_cache = L.v_cache.get();
+  }
   cuda::qk_norm_rope_store(a, stream_);
   const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
   const cuda::AttentionShape shape = attention_shape();
   const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
   const bool tiled = tiled_prefill_rows_ > 0 && n >= tiled_prefill_rows_;
-  if (!tiled && cuda::attention_decode_supported(shape)) {
-    // Flash decoding in passes of 16 rows: a row's bits do not depend on the pass, so decode
-    // after a prefill (below the tiled kernel's rows) equals a fresh prefill.
-    const int64_t qd = hp.n_head * hd;
-    for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
-      const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
-      cuda::attention_decode(shape, q_.get() + r0 * qd, L.k_cache.get(), L.v_cache.get(), rows, pos, r0,
-                             max_context_, gate != nullptr ? gate + r0 * row_stride : nullptr, row_stride, q_stride,
-                             attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+  // The cache's element type picks the kernels' overload (float or __half caches, same choice).
+  auto attend = [&](const auto* kc, const auto* vc) {
+    if (!tiled && cuda::attention_decode_supported(shape)) {
+      // Flash decoding in passes of 16 rows: a row's bits do not depend on the pass, so decode
+      // after a prefill (below the tiled kernel's rows) equals a fresh prefill.
+      const int64_t qd = hp.n_head * hd;
+      for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
+        const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
+        cuda::attention_decode(shape, q_.get() + r0 * qd, kc, vc, rows, pos, r0, max_context_,
+                               gate != nullptr ? gate + r0 * row_stride : nullptr, row_stride, q_stride,
+                               attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+      }
+    } else if (n <= kDecodeRows) {
+      cuda::attention_at(shape, q_.get(), kc, vc, n, pos, max_context_, gate, row_stride, q_stride, attn_.get(),
+                         attn_scratch_.get(), scratch, stream_);
+    } else if (!tiled) {
+      cuda::attention(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
+                      attn_scratch_.get(), scratch, stream_);
+    } else {
+      cuda::attention_prefill(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(), stream_);
     }
-  } else if (n <= kDecodeRows) {
-    cuda::attention_at(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, pos, max_context_, gate, row_stride,
-                       q_stride, attn_.get(), attn_scratch_.get(), scratch, stream_);
-  } else if (tiled_prefill_rows_ <= 0 || n < tiled_prefill_rows_) {
-    cuda::attention(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
-                    attn_.get(), attn_scratch_.get(), scratch, stream_);
-  } else {
-    cuda::attention_prefill(shape, q_.get(), L.k_cache.get(), L.v_cache.get(), n, n_past_, gate, row_stride, q_stride,
-                            attn_.get(), stream_);
-  }
+  };
+  if (kv_f16_) attend(L.k_cache_f16.get(), L.v_cache_f16.get());
+  else attend(L.k_cache.get(), L.v_cache.get());
   matmul_into_residual(L.o, attn_.get(), n);
 }
 

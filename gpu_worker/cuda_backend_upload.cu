@@ -146,7 +146,8 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
 CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
       gemm_prefill_rows_(o.gemm_prefill_rows), handoff_zero_copy_(o.handoff_zero_copy),
-      max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)) {
+      max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
+      kv_f16_(o.kv_type == model::KvType::F16) {
   const model::HParams& hp = m.hp;
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
@@ -223,8 +224,14 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     D.o = upload_matrix(weights_arena_, L.attn.o);
     D.q_has_gate = L.attn.q_has_gate;
     q_rows = std::max(q_rows, L.attn.q.n_rows + 2 * kv_dim);   // the stacked q | k | v output
-    D.k_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim), weights_arena_);
-    D.v_cache = DeviceBuffer<float>(static_cast<size_t>(max_context_ * kv_dim), weights_arena_);
+    const size_t cache_elems = static_cast<size_t>(max_context_ * kv_dim);
+    if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
+      D.k_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
+      D.v_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
+    } else {
+      D.k_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
+      D.v_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
+    }
   }
   slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size(), weights_arena_);
   slot_table_.upload(table.data(), table.size());

@@ -57,10 +57,12 @@ class StepRunner {
         routed_wait_stage_(routed_wait_stage) {
     if (exchange_.data_bytes() < xl_.layout.total_bytes()) throw std::runtime_error("exchange segment is smaller than this model's layout");
     for (int64_t il = 0; il < m.hp.n_layer; ++il) vram_experts_.push_back(placement_.experts_in(il, group::Tier::kVram));
-    std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts\n";
+    std::cerr << "gpu_worker: " << placement_.vram.experts << " VRAM-tier experts, "
+              << model::kv_type_name(placement_.kv_type) << " KV cache\n";
     gpu_worker::BackendOptions o = base;
     o.max_tokens = man.max_tokens;
     o.max_context = std::max<int64_t>(placement_.context, man.max_tokens);
+    o.kv_type = placement_.kv_type;   // what the placement charged to --vram
     o.all_experts = placement_.vram.experts == m.hp.n_layer * m.hp.n_expert;
     if (!o.all_experts) o.device_experts = vram_experts_;
     backend_ = gpu_worker::make_backend(backend_kind, m, o);

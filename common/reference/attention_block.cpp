@@ -2,8 +2,10 @@
 // the first n_rot dims; qwen3next's variant also carries a per-head output gate in the q
 // projection ([query | gate] per head) and multiplies the attention output by sigmoid(gate).
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "common/reference/executor.h"
 #include "common/reference/matmul.h"
 #include "common/reference/ops.h"
@@ -40,6 +42,22 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
       float* kh = k.data() + t * kv_dim + hh * hd;
       rms_norm(kh, A.k_norm.data(), hd, eps, kh);
       rope_neox(kh, hp.n_rot, pos, hp.rope_freq_base);
+    }
+  }
+  if (kv_type_ == model::KvType::F16) {   // the cache holds halves: attention reads their floats
+    for (float& e : k) e = half::fp16_to_fp32(half::fp32_to_fp16(e));
+    for (float& e : v) e = half::fp16_to_fp32(half::fp32_to_fp16(e));
+  }
+  if (kv_perturb_seed_ != 0) {   // ExecutorOptions::kv_perturb_seed: a sign per (layer, position, element)
+    for (int64_t i = 0; i < n * kv_dim; ++i) {
+      const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((n_past_ + i / kv_dim) * kv_dim + i % kv_dim);
+      for (int w = 0; w < 2; ++w) {
+        uint64_t z = kv_perturb_seed_ * 0x9e3779b97f4a7c15ull + at * 2 + static_cast<uint64_t>(w);   // splitmix64
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        (w == 0 ? k : v)[i] *= (z & 1) != 0 ? 1.0f + 0x1p-11f : 1.0f - 0x1p-11f;
+      }
     }
   }
   S.k_cache.insert(S.k_cache.end(), k.begin(), k.end());

@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "common/model/kv_type.h"
 #include "common/model/model.h"
 #include "common/reference/matmul.h"
 #include "common/reference/thread_pool.h"
@@ -20,6 +21,14 @@ struct ExecutorOptions {
   // Every matmul's dot order (matmul.h): 0, the default, is the kernels' own; another seed gives
   // another valid float order, to measure how far that alone moves the logits.
   DotOrderSeed dot_order = 0;
+  // The KV cache's element type (common/model/kv_type.h): with F16 every K and V element is
+  // rounded to IEEE half when stored, as the CUDA backend's F16 cache holds it.
+  model::KvType kv_type = model::KvType::F32;
+  // Tests: non-zero, every stored K and V element is multiplied by 1 + 2^-11 or 1 - 2^-11 (a sign
+  // drawn from (seed, layer, position, element)): at each element at least as large a change as
+  // the F16 rounding makes (at most 2^-11 relative for normal halves), to measure how far such a
+  // change of the cache moves the logits (tests/reference/kv_f16_test.cpp).
+  uint64_t kv_perturb_seed = 0;
 };
 
 class ReferenceExecutor {
@@ -44,6 +53,7 @@ class ReferenceExecutor {
   void output_logits(const float* x, int64_t rows, float* h, float* logits);
   ThreadPool& pool() { return pool_; }
   DotOrderSeed dot_order() const { return order_; }
+  model::KvType kv_type() const { return kv_type_; }
 
   void reset();  // forget every cached token
   int64_t n_past() const { return n_past_; }
@@ -53,7 +63,8 @@ class ReferenceExecutor {
 
  private:
   struct LayerState {
-    std::vector<float> k_cache, v_cache;  // [n_past][n_head_kv * head_dim], post-norm, post-RoPE
+    // [n_past][n_head_kv * head_dim], post-norm, post-RoPE; half values when kv_type is F16
+    std::vector<float> k_cache, v_cache;
     std::vector<float> conv_state;        // [conv_kernel - 1][conv_dim], oldest first
     std::vector<float> ssm_state;         // [n_v_heads][head_k_dim][head_v_dim]
   };
@@ -66,6 +77,8 @@ class ReferenceExecutor {
   const model::Model& m_;
   ThreadPool pool_;
   DotOrderSeed order_;
+  model::KvType kv_type_;
+  uint64_t kv_perturb_seed_;
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
 };

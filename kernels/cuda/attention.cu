@@ -1,5 +1,7 @@
 #include "kernels/cuda/attention.h"
 
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -26,6 +28,10 @@ struct PastSource {
   const int32_t* dev = nullptr;
   int64_t max_ctx = 0;
 };
+
+// A cache element as float: exact for a half.
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
 
 // Live n_past, or -1 when the device value is outside 0 .. max_ctx - n.
 __device__ __forceinline__ int64_t live_n_past(const PastSource& src, int64_t n) {
@@ -105,10 +111,13 @@ __global__ void __launch_bounds__(kThreads)
 // follow attention_chunk_kernel's exact order: the dot as lane-strided fma chains plus the same
 // xor tree; the max (order-free); the sum as 128 per-thread partials (positions tid, tid + 128),
 // each warp's xor tree, then warps 0..3 added in order; the output as one fma chain over the
-// chunk's positions in order. The records land where attention_chunk_kernel puts them.
+// chunk's positions in order. The records land where attention_chunk_kernel puts them. KV: the
+// cache element (float or __half), widened exactly on load, so a half cache gives the float
+// cache's bits for the same values.
+template <class KV>
 __global__ void __launch_bounds__(kThreads)
-    attention_chunk_shared_kernel(const float* __restrict__ q, const float* __restrict__ kc,
-                                  const float* __restrict__ vc, int64_t n_head, int64_t group, int64_t hd,
+    attention_chunk_shared_kernel(const float* __restrict__ q, const KV* __restrict__ kc,
+                                  const KV* __restrict__ vc, int64_t n_head, int64_t group, int64_t hd,
                                   int64_t kv_stride, float scale, PastSource past, int64_t n_rows, int64_t per_cta,
                                   int64_t slices, int64_t max_chunks, float* __restrict__ part) {
   extern __shared__ float smem[];
@@ -138,15 +147,15 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kMaxPerLane = static_cast<int>(kAttentionMaxHeadDim / 32);
   float kr[kMaxPerLane] = {}, kn[kMaxPerLane] = {};
   if (warp < cmax) {
-    const float* kj = kc + (j0 + warp) * kv_stride + g * hd;
+    const KV* kj = kc + (j0 + warp) * kv_stride + g * hd;
 #pragma unroll
-    for (int e = 0; e < kMaxPerLane; ++e) kr[e] = lane + 32 * e < hd ? kj[lane + 32 * e] : 0.0f;
+    for (int e = 0; e < kMaxPerLane; ++e) kr[e] = lane + 32 * e < hd ? widen(kj[lane + 32 * e]) : 0.0f;
   }
   for (int64_t j = warp; j < cmax; j += kWarps) {
     if (j + kWarps < cmax) {
-      const float* kj = kc + (j0 + j + kWarps) * kv_stride + g * hd;
+      const KV* kj = kc + (j0 + j + kWarps) * kv_stride + g * hd;
 #pragma unroll
-      for (int e = 0; e < kMaxPerLane; ++e) kn[e] = lane + 32 * e < hd ? kj[lane + 32 * e] : 0.0f;
+      for (int e = 0; e < kMaxPerLane; ++e) kn[e] = lane + 32 * e < hd ? widen(kj[lane + 32 * e]) : 0.0f;
     }
     for (int64_t ib = 0; ib < nq; ib += kQueryBlock) {
       const int64_t last = min(ib + kQueryBlock, nq) - 1;
@@ -226,12 +235,12 @@ __global__ void __launch_bounds__(kThreads)
       o[i] = 0.0f;
       c[i] = i < bn ? cnt[b0 + i] : 0;
     }
-    const float* vd = vc + j0 * kv_stride + g * hd + d;
+    const KV* vd = vc + j0 * kv_stride + g * hd + d;
     const float* sb = sc + b0 * kAttentionChunk;
     // Unrolled so that many V loads are in flight: the fma chains must stay sequential in j.
 #pragma unroll 16
     for (int64_t j = 0; j < jn; ++j) {
-      const float v = vd[j * kv_stride];
+      const float v = widen(vd[j * kv_stride]);
 #pragma unroll
       for (int i = 0; i < kQueryBlock; ++i)
         if (j < c[i]) o[i] = fmaf(sb[i * kAttentionChunk + j], v, o[i]);
@@ -300,7 +309,8 @@ int64_t queries_per_cta(const AttentionShape& s, int64_t queries, int64_t chunks
   return per;
 }
 
-void launch_shared(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t rows,
+template <class KV>
+void launch_shared(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t rows,
                    const PastSource& past, int64_t live_chunks, int64_t max_chunks, float* scratch,
                    cudaStream_t stream) {
   const int64_t group = s.n_head / s.n_head_kv, queries = rows * group;
@@ -317,8 +327,9 @@ void launch_shared(const AttentionShape& s, const float* q, const float* k_cache
   CUDA_CHECK(cudaGetLastError());
 }
 
-// `attention` and `attention_unshared`: rows in passes through the scratch.
-void attention_host(bool shared, const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache,
+// `attention` and `attention_unshared` (float caches only): rows in passes through the scratch.
+template <class KV>
+void attention_host(bool shared, const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache,
                     int64_t n, int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
                     float* out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
   const char* what = shared ? "attention" : "attention_unshared";
@@ -342,12 +353,14 @@ void attention_host(bool shared, const AttentionShape& s, const float* q, const 
     past.host = n_past + t0;
     if (shared) {
       launch_shared(s, q + t0 * qd, k_cache, v_cache, m, past, max_chunks, max_chunks, scratch, stream);
-    } else {
+    } else if constexpr (sizeof(KV) == sizeof(float)) {
       const dim3 grid(static_cast<unsigned>(m * s.n_head), static_cast<unsigned>(max_chunks));
       attention_chunk_kernel<<<grid, kThreads, smem, stream>>>(q + t0 * qd, k_cache, v_cache, s.n_head,
                                                                s.n_head / s.n_head_kv, s.head_dim, s.kv_stride,
                                                                s.scale, n_past + t0, max_chunks, scratch);
       CUDA_CHECK(cudaGetLastError());
+    } else {
+      throw std::invalid_argument("attention_unshared: float caches only");
     }
     attention_merge_kernel<<<static_cast<unsigned>(m * s.n_head), 128, 0, stream>>>(
         scratch, s.n_head, s.head_dim, past, m, max_chunks, gate != nullptr ? gate + t0 * gate_row_stride : nullptr,
@@ -382,9 +395,13 @@ void attention_unshared(const AttentionShape& s, const float* q, const float* k_
                  scratch_floats, stream);
 }
 
-void attention_at(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
-                  const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
-                  int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+namespace {
+
+template <class KV>
+void attention_at_impl(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t n,
+                       const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
+                       int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats,
+                       cudaStream_t stream) {
   const std::string where = describe(s, n, "max_ctx=" + std::to_string(max_ctx));
   check_shape("attention_at", s, n, where);
   if (n > kAttentionAtMaxRows || max_ctx < n || n_past_dev == nullptr)
@@ -403,6 +420,29 @@ void attention_at(const AttentionShape& s, const float* q, const float* k_cache,
   attention_merge_kernel<<<static_cast<unsigned>(n * s.n_head), 128, 0, stream>>>(
       scratch, s.n_head, s.head_dim, past, n, max_chunks, gate, gate_row_stride, gate_head_stride, out);
   CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void attention_at(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                  const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
+                  int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  attention_at_impl(s, q, k_cache, v_cache, n, n_past_dev, max_ctx, gate, gate_row_stride, gate_head_stride, out,
+                    scratch, scratch_floats, stream);
+}
+
+void attention_at(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
+                  const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
+                  int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  attention_at_impl(s, q, k_cache, v_cache, n, n_past_dev, max_ctx, gate, gate_row_stride, gate_head_stride, out,
+                    scratch, scratch_floats, stream);
+}
+
+void attention(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
+               int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
+               float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  attention_host(true, s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, scratch,
+                 scratch_floats, stream);
 }
 
 }  // namespace moraine::cuda

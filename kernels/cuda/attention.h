@@ -30,6 +30,7 @@
 // per-chunk records of every row at once would take n * n_head * chunks * (head_dim + 2) floats,
 // over a GB for 512 rows at 32K context.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,6 +65,17 @@ void attention(const AttentionShape& s, const float* q, const float* k_cache, co
 constexpr int64_t kAttentionAtMaxRows = 16;
 int64_t attention_at_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx);
 void attention_at(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                  const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
+                  int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats,
+                  cudaStream_t stream = nullptr);
+
+// `attention` and `attention_at` over caches of IEEE halves (the CUDA backend's F16 KV cache):
+// each element is widened exactly to float where the float kernels load it, so the output is bit
+// for bit theirs on float caches holding the same (half-rounded) values.
+void attention(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
+               int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
+               float* scratch, int64_t scratch_floats, cudaStream_t stream = nullptr);
+void attention_at(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
                   const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
                   int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats,
                   cudaStream_t stream = nullptr);

@@ -1,5 +1,7 @@
 #include "kernels/cuda/attention_decode.h"
 
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -31,7 +33,7 @@ __device__ __forceinline__ int64_t first_position(const int32_t* pos_dev, int64_
   return p < 0 || p + row_offset + n > max_ctx ? -1 : p + row_offset;
 }
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
@@ -43,10 +45,13 @@ __device__ __forceinline__ void cp_async_wait() {
 // The merge keeps split c's max and sum in lane c % 32, register c / 32.
 constexpr int kSplitsPerLane = static_cast<int>((kDecodeMaxSplits + 31) / 32);
 
+// KV is the cache element type (float or __half); the scores and sums are float either way (a
+// half element becomes its exact float on the load from shared memory).
+template <class KV>
 struct DecodeArgs {
   const float* q;
-  const float* k;
-  const float* v;
+  const KV* k;
+  const KV* v;
   const int32_t* pos;
   int64_t row_offset, max_ctx, kv_stride;
   int n, n_head, group, slots;
@@ -81,18 +86,57 @@ struct LaneDims {
       }
     }
   }
+  // The same floats from a row of halves in shared memory (kVec halves per group: 8 or 4 bytes).
+  __device__ static void load(const __half* row, int lane, float* x) {
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      const __half* p = row + (j * 32 + lane) * kVec;
+      if constexpr (kVec == 4) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+        x[j * 4] = a.x, x[j * 4 + 1] = a.y, x[j * 4 + 2] = b.x, x[j * 4 + 3] = b.y;
+      } else {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(p));
+        x[j * 2] = a.x, x[j * 2 + 1] = a.y;
+      }
+    }
+  }
   __device__ static int dim(int i, int lane) { return ((i / kVec) * 32 + lane) * kVec + i % kVec; }
 };
 
-__device__ void write_nan_head(const DecodeArgs& a, int r, int h, int hd, int lane) {
+// The cache element's layout in the shared-memory ring. K rows are padded by 16 bytes (4 floats,
+// 8 halves): lane p's 16-byte reads of row p then fall in distinct banks, and every row start
+// stays 16-byte aligned for cp.async. A 16-byte copy moves kPerCopy elements.
+template <class KV>
+struct KvSmem {
+  static constexpr int kPad = 16 / static_cast<int>(sizeof(KV));
+  static constexpr int kPerCopy = 16 / static_cast<int>(sizeof(KV));
+};
+
+// Four consecutive K elements of a row in shared memory as floats, for the i-th group of four
+// of the score's dot product: a float4 read, or (halves) one 16-byte read for groups 2m and 2m + 1.
+__device__ __forceinline__ float4 k_quad(const float* row, int i) { return reinterpret_cast<const float4*>(row)[i]; }
+__device__ __forceinline__ void k_octet(const __half* row, int m, float4& lo, float4& hi) {
+  const uint4 u = reinterpret_cast<const uint4*>(row)[m];
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  const float2 c = __half22float2(*reinterpret_cast<const __half2*>(&u.z));
+  const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&u.w));
+  lo = make_float4(a.x, a.y, b.x, b.y);
+  hi = make_float4(c.x, c.y, d.x, d.y);
+}
+
+template <class KV>
+__device__ void write_nan_head(const DecodeArgs<KV>& a, int r, int h, int hd, int lane) {
   float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
   for (int d = lane; d < hd; d += 32) o[d] = __int_as_float(0x7fc00000);
 }
 
 // Combines the S split records of (row r, head h) in split order (one warp). Records:
 // [out[hd], max, sum, pad, pad] at part + ((r * n_head + h) * slots + split) * (hd + 4).
-template <int DPL>
-__device__ void merge_head(const DecodeArgs& a, int r, int h, int64_t S, int lane) {
+template <int DPL, class KV>
+__device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int lane) {
   constexpr int hd = DPL * 32, kRec = hd + 4, kPerLane = kSplitsPerLane;
   const float* base = a.part + (static_cast<int64_t>(r) * a.n_head + h) * a.slots * kRec;
   float mc[kPerLane], lc[kPerLane], fc[kPerLane];
@@ -148,18 +192,22 @@ __device__ void merge_head(const DecodeArgs& a, int r, int h, int64_t S, int lan
 // positions run side by side (the second row finds the K/V tiles in L2). Warp w serves query heads
 // w * HPW .. w * HPW + HPW - 1 of the kv head's group (HPW = 2: each K and V float read from
 // shared memory serves two heads; extra warps, up to 4, only load). Tiles of 32 positions go
-// through a kStages-deep cp.async ring in shared memory (K rows padded by 4 floats: lane p's
-// float4 reads of row p are conflict-free), one __syncthreads per tile; lane p scores position p
+// through a kStages-deep cp.async ring in shared memory (K rows padded by 16 bytes: lane p's
+// 16-byte reads of row p are conflict-free), one __syncthreads per tile; lane p scores position p
 // (4 interleaved fma chains over head_dim), the warp keeps an online softmax per head and
-// accumulates its lane's output floats, then writes the split's record.
-template <int DPL, int HPW>
-__global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(const DecodeArgs a) {
+// accumulates its lane's output floats, then writes the split's record. A half cache goes through
+// the same ring as halves (half the bytes) and is widened on the shared-memory reads; the float
+// arithmetic and its order are those of the float cache, so a half cache gives the float cache's
+// bits for the same (half-representable) values.
+template <int DPL, int HPW, class KV>
+__global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(const DecodeArgs<KV> a) {
   constexpr int STAGES = kStages;
-  constexpr int hd = DPL * 32, kRowK = hd + 4, kRec = hd + 4;
-  constexpr int kStage = kTile * kRowK + kTile * hd;
+  constexpr int hd = DPL * 32, kRowK = hd + KvSmem<KV>::kPad, kRec = hd + 4;
+  constexpr int kStage = kTile * kRowK + kTile * hd;   // elements of KV
+  constexpr int kCopies = hd / KvSmem<KV>::kPerCopy;   // 16-byte copies per row
   extern __shared__ float4 smem_f4[];
-  float* qs = reinterpret_cast<float*>(smem_f4);   // [group][hd]
-  float* ring = qs + a.group * hd;                 // STAGES x ([kTile][kRowK] K, [kTile][hd] V)
+  float* qs = reinterpret_cast<float*>(smem_f4);             // [group][hd]
+  KV* ring = reinterpret_cast<KV*>(qs + a.group * hd);       // STAGES x ([kTile][kRowK] K, [kTile][hd] V)
   const int r = blockIdx.x, slot = blockIdx.y, kvh = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int compute_warps = a.group / HPW;
@@ -178,14 +226,14 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
   }
   const int64_t tb = slot * tiles / S, te = (slot + 1) * tiles / S;
   auto issue = [&](int64_t t, int buf) {
-    float* ks = ring + buf * kStage;
-    float* vs = ks + kTile * kRowK;
+    KV* ks = ring + buf * kStage;
+    KV* vs = ks + kTile * kRowK;
     const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
-    for (int i = threadIdx.x; i < live * (hd / 4); i += blockDim.x) {
-      const int p = i / (hd / 4), d4 = i % (hd / 4);
-      const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + d4 * 4;
-      cp_async16(ks + p * kRowK + d4 * 4, a.k + src);
-      cp_async16(vs + p * hd + d4 * 4, a.v + src);
+    for (int i = threadIdx.x; i < live * kCopies; i += blockDim.x) {
+      const int p = i / kCopies, e = (i % kCopies) * KvSmem<KV>::kPerCopy;
+      const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
+      cp_async16(ks + p * kRowK + e, a.k + src);
+      cp_async16(vs + p * hd + e, a.v + src);
     }
   };
 #pragma unroll
@@ -208,20 +256,19 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     if (t + STAGES - 1 < te) issue(t + STAGES - 1, (k + STAGES - 1) % STAGES);
     cp_async_commit();
     if (warp >= compute_warps) continue;
-    const float* ks = ring + (k % STAGES) * kStage;
-    const float* vs = ks + kTile * kRowK;
+    const KV* ks = ring + (k % STAGES) * kStage;
+    const KV* vs = ks + kTile * kRowK;
     const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
     float sc[HPW];
 #pragma unroll
     for (int j = 0; j < HPW; ++j) sc[j] = -INFINITY;
     if (lane < live) {
-      const float4* kr = reinterpret_cast<const float4*>(ks + lane * kRowK);
+      const KV* kr = ks + lane * kRowK;
       float d[HPW][4];
 #pragma unroll
       for (int j = 0; j < HPW; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < hd / 4; ++i) {
-        const float4 y = kr[i];
+      // Group i of four dims: the four chains take q's and K's dims 4i .. 4i + 3.
+      auto step = [&](int i, const float4 y) {
 #pragma unroll
         for (int j = 0; j < HPW; ++j) {
           const float4 x = reinterpret_cast<const float4*>(qs + (warp * HPW + j) * hd)[i];
@@ -229,6 +276,18 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
           d[j][1] = fmaf(x.y, y.y, d[j][1]);
           d[j][2] = fmaf(x.z, y.z, d[j][2]);
           d[j][3] = fmaf(x.w, y.w, d[j][3]);
+        }
+      };
+      if constexpr (sizeof(KV) == 4) {
+#pragma unroll
+        for (int i = 0; i < hd / 4; ++i) step(i, k_quad(kr, i));
+      } else {
+#pragma unroll
+        for (int m8 = 0; m8 < hd / 8; ++m8) {
+          float4 lo, hi;
+          k_octet(kr, m8, lo, hi);
+          step(2 * m8, lo);
+          step(2 * m8 + 1, hi);
         }
       }
 #pragma unroll
@@ -247,7 +306,11 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     }
 #pragma unroll 4
     for (int p = 0; p < live; ++p) {
-      LaneDims<DPL>::load(vs + p * hd, lane, vx, false);
+      if constexpr (sizeof(KV) == 4) {
+        LaneDims<DPL>::load(vs + p * hd, lane, vx, false);
+      } else {
+        LaneDims<DPL>::load(vs + p * hd, lane, vx);
+      }
 #pragma unroll
       for (int j = 0; j < HPW; ++j) {
         const float wp = __shfl_sync(kFull, w[j], p);
@@ -271,8 +334,8 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
 }
 
 // One warp per (row, head): the merges of a step spread over n * n_head CTAs.
-template <int DPL>
-__global__ void decode_merge_kernel(const DecodeArgs a) {
+template <int DPL, class KV>
+__global__ void decode_merge_kernel(const DecodeArgs<KV> a) {
   const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   wait_for_prior_grids();
   allow_dependent_grids();
@@ -284,21 +347,23 @@ __global__ void decode_merge_kernel(const DecodeArgs a) {
   merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1), lane);
 }
 
+template <class KV>
 size_t split_smem_bytes(int hd, int group) {
-  return static_cast<size_t>(group * hd + kStages * (kTile * (hd + 4) + kTile * hd)) * sizeof(float);
+  return static_cast<size_t>(group * hd) * sizeof(float) +
+         static_cast<size_t>(kStages * (kTile * (hd + KvSmem<KV>::kPad) + kTile * hd)) * sizeof(KV);
 }
 
 // Above 48 KB of shared memory a kernel needs an opt-in (per device): given once, for the largest
 // group (32 query heads per kv head), it serves every shape.
-template <int DPL, int HPW>
+template <int DPL, int HPW, class KV>
 void opt_in_shared_memory() {
   static std::atomic<uint64_t> devices_done{0};
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (devices_done.load(std::memory_order_relaxed) & bit) != 0) return;
-  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(split_smem_bytes(DPL * 32, 32))));
+  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(split_smem_bytes<KV>(DPL * 32, 32))));
   devices_done.fetch_or(bit);
 }
 
@@ -306,19 +371,19 @@ void opt_in_shared_memory() {
 // merge kernel launch at once (its CTAs wait in wait_for_prior_grids for the split kernel's
 // completion and memory), and waits itself for whatever ran before it before reading q, K/V or
 // the position.
-template <int DPL, int HPW>
-void launch_split(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
-  const size_t smem = split_smem_bytes(DPL * 32, a.group);
-  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW>();
+template <int DPL, int HPW, class KV>
+void launch_split(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
+  const size_t smem = split_smem_bytes<KV>(DPL * 32, a.group);
+  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW, KV>();
   const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(a.slots), static_cast<unsigned>(n_kv));
-  launch_kernel(decode_split_kernel<DPL, HPW>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
+  launch_kernel(decode_split_kernel<DPL, HPW, KV>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
 }
 
-template <int DPL>
-void launch(const DecodeArgs& a, int n_kv, cudaStream_t stream) {
-  if (a.group % 2 == 0) launch_split<DPL, 2>(a, n_kv, stream);
-  else launch_split<DPL, 1>(a, n_kv, stream);
-  launch_kernel(decode_merge_kernel<DPL>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
+template <int DPL, class KV>
+void launch(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
+  if (a.group % 2 == 0) launch_split<DPL, 2, KV>(a, n_kv, stream);
+  else launch_split<DPL, 1, KV>(a, n_kv, stream);
+  launch_kernel(decode_merge_kernel<DPL, KV>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
                 stream, a);
 }
 
@@ -336,10 +401,13 @@ int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int6
   return n * s.n_head * split_slots(max_ctx) * (s.head_dim + 4);
 }
 
-void attention_decode(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
-                      const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
-                      int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
-                      int64_t scratch_floats, cudaStream_t stream) {
+namespace {
+
+template <class KV>
+void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t n,
+                           const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
+                           int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
+                           int64_t scratch_floats, cudaStream_t stream) {
   if (!attention_decode_supported(s))
     throw std::invalid_argument("attention_decode: head_dim " + std::to_string(s.head_dim) + ", " +
                                 std::to_string(s.n_head) + " / " + std::to_string(s.n_head_kv) +
@@ -354,7 +422,10 @@ void attention_decode(const AttentionShape& s, const float* q, const float* k_ca
   auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
   if (misaligned(q) || misaligned(k_cache) || misaligned(v_cache) || misaligned(scratch))
     throw std::invalid_argument("attention_decode: q, k_cache, v_cache and scratch need 16-byte alignment (float4 loads)");
-  DecodeArgs a{};
+  if (s.kv_stride % KvSmem<KV>::kPerCopy != 0)   // a cached row must start on 16 bytes (cp.async)
+    throw std::invalid_argument("attention_decode: kv_stride " + std::to_string(s.kv_stride) + " is not a multiple of " +
+                                std::to_string(KvSmem<KV>::kPerCopy) + " cache elements");
+  DecodeArgs<KV> a{};
   a.q = q;
   a.k = k_cache;
   a.v = v_cache;
@@ -374,10 +445,28 @@ void attention_decode(const AttentionShape& s, const float* q, const float* k_ca
   a.out = out;
   const int n_kv = static_cast<int>(s.n_head_kv);
   switch (s.head_dim) {
-    case 64: launch<2>(a, n_kv, stream); break;
-    case 128: launch<4>(a, n_kv, stream); break;
-    default: launch<8>(a, n_kv, stream); break;
+    case 64: launch<2, KV>(a, n_kv, stream); break;
+    case 128: launch<4, KV>(a, n_kv, stream); break;
+    default: launch<8, KV>(a, n_kv, stream); break;
   }
+}
+
+}  // namespace
+
+void attention_decode(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                      const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
+                      int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
+                      int64_t scratch_floats, cudaStream_t stream) {
+  attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
+                        gate_head_stride, out, scratch, scratch_floats, stream);
+}
+
+void attention_decode(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
+                      const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
+                      int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
+                      int64_t scratch_floats, cudaStream_t stream) {
+  attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
+                        gate_head_stride, out, scratch, scratch_floats, stream);
 }
 
 }  // namespace moraine::cuda

@@ -42,6 +42,7 @@
 // on (shape, n, max_ctx): a captured graph serves every position. A device position outside
 // 0 .. max_ctx - row_offset - n gives NaN rows (nothing can be thrown inside a graph).
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -68,6 +69,14 @@ int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int6
 // Throws std::invalid_argument naming the problem (unsupported shape, n outside
 // 1..kAttentionDecodeMaxRows, too small scratch, q / K / V / scratch not 16-byte aligned).
 void attention_decode(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                      const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
+                      int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
+                      int64_t scratch_floats, cudaStream_t stream = nullptr);
+
+// The same over a cache of IEEE halves (kv_stride a multiple of 8): K and V are staged as halves
+// (half the bytes of a float cache) and widened exactly to float in shared memory, so the output
+// is bit for bit the float kernel's on a float cache holding the same (half-rounded) values.
+void attention_decode(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
                       const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
                       int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
                       int64_t scratch_floats, cudaStream_t stream = nullptr);

@@ -1,5 +1,7 @@
 #include "kernels/cuda/attention_prefill.h"
 
+#include <cuda_fp16.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +12,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+
+// A cache element as float: exact for a half.
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
 
 // Tile sizes for head dims up to HDM (128, 256 or 512): the query tile holds 8192 floats and the
 // K and V tiles 4096 each (8192 at 512, where 8 positions would idle half the score threads),
@@ -32,10 +38,11 @@ struct Tile {
 // One CTA per (tile of kQueries queries of kv head g, g). Queries of kv head g are numbered
 // qq = t * group + (h - g * group), so a tile shares each K/V tile between the GQA group's heads
 // and between rows. Online softmax per query: running max m and sum l, output rescaled by
-// exp(m_old - m_new) whenever a KV tile raises the max.
-template <int HDM>
+// exp(m_old - m_new) whenever a KV tile raises the max. KV: the cache element (float or __half),
+// widened to float when staged, so a half cache gives the float cache's bits for the same values.
+template <int HDM, class KV>
 __global__ void __launch_bounds__(kThreads)
-    attention_prefill_kernel(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+    attention_prefill_kernel(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                              int64_t n_head, int64_t group, int64_t hd, int64_t kv_stride, float scale, int64_t n,
                              int64_t n_past, const float* __restrict__ gate, int64_t gate_row_stride,
                              int64_t gate_head_stride, float* __restrict__ out) {
@@ -84,8 +91,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t j = kb + r;
       const bool in = j < n_kv && d < hd;  // never read past the filled cache; zeros stay finite
       const int64_t off = j * kv_stride + g * hd + d;
-      ks[r * T::kKStride + d] = in ? kc[off] : 0.0f;
-      vs[r * HDM + d] = in ? vc[off] : 0.0f;
+      ks[r * T::kKStride + d] = in ? widen(kc[off]) : 0.0f;
+      vs[r * HDM + d] = in ? widen(vc[off]) : 0.0f;
     }
     __syncthreads();
 
@@ -167,8 +174,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int HDM>
-void launch(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+template <int HDM, class KV>
+void launch(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t n,
             int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
             cudaStream_t stream) {
   using T = Tile<HDM>;
@@ -179,19 +186,18 @@ void launch(const AttentionShape& s, const float* q, const float* k_cache, const
                                 std::to_string(s.n_head_kv) + " CTAs is too large");
   const int smem = static_cast<int>(T::kFloats * sizeof(float));
   // Above the default 48 KB: opt in (a host-side attribute, cheap enough per call).
-  CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<HDM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<HDM, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(s.n_head_kv));
-  attention_prefill_kernel<HDM><<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
+  attention_prefill_kernel<HDM, KV><<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
                                                                   s.kv_stride, s.scale, n, n_past, gate,
                                                                   gate_row_stride, gate_head_stride, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace
-
-void attention_prefill(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
-                       int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
-                       float* out, cudaStream_t stream) {
+template <class KV>
+void attention_prefill_impl(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t n,
+                            int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                            float* out, cudaStream_t stream) {
   if (s.n_head <= 0 || s.n_head_kv <= 0 || s.n_head % s.n_head_kv != 0 || s.head_dim <= 0 ||
       s.head_dim > kAttentionPrefillMaxHeadDim || s.kv_stride < s.n_head_kv * s.head_dim || n <= 0 || n_past < 0)
     throw std::invalid_argument("attention_prefill: bad shape (n_head=" + std::to_string(s.n_head) +
@@ -199,11 +205,25 @@ void attention_prefill(const AttentionShape& s, const float* q, const float* k_c
                                 std::to_string(s.head_dim) + ", kv_stride=" + std::to_string(s.kv_stride) +
                                 ", n=" + std::to_string(n) + ", n_past=" + std::to_string(n_past) + ")");
   if (s.head_dim <= 128)
-    launch<128>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
+    launch<128, KV>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
   else if (s.head_dim <= 256)
-    launch<256>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
+    launch<256, KV>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
   else
-    launch<512>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
+    launch<512, KV>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
+}
+
+}  // namespace
+
+void attention_prefill(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                       int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                       float* out, cudaStream_t stream) {
+  attention_prefill_impl(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
+}
+
+void attention_prefill(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
+                       int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                       float* out, cudaStream_t stream) {
+  attention_prefill_impl(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
 }
 
 }  // namespace moraine::cuda

@@ -15,6 +15,7 @@
 // [n][n_head][head_dim]. head_dim <= kAttentionPrefillMaxHeadDim. Host n_past: prefill is not
 // graph-captured.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -27,6 +28,11 @@ constexpr int64_t kAttentionPrefillMaxHeadDim = 512;
 
 // Throws std::invalid_argument naming the problem for a bad shape.
 void attention_prefill(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
+                       int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                       float* out, cudaStream_t stream = nullptr);
+// The same over a cache of IEEE halves, widened exactly when staged: the float kernel's bits for
+// a float cache holding the same values.
+void attention_prefill(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
                        int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
                        float* out, cudaStream_t stream = nullptr);
 

@@ -7,8 +7,11 @@
 // gives the same bits since every step is an explicitly rounded operation.
 #include "kernels/cuda/qk_norm_rope_store.h"
 
+#include <cuda_fp16.h>
+
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
@@ -20,6 +23,8 @@ constexpr int kWarpsPerCta = 4;
 constexpr int kPerLane = 4;  // elements per lane in flight at once: a 128-dim head in one go
 constexpr int kChunk = 32 * kPerLane;
 
+// KV: the cache element (float, or __half: each stored value rounded to nearest even).
+template <class KV>
 struct Params {
   const float* q;
   int64_t q_row_stride, q_head_stride;
@@ -35,9 +40,12 @@ struct Params {
   float eps;
   int64_t rows, max_pos;
   float* q_out;
-  float* k_cache;
-  float* v_cache;
+  KV* k_cache;
+  KV* v_cache;
 };
+
+__device__ __forceinline__ void put(float* p, float x) { *p = x; }
+__device__ __forceinline__ void put(__half* p, float x) { *p = __float2half_rn(x); }
 
 // One lane's inputs for the rotation of a chunk: elements i = c + lane + 32 j of the head and
 // their rope partners i + half (zero where the lane has nothing to write).
@@ -60,7 +68,9 @@ __device__ __forceinline__ void load_rope_chunk(RopeChunk& r, const float* xh, c
 
 // rope.cu's rotation of the normed pair (head_rms_norm.cu's rounded scale, then the weight), or
 // the normed value alone past the rotated dims; NaN in the rotated dims for a negative position.
-__device__ __forceinline__ void store_rope_chunk(const RopeChunk& r, float* oh, const float* table, float inv,
+// O: float (q_out, a float cache) or __half (a half cache: the float result rounded once).
+template <class O>
+__device__ __forceinline__ void store_rope_chunk(const RopeChunk& r, O* oh, const float* table, float inv,
                                                  bool rope_nan, int64_t c, int lane, int64_t half, int64_t n_rot,
                                                  int64_t hd) {
 #pragma unroll
@@ -68,21 +78,23 @@ __device__ __forceinline__ void store_rope_chunk(const RopeChunk& r, float* oh, 
     const int64_t i = c + lane + 32 * j;
     if (i < half) {  // the pair (i, i + half)
       if (rope_nan) {
-        oh[i] = oh[i + half] = __int_as_float(0x7fc00000);
+        put(oh + i, __int_as_float(0x7fc00000));
+        put(oh + i + half, __int_as_float(0x7fc00000));
         continue;
       }
       const float n0 = __fmul_rn(__fmul_rn(r.x0[j], inv), r.w0[j]);
       const float n1 = __fmul_rn(__fmul_rn(r.x1[j], inv), r.w1[j]);
       const float cs = table[i], sn = table[half + i];
-      oh[i] = __fsub_rn(__fmul_rn(n0, cs), __fmul_rn(n1, sn));
-      oh[i + half] = __fadd_rn(__fmul_rn(n0, sn), __fmul_rn(n1, cs));
+      put(oh + i, __fsub_rn(__fmul_rn(n0, cs), __fmul_rn(n1, sn)));
+      put(oh + i + half, __fadd_rn(__fmul_rn(n0, sn), __fmul_rn(n1, cs)));
     } else if (i >= n_rot && i < hd) {  // past the rotated dims: normed only
-      oh[i] = __fmul_rn(__fmul_rn(r.x0[j], inv), r.w0[j]);
+      put(oh + i, __fmul_rn(__fmul_rn(r.x0[j], inv), r.w0[j]));
     }
   }
 }
 
-__global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(const Params p) {
+template <class KV>
+__global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(const Params<KV> p) {
   extern __shared__ float table[];  // cos of pair i at table[i], sin at table[half + i]
   wait_for_prior_grids();   // PDL (launch.h): before any global access
   allow_dependent_grids();
@@ -130,17 +142,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
       table[k] = static_cast<float>(k < half ? cos(theta) : sin(theta));
     }
   }
-  float* oh = nullptr;
+  float* oq = nullptr;   // a q head's output, or
+  KV* ok = nullptr;      // a k head's cache row
   float inv = 0.0f;
   if (active) {
     if (is_q) {
-      oh = p.q_out + (t * p.n_head + head) * hd;
+      oq = p.q_out + (t * p.n_head + head) * hd;
     } else {
-      oh = p.k_cache + (pos0 + t) * kv_dim + kh * hd;
-      float* vo = p.v_cache + (pos0 + t) * kv_dim + kh * hd;
+      ok = p.k_cache + (pos0 + t) * kv_dim + kh * hd;
+      KV* vo = p.v_cache + (pos0 + t) * kv_dim + kh * hd;
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) {
-        if (lane + 32 * j < hd) vo[lane + 32 * j] = v_first[j];
+        if (lane + 32 * j < hd) put(vo + lane + 32 * j, v_first[j]);
       }
       for (int64_t c = kChunk; c < hd; c += kChunk) {
         float vv[kPerLane];
@@ -148,7 +161,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
         for (int j = 0; j < kPerLane; ++j) vv[j] = c + lane + 32 * j < hd ? vh[c + lane + 32 * j] : 0.0f;
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j) {
-          if (c + lane + 32 * j < hd) vo[c + lane + 32 * j] = vv[j];
+          if (c + lane + 32 * j < hd) put(vo + c + lane + 32 * j, vv[j]);
         }
       }
     }
@@ -181,12 +194,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
   if (!active) return;
   // Each chunk's loads first, then its stores (the compiler cannot know that oh aliases nothing
   // read here, and would otherwise wait for each load after the previous store).
-  store_rope_chunk(first_chunk, oh, table, inv, rope_nan, 0, lane, half, p.n_rot, hd);
-  for (int64_t c = kChunk; c < hd; c += kChunk) {
-    RopeChunk r;
-    load_rope_chunk(r, xh, w, c, lane, half, p.n_rot, hd);
-    store_rope_chunk(r, oh, table, inv, rope_nan, c, lane, half, p.n_rot, hd);
-  }
+  auto store_head = [&](auto* oh) {
+    store_rope_chunk(first_chunk, oh, table, inv, rope_nan, 0, lane, half, p.n_rot, hd);
+    for (int64_t c = kChunk; c < hd; c += kChunk) {
+      RopeChunk r;
+      load_rope_chunk(r, xh, w, c, lane, half, p.n_rot, hd);
+      store_rope_chunk(r, oh, table, inv, rope_nan, c, lane, half, p.n_rot, hd);
+    }
+  };
+  if (is_q) store_head(oq);
+  else store_head(ok);
 }
 
 }  // namespace
@@ -205,17 +222,25 @@ void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
     throw std::invalid_argument("qk_norm_rope_store: strides q row " + std::to_string(a.q_row_stride) + ", q head " +
                                 std::to_string(a.q_head_stride) + ", k row " + std::to_string(a.k_row_stride) +
                                 ", v row " + std::to_string(a.v_row_stride) + " too small for " + shape);
+  const bool f32_cache = a.k_cache != nullptr && a.v_cache != nullptr;
+  const bool f16_cache = a.k_cache_f16 != nullptr && a.v_cache_f16 != nullptr;
   if (a.q == nullptr || a.k == nullptr || a.v == nullptr || a.q_norm == nullptr || a.k_norm == nullptr ||
-      a.pos0_dev == nullptr || a.q_out == nullptr || a.k_cache == nullptr || a.v_cache == nullptr)
+      a.pos0_dev == nullptr || a.q_out == nullptr || f32_cache == f16_cache)
     throw std::invalid_argument("qk_norm_rope_store: a null pointer among q, k, v, q_norm, k_norm, pos0_dev, q_out, "
-                                "k_cache, v_cache (" + shape + ")");
-  const Params p{a.q,      a.q_row_stride, a.q_head_stride, a.k,         a.k_row_stride, a.v,      a.v_row_stride,
-                 a.q_norm, a.k_norm,       a.n_head,        a.n_head_kv, a.head_dim,     a.n_rot,  a.pos0_dev,
-                 a.freq_base, a.eps,       a.rows,          a.max_pos,   a.q_out,        a.k_cache, a.v_cache};
+                                "or not exactly one of (k_cache, v_cache) and (k_cache_f16, v_cache_f16) set (" +
+                                shape + ")");
   const int64_t heads = a.n_head + a.n_head_kv;
   const dim3 grid(static_cast<unsigned>((heads + kWarpsPerCta - 1) / kWarpsPerCta), static_cast<unsigned>(a.rows));
   const size_t smem = static_cast<size_t>(a.n_rot) * sizeof(float);  // n_rot/2 cos + n_rot/2 sin
-  launch_kernel(qk_norm_rope_store_kernel, grid, dim3(32 * kWarpsPerCta), smem, stream, p);
+  auto go = [&](auto* k_cache, auto* v_cache) {
+    using KV = std::remove_pointer_t<decltype(k_cache)>;
+    const Params<KV> p{a.q,      a.q_row_stride, a.q_head_stride, a.k,         a.k_row_stride, a.v,      a.v_row_stride,
+                       a.q_norm, a.k_norm,       a.n_head,        a.n_head_kv, a.head_dim,     a.n_rot,  a.pos0_dev,
+                       a.freq_base, a.eps,       a.rows,          a.max_pos,   a.q_out,        k_cache,  v_cache};
+    launch_kernel(qk_norm_rope_store_kernel<KV>, grid, dim3(32 * kWarpsPerCta), smem, stream, p);
+  };
+  if (f32_cache) go(a.k_cache, a.v_cache);
+  else go(a.k_cache_f16, a.v_cache_f16);
 }
 
 }  // namespace moraine::cuda

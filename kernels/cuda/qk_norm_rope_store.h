@@ -15,11 +15,14 @@
 //      (k = qkv + q_rows, v = qkv + q_rows + kv_dim, both row strides q_rows + 2 kv_dim) both work;
 //   q_out: [rows][n_head][head_dim] packed; must not overlap q, k or v;
 //   k_cache, v_cache: at least max_pos positions of kv_dim = n_head_kv * head_dim floats; row t
-//      goes to position *pos0_dev + t.
+//      goes to position *pos0_dev + t. Or, for a cache of IEEE halves, k_cache_f16 / v_cache_f16
+//      instead (exactly one pair set): each stored element is the float one rounded to nearest
+//      even (__float2half_rn), nothing else changes.
 // A device position outside [0, max_pos - rows] cannot be thrown from a graph replay: as
 // kv_store_at, the caches are then left untouched; as rope_neox_at, a negative position leaves
 // q_out NaN in its first n_rot dims of every head (a position past the end rotates q normally).
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -44,6 +47,8 @@ struct QkNormRopeStoreArgs {
   float* q_out = nullptr;
   float* k_cache = nullptr;
   float* v_cache = nullptr;
+  __half* k_cache_f16 = nullptr;
+  __half* v_cache_f16 = nullptr;
 };
 
 // Throws std::invalid_argument naming the problem for a bad shape or a null pointer.

@@ -9,6 +9,10 @@
 // which moves p_j relatively by up to 2 max_j ds_j; exp, the per-tile rescaling (one product per
 // tile of 32 in a split) and the merge add (8 + 2 * tiles per split + splits) u; the weighted sum
 // of values adds (positions per split + splits + 8) u of sum_j p_j |v_jd|.
+// The half cache (the CUDA backend's F16 KV): K and V rounded to IEEE half on the host, the exact
+// attention computed over those rounded values with the same tolerance (widening a half to float
+// is exact, so the kernel's float arithmetic and its error are the float cache's), and bit for bit
+// the float kernel's output on a float cache of the same values.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,8 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/device_buffer.h"
 #include "tests/cuda/cuda_test_support.h"
@@ -34,9 +40,11 @@ struct Case {
 
 struct Data {
   std::vector<float> q, k, v, gate;
+  std::vector<uint16_t> k16, v16;   // f16: the cache's halves (k and v then hold their exact floats)
 };
 
-Data make_data(const Case& c) {
+// f16: K and V rounded to half, k / v the rounded values.
+Data make_data(const Case& c, bool f16 = false) {
   std::mt19937 rng(c.seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   Data d;
@@ -49,17 +57,33 @@ Data make_data(const Case& c) {
   for (float& x : d.k) x = nd(rng);
   for (float& x : d.v) x = nd(rng);
   for (float& x : d.gate) x = 2.0f * nd(rng);
+  if (f16) {
+    for (auto [from, to] : {std::pair{&d.k, &d.k16}, std::pair{&d.v, &d.v16}}) {
+      to->resize(from->size());
+      for (size_t i = 0; i < from->size(); ++i) {
+        (*to)[i] = half::fp32_to_fp16((*from)[i]);
+        (*from)[i] = half::fp16_to_fp32((*to)[i]);
+      }
+    }
+  }
   return d;
 }
 
-// Output of attention_decode for rows [r0, r0 + n) of the case, served as one call.
-std::vector<float> run(const Case& c, const Data& d, int64_t r0, int64_t n, int32_t pos) {
+// Output of attention_decode for rows [r0, r0 + n) of the case, served as one call; f16: over the
+// half cache (d from make_data(c, true)).
+std::vector<float> run(const Case& c, const Data& d, int64_t r0, int64_t n, int32_t pos, bool f16 = false) {
   const int64_t qd = c.s.n_head * c.s.head_dim;
-  cuda::DeviceBuffer<float> q(static_cast<size_t>(n * qd)), k(d.k.size()), v(d.v.size()), g(d.gate.size()),
-      out(static_cast<size_t>(n * qd));
+  cuda::DeviceBuffer<float> q(static_cast<size_t>(n * qd)), k(f16 ? 0 : d.k.size()), v(f16 ? 0 : d.v.size()),
+      g(d.gate.size()), out(static_cast<size_t>(n * qd));
+  cuda::DeviceBuffer<__half> k16(f16 ? d.k16.size() : 0), v16(f16 ? d.v16.size() : 0);
   q.upload(d.q.data() + r0 * qd, static_cast<size_t>(n * qd));
-  k.upload(d.k.data(), d.k.size());
-  v.upload(d.v.data(), d.v.size());
+  if (f16) {
+    k16.upload(reinterpret_cast<const __half*>(d.k16.data()), d.k16.size());
+    v16.upload(reinterpret_cast<const __half*>(d.v16.data()), d.v16.size());
+  } else {
+    k.upload(d.k.data(), d.k.size());
+    v.upload(d.v.data(), d.v.size());
+  }
   g.upload(d.gate.data(), d.gate.size());
   cuda::DeviceBuffer<int32_t> dpos(1);
   dpos.upload(&pos, 1);
@@ -68,16 +92,20 @@ std::vector<float> run(const Case& c, const Data& d, int64_t r0, int64_t n, int3
   out.fill_bytes(0xff);
   scratch.fill_bytes(0xff);
   const float* gate = c.gated ? g.get() + r0 * 2 * qd + c.s.head_dim : nullptr;
-  cuda::attention_decode(c.s, q.get(), k.get(), v.get(), n, dpos.get(), r0, c.max_ctx, gate, 2 * qd, 2 * c.s.head_dim,
-                         out.get(), scratch.get(), sf);
+  if (f16)
+    cuda::attention_decode(c.s, q.get(), k16.get(), v16.get(), n, dpos.get(), r0, c.max_ctx, gate, 2 * qd,
+                           2 * c.s.head_dim, out.get(), scratch.get(), sf);
+  else
+    cuda::attention_decode(c.s, q.get(), k.get(), v.get(), n, dpos.get(), r0, c.max_ctx, gate, 2 * qd,
+                           2 * c.s.head_dim, out.get(), scratch.get(), sf);
   CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> h(out.size());
   out.download(h.data(), h.size());
   return h;
 }
 
-void check_exact(const Case& c) {
-  const Data d = make_data(c);
+void check_exact(const Case& c, bool f16 = false) {
+  const Data d = make_data(c, f16);
   const cuda::AttentionShape& s = c.s;
   const int64_t hd = s.head_dim, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
   const double u = std::ldexp(1.0, -24);
@@ -125,7 +153,7 @@ void check_exact(const Case& c) {
       }
     }
   }
-  const std::vector<float> got = run(c, d, 0, c.n, static_cast<int32_t>(c.pos));
+  const std::vector<float> got = run(c, d, 0, c.n, static_cast<int32_t>(c.pos), f16);
   for (size_t i = 0; i < got.size(); ++i) {
     const int64_t t = static_cast<int64_t>(i) / qd, h = static_cast<int64_t>(i) % qd / hd;
     ASSERT_LE(std::fabs(double(got[i]) - want[i]), tols[i] + 1e-30)
@@ -146,6 +174,36 @@ TEST(CudaAttentionDecode, MatchesExactAttention) {
   check_exact({cuda_test::attention_shape(4, 4, 64), 256, 2, 40, false, 7});       // no grouping
   check_exact({cuda_test::attention_shape(12, 4, 128), 512, 2, 100, true, 8});     // odd group: one head per warp
   check_exact({cuda_test::attention_shape(32, 1, 128), 512, 2, 200, false, 9});    // 32 query heads per kv head
+}
+
+// The half cache: fresh values (other seeds), rounded to half; the same cases' edges.
+TEST(CudaAttentionDecodeF16, MatchesExactAttentionOnTheHalfValues) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const cuda::AttentionShape qwen3 = cuda_test::attention_shape(32, 4, 128);
+  check_exact({qwen3, 512, 1, 0, false, 101}, true);
+  check_exact({qwen3, 512, 5, 30, false, 103}, true);
+  check_exact({qwen3, 2048, 16, 1010, false, 104}, true);
+  check_exact({qwen3, 8192, 16, 4088, false, 105}, true);
+  check_exact({cuda_test::attention_shape(16, 2, 256), 6144, 3, 5000, true, 106}, true);
+  check_exact({cuda_test::attention_shape(4, 4, 64), 256, 2, 40, false, 107}, true);
+  check_exact({cuda_test::attention_shape(12, 4, 128), 512, 2, 100, true, 108}, true);
+  check_exact({cuda_test::attention_shape(32, 1, 128), 512, 2, 200, false, 109}, true);
+}
+
+// Only the element type of the cache differs: the float kernel on the same (half-rounded) values
+// gives the very same bits, at 1, 32 and 64 splits, for each head size.
+TEST(CudaAttentionDecodeF16, BitIdenticalToTheFloatCacheOfTheSameValues) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  for (const Case& c : {Case{cuda_test::attention_shape(32, 4, 128), 8192, 16, 5000, true, 111},
+                        Case{cuda_test::attention_shape(32, 4, 128), 2048, 3, 20, false, 112},
+                        Case{cuda_test::attention_shape(16, 2, 256), 4096, 2, 3000, true, 113},
+                        Case{cuda_test::attention_shape(8, 8, 64), 1024, 4, 900, false, 114}}) {
+    const Data d = make_data(c, true);
+    const std::vector<float> half_cache = run(c, d, 0, c.n, static_cast<int32_t>(c.pos), true);
+    const std::vector<float> float_cache = run(c, d, 0, c.n, static_cast<int32_t>(c.pos), false);
+    ASSERT_EQ(std::memcmp(half_cache.data(), float_cache.data(), half_cache.size() * 4), 0)
+        << "head_dim " << c.s.head_dim << " at position " << c.pos;
+  }
 }
 
 // The property decode after prefill relies on: the bits of a row do not depend on the call (rows

@@ -14,12 +14,17 @@
 //   ratio) plus their own accumulation: one fma chain over n_kv positions for the numerator, a
 //   warp tree per tile and the rescale for l (n_kv + 2 tiles + 5 u), and the final 1/l multiply
 //   (2u); all relative to sum_j p_j |v_jd| / l. tiles is counted with the smallest KV tile (16).
+// The half cache (the CUDA backend's F16 KV): K and V rounded to IEEE half on the host, the exact
+// attention over those rounded values with the same tolerance (the kernel widens each element
+// exactly), and bit for bit the float kernel's output on a float cache of the same values.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/device_buffer.h"
 #include "tests/cuda/cuda_test_support.h"
@@ -27,15 +32,29 @@
 namespace moraine {
 namespace {
 
-void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed) {
+// x rounded to IEEE half: the halves, and x replaced by their exact floats.
+std::vector<uint16_t> round_to_half(std::vector<float>& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    h[i] = half::fp32_to_fp16(x[i]);
+    x[i] = half::fp16_to_fp32(h[i]);
+  }
+  return h;
+}
+
+// f16: K and V rounded to half, the kernel run over the half cache and also (bit-identical) over
+// a float cache of the same values.
+void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed, bool f16 = false) {
   std::mt19937 rng(seed);
   const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
   const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
   // Wide scores (sd ~ 2.5 after scaling) so the running max moves across KV tiles.
-  const std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
-  const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
+  std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
   std::vector<float> gate;
   if (gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
+  std::vector<uint16_t> k16, v16;
+  if (f16) k16 = round_to_half(kc), v16 = round_to_half(vc);
 
   cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
       dout(q.size());
@@ -48,6 +67,19 @@ void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated,
                           dout.get());
   std::vector<float> got(q.size());
   dout.download(got.data(), got.size());
+  if (f16) {
+    cuda::DeviceBuffer<__half> dk16(k16.size()), dv16(v16.size());
+    dk16.upload(reinterpret_cast<const __half*>(k16.data()), k16.size());
+    dv16.upload(reinterpret_cast<const __half*>(v16.data()), v16.size());
+    dout.fill_bytes(0xff);
+    cuda::attention_prefill(s, dq.get(), dk16.get(), dv16.get(), n, n_past, gated ? dg.get() : nullptr, 2 * qd,
+                            2 * hd, dout.get());
+    std::vector<float> from_half(q.size());
+    dout.download(from_half.data(), from_half.size());
+    ASSERT_EQ(std::memcmp(from_half.data(), got.data(), got.size() * 4), 0)
+        << "the half cache's output differs from the float cache's of the same values";
+    got.swap(from_half);
+  }
 
   const double u = std::ldexp(1.0, -24);
   for (int64_t t = 0; t < n; ++t) {
@@ -104,15 +136,25 @@ TEST(CudaAttentionPrefill, MatchesExactSoftmaxAttention) {
   check(cuda_test::attention_shape(32, 4, 128, 8), 1, 0, false, 6);     // a single row and position
 }
 
+TEST(CudaAttentionPrefillF16, MatchesExactAttentionOnTheHalfValues) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check(cuda_test::attention_shape(32, 4, 128, 8), 200, 0, false, 101, true);
+  check(cuda_test::attention_shape(32, 4, 128, 8), 70, 333, false, 102, true);
+  check(cuda_test::attention_shape(16, 2, 256, 8), 90, 40, true, 103, true);
+  check(cuda_test::attention_shape(6, 2, 40, 8), 75, 5, true, 104, true);
+  check(cuda_test::attention_shape(4, 4, 512, 8), 40, 20, false, 105, true);
+}
+
 TEST(CudaAttentionPrefillArguments, RejectsBadShape) {
+  const float* kNoCache = nullptr;   // picks the float cache's overload
   cuda::AttentionShape s = cuda_test::attention_shape(4, 3, 64, 8);  // 4 heads do not group over 3 kv heads
-  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, kNoCache, kNoCache, 64, 0, nullptr, 0, 0, nullptr),
                std::invalid_argument);
   s = cuda_test::attention_shape(4, 2, 1024, 8);  // head_dim above kAttentionPrefillMaxHeadDim
-  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, 0, nullptr, 0, 0, nullptr),
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, kNoCache, kNoCache, 64, 0, nullptr, 0, 0, nullptr),
                std::invalid_argument);
   s = cuda_test::attention_shape(4, 2, 64, 8);
-  EXPECT_THROW(cuda::attention_prefill(s, nullptr, nullptr, nullptr, 64, -1, nullptr, 0, 0, nullptr),
+  EXPECT_THROW(cuda::attention_prefill(s, nullptr, kNoCache, kNoCache, 64, -1, nullptr, 0, 0, nullptr),
                std::invalid_argument);  // negative n_past
 }
 

@@ -7,13 +7,18 @@
 //   ds_j = (hd/32 + 5) u scale sum_d |q_d k_jd| + u |s_j|   (fma chain, warp tree, scaling),
 // which moves p_j relatively by up to 2 max_j ds_j, plus 8u for exp and the normalisation; the
 // weighted sum of values adds (positions per chunk + chunks + 8) u of sum_j p_j |v_jd|.
+// The half cache (the CUDA backend's F16 KV): K and V rounded to IEEE half on the host, the exact
+// attention over those rounded values with the same tolerance (the kernel widens each element
+// exactly), batch and row by row alike; and bit for bit the float cache's output of the same values.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/device_buffer.h"
 #include "tests/cuda/cuda_test_support.h"
@@ -27,43 +32,69 @@ struct Run {
   bool gated;
 };
 
+// f16: the cache is kc / vc as halves (they must be half values: round_to_half).
 std::vector<float> run_gpu(const Run& r, const std::vector<float>& q, const std::vector<float>& kc,
                            const std::vector<float>& vc, const std::vector<float>& gate, int64_t rows_per_call,
-                           int64_t scratch_rows) {
+                           int64_t scratch_rows, bool f16 = false) {
   const cuda::AttentionShape& s = r.s;
   const int64_t qd = s.n_head * s.head_dim;
   cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
       dout(q.size());
+  cuda::DeviceBuffer<__half> dk16(f16 ? kc.size() : 0), dv16(f16 ? vc.size() : 0);
   dq.upload(q.data(), q.size());
   dk.upload(kc.data(), kc.size());
   dv.upload(vc.data(), vc.size());
+  if (f16) {
+    for (auto [from, to] : {std::pair{&kc, &dk16}, std::pair{&vc, &dv16}}) {
+      std::vector<uint16_t> h(from->size());
+      for (size_t i = 0; i < h.size(); ++i) h[i] = half::fp32_to_fp16((*from)[i]);
+      to->upload(reinterpret_cast<const __half*>(h.data()), h.size());
+    }
+  }
   if (!gate.empty()) dg.upload(gate.data(), gate.size());
   dout.fill_bytes(0xff);
   const int64_t scratch = cuda::attention_scratch_floats(s, scratch_rows, r.n_past + r.n);
   cuda::DeviceBuffer<float> dscratch(static_cast<size_t>(scratch));
   for (int64_t t0 = 0; t0 < r.n; t0 += rows_per_call) {
     const int64_t m = std::min(rows_per_call, r.n - t0);
-    cuda::attention(s, dq.get() + t0 * qd, dk.get(), dv.get(), m, r.n_past + t0,
-                    r.gated ? dg.get() + t0 * 2 * qd : nullptr, 2 * qd, 2 * s.head_dim, dout.get() + t0 * qd,
-                    dscratch.get(), scratch);
+    const float* g = r.gated ? dg.get() + t0 * 2 * qd : nullptr;
+    if (f16)
+      cuda::attention(s, dq.get() + t0 * qd, dk16.get(), dv16.get(), m, r.n_past + t0, g, 2 * qd, 2 * s.head_dim,
+                      dout.get() + t0 * qd, dscratch.get(), scratch);
+    else
+      cuda::attention(s, dq.get() + t0 * qd, dk.get(), dv.get(), m, r.n_past + t0, g, 2 * qd, 2 * s.head_dim,
+                      dout.get() + t0 * qd, dscratch.get(), scratch);
   }
   std::vector<float> out(q.size());
   dout.download(out.data(), out.size());
   return out;
 }
 
-void check(const Run& r, uint32_t seed) {
+// x replaced by its values rounded to IEEE half.
+void round_to_half(std::vector<float>& x) {
+  for (float& v : x) v = half::fp16_to_fp32(half::fp32_to_fp16(v));
+}
+
+// f16: K and V rounded to half and served from a half cache (also compared bit for bit with the
+// float cache of the same values).
+void check(const Run& r, uint32_t seed, bool f16 = false) {
   std::mt19937 rng(seed);
   const cuda::AttentionShape& s = r.s;
   const int64_t hd = s.head_dim, n_ctx = r.n_past + r.n, group = s.n_head / s.n_head_kv;
   const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(r.n * s.n_head * hd), 1.0f);
-  const std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
-  const std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 1.0f);
+  std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
+  if (f16) round_to_half(kc), round_to_half(vc);
   // The gate rides beside each head in a row of 2 * n_head * hd (as in qwen3next's q projection).
   std::vector<float> gate;
   if (r.gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(r.n * 2 * s.n_head * hd), 2.0f);
 
-  const std::vector<float> got = run_gpu(r, q, kc, vc, gate, r.n, r.n);
+  const std::vector<float> got = run_gpu(r, q, kc, vc, gate, r.n, r.n, f16);
+  if (f16) {
+    const std::vector<float> float_cache = run_gpu(r, q, kc, vc, gate, r.n, r.n, false);
+    ASSERT_EQ(std::memcmp(float_cache.data(), got.data(), got.size() * 4), 0)
+        << "the half cache's output differs from the float cache's of the same values";
+  }
   const double u = std::ldexp(1.0, -24);
   for (int64_t t = 0; t < r.n; ++t) {
     for (int64_t h = 0; h < s.n_head; ++h) {
@@ -108,9 +139,9 @@ void check(const Run& r, uint32_t seed) {
   }
   // Row by row (as decode) gives the very same bits as the batch (as prefill), and so does the
   // batch through a scratch that holds two rows (passes of two rows).
-  const std::vector<float> one_by_one = run_gpu(r, q, kc, vc, gate, 1, 1);
+  const std::vector<float> one_by_one = run_gpu(r, q, kc, vc, gate, 1, 1, f16);
   EXPECT_EQ(std::memcmp(one_by_one.data(), got.data(), got.size() * 4), 0) << "batch and row-by-row outputs differ";
-  const std::vector<float> in_passes = run_gpu(r, q, kc, vc, gate, r.n, 2);
+  const std::vector<float> in_passes = run_gpu(r, q, kc, vc, gate, r.n, 2, f16);
   EXPECT_EQ(std::memcmp(in_passes.data(), got.data(), got.size() * 4), 0) << "a batch in passes of two rows differs";
 }
 
@@ -121,6 +152,15 @@ TEST(CudaAttention, MatchesExactSoftmaxAttention) {
   check({cuda_test::attention_shape(8, 2, 128), 3, 600, false}, 3);   // decode rows over three chunks
   check({cuda_test::attention_shape(6, 3, 256), 5, 250, true}, 4);    // gated, rows straddling a chunk boundary
   check({cuda_test::attention_shape(3, 1, 40), 300, 0, false}, 5);    // a long prefill, head_dim not a multiple of 32
+}
+
+TEST(CudaAttentionF16, MatchesExactSoftmaxAttentionOnTheHalfValues) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check({cuda_test::attention_shape(4, 2, 128), 7, 0, false}, 102, true);
+  check({cuda_test::attention_shape(8, 2, 128), 3, 600, false}, 103, true);
+  check({cuda_test::attention_shape(6, 3, 256), 5, 250, true}, 104, true);
+  check({cuda_test::attention_shape(3, 1, 40), 300, 0, false}, 105, true);
+  check({cuda_test::attention_shape(4, 2, 16), 40, 20, true}, 106, true);   // the golden qwen3moe_odd's heads
 }
 
 // The GQA-shared kernel (`attention`: one CTA per kv head and chunk for all its query heads and
@@ -176,11 +216,12 @@ TEST(CudaAttention, GqaSharedKernelBitIdenticalToUnshared) {
 }
 
 TEST(CudaAttentionArguments, RejectsBadShapeAndSmallScratch) {
+  const float* kNoCache = nullptr;   // picks the float cache's overload
   cuda::AttentionShape s = cuda_test::attention_shape(4, 3, 64);  // 4 heads do not group over 3 kv heads
-  EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 1 << 20),
+  EXPECT_THROW(cuda::attention(s, nullptr, kNoCache, kNoCache, 1, 0, nullptr, 0, 0, nullptr, nullptr, 1 << 20),
                std::invalid_argument);
   s = cuda_test::attention_shape(4, 2, 64);  // one row needs 4 heads x 1 chunk x 66 floats
-  EXPECT_THROW(cuda::attention(s, nullptr, nullptr, nullptr, 1, 0, nullptr, 0, 0, nullptr, nullptr, 263),
+  EXPECT_THROW(cuda::attention(s, nullptr, kNoCache, kNoCache, 1, 0, nullptr, 0, 0, nullptr, nullptr, 263),
                std::invalid_argument);
 }
 

@@ -15,6 +15,16 @@
 //    to a fresh prefill of the same tokens (both shorter than the tiled prefill's 64 rows).
 //  - With only the even experts on the device and the odd ones computed on the host (the group's
 //    cpu workers), the same bounds; an 80-row prefill (tiled attention) likewise.
+//  - Every case again with an F16 KV cache (BackendOptions::kv_type; suite ModelsF16Kv), against
+//    the reference executor with the same F16 cache (ExecutorOptions::kv_type) and its greedy
+//    tokens. Rounding K and V to half is a discrete step like a re-quantized activation: an ulp
+//    of float order before it can land a stored element on the other half, so every F16 case takes
+//    the float-order bound of tests/reference/float_order_bound.h computed with the F16 reference
+//    (quantized weights: max(1e-3, 2 G) as before; F32 weights: max(1e-4, 2 G), the F32 cases'
+//    1e-4 unless the reference itself crosses such an edge: qwen3moe_odd's F16 reference over 32
+//    orders reached G = 2.05e-4, the F32 one 6.7e-7). Transformers' logits (an F32 cache) are not
+//    compared there (the F16 cache moves the reference 0.8e-4 .. 3.9e-4 of max from them,
+//    tests/reference/kv_f16_test.cpp).
 // GGUFs come from $MORAINE_CUDA_GOLDEN_GGUF/<model>_<variant>.gguf when set (the GPU machine
 // gets them ready-made), else they are made here with moraine-convert / moraine-quantize.
 #include <gtest/gtest.h>
@@ -27,12 +37,14 @@
 #include <span>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 #include "common/model/model.h"
@@ -199,11 +211,13 @@ std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const
 
 std::unique_ptr<gpu_worker::Backend> cuda_backend(const model::Model& m, int max_tokens, int64_t context,
                                                   const std::vector<std::vector<int32_t>>* device_experts = nullptr,
-                                                  bool handoff_zero_copy = true) {
+                                                  bool handoff_zero_copy = true,
+                                                  model::KvType kv = model::KvType::F32) {
   gpu_worker::BackendOptions o;
   o.max_tokens = max_tokens;
   o.max_context = context;
   o.handoff_zero_copy = handoff_zero_copy;
+  o.kv_type = kv;
   if (device_experts != nullptr) {
     o.all_experts = false;
     o.device_experts = *device_experts;
@@ -227,9 +241,24 @@ Gap gap(const std::vector<float>& got, const std::vector<float>& want) {
 
 struct Case {
   std::string model, variant;
+  model::KvType kv = model::KvType::F32;
+  std::string name() const { return model + "_" + variant + (kv == model::KvType::F16 ? "_f16kv" : ""); }
+  bool exact_reference() const { return variant == "f32" && kv == model::KvType::F32; }
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << "_" << c.variant; }
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
+// The reference executor as the case's backend holds its cache, in float order `order`.
+reference::ExecutorOptions reference_options(const Case& c, reference::DotOrderSeed order = 0) {
+  return test_support::in_order(order, c.kv);
+}
+
+// The bound on max |engine - reference| / max |reference| for case c (see the header comment):
+// float_order_bound.h's, an F16 cache counted as a rounding edge even for F32 weights.
+test_support::OrderBound case_bound(const Case& c, const std::vector<float>& want,
+                                    const std::function<std::vector<float>(reference::DotOrderSeed)>& run) {
+  return test_support::bound_for(c.variant != "f32", want, run, c.kv == model::KvType::F16);
+}
 
 class CudaBackendGolden : public ::testing::TestWithParam<Case> {
  protected:
@@ -239,7 +268,7 @@ class CudaBackendGolden : public ::testing::TestWithParam<Case> {
     dir_ = kGolden / c.model;
     model_ = std::make_unique<model::Model>(model::Model::load(golden_gguf(c.model, c.variant)));
     prompt_ = read_json(dir_ / "tokens.json").at("ids").get<std::vector<int32_t>>();
-    backend_ = cuda_backend(*model_, kMaxTokens, 256);
+    backend_ = cuda_backend(*model_, kMaxTokens, 256, nullptr, true, c.kv);
   }
   void handoff_equals_layer_by_layer(bool zero_copy);   // HandoffStepEqualsLayerByLayer's body
   fs::path dir_;
@@ -252,14 +281,14 @@ TEST_P(CudaBackendGolden, PrefillLogitsMatchAtEveryPosition) {
   const Case& c = GetParam();
   const int64_t V = model_->hp.n_vocab;
   const std::vector<float> got = run_step(*backend_, *model_, prompt_, true);
-  reference::ReferenceExecutor ex(*model_);
+  reference::ReferenceExecutor ex(*model_, reference_options(c));
   const std::vector<float> ref = ex.forward(prompt_, true);
   ASSERT_EQ(got.size(), ref.size());
   const Gap vs_ref = gap(got, ref);
-  std::printf("[ %s %s ] vs reference executor: max |logit| %.4f, max |diff| %.3g (%.3g of max) at position %lld\n",
-              c.model.c_str(), c.variant.c_str(), vs_ref.max_ref, vs_ref.max_diff, vs_ref.max_diff / vs_ref.max_ref,
+  std::printf("[ %s ] vs reference executor: max |logit| %.4f, max |diff| %.3g (%.3g of max) at position %lld\n",
+              c.name().c_str(), vs_ref.max_ref, vs_ref.max_diff, vs_ref.max_diff / vs_ref.max_ref,
               static_cast<long long>(vs_ref.worst / V));
-  if (c.variant == "f32") {
+  if (c.exact_reference()) {
     std::vector<float> hf(got.size());
     std::ifstream f(dir_ / "logits.f32", std::ios::binary);
     ASSERT_TRUE(f.read(reinterpret_cast<char*>(hf.data()), static_cast<std::streamsize>(hf.size() * 4)))
@@ -271,10 +300,10 @@ TEST_P(CudaBackendGolden, PrefillLogitsMatchAtEveryPosition) {
     EXPECT_LE(vs_hf.max_diff, 1e-4 * vs_hf.max_ref) << "worst at position " << vs_hf.worst / V;
     EXPECT_LE(vs_ref.max_diff, 1e-4 * vs_ref.max_ref) << "worst at position " << vs_ref.worst / V;
   } else {
-    const test_support::OrderBound b = test_support::quantized_bound(ref, [&](reference::DotOrderSeed s) {
-      return reference::ReferenceExecutor(*model_, test_support::in_order(s)).forward(prompt_, true);
+    const test_support::OrderBound b = case_bound(c, ref, [&](reference::DotOrderSeed s) {
+      return reference::ReferenceExecutor(*model_, reference_options(c, s)).forward(prompt_, true);
     });
-    std::printf("[ %s %s ] %s\n", c.model.c_str(), c.variant.c_str(), b.describe().c_str());
+    std::printf("[ %s ] %s\n", c.name().c_str(), b.describe().c_str());
     EXPECT_LE(vs_ref.max_diff, b.bound * vs_ref.max_ref) << "worst at position " << vs_ref.worst / V;
   }
 }
@@ -283,10 +312,10 @@ TEST_P(CudaBackendGolden, GreedyTokensAndDecodeEqualsPrefill) {
   const Case& c = GetParam();
   const int64_t V = model_->hp.n_vocab;
   std::vector<int32_t> want;
-  if (c.variant == "f32") {
+  if (c.exact_reference()) {
     want = read_json(dir_ / "greedy.json").at("tokens").get<std::vector<int32_t>>();
-  } else {  // the reference executor's greedy continuation on the same quantized file
-    reference::ReferenceExecutor ex(*model_);
+  } else {  // the reference executor's greedy continuation on the same file (and cache type)
+    reference::ReferenceExecutor ex(*model_, reference_options(c));
     std::vector<float> l = ex.forward(prompt_, false);
     for (int i = 0; i < 32; ++i) {
       want.push_back(sampling::argmax(std::span<const float>(l.data(), V)));
@@ -311,19 +340,26 @@ TEST_P(CudaBackendGolden, GreedyTokensAndDecodeEqualsPrefill) {
   const std::vector<float> once = run_step(*backend_, *model_, all, true);
   ASSERT_EQ(once.size(), stepwise.size());
   const Gap g = gap(stepwise, once);
-  std::printf("[ %s %s ] greedy %zu tokens, %s; decode vs fresh prefill max |diff| %.3g\n", c.model.c_str(),
-              c.variant.c_str(), got.size(), got == want ? "identical" : "DIFFERENT", g.max_diff);
+  std::printf("[ %s ] greedy %zu tokens, %s; decode vs fresh prefill max |diff| %.3g\n", c.name().c_str(),
+              got.size(), got == want ? "identical" : "DIFFERENT", g.max_diff);
   EXPECT_EQ(std::memcmp(once.data(), stepwise.data(), once.size() * 4), 0)
       << "decode after prefill differs from a fresh prefill (max |diff| " << g.max_diff << ")";
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CudaBackendGolden,
-                         ::testing::Values(Case{"qwen3moe_odd", "f32"}, Case{"qwen3moe_k256", "f32"},
-                                           Case{"qwen3moe_odd", "q8_0"}, Case{"qwen3moe_k256", "q8_0"},
-                                           Case{"qwen3moe_k256", "kmix"}, Case{"qwen3next_odd", "f32"},
-                                           Case{"qwen3next_k256", "f32"}, Case{"qwen3next_odd", "q8_0"},
-                                           Case{"qwen3next_k256", "q8_0"}, Case{"qwen3next_k256", "kmix"}),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.model + "_" + i.param.variant; });
+std::vector<Case> golden_cases(model::KvType kv) {
+  std::vector<Case> cases;
+  for (const auto& [m, v] : std::vector<std::pair<std::string, std::string>>{
+           {"qwen3moe_odd", "f32"}, {"qwen3moe_k256", "f32"}, {"qwen3moe_odd", "q8_0"}, {"qwen3moe_k256", "q8_0"},
+           {"qwen3moe_k256", "kmix"}, {"qwen3next_odd", "f32"}, {"qwen3next_k256", "f32"}, {"qwen3next_odd", "q8_0"},
+           {"qwen3next_k256", "q8_0"}, {"qwen3next_k256", "kmix"}})
+    cases.push_back({m, v, kv});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaBackendGolden, ::testing::ValuesIn(golden_cases(model::KvType::F32)),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+INSTANTIATE_TEST_SUITE_P(ModelsF16Kv, CudaBackendGolden, ::testing::ValuesIn(golden_cases(model::KvType::F16)),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
 // The cpu workers' share: the device holds the even experts only and the odd ones come from
 // the host, computed by the reference kernel (as the cpu_expert_workers do) - the mixed path of
@@ -339,9 +375,9 @@ TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
   std::vector<std::vector<int32_t>> even(static_cast<size_t>(hp.n_layer));
   for (auto& l : even)
     for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
-  auto split = cuda_backend(*model_, kMaxTokens, 256, &even);
+  auto split = cuda_backend(*model_, kMaxTokens, 256, &even, true, c.kv);
   for (int64_t il = 0; il < hp.n_layer; ++il) EXPECT_FALSE(split->layer_on_device(il));
-  reference::ReferenceExecutor ex(*model_);
+  reference::ReferenceExecutor ex(*model_, reference_options(c));
   std::vector<float> want = ex.forward(prompt_, true);
   std::vector<float> got = run_step(*split, *model_, prompt_, true, Drive::kSplit, &even);
   std::vector<int32_t> fed;
@@ -357,8 +393,8 @@ TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
   ASSERT_EQ(got.size(), want.size());
   const Gap g = gap(got, want);
   // The same rows in other float orders: the prompt, then the same six tokens.
-  const test_support::OrderBound b = test_support::bound_for(c.variant != "f32", want, [&](reference::DotOrderSeed s) {
-    reference::ReferenceExecutor other(*model_, test_support::in_order(s));
+  const test_support::OrderBound b = case_bound(c, want, [&](reference::DotOrderSeed s) {
+    reference::ReferenceExecutor other(*model_, reference_options(c, s));
     std::vector<float> l = other.forward(prompt_, true);
     for (int32_t t : fed) {
       const std::vector<float> one = other.forward(std::vector<int32_t>{t}, false);
@@ -366,8 +402,8 @@ TEST_P(CudaBackendGolden, SplitExpertsMatchTheReference) {
     }
     return l;
   });
-  std::printf("[ %s %s ] even experts on the device, odd on the host: max |diff| %.3g (%.3g of max), %s\n",
-              c.model.c_str(), c.variant.c_str(), g.max_diff, g.max_diff / g.max_ref, b.describe().c_str());
+  std::printf("[ %s ] even experts on the device, odd on the host: max |diff| %.3g (%.3g of max), %s\n",
+              c.name().c_str(), g.max_diff, g.max_diff / g.max_ref, b.describe().c_str());
   EXPECT_LE(g.max_diff, b.bound * g.max_ref);
 }
 
@@ -412,8 +448,8 @@ void CudaBackendGolden::handoff_equals_layer_by_layer(bool zero_copy) {
   for (auto& l : even)
     for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
   HandoffBuffers io(hp, kMaxTokens);
-  auto by_layer = cuda_backend(*model_, kMaxTokens, 256, &even);
-  auto handoff = cuda_backend(*model_, kMaxTokens, 256, &even, zero_copy);
+  auto by_layer = cuda_backend(*model_, kMaxTokens, 256, &even, true, GetParam().kv);
+  auto handoff = cuda_backend(*model_, kMaxTokens, 256, &even, zero_copy, GetParam().kv);
   io.pin(*handoff);
   // The hand-off step computes the device's experts with moe_fused, which takes the quantized
   // formats whose blocks divide the expert shapes: F32 experts and the odd models' (FFN 40 of
@@ -473,11 +509,12 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
   // AMX tiles (kernels/cpu/matmul_amx.cpp), which add the per-block terms in another order.
   const int amx_from = cpu::amx_min_tokens();
   cpu::set_amx_min_tokens(1 << 30);
-  const std::vector<float> want = reference::ReferenceExecutor(*model_).forward(tokens, true);
+  const std::vector<float> want = reference::ReferenceExecutor(*model_, reference_options(c)).forward(tokens, true);
   cpu::set_amx_min_tokens(amx_from);
-  const Gap amx = gap(reference::ReferenceExecutor(*model_).forward(tokens, true), want);
+  const Gap amx = gap(reference::ReferenceExecutor(*model_, reference_options(c)).forward(tokens, true), want);
   auto with = [&](int64_t tiled_rows, int64_t gemm_rows) {
     gpu_worker::BackendOptions o;
+    o.kv_type = c.kv;
     o.max_tokens = kMaxTokens;
     o.max_context = 256;
     o.tiled_prefill_rows = tiled_rows;
@@ -487,11 +524,11 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
   const Gap g = gap(with(64, 0), want), u = gap(with(0, 0), want);
   const std::vector<float> fast = with(64, 64);
   const Gap f = gap(fast, want);
-  const test_support::OrderBound b = test_support::bound_for(c.variant != "f32", want, [&](reference::DotOrderSeed s) {
-    return reference::ReferenceExecutor(*model_, test_support::in_order(s)).forward(tokens, true);
+  const test_support::OrderBound b = case_bound(c, want, [&](reference::DotOrderSeed s) {
+    return reference::ReferenceExecutor(*model_, reference_options(c, s)).forward(tokens, true);
   });
-  std::printf("[ %s %s ] 80-row prefill vs reference: tiled attention %.3g of max, split-KV %.3g, tiled + cuBLAS "
-              "%.3g; reference with AMX vs without %.3g; %s\n", c.model.c_str(), c.variant.c_str(),
+  std::printf("[ %s ] 80-row prefill vs reference: tiled attention %.3g of max, split-KV %.3g, tiled + cuBLAS "
+              "%.3g; reference with AMX vs without %.3g; %s\n", c.name().c_str(),
               g.max_diff / g.max_ref, u.max_diff / u.max_ref, f.max_diff / f.max_ref, amx.max_diff / amx.max_ref,
               b.describe().c_str());
   EXPECT_LE(g.max_diff, b.bound * g.max_ref);
@@ -518,7 +555,7 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
 // bits, step after step (positions come from device memory, so one graph serves them all).
 TEST_P(CudaBackendGolden, GraphStepEqualsLayerByLayer) {
   std::vector<float> a = run_step(*backend_, *model_, prompt_, false);
-  auto other = cuda_backend(*model_, kMaxTokens, 256);
+  auto other = cuda_backend(*model_, kMaxTokens, 256, nullptr, true, GetParam().kv);
   std::vector<float> b = run_step(*other, *model_, prompt_, false);
   ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
   const int64_t V = model_->hp.n_vocab;

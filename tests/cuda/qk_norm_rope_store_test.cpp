@@ -4,7 +4,9 @@
 // caches, which start from random contents), on fresh random inputs: head_dim 64/128/256, partial
 // rotary, q with and without a gate beside each head, 1/3/16 rows, positions 0 and mid-cache,
 // separate q/k/v buffers and one concatenated qkv matvec output; positions outside the cache; and
-// one captured graph replayed at several device positions.
+// one captured graph replayed at several device positions. A half cache (k_cache_f16 / v_cache_f16:
+// the CUDA backend's F16 KV) gets exactly the float cache's values rounded to nearest even, q the
+// same bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,8 +14,10 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/head_rms_norm.h"
@@ -151,6 +155,32 @@ Outputs fused(const Inputs& in, cudaStream_t stream = nullptr) {
   return download(q, kc, vc);
 }
 
+// The kernel into a half cache whose initial contents are cache0 as halves (cache0 must hold half
+// values). Returns q and both caches widened back to float.
+Outputs fused_f16(const Inputs& in) {
+  const Case& c = in.c;
+  std::vector<uint16_t> h0(in.cache0.size());
+  for (size_t i = 0; i < h0.size(); ++i) h0[i] = half::fp32_to_fp16(in.cache0[i]);
+  cuda::DeviceBuffer<float> q(static_cast<size_t>(c.rows * c.n_head * c.hd));
+  cuda::DeviceBuffer<__half> kc(h0.size()), vc(h0.size());
+  q.fill_bytes(0xff);
+  kc.upload(reinterpret_cast<const __half*>(h0.data()), h0.size());
+  vc.upload(reinterpret_cast<const __half*>(h0.data()), h0.size());
+  cuda::QkNormRopeStoreArgs a = in.args(q.get(), nullptr, nullptr);
+  a.k_cache_f16 = kc.get();
+  a.v_cache_f16 = vc.get();
+  cuda::qk_norm_rope_store(a);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  Outputs o{std::vector<float>(q.size()), std::vector<float>(h0.size()), std::vector<float>(h0.size())};
+  q.download(o.q.data(), o.q.size());
+  for (auto [from, to] : {std::pair{&kc, &o.k_cache}, std::pair{&vc, &o.v_cache}}) {
+    std::vector<uint16_t> h(h0.size());
+    from->download(reinterpret_cast<__half*>(h.data()), h.size());
+    for (size_t i = 0; i < h.size(); ++i) (*to)[i] = half::fp16_to_fp32(h[i]);
+  }
+  return o;
+}
+
 void expect_same(const Outputs& got, const Outputs& want, const std::string& what) {
   for (size_t i = 0; i < want.q.size(); ++i)
     ASSERT_EQ(std::memcmp(&got.q[i], &want.q[i], 4), 0)
@@ -180,6 +210,32 @@ TEST(CudaQkNormRopeStore, BitIdenticalToUnfusedSequence) {
     SCOPED_TRACE(c.name());
     const Inputs in(c, seed++);
     expect_same(fused(in), unfused(in), c.name());
+  }
+}
+
+// The half cache: q bit for bit the float run's, each cache element the float run's rounded to
+// nearest even (the caches start from random half values; unwritten positions keep them).
+TEST(CudaQkNormRopeStoreF16, HalfCacheHoldsTheFloatValuesRounded) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 200;
+  for (const Case& c : {Case{32, 4, 128, 128, false, true, 1, 517}, Case{32, 4, 128, 128, false, false, 16, 0},
+                        Case{16, 2, 256, 64, true, true, 3, 300}, Case{6, 2, 40, 24, false, false, 5, 33, 1e4},
+                        Case{6, 3, 16, 16, false, true, 7, 100}, Case{4, 1, 128, 96, true, true, 7, 593}}) {
+    SCOPED_TRACE(c.name());
+    Inputs in(c, seed++);
+    for (float& x : in.cache0) x = half::fp16_to_fp32(half::fp32_to_fp16(x));
+    const Outputs want = fused(in), got = fused_f16(in);
+    ASSERT_EQ(std::memcmp(got.q.data(), want.q.data(), want.q.size() * 4), 0) << "q";
+    int64_t written = 0;
+    for (auto [g, w] : {std::pair{&got.k_cache, &want.k_cache}, std::pair{&got.v_cache, &want.v_cache}}) {
+      for (size_t i = 0; i < w->size(); ++i) {
+        const float rounded = half::fp16_to_fp32(half::fp32_to_fp16((*w)[i]));
+        ASSERT_EQ(std::memcmp(&(*g)[i], &rounded, 4), 0) << "cache element " << i << ": half cache " << (*g)[i]
+                                                         << ", float cache " << (*w)[i] << " rounded " << rounded;
+        written += (*w)[i] != in.cache0[i];
+      }
+    }
+    EXPECT_GT(written, 0) << "the float run wrote nothing: the comparison proves nothing";
   }
 }
 
@@ -269,6 +325,13 @@ TEST(CudaQkNormRopeStoreArguments, RejectsBadShapes) {
   EXPECT_THROW(cuda::qk_norm_rope_store(b), std::invalid_argument);
   b = a;
   b.pos0_dev = nullptr;
+  EXPECT_THROW(cuda::qk_norm_rope_store(b), std::invalid_argument);
+  __half hf;
+  b = a;
+  b.k_cache_f16 = b.v_cache_f16 = &hf;  // both a float and a half cache
+  EXPECT_THROW(cuda::qk_norm_rope_store(b), std::invalid_argument);
+  b.k_cache = b.v_cache = nullptr;
+  b.v_cache_f16 = nullptr;  // half k cache without a v cache
   EXPECT_THROW(cuda::qk_norm_rope_store(b), std::invalid_argument);
 }
 

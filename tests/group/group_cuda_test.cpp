@@ -5,6 +5,9 @@
 // reference's float-order bound of tests/reference/float_order_bound.h on the same rows), both
 // with every expert on the cpu_expert_workers, with every expert in the VRAM tier, and with a VRAM
 // budget that holds half of them (both sides compute in every step). Skips without a CUDA device.
+// The group's default KV cache with --backend cuda is F16 (coordinator --kv-type): the reference
+// then runs with the same F16 cache and the bound counts the rounding as an edge (float_order_
+// bound.h bound_for's f16_kv); one case passes --kv-type=f32 and keeps the F32 reference and bound.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -32,10 +35,11 @@ struct Case {
   std::string weights;  // "f32", "q8_0", "kmix"
   Experts experts;
   std::vector<std::string> gpu_worker_args = {};   // e.g. --no-pdl
+  model::KvType kv = model::KvType::F16;           // the supervisor's --kv-type (F16: its default)
   std::string name() const {
     return model + "_" + weights +
            (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts") +
-           (gpu_worker_args.empty() ? "" : "_no_pdl");
+           (gpu_worker_args.empty() ? "" : "_no_pdl") + (kv == model::KvType::F32 ? "_f32kv" : "");
   }
 };
 
@@ -44,7 +48,7 @@ struct Case {
 // 64-row steps) and half of the experts' bytes, for the context the group plans by default.
 std::string half_the_experts(const std::string& path) {
   const model::Model m = model::Model::load(path);
-  const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
+  const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0), model::KvType::F16);
   uint64_t experts = 0;
   for (uint64_t b : s.expert_bytes) experts += b * static_cast<uint64_t>(s.n_expert);
   return std::to_string(s.dense_bytes - group::cuda_host_resident_bytes(m) + s.kv_bytes +
@@ -60,7 +64,7 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
   const Case& c = GetParam();
   constexpr int kTokens = 12;
-  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "model", kTokens);
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "model", kTokens, c.kv);
 
   GroupOptions o;
   o.model = model;
@@ -69,6 +73,7 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   if (c.experts == Experts::kVram) o.vram = "1099511627776";  // 1 TiB: every expert fits
   if (c.experts == Experts::kHalf) o.vram = half_the_experts(model);
   for (const std::string& a : c.gpu_worker_args) o.extra_args.push_back("--gpu-worker-arg=" + a);
+  if (c.kv == model::KvType::F32) o.extra_args.push_back("--kv-type=f32");
   Group g(o);
   if (c.experts == Experts::kHalf) {   // both sides really compute: some experts in each tier
     const group::PlacementPlan plan =
@@ -93,8 +98,8 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   const std::vector<int32_t>& fed_prompt = prompt;
   const ReferenceRun& fed = ref;
   const test_support::OrderBound b = test_support::bound_for(c.weights != "f32", ref.logits, [&](reference::DotOrderSeed s) {
-    return test_support::generation_logits(m, s, fed_prompt, fed.ids);
-  });
+    return test_support::generation_logits(m, s, fed_prompt, fed.ids, c.kv);
+  }, c.kv == model::KvType::F16);
   std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f (%.3g of max), %s\n", c.name().c_str(), max_diff, max_ref,
               max_diff / max_ref, b.describe().c_str());
   EXPECT_LE(max_diff, b.bound * max_ref);
@@ -116,6 +121,7 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf});
   v.push_back({"qwen3next_k256", "kmix", Experts::kHalf});
   v.push_back({"qwen3moe_odd", "f32", Experts::kHalf});
+  v.push_back({"qwen3moe_k256", "f32", Experts::kVram, {}, model::KvType::F32});   // --kv-type=f32
   return v;
 }
 

@@ -165,18 +165,22 @@ Generation generate(const std::string& socket_dir, const std::vector<int32_t>& p
   return g;
 }
 
-GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n) {
+GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n,
+                       model::KvType kv) {
   GoldenCase g;
   g.dir = temp_dir(tag);
   g.model = convert_golden(name, golden_quant_args(weights), g.dir);
   g.prompt = golden_prompt(name);
-  g.ref = reference_greedy(g.model, g.prompt, n);
+  g.ref = reference_greedy(g.model, g.prompt, n, kv);
   return g;
 }
 
-ReferenceRun reference_greedy(const std::string& model_path, const std::vector<int32_t>& prompt, int n) {
+ReferenceRun reference_greedy(const std::string& model_path, const std::vector<int32_t>& prompt, int n,
+                              model::KvType kv) {
   const model::Model m = model::Model::load(model_path);
-  reference::ReferenceExecutor exec(m, {1});
+  reference::ExecutorOptions opt{1};
+  opt.kv_type = kv;
+  reference::ReferenceExecutor exec(m, opt);
   std::unique_ptr<tokenizer::Tokenizer> tok;
   try {
     tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(m.file));

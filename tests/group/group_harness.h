@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/model/kv_type.h"
 #include "coordinator/group_launcher.h"
 #include "tests/support/shell.h"
 
@@ -79,7 +80,9 @@ struct ReferenceRun {
   std::vector<int32_t> ids;
   std::vector<float> logits;   // [n][n_vocab]
 };
-ReferenceRun reference_greedy(const std::string& model, const std::vector<int32_t>& prompt, int n);
+// kv: the reference's KV cache type (the CUDA backend's default is F16).
+ReferenceRun reference_greedy(const std::string& model, const std::vector<int32_t>& prompt, int n,
+                              model::KvType kv = model::KvType::F32);
 
 // A golden model converted with golden_quant_args(weights) into a fresh temp_dir(tag), its
 // prompt, and the reference's greedy run of n tokens on it: what every group-vs-reference test
@@ -89,7 +92,8 @@ struct GoldenCase {
   std::vector<int32_t> prompt;
   ReferenceRun ref;
 };
-GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n);
+GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n,
+                       model::KvType kv = model::KvType::F32);
 
 std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm entries with prefix
 

@@ -9,7 +9,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 
 #include "common/model/model.h"
 #include "coordinator/device_reserve.h"
@@ -239,6 +241,70 @@ TEST(Placement, CudaDeviceReserveCoversContextAndLogits) {
   model::Model tied = model::Model::load(path);
   tied.output = tied.tok_embd;   // tied embeddings: the device holds the table as the head
   EXPECT_EQ(cuda_host_resident_bytes(tied), 0u);
+  fs::remove_all(dir);
+}
+
+// --kv-type f16 (the CUDA backend's default): each cached K and V element is charged 2 bytes
+// instead of 4, the recurrent state stays float32; the freed bytes go to VRAM experts under the
+// same budget; the plan file carries the type to the gpu_worker (a plan without it reads as F32).
+TEST(Placement, KvF16ChargesTwoBytesPerCachedElement) {
+  const std::string dir = group_test::temp_dir("placement-kv");
+  for (const char* name : {"qwen3moe_odd", "qwen3next_odd"}) {
+    SCOPED_TRACE(name);
+    const model::Model m = model::Model::load(group_test::convert_golden(name, "--default q8_0", dir));
+    const model::HParams& hp = m.hp;
+    const int64_t ctx = 1000;
+    uint64_t cached = 0, state = 0;   // K and V elements of the attention layers; recurrent floats
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+      if (hp.is_recurrent(il))
+        state += static_cast<uint64_t>((hp.ssm_conv_kernel - 1) * hp.ssm_conv_dim() +
+                                       hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim);
+      else
+        cached += static_cast<uint64_t>(2 * ctx * hp.n_head_kv * hp.head_dim);
+    }
+    ASSERT_GT(cached, 0u);
+    const ModelSizes f32 = model_sizes(m, ctx), f16 = model_sizes(m, ctx, model::KvType::F16);
+    EXPECT_EQ(f32.kv_bytes, 4 * cached + 4 * state);
+    EXPECT_EQ(f16.kv_bytes, 2 * cached + 4 * state);
+    EXPECT_EQ(f16.kv_type, model::KvType::F16);
+    EXPECT_EQ(f16.dense_bytes, f32.dense_bytes);
+
+    // One budget: the F16 plan holds the experts the freed bytes pay for, and says so.
+    PlacementInput in;
+    in.sizes = f32;
+    in.vram_budget = f32.dense_bytes + f32.kv_bytes + 3 * f32.expert_bytes[0];
+    const PlacementPlan p32 = plan_placement(in);
+    in.sizes = f16;
+    const PlacementPlan p16 = plan_placement(in);
+    EXPECT_EQ(p16.kv_bytes, f16.kv_bytes);
+    EXPECT_EQ(p16.kv_type, model::KvType::F16);
+    EXPECT_GT(p16.vram.experts, p32.vram.experts);
+    EXPECT_LE(p16.dense_bytes + p16.kv_bytes + p16.vram.bytes, in.vram_budget);
+    p16.write(dir + "/plan16.json");
+    EXPECT_EQ(PlacementPlan::read(dir + "/plan16.json", f16).kv_type, model::KvType::F16);
+    EXPECT_NE(p16.table().find("f16 KV"), std::string::npos) << p16.table();
+    p32.write(dir + "/plan32.json");
+    EXPECT_EQ(PlacementPlan::read(dir + "/plan32.json", f32).kv_type, model::KvType::F32);
+    // A plan written before the field: F32, what the backends held then.
+    std::ifstream in32(dir + "/plan32.json");
+    std::string text((std::istreambuf_iterator<char>(in32)), std::istreambuf_iterator<char>());
+    const size_t at = text.find("\"kv_type\"");
+    ASSERT_NE(at, std::string::npos);
+    text.erase(at, text.find('\n', at) - at + 1);
+    std::ofstream(dir + "/old.json") << text;
+    EXPECT_EQ(PlacementPlan::read(dir + "/old.json", f32).kv_type, model::KvType::F32);
+    // An unknown type is refused, naming the file and the field.
+    std::string bad = text;
+    bad.insert(bad.find('{') + 1, "\n \"kv_type\": \"q8_0\",");
+    std::ofstream(dir + "/bad.json") << bad;
+    try {
+      PlacementPlan::read(dir + "/bad.json", f32);
+      ADD_FAILURE() << "a plan with KV type q8_0 was accepted";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("bad.json"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("kv_type"), std::string::npos) << e.what();
+    }
+  }
   fs::remove_all(dir);
 }
 

@@ -284,11 +284,22 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
     const int64_t kv = ctx * n_kv * hd, cap = 32768;
     const int64_t copies = std::max<int64_t>(2, (int64_t{512} << 20) / (2 * kv * 4));
     DeviceBuffer<float> kc(static_cast<size_t>(copies * kv)), vc(static_cast<size_t>(copies * kv));
+    // The same cache as IEEE halves (the backend's F16 KV cache), as many copies (half the bytes,
+    // still well above L2).
+    DeviceBuffer<__half> kc16(static_cast<size_t>(copies * kv)), vc16(static_cast<size_t>(copies * kv));
     {  // one random cache, replicated on the device (host generation of every copy takes seconds)
       DeviceBuffer<float> k1 = random_device(kv, 11), v1 = random_device(kv, 12);
       for (int64_t c = 0; c < copies; ++c) {
         CUDA_CHECK(cudaMemcpy(kc.get() + c * kv, k1.get(), k1.bytes(), cudaMemcpyDeviceToDevice));
         CUDA_CHECK(cudaMemcpy(vc.get() + c * kv, v1.get(), v1.bytes(), cudaMemcpyDeviceToDevice));
+      }
+      for (auto [from, to] : {std::pair{&k1, &kc16}, std::pair{&v1, &vc16}}) {
+        std::vector<float> f(static_cast<size_t>(kv));
+        from->download(f.data(), f.size());
+        std::vector<__half> h(f.size());
+        for (size_t i = 0; i < f.size(); ++i) h[i] = __float2half_rn(f[i]);
+        for (int64_t c = 0; c < copies; ++c)
+          CUDA_CHECK(cudaMemcpy(to->get() + c * kv, h.data(), h.size() * sizeof(__half), cudaMemcpyHostToDevice));
       }
     }
     DeviceBuffer<float> q = random_device(n_head * hd, 13), out(n_head * hd);
@@ -337,6 +348,13 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
           }, min_ms);
           add("attention_decode " + std::to_string(rows) + (rows == 1 ? " row" : " rows"),
               shape + (cap_d == ctx ? "" : " (cap 32768)"), ms, bytes, "GB/s");
+          ms = ms_per_call([&](int i) {
+            const int64_t c = i % copies;
+            cuda::attention_decode(s, q16.get(), kc16.get() + c * kv, vc16.get() + c * kv, rows, first.get(), 0, cap_d,
+                                   nullptr, 0, 0, out16.get(), dsc.get(), dsf);
+          }, min_ms);
+          add("attention_decode " + std::to_string(rows) + (rows == 1 ? " row" : " rows") + " F16 KV",
+              shape + (cap_d == ctx ? "" : " (cap 32768)"), ms, bytes / 2, "GB/s");
         }
       }
     }
@@ -369,6 +387,14 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       cuda::attention_prefill(s, q.get(), kc.get(), vc.get(), n, 0, nullptr, 0, 0, out.get());
     }, min_ms);
     add("attention_prefill (tiled)", shape, ms, flops, "TFLOP/s");
+    {  // the F16 KV cache (values of no consequence to the timing)
+      DeviceBuffer<__half> kc16(static_cast<size_t>(n * n_kv * hd)), vc16(static_cast<size_t>(n * n_kv * hd));
+      kc16.fill_bytes(0x3c), vc16.fill_bytes(0x3c);   // 0x3c3c: 1.06 in every element
+      const double ms16 = ms_per_call([&](int) {
+        cuda::attention_prefill(s, q.get(), kc16.get(), vc16.get(), n, 0, nullptr, 0, 0, out.get());
+      }, min_ms);
+      add("attention_prefill (tiled) F16 KV", shape, ms16, flops, "TFLOP/s");
+    }
   }
 
   if (json != nullptr) {
