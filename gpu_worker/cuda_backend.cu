@@ -296,11 +296,9 @@ cuda::MoeLayerWeights CudaBackend::fused_weights(int64_t il) const {
   // dot_rows: 26.3 / 119.6 us per 30B-shape Q4_K layer at 1 / 8 tokens where the per-row
   // dots (kStaged) took 29.8 / 167.3 (moraine-kernel-bench cuda --moe-only, H200, 2026-11-29).
   w.dots = cuda::MoeLayerWeights::Dots::kRows;
-  // The staged form (moe_staged.cu, same bits) where it measured faster: K-quant experts, 1-2
-  // tokens (it falls back by itself above), H200 graph us per layer default -> staged: 30B-A3B
-  // Q4_K 23.4 -> 20.8 (1 token) / 38.4 -> 35.0 (2), Qwen3-Next Q4_K 24.7 -> 20.3; Q8_0 experts
-  // 38.1 -> 39.8 (30B), so they keep the tiled kernels (moraine-kernel-bench cuda --moe-only).
-  w.tuning.staged = w.gate_type != TensorType::Q8_0;
+  // The best form: the staged one (moe_staged.cu, same bits) where it measured faster; its
+  // planner (moe_staged_plan, with the numbers) declines the rest and the default kernels run.
+  w.tuning.staged = cuda::MoeLayerWeights::Tuning::Staged::kWhereFaster;
   return w;
 }
 

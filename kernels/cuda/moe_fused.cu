@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/cuda_check.h"
@@ -21,6 +22,45 @@
 #include "kernels/cuda/moe_staged.cuh"
 
 namespace moraine::cuda {
+namespace moe_detail {
+
+MoeDeviceInfo moe_device_info() {
+  thread_local int cached_device = -1;
+  thread_local MoeDeviceInfo info{};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    info.device = device;
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+    cached_device = device;
+  }
+  return info;
+}
+
+void ensure_dynamic_smem(const void* kernel, int device, int64_t bytes) {
+  // What each (kernel, device) was raised to, per thread: a launch costs a scan of the few
+  // fused-MoE kernels, and cudaFuncSetAttribute only when the size grows.
+  struct Raised {
+    const void* kernel;
+    int device;
+    int64_t bytes;
+  };
+  thread_local std::vector<Raised> raised;
+  auto it = std::find_if(raised.begin(), raised.end(),
+                         [&](const Raised& r) { return r.kernel == kernel && r.device == device; });
+  if (it != raised.end() && bytes <= it->bytes) return;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (it == raised.end()) {
+    raised.push_back({kernel, device, bytes});
+  } else {
+    it->bytes = bytes;
+  }
+}
+
+}  // namespace moe_detail
 namespace {
 
 using namespace matvec_detail;
@@ -32,81 +72,10 @@ constexpr int kMaxSlots = kMoeMaxTokens * kMoeMaxTopK;
 static_assert(kThreads >= kMaxSlots, "one thread per slot in the leader scan");
 
 
-// Everything both kernels need, by value (kernel parameter space).
-struct Params {
-  int gate_type, up_type, down_type;  // TensorType values
-  bool x_gate_q8k, x_up_q8k, h_q8k;   // activation formats: Q8_K (true) or Q8_0
-  int n_embd, n_ff, n_expert;
-  int n_tokens, k, n_slots, pass_tokens;
-  int rows_a, rows_b;  // weight rows per warp in kernel 1 / kernel 2 (the CTA tile is kWarps times that)
-  const MoeExpertSlot* slots;
-  const uint8_t *gate_base, *up_base, *down_base;
-  int64_t gate_expert_bytes, up_expert_bytes, down_expert_bytes;
-  int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
-  const int32_t* chosen;
-  const float* weight;
-  const float* x;
-  float* sum;
-  bool sum_accumulate;  // MoeOutputs::sum_accumulate
-  float* slot_rows;
-  const int32_t* slot_row_of;
-  // workspace
-  float* h;
-  uint8_t* hq;
-  int hq_stride;  // bytes per slot, a multiple of 16 with a spare word
-  float* slot_out;
-  int* count_a;   // [kMaxSlots][n_ff / h block]
-  int* count_b;   // [row tiles of n_embd] (sized for the smallest tile, kWarps rows)
-  // shared-memory layout (bytes per token / words per staged row)
-  int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
-  bool dots_by_rows;  // dot_rows (default) or dot_staged per row (MoeLayerWeights::dots)
-  // Down kernel form: the per-row-tile kernel (moe_down_tile_kernel) quantizes h itself, so
-  // kernel 1 then only writes the F32 h (no counters).
-  bool k1_quantizes_h;
-  int tile_rows_d;  // moe_down_tile_kernel: n_embd rows per CTA
-  int stages_a;     // kernel 1 row buffers (1 or 2)
-  int stages_b;     // moe_down_units_kernel row buffers per warp (1 or 2)
-  bool vec_loads;   // Q4_K / Q8_0 dots with 16-byte activation loads (MoeLayerWeights::Tuning)
-};
-
-__device__ __forceinline__ bool expert_present(const Params& p, int e) {
-  if (e < 0 || e >= p.n_expert) return false;
-  return p.slots == nullptr || p.slots[e].gate != nullptr;
-}
-
-// kind: 0 gate, 1 up, 2 down.
-__device__ __forceinline__ const uint8_t* expert_tensor(const Params& p, int kind, int e) {
-  if (p.slots != nullptr) {
-    const MoeExpertSlot& s = p.slots[e];
-    return static_cast<const uint8_t*>(kind == 0 ? s.gate : kind == 1 ? s.up : s.down);
-  }
-  const uint8_t* base = kind == 0 ? p.gate_base : kind == 1 ? p.up_base : p.down_base;
-  const int64_t bytes = kind == 0 ? p.gate_expert_bytes : kind == 1 ? p.up_expert_bytes : p.down_expert_bytes;
-  return base + static_cast<int64_t>(e) * bytes;
-}
-
-__device__ __forceinline__ float* slot_output_row(const Params& p, int slot) {
+__device__ __forceinline__ float* slot_output_row(const MoeParams& p, int slot) {
   if (p.slot_rows == nullptr) return p.slot_out + static_cast<int64_t>(slot) * p.n_embd;
   const int row = p.slot_row_of != nullptr ? p.slot_row_of[slot] : slot;
   return p.slot_rows + static_cast<int64_t>(row) * p.n_embd;
-}
-
-// Stable compaction over the CTA: the thread ids with pred set, ascending, into out; returns
-// how many. Every thread of the CTA must call it.
-__device__ int cta_compact(bool pred, int16_t* out, int* warp_count) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned ballot = __ballot_sync(0xffffffffu, pred);
-  if (lane == 0) warp_count[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0, total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const int c = warp_count[w];
-    if (w < warp) before += c;
-    total += c;
-  }
-  if (pred) out[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int16_t>(threadIdx.x);
-  __syncthreads();  // out is complete and warp_count free again
-  return total;
 }
 
 // The routing in shared memory, and the leader slots (first slot of each present expert).
@@ -118,23 +87,33 @@ struct SlotTables {
   int flag;
 };
 
-__device__ int find_leaders(const Params& p, SlotTables& st) {
+// The slots naming expert e, ascending, into st.list.
+__device__ int list_slots(const MoeParams& p, SlotTables& st, int e) {
   const int i = threadIdx.x;
-  if (i < p.n_slots) st.chosen[i] = p.chosen[i];
-  __syncthreads();
-  bool lead = false;
-  if (i < p.n_slots) {
-    const int e = st.chosen[i];
-    lead = expert_present(p, e);
-    for (int j = 0; j < i && lead; ++j) lead = st.chosen[j] != e;
-  }
-  return cta_compact(lead, st.leader, st.warp_count);
+  return cta_compact<kWarps>(i < p.n_slots && st.chosen[i] == e, st.list, st.warp_count);
 }
 
-// The slots naming expert e, ascending, into st.list.
-__device__ int list_slots(const Params& p, SlotTables& st, int e) {
-  const int i = threadIdx.x;
-  return cta_compact(i < p.n_slots && st.chosen[i] == e, st.list, st.warp_count);
+// Token t's weighted sum at output row r from the slots' unweighted rows (in L2, written by this
+// launch's other CTAs or warps), added in reference::moe_combine's order (slots s = 0..k-1,
+// present experts only): eight slots' loads issued together, then added in order, one L2 round
+// trip per eight slots instead of one per slot.
+__device__ __forceinline__ float weighted_sum_of_rows(const MoeParams& p, const SlotTables& st, int t, int r) {
+  float acc = 0.0f;
+  for (int s0 = 0; s0 < p.k; s0 += 8) {
+    float wv[8], yv[8];
+    bool use[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int slot = t * p.k + s0 + q;
+      use[q] = s0 + q < p.k && expert_present(p, st.chosen[slot]);
+      wv[q] = use[q] ? p.weight[slot] : 0.0f;
+      yv[q] = use[q] ? __ldcg(slot_output_row(p, slot) + r) : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+      if (use[q]) acc = __fadd_rn(acc, __fmul_rn(wv[q], yv[q]));
+  }
+  return acc;
 }
 
 
@@ -154,7 +133,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 // Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
 // tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
 // whole activation block of h (of one expert) quantizes it for down.
-__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   wait_for_previous_kernel();  // a no-op unless launched programmatically (Tuning::gate_up_programmatic_launch)
@@ -191,22 +170,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
     __pipeline_commit();
   };
 
-  const int n_leaders = find_leaders(p, st);
+  const int n_leaders = find_leaders<kWarps>(p, st);
   if (blockIdx.y < n_leaders) issue_rows(blockIdx.y, 0);
   if (p.stages_a > 1 && blockIdx.y + gridDim.y < n_leaders) issue_rows(blockIdx.y + gridDim.y, 1);
   allow_next_kernel();
-  // x of every token, quantized as the scalar reference's pack_activations does, while the first
-  // rows are in flight.
-  {
-    const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
-    for (int u = warp; u < p.n_tokens * bg; u += kWarps)
-      quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
-    if (!same_x) {
-      const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
-      for (int u = warp; u < p.n_tokens * bu; u += kWarps)
-        quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
-    }
-  }
+  quantize_x<kWarps>(p, xg, xu, same_x, warp, lane);  // while the first rows are in flight
   for (int d = blockIdx.y, it = 0; d < n_leaders; d += gridDim.y, ++it) {
     const int leader = st.leader[d];
     const int e = st.chosen[leader];
@@ -286,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const Params p
 
 // Kernel 2: y(slot)[r] = down_e[r] . hq(slot) for the rows r of this CTA's tile; then the last CTA
 // of the tile adds sum[t][r] over the token's present slots in top-k order.
-__global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -304,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
     __pipeline_commit();
   };
 
-  const int n_leaders = find_leaders(p, st);
+  const int n_leaders = find_leaders<kWarps>(p, st);
   if (blockIdx.y < n_leaders) issue_rows(blockIdx.y);  // the weights do not depend on kernel 1
   wait_for_previous_kernel();
   for (int d = blockIdx.y; d < n_leaders; d += gridDim.y) {
@@ -356,25 +324,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
     for (int i = threadIdx.x; i < p.n_tokens * tile_rows; i += kThreads) {
       const int t = i / tile_rows, r = blockIdx.x * tile_rows + i % tile_rows;
       if (r >= p.n_embd) continue;
-      float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
-      // Eight slots' loads issued together, then added in order: one L2 round trip per eight
-      // slots instead of one per slot.
-      for (int s0 = 0; s0 < p.k; s0 += 8) {
-        float wv[8], yv[8];
-        bool use[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const int slot = t * p.k + s0 + q;
-          use[q] = s0 + q < p.k && expert_present(p, st.chosen[slot]);
-          wv[q] = use[q] ? p.weight[slot] : 0.0f;
-          yv[q] = use[q] ? __ldcg(slot_output_row(p, slot) + r) : 0.0f;
-        }
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          if (use[q]) acc = __fadd_rn(acc, __fmul_rn(wv[q], yv[q]));
-      }
-      float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + r;
-      *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+      const float acc = weighted_sum_of_rows(p, st, t, r);
+      store_sum(p, t, r, acc);
     }
   }
   if (threadIdx.x == 0) *counter = 0;
@@ -387,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const Params p) {
 // weighted sums in top-k order: no counters, no y round trip through L2, no "last CTA" step.
 // Shared memory: the slots' quantized h [present slot][hq_stride], y [present slot][R] floats,
 // then the staged rows [leader][R][down_seg_words].
-__global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   __shared__ int16_t leader_index[kMaxSlots];  // by leader slot: its index in st.leader
@@ -403,13 +354,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params
   float* ybuf = reinterpret_cast<float*>(act + p.n_slots * p.hq_stride);
   uint4* stage = reinterpret_cast<uint4*>(ybuf + p.n_slots * R);
 
-  const int n_leaders = find_leaders(p, st);
-  for (int u = warp; u < n_leaders * rows_here; u += kWarps) {
-    const int d = u / rows_here, j = u % rows_here;
-    const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[d]]);
-    stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
-                    stage + (d * R + j) * p.down_seg_words, lane);
-  }
+  const int n_leaders = find_leaders<kWarps>(p, st);
+  stage_down_slice<kWarps>(p, st, n_leaders, row_base, rows_here, R, stage, warp, lane);
   __pipeline_commit();
   const int i = threadIdx.x;
   if (i < n_leaders) {
@@ -419,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params
   }
   const bool present = i < p.n_slots && expert_present(p, st.chosen[i]);
   if (i < p.n_slots) weight[i] = p.weight[i];
-  const int n_present = cta_compact(present, st.list, st.warp_count);  // barrier: leader_index set
+  const int n_present = cta_compact<kWarps>(present, st.list, st.warp_count);  // barrier: leader_index set
   if (i < p.n_slots) {
     int first = i;  // the expert's leader: its first slot
     for (int j = 0; present && j < i; ++j)
@@ -485,20 +431,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_tile_kernel(const Params
   }
 }
 
-// The slots naming expert e, ascending, 32 at a time: fn(slot) in every lane of the warp (a
-// warp's own scan of st.chosen, so the warp-unit kernels need no CTA barrier per expert).
-template <class Fn>
-__device__ __forceinline__ void for_each_slot_of(const Params& p, const SlotTables& st, int e, int lane, Fn fn) {
-  for (int c0 = 0; c0 < p.n_slots; c0 += 32) {
-    unsigned m = __ballot_sync(0xffffffffu, c0 + lane < p.n_slots && st.chosen[c0 + lane] == e);
-    while (m != 0) {
-      const int slot = c0 + __ffs(m) - 1;
-      m &= m - 1;
-      fn(slot);
-    }
-  }
-}
-
 // Unit `it` of this warp in the warp-unit kernels: units are dealt round-robin over the CTAs
 // first, so every CTA (and so every SM of a one-wave grid) gets the same number +-1 whatever the
 // expert count; the tiled grid gave 60 of 132 SMs two 32-row tiles and the rest one (30B-A3B,
@@ -512,7 +444,7 @@ __device__ __forceinline__ int unit_of_warp(int warp, int it) {
 // against every token routed to the expert (the same dots and h expression as
 // moe_gate_up_kernel), and, when kernel 1 quantizes h, counts the unit on the (expert, h block)
 // counter: the warp that completes a block quantizes it. Only one CTA barrier (x published).
-__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   wait_for_previous_kernel();  // a no-op unless launched programmatically (Tuning::gate_up_programmatic_launch)
@@ -524,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Pa
   const int unit_words = p.rows_a * pair_words;
   uint4* const ring = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
                       warp * p.stages_a * unit_words;
-  const int n_leaders = find_leaders(p, st);
+  const int n_leaders = find_leaders<kWarps>(p, st);
   const int units_per_expert = p.n_ff / p.rows_a;  // rows_a divides the h block, which divides n_ff
   const int n_units = n_leaders * units_per_expert;
   auto issue = [&](int it) {  // this warp's unit `it`, in flight (an empty group past the last)
@@ -545,16 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Pa
   };
   for (int s = 0; s < p.stages_a; ++s) issue(s);
   allow_next_kernel();
-  {  // x of every token, quantized as the scalar reference's pack_activations does
-    const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
-    for (int u = warp; u < p.n_tokens * bg; u += kWarps)
-      quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
-    if (!same_x) {
-      const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
-      for (int u = warp; u < p.n_tokens * bu; u += kWarps)
-        quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
-    }
-  }
+  quantize_x<kWarps>(p, xg, xu, same_x, warp, lane);
   __syncthreads();  // x published; from here on every warp runs on its own
   const int h_block_rows = p.h_q8k ? kQK_K : kQK;
   const int h_blocks = p.n_ff / h_block_rows;
@@ -576,32 +499,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Pa
     const uint8_t* g_base = expert_tensor(p, 0, e);
     const uint8_t* u_base = expert_tensor(p, 1, e);
     for_each_slot_of(p, st, e, lane, [&](int slot) {
-      const int t = slot / p.k;
-      float* h_row = p.h + static_cast<int64_t>(slot) * p.n_ff + row0;
-      for (int j0 = 0; by_rows && j0 < p.rows_a; j0 += pairs) {
-        const int np = min(pairs, p.rows_a - j0);
-        auto row_of = [&](int c) {
-          const int j = j0 + c / 2;
-          const int64_t row = row0 + j;
-          return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
-                            : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-        };
-        const uint8_t* xt = xg + t * p.xg_stride;
-        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
-        const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
-        const int c = lane / lanes;
-        // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
-        if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np)
-          h_row[j0 + c / 2] = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), uv);
-      }
-      for (int j = 0; !by_rows && j < p.rows_a; ++j) {
-        const int64_t row = row0 + j;
-        const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
-        const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
-        const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
-        if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
-      }
+      gate_up_unit_h(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.rows_a, slot, xg, xu,
+                     lane);
     });
     __syncwarp();                  // every lane is done with the buffer
     issue(it + p.stages_a);        // this warp's next unit flies meanwhile
@@ -626,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Pa
 // dst (padded Q8_K or Q8_0 blocks), as quantize_block does block by block, but with the loads of
 // up to kBatch blocks issued before any is reduced: one L2 round trip per batch instead of per
 // block (moe_down_units_kernel with Tuning::down_quantizes_h).
-__device__ void quantize_h_row(const Params& p, const float* src, uint8_t* dst, int lane) {
+__device__ void quantize_h_row(const MoeParams& p, const float* src, uint8_t* dst, int lane) {
   constexpr int kBatch = 4;
   if (p.h_q8k) {
     const int blocks = p.n_ff / kQK_K;
@@ -667,7 +566,7 @@ __device__ void quantize_h_row(const Params& p, const float* src, uint8_t* dst, 
 // per token routed to the expert copies its quantized h into its own shared buffer (L2 reads
 // with __ldcg, as moe_down_kernel), dots, writes the unweighted row; the unit completing a row
 // chunk over all the experts (count_b) adds the weighted sums of those rows in top-k order.
-__global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -676,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const Param
   const int act_words = p.hq_stride / 16;
   uint4* const act = smem + warp * (p.stages_b * unit_words + act_words);
   uint4* const ring = act + act_words;
-  const int n_leaders = find_leaders(p, st);
+  const int n_leaders = find_leaders<kWarps>(p, st);
   const int chunks = p.n_embd / R;  // R divides n_embd (host)
   const int n_units = n_leaders * chunks;
   auto issue = [&](int it) {
@@ -700,23 +599,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const Param
   auto add_weighted_sums = [&](int r0) {
     for (int i = lane; p.sum != nullptr && i < p.n_tokens * R; i += 32) {
       const int t = i / R, r = r0 + i % R;
-      float acc = 0.0f;  // reference::moe_combine's order: slots s = 0..k-1
-      for (int s0 = 0; s0 < p.k; s0 += 8) {  // eight slots' loads in flight, then added in order
-        float wv[8], yv[8];
-        bool use[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const int slot = t * p.k + s0 + q;
-          use[q] = s0 + q < p.k && expert_present(p, st.chosen[slot]);
-          wv[q] = use[q] ? p.weight[slot] : 0.0f;
-          yv[q] = use[q] ? __ldcg(slot_output_row(p, slot) + r) : 0.0f;
-        }
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          if (use[q]) acc = __fadd_rn(acc, __fmul_rn(wv[q], yv[q]));
-      }
-      float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + r;
-      *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+      const float acc = weighted_sum_of_rows(p, st, t, r);
+      store_sum(p, t, r, acc);
     }
   };
   for (int it = 0; unit_of_warp(warp, it) < n_units; ++it) {
@@ -774,13 +658,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const Param
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// lanes_per_row on the host.
-int host_lanes_per_row(int64_t nblocks) {
-  int lanes = 1;
-  while (lanes < nblocks && lanes < 32) lanes *= 2;
-  return lanes;
-}
-
 // Words one staged row occupies: up to 15 bytes before it (rows start at any byte), the last
 // word rounded up, and a spare word for load_16_unaligned's over-read (as matvec.cu).
 int seg_words(int64_t row_bytes) { return static_cast<int>((row_bytes + 15 + 15) / 16 + 1); }
@@ -789,6 +666,43 @@ int seg_words(int64_t row_bytes) { return static_cast<int>((row_bytes + 15 + 15)
 int act_stride(TensorType act, int64_t n) {
   const int64_t bytes = act == TensorType::Q8_K ? n / kQK_K * kQ8KStride : n / kQK * kQ80Stride;  // Q8_0
   return static_cast<int>(round_up(bytes, 16) + 16);
+}
+
+// The fields of MoeParams that follow from the weights and the call's shape (every form's
+// launcher and moe_fused_staged_applies): the formats, sizes, weight addresses and layouts. The
+// call's own pointers (routing, x, outputs, workspace) are the caller's to set.
+void fill_moe_params(MoeParams& p, const MoeLayerWeights& w, int n_tokens, int k) {
+  const TensorType xg_act = dot_activation_type(w.gate_type), xu_act = dot_activation_type(w.up_type);
+  const TensorType h_act = dot_activation_type(w.down_type);
+  p.gate_type = static_cast<int>(w.gate_type);
+  p.up_type = static_cast<int>(w.up_type);
+  p.down_type = static_cast<int>(w.down_type);
+  p.x_gate_q8k = xg_act == TensorType::Q8_K;
+  p.x_up_q8k = xu_act == TensorType::Q8_K;
+  p.h_q8k = h_act == TensorType::Q8_K;
+  p.vec_loads = w.tuning.vector_loads;
+  p.n_embd = static_cast<int>(w.n_embd);
+  p.n_ff = static_cast<int>(w.n_ff);
+  p.n_expert = static_cast<int>(w.n_expert);
+  p.n_tokens = n_tokens;
+  p.k = k;
+  p.n_slots = n_tokens * k;
+  p.slots = w.slots;
+  p.gate_base = static_cast<const uint8_t*>(w.gate);
+  p.up_base = static_cast<const uint8_t*>(w.up);
+  p.down_base = static_cast<const uint8_t*>(w.down);
+  p.gate_row_bytes = static_cast<int64_t>(row_bytes(w.gate_type, w.n_embd));
+  p.up_row_bytes = static_cast<int64_t>(row_bytes(w.up_type, w.n_embd));
+  p.down_row_bytes = static_cast<int64_t>(row_bytes(w.down_type, w.n_ff));
+  p.gate_expert_bytes = p.gate_row_bytes * w.n_ff;
+  p.up_expert_bytes = p.up_row_bytes * w.n_ff;
+  p.down_expert_bytes = p.down_row_bytes * w.n_embd;
+  p.xg_stride = act_stride(xg_act, w.n_embd);
+  p.xu_stride = act_stride(xu_act, w.n_embd);
+  p.hq_stride = act_stride(h_act, w.n_ff);
+  p.gate_seg_words = seg_words(p.gate_row_bytes);
+  p.up_seg_words = seg_words(p.up_row_bytes);
+  p.down_seg_words = seg_words(p.down_row_bytes);
 }
 
 struct WorkspaceLayout {
@@ -823,43 +737,6 @@ std::string where(const MoeLayerWeights& w) {
          std::to_string(w.n_ff) + ", n_expert=" + std::to_string(w.n_expert) + ")";
 }
 
-struct DeviceInfo {
-  int device, sms, smem_optin, smem_per_sm, cc_major;
-};
-DeviceInfo device_info() {
-  thread_local int cached_device = -1;
-  thread_local DeviceInfo info{};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
-    info.device = device;
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device));
-    cached_device = device;
-  }
-  return info;
-}
-
-// Raises a kernel's dynamic shared-memory limit when needed (once per kernel, device and size).
-// From the first launch on, not only past 48 KB: the kernels' static SlotTables count against the
-// 48 KB a kernel gets without the attribute, so 47 KB of dynamic memory failed to launch
-// (cudaErrorInvalidValue, the golden k256 models' down kernel, H200 2026-11-30).
-template <int kKernel>
-void ensure_smem(const void* kernel, int device, int64_t bytes) {
-  thread_local int raised_device = -1;
-  thread_local int64_t raised = 0;
-  if (device != raised_device) {
-    raised_device = device;
-    raised = -1;
-  }
-  if (bytes > raised) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    raised = bytes;
-  }
-}
-
 // One kernel's launch: weight rows per warp (the CTA tile is kWarps times that), row tiles, CTAs
 // per tile (groups: each serves experts g, g + groups, ...) and dynamic shared memory.
 struct KernelPlan {
@@ -877,7 +754,7 @@ struct KernelPlan {
 // min_rows_per_warp: the rows one dot_rows call fills its lanes with (fewer leave lanes idle);
 // smaller counts are taken only when nothing from it up fits.
 KernelPlan plan_kernel(int64_t rows, int64_t fixed_smem, int64_t row_words, int min_rows_per_warp, int max_rows_per_warp,
-                       int tile_divides, int n_slots, int64_t n_expert, const DeviceInfo& dev) {
+                       int tile_divides, int n_slots, int64_t n_expert, const MoeDeviceInfo& dev) {
   const int64_t static_smem = static_cast<int64_t>(sizeof(SlotTables)) + 1024;  // + the per-CTA reserve
   const int64_t experts = std::min<int64_t>(n_slots, n_expert);
   KernelPlan best;
@@ -929,28 +806,12 @@ void moe_fused_check(const MoeLayerWeights& w) {
 
 bool moe_fused_staged_applies(const MoeLayerWeights& w, int n_tokens, int k) {
   moe_fused_check(w);
-  if (w.dots != MoeLayerWeights::Dots::kRows || n_tokens < 1 || k < 1 || k > kMoeMaxTopK) return false;
+  if (w.tuning.staged == MoeLayerWeights::Tuning::Staged::kOff || w.dots != MoeLayerWeights::Dots::kRows ||
+      n_tokens < 1 || k < 1 || k > kMoeMaxTopK)
+    return false;
   StagedParams sp{};
-  sp.gate_type = static_cast<int>(w.gate_type);
-  sp.up_type = static_cast<int>(w.up_type);
-  sp.down_type = static_cast<int>(w.down_type);
-  const TensorType xg_act = dot_activation_type(w.gate_type), xu_act = dot_activation_type(w.up_type);
-  const TensorType h_act = dot_activation_type(w.down_type);
-  sp.x_gate_q8k = xg_act == TensorType::Q8_K;
-  sp.x_up_q8k = xu_act == TensorType::Q8_K;
-  sp.h_q8k = h_act == TensorType::Q8_K;
-  sp.n_embd = static_cast<int>(w.n_embd);
-  sp.n_ff = static_cast<int>(w.n_ff);
-  sp.n_expert = static_cast<int>(w.n_expert);
-  sp.n_tokens = n_tokens;
-  sp.k = k;
-  sp.n_slots = n_tokens * k;
-  sp.xg_stride = act_stride(xg_act, w.n_embd);
-  sp.xu_stride = act_stride(xu_act, w.n_embd);
-  sp.hq_stride = act_stride(h_act, w.n_ff);
-  sp.gate_seg_words = seg_words(static_cast<int64_t>(row_bytes(w.gate_type, w.n_embd)));
-  sp.up_seg_words = seg_words(static_cast<int64_t>(row_bytes(w.up_type, w.n_embd)));
-  sp.down_seg_words = seg_words(static_cast<int64_t>(row_bytes(w.down_type, w.n_ff)));
+  fill_moe_params(sp, w, n_tokens, k);
+  sp.only_where_faster = w.tuning.staged == MoeLayerWeights::Tuning::Staged::kWhereFaster;
   return moe_staged_plan(sp);
 }
 
@@ -990,32 +851,11 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
 
   const TensorType xg_act = dot_activation_type(w.gate_type), xu_act = dot_activation_type(w.up_type);
   const TensorType h_act = dot_activation_type(w.down_type);
-  Params p{};
-  p.gate_type = static_cast<int>(w.gate_type);
-  p.up_type = static_cast<int>(w.up_type);
-  p.down_type = static_cast<int>(w.down_type);
-  p.x_gate_q8k = xg_act == TensorType::Q8_K;
-  p.x_up_q8k = xu_act == TensorType::Q8_K;
-  p.h_q8k = h_act == TensorType::Q8_K;
-  p.n_embd = static_cast<int>(w.n_embd);
-  p.n_ff = static_cast<int>(w.n_ff);
-  p.n_expert = static_cast<int>(w.n_expert);
-  p.n_tokens = n;
-  p.k = k;
-  p.n_slots = n_slots;
+  MoeParams p{};
+  fill_moe_params(p, w, n, k);
   // Tokens per pass: an expert serves at most n tokens when a token's ids are distinct (top-k);
   // repeated ids only add passes.
   p.pass_tokens = n;
-  p.slots = w.slots;
-  p.gate_base = static_cast<const uint8_t*>(w.gate);
-  p.up_base = static_cast<const uint8_t*>(w.up);
-  p.down_base = static_cast<const uint8_t*>(w.down);
-  p.gate_row_bytes = static_cast<int64_t>(row_bytes(w.gate_type, w.n_embd));
-  p.up_row_bytes = static_cast<int64_t>(row_bytes(w.up_type, w.n_embd));
-  p.down_row_bytes = static_cast<int64_t>(row_bytes(w.down_type, w.n_ff));
-  p.gate_expert_bytes = p.gate_row_bytes * w.n_ff;
-  p.up_expert_bytes = p.up_row_bytes * w.n_ff;
-  p.down_expert_bytes = p.down_row_bytes * w.n_embd;
   p.chosen = routing.chosen;
   p.weight = routing.weight;
   p.x = x;
@@ -1028,59 +868,18 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   p.count_b = reinterpret_cast<int*>(ws + l.count_b);
   p.h = reinterpret_cast<float*>(ws + l.h);
   p.hq = ws + l.hq;
-  p.hq_stride = act_stride(h_act, w.n_ff);
   p.slot_out = reinterpret_cast<float*>(ws + l.slot_out);
-  p.xg_stride = act_stride(xg_act, w.n_embd);
-  p.xu_stride = act_stride(xu_act, w.n_embd);
-  p.gate_seg_words = seg_words(p.gate_row_bytes);
-  p.up_seg_words = seg_words(p.up_row_bytes);
-  p.down_seg_words = seg_words(p.down_row_bytes);
   p.dots_by_rows = w.dots == MoeLayerWeights::Dots::kRows;
-  p.vec_loads = w.tuning.vector_loads;
   p.stages_a = w.tuning.gate_up_stages == 2 ? 2 : 1;
 
-  const DeviceInfo dev = device_info();
+  const MoeDeviceInfo dev = moe_device_info();
   const MoeLayerWeights::Tuning& tune = w.tuning;
-  // The staged decode form (moe_staged.cu) where it fits; otherwise the kernels below.
-  if (tune.staged && p.dots_by_rows) {
+  // The staged decode form (moe_staged.cu) where it is asked for and its planner takes the call;
+  // otherwise the kernels below.
+  if (tune.staged != MoeLayerWeights::Tuning::Staged::kOff && p.dots_by_rows) {
     StagedParams sp{};
-    sp.gate_type = p.gate_type;
-    sp.up_type = p.up_type;
-    sp.down_type = p.down_type;
-    sp.x_gate_q8k = p.x_gate_q8k;
-    sp.x_up_q8k = p.x_up_q8k;
-    sp.h_q8k = p.h_q8k;
-    sp.vec_loads = p.vec_loads;
-    sp.n_embd = p.n_embd;
-    sp.n_ff = p.n_ff;
-    sp.n_expert = p.n_expert;
-    sp.n_tokens = p.n_tokens;
-    sp.k = p.k;
-    sp.n_slots = p.n_slots;
-    sp.slots = p.slots;
-    sp.gate_base = p.gate_base;
-    sp.up_base = p.up_base;
-    sp.down_base = p.down_base;
-    sp.gate_expert_bytes = p.gate_expert_bytes;
-    sp.up_expert_bytes = p.up_expert_bytes;
-    sp.down_expert_bytes = p.down_expert_bytes;
-    sp.gate_row_bytes = p.gate_row_bytes;
-    sp.up_row_bytes = p.up_row_bytes;
-    sp.down_row_bytes = p.down_row_bytes;
-    sp.chosen = p.chosen;
-    sp.weight = p.weight;
-    sp.x = p.x;
-    sp.sum = p.sum;
-    sp.sum_accumulate = p.sum_accumulate;
-    sp.slot_rows = p.slot_rows;
-    sp.slot_row_of = p.slot_row_of;
-    sp.h = p.h;
-    sp.xg_stride = p.xg_stride;
-    sp.xu_stride = p.xu_stride;
-    sp.hq_stride = p.hq_stride;
-    sp.gate_seg_words = p.gate_seg_words;
-    sp.up_seg_words = p.up_seg_words;
-    sp.down_seg_words = p.down_seg_words;
+    static_cast<MoeParams&>(sp) = p;
+    sp.only_where_faster = tune.staged == MoeLayerWeights::Tuning::Staged::kWhereFaster;
     sp.k1_whole_sm = tune.staged_k1_whole_sm;
     sp.bulk = tune.staged_bulk_copies && dev.cc_major >= 9;
     const bool staged_pdl = dev.cc_major >= 9 && programmatic_launch_enabled();
@@ -1115,8 +914,10 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   p.tile_rows_d = tile_rows_d;
   // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
   // Rows per dot_rows call: 32 / lanes per row; kernel 1 pairs gate and up rows in one call.
-  const int rows_per_call_a = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_embd / type_traits(w.gate_type).block_elems) : 1;
-  const int rows_per_call_b = p.dots_by_rows ? 32 / host_lanes_per_row(w.n_ff / type_traits(w.down_type).block_elems) : 1;
+  const int blocks_a = static_cast<int>(w.n_embd / type_traits(w.gate_type).block_elems);
+  const int blocks_b = static_cast<int>(w.n_ff / type_traits(w.down_type).block_elems);
+  const int rows_per_call_a = p.dots_by_rows ? 32 / lanes_per_row(blocks_a) : 1;
+  const int rows_per_call_b = p.dots_by_rows ? 32 / lanes_per_row(blocks_b) : 1;
   auto plan_a_with = [&](int min_rows) {
     return plan_kernel(w.n_ff, int64_t{n} * (p.xg_stride + (xg_act == xu_act ? 0 : p.xu_stride)),
                        (p.gate_seg_words + p.up_seg_words) * p.stages_a, min_rows,
@@ -1207,18 +1008,18 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   cfg_a.attrs = attr;
   cfg_a.numAttrs = pdl && tune.gate_up_programmatic_launch ? 1 : 0;
   if (grid_units_a > 0) {
-    ensure_smem<3>(reinterpret_cast<const void*>(moe_gate_up_units_kernel), dev.device, smem_units_a);
+    ensure_dynamic_smem(reinterpret_cast<const void*>(moe_gate_up_units_kernel), dev.device, smem_units_a);
     cfg_a.gridDim = dim3(static_cast<unsigned>(grid_units_a));
     cfg_a.dynamicSmemBytes = static_cast<size_t>(smem_units_a);
     CUDA_CHECK(cudaLaunchKernelEx(&cfg_a, moe_gate_up_units_kernel, p));
   } else {
-    ensure_smem<0>(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
+    ensure_dynamic_smem(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan_a.smem);
     cfg_a.gridDim = dim3(static_cast<unsigned>(plan_a.tiles), static_cast<unsigned>(plan_a.groups));
     cfg_a.dynamicSmemBytes = static_cast<size_t>(plan_a.smem);
     CUDA_CHECK(cudaLaunchKernelEx(&cfg_a, moe_gate_up_kernel, p));
   }
-  ensure_smem<1>(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan_b.smem);
-  if (tile_rows_d > 0) ensure_smem<2>(reinterpret_cast<const void*>(moe_down_tile_kernel), dev.device, smem_d);
+  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan_b.smem);
+  if (tile_rows_d > 0) ensure_dynamic_smem(reinterpret_cast<const void*>(moe_down_tile_kernel), dev.device, smem_d);
   // Kernel 2 as a programmatic dependent launch where the device has it (sm_90+): its CTAs start
   // as kernel 1's leave room, fetch their down rows, and wait for kernel 1 inside.
   cudaLaunchConfig_t cfg{};
@@ -1229,7 +1030,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   cfg.attrs = attr;
   cfg.numAttrs = pdl && tune.programmatic_launch ? 1 : 0;
   if (grid_units_b > 0) {
-    ensure_smem<4>(reinterpret_cast<const void*>(moe_down_units_kernel), dev.device, smem_units_b);
+    ensure_dynamic_smem(reinterpret_cast<const void*>(moe_down_units_kernel), dev.device, smem_units_b);
     cfg.gridDim = dim3(static_cast<unsigned>(grid_units_b));
     cfg.dynamicSmemBytes = static_cast<size_t>(smem_units_b);
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_units_kernel, p));

@@ -212,8 +212,12 @@ struct MoeLayerWeights {
     // 1 token 38.1 -> 39.8 (30B) and 34.6 -> 34.7 (Next); 4 tokens fall back. The down kernel's
     // early row fetch is worth 4.4 us (30B Q4_K without its programmatic launch: 25.3). ncu
     // (isolated launches) timed kernel 1 at 14.6 us for 14 MB: the rows' transfer, not the
-    // chains, is what is left. Opt-in (moraine-kernel-bench's "sform" rows).
-    bool staged = false;
+    // chains, is what is left. kOff: never (the default); kWhereFaster: where it measured faster
+    // (moe_staged.cu's moe_staged_plan declines the rest: Q8_0 experts; what the CUDA backend
+    // asks for); kWhereFits: wherever its buffers fit (the test and moraine-kernel-bench's "sform"
+    // rows, to compare the forms).
+    enum class Staged { kOff, kWhereFaster, kWhereFits };
+    Staged staged = Staged::kOff;
     // With staged: kernel 1 takes a whole SM's shared memory for its rows (all in flight where
     // they fit: 30B-A3B Q8_0, 2 tokens) instead of leaving room for a down CTA beside it; the
     // down kernel then fetches its rows as kernel 1's CTAs leave.
@@ -254,8 +258,8 @@ struct MoeOutputs {
 // shared-memory staging). moe_fused calls it too.
 void moe_fused_check(const MoeLayerWeights& w);
 
-// Whether moe_fused with Tuning::staged runs the staged kernels (moe_staged.cu) for n_tokens
-// tokens of top-k on the current device, rather than falling back to the others (tests, bench).
+// Whether moe_fused with w (its dots and Tuning::staged) runs the staged kernels (moe_staged.cu)
+// for n_tokens tokens of top-k on the current device, rather than the others (tests, bench).
 bool moe_fused_staged_applies(const MoeLayerWeights& w, int n_tokens, int k);
 
 // Workspace (device memory, 256-byte aligned) for up to max_tokens tokens of top-k: scratch h,

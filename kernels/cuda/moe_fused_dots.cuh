@@ -1,9 +1,9 @@
-// Device helpers of the fused MoE kernels shared by moe_fused.cu (the tiled and warp-unit
-// kernels) and moe_staged.cu (the staged variant, MoeLayerWeights::Tuning::staged): the padded
-// activation layout, the cp.async row staging, the per-row and several-rows dots and the warp
-// quantizer of h. One copy, so every form adds the same per-block float terms in the same order
-// for a given row length (the staged variant's output is bit-identical to the default's because
-// it calls exactly these).
+// Device code of the fused MoE kernels shared by moe_fused.cu (the tiled and warp-unit kernels)
+// and moe_staged.cu (the staged form, MoeLayerWeights::Tuning::staged): the call's parameters,
+// the routing scans, the padded activation layout, the cp.async row staging, the per-row and
+// several-rows dots, the warp quantizer of h and kernel 1's per-unit h rows. One copy, so every
+// form adds the same per-block float terms in the same order for a given row length (the staged
+// form's output is bit-identical to the default's because it calls exactly these).
 #pragma once
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
@@ -13,11 +13,133 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/moe_fused.h"
 #include "kernels/cuda/quantize_block.cuh"
 
 namespace moraine::cuda::moe_detail {
 
 using namespace matvec_detail;
+
+// Everything the fused MoE kernels need of one call, by value (kernel parameter space): the tiled
+// and warp-unit kernels (moe_fused.cu) read all of it; the staged kernels (moe_staged.cuh's
+// StagedParams adds their own fields after these) the formats, sizes, weights, routing, x,
+// outputs, h and layouts. moe_fused.cu's fill_moe_params sets what follows from the weights.
+// The field order is the one the tiled and warp-unit kernels had before the staged form shared the
+// struct, which keeps their machine code byte for byte: the parameter layout alone changes how
+// ptxas schedules a kernel, and a first version of this sharing (the shared fields first, same
+// registers and spills) made the default form 0.2-0.35 us slower per layer at 2 tokens (H200,
+// moraine-kernel-bench cuda --moe-only, graph, 2026-11-30, two runs each: 30B-A3B Q4_K 38.5 ->
+// 38.75, Q8_0 70.75 -> 71.1, Qwen3-Next Q4_K 35.5 -> 35.8).
+struct MoeParams {
+  int gate_type, up_type, down_type;  // TensorType values
+  bool x_gate_q8k, x_up_q8k, h_q8k;   // activation formats: Q8_K (true) or Q8_0
+  int n_embd, n_ff, n_expert;
+  int n_tokens, k, n_slots, pass_tokens;
+  int rows_a, rows_b;  // weight rows per warp in kernel 1 / kernel 2 (the CTA tile is 16 times that)
+  const MoeExpertSlot* slots;
+  const uint8_t *gate_base, *up_base, *down_base;
+  int64_t gate_expert_bytes, up_expert_bytes, down_expert_bytes;
+  int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
+  const int32_t* chosen;
+  const float* weight;
+  const float* x;
+  float* sum;
+  bool sum_accumulate;  // MoeOutputs::sum_accumulate
+  float* slot_rows;
+  const int32_t* slot_row_of;
+  // workspace
+  float* h;  // F32 h [slot][n_ff]
+  uint8_t* hq;
+  int hq_stride;  // bytes per slot, a multiple of 16 with a spare word
+  float* slot_out;
+  int* count_a;  // [slots][n_ff / h block]
+  int* count_b;  // [row tiles of n_embd] (sized for the smallest tile)
+  // shared-memory layout (padded bytes per token of x for gate / up, 16-byte words per staged row:
+  // moe_fused.cu's act_stride, seg_words)
+  int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
+  bool dots_by_rows;  // dot_rows (default) or dot_staged per row (MoeLayerWeights::dots)
+  // Down kernel form: the per-row-tile kernel (moe_down_tile_kernel) quantizes h itself, so
+  // kernel 1 then only writes the F32 h (no counters).
+  bool k1_quantizes_h;
+  int tile_rows_d;  // moe_down_tile_kernel: n_embd rows per CTA
+  int stages_a;     // kernel 1 row buffers (1 or 2)
+  int stages_b;     // moe_down_units_kernel row buffers per warp (1 or 2)
+  bool vec_loads;   // Q4_K / Q8_0 dots with 16-byte activation loads (MoeLayerWeights::Tuning)
+};
+
+// Whether expert e is on this GPU (ids outside 0..n_expert-1 count as absent).
+__device__ __forceinline__ bool expert_present(const MoeParams& p, int e) {
+  if (e < 0 || e >= p.n_expert) return false;
+  return p.slots == nullptr || p.slots[e].gate != nullptr;
+}
+
+// kind: 0 gate, 1 up, 2 down.
+__device__ __forceinline__ const uint8_t* expert_tensor(const MoeParams& p, int kind, int e) {
+  if (p.slots != nullptr) {
+    const MoeExpertSlot& s = p.slots[e];
+    return static_cast<const uint8_t*>(kind == 0 ? s.gate : kind == 1 ? s.up : s.down);
+  }
+  const uint8_t* base = kind == 0 ? p.gate_base : kind == 1 ? p.up_base : p.down_base;
+  const int64_t bytes = kind == 0 ? p.gate_expert_bytes : kind == 1 ? p.up_expert_bytes : p.down_expert_bytes;
+  return base + static_cast<int64_t>(e) * bytes;
+}
+
+// Stable compaction over a CTA of kWarps warps: the thread ids with pred set, ascending, into
+// out; returns how many. Every thread of the CTA must call it.
+template <int kWarps>
+__device__ int cta_compact(bool pred, int16_t* out, int* warp_count) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, pred);
+  if (lane == 0) warp_count[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const int c = warp_count[w];
+    if (w < warp) before += c;
+    total += c;
+  }
+  if (pred) out[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int16_t>(threadIdx.x);
+  __syncthreads();  // out is complete and warp_count free again
+  return total;
+}
+
+// The routing into st.chosen (shared memory) and the leader slots (first slot naming each present
+// expert, ascending: every form serves the experts in this order) into st.leader; returns how
+// many. Tables: chosen[>= n_slots], leader[>= n_slots], warp_count[kWarps].
+template <int kWarps, class Tables>
+__device__ int find_leaders(const MoeParams& p, Tables& st) {
+  const int i = threadIdx.x;
+  if (i < p.n_slots) st.chosen[i] = p.chosen[i];
+  __syncthreads();
+  bool lead = false;
+  if (i < p.n_slots) {
+    const int e = st.chosen[i];
+    lead = expert_present(p, e);
+    for (int j = 0; j < i && lead; ++j) lead = st.chosen[j] != e;
+  }
+  return cta_compact<kWarps>(lead, st.leader, st.warp_count);
+}
+
+// The slots naming expert e, ascending, 32 at a time: fn(slot) in every lane of the warp (a
+// warp's own scan of st.chosen, so the warp-unit and staged kernels need no CTA barrier per
+// expert).
+template <class Tables, class Fn>
+__device__ __forceinline__ void for_each_slot_of(const MoeParams& p, const Tables& st, int e, int lane, Fn fn) {
+  for (int c0 = 0; c0 < p.n_slots; c0 += 32) {
+    unsigned m = __ballot_sync(0xffffffffu, c0 + lane < p.n_slots && st.chosen[c0 + lane] == e);
+    while (m != 0) {
+      const int slot = c0 + __ffs(m) - 1;
+      m &= m - 1;
+      fn(slot);
+    }
+  }
+}
+
+// sum[t][r] = acc, or sum[t][r] + acc as one rounded addition (MoeOutputs::sum_accumulate).
+__device__ __forceinline__ void store_sum(const MoeParams& p, int t, int64_t r, float acc) {
+  float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + r;
+  *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+}
 
 // Activations (x for gate/up, h for down) in shared memory and the workspace are padded: Q8_K
 // block b at b * kQ8KStride + kQ8KOffset, Q8_0 block b at b * kQ80Stride + kQ80Offset, so the
@@ -144,7 +266,7 @@ inline __device__ float dot_staged(int type, const uint8_t* row, int n, const ui
 // shared weight words once, and there are no per-block shuffles. row_of(r): row r in shared
 // memory, act_of(r): its activation row (the down kernel's per-row-tile form dots each group
 // against another slot's h). Returns, in every lane of group r, row r's dot (other lanes: 0).
-__device__ __forceinline__ int lanes_per_row(int nblocks) {
+__host__ __device__ __forceinline__ int lanes_per_row(int nblocks) {
   int lanes = 1;
   while (lanes < nblocks && lanes < 32) lanes *= 2;
   return lanes;
@@ -277,6 +399,79 @@ inline __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t
   } else {
     quantize_detail::quantize_q8_0_llama_warp(__ldcg(src + b * kQK + lane),
                                               *reinterpret_cast<BlockQ8_0*>(dst + b * kQ80Stride + kQ80Offset), lane);
+  }
+}
+
+// The down kernels that own a slice of output rows (moe_fused.cu's moe_down_tile_kernel, the
+// staged down kernel): rows row_base .. row_base + rows_here - 1 of every leader's down matrix
+// put in flight with cp.async into stage [leader d][R][down_seg_words], the CTA's kWarps warps
+// taking the (leader, row) pairs round-robin. The caller commits the group.
+template <int kWarps, class Tables>
+__device__ __forceinline__ void stage_down_slice(const MoeParams& p, const Tables& st, int n_leaders, int row_base,
+                                                 int rows_here, int R, uint4* stage, int warp, int lane) {
+  for (int u = warp; u < n_leaders * rows_here; u += kWarps) {
+    const int d = u / rows_here, j = u % rows_here;
+    const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[d]]);
+    stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
+                    stage + (d * R + j) * p.down_seg_words, lane);
+  }
+}
+
+// Kernel 1's x of every token quantized into shared memory as the scalar reference's
+// pack_activations does: for gate at xg, and for up at xu unless same_x (gate and up take the
+// same activation format; xu == xg then). The CTA's kWarps warps take the blocks round-robin.
+template <int kWarps>
+__device__ __forceinline__ void quantize_x(const MoeParams& p, uint8_t* xg, uint8_t* xu, bool same_x, int warp,
+                                           int lane) {
+  const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
+  for (int u = warp; u < p.n_tokens * bg; u += kWarps)
+    quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
+  if (!same_x) {
+    const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
+    for (int u = warp; u < p.n_tokens * bu; u += kWarps)
+      quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+  }
+}
+
+// One warp's unit of kernel 1 for one slot: h[slot][row0 + j] = silu(gate_j . x_t) * (up_j . x_t)
+// for the n_pairs gate/up row pairs staged at `stage` (gate row j at j * pair_words, up row j
+// after it, pair_words = gate_seg_words + up_seg_words; g_base / u_base: the expert's tensors, for
+// the rows' alignment), t the slot's token. The warp-unit and the staged kernel 1 both call this.
+// How it dots (every kernel 1 alike, so the same bits): with by_rows, gate row j and up row j in
+// adjacent groups of `lanes` lanes of one dot_rows call, `pairs` pairs a call (the kernels set
+// lanes = lanes_per_row(blocks of a gate row), pairs = 32 / lanes / 2, and by_rows where the
+// gate and up formats agree and a pair fits), so u reaches g's lanes with one shuffle; else
+// dot_staged per row. n_pairs by reference: the kernels pass their parameter field, read where it
+// is used (as the kernels' own loops did: the same code).
+__device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, int pairs, bool by_rows,
+                                               const uint4* stage, int pair_words, const uint8_t* g_base,
+                                               const uint8_t* u_base, int row0, const int& n_pairs, int slot,
+                                               const uint8_t* xg, const uint8_t* xu, int lane) {
+  const int t = slot / p.k;
+  float* h_row = p.h + static_cast<int64_t>(slot) * p.n_ff + row0;
+  for (int j0 = 0; by_rows && j0 < n_pairs; j0 += pairs) {
+    const int np = min(pairs, n_pairs - j0);
+    auto row_of = [&](int c) {
+      const int j = j0 + c / 2;
+      const int64_t row = row0 + j;
+      return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
+                        : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+    };
+    const uint8_t* xt = xg + t * p.xg_stride;
+    const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
+    const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
+    const int c = lane / lanes;
+    // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+    if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np)
+      h_row[j0 + c / 2] = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), uv);
+  }
+  for (int j = 0; !by_rows && j < n_pairs; ++j) {
+    const int64_t row = row0 + j;
+    const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
+    const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+    const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
+    const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
+    if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
   }
 }
 

@@ -39,73 +39,12 @@ constexpr int kSWarps = 16;
 constexpr int kSThreads = 32 * kSWarps;
 static_assert(kSThreads >= kStagedMaxSlots, "one thread per slot in the routing scans");
 
-__device__ __forceinline__ bool staged_present(const StagedParams& p, int e) {
-  if (e < 0 || e >= p.n_expert) return false;
-  return p.slots == nullptr || p.slots[e].gate != nullptr;
-}
-
-// kind: 0 gate, 1 up, 2 down.
-__device__ __forceinline__ const uint8_t* staged_tensor(const StagedParams& p, int kind, int e) {
-  if (p.slots != nullptr) {
-    const MoeExpertSlot& s = p.slots[e];
-    return static_cast<const uint8_t*>(kind == 0 ? s.gate : kind == 1 ? s.up : s.down);
-  }
-  const uint8_t* base = kind == 0 ? p.gate_base : kind == 1 ? p.up_base : p.down_base;
-  const int64_t bytes = kind == 0 ? p.gate_expert_bytes : kind == 1 ? p.up_expert_bytes : p.down_expert_bytes;
-  return base + static_cast<int64_t>(e) * bytes;
-}
-
-// Stable compaction over the CTA: the thread ids with pred set, ascending, into out; returns how
-// many. Every thread of the CTA must call it.
-__device__ int staged_compact(bool pred, int16_t* out, int* warp_count) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned ballot = __ballot_sync(0xffffffffu, pred);
-  if (lane == 0) warp_count[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0, total = 0;
-  for (int w = 0; w < kSWarps; ++w) {
-    const int c = warp_count[w];
-    if (w < warp) before += c;
-    total += c;
-  }
-  if (pred) out[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int16_t>(threadIdx.x);
-  __syncthreads();
-  return total;
-}
-
-// The routing in shared memory and the leader slots (first slot naming each present expert,
-// ascending: the default kernels' expert order).
+// The routing in shared memory and the leader slots (find_leaders).
 struct StagedRouting {
   int chosen[kStagedMaxSlots];
   int16_t leader[kStagedMaxSlots];
   int warp_count[kSWarps];
 };
-
-__device__ int staged_leaders(const StagedParams& p, StagedRouting& rt) {
-  const int i = threadIdx.x;
-  if (i < p.n_slots) rt.chosen[i] = p.chosen[i];
-  __syncthreads();
-  bool lead = false;
-  if (i < p.n_slots) {
-    const int e = rt.chosen[i];
-    lead = staged_present(p, e);
-    for (int j = 0; j < i && lead; ++j) lead = rt.chosen[j] != e;
-  }
-  return staged_compact(lead, rt.leader, rt.warp_count);
-}
-
-// fn(slot) in every lane for the slots naming expert e, ascending.
-template <class Fn>
-__device__ __forceinline__ void staged_slots_of(const StagedParams& p, const StagedRouting& rt, int e, int lane, Fn fn) {
-  for (int c0 = 0; c0 < p.n_slots; c0 += 32) {
-    unsigned m = __ballot_sync(0xffffffffu, c0 + lane < p.n_slots && rt.chosen[c0 + lane] == e);
-    while (m != 0) {
-      const int slot = c0 + __ffs(m) - 1;
-      m &= m - 1;
-      fn(slot);
-    }
-  }
-}
 
 // Waits until at most `pending` of this thread's newest commit groups are still in flight
 // (cp.async.wait_group takes an immediate); more than 7 waits for all but 7, which is only
@@ -197,7 +136,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   uint4* const ring = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
                       warp * p.warp_slots * unit_words;
 
-  const int n_leaders = staged_leaders(p, rt);
+  const int n_leaders = find_leaders<kSWarps>(p, rt);
   const int units_per_expert = p.n_ff / p.unit_pairs;
   const int64_t n_units = int64_t{n_leaders} * units_per_expert;
   const int64_t first = n_units * blockIdx.x / gridDim.x;
@@ -213,8 +152,8 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
     if (m < mine) {
       int e, row0;
       unit_at(m, e, row0);
-      const uint8_t* g = staged_tensor(p, 0, e);
-      const uint8_t* u = staged_tensor(p, 1, e);
+      const uint8_t* g = expert_tensor(p, 0, e);
+      const uint8_t* u = expert_tensor(p, 1, e);
       uint4* stage = ring + (m % depth) * unit_words;
       if (p.bulk) {  // lane c copies row c: gate j = c / 2 (c even) or up j (c odd)
         uint64_t* bar = &bars[warp][m % depth];
@@ -246,19 +185,9 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   }
   for (int m = 0; m < depth; ++m) issue(m);
   allow_dependent_grids();  // the down kernel's CTAs may start fetching their rows now
-  {  // x of every token, quantized as the scalar reference's pack_activations does
-    const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
-    for (int u = warp; u < p.n_tokens * bg; u += kSWarps)
-      quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
-    if (!same_x) {
-      const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
-      for (int u = warp; u < p.n_tokens * bu; u += kSWarps)
-        quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
-    }
-  }
+  quantize_x<kSWarps>(p, xg, xu, same_x, warp, lane);
   __syncthreads();  // x published; from here on every warp runs on its own
-  // The default kernels' choice of dot (moe_gate_up_kernel): gate row j and up row j in adjacent
-  // lane groups of one dot_rows call when the formats agree and a pair fits, else dot_staged.
+  // The default kernels' choice of dot (gate_up_unit_h).
   const int lanes = lanes_per_row(p.n_embd / format_block_elems(p.gate_type));
   const int pairs = 32 / lanes / 2;
   const bool by_rows = p.gate_type == p.up_type && pairs >= 1;
@@ -272,35 +201,11 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
     int e, row0;
     unit_at(m, e, row0);
     const uint4* stage = ring + (m % depth) * unit_words;
-    const uint8_t* g_base = staged_tensor(p, 0, e);
-    const uint8_t* u_base = staged_tensor(p, 1, e);
-    staged_slots_of(p, rt, e, lane, [&](int slot) {
-      const int t = slot / p.k;
-      float* h_row = p.h + static_cast<int64_t>(slot) * p.n_ff + row0;
-      for (int j0 = 0; by_rows && j0 < p.unit_pairs; j0 += pairs) {
-        const int np = min(pairs, p.unit_pairs - j0);
-        auto row_of = [&](int c) {
-          const int j = j0 + c / 2;
-          const int64_t row = row0 + j;
-          return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
-                            : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-        };
-        const uint8_t* xt = xg + t * p.xg_stride;
-        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
-        const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
-        const int c = lane / lanes;
-        // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
-        if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np)
-          h_row[j0 + c / 2] = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), uv);
-      }
-      for (int j = 0; !by_rows && j < p.unit_pairs; ++j) {
-        const int64_t row = row0 + j;
-        const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
-        const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
-        const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
-        if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
-      }
+    const uint8_t* g_base = expert_tensor(p, 0, e);
+    const uint8_t* u_base = expert_tensor(p, 1, e);
+    for_each_slot_of(p, rt, e, lane, [&](int slot) {
+      gate_up_unit_h(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.unit_pairs, slot, xg, xu,
+                     lane);
     });
     __syncwarp();        // every lane is done with the buffer
     issue(m + depth);    // the unit that reuses it (if any)
@@ -371,7 +276,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
   __shared__ float weight[kStagedMaxSlots];
   __shared__ uint64_t rows_bar;  // bulk copies: every staged row
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (p.bulk && threadIdx.x == 0) mbar_init(&rows_bar);  // published by staged_leaders' barriers
+  if (p.bulk && threadIdx.x == 0) mbar_init(&rows_bar);  // published by find_leaders' barriers
   const int R = p.rows_per_cta;
   const int row_base = blockIdx.x * R;
   const int rows_here = min(R, p.n_embd - row_base);
@@ -383,31 +288,26 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
   // The routing (and the slot table) were written before kernel 1 started, and kernel 1 released
   // this launch only after its own wait for them, so they are read before this kernel's wait
   // (moe_fused.cu's down kernels rely on the same): the rows can fly while kernel 1 runs.
-  const int n_leaders = staged_leaders(p, rt);
+  const int n_leaders = find_leaders<kSWarps>(p, rt);
   if (p.bulk) {  // one thread per row
     for (int u = threadIdx.x; u < n_leaders * rows_here; u += kSThreads) {
       const int d = u / rows_here, j = u % rows_here;
-      const uint8_t* w = staged_tensor(p, 2, rt.chosen[rt.leader[d]]);
+      const uint8_t* w = expert_tensor(p, 2, rt.chosen[rt.leader[d]]);
       bulk_stage_row(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
                      stage + (d * R + j) * p.down_seg_words, &rows_bar);
     }
   } else {
-    for (int u = warp; u < n_leaders * rows_here; u += kSWarps) {
-      const int d = u / rows_here, j = u % rows_here;
-      const uint8_t* w = staged_tensor(p, 2, rt.chosen[rt.leader[d]]);
-      stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
-                      stage + (d * R + j) * p.down_seg_words, lane);
-    }
+    stage_down_slice<kSWarps>(p, rt, n_leaders, row_base, rows_here, R, stage, warp, lane);
     __pipeline_commit();
   }
   const int i = threadIdx.x;
   if (i < n_leaders) {
     leader_index[rt.leader[i]] = static_cast<int16_t>(i);
-    misalign[i] = static_cast<uint8_t>(reinterpret_cast<uintptr_t>(staged_tensor(p, 2, rt.chosen[rt.leader[i]])) & 15);
+    misalign[i] = static_cast<uint8_t>(reinterpret_cast<uintptr_t>(expert_tensor(p, 2, rt.chosen[rt.leader[i]])) & 15);
   }
   if (i < p.n_slots) present_pos[i] = -1;
-  const bool present = i < p.n_slots && staged_present(p, rt.chosen[i]);
-  const int n_present = staged_compact(present, present_list, rt.warp_count);  // barriers: the above is set
+  const bool present = i < p.n_slots && expert_present(p, rt.chosen[i]);
+  const int n_present = cta_compact<kSWarps>(present, present_list, rt.warp_count);  // barriers: the above is set
   if (i < n_present) {
     const int slot = present_list[i];
     present_pos[slot] = static_cast<int16_t>(i);
@@ -420,7 +320,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
     slot_leader[i] = leader_index[first];
   }
 
-  // (staged_compact's barriers: every row's expect_tx is in before the one arrival.)
+  // (cta_compact's barriers: every row's expect_tx is in before the one arrival.)
   if (p.bulk && threadIdx.x == 0) mbar_arrive(&rows_bar);
 
   wait_for_prior_grids();  // kernel 1's h (and everything before it) complete and visible
@@ -466,27 +366,21 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
         const int q = present_pos[t * p.k + s];
         if (q >= 0) acc = __fadd_rn(acc, __fmul_rn(weight[t * p.k + s], y[q]));
       }
-      float* out = p.sum + static_cast<int64_t>(t) * p.n_embd + row;
-      *out = p.sum_accumulate ? __fadd_rn(*out, acc) : acc;
+      store_sum(p, t, row, acc);
     }
     __syncwarp();  // y is rewritten for the next row
   }
 }
 
-struct StagedDevice {
-  int device = -1, sms = 0, smem_optin = 0, smem_per_sm = 0;
+struct StagedDevice : MoeDeviceInfo {
   int static_a = 0, static_b = 0;  // the kernels' static shared memory
 };
 
 StagedDevice staged_device() {
-  thread_local StagedDevice info;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (device != info.device) {
-    info.device = device;
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  thread_local StagedDevice info{{-1, 0, 0, 0, 0}};
+  const MoeDeviceInfo dev = moe_device_info();
+  if (dev.device != info.device) {
+    static_cast<MoeDeviceInfo&>(info) = dev;
     cudaFuncAttributes a{}, b{};
     CUDA_CHECK(cudaFuncGetAttributes(&a, moe_staged_gate_up_kernel));
     CUDA_CHECK(cudaFuncGetAttributes(&b, moe_staged_down_kernel));
@@ -500,27 +394,6 @@ StagedDevice staged_device() {
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   }
   return info;
-}
-
-// Raises a kernel's dynamic shared-memory limit when needed (per kernel and device).
-template <int kKernel>
-void staged_ensure_smem(const void* kernel, int device, int64_t bytes) {
-  thread_local int raised_device = -1;
-  thread_local int64_t raised = -1;
-  if (device != raised_device) {
-    raised_device = device;
-    raised = -1;
-  }
-  if (bytes > raised) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    raised = bytes;
-  }
-}
-
-int host_lanes(int64_t nblocks) {
-  int lanes = 1;
-  while (lanes < nblocks && lanes < 32) lanes *= 2;
-  return lanes;
 }
 
 // Shared memory of the two kernels for a planned p.
@@ -542,6 +415,13 @@ StagedSmem staged_smem(const StagedParams& p) {
 
 bool moe_staged_plan(StagedParams& p) {
   if (p.n_tokens < 1 || p.n_tokens > kStagedMaxTokens || p.n_slots > kStagedMaxSlots) return false;
+  // Where this form is slower than the default kernels: Q8_0 experts. H200,
+  // moraine-kernel-bench cuda --moe-only, graph, us per layer, default -> staged (2026-11-30 run
+  // B, per-lane cp.async): Q8_0 at 1 token 38.1 -> 39.8 (Qwen3-30B-A3B) and 34.6 -> 34.7
+  // (Qwen3-Next), against Q4_K 23.4 -> 20.8 / 38.4 -> 35.0 at 1 / 2 tokens (30B-A3B) and
+  // 24.7 -> 20.3 / 35.3 -> 32.2 (Next). Decided by the gate format, as gpu_worker's cuda_backend
+  // did before.
+  if (p.only_where_faster && static_cast<TensorType>(p.gate_type) == TensorType::Q8_0) return false;
   const StagedDevice dev = staged_device();
   constexpr int64_t kReserve = 1024;  // the per-CTA shared memory the driver keeps
   // Kernel 2: n_embd rows over one wave of CTAs; every chosen expert's rows of a slice staged.
@@ -555,7 +435,7 @@ bool moe_staged_plan(StagedParams& p) {
   // CTA per SM, as many units in flight per warp as the shared memory left beside kernel 2's CTA
   // holds (all of them when they fit).
   const TensorType gate_t = static_cast<TensorType>(p.gate_type);
-  const int lanes = host_lanes(p.n_embd / type_traits(gate_t).block_elems);
+  const int lanes = lanes_per_row(static_cast<int>(p.n_embd / type_traits(gate_t).block_elems));
   const int pairs = 32 / lanes / 2;
   p.unit_pairs = p.gate_type == p.up_type && pairs >= 1 ? pairs : 1;
   if (p.n_ff % p.unit_pairs != 0) return false;
@@ -577,8 +457,8 @@ bool moe_staged_launch(StagedParams p, bool pdl_down, bool pdl_gate_up, cudaStre
   const StagedDevice dev = staged_device();
   const StagedSmem smem = staged_smem(p);
   const int64_t smem_a = smem.a, smem_b = smem.b;
-  staged_ensure_smem<0>(reinterpret_cast<const void*>(moe_staged_gate_up_kernel), dev.device, smem_a);
-  staged_ensure_smem<1>(reinterpret_cast<const void*>(moe_staged_down_kernel), dev.device, smem_b);
+  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_staged_gate_up_kernel), dev.device, smem_a);
+  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_staged_down_kernel), dev.device, smem_b);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;

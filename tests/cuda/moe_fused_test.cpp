@@ -422,6 +422,7 @@ void run_case(const Case& c) {
   // zeroed. The per-row-tile form falls back to per-expert where its rows do not fit.
   using Down = cuda::MoeLayerWeights::Tuning::Down;
   using Dots = cuda::MoeLayerWeights::Dots;
+  using Staged = cuda::MoeLayerWeights::Tuning::Staged;
   struct Form {
     const char* name;
     Dots dots;
@@ -465,14 +466,20 @@ void run_case(const Case& c) {
        {.gate_up_warp_units = false, .down_warp_units = true, .down_stages = 2, .down_quantizes_h = true}},
       {"staged dots without 16-byte loads, warp units in both kernels", Dots::kStaged,
        {.vector_loads = false, .gate_up_warp_units = true, .down_warp_units = true}},
-      {"dot_rows, the staged form (moe_staged.cu; the defaults past 4 tokens)", Dots::kRows, {.staged = true}},
-      {"dot_rows without 16-byte loads, the staged form", Dots::kRows, {.vector_loads = false, .staged = true}},
+      {"dot_rows, the staged form (moe_staged.cu; the defaults past 4 tokens)", Dots::kRows,
+       {.staged = Staged::kWhereFits}},
+      {"dot_rows without 16-byte loads, the staged form", Dots::kRows,
+       {.vector_loads = false, .staged = Staged::kWhereFits}},
       {"dot_rows, the staged form, kernel 1 with a whole SM", Dots::kRows,
-       {.staged = true, .staged_k1_whole_sm = true}},
-      {"dot_rows, the staged form with bulk copies", Dots::kRows, {.staged = true, .staged_bulk_copies = true}},
+       {.staged = Staged::kWhereFits, .staged_k1_whole_sm = true}},
+      {"dot_rows, the staged form with bulk copies", Dots::kRows,
+       {.staged = Staged::kWhereFits, .staged_bulk_copies = true}},
       {"dot_rows, the staged form with bulk copies, kernel 1 with a whole SM, both launched programmatically",
        Dots::kRows,
-       {.gate_up_programmatic_launch = true, .staged = true, .staged_k1_whole_sm = true, .staged_bulk_copies = true}}};
+       {.gate_up_programmatic_launch = true,
+        .staged = Staged::kWhereFits,
+        .staged_k1_whole_sm = true,
+        .staged_bulk_copies = true}}};
   for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
     const Form& form = forms[call / 2];
     w.dots = form.dots;
@@ -532,8 +539,8 @@ void run_case(const Case& c) {
                                {"warp units", {.gate_up_warp_units = true, .down_warp_units = true}},
                                {"warp units, h quantized by the down kernel",
                                 {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}},
-                               {"staged", {.staged = true}},
-                               {"staged, bulk copies", {.staged = true, .staged_bulk_copies = true}}};
+                               {"staged", {.staged = Staged::kWhereFits}},
+                               {"staged, bulk copies", {.staged = Staged::kWhereFits, .staged_bulk_copies = true}}};
   for (const SumForm& form : sum_forms) {
     w.dots = Dots::kRows;
     w.tuning = form.tuning;
@@ -694,10 +701,18 @@ void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool mu
   w.up = dup.get();
   w.down = ddown.get();
   const std::string what = std::string(s.name) + " " + std::string(type_name(s.type)) + " n=" + std::to_string(n_tokens);
+  using Staged = cuda::MoeLayerWeights::Tuning::Staged;
+  w.tuning.staged = Staged::kWhereFits;
   const bool applies = cuda::moe_fused_staged_applies(w, n_tokens, s.k);
   if (must_apply) {
     ASSERT_TRUE(applies) << what << ": the staged form must run at this shape";
   }
+  // What the backend asks for: the planner declines where the form measured slower (Q8_0
+  // experts, moe_staged_plan) and takes the rest wherever it fits; off means off.
+  w.tuning.staged = Staged::kWhereFaster;
+  EXPECT_EQ(cuda::moe_fused_staged_applies(w, n_tokens, s.k), applies && s.type != TensorType::Q8_0) << what;
+  w.tuning.staged = Staged::kOff;
+  EXPECT_FALSE(cuda::moe_fused_staged_applies(w, n_tokens, s.k)) << what;
   cuda::DeviceBuffer<float> dx(x.size()), dweight(weight.size()), dsum(x.size());
   cuda::DeviceBuffer<float> dslot_rows(static_cast<size_t>(n_slots) * static_cast<size_t>(s.n_embd));
   cuda::DeviceBuffer<int32_t> dchosen(chosen.size()), drow_of(row_of.size());
@@ -757,7 +772,8 @@ void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool mu
   for (const bool whole_sm : {false, true}) {
     for (const bool bulk : {false, true}) {
       form = std::string("staged") + (whole_sm ? ", kernel 1 with a whole SM" : "") + (bulk ? ", bulk copies" : "");
-      run({.staged = true, .staged_k1_whole_sm = whole_sm, .staged_bulk_copies = bulk}, sum1, rows1, acc1);
+      run({.staged = Staged::kWhereFits, .staged_k1_whole_sm = whole_sm, .staged_bulk_copies = bulk}, sum1, rows1,
+          acc1);
       same_bits("sum", sum0, sum1);
       same_bits("slot rows", rows0, rows1);
       same_bits("accumulated sum", acc0, acc1);
