@@ -257,6 +257,9 @@ int main(int argc, char** argv) {
   app.add_option("--seeds", seeds, "other orders to try (seeds 1..N)");
   app.add_option("--isa", isa, "also: the kernels' own order with the dispatch capped at this tier (scalar, avx2, ...)");
   app.add_flag("--detail", detail, "replay the worst seed layer by layer with code and routing counts");
+  std::string kv = "f32";
+  app.add_option("--kv-type", kv, "the reference's KV cache (f16: a seed also rounds near-edge K/V either way)")
+      ->check(CLI::IsMember({"f32", "f16"}));
   CLI11_PARSE(app, argc, argv);
   try {
     const model::Model m = model::Model::load(path);
@@ -267,12 +270,17 @@ int main(int argc, char** argv) {
     tokens.resize(rows);
 
     // (a) prefill
-    const std::vector<float> want = ReferenceExecutor(m, {1}).forward(tokens, true);
+    const auto opts = [&](DotOrderSeed seed) {
+      reference::ExecutorOptions o{1, 1 << 30, seed};
+      o.kv_type = kv == "f16" ? model::KvType::F16 : model::KvType::F32;
+      return o;
+    };
+    const std::vector<float> want = ReferenceExecutor(m, opts(0)).forward(tokens, true);
     std::vector<double> pre;
     DotOrderSeed worst_seed = 1;
     Gap worst;
     for (int s = 1; s <= seeds; ++s) {
-      const Gap g = gap(ReferenceExecutor(m, {1, 1 << 30, DotOrderSeed(s)}).forward(tokens, true), want);
+      const Gap g = gap(ReferenceExecutor(m, opts(DotOrderSeed(s))).forward(tokens, true), want);
       pre.push_back(g.rel());
       if (g.rel() >= worst.rel()) worst = g, worst_seed = s;
     }

@@ -19,7 +19,9 @@ struct ExecutorOptions {
   int n_threads = 0;  // <= 0: all hardware threads
   int64_t min_parallel_work = ThreadPool::kDefaultMinParallelWork;  // see ThreadPool
   // Every matmul's dot order (matmul.h): 0, the default, is the kernels' own; another seed gives
-  // another valid float order, to measure how far that alone moves the logits.
+  // another valid float order, to measure how far that alone moves the logits. With an F16 KV
+  // cache a seed also rounds the K/V values within 2^-20 of a half rounding edge either way
+  // (attention_block.cpp): another float order could have put them on the other side.
   DotOrderSeed dot_order = 0;
   // The KV cache's element type (common/model/kv_type.h): with F16 every K and V element is
   // rounded to IEEE half when stored, as the CUDA backend's F16 cache holds it.

@@ -331,7 +331,27 @@ TEST_P(CudaBackendGolden, GreedyTokensAndDecodeEqualsPrefill) {
     logits = run_step(*backend_, *model_, {got.back()}, false, Drive::kGraph);
     stepwise.insert(stepwise.end(), logits.begin(), logits.end());
   }
-  EXPECT_EQ(got, want);
+  if (c.exact_reference() || got == want) {
+    EXPECT_EQ(got, want);
+  } else {
+    // A quantized file or an F16 cache: the engine may part from the reference's greedy path
+    // where the reference's own top two are closer than the reference moves under other valid
+    // float orders (and, with F16, roundings) — a near tie, not an error. The first differing
+    // token must be such a tie; after it the two paths are no longer comparable.
+    size_t i = 0;
+    while (got[i] == want[i]) ++i;
+    const std::vector<float> rows = test_support::generation_logits(*model_, 0, prompt_, want, c.kv);
+    const test_support::OrderBound b = case_bound(c, rows, [&](reference::DotOrderSeed s) {
+      return test_support::generation_logits(*model_, s, prompt_, want, c.kv);
+    });
+    double max_ref = 0;
+    for (float x : rows) max_ref = std::max(max_ref, std::fabs(double(x)));
+    const float* row = rows.data() + i * V;
+    const double margin = double(row[want[i]]) - row[got[i]];
+    std::printf("[ %s ] greedy parts from the reference at token %zu: reference margin %.3g of max, %s\n",
+                c.name().c_str(), i, margin / max_ref, b.describe().c_str());
+    EXPECT_LE(margin, b.bound * max_ref) << "token " << i << ": engine " << got[i] << ", reference " << want[i];
+  }
 
   std::vector<int32_t> all = prompt_;
   all.insert(all.end(), got.begin(), got.end());
@@ -545,7 +565,8 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
       }
     }
     for (int64_t v = 0; v < V; ++v) ASSERT_TRUE(std::isfinite(got[v])) << "position " << t << " logit " << v;
-    if (r[best] - r[second] > 0.01 * g.max_ref) {
+    // A clear choice: a margin above 1% of max and above what the reference moves by itself.
+    if (r[best] - r[second] > std::max(0.01, b.bound) * g.max_ref) {
       EXPECT_EQ(sampling::argmax(std::span<const float>(got, V)), best) << "cuBLAS prefill, position " << t;
     }
   }
