@@ -24,6 +24,7 @@
 #include "common/tokenizer/streaming_decoder.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
+#include "coordinator/chunk_streamer.h"
 #include "coordinator/control_server.h"
 #include "coordinator/device_reserve.h"
 #include "coordinator/group_layout.h"
@@ -184,6 +185,7 @@ class Coordinator final : public generate::Coordinator::Service {
                                sp.top_p() > 0 ? sp.top_p() : 1.0f, sp.seed()});
     std::unique_ptr<tokenizer::StreamingDecoder> dec;
     if (tok_) dec = std::make_unique<tokenizer::StreamingDecoder>(*tok_, false);
+    group::ChunkStreamer stream(writer);   // the client reads at its own pace (chunk_streamer.h)
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
     try {
@@ -194,7 +196,7 @@ class Coordinator final : public generate::Coordinator::Service {
       const auto t1 = Clock::now();
       generate::FinishReason finish = generate::FINISH_LENGTH;
       for (uint32_t i = 0; i < max_new; ++i) {
-        if (ctx->IsCancelled()) {
+        if (ctx->IsCancelled() || stream.broken()) {
           finish = generate::FINISH_CANCELLED;
           break;
         }
@@ -214,12 +216,12 @@ class Coordinator final : public generate::Coordinator::Service {
           timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
           chunk.set_finish(finish);
           *chunk.mutable_timing() = timing;
-          writer->Write(chunk);
-          return grpc::Status::OK;
+          stream.push(std::move(chunk));
+          return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
         }
         const auto twrite = Clock::now();
         sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
-        writer->Write(chunk);
+        stream.push(std::move(chunk));
         stream_write_.record(1, 0, 0, us_since(twrite));
         const auto ts = Clock::now();
         logits = feed(&context.back(), 1, false, context);
@@ -228,13 +230,14 @@ class Coordinator final : public generate::Coordinator::Service {
       generate::GenerateChunk last;
       last.set_finish(finish);
       *last.mutable_timing() = timing;
-      writer->Write(last);
-      return grpc::Status::OK;
+      stream.push(std::move(last));
+      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
     } catch (const std::exception& e) {
       generate::GenerateChunk err;
       err.set_finish(generate::FINISH_ERROR);
       err.set_error(e.what());
-      writer->Write(err);
+      stream.push(std::move(err));
+      stream.finish();
       return {grpc::StatusCode::INTERNAL, e.what()};
     }
   }
@@ -357,7 +360,7 @@ class Coordinator final : public generate::Coordinator::Service {
   group::StageRecorder& prefill_;
   group::StageRecorder& decode_;
   // Per generated token, between two steps: the finite check, sampling and detokenizing; then
-  // the chunk's write to the client's stream.
+  // handing the chunk to the stream's writer thread (chunk_streamer.h).
   group::StageRecorder& sample_;
   group::StageRecorder& stream_write_;
   zmq::context_t ctx_{1};

@@ -200,6 +200,34 @@ TEST_F(GroupFaults, StatsCountEveryStage) {
 
 // Drain: the process stops taking new work, answers once what it has is done, and says so in
 // Health; Configure/Load answer UNIMPLEMENTED with the reason (configuration is by flags).
+// A client that goes away in the middle of a long generation (its stream written by the
+// coordinator's writer thread, chunk_streamer.h): the coordinator stops that request within a few
+// tokens and frees the session, so the next request runs and gives the reference's tokens.
+TEST_F(GroupFaults, AClientLeavingMidStreamEndsItsRequest) {
+  Group g(options(*model_));
+  auto stub = generate::Coordinator::NewStub(grpc::CreateChannel(
+      group::control_address(g.socket_dir(), group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  generate::GenerateRequest req;
+  for (int32_t id : *prompt_) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  req.mutable_sampling()->set_max_tokens(100000);   // far beyond the context: only leaving ends it early
+  req.mutable_sampling()->set_ignore_eos(true);
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, req);
+    generate::GenerateChunk chunk;
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&chunk)) << "chunk " << i;
+    ctx.TryCancel();
+    while (reader->Read(&chunk)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const Generation after = generate(g.socket_dir(), *prompt_, kTokens);
+  EXPECT_TRUE(after.error.empty()) << after.error;
+  EXPECT_EQ(after.ids, ref_->ids);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << "the session stayed taken after the client left";
+}
+
 TEST_F(GroupFaults, DrainStopsNewRequestsAndReportsDrained) {
   Group g(options(*model_));
   ASSERT_TRUE(generate(g.socket_dir(), *prompt_, kTokens).error.empty());
