@@ -246,6 +246,17 @@ class Coordinator final : public generate::Coordinator::Service {
   // A faulty step (a kernel bug, a lost expert output) shows as non-finite logits; a benchmark
   // asks for this check so that it never reports numbers from such a run.
   static void check_finite(std::span<const float> logits, size_t position) {
+    // x * 0 is 0 for a finite x and NaN otherwise: 16 independent sums say whether to look (39 us
+    // per token over 151,936 logits as one early-exit loop, on the path between two steps).
+    float lane[16] = {};
+    const size_t n16 = logits.size() / 16 * 16;
+    for (size_t i = 0; i < n16; i += 16) {
+      for (size_t j = 0; j < 16; ++j) lane[j] += logits[i + j] * 0.0f;
+    }
+    float any = 0.0f;
+    for (float x : lane) any += x;
+    for (size_t i = n16; i < logits.size(); ++i) any += logits[i] * 0.0f;
+    if (any == 0.0f) return;
     for (size_t i = 0; i < logits.size(); ++i) {
       if (!std::isfinite(logits[i])) {
         throw std::runtime_error("logit " + std::to_string(i) + " of position " + std::to_string(position) + " is " +

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/messaging/job_channel.h"
+#include "common/gguf/gguf.h"
 #include "common/model/model.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
@@ -226,6 +228,48 @@ TEST_F(GroupFaults, AClientLeavingMidStreamEndsItsRequest) {
   EXPECT_TRUE(after.error.empty()) << after.error;
   EXPECT_EQ(after.ids, ref_->ids);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << "the session stayed taken after the client left";
+}
+
+// A non-finite logit with SamplingParams::check_logits (what moraine-bench asks for): the request
+// fails naming the logit and the position, instead of sampling from it. The model's output row 5 is
+// made NaN in a copy of the file (F32 weights), so logit 5 is NaN at every position.
+TEST_F(GroupFaults, CheckLogitsNamesANonFiniteLogit) {
+  const std::string bad = *dir_ + "/nan_logit.gguf";
+  fs::copy_file(*model_, bad, fs::copy_options::overwrite_existing);
+  uint64_t at = 0;
+  {
+    const auto f = gguf::GgufFile::open(bad);
+    for (const auto& t : f.tensors()) {
+      if (t.name != "output.weight") continue;
+      ASSERT_EQ(t.type, TensorType::F32);
+      at = f.data_offset(t.shard) + t.offset + 5 * static_cast<uint64_t>(t.shape[0]) * sizeof(float);
+    }
+  }
+  ASSERT_GT(at, 0u) << "no F32 output.weight in " << bad;
+  {
+    std::fstream io(bad, std::ios::in | std::ios::out | std::ios::binary);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    io.seekp(static_cast<std::streamoff>(at));
+    io.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+    ASSERT_TRUE(io.good());
+  }
+  Group g(options(bad));
+  auto stub = generate::Coordinator::NewStub(grpc::CreateChannel(
+      group::control_address(g.socket_dir(), group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  generate::GenerateRequest req;
+  for (int32_t id : *prompt_) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+  req.mutable_sampling()->set_max_tokens(4);
+  req.mutable_sampling()->set_check_logits(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub->Generate(&ctx, req);
+  generate::GenerateChunk chunk;
+  std::string error;
+  while (reader->Read(&chunk)) {
+    if (!chunk.error().empty()) error = chunk.error();
+  }
+  EXPECT_FALSE(reader->Finish().ok());
+  EXPECT_NE(error.find("logit 5 of position " + std::to_string(prompt_->size()) + " is NaN"), std::string::npos) << error;
 }
 
 TEST_F(GroupFaults, DrainStopsNewRequestsAndReportsDrained) {
