@@ -1,5 +1,6 @@
 // bench/kernel-trace-summary on a trace written here with known timings: three decode-graph
-// launches (a kernel pair and a copy each, fixed durations and idle gaps, 20 us apart) plus one
+// launches (a leading copy 3 us before a kernel pair and a copy, fixed durations and idle gaps, 20
+// us apart) plus one
 // unrelated graph and a copy outside graphs, which the summary must leave out.
 #include <gtest/gtest.h>
 
@@ -24,6 +25,8 @@ TEST(KernelTraceSummary, SpansBusyIdleAndPerKernelTimesOfTheDecodeGraph) {
     long t = 1000;
     f << "kernel,_Z5setupv,10,500,7,9,1,1,1\n";   // another graph, launched once
     for (int launch = 0; launch < 3; ++launch) {
+      f << "memcpy,HtoD 4," << t << "," << t + 500 << ",7,3,9,0,0\n";              // 0.5 us, then
+      t += 500 + 3000;                                                            // 3 us before the kernels
       f << "kernel,_Z3fooPf," << t << "," << t + 5000 << ",7,3,10,8,256\n";       // 5 us
       t += 5000 + 2000;                                                           // 2 us idle
       f << "kernel,_Z3barPf," << t << "," << t + 3000 << ",7,3,11,8,256\n";       // 3 us
@@ -39,14 +42,16 @@ TEST(KernelTraceSummary, SpansBusyIdleAndPerKernelTimesOfTheDecodeGraph) {
                           " --layers 2 > " + out.string() + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(out);
   const std::string text = slurp(out);
-  // Per launch: span 11.5 us, busy 9 us, idle 2.5 us; per layer (2): 5.75 / 4.50 / 1.25. The
-  // median gap from a launch's last activity to the next launch: 20 us.
-  EXPECT_NE(text.find("graph 3: 3 launches, 3 activities each"), std::string::npos) << text;
+  // Per launch, from the first kernel: span 11.5 us, busy 9 us, idle 2.5 us; per layer (2): 5.75 /
+  // 4.50 / 1.25. The median gap from a launch's last activity to the next launch's first: 20 us.
+  EXPECT_NE(text.find("graph 3: 3 launches, 4 activities each"), std::string::npos) << text;
   EXPECT_NE(text.find("span      5.75 us per layer   busy      4.50   idle inside     1.25"), std::string::npos) << text;
   EXPECT_NE(text.find("(median)      20.0 us"), std::string::npos) << text;
   // foo: 5 us, no idle before, 2.5 us per layer; bar: 3 us after 2 us idle; the copy after 0.5 us.
   EXPECT_NE(text.find("foo"), std::string::npos) << text;
-  EXPECT_NE(text.find("       1.0     5.00        0.00           2.50  43.5%"), std::string::npos) << text;
+  EXPECT_NE(text.find("       1.0     5.00        3.00           2.50  43.5%"), std::string::npos) << text;
+  // The leading copy: outside the span, 3.5 us from its start to the first kernel.
+  EXPECT_NE(text.find("first kernel (median)       3.5 us"), std::string::npos) << text;
   EXPECT_NE(text.find("       1.0     3.00        2.00           1.50  26.1%"), std::string::npos) << text;
   EXPECT_NE(text.find("[memcpy] DtoH 8"), std::string::npos) << text;
   EXPECT_EQ(text.find("607744"), std::string::npos) << "a copy outside the decode graph was counted:\n" << text;
