@@ -91,7 +91,7 @@ struct Stepper {
   std::vector<int32_t> chosen;
   std::vector<float> weight;
   reference::RouterScratch router;
-  Stepper(const model::Model& model, DotOrderSeed seed) : m(model), ex(model, {1, 1 << 30, seed}) {}
+  Stepper(const model::Model& model, const reference::ExecutorOptions& o) : m(model), ex(model, o) {}
 
   void begin(const std::vector<int32_t>& tokens) {
     const int64_t n = static_cast<int64_t>(tokens.size()), d = m.hp.n_embd;
@@ -269,12 +269,13 @@ int main(int argc, char** argv) {
     while (static_cast<int>(tokens.size()) < rows) tokens.insert(tokens.end(), prompt.begin(), prompt.end());
     tokens.resize(rows);
 
-    // (a) prefill
+    // Every executor here: one thread, no parallel split, the order `seed`, the --kv-type cache.
     const auto opts = [&](DotOrderSeed seed) {
       reference::ExecutorOptions o{1, 1 << 30, seed};
       o.kv_type = kv == "f16" ? model::KvType::F16 : model::KvType::F32;
       return o;
     };
+    // (a) prefill
     const std::vector<float> want = ReferenceExecutor(m, opts(0)).forward(tokens, true);
     std::vector<double> pre;
     DotOrderSeed worst_seed = 1;
@@ -294,13 +295,13 @@ int main(int argc, char** argv) {
       if (!cap) throw std::invalid_argument("--isa: unknown tier " + isa);
       const cpu::CpuIsa hw = cpu::hardware_cpu_isa();
       cpu::set_max_cpu_isa(*cap);
-      const Gap g = gap(ReferenceExecutor(m, {1}).forward(tokens, true), want);
+      const Gap g = gap(ReferenceExecutor(m, opts(0)).forward(tokens, true), want);
       cpu::set_max_cpu_isa(hw);
       std::printf("prefill %d rows: the %s kernels against the %s ones: %.3g (row %lld)\n", rows, isa.c_str(),
                   std::string(cpu::isa_name(hw)).c_str(), g.rel(), static_cast<long long>(g.worst / V));
     }
     if (detail) {
-      Stepper a(m, 0), b(m, worst_seed);
+      Stepper a(m, opts(0)), b(m, opts(worst_seed));
       const auto [la, lb] = lockstep(a, b, tokens, true, worst.worst / V, true);
       if (std::memcmp(la.data(), want.data(), want.size() * sizeof(float)) != 0)
         throw std::logic_error("the layer-by-layer replay is not forward()'s arithmetic");
@@ -310,7 +311,7 @@ int main(int argc, char** argv) {
     // (b) decode: the natural order's greedy tokens, fed to every order
     if (decode > 0) {
       auto run = [&](DotOrderSeed seed, const std::vector<int32_t>* feed, std::vector<int32_t>* ids) {
-        ReferenceExecutor ex(m, {1, 1 << 30, seed});
+        ReferenceExecutor ex(m, opts(seed));
         std::vector<float> all, l = ex.forward(prompt, false);
         for (int i = 0; i < decode; ++i) {
           all.insert(all.end(), l.begin(), l.end());
@@ -336,7 +337,7 @@ int main(int argc, char** argv) {
       for (double g : dec) std::printf(" %.3g", g);
       std::printf("\n");
       if (detail) {
-        Stepper a(m, 0), b(m, dseed);
+        Stepper a(m, opts(0)), b(m, opts(dseed));
         const int64_t step = dworst.worst / V;
         lockstep(a, b, prompt, false, static_cast<int64_t>(prompt.size()) - 1, step == 0);
         for (int64_t i = 1; i <= step; ++i) {
