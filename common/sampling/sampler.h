@@ -35,10 +35,9 @@ class Sampler {
 
  private:
   struct Kept {
-    std::vector<int32_t> ids;   // the kept tokens: by probability descending when sorted, else every id in order
+    std::vector<int32_t> ids;   // the kept tokens, by probability descending; with no cut in sample(), every id in order
     std::vector<double> w;      // their weights exp((logit - max) / temperature)
     double z = 0.0;             // the weights' sum over what the top-p cut measures against
-    bool sorted = false;
   };
   // sorted_all: list every token sorted even when no cut applies (distribution()).
   Kept kept(std::span<const float> logits, bool sorted_all) const;
