@@ -266,7 +266,7 @@ inline __device__ float dot_staged(int type, const uint8_t* row, int n, const ui
 // shared weight words once, and there are no per-block shuffles. row_of(r): row r in shared
 // memory, act_of(r): its activation row (the down kernel's per-row-tile form dots each group
 // against another slot's h). Returns, in every lane of group r, row r's dot (other lanes: 0).
-__host__ __device__ __forceinline__ int lanes_per_row(int nblocks) {
+__host__ __device__ constexpr int lanes_per_row(int nblocks) {
   int lanes = 1;
   while (lanes < nblocks && lanes < 32) lanes *= 2;
   return lanes;
@@ -317,8 +317,11 @@ __device__ __forceinline__ void q4k_block_sums_vec(const uint8_t* wb, const Bloc
   msum = ms;
 }
 
-template <class F, class RowOf, class ActOf>
+// kBlocks > 0: nblocks is that constant (the per-shape kernels: the lane split and its divisions
+// then fold away at compile time).
+template <class F, int kBlocks = 0, class RowOf, class ActOf>
 __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblocks, int lane, bool vec) {
+  if constexpr (kBlocks > 0) nblocks = kBlocks;
   const int lanes = lanes_per_row(nblocks);
   const int r = lane / lanes;
   float acc = 0.0f;
@@ -386,6 +389,44 @@ __device__ __forceinline__ int format_block_elems(int type) {
   return t == TensorType::Q8_0 || t == TensorType::MXFP4 ? kQK : kQK_K;
 }
 
+// A weight format (a matvec_formats.cuh format) and a row length in blocks fixed at compile time:
+// what the staged kernels are built for per shape (moe_staged.cu).
+template <class F, int kBlocks>
+struct FixedRows {
+  using Format = F;
+  static constexpr int kRowBlocks = kBlocks;
+  static constexpr int kRowBytes = kBlocks * F::kBlockBytes;
+  // Every row starts 16-byte aligned (the tensors do: moe_fused.h's contract), so a staged row
+  // sits at the start of its shared-memory segment (staged()'s offset is 0).
+  static constexpr bool kRowsAligned = kRowBytes % 16 == 0;
+};
+
+// Whether Shape (a FixedRows, or void: run-time shapes) has 16-byte aligned rows.
+template <class Shape>
+__host__ __device__ constexpr bool fixed_rows_aligned() {
+  if constexpr (std::is_void_v<Shape>) {
+    return false;
+  } else {
+    return Shape::kRowsAligned;
+  }
+}
+
+// dot_rows for rows of a FixedRows shape, or, with Shape = void, the format chosen at run time
+// from `type`: the same dot_rows_format either way, so the same bits. Why: the staged kernels
+// built per shape carry no seven-way switch (its inlined code overflowed the instruction cache:
+// ncu "no instruction" 2.0 of 12.5 cycles per issued instruction in kernel 1) and no divisions
+// by the run-time lane split.
+template <class Shape, class RowOf, class ActOf>
+__device__ __forceinline__ float dot_rows_as(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane,
+                                             bool vec) {
+  if constexpr (std::is_void_v<Shape>) {
+    return dot_rows(type, row_of, act_of, nrows, n, lane, vec);
+  } else {
+    return dot_rows_format<typename Shape::Format, Shape::kRowBlocks>(row_of, act_of, nrows, Shape::kRowBlocks, lane,
+                                                                      vec);
+  }
+}
+
 // Block b of a float row (src, global memory written by this launch or an earlier one) quantized
 // by one warp into dst (Q8_K or Q8_0 block b), as reference::pack_activations does: Q8_0 with
 // llama.cpp's x86 rule, Q8_K with the reference rule (the x86 one differs only in the sign of an
@@ -404,16 +445,19 @@ inline __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t
 
 // The down kernels that own a slice of output rows (moe_fused.cu's moe_down_tile_kernel, the
 // staged down kernel): rows row_base .. row_base + rows_here - 1 of every leader's down matrix
-// put in flight with cp.async into stage [leader d][R][down_seg_words], the CTA's kWarps warps
-// taking the (leader, row) pairs round-robin. The caller commits the group.
+// put in flight with cp.async into stage [leader d][R][down_seg_words], warp w taking rows w,
+// w + kWarps, ... of every leader. The caller commits the group. Why by leader, then row: one
+// (leader, row) pair per step with a division each took a third of the staged down kernel's
+// instructions (ncu, 30B-A3B Q4_K, 1 token: 1.5 M of 4.6 M), and that kernel issues them beside
+// kernel 1 on its SM. Which warp copies a row changes nothing in the data.
 template <int kWarps, class Tables>
 __device__ __forceinline__ void stage_down_slice(const MoeParams& p, const Tables& st, int n_leaders, int row_base,
                                                  int rows_here, int R, uint4* stage, int warp, int lane) {
-  for (int u = warp; u < n_leaders * rows_here; u += kWarps) {
-    const int d = u / rows_here, j = u % rows_here;
+  for (int d = 0; d < n_leaders; ++d) {
     const uint8_t* w = expert_tensor(p, 2, st.chosen[st.leader[d]]);
-    stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
-                    stage + (d * R + j) * p.down_seg_words, lane);
+    for (int j = warp; j < rows_here; j += kWarps)
+      stage_row_async(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
+                      stage + (d * R + j) * p.down_seg_words, lane);
   }
 }
 
@@ -442,11 +486,18 @@ __device__ __forceinline__ void quantize_x(const MoeParams& p, uint8_t* xg, uint
 // lanes = lanes_per_row(blocks of a gate row), pairs = 32 / lanes / 2, and by_rows where the
 // gate and up formats agree and a pair fits), so u reaches g's lanes with one shuffle; else
 // dot_staged per row. n_pairs by reference: the kernels pass their parameter field, read where it
-// is used (as the kernels' own loops did: the same code).
+// is used (as the kernels' own loops did: the same code). Shape: the gate/up rows' FixedRows when
+// the caller was built for them (then by_rows holds and lanes / pairs follow from it), else void.
+template <class Shape = void>
 __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, int pairs, bool by_rows,
                                                const uint4* stage, int pair_words, const uint8_t* g_base,
                                                const uint8_t* u_base, int row0, const int& n_pairs, int slot,
                                                const uint8_t* xg, const uint8_t* xu, int lane) {
+  if constexpr (!std::is_void_v<Shape>) {
+    lanes = lanes_per_row(Shape::kRowBlocks);
+    pairs = 32 / lanes / 2;
+    by_rows = true;
+  }
   const int t = slot / p.k;
   float* h_row = p.h + static_cast<int64_t>(slot) * p.n_ff + row0;
   for (int j0 = 0; by_rows && j0 < n_pairs; j0 += pairs) {
@@ -454,25 +505,32 @@ __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, in
     auto row_of = [&](int c) {
       const int j = j0 + c / 2;
       const int64_t row = row0 + j;
-      return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
-                        : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+      if constexpr (fixed_rows_aligned<Shape>()) {
+        return reinterpret_cast<const uint8_t*>(stage + j * pair_words + (c % 2 == 0 ? 0 : p.gate_seg_words));
+      } else {
+        return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
+                          : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+      }
     };
     const uint8_t* xt = xg + t * p.xg_stride;
-    const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
+    const float v = dot_rows_as<Shape>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
     const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
     const int c = lane / lanes;
     // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
     if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np)
       h_row[j0 + c / 2] = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), uv);
   }
-  for (int j = 0; !by_rows && j < n_pairs; ++j) {
-    const int64_t row = row0 + j;
-    const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
-    const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-    const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
-    const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
-    if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
+  if constexpr (std::is_void_v<Shape>) {  // else by_rows (the contract above)
+    for (int j = 0; !by_rows && j < n_pairs; ++j) {
+      const int64_t row = row0 + j;
+      const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
+      const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
+      const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
+      const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
+      if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
+    }
   }
+
 }
 
 

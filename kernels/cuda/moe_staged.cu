@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/cuda_check.h"
@@ -122,12 +123,70 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Gate activation block u of x (blocks of every token in turn, as quantize_x deals them): the
+// values quantize_block loads for it, 8 per lane for Q8_K, 1 (v[0]) for Q8_0.
+__device__ __forceinline__ void load_x_block(const StagedParams& p, int u, float (&v)[8], int lane) {
+  const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
+  const float* row = p.x + static_cast<int64_t>(u / bg) * p.n_embd;
+  if (p.x_gate_q8k) {
+    const float4* s = reinterpret_cast<const float4*>(row + (u % bg) * kQK_K + 8 * lane);
+    const float4 lo = __ldcg(s), hi = __ldcg(s + 1);
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+  } else {
+    v[0] = __ldcg(row + (u % bg) * kQK + lane);
+  }
+}
+
+// quantize_x for kernel 1 with the warp's first gate block already loaded (first; the warp's
+// blocks are u = warp, warp + kSWarps, ...): the same quantizers on the same values, so the same
+// bytes.
+__device__ void staged_quantize_x(const StagedParams& p, uint8_t* xg, uint8_t* xu, bool same_x, int warp, int lane,
+                                  const float (&first)[8]) {
+  const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
+  for (int u = warp; u < p.n_tokens * bg; u += kSWarps) {
+    float v[8];
+    if (u == warp) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = first[i];
+    } else {
+      load_x_block(p, u, v, lane);
+    }
+    uint8_t* dst = xg + (u / bg) * p.xg_stride;
+    if (p.x_gate_q8k) {
+      quantize_detail::quantize_q8_k_warp(
+          v, *reinterpret_cast<BlockQ8_K*>(dst + (u % bg) * kQ8KStride + kQ8KOffset), lane);
+    } else {
+      quantize_detail::quantize_q8_0_llama_warp(
+          v[0], *reinterpret_cast<BlockQ8_0*>(dst + (u % bg) * kQ80Stride + kQ80Offset), lane);
+    }
+  }
+  if (!same_x) {
+    const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
+    for (int u = warp; u < p.n_tokens * bu; u += kSWarps)
+      quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+  }
+}
+
+// FixedRows' row length in blocks (0 for void: the run-time kernels).
+template <class Shape>
+struct FixedBlocks : std::integral_constant<int, Shape::kRowBlocks> {};
+template <>
+struct FixedBlocks<void> : std::integral_constant<int, 0> {};
+
+// FG: the gate/up rows' FixedRows (gate and up of one format, a dot_rows call holding a pair) when
+// the launcher picked a kernel built for them, else void (any formats and lengths, at run time).
+template <class FG>
 __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const StagedParams p) {
   extern __shared__ uint4 smem[];
   __shared__ StagedRouting rt;
   __shared__ uint64_t bars[kSWarps][kStagedMaxDepth];  // bulk copies: one per warp and ring slot
   wait_for_prior_grids();  // launch.h's contract (a no-op unless launched programmatically)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // This warp's first block of x, loaded before anything else: loaded after the rows' copies it
+  // queued behind them (ncu, 30B-A3B Q4_K, 1 token: 15% of kernel 1's stall samples sat on its
+  // first use, while every warp waits for x at the barrier below).
+  float x_first[8] = {};
+  if (warp < p.n_tokens * (p.n_embd / (p.x_gate_q8k ? kQK_K : kQK))) load_x_block(p, warp, x_first, lane);
   const bool same_x = p.x_gate_q8k == p.x_up_q8k;
   uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
   uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
@@ -139,24 +198,41 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   const int n_leaders = find_leaders<kSWarps>(p, rt);
   const int units_per_expert = p.n_ff / p.unit_pairs;
   const int64_t n_units = int64_t{n_leaders} * units_per_expert;
-  const int64_t first = n_units * blockIdx.x / gridDim.x;
-  const int64_t here = n_units * (blockIdx.x + 1) / gridDim.x - first;
-  const int mine = here > warp ? static_cast<int>((here - warp + kSWarps - 1) / kSWarps) : 0;
+  // Unit ids fit an int (moe_staged_plan: n_slots * n_ff < 2^31); 32-bit division per unit.
+  const int first = static_cast<int>(n_units * blockIdx.x / gridDim.x);
+  const int here = static_cast<int>(n_units * (blockIdx.x + 1) / gridDim.x) - first;
+  const int mine = here > warp ? (here - warp + kSWarps - 1) / kSWarps : 0;
   const int depth = p.warp_slots;  // groups in flight per warp (empty ones past `mine`)
-  auto unit_at = [&](int m, int& e, int& row0) {
-    const int64_t u = first + warp + int64_t{kSWarps} * m;
-    e = rt.chosen[rt.leader[u / units_per_expert]];
-    row0 = static_cast<int>(u % units_per_expert) * p.unit_pairs;
+  // This warp's units in order (unit m is first + warp + kSWarps * m), walked by two cursors (the
+  // issue and the compute loop), each a (leader, unit within the expert) pair advanced by kSWarps
+  // units a step, and its ring buffer index: the per-unit divisions (u / units per expert,
+  // m % depth) were ~70 of kernel 1's ~1100 instructions per unit (ncu SASS counts, 30B-A3B Q4_K).
+  struct Cursor {
+    int q, r, slot;  // leader index, unit within its expert, ring buffer
   };
-  auto issue = [&](int m) {  // unit m's rows in flight as one commit group (empty past the last)
-    if (m < mine) {
-      int e, row0;
-      unit_at(m, e, row0);
+  auto start = [&]() {
+    const int u = first + warp;
+    return Cursor{u / units_per_expert, u % units_per_expert, 0};
+  };
+  auto advance = [&](Cursor& c) {
+    c.r += kSWarps;
+    while (c.r >= units_per_expert) {
+      c.r -= units_per_expert;
+      ++c.q;
+    }
+    c.slot = c.slot + 1 == depth ? 0 : c.slot + 1;
+  };
+  Cursor in = start(), out = start();  // the next unit to issue / to compute
+  int issued = 0;                      // units issued so far (the commit groups: depth + m at step m)
+  auto issue = [&]() {  // the next unit's rows in flight as one commit group (empty past the last)
+    if (issued < mine) {
+      const int e = rt.chosen[rt.leader[in.q]];
+      const int row0 = in.r * p.unit_pairs;
       const uint8_t* g = expert_tensor(p, 0, e);
       const uint8_t* u = expert_tensor(p, 1, e);
-      uint4* stage = ring + (m % depth) * unit_words;
+      uint4* stage = ring + in.slot * unit_words;
       if (p.bulk) {  // lane c copies row c: gate j = c / 2 (c even) or up j (c odd)
-        uint64_t* bar = &bars[warp][m % depth];
+        uint64_t* bar = &bars[warp][in.slot];
         if (lane < 2 * p.unit_pairs) {
           fence_proxy_async();  // this warp's reads of a refilled slot came before (__syncwarp)
           const int j = lane / 2;
@@ -169,46 +245,74 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
         }
         __syncwarp();  // every expect_tx before the phase's one arrival
         if (lane == 0) mbar_arrive(bar);
+        advance(in);
+        ++issued;
         return;
       }
-      for (int j = 0; j < p.unit_pairs; ++j) {
-        const int64_t row = row0 + j;
-        stage_row_async(g + row * p.gate_row_bytes, p.gate_row_bytes, stage + j * pair_words, lane);
-        stage_row_async(u + row * p.up_row_bytes, p.up_row_bytes, stage + j * pair_words + p.gate_seg_words, lane);
+      if constexpr (fixed_rows_aligned<FG>()) {
+        // The unit's gate rows and up rows are each one contiguous run (rows row0.. of the
+        // expert): lane l copies words l, l + 32, ... of the 2 * pairs rows, with the layout
+        // stage_row_async gives aligned rows (row at the start of its segment).
+        constexpr int kRowWords = FG::kRowBytes / 16;
+        constexpr int kPairs = 32 / lanes_per_row(FG::kRowBlocks) / 2;  // = p.unit_pairs (moe_staged_plan)
+        constexpr int kWords = 2 * kPairs * kRowWords;
+        const uint8_t* gr = g + static_cast<int64_t>(row0) * FG::kRowBytes;
+        const uint8_t* ur = u + static_cast<int64_t>(row0) * FG::kRowBytes;
+#pragma unroll
+        for (int c = 0; c < (kWords + 31) / 32; ++c) {
+          const int i = lane + 32 * c;
+          if (i < kWords) {
+            const int row = i / kRowWords, w = i - row * kRowWords;  // row 2j: gate j, 2j + 1: up j
+            const int j = row / 2;
+            const bool up = row % 2 != 0;
+            __pipeline_memcpy_async(stage + j * pair_words + (up ? p.gate_seg_words : 0) + w,
+                                    (up ? ur : gr) + (j * kRowWords + w) * 16, 16);
+          }
+        }
+      } else {
+        for (int j = 0; j < p.unit_pairs; ++j) {
+          const int64_t row = row0 + j;
+          stage_row_async(g + row * p.gate_row_bytes, p.gate_row_bytes, stage + j * pair_words, lane);
+          stage_row_async(u + row * p.up_row_bytes, p.up_row_bytes, stage + j * pair_words + p.gate_seg_words, lane);
+        }
       }
+      advance(in);
     }
+    ++issued;
     if (!p.bulk) __pipeline_commit();
   };
   if (p.bulk) {
     if (lane < depth) mbar_init(&bars[warp][lane]);
     __syncwarp();
   }
-  for (int m = 0; m < depth; ++m) issue(m);
+  for (int m = 0; m < depth; ++m) issue();
   allow_dependent_grids();  // the down kernel's CTAs may start fetching their rows now
-  quantize_x<kSWarps>(p, xg, xu, same_x, warp, lane);
+  staged_quantize_x(p, xg, xu, same_x, warp, lane, x_first);
   __syncthreads();  // x published; from here on every warp runs on its own
   // The default kernels' choice of dot (gate_up_unit_h).
-  const int lanes = lanes_per_row(p.n_embd / format_block_elems(p.gate_type));
+  const int lanes =
+      lanes_per_row(std::is_void_v<FG> ? p.n_embd / format_block_elems(p.gate_type) : FixedBlocks<FG>::value);
   const int pairs = 32 / lanes / 2;
   const bool by_rows = p.gate_type == p.up_type && pairs >= 1;
   for (int m = 0; m < mine; ++m) {
     if (p.bulk) {
-      mbar_wait(&bars[warp][m % depth], static_cast<unsigned>(m / depth) & 1u);
+      mbar_wait(&bars[warp][out.slot], static_cast<unsigned>(m / depth) & 1u);
     } else {
       wait_groups_pending(depth - 1);  // unit m's group (groups committed so far: depth + m)
     }
     __syncwarp();
-    int e, row0;
-    unit_at(m, e, row0);
-    const uint4* stage = ring + (m % depth) * unit_words;
-    const uint8_t* g_base = expert_tensor(p, 0, e);
+    const int e = rt.chosen[rt.leader[out.q]];
+    const int row0 = out.r * p.unit_pairs;
+    const uint4* stage = ring + out.slot * unit_words;
+    const uint8_t* g_base = expert_tensor(p, 0, e);  // (unused by aligned per-shape rows: folded away)
     const uint8_t* u_base = expert_tensor(p, 1, e);
     for_each_slot_of(p, rt, e, lane, [&](int slot) {
-      gate_up_unit_h(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.unit_pairs, slot, xg, xu,
-                     lane);
+      gate_up_unit_h<FG>(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.unit_pairs, slot, xg, xu,
+                         lane);
     });
-    __syncwarp();        // every lane is done with the buffer
-    issue(m + depth);    // the unit that reuses it (if any)
+    __syncwarp();  // every lane is done with the buffer
+    advance(out);
+    issue();  // the unit that reuses it (if any)
   }
 }
 
@@ -265,6 +369,8 @@ __device__ void staged_quantize_h(const StagedParams& p, const int16_t* present_
   }
 }
 
+// FD: the down rows' FixedRows when the launcher picked a kernel built for them, else void.
+template <class FD>
 __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const StagedParams p) {
   extern __shared__ uint4 smem[];
   __shared__ StagedRouting rt;
@@ -335,7 +441,8 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
 
   // One warp per output row: every present slot's dot (the default's dot_rows with the same row
   // length, rows of several experts in one call), then the weighted sum in top-k order.
-  const int lanes = lanes_per_row(p.n_ff / format_block_elems(p.down_type));
+  const int lanes =
+      lanes_per_row(std::is_void_v<FD> ? p.n_ff / format_block_elems(p.down_type) : FixedBlocks<FD>::value);
   const int per_call = 32 / lanes;
   float* y = ybuf + warp * y_stride;
   for (int j = warp; j < rows_here; j += kSWarps) {
@@ -348,7 +455,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
                ((misalign[d] + row * p.down_row_bytes) & 15);
       };
       auto act_of = [&](int c) { return act + (q0 + c) * p.hq_stride; };
-      const float v = dot_rows(p.down_type, row_of, act_of, nr, p.n_ff, lane, p.vec_loads);
+      const float v = dot_rows_as<FD>(p.down_type, row_of, act_of, nr, p.n_ff, lane, p.vec_loads);
       const int c = lane / lanes;
       if (lane % lanes == 0 && c < nr) {
         y[q0 + c] = v;
@@ -372,8 +479,35 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
   }
 }
 
+using StagedKernel = void (*)(StagedParams);
+using Q4KRows8 = FixedRows<FormatQ45_K<false>, 8>;  // gate/up rows of 2048 (Qwen3-30B-A3B, Qwen3-Next)
+
+// Every built form of the two kernels: per shape for the common expert formats and sizes (Q4_K
+// gate/up of 2048; Q4_K and Q6_K down rows of 768 and 512: Q4_K_M files mix the two formats),
+// the run-time switch (void) for the rest.
+constexpr StagedKernel kGateUpKernels[] = {moe_staged_gate_up_kernel<Q4KRows8>, moe_staged_gate_up_kernel<void>};
+constexpr StagedKernel kDownKernels[] = {
+    moe_staged_down_kernel<FixedRows<FormatQ45_K<false>, 3>>, moe_staged_down_kernel<FixedRows<FormatQ45_K<false>, 2>>,
+    moe_staged_down_kernel<FixedRows<FormatQ6_K, 3>>,         moe_staged_down_kernel<FixedRows<FormatQ6_K, 2>>,
+    moe_staged_down_kernel<void>};
+
+// The kernels built for p's formats and row lengths, else the run-time ones.
+struct StagedKernels {
+  StagedKernel gate_up, down;
+};
+StagedKernels staged_kernels(const StagedParams& p) {
+  const auto t = [](int v) { return static_cast<TensorType>(v); };
+  StagedKernels k{moe_staged_gate_up_kernel<void>, moe_staged_down_kernel<void>};
+  if (t(p.gate_type) == TensorType::Q4_K && p.up_type == p.gate_type && p.n_embd == 8 * kQK_K)
+    k.gate_up = moe_staged_gate_up_kernel<Q4KRows8>;
+  const int down_blocks = p.n_ff % kQK_K == 0 ? p.n_ff / kQK_K : 0;
+  const int pick = t(p.down_type) == TensorType::Q4_K ? 0 : t(p.down_type) == TensorType::Q6_K ? 2 : -1;
+  if (pick >= 0 && (down_blocks == 3 || down_blocks == 2)) k.down = kDownKernels[pick + (down_blocks == 3 ? 0 : 1)];
+  return k;
+}
+
 struct StagedDevice : MoeDeviceInfo {
-  int static_a = 0, static_b = 0;  // the kernels' static shared memory
+  int static_a = 0, static_b = 0;  // the kernels' static shared memory (the same for every format)
 };
 
 StagedDevice staged_device() {
@@ -382,14 +516,16 @@ StagedDevice staged_device() {
   if (dev.device != info.device) {
     static_cast<MoeDeviceInfo&>(info) = dev;
     cudaFuncAttributes a{}, b{};
-    CUDA_CHECK(cudaFuncGetAttributes(&a, moe_staged_gate_up_kernel));
-    CUDA_CHECK(cudaFuncGetAttributes(&b, moe_staged_down_kernel));
+    CUDA_CHECK(cudaFuncGetAttributes(&a, kGateUpKernels[0]));
+    CUDA_CHECK(cudaFuncGetAttributes(&b, kDownKernels[0]));
     info.static_a = static_cast<int>(a.sharedSizeBytes);
     info.static_b = static_cast<int>(b.sharedSizeBytes);
     // Both kernels' CTAs share an SM (kernel 2's fetch its rows beside kernel 1's): the SM must
     // run with its largest shared-memory carveout whichever kernel it starts with.
-    for (const void* k : {reinterpret_cast<const void*>(moe_staged_gate_up_kernel),
-                          reinterpret_cast<const void*>(moe_staged_down_kernel)})
+    for (const StagedKernel k : kGateUpKernels)
+      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+    for (const StagedKernel k : kDownKernels)
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   }
@@ -415,6 +551,7 @@ StagedSmem staged_smem(const StagedParams& p) {
 
 bool moe_staged_plan(StagedParams& p) {
   if (p.n_tokens < 1 || p.n_tokens > kStagedMaxTokens || p.n_slots > kStagedMaxSlots) return false;
+  if (int64_t{p.n_slots} * p.n_ff >= INT32_MAX) return false;  // kernel 1's unit ids are ints
   // Where this form is slower than the default kernels: Q8_0 experts. H200,
   // moraine-kernel-bench cuda --moe-only, graph, us per layer, default -> staged (2026-11-30 run
   // B, per-lane cp.async): Q8_0 at 1 token 38.1 -> 39.8 (Qwen3-30B-A3B) and 34.6 -> 34.7
@@ -457,8 +594,9 @@ bool moe_staged_launch(StagedParams p, bool pdl_down, bool pdl_gate_up, cudaStre
   const StagedDevice dev = staged_device();
   const StagedSmem smem = staged_smem(p);
   const int64_t smem_a = smem.a, smem_b = smem.b;
-  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_staged_gate_up_kernel), dev.device, smem_a);
-  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_staged_down_kernel), dev.device, smem_b);
+  const StagedKernels kern = staged_kernels(p);
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kern.gate_up), dev.device, smem_a);
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kern.down), dev.device, smem_b);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -469,11 +607,11 @@ bool moe_staged_launch(StagedParams p, bool pdl_down, bool pdl_gate_up, cudaStre
   cfg.gridDim = dim3(static_cast<unsigned>(dev.sms));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_a);
   cfg.numAttrs = pdl_gate_up ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_staged_gate_up_kernel, p));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern.gate_up, p));
   cfg.gridDim = dim3(static_cast<unsigned>((p.n_embd + p.rows_per_cta - 1) / p.rows_per_cta));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_b);
   cfg.numAttrs = pdl_down ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_staged_down_kernel, p));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern.down, p));
   return true;
 }
 

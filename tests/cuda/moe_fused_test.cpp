@@ -615,6 +615,16 @@ TEST(CudaMoeFusedMixed, SeveralExpertsPerCtaMatchReference) {
   run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 4, 61, 8, 2048, 512, true, 42});
 }
 
+// The staged kernels built per shape (moe_staged.cu: Q4_K gate/up rows of 2048; Q4_K and Q6_K down
+// rows of 768 and 512), each against the reference: the 30B-A3B and Qwen3-Next expert sizes with
+// a Q6_K down (Q4_K_M files), one and two tokens, slot table and plain tensors.
+TEST(CudaMoeFusedMixed, PerShapeStagedKernelsMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 1, 24, 8, 2048, 768, true, 43});
+  run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 2, 24, 8, 2048, 768, false, 44});
+  run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q4_K, 2, 24, 10, 2048, 512, true, 45});
+}
+
 // Every form with plain launches (what devices below sm_90 run, and what compute-sanitizer can
 // check: under memcheck the programmatic launches were refused with cudaErrorInvalidValue).
 TEST(CudaMoeFusedMixed, PlainLaunchesMatchReference) {
