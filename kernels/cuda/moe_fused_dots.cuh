@@ -487,7 +487,9 @@ __device__ __forceinline__ void quantize_x(const MoeParams& p, uint8_t* xg, uint
 // gate and up formats agree and a pair fits), so u reaches g's lanes with one shuffle; else
 // dot_staged per row. n_pairs by reference: the kernels pass their parameter field, read where it
 // is used (as the kernels' own loops did: the same code). Shape: the gate/up rows' FixedRows when
-// the caller was built for them (then by_rows holds and lanes / pairs follow from it), else void.
+// the caller was built for them (then by_rows holds and lanes / pairs follow from it), else void;
+// with aligned FixedRows the unit is staged as its n_pairs gate rows back to back, then its up
+// rows (moe_staged.cu's kernel 1 copies it so), not in pair_words segments.
 template <class Shape = void>
 __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, int pairs, bool by_rows,
                                                const uint4* stage, int pair_words, const uint8_t* g_base,
@@ -505,8 +507,9 @@ __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, in
     auto row_of = [&](int c) {
       const int j = j0 + c / 2;
       const int64_t row = row0 + j;
-      if constexpr (fixed_rows_aligned<Shape>()) {
-        return reinterpret_cast<const uint8_t*>(stage + j * pair_words + (c % 2 == 0 ? 0 : p.gate_seg_words));
+      if constexpr (fixed_rows_aligned<Shape>()) {  // the unit's gate rows, then its up rows, unpadded
+        constexpr int kRowWords = Shape::kRowBytes / 16;
+        return reinterpret_cast<const uint8_t*>(stage + (c % 2 == 0 ? 0 : n_pairs * kRowWords) + j * kRowWords);
       } else {
         return c % 2 == 0 ? staged(stage + j * pair_words, g_base + row * p.gate_row_bytes)
                           : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);

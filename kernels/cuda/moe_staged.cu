@@ -250,24 +250,18 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
         return;
       }
       if constexpr (fixed_rows_aligned<FG>()) {
-        // The unit's gate rows and up rows are each one contiguous run (rows row0.. of the
-        // expert): lane l copies words l, l + 32, ... of the 2 * pairs rows, with the layout
-        // stage_row_async gives aligned rows (row at the start of its segment).
-        constexpr int kRowWords = FG::kRowBytes / 16;
-        constexpr int kPairs = 32 / lanes_per_row(FG::kRowBlocks) / 2;  // = p.unit_pairs (moe_staged_plan)
-        constexpr int kWords = 2 * kPairs * kRowWords;
-        const uint8_t* gr = g + static_cast<int64_t>(row0) * FG::kRowBytes;
-        const uint8_t* ur = u + static_cast<int64_t>(row0) * FG::kRowBytes;
+        // The unit's gate rows are one contiguous run of the expert's gate matrix (rows row0..),
+        // its up rows another: copied as two runs into the unit's buffer, gate rows then up rows
+        // with no padding (gate_up_unit_h's layout for aligned FixedRows). Why not per row with
+        // stage_row_async: its address and word-count arithmetic took ~200 instructions per unit
+        // (ncu SASS counts, 30B-A3B Q4_K: 18% of kernel 1's), this ~2 per 16-byte copy.
+        constexpr int kRunWords = FG::kRowBytes / 16 * (32 / lanes_per_row(FG::kRowBlocks) / 2);  // a unit's pairs
+        const uint4* gr = reinterpret_cast<const uint4*>(g + static_cast<int64_t>(row0) * FG::kRowBytes);
+        const uint4* ur = reinterpret_cast<const uint4*>(u + static_cast<int64_t>(row0) * FG::kRowBytes);
 #pragma unroll
-        for (int c = 0; c < (kWords + 31) / 32; ++c) {
-          const int i = lane + 32 * c;
-          if (i < kWords) {
-            const int row = i / kRowWords, w = i - row * kRowWords;  // row 2j: gate j, 2j + 1: up j
-            const int j = row / 2;
-            const bool up = row % 2 != 0;
-            __pipeline_memcpy_async(stage + j * pair_words + (up ? p.gate_seg_words : 0) + w,
-                                    (up ? ur : gr) + (j * kRowWords + w) * 16, 16);
-          }
+        for (int i = lane; i < kRunWords; i += 32) {
+          __pipeline_memcpy_async(stage + i, gr + i, 16);
+          __pipeline_memcpy_async(stage + kRunWords + i, ur + i, 16);
         }
       } else {
         for (int j = 0; j < p.unit_pairs; ++j) {
@@ -402,6 +396,19 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
       bulk_stage_row(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
                      stage + (d * R + j) * p.down_seg_words, &rows_bar);
     }
+  } else if constexpr (fixed_rows_aligned<FD>()) {
+    // The slice's rows of a leader are one contiguous run of its down matrix: copied as such, the
+    // CTA's threads over each run in turn, unpadded ([leader][R][row words]; row_of below). Why:
+    // stage_down_slice's per-row copies took 21% of this kernel's instructions (ncu SASS counts,
+    // 30B-A3B Q4_K, 1 token), issued beside kernel 1 on its SMs.
+    constexpr int kRowWords = FD::kRowBytes / 16;
+    for (int d = 0; d < n_leaders; ++d) {
+      const uint4* src = reinterpret_cast<const uint4*>(expert_tensor(p, 2, rt.chosen[rt.leader[d]]) +
+                                                        static_cast<int64_t>(row_base) * FD::kRowBytes);
+      for (int i = threadIdx.x; i < rows_here * kRowWords; i += kSThreads)
+        __pipeline_memcpy_async(stage + d * R * kRowWords + i, src + i, 16);
+    }
+    __pipeline_commit();
   } else {
     stage_down_slice<kSWarps>(p, rt, n_leaders, row_base, rows_here, R, stage, warp, lane);
     __pipeline_commit();
@@ -451,8 +458,12 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
       const int nr = min(per_call, n_present - q0);
       auto row_of = [&](int c) {
         const int d = slot_leader[q0 + c];
-        return reinterpret_cast<const uint8_t*>(stage + (d * R + j) * p.down_seg_words) +
-               ((misalign[d] + row * p.down_row_bytes) & 15);
+        if constexpr (fixed_rows_aligned<FD>()) {
+          return reinterpret_cast<const uint8_t*>(stage + (d * R + j) * (FD::kRowBytes / 16));
+        } else {
+          return reinterpret_cast<const uint8_t*>(stage + (d * R + j) * p.down_seg_words) +
+                 ((misalign[d] + row * p.down_row_bytes) & 15);
+        }
       };
       auto act_of = [&](int c) { return act + (q0 + c) * p.hq_stride; };
       const float v = dot_rows_as<FD>(p.down_type, row_of, act_of, nr, p.n_ff, lane, p.vec_loads);
@@ -498,6 +509,7 @@ struct StagedKernels {
 StagedKernels staged_kernels(const StagedParams& p) {
   const auto t = [](int v) { return static_cast<TensorType>(v); };
   StagedKernels k{moe_staged_gate_up_kernel<void>, moe_staged_down_kernel<void>};
+  if (p.bulk) return k;  // bulk copies stage rows in padded segments, which the per-shape kernels do not read
   if (t(p.gate_type) == TensorType::Q4_K && p.up_type == p.gate_type && p.n_embd == 8 * kQK_K)
     k.gate_up = moe_staged_gate_up_kernel<Q4KRows8>;
   const int down_blocks = p.n_ff % kQK_K == 0 ? p.n_ff / kQK_K : 0;
