@@ -211,8 +211,14 @@ struct MoeLayerWeights {
     // tokens 23.4 -> 20.8 / 38.4 -> 35.0, Qwen3-Next Q4_K 24.7 -> 20.3 / 35.3 -> 32.2; Q8_0
     // 1 token 38.1 -> 39.8 (30B) and 34.6 -> 34.7 (Next); 4 tokens fall back. The down kernel's
     // early row fetch is worth 4.4 us (30B Q4_K without its programmatic launch: 25.3). ncu
-    // (isolated launches) timed kernel 1 at 14.6 us for 14 MB: the rows' transfer, not the
-    // chains, is what is left. kOff: never (the default); kWhereFaster: where it measured faster
+    // (isolated launches) timed kernel 1 at 14.6 us for 14 MB. Session 8: kernels built per shape
+    // (moe_staged.cu's FixedRows forms: Q4_K gate/up rows of 2048, Q4_K/Q6_K down rows of 768 or
+    // 512) cut kernel 1 to 2.74 M instructions from 4.23 M and the layer to 17.4 / 26.3 us (30B
+    // Q4_K, 1 / 2 tokens) and 16.8 / 24.4 (Next); kernel 1 without its dots (an experiment
+    // build) still takes 8.7 us of its 11.2 (ncu): its rows' transfer, beside the down kernel's
+    // early fetch, is most of it now. Two kernel-1 CTAs per SM with the down rows prefetched to
+    // L2 instead of fetched beside kernel 1 measured slower (22.1 / 28.6 us; branch
+    // wip/moe-k1x2-l2prefetch). kOff: never (the default); kWhereFaster: where it measured faster
     // (moe_staged.cu's moe_staged_plan declines the rest: Q8_0 experts; what the CUDA backend
     // asks for); kWhereFits: wherever its buffers fit (the test and moraine-kernel-bench's "sform"
     // rows, to compare the forms).
