@@ -167,6 +167,32 @@ __device__ void staged_quantize_x(const StagedParams& p, uint8_t* xg, uint8_t* x
   }
 }
 
+// The routing as every warp of kernel 1 builds it itself when a call has at most 32 slots (decode
+// and short verify windows): lane i holds slot i's expert, the leaders (find_leaders' list) are a
+// lane mask. Why: find_leaders' shared-memory tables and three CTA barriers sat between the
+// routing's arrival and the first row copy (ncu: ~20% of kernel 1's stall samples before its
+// main loop, 30B-A3B Q4_K, 1 token).
+struct WarpRouting {
+  int e = -1;             // this lane's slot's expert (-1 past n_slots)
+  unsigned leaders = 0u;  // lanes whose slot is the first naming its (present) expert
+};
+
+__device__ __forceinline__ WarpRouting warp_routing(const StagedParams& p, int lane) {
+  WarpRouting w;
+  w.e = lane < p.n_slots ? p.chosen[lane] : -1;
+  const bool present = lane < p.n_slots && expert_present(p, w.e);
+  const unsigned same = __match_any_sync(0xffffffffu, w.e);
+  w.leaders = __ballot_sync(0xffffffffu, present && __ffs(same) - 1 == lane);
+  return w;
+}
+
+// Leader q's expert (every lane of the warp calls it with the same q).
+__device__ __forceinline__ int warp_leader_expert(const WarpRouting& w, int q) {
+  unsigned m = w.leaders;
+  for (int i = 0; i < q; ++i) m &= m - 1;
+  return __shfl_sync(0xffffffffu, w.e, __ffs(m) - 1);
+}
+
 // FixedRows' row length in blocks (0 for void: the run-time kernels).
 template <class Shape>
 struct FixedBlocks : std::integral_constant<int, Shape::kRowBlocks> {};
@@ -195,7 +221,16 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   uint4* const ring = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
                       warp * p.warp_slots * unit_words;
 
-  const int n_leaders = find_leaders<kSWarps>(p, rt);
+  const bool by_warp = p.n_slots <= 32;  // CTA-uniform
+  WarpRouting wr;
+  int n_leaders;
+  if (by_warp) {
+    wr = warp_routing(p, lane);
+    n_leaders = __popc(wr.leaders);
+  } else {
+    n_leaders = find_leaders<kSWarps>(p, rt);
+  }
+  auto leader_expert = [&](int q) { return by_warp ? warp_leader_expert(wr, q) : rt.chosen[rt.leader[q]]; };
   const int units_per_expert = p.n_ff / p.unit_pairs;
   const int64_t n_units = int64_t{n_leaders} * units_per_expert;
   // Unit ids fit an int (moe_staged_plan: n_slots * n_ff < 2^31); 32-bit division per unit.
@@ -226,7 +261,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   int issued = 0;                      // units issued so far (the commit groups: depth + m at step m)
   auto issue = [&]() {  // the next unit's rows in flight as one commit group (empty past the last)
     if (issued < mine) {
-      const int e = rt.chosen[rt.leader[in.q]];
+      const int e = leader_expert(in.q);
       const int row0 = in.r * p.unit_pairs;
       const uint8_t* g = expert_tensor(p, 0, e);
       const uint8_t* u = expert_tensor(p, 1, e);
@@ -295,15 +330,18 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
       wait_groups_pending(depth - 1);  // unit m's group (groups committed so far: depth + m)
     }
     __syncwarp();
-    const int e = rt.chosen[rt.leader[out.q]];
+    const int e = leader_expert(out.q);
     const int row0 = out.r * p.unit_pairs;
     const uint4* stage = ring + out.slot * unit_words;
     const uint8_t* g_base = expert_tensor(p, 0, e);  // (unused by aligned per-shape rows: folded away)
     const uint8_t* u_base = expert_tensor(p, 1, e);
-    for_each_slot_of(p, rt, e, lane, [&](int slot) {
-      gate_up_unit_h<FG>(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.unit_pairs, slot, xg, xu,
-                         lane);
-    });
+    // The slots naming e, ascending (for_each_slot_of's order), from the warp's routing or the CTA's.
+    for (int c0 = 0; c0 < p.n_slots; c0 += 32) {
+      const bool match = by_warp ? wr.e == e : c0 + lane < p.n_slots && rt.chosen[c0 + lane] == e;
+      for (unsigned m = __ballot_sync(0xffffffffu, match); m != 0; m &= m - 1)
+        gate_up_unit_h<FG>(p, lanes, pairs, by_rows, stage, pair_words, g_base, u_base, row0, p.unit_pairs,
+                           c0 + __ffs(m) - 1, xg, xu, lane);
+    }
     __syncwarp();  // every lane is done with the buffer
     advance(out);
     issue();  // the unit that reuses it (if any)
