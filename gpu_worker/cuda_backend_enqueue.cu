@@ -10,7 +10,9 @@
 #include "kernels/cuda/moe_combine.h"
 #include "kernels/cuda/quantize_activations_llama.h"
 #include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rms_norm_quantize.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/router_fused.h"
 #include "kernels/cuda/row_gather.h"
 #include "kernels/cuda/swiglu.h"
 
@@ -50,6 +52,18 @@ void CudaBackend::enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen) {
   enqueue_combine(il, n, false);
 }
 
+namespace {
+
+// Whether the FFN input's norm, the router matvec and the softmax top-k go out as one launch
+// (rms_norm_router_fused, the bits of the three): a float router, no shared expert (whose
+// quantized matrices want h_'s q8 activations from norm_h).
+bool norm_route_fused(const DevLayer& L, const model::HParams& hp) {
+  return !L.shared_gate && L.router && L.router.cols == hp.n_embd && L.router.rows == hp.n_expert &&
+         cuda::rms_norm_router_fused_supported(L.router.type, L.router.rows, L.router.cols);
+}
+
+}  // namespace
+
 void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
   DevLayer& L = layers_[il];
   norm_h(x_.get(), L.attn_norm.get(), n, L.recurrent ? L.qkv : L.attn_qkv ? L.attn_qkv : L.q);
@@ -58,32 +72,50 @@ void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
   } else {
     attention_block(L, n);
   }
+  if (norm_route_fused(L, m_.hp)) {   // enqueue_route normalises as well
+    act_of_h_ = TensorType::F32;
+    return;
+  }
   // The router is F32 in the files we know; the shared expert's matrices are quantized.
   norm_h(x_.get(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
 }
 
 // h_ = RMSNorm(x) * w for n rows, and act_ = h_ quantized for `consumer` when it dots q8
 // activations; run_matvec then skips quantizing h_ again for every matrix of that activation
-// type (q, k and v when not stacked) until act_ is overwritten. Two launches: the first fused
-// rms_norm_quantize took 4.52 us per token inside a graph against 3.15 for this pair
-// (moraine-kernel-bench cuda --backend-only, H200, 2026-11-30); its faster rewrite has not run
-// on the GPU yet.
+// type (q, k and v when not stacked) until act_ is overwritten. q8_0: one launch
+// (rms_norm_quantize, the pair's bits, sliced over 256-element CTAs): 2.0 us per layer faster
+// than rms_norm then quantize_activations_llama in the decode chain, where its single-CTA
+// version was 0.5 us slower (moraine-kernel-bench cuda --mixer-only, H200, 2026-11-30).
 void CudaBackend::norm_h(const float* x, const float* w, int64_t n, const DevMatrix& consumer) {
   const int64_t d = m_.hp.n_embd;
   const float eps = static_cast<float>(m_.hp.rms_eps);
-  cuda::rms_norm(x, w, h_.get(), d, n, eps, stream_);
   act_of_h_ = TensorType::F32;   // none
   if (consumer && consumer.cols == d && cuda::matvec_supported(consumer.type) && !use_gemm(consumer, n)) {
     const TensorType at = dot_activation_type(consumer.type);
-    cuda::quantize_activations_llama(at, h_.get(), act_.get(), d, n, stream_);
+    if (at == TensorType::Q8_0) {
+      cuda::rms_norm_quantize(x, w, h_.get(), at, act_.get(), d, n, eps, stream_);
+    } else {   // q8_K: the fused kernel's single-CTA path, not measured faster than the pair
+      cuda::rms_norm(x, w, h_.get(), d, n, eps, stream_);
+      cuda::quantize_activations_llama(at, h_.get(), act_.get(), d, n, stream_);
+    }
     act_of_h_ = at;
     act_of_h_rows_ = n;
+    act_src_ = h_.get();
+    return;
   }
+  cuda::rms_norm(x, w, h_.get(), d, n, eps, stream_);
 }
 
 void CudaBackend::enqueue_route(int64_t il, int64_t n) {
   const model::HParams& hp = m_.hp;
-  matmul(layers_[il].router, h_.get(), n, router_logits_.get());
+  const DevLayer& L = layers_[il];
+  if (norm_route_fused(L, hp)) {
+    cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, x_.get(), L.ffn_norm.get(),
+                                static_cast<float>(hp.rms_eps), n, h_.get(), hp.n_expert_used, hp.norm_topk_prob,
+                                router_logits_.get(), chosen_of(il, n), weight_.get(), route_arrivals_.get(), stream_);
+    return;
+  }
+  matmul(L.router, h_.get(), n, router_logits_.get());
   cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
                             chosen_of(il, n), weight_.get(), stream_);
 }

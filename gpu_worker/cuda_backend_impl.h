@@ -284,11 +284,14 @@ class CudaBackend final : public Backend {
   cuda::PinnedBuffer<uint8_t> tok_embd_;
   DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
   DeviceBuffer<uint8_t> act_;
-  // What act_ holds: h_'s rows quantized as act_of_h_ (F32: nothing of h_), act_of_h_rows_ rows.
+  // What act_ holds: act_src_'s rows quantized as act_of_h_ (F32: nothing), act_of_h_rows_ rows;
+  // act_src_ is h_ after norm_h, attn_ after an attention that quantized its own output.
   // Host-side bookkeeping of the enqueue order (norm_h sets it, run_matvec clears it when it
   // quantizes something else into act_), valid inside captured graphs as well.
   TensorType act_of_h_ = TensorType::F32;
   int64_t act_of_h_rows_ = 0;
+  const float* act_src_ = nullptr;
+  DeviceBuffer<uint32_t> route_arrivals_;   // [max_tokens]: rms_norm_router_fused's counters
   DeviceBuffer<int32_t> chosen_, token_ids_, pos_dev_, alt_row_, expert_idx_;
   // dev_slots_: this device's expert rows in slot order; cpu_rows_: the cpu workers' packed rows.
   DeviceBuffer<float> dev_slots_, cpu_rows_;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/formats/quant.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/qk_norm_rope_store.h"
@@ -88,7 +89,8 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
     matmul(L.v, h_.get(), n, v_new_.get());
   }
   // q and k normalised per head and rotated, k and v stored at the step's position: one
-  // launch, the bits of head_rms_norm / rope_neox_at / kv_store_at.
+  // launch, the bits of head_rms_norm / rope_neox_at / kv_store_at (or, one decode row, inside
+  // the attention's split kernel: attention_decode_fused_qk below).
   cuda::QkNormRopeStoreArgs a;
   a.q = qg_.get();
   a.q_row_stride = row_stride;
@@ -116,23 +118,56 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
     a.k_cache = L.k_cache.get();
     a.v_cache = L.v_cache.get();
   }
-  cuda::qk_norm_rope_store(a, stream_);
   const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
   const cuda::AttentionShape shape = attention_shape();
   const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
   const bool tiled = tiled_prefill_rows_ > 0 && n >= tiled_prefill_rows_;
+  const int64_t qd = hp.n_head * hd;
+  // The o projection's q8_0 activations written by attention_decode's merge (the bits of the
+  // quantize launch run_matvec would make): when o dots q8_0 rows through the matvec.
+  const bool quantize_out = L.o.cols == qd && cuda::matvec_supported(L.o.type) && !use_gemm(L.o, n) &&
+                            dot_activation_type(L.o.type) == TensorType::Q8_0 &&
+                            row_bytes(TensorType::Q8_0, qd) * static_cast<size_t>(n) <= act_.size();
+  // The o projection, from act_ when the attention wrote attn_'s q8_0 rows there.
+  auto project_out = [&](bool quantized) {
+    act_of_h_ = TensorType::F32;   // act_ held h_'s rows (q | k | v), now consumed or overwritten
+    if (quantized) {
+      act_of_h_ = TensorType::Q8_0;
+      act_of_h_rows_ = n;
+      act_src_ = attn_.get();
+    }
+    matmul_into_residual(L.o, attn_.get(), n);
+  };
+  // One decode row: the split kernel normalises, rotates and stores q / k / v itself (the bits
+  // of qk_norm_rope_store, one link less in the chain).
+  if (n == 1 && !tiled && cuda::attention_decode_fused_qk_supported(a, shape)) {
+    cuda::attention_decode_fused_qk(a, shape, gate, row_stride, q_stride, attn_.get(),
+                                    quantize_out ? static_cast<void*>(act_.get()) : nullptr, attn_scratch_.get(),
+                                    scratch, stream_);
+    project_out(quantize_out);
+    return;
+  }
+  cuda::qk_norm_rope_store(a, stream_);
+  bool quantized = false;
   // The cache's element type picks the kernels' overload (float or __half caches, same choice).
   auto attend = [&](const auto* kc, const auto* vc) {
     if (!tiled && cuda::attention_decode_supported(shape)) {
       // Flash decoding in passes of 16 rows: a row's bits do not depend on the pass, so decode
       // after a prefill (below the tiled kernel's rows) equals a fresh prefill.
-      const int64_t qd = hp.n_head * hd;
+      const size_t act_row = row_bytes(TensorType::Q8_0, qd);
       for (int64_t r0 = 0; r0 < n; r0 += cuda::kAttentionDecodeMaxRows) {
         const int64_t rows = std::min<int64_t>(cuda::kAttentionDecodeMaxRows, n - r0);
-        cuda::attention_decode(shape, q_.get() + r0 * qd, kc, vc, rows, pos, r0, max_context_,
-                               gate != nullptr ? gate + r0 * row_stride : nullptr, row_stride, q_stride,
-                               attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+        const float* g = gate != nullptr ? gate + r0 * row_stride : nullptr;
+        if (quantize_out) {
+          cuda::attention_decode_quantized(shape, q_.get() + r0 * qd, kc, vc, rows, pos, r0, max_context_, g, row_stride,
+                                           q_stride, attn_.get() + r0 * qd, act_.get() + r0 * act_row,
+                                           attn_scratch_.get(), scratch, stream_);
+        } else {
+          cuda::attention_decode(shape, q_.get() + r0 * qd, kc, vc, rows, pos, r0, max_context_, g, row_stride,
+                                 q_stride, attn_.get() + r0 * qd, attn_scratch_.get(), scratch, stream_);
+        }
       }
+      quantized = quantize_out;
     } else if (n <= kDecodeRows) {
       cuda::attention_at(shape, q_.get(), kc, vc, n, pos, max_context_, gate, row_stride, q_stride, attn_.get(),
                          attn_scratch_.get(), scratch, stream_);
@@ -145,7 +180,7 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   };
   if (kv_f16_) attend(L.k_cache_f16.get(), L.v_cache_f16.get());
   else attend(L.k_cache.get(), L.v_cache.get());
-  matmul_into_residual(L.o, attn_.get(), n);
+  project_out(quantized);
 }
 
 }  // namespace moraine::gpu_worker::cuda_impl

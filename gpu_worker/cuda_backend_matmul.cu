@@ -69,7 +69,7 @@ void CudaBackend::run_matvec(const DevMatrix& W, const float* x, int64_t n, floa
   const size_t rb = row_bytes(at, W.cols);
   if (rb * static_cast<size_t>(n) > act_.size())
     throw std::logic_error("CUDA backend: activation scratch too small for " + std::to_string(n) + " rows");
-  if (x != h_.get() || at != act_of_h_ || n != act_of_h_rows_) {
+  if (x != act_src_ || at != act_of_h_ || n != act_of_h_rows_) {
     cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
     act_of_h_ = TensorType::F32;   // act_ no longer holds h_
   }

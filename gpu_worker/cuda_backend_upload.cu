@@ -265,6 +265,8 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   // quantized row never takes more bytes than the floats it came from.
   act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
   router_logits_ = DeviceBuffer<float>(T * hp.n_expert);
+  route_arrivals_ = DeviceBuffer<uint32_t>(T);   // rms_norm_router_fused's counters: zero between calls
+  CUDA_CHECK(cudaMemsetAsync(route_arrivals_.get(), 0, route_arrivals_.bytes(), stream_));
   chosen_ = DeviceBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
   weight_ = DeviceBuffer<float>(slots);
   token_ids_ = DeviceBuffer<int32_t>(T);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
 
@@ -60,6 +61,20 @@ struct DecodeArgs {
   const float* gate;
   int64_t gate_row_stride, gate_head_stride;
   float* out;
+  BlockQ8_0* act;   // null, or out's rows quantized as Q8_0 with llama.cpp's rule (by the merge)
+  // attention_decode_fused_qk (one row): q, k, v are the raw projections, normalised and rotated
+  // here with qk_norm_rope_store's arithmetic; k and v of the new position also go to the cache.
+  const float* q_raw;
+  int64_t q_head_stride;
+  const float* k_raw;
+  const float* v_raw;
+  const float* q_norm;
+  const float* k_norm;
+  int n_rot;
+  double freq_base;
+  float eps;
+  KV* k_store;   // the caches, writable (k / v above are the same memory)
+  KV* v_store;
 };
 
 // Two stages of the cp.async ring: a third gave nothing (H200, 2026-11-30: 21.4 vs 20.5 us at 4096
@@ -127,10 +142,44 @@ __device__ __forceinline__ void k_octet(const __half* row, int m, float4& lo, fl
   hi = make_float4(c.x, c.y, d.x, d.y);
 }
 
-template <class KV>
+// The head's output floats of this lane (LaneDims' layout, v[i] at dims LaneDims::dim(i, lane))
+// into act's Q8_0 blocks with quantize_activations_llama's rule and bits (quantize_block.cuh's
+// quantize_q8_0_llama_warp): a 32-element block is 32 / kVec lanes of one group, so its amax is
+// an xor tree over those lanes (fmaxf: the order does not matter), then each lane rounds its own.
+template <int DPL>
+__device__ void quantize_head_q8_0(const float* v, BlockQ8_0* blocks, int lane) {
+  using D = LaneDims<DPL>;
+  constexpr int kLanesPerBlock = 32 / D::kVec;
+#pragma unroll
+  for (int j = 0; j < D::kGroups; ++j) {
+    float amax = fabsf(v[j * D::kVec]);   // as the unfused kernel's first step (NaN stays NaN)
+#pragma unroll
+    for (int e = 1; e < D::kVec; ++e) amax = fmaxf(amax, fabsf(v[j * D::kVec + e]));
+    for (int off = kLanesPerBlock / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    const int first = (j * 32 + lane) * D::kVec;   // the head's dim of v[j * kVec]
+    BlockQ8_0& b = blocks[first / 32];
+    const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < D::kVec; ++e) {
+      const float r = rintf(__fmul_rn(v[j * D::kVec + e], id));
+      int q = -128;
+      if (!isnan(r) && r < 2147483648.0f && r >= -2147483648.0f) q = max(-128, min(127, static_cast<int>(r)));
+      b.qs[first % 32 + e] = static_cast<int8_t>(q);
+    }
+    if (first % 32 == 0) b.d = __half_as_ushort(__float2half_rn(__fdiv_rn(amax, 127.0f)));
+  }
+}
+
+template <int DPL, class KV>
 __device__ void write_nan_head(const DecodeArgs<KV>& a, int r, int h, int hd, int lane) {
   float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
   for (int d = lane; d < hd; d += 32) o[d] = __int_as_float(0x7fc00000);
+  if (a.act != nullptr) {   // the NaN rows quantized as quantize_activations_llama would
+    float v[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) v[i] = __int_as_float(0x7fc00000);
+    quantize_head_q8_0<DPL>(v, a.act + (static_cast<int64_t>(r) * a.n_head + h) * hd / 32, lane);
+  }
 }
 
 // Combines the S split records of (row r, head h) in split order (one warp). Records:
@@ -179,13 +228,76 @@ __device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int
   }
   float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
   const float* g = a.gate != nullptr ? a.gate + r * a.gate_row_stride + h * a.gate_head_stride : nullptr;
+  float v[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
     const int d = LaneDims<DPL>::dim(i, lane);
-    float v = acc[i] / l;
-    if (g != nullptr) v *= 1.0f / (1.0f + expf(-g[d]));
-    o[d] = v;
+    v[i] = acc[i] / l;
+    if (g != nullptr) v[i] *= 1.0f / (1.0f + expf(-g[d]));
+    o[d] = v[i];
   }
+  if (a.act != nullptr) quantize_head_q8_0<DPL>(v, a.act + (static_cast<int64_t>(r) * a.n_head + h) * hd / 32, lane);
+}
+
+// ---- attention_decode_fused_qk: qk_norm_rope_store's work inside the split kernel ----
+// The same float and double operations as qk_norm_rope_store.cu (head_rms_norm's lane-strided
+// double sum of squares and xor tree, its rounded scale; rope.cu's table expression and rotation),
+// so q, and k and v as stored in the cache, get its bits (tests/cuda/attention_decode_test.cpp
+// compares the cache and the output with the unfused pair).
+
+__device__ __forceinline__ void put_kv(float* p, float x) { *p = x; }
+__device__ __forceinline__ void put_kv(__half* p, float x) { *p = __float2half_rn(x); }
+
+// RoPE: entry k of the table (k < n_rot; cos of pair k for k < half, sin of pair k - half above)
+// is entry k / blockDim.x of thread k % blockDim.x: at most kRopePerThread (n_rot <= 256, at
+// least 128 threads). The frequencies do not depend on the position: computed before the wait.
+constexpr int kRopePerThread = 2;
+
+__device__ __forceinline__ void rope_freqs(double* freq, int n_rot, double freq_base) {
+  const int half = n_rot / 2;
+#pragma unroll
+  for (int j = 0; j < kRopePerThread; ++j) {
+    const int k = threadIdx.x + j * blockDim.x;
+    const int i = k < half ? k : k - half;
+    freq[j] = k < 2 * half ? pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot)) : 0.0;
+  }
+}
+
+__device__ __forceinline__ void rope_table(float* table, const double* freq, int n_rot, int64_t pos) {
+  const int half = n_rot / 2;
+#pragma unroll
+  for (int j = 0; j < kRopePerThread; ++j) {
+    const int k = threadIdx.x + j * blockDim.x;
+    if (k < 2 * half) {
+      const double theta = static_cast<double>(pos) * freq[j];
+      table[k] = static_cast<float>(k < half ? cos(theta) : sin(theta));
+    }
+  }
+}
+
+// One warp: head xh (hd floats) normalised with weight w and rotated; element i goes to put(i, v).
+// put may write xh itself: lane l reads only elements it writes after the xor tree (which every
+// lane reaches after its last read of the sum).
+template <class Put>
+__device__ __forceinline__ void norm_rope_head(const float* xh, const float* w, const float* table, int hd, int n_rot,
+                                               float eps, int lane, Put put) {
+  double ss = 0.0;
+  for (int i = lane; i < hd; i += 32) {
+    const double x = xh[i];
+    ss += x * x;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(kFull, ss, off);
+  const float mean = __double2float_rn(__ddiv_rn(ss, static_cast<double>(hd)));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  const int half = n_rot / 2;
+  for (int i = lane; i < half; i += 32) {
+    const float n0 = __fmul_rn(__fmul_rn(xh[i], inv), w[i]);
+    const float n1 = __fmul_rn(__fmul_rn(xh[i + half], inv), w[i + half]);
+    const float cs = table[i], sn = table[half + i];
+    put(i, __fsub_rn(__fmul_rn(n0, cs), __fmul_rn(n1, sn)));
+    put(i + half, __fadd_rn(__fmul_rn(n0, sn), __fmul_rn(n1, cs)));
+  }
+  for (int i = n_rot + lane; i < hd; i += 32) put(i, __fmul_rn(__fmul_rn(xh[i], inv), w[i]));
 }
 
 // One CTA per (row, split slot, kv head), row fastest so the rows of a step reading the same
@@ -199,7 +311,7 @@ __device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int
 // the same ring as halves (half the bytes) and is widened on the shared-memory reads; the float
 // arithmetic and its order are those of the float cache, so a half cache gives the float cache's
 // bits for the same (half-representable) values.
-template <int DPL, int HPW, class KV>
+template <int DPL, int HPW, class KV, bool kFusedQk>
 __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(const DecodeArgs<KV> a) {
   constexpr int STAGES = kStages;
   constexpr int hd = DPL * 32, kRowK = hd + KvSmem<KV>::kPad, kRec = hd + 4;
@@ -208,38 +320,127 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
   extern __shared__ float4 smem_f4[];
   float* qs = reinterpret_cast<float*>(smem_f4);             // [group][hd]
   KV* ring = reinterpret_cast<KV*>(qs + a.group * hd);       // STAGES x ([kTile][kRowK] K, [kTile][hd] V)
+  // kFusedQk: the q and k norm weights, the raw k and v of the new position, the RoPE table
+  // [hd] floats each, then the new position's k and v as stored [hd] KV each.
+  float* qn_s = reinterpret_cast<float*>(ring + STAGES * kStage);
+  float* kn_s = qn_s + hd;
+  float* kraw_s = kn_s + hd;
+  float* vraw_s = kraw_s + hd;
+  float* table = vraw_s + hd;
+  KV* k_new = reinterpret_cast<KV*>(table + hd);
+  KV* v_new = k_new + hd;
   const int r = blockIdx.x, slot = blockIdx.y, kvh = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int compute_warps = a.group / HPW;
   const int h0 = kvh * a.group + warp * HPW;   // first head of this warp
-  wait_for_prior_grids();   // PDL (launch.h)
-  allow_dependent_grids();
-  // q does not depend on the position: its load overlaps the position's.
-  const float* qg = a.q + (static_cast<int64_t>(r) * a.n_head + static_cast<int64_t>(kvh) * a.group) * hd;
-  for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
+  // kFusedQk: everything that no kernel of the step writes goes in flight before the wait on the
+  // previous kernel (PDL, launch.h), overlapping its tail: the norm weights, the RoPE
+  // frequencies, the position (copied in before the step's first kernel, which every later
+  // kernel's launch follows) and the K / V tiles below p0 (written by earlier steps; p0 itself is
+  // made here). Only the projections (q, k, v) wait.
+  [[maybe_unused]] double freq[kRopePerThread];
+  if constexpr (kFusedQk) {
+    for (int i = threadIdx.x; i < hd / 4; i += blockDim.x) {
+      cp_async16(qn_s + 4 * i, a.q_norm + 4 * i);
+      cp_async16(kn_s + 4 * i, a.k_norm + 4 * i);
+    }
+    rope_freqs(freq, a.n_rot, a.freq_base);
+  } else {
+    wait_for_prior_grids();
+    allow_dependent_grids();
+    // q does not depend on the position: its load overlaps the position's.
+    const float* qg = a.q + (static_cast<int64_t>(r) * a.n_head + static_cast<int64_t>(kvh) * a.group) * hd;
+    for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
+  }
   const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
   const int64_t seen = p0 + r + 1, tiles = (seen + kTile - 1) / kTile;
   const int64_t S = p0 < 0 ? 0 : attention_decode_splits(seen);
   if (p0 < 0 || slot >= S) {
+    if constexpr (kFusedQk) wait_for_prior_grids();   // completion stays transitive (launch.h)
     cp_async_wait<0>();   // no copy outlives the CTA (the merge kernel writes the NaN rows)
     return;
   }
   const int64_t tb = slot * tiles / S, te = (slot + 1) * tiles / S;
+  // kFusedQk (one row, r = 0): the last split holds the new position p0, whose k and v this CTA
+  // makes (kv head kvh): into the cache, and into the ring row of p0 (the cache's bytes, which
+  // cp.async cannot be relied on to see yet) directly when its tile is already issued, else
+  // through k_new / v_new when issue() gets to that tile. The tiles go in flight first, then the
+  // RoPE table, k and v, and q (the position's math overlaps the loads).
+  const bool holds_new = kFusedQk && slot == S - 1;
+  bool new_made = false;                        // k_new / v_new hold p0's row
+  KV* new_k_row = nullptr;                      // p0's ring rows, issued before they were made
+  KV* new_v_row = nullptr;
   auto issue = [&](int64_t t, int buf) {
     KV* ks = ring + buf * kStage;
     KV* vs = ks + kTile * kRowK;
     const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
-    for (int i = threadIdx.x; i < live * kCopies; i += blockDim.x) {
+    const bool has_new = holds_new && t * kTile + live == seen;   // p0 is this tile's last row
+    const int from_global = has_new ? live - 1 : live;
+    for (int i = threadIdx.x; i < from_global * kCopies; i += blockDim.x) {
       const int p = i / kCopies, e = (i % kCopies) * KvSmem<KV>::kPerCopy;
       const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
       cp_async16(ks + p * kRowK + e, a.k + src);
       cp_async16(vs + p * hd + e, a.v + src);
+    }
+    if (!has_new) return;
+    if (new_made) {   // visible to the warps after the barrier before the tile is used
+      for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        ks[from_global * kRowK + i] = k_new[i];
+        vs[from_global * hd + i] = v_new[i];
+      }
+    } else {
+      new_k_row = ks + from_global * kRowK;
+      new_v_row = vs + from_global * hd;
     }
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (tb + s < te) issue(tb + s, s);
     cp_async_commit();
+  }
+  if constexpr (kFusedQk) {
+    wait_for_prior_grids();
+    allow_dependent_grids();
+    // The raw q heads into qs (normalised in place below), and the new position's raw k and v.
+    for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) {
+      const int j = i / (hd / 4), e = 4 * (i % (hd / 4));
+      cp_async16(qs + j * hd + e, a.q_raw + static_cast<int64_t>(kvh * a.group + j) * a.q_head_stride + e);
+    }
+    if (holds_new) {
+      for (int i = threadIdx.x; i < hd / 4; i += blockDim.x) {
+        cp_async16(kraw_s + 4 * i, a.k_raw + static_cast<int64_t>(kvh) * hd + 4 * i);
+        cp_async16(vraw_s + 4 * i, a.v_raw + static_cast<int64_t>(kvh) * hd + 4 * i);
+      }
+    }
+    cp_async_commit();
+    rope_table(table, freq, a.n_rot, p0);
+    cp_async_wait<0>();   // with the first tiles, issued before the wait (landed by now, mostly)
+    __syncthreads();      // the table and every thread's copies
+    // The launch gives a fused CTA a warp more than the group's heads (up to 16 warps): warp j
+    // normalises and rotates q head j in place in qs (and j + warps, ...), the last warp makes
+    // the new k and v. Everything written here is read after the loop's first barrier: the
+    // tiles' warps, and issue() copying k_new / v_new for a tile issued in the loop.
+    const int warps = static_cast<int>(blockDim.x / 32);
+    if (holds_new && warp == warps - 1) {
+      KV* kc = a.k_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
+      KV* vc = a.v_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
+      norm_rope_head(kraw_s, kn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) {
+        put_kv(kc + i, x);
+        put_kv(k_new + i, x);
+        if (new_k_row != nullptr) put_kv(new_k_row + i, x);
+      });
+      for (int i = lane; i < hd; i += 32) {
+        const float x = vraw_s[i];
+        put_kv(vc + i, x);
+        put_kv(v_new + i, x);
+        if (new_v_row != nullptr) put_kv(new_v_row + i, x);
+      }
+    }
+    new_made = holds_new;
+    for (int j = warp; j < a.group; j += warps) {
+      float* qj = qs + j * hd;
+      norm_rope_head(qj, qn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) { qj[i] = x; });
+    }
   }
   float m[HPW], l[HPW], acc[HPW][DPL], vx[DPL];
 #pragma unroll
@@ -341,29 +542,32 @@ __global__ void decode_merge_kernel(const DecodeArgs<KV> a) {
   allow_dependent_grids();
   const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
   if (p0 < 0) {
-    write_nan_head(a, r, h, DPL * 32, lane);
+    write_nan_head<DPL>(a, r, h, DPL * 32, lane);
     return;
   }
   merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1), lane);
 }
 
+// fused: room for the norm weights, the raw and stored new k and v, and the RoPE table.
 template <class KV>
-size_t split_smem_bytes(int hd, int group) {
+size_t split_smem_bytes(int hd, int group, bool fused) {
   return static_cast<size_t>(group * hd) * sizeof(float) +
-         static_cast<size_t>(kStages * (kTile * (hd + KvSmem<KV>::kPad) + kTile * hd)) * sizeof(KV);
+         static_cast<size_t>(kStages * (kTile * (hd + KvSmem<KV>::kPad) + kTile * hd)) * sizeof(KV) +
+         (fused ? static_cast<size_t>(hd) * (5 * sizeof(float) + 2 * sizeof(KV)) : 0);
 }
 
 // Above 48 KB of shared memory a kernel needs an opt-in (per device): given once, for the largest
 // group (32 query heads per kv head), it serves every shape.
-template <int DPL, int HPW, class KV>
+template <int DPL, int HPW, class KV, bool kFusedQk>
 void opt_in_shared_memory() {
   static std::atomic<uint64_t> devices_done{0};
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (devices_done.load(std::memory_order_relaxed) & bit) != 0) return;
-  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(split_smem_bytes<KV>(DPL * 32, 32))));
+  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW, KV, kFusedQk>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(split_smem_bytes<KV>(DPL * 32, 32, kFusedQk))));
   devices_done.fetch_or(bit);
 }
 
@@ -371,18 +575,30 @@ void opt_in_shared_memory() {
 // merge kernel launch at once (its CTAs wait in wait_for_prior_grids for the split kernel's
 // completion and memory), and waits itself for whatever ran before it before reading q, K/V or
 // the position.
-template <int DPL, int HPW, class KV>
+template <int DPL, int HPW, class KV, bool kFusedQk>
 void launch_split(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
-  const size_t smem = split_smem_bytes<KV>(DPL * 32, a.group);
-  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW, KV>();
+  const size_t smem = split_smem_bytes<KV>(DPL * 32, a.group, kFusedQk);
+  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW, KV, kFusedQk>();
   const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(a.slots), static_cast<unsigned>(n_kv));
-  launch_kernel(decode_split_kernel<DPL, HPW, KV>, grid, dim3(32 * std::max(a.group / HPW, 4)), smem, stream, a);
+  // Warps: the group's heads / HPW compute, at least 4 load; fused, one per q head and one for the
+  // new k and v where that stays within 16 (the kernel's q pass; H200 decode chain at 600
+  // positions: 8 heads on 4 warps, two norms each in a row and k before them, -0.12 us per
+  // layer against the unfused pair; this way, with the tiles loaded before the wait, -0.54).
+  int warps = std::max(a.group / HPW, 4);
+  if (kFusedQk) warps = std::max(warps, std::min(a.group + 1, 16));
+  launch_kernel(decode_split_kernel<DPL, HPW, KV, kFusedQk>, grid, dim3(32 * warps), smem, stream, a);
 }
 
 template <int DPL, class KV>
 void launch(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
-  if (a.group % 2 == 0) launch_split<DPL, 2, KV>(a, n_kv, stream);
-  else launch_split<DPL, 1, KV>(a, n_kv, stream);
+  const bool fused = a.q_raw != nullptr;
+  if (a.group % 2 == 0) {
+    if (fused) launch_split<DPL, 2, KV, true>(a, n_kv, stream);
+    else launch_split<DPL, 2, KV, false>(a, n_kv, stream);
+  } else {
+    if (fused) launch_split<DPL, 1, KV, true>(a, n_kv, stream);
+    else launch_split<DPL, 1, KV, false>(a, n_kv, stream);
+  }
   launch_kernel(decode_merge_kernel<DPL, KV>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)), dim3(32), 0,
                 stream, a);
 }
@@ -397,17 +613,31 @@ bool attention_decode_supported(const AttentionShape& s) {
          (s.head_dim == 64 || s.head_dim == 128 || s.head_dim == 256) && s.kv_stride % 4 == 0;
 }
 
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+}  // namespace
+
+bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const AttentionShape& s) {
+  return attention_decode_supported(s) && qk.rows == 1 && qk.n_head == s.n_head && qk.n_head_kv == s.n_head_kv &&
+         qk.head_dim == s.head_dim && qk.n_rot >= 2 && qk.n_rot % 2 == 0 && qk.n_rot <= qk.head_dim &&
+         qk.q_head_stride >= qk.head_dim && qk.k_row_stride >= qk.n_head_kv * qk.head_dim &&
+         qk.v_row_stride >= qk.n_head_kv * qk.head_dim && qk.max_pos >= 1 && qk.q_head_stride % 4 == 0 &&
+         aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm);
+}
+
 int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx) {
   return n * s.n_head * split_slots(max_ctx) * (s.head_dim + 4);
 }
 
 namespace {
 
+// qk: null, or attention_decode_fused_qk's projections (q and the caches are then its own).
 template <class KV>
 void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_cache, const KV* v_cache, int64_t n,
                            const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
-                           int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
-                           int64_t scratch_floats, cudaStream_t stream) {
+                           int64_t gate_row_stride, int64_t gate_head_stride, float* out, void* out_q8_0,
+                           float* scratch, int64_t scratch_floats, cudaStream_t stream,
+                           const QkNormRopeStoreArgs* qk = nullptr) {
   if (!attention_decode_supported(s))
     throw std::invalid_argument("attention_decode: head_dim " + std::to_string(s.head_dim) + ", " +
                                 std::to_string(s.n_head) + " / " + std::to_string(s.n_head_kv) +
@@ -420,7 +650,7 @@ void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_
     throw std::invalid_argument("attention_decode: scratch of " + std::to_string(scratch_floats) + " floats, needs " +
                                 std::to_string(attention_decode_scratch_floats(s, n, max_ctx)));
   auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
-  if (misaligned(q) || misaligned(k_cache) || misaligned(v_cache) || misaligned(scratch))
+  if ((qk == nullptr && misaligned(q)) || misaligned(k_cache) || misaligned(v_cache) || misaligned(scratch))
     throw std::invalid_argument("attention_decode: q, k_cache, v_cache and scratch need 16-byte alignment (float4 loads)");
   if (s.kv_stride % KvSmem<KV>::kPerCopy != 0)   // a cached row must start on 16 bytes (cp.async)
     throw std::invalid_argument("attention_decode: kv_stride " + std::to_string(s.kv_stride) + " is not a multiple of " +
@@ -443,6 +673,20 @@ void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_
   a.gate_row_stride = gate_row_stride;
   a.gate_head_stride = gate_head_stride;
   a.out = out;
+  a.act = static_cast<BlockQ8_0*>(out_q8_0);
+  if (qk != nullptr) {
+    a.q_raw = qk->q;
+    a.q_head_stride = qk->q_head_stride;
+    a.k_raw = qk->k;
+    a.v_raw = qk->v;
+    a.q_norm = qk->q_norm;
+    a.k_norm = qk->k_norm;
+    a.n_rot = static_cast<int>(qk->n_rot);
+    a.freq_base = qk->freq_base;
+    a.eps = qk->eps;
+    a.k_store = const_cast<KV*>(k_cache);
+    a.v_store = const_cast<KV*>(v_cache);
+  }
   const int n_kv = static_cast<int>(s.n_head_kv);
   switch (s.head_dim) {
     case 64: launch<2, KV>(a, n_kv, stream); break;
@@ -458,7 +702,7 @@ void attention_decode(const AttentionShape& s, const float* q, const float* k_ca
                       int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
                       int64_t scratch_floats, cudaStream_t stream) {
   attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
-                        gate_head_stride, out, scratch, scratch_floats, stream);
+                        gate_head_stride, out, nullptr, scratch, scratch_floats, stream);
 }
 
 void attention_decode(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache, int64_t n,
@@ -466,7 +710,51 @@ void attention_decode(const AttentionShape& s, const float* q, const __half* k_c
                       int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
                       int64_t scratch_floats, cudaStream_t stream) {
   attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
-                        gate_head_stride, out, scratch, scratch_floats, stream);
+                        gate_head_stride, out, nullptr, scratch, scratch_floats, stream);
+}
+
+void attention_decode_fused_qk(const QkNormRopeStoreArgs& qk, const AttentionShape& s, const float* gate,
+                               int64_t gate_row_stride, int64_t gate_head_stride, float* out, void* out_q8_0,
+                               float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  const std::string what = "attention_decode_fused_qk: rows=" + std::to_string(qk.rows) + ", n_head=" +
+                           std::to_string(qk.n_head) + "/" + std::to_string(qk.n_head_kv) + ", head_dim=" +
+                           std::to_string(qk.head_dim) + ", n_rot=" + std::to_string(qk.n_rot);
+  if (!attention_decode_fused_qk_supported(qk, s))
+    throw std::invalid_argument(what + " (needs one row, attention_decode's shape with the same heads, an even "
+                                "n_rot in 2..head_dim, q head stride >= head_dim and a multiple of 4, k/v row "
+                                "stride >= n_head_kv * head_dim, q/k/v/q_norm/k_norm 16-byte aligned, max_pos >= 1)");
+  const bool f32_cache = qk.k_cache != nullptr && qk.v_cache != nullptr;
+  const bool f16_cache = qk.k_cache_f16 != nullptr && qk.v_cache_f16 != nullptr;
+  if (qk.q == nullptr || qk.k == nullptr || qk.v == nullptr || qk.q_norm == nullptr || qk.k_norm == nullptr ||
+      qk.pos0_dev == nullptr || f32_cache == f16_cache)
+    throw std::invalid_argument(what + ": a null pointer among q, k, v, q_norm, k_norm, pos0_dev, or not exactly one "
+                                "of (k_cache, v_cache) and (k_cache_f16, v_cache_f16) set");
+  if (f32_cache)
+    attention_decode_impl<float>(s, nullptr, qk.k_cache, qk.v_cache, 1, qk.pos0_dev, 0, qk.max_pos, gate,
+                                 gate_row_stride, gate_head_stride, out, out_q8_0, scratch, scratch_floats, stream, &qk);
+  else
+    attention_decode_impl<__half>(s, nullptr, qk.k_cache_f16, qk.v_cache_f16, 1, qk.pos0_dev, 0, qk.max_pos, gate,
+                                  gate_row_stride, gate_head_stride, out, out_q8_0, scratch, scratch_floats, stream,
+                                  &qk);
+}
+
+void attention_decode_quantized(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache,
+                                int64_t n, const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx,
+                                const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
+                                void* out_q8_0, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  if (out_q8_0 == nullptr) throw std::invalid_argument("attention_decode_quantized: null out_q8_0");
+  attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
+                        gate_head_stride, out, out_q8_0, scratch, scratch_floats, stream);
+}
+
+void attention_decode_quantized(const AttentionShape& s, const float* q, const __half* k_cache,
+                                const __half* v_cache, int64_t n, const int32_t* pos_dev, int64_t row_offset,
+                                int64_t max_ctx, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                                float* out, void* out_q8_0, float* scratch, int64_t scratch_floats,
+                                cudaStream_t stream) {
+  if (out_q8_0 == nullptr) throw std::invalid_argument("attention_decode_quantized: null out_q8_0");
+  attention_decode_impl(s, q, k_cache, v_cache, n, pos_dev, row_offset, max_ctx, gate, gate_row_stride,
+                        gate_head_stride, out, out_q8_0, scratch, scratch_floats, stream);
 }
 
 }  // namespace moraine::cuda

@@ -48,6 +48,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/qk_norm_rope_store.h"
 
 namespace moraine::cuda {
 
@@ -80,5 +81,40 @@ void attention_decode(const AttentionShape& s, const float* q, const __half* k_c
                       const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx, const float* gate,
                       int64_t gate_row_stride, int64_t gate_head_stride, float* out, float* scratch,
                       int64_t scratch_floats, cudaStream_t stream = nullptr);
+
+// The same, and the merge also writes out's rows quantized as Q8_0 with llama.cpp's x86 rule
+// into out_q8_0 (n rows of n_head * head_dim / 32 blocks, back to back): exactly the bytes of
+// quantize_activations_llama(Q8_0, out, out_q8_0, n_head * head_dim, n) after the plain call
+// (tests/cuda/attention_decode_test.cpp), without its launch (the o projection's input). H200,
+// Qwen3-30B-A3B decode chain: -1.14 / -0.87 us per layer at positions 0 / 600 (run C).
+void attention_decode_quantized(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache,
+                                int64_t n, const int32_t* pos_dev, int64_t row_offset, int64_t max_ctx,
+                                const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
+                                void* out_q8_0, float* scratch, int64_t scratch_floats, cudaStream_t stream = nullptr);
+void attention_decode_quantized(const AttentionShape& s, const float* q, const __half* k_cache,
+                                const __half* v_cache, int64_t n, const int32_t* pos_dev, int64_t row_offset,
+                                int64_t max_ctx, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
+                                float* out, void* out_q8_0, float* scratch, int64_t scratch_floats,
+                                cudaStream_t stream = nullptr);
+
+// qk_norm_rope_store(qk) then attention_decode(_quantized) of its one row in one kernel pair:
+// the split kernel's CTAs normalise and rotate their kv head's group of q heads themselves, and
+// the CTA of the last split (which holds the new position) makes k and v of its kv head, stores
+// them into the cache and uses them for that position. The cache (qk's k_cache / v_cache or the
+// _f16 pair: K and V are read from there), the output and out_q8_0 (nullable) get exactly the
+// bytes of the unfused calls; qk.q_out is not written (nothing else reads it in a decode layer).
+// The position is qk.pos0_dev, the capacity qk.max_pos (attention's max_ctx): a device position
+// outside it gives NaN rows and stores nothing. H200, Qwen3-30B-A3B decode chain of 48 layers
+// (moraine-kernel-bench cuda --mixer-only, 2026-11-30 run C): -1.69 us per layer at position 0,
+// -0.54 at 600 (the K / V tiles below the new position load before the wait on the q | k | v
+// matvec; the fused CTAs then normalise their q heads, ~0.5 us more on the split's path).
+// Supported: one row, attention_decode's shape with qk's heads, an even n_rot in 2..head_dim, q /
+// k / v / q_norm / k_norm 16-byte aligned (cp.async) and the q head stride a multiple of 4.
+// Throws std::invalid_argument naming the problem when !attention_decode_fused_qk_supported, a
+// pointer is null, or as attention_decode.
+bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const AttentionShape& s);
+void attention_decode_fused_qk(const QkNormRopeStoreArgs& qk, const AttentionShape& s, const float* gate,
+                               int64_t gate_row_stride, int64_t gate_head_stride, float* out, void* out_q8_0,
+                               float* scratch, int64_t scratch_floats, cudaStream_t stream = nullptr);
 
 }  // namespace moraine::cuda

@@ -10,6 +10,9 @@
 // blocks (256 elements, 8 consecutive per lane) do not line up with the sum's elements, so they
 // re-read x (written by this CTA before the barrier, or never written) from global memory.
 //
+// Launched with PDL (launch.h) like the pair it replaces: the first version went out as a plain
+// launch, so in a graph of PDL kernels it also paid the full launch edge the pair overlapped.
+//
 // The MoE-combine variant first computes each element of x as moe_combine_kernel does (same
 // rounded operations in the same order), writes it back, and uses it as the norm's input.
 #include "kernels/cuda/rms_norm_quantize.h"
@@ -19,6 +22,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/quantize_block.cuh"
 
 namespace moraine::cuda {
@@ -75,6 +79,18 @@ __global__ void __launch_bounds__(kThreads)
   float* xr = x + t * n;
   float* hr = h + t * n;
   float cached[kCached > 0 ? kCached : 1];
+  // The norm weights (no kernel of a step writes them) load before the wait on the previous
+  // kernel (PDL, launch.h), overlapping its tail; everything else after it.
+  float wc[kCached > 0 ? kCached : 1];
+  if constexpr (kCached > 0) {
+#pragma unroll
+    for (int j = 0; j < kCached; ++j) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kThreads;
+      wc[j] = i < n && w != nullptr ? w[i] : 1.0f;
+    }
+  }
+  wait_for_prior_grids();
+  allow_dependent_grids();
   double ss = 0.0;
   if constexpr (kCached > 0) {
 #pragma unroll
@@ -127,7 +143,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kThreads;
       // With Q8_0 n is a multiple of 32, so i < n is uniform per warp (block warp + 8j).
       if (i < n) {
-        const float v = normed(cached[j], inv, w, i);
+        const float v = w != nullptr ? __fmul_rn(__fmul_rn(cached[j], inv), wc[j]) : __fmul_rn(cached[j], inv);
         hr[i] = v;
         if constexpr (kAct == Act::Q8_0) quantize_detail::quantize_q8_0_llama_warp(v, out[warp + kWarps * j], lane);
       }
@@ -142,14 +158,72 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Q8_0 without the combine, n a multiple of 256 (up to 16 * 256), h not overlapping x: grid
+// (n / 256, rows). Every CTA sums the whole row with the same tree (the same double, the same
+// inv) and outputs one 256-element slice: thread tid element s * 256 + tid, which is its
+// register j = s of the sum, and warp w block 8 s + w. The single-CTA kernel above left one CTA
+// to normalise, store and quantize all of a 2048-wide row (8 blocks per warp, one after
+// another): on the H200 it was ~0.5 us per layer slower than rms_norm then
+// quantize_activations_llama in the decode chain (moraine-kernel-bench cuda --mixer-only, run
+// B); sliced, 2.0 us per layer faster than the pair (run C: the step 3.3 -> 0.9-1.5 us).
+template <int kCached>
+__global__ void __launch_bounds__(kThreads)
+    norm_quantize_sliced_kernel(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ h,
+                                BlockQ8_0* __restrict__ act, int64_t n, float eps) {
+  __shared__ double partial[kWarps];
+  const int64_t t = blockIdx.y;
+  const int s = blockIdx.x;
+  const int64_t mine = static_cast<int64_t>(s) * kThreads + threadIdx.x;
+  const float wv = w != nullptr ? w[mine] : 1.0f;   // a weight: before the wait (PDL, launch.h)
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  const float* xr = x + t * n;
+  float cached[kCached];
+#pragma unroll
+  for (int j = 0; j < kCached; ++j) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kThreads;
+    cached[j] = i < n ? xr[i] : 0.0f;
+  }
+  double ss = 0.0;
+#pragma unroll
+  for (int j = 0; j < kCached; ++j) {
+    if (threadIdx.x + static_cast<int64_t>(j) * kThreads < n) {
+      const double dv = cached[j];
+      ss += dv * dv;
+    }
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) total += partial[i];
+  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  float xv = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kCached; ++j)
+    if (j == s) xv = cached[j];
+  const float v = w != nullptr ? __fmul_rn(__fmul_rn(xv, inv), wv) : __fmul_rn(xv, inv);
+  h[t * n + mine] = v;
+  quantize_detail::quantize_q8_0_llama_warp(v, act[t * (n / kQK) + mine / kQK], threadIdx.x % 32);
+}
+
+template <int kCached>
+void launch_sliced(const float* x, const float* w, float* h, void* act, int64_t n, int64_t rows, float eps,
+                   cudaStream_t stream) {
+  launch_kernel(norm_quantize_sliced_kernel<kCached>, dim3(static_cast<unsigned>(n / kThreads), static_cast<unsigned>(rows)),
+                dim3(kThreads), 0, stream, x, w, h, static_cast<BlockQ8_0*>(act), n, eps);
+}
+
 template <int kCached>
 void launch_cached(Act a, float* x, const Combine& c, const float* w, float* h, void* act, int64_t n, int64_t rows,
                    float eps, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>(rows);
+  const dim3 grid(static_cast<unsigned>(rows)), block(kThreads);
   switch (a) {
-    case Act::None: norm_quantize_kernel<kCached, Act::None><<<grid, kThreads, 0, stream>>>(x, c, w, h, act, n, eps); break;
-    case Act::Q8_0: norm_quantize_kernel<kCached, Act::Q8_0><<<grid, kThreads, 0, stream>>>(x, c, w, h, act, n, eps); break;
-    case Act::Q8_K: norm_quantize_kernel<kCached, Act::Q8_K><<<grid, kThreads, 0, stream>>>(x, c, w, h, act, n, eps); break;
+    case Act::None: launch_kernel(norm_quantize_kernel<kCached, Act::None>, grid, block, 0, stream, x, c, w, h, act, n, eps); break;
+    case Act::Q8_0: launch_kernel(norm_quantize_kernel<kCached, Act::Q8_0>, grid, block, 0, stream, x, c, w, h, act, n, eps); break;
+    case Act::Q8_K: launch_kernel(norm_quantize_kernel<kCached, Act::Q8_K>, grid, block, 0, stream, x, c, w, h, act, n, eps); break;
   }
 }
 
@@ -157,7 +231,12 @@ void launch_cached(Act a, float* x, const Combine& c, const float* w, float* h, 
 void launch(Act a, float* x, const Combine& c, const float* w, float* h, void* act, int64_t n, int64_t rows, float eps,
             cudaStream_t stream) {
   const int64_t per_thread = (n + kThreads - 1) / kThreads;
-  if (a == Act::Q8_K || per_thread > 16) {
+  const bool apart = x + n * rows <= h || h + n * rows <= x;
+  if (a == Act::Q8_0 && !c.on && n % kThreads == 0 && per_thread <= 16 && apart && rows <= 65535) {
+    if (per_thread > 8) launch_sliced<16>(x, w, h, act, n, rows, eps, stream);
+    else if (per_thread > 4) launch_sliced<8>(x, w, h, act, n, rows, eps, stream);
+    else launch_sliced<4>(x, w, h, act, n, rows, eps, stream);
+  } else if (a == Act::Q8_K || per_thread > 16) {
     launch_cached<0>(a, x, c, w, h, act, n, rows, eps, stream);
   } else if (per_thread > 8) {
     launch_cached<16>(a, x, c, w, h, act, n, rows, eps, stream);

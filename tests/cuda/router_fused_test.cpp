@@ -3,9 +3,14 @@
 // weights): F32/F16/BF16 router weights, 128/512/60 experts, k 8 and 10, with and without
 // renormalisation, 1/3/16 tokens; repeated calls and a replayed graph (the arrival counters must
 // come back to zero), and planted equal rows (exact ties go to the lower id in both).
+// rms_norm_router_fused likewise against rms_norm then that pair (h as well), and its h against
+// the CPU reference's rms_norm (common/reference/ops.h) within rms_norm_test.cpp's bound: the
+// double sums differ only in order (at most ~n 2^-53 relative), so 4 ulp after the float steps.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -13,7 +18,10 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/device_buffer.h"
+#include "common/reference/ops.h"
 #include "kernels/cuda/matvec_float.h"
+#include "kernels/cuda/residual_add.h"
+#include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/router_fused.h"
 #include "tests/cuda/cuda_test_support.h"
@@ -166,6 +174,167 @@ TEST(CudaRouterFusedArguments, RejectsBadShapes) {
   EXPECT_THROW(cuda::router_fused(TensorType::F32, &f, 8, 2048, &f, 1, 9, true, &f, &i, &f, &a), std::invalid_argument);
   EXPECT_THROW(cuda::router_fused(TensorType::F32, &f, 128, 20000, &f, 1, 8, true, &f, &i, &f, &a), std::invalid_argument);
   EXPECT_THROW(cuda::router_fused(TensorType::F32, &f, 128, 2048, &f, 1, 8, true, &f, &i, &f, nullptr),
+               std::invalid_argument);
+}
+
+// ---- rms_norm_router_fused ----
+
+struct NormRouted {
+  Routed r;
+  std::vector<float> h;
+};
+
+// Inputs of the norm in front: x with a wide spread of magnitudes, norm weights (or none).
+struct NormRouterInputs : RouterInputs {
+  cuda::DeviceBuffer<float> norm_w;
+  std::vector<float> x_host, w_host;
+  bool weighted;
+  static constexpr float kEps = 1e-6f;
+  NormRouterInputs(const Case& cs, uint32_t seed, bool ties, bool with_weight)
+      : RouterInputs(cs, seed, ties), weighted(with_weight) {
+    std::mt19937 rng(seed + 1000);
+    x_host = cuda_test::random_values(rng, static_cast<size_t>(c.n * c.d));
+    x.upload(x_host.data(), x_host.size());
+    w_host = cuda_test::normal_values(rng, static_cast<size_t>(c.d), 1.0f);
+    norm_w = cuda::DeviceBuffer<float>(w_host.size());
+    norm_w.upload(w_host.data(), w_host.size());
+  }
+  const float* nw() const { return weighted ? norm_w.get() : nullptr; }
+  NormRouted unfused() const {
+    cuda::DeviceBuffer<float> h(static_cast<size_t>(c.n * c.d));
+    h.fill_bytes(0xff);
+    cuda::rms_norm(x.get(), nw(), h.get(), c.d, c.n, kEps);
+    Out o(c);
+    cuda::MatvecBatch b;
+    b.count = static_cast<int>(c.n);
+    b.act_stride_bytes = c.d * static_cast<int64_t>(sizeof(float));
+    b.out_stride = c.n_expert;
+    cuda::matvec_float_batched(c.type, w.get(), c.n_expert, c.d, h.get(), o.logits.get(), b);
+    cuda::route_softmax_top_k(o.logits.get(), c.n, c.n_expert, c.k, c.renorm, o.chosen.get(), o.weight.get());
+    NormRouted r{o.get(), std::vector<float>(h.size())};
+    h.download(r.h.data(), r.h.size());
+    return r;
+  }
+  NormRouted fused(uint32_t* arrivals) const {
+    cuda::DeviceBuffer<float> h(static_cast<size_t>(c.n * c.d));
+    h.fill_bytes(0xff);
+    Out o(c);
+    cuda::rms_norm_router_fused(c.type, w.get(), c.n_expert, c.d, x.get(), nw(), kEps, c.n, h.get(), c.k, c.renorm,
+                                o.logits.get(), o.chosen.get(), o.weight.get(), arrivals);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    NormRouted r{o.get(), std::vector<float>(h.size())};
+    h.download(r.h.data(), r.h.size());
+    return r;
+  }
+  // The CPU reference's normalised rows.
+  std::vector<float> reference_h() const {
+    std::vector<float> h(x_host.size());
+    for (int64_t t = 0; t < c.n; ++t)
+      reference::rms_norm(x_host.data() + t * c.d, weighted ? w_host.data() : nullptr, c.d, kEps, h.data() + t * c.d);
+    return h;
+  }
+};
+
+TEST(CudaRmsNormRouterFused, BitIdenticalToNormThenMatvecThenRoute) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  cuda::DeviceBuffer<uint32_t> arrivals(16);
+  arrivals.fill_bytes(0);
+  uint32_t seed = 101;
+  std::vector<Case> cases;
+  for (int64_t n : {1, 3, 16}) {
+    cases.push_back({TensorType::F32, 128, 2048, n, 8, true});   // Qwen3-30B-A3B
+    cases.push_back({TensorType::F32, 512, 2048, n, 10, true});  // Qwen3-Next
+    cases.push_back({TensorType::BF16, 128, 2048, n, 8, false});
+    cases.push_back({TensorType::F16, 61, 1000, n, 4, true});    // odd experts (half-full last CTA), odd width
+    cases.push_back({TensorType::F32, 128, 3072, n, 8, true});   // 12 elements per thread (the 16-wide path)
+  }
+  for (const Case& c : cases) {
+    const bool weighted = seed % 3 != 0;
+    SCOPED_TRACE(c.name() + (weighted ? ", norm weight" : ", no norm weight"));
+    const NormRouterInputs s(c, seed, seed % 2 == 0, weighted);
+    ++seed;
+    const NormRouted want = s.unfused();
+    const std::vector<float> ref = s.reference_h();
+    for (int call = 0; call < 2; ++call) {   // the second call: the counters came back to zero
+      const NormRouted got = s.fused(arrivals.get());
+      ASSERT_EQ(std::memcmp(got.h.data(), want.h.data(), want.h.size() * 4), 0) << "h differs from rms_norm's";
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double tol = 8.0 * std::ldexp(std::fabs(double(ref[i])), -24) + std::numeric_limits<float>::min();
+        ASSERT_LE(std::fabs(double(got.h[i]) - ref[i]), tol)
+            << "h[" << i << "] = " << got.h[i] << ", the CPU reference's " << ref[i];
+      }
+      expect_same(got.r, want.r, c.name() + ", call " + std::to_string(call));
+    }
+  }
+  std::vector<uint32_t> left(arrivals.size());
+  arrivals.download(left.data(), left.size());
+  for (uint32_t v : left) EXPECT_EQ(v, 0u) << "an arrival counter was left non-zero";
+}
+
+// Captured behind a kernel that writes x (PDL edge: the fused kernel must wait for it before
+// reading x, though it loads its weights earlier), replayed: each replay sees the new x.
+TEST(CudaRmsNormRouterFused, GraphWaitsForTheKernelBefore) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const Case c{TensorType::F32, 128, 2048, 2, 8, true};
+  const NormRouterInputs s(c, 303, false, true);
+  std::mt19937 rng(304);
+  const std::vector<float> delta = cuda_test::normal_values(rng, static_cast<size_t>(c.n * c.d), 0.5f);
+  cuda::DeviceBuffer<float> ddelta(delta.size()), h(static_cast<size_t>(c.n * c.d));
+  ddelta.upload(delta.data(), delta.size());
+  cuda::DeviceBuffer<uint32_t> arrivals(static_cast<size_t>(c.n));
+  arrivals.fill_bytes(0);
+  RouterInputs::Out o(c);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  cuda::residual_add(s.x.get(), ddelta.get(), c.n * c.d, stream);   // x += delta, then the fused kernel reads x
+  cuda::rms_norm_router_fused(c.type, s.w.get(), c.n_expert, c.d, s.x.get(), s.norm_w.get(), NormRouterInputs::kEps,
+                              c.n, h.get(), c.k, c.renorm, o.logits.get(), o.chosen.get(), o.weight.get(),
+                              arrivals.get(), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int rep = 0; rep < 4; ++rep) {
+    h.fill_bytes(0xff);
+    o.chosen.fill_bytes(0xff);
+    o.weight.fill_bytes(0xff);
+    o.logits.fill_bytes(0xff);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const NormRouted want = s.unfused();   // on x as the replay left it
+    std::vector<float> got_h(h.size());
+    h.download(got_h.data(), got_h.size());
+    ASSERT_EQ(std::memcmp(got_h.data(), want.h.data(), want.h.size() * 4), 0) << "replay " << rep << ": h";
+    expect_same(o.get(), want.r, "replay " + std::to_string(rep));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaRmsNormRouterFusedArguments, RejectsBadShapes) {
+  float f = 0;
+  int32_t i = 0;
+  uint32_t a = 0;
+  EXPECT_FALSE(cuda::rms_norm_router_fused_supported(TensorType::Q8_0, 128, 2048));
+  EXPECT_FALSE(cuda::rms_norm_router_fused_supported(TensorType::F32, 128, 8192));   // above 16 per thread
+  EXPECT_FALSE(cuda::rms_norm_router_fused_supported(TensorType::F32, 128, 4096));   // 48 KiB: no room for the static
+  EXPECT_FALSE(cuda::rms_norm_router_fused_supported(TensorType::F32, 128, 2050));   // rows not whole 16 bytes
+  EXPECT_TRUE(cuda::rms_norm_router_fused_supported(TensorType::F32, 128, 2048));
+  EXPECT_THROW(cuda::rms_norm_router_fused(TensorType::Q8_0, &f, 128, 2048, &f, &f, 1e-6f, 1, &f, 8, true, &f, &i, &f,
+                                           &a),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::rms_norm_router_fused(TensorType::F32, &f, 128, 2048, &f, &f, 1e-6f, 1, &f, 0, true, &f, &i, &f,
+                                           &a),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::rms_norm_router_fused(TensorType::F32, &f, 128, 2048, &f, &f, 1e-6f, 0, &f, 8, true, &f, &i, &f,
+                                           &a),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::rms_norm_router_fused(TensorType::F32, &f, 128, 2048, &f, &f, 1e-6f, 1, nullptr, 8, true, &f, &i,
+                                           &f, &a),
                std::invalid_argument);
 }
 

@@ -332,6 +332,7 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     }
   }
   cuda::set_programmatic_launch(true);
+  run_mixer_chain_bench(min_ms, json);
 }
 
 }  // namespace moraine::kernel_bench

@@ -10,4 +10,8 @@ namespace moraine::kernel_bench {
 // few plain launches of each kernel, to be timed by ncu.
 void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json);
 
+// The decode layer's chain of these kernels, 48 layers in one graph, unfused against each fusion
+// of the CUDA backend (mixer_bench_chain.cu); run_mixer_bench ends with it (not in ncu_mode).
+void run_mixer_chain_bench(double min_ms, nlohmann::json* json);
+
 }  // namespace moraine::kernel_bench
