@@ -1,7 +1,9 @@
 // moraine-coordinator: owns the model description, tokenizer, sampling and the session; creates
 // the group's shared memory (exchange segment, expert arena filled from the GGUF), writes the
 // group manifest other processes start from, and drives steps: each prompt chunk or decode token
-// is one LayerStep sent to the gpu_worker over ZeroMQ, whose logits come back in shared memory.
+// is one step handed to the gpu_worker through the exchange segment's step doorbells
+// (coordinator/step_bell.h; --step-channel zmq: a LayerStep over ZeroMQ), whose logits come back
+// in shared memory, or for greedy decode only the token (StepHeader::greedy_token).
 // A step that fails (a worker died and was not back in time) is re-issued by replaying the
 // sequence from a reset: the forward is deterministic, so the tokens are the same.
 #include <CLI/CLI.hpp>
@@ -30,6 +32,7 @@
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
 #include "coordinator/process_util.h"
+#include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
 namespace {
@@ -50,6 +53,13 @@ struct Options {
   int cpu_workers = 2, max_tokens = 64, step_retries = 2;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
   std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default
+  std::string step_channel = "doorbell";   // GroupManifest::step_channel
+  // The step done doorbell's spin before the coordinator sleeps: none, because a step takes longer
+  // (0.1-3 ms) and the coordinator shares its core with the gpu_worker, which the ring has just
+  // woken. Dev box, CPU backend, every expert on it, decode p50 minus layer_chain p50: 20-36 us
+  // without a spin, 37-49 us spinning 20 us; spinning through the step (both sides): 510 us.
+  int step_spin_us = 0;
+  bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
 };
 
 // --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
@@ -109,7 +119,7 @@ class Coordinator final : public generate::Coordinator::Service {
         arena_(shm::ShmSegment::create({prefix_, "arena", std::max<size_t>(al_.total_bytes, group::kArenaAlign), true, true})),
         prefill_(control.add_stage("prefill")), decode_(control.add_stage("decode")),
         sample_(control.add_stage("sample")), stream_write_(control.add_stage("stream_write")),
-        gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)) {
+        gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)), bells_(exchange_.data(), xl_) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
     try {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
@@ -129,12 +139,15 @@ class Coordinator final : public generate::Coordinator::Service {
               << plan_.staging_bytes() << " bytes of staging), " << arena_.page_report().describe() << "\n";
     const shm::Region& bells = xl_.region("bells");
     for (size_t i = 0; i < bells.bytes / sizeof(shm::Doorbell); ++i) shm::Doorbell::init_at(exchange_.data() + bells.offset + i * sizeof(shm::Doorbell));
+    bells_.init();
     control.set_in_flight_hook([this] { return in_flight_.load(); });
     control.set_stats_hook([this](control::StatsReply& r) {
       r.set_shm_owned_bytes(exchange_.data_bytes() + arena_.data_bytes());
       r.set_shm_mapped_bytes(exchange_.data_bytes() + arena_.data_bytes());
       r.set_shm_huge_page_bytes(arena_.page_report().huge_bytes);
       (*r.mutable_counters())["steps_reissued"] = reissued_.load();
+      // Tokens the gpu_worker picked (greedy decode without the logits crossing).
+      (*r.mutable_counters())["greedy_worker_tokens"] = greedy_worker_tokens_.load();
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
       for (auto [name, t] : {std::pair{"vram", &plan_.vram}, std::pair{"ram", &plan_.ram}, std::pair{"file", &plan_.file}}) {
@@ -158,6 +171,7 @@ class Coordinator final : public generate::Coordinator::Service {
     man.placement_path = group::placement_path(o.socket_dir);
     man.census_path = o.no_census ? "" : o.census.empty() ? group::default_census_path(o.model) : o.census;
     man.vram_adapt_every = o.vram_adapt_every;
+    man.step_channel = o.step_channel;
     plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));
     if (!o.logits_dump.empty()) logits_dump_.open(o.logits_dump, std::ios::binary | std::ios::trunc);
@@ -183,6 +197,11 @@ class Coordinator final : public generate::Coordinator::Service {
     const uint32_t max_new = sp.max_tokens() > 0 ? sp.max_tokens() : 16;
     sampling::Sampler sampler({sp.temperature(), static_cast<int32_t>(sp.top_k()),
                                sp.top_p() > 0 ? sp.top_p() : 1.0f, sp.seed()});
+    // Greedy decode without the logits: the gpu_worker returns the argmax, by the sampler's own
+    // rule, so the tokens are the same. Not when the client checks the logits or they are dumped.
+    // With check_logits the gpu_worker also reports the first non-finite logit (StepHeader::check_finite).
+    token_only_ = sp.temperature() <= 0.0f && !logits_dump_.is_open() && !o_.greedy_on_host;
+    check_on_worker_ = token_only_ && sp.check_logits();
     std::unique_ptr<tokenizer::StreamingDecoder> dec;
     if (tok_) dec = std::make_unique<tokenizer::StreamingDecoder>(*tok_, false);
     group::ChunkStreamer stream(writer);   // the client reads at its own pace (chunk_streamer.h)
@@ -190,7 +209,7 @@ class Coordinator final : public generate::Coordinator::Service {
     timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
     try {
       auto t0 = Clock::now();
-      std::span<const float> logits = feed(context.data(), static_cast<int64_t>(context.size()), true, context);
+      StepOutput out = feed(context.data(), static_cast<int64_t>(context.size()), true, context);
       timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));
       prefill_.record(context.size(), 0, 0, us_since(t0));
       const auto t1 = Clock::now();
@@ -201,8 +220,19 @@ class Coordinator final : public generate::Coordinator::Service {
           break;
         }
         const auto tsample = Clock::now();
-        if (sp.check_logits()) check_finite(logits, context.size());
-        const int32_t id = sampler.sample(logits);
+        if (sp.check_logits()) {
+          if (check_on_worker_) {
+            report_nonfinite(out.nonfinite, context.size());
+          } else {
+            check_finite(out.logits, context.size());
+          }
+        }
+        int32_t id = out.token;
+        if (id < 0) {
+          id = sampler.sample(out.logits);
+        } else {
+          ++greedy_worker_tokens_;
+        }
         context.push_back(id);
         generate::GenerateChunk chunk;
         chunk.add_token_ids(static_cast<uint32_t>(id));
@@ -224,7 +254,7 @@ class Coordinator final : public generate::Coordinator::Service {
         stream.push(std::move(chunk));
         stream_write_.record(1, 0, 0, us_since(twrite));
         const auto ts = Clock::now();
-        logits = feed(&context.back(), 1, false, context);
+        out = feed(&context.back(), 1, false, context);
         decode_.record(1, 0, 0, us_since(ts));
       }
       generate::GenerateChunk last;
@@ -245,6 +275,13 @@ class Coordinator final : public generate::Coordinator::Service {
  private:
   // A faulty step (a kernel bug, a lost expert output) shows as non-finite logits; a benchmark
   // asks for this check so that it never reports numbers from such a run.
+  // check_finite's error for the gpu_worker's report (StepReply::nonfinite: index * 2 + is-NaN).
+  static void report_nonfinite(int32_t code, size_t position) {
+    if (code < 0) return;
+    throw std::runtime_error("logit " + std::to_string(code / 2) + " of position " + std::to_string(position) + " is " +
+                             (code % 2 ? "NaN" : "inf"));
+  }
+
   static void check_finite(std::span<const float> logits, size_t position) {
     // x * 0 is 0 for a finite x and NaN otherwise: 16 independent sums say whether to look (39 us
     // per token over 151,936 logits as one early-exit loop, on the path between two steps).
@@ -296,10 +333,18 @@ class Coordinator final : public generate::Coordinator::Service {
     return ids;
   }
 
+  // What a step leaves for sampling: the last row's logits, or with token_only_ the greedy token
+  // (then the logits are not there).
+  struct StepOutput {
+    std::span<const float> logits;
+    int32_t token = -1;
+    int32_t nonfinite = -1;   // check_on_worker_: StepReply::nonfinite of the last step
+  };
+
   // Runs n tokens (after the cached ones, or from scratch when reset) and returns the last row's
-  // logits. On a failed step, replays `context` (everything up to and including these tokens)
+  // output. On a failed step, replays `context` (everything up to and including these tokens)
   // from a reset, up to step_retries times.
-  std::span<const float> feed(const int32_t* tokens, int64_t n, bool reset, const std::vector<int32_t>& context) {
+  StepOutput feed(const int32_t* tokens, int64_t n, bool reset, const std::vector<int32_t>& context) {
     for (int attempt = 0;; ++attempt) {
       try {
         if (attempt == 0) return run_steps(tokens, n, reset);
@@ -312,11 +357,12 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  std::span<const float> run_steps(const int32_t* tokens, int64_t n, bool reset) {
+  StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset) {
     std::byte* base = exchange_.data();
     const int64_t V = model_.hp.n_vocab;
     const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
     if (reset) position_ = 0;
+    int32_t token = -1;
     for (int64_t at = 0; at < n; at += o_.max_tokens) {
       const int64_t m = std::min<int64_t>(o_.max_tokens, n - at);
       std::copy_n(tokens + at, m, xl_.region("tokens").at<int32_t>(base));
@@ -326,6 +372,17 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->logit_rows = 1;
       hdr->reset = reset && at == 0;
       hdr->first_position = static_cast<uint32_t>(position_);
+      hdr->greedy_token = token_only_ ? 1 : 0;
+      hdr->check_finite = check_on_worker_ ? 1 : 0;
+      if (o_.step_channel == "doorbell") {
+        try {
+          token = bells_.call(step_seq_, kStepTimeout, std::chrono::microseconds(o_.step_spin_us)).token;
+        } catch (const std::exception& e) {
+          throw std::runtime_error(std::string("gpu_worker: ") + e.what());
+        }
+        position_ += m;
+        continue;
+      }
       envelope_.Clear();
       envelope_.set_version(messaging::kJobProtocolVersion);
       envelope_.set_seq(step_seq_);
@@ -341,21 +398,31 @@ class Coordinator final : public generate::Coordinator::Service {
         ref->set_offset(xl_.region(region).offset);
         ref->set_length(uint64_t(m) * row_bytes);
       }
-      const std::string error = gpu_.call(envelope_, reply_, std::chrono::seconds(300));
+      const std::string error = gpu_.call(envelope_, reply_, kStepTimeout);
       if (!error.empty()) {
         gpu_ = messaging::JobClient(ctx_, group::jobs_endpoint(o_.socket_dir, group::kGpuWorkerInstance));
         throw std::runtime_error("gpu_worker: " + error);
       }
       if (reply_.status() != jobs::JOB_OK) throw std::runtime_error("gpu_worker: " + reply_.error());
+      token = xl_.region("step_reply").at<const group::StepReply>(base)->token;
       position_ += m;
+    }
+    if (token_only_) {
+      if (token < 0 || token >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(token) + " is outside the vocabulary");
+      // Both step channels leave the reply in the exchange; the last step's is the last row's.
+      const int32_t nonfinite = check_on_worker_ ? xl_.region("step_reply").at<const group::StepReply>(base)->nonfinite : -1;
+      return {{}, token, nonfinite};
     }
     const float* logits = xl_.region("logits").at<const float>(base);
     if (logits_dump_.is_open()) {
       logits_dump_.write(reinterpret_cast<const char*>(logits), static_cast<std::streamsize>(V * sizeof(float)));
       logits_dump_.flush();
     }
-    return {logits, static_cast<size_t>(V)};
+    return {{logits, static_cast<size_t>(V)}, -1};
   }
+
+  // A step's whole round trip, a long prefill chunk included.
+  static constexpr std::chrono::milliseconds kStepTimeout{300'000};
 
   Options o_;
   group::ControlServer& control_;
@@ -378,6 +445,10 @@ class Coordinator final : public generate::Coordinator::Service {
   messaging::JobClient gpu_;
   jobs::JobEnvelope envelope_;
   jobs::JobReply reply_;
+  group::StepBellClient bells_;
+  bool token_only_ = false;   // this request's steps return the greedy token, not the logits
+  bool check_on_worker_ = false;   // ... and the first non-finite logit (check_logits)
+  std::atomic<uint64_t> greedy_worker_tokens_{0};
   std::mutex session_mu_;
   uint64_t step_seq_ = 0;
   int64_t position_ = 0;
@@ -425,6 +496,13 @@ int main(int argc, char** argv) {
                  "steps between the gpu_worker's swaps of popular experts into VRAM (0: keep the placement's set)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
+  app.add_option("--step-channel", o.step_channel,
+                 "how a step reaches the gpu_worker: doorbell (shared memory) or zmq (a LayerStep round trip)")
+      ->check(CLI::IsMember({"doorbell", "zmq"}));
+  app.add_option("--step-spin-us", o.step_spin_us, "how long the wait for a step's answer spins before it sleeps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--greedy-on-host", o.greedy_on_host,
+               "greedy decode copies the logits and takes their argmax here (default: the gpu_worker returns the token)");
   app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--kv-type", o.kv_type,

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/gguf/gguf.h"
+#include "coordinator/step_bell.h"
 
 namespace moraine::group {
 
@@ -29,6 +30,7 @@ void GroupManifest::write(const std::string& path) const {
   j["placement_path"] = placement_path;
   j["census_path"] = census_path;
   j["vram_adapt_every"] = vram_adapt_every;
+  j["step_channel"] = step_channel;
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -56,6 +58,9 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.placement_path = j.at("placement_path").get<std::string>();
     m.census_path = j.at("census_path").get<std::string>();
     m.vram_adapt_every = j.value("vram_adapt_every", 0);
+    m.step_channel = j.value("step_channel", std::string("doorbell"));
+    if (m.step_channel != "doorbell" && m.step_channel != "zmq")
+      throw std::runtime_error("step_channel \"" + m.step_channel + "\": expected doorbell or zmq");
     if (m.n_cpu_workers < 1 || m.max_tokens < 1) throw std::runtime_error("n_cpu_workers and max_tokens must be >= 1");
     return m;
   } catch (const std::exception& e) {
@@ -89,6 +94,9 @@ ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, i
   const std::size_t d = static_cast<std::size_t>(hp.n_embd);
   ExchangeLayout x;
   x.layout.add("step", sizeof(StepHeader))
+      .add("step_reply", sizeof(StepReply))
+      .add("step_server", sizeof(StepServerRecord))
+      .add_doorbells("step_bells", 2)
       .add("expert_req", sizeof(ExpertRequest))
       .add("tokens", T * sizeof(std::int32_t))
       .add("hidden", T * d * sizeof(float))

@@ -33,6 +33,9 @@ struct GroupManifest {
   // The VRAM tier adapts while running: every this many steps the gpu_worker swaps experts used
   // more than a resident one (by a margin) into the device; 0 = the placement's set stays.
   int vram_adapt_every = 8;
+  // How the coordinator hands the gpu_worker a step: "doorbell" (the exchange's step doorbells,
+  // coordinator/step_bell.h) or "zmq" (a LayerStep / JobReply round trip per step).
+  std::string step_channel = "doorbell";
 
   void write(const std::string& path) const;   // atomically (temp file + rename)
   static GroupManifest read(const std::string& path);  // throws std::runtime_error naming the file
@@ -60,6 +63,27 @@ struct StepHeader {
   std::uint32_t logit_rows;   // last logit_rows rows of the step get logits (1 or n_tokens)
   std::uint32_t reset;        // 1: forget the cached sequence before this step
   std::uint32_t first_position;
+  // 1: greedy decode without the logits: the gpu_worker puts the argmax of the last logits row
+  // (sampling::argmax's rule) in StepReply::token, computed where the logits are, and need not
+  // write the logits rows (the CUDA backend copies 4 bytes instead of 607 KB per token).
+  std::uint32_t greedy_token;
+  // 1 (with greedy_token): also report the last row's first non-finite logit in
+  // StepReply::nonfinite (SamplingParams::check_logits without the logits crossing).
+  std::uint32_t check_finite;
+};
+
+// Written by the gpu_worker once a step is done (both step channels), before it rings the step
+// done doorbell (doorbell channel) or replies over ZeroMQ.
+inline constexpr std::size_t kStepErrorBytes = 1024;
+struct StepReply {
+  std::uint64_t seq;            // the step answered
+  std::uint32_t ok;             // 1: done; 0: failed, `error` says why
+  std::int32_t token;           // StepHeader::greedy_token: the last row's argmax; else -1
+  // StepHeader::check_finite: the last row's first non-finite logit as index * 2 + 1 for a NaN,
+  // index * 2 for an infinity; -1 when finite or not asked. Written by the step before `ok`.
+  std::int32_t nonfinite;
+  std::uint32_t error_bytes;    // of `error`, at most kStepErrorBytes
+  char error[kStepErrorBytes];
 };
 
 // Written by the gpu_worker before it rings the workers' request doorbells.
@@ -84,7 +108,8 @@ struct ExchangeLayout {
 };
 // Region names: "step" StepHeader, "expert_req" ExpertRequest, "tokens" int32[max_tokens],
 // "hidden" float[max_tokens][n_embd] (normalised MoE input), "chosen" int32[max_tokens][k],
-// "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
+// "step_reply" StepReply, "step_server" StepServerRecord (coordinator/step_bell.h), "step_bells"
+// two doorbells (step request, step done), "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
 // see ExpertPlan), "logits" float[max_tokens][n_vocab], "resident" uint8[n_layer][n_expert] (1:
 // the gpu_worker computes that expert now; it writes this between steps, the cpu workers skip
 // those experts), "bells" doorbells.

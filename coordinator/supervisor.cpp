@@ -46,6 +46,7 @@ struct Options {
   bool pin_control_plane = true;   // coordinator, gpu_worker and io_worker on the reserved cores
   std::vector<std::string> cpu_worker_args;   // appended to every cpu_expert_worker's command line
   std::vector<std::string> gpu_worker_args;   // appended to the gpu_worker's
+  std::vector<std::string> coordinator_args;  // appended to the coordinator's
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
   std::string backend = "cpu";
@@ -205,6 +206,7 @@ int start(const Options& o) {
   }
   for (Child& c : cpus) c.argv.insert(c.argv.end(), o.cpu_worker_args.begin(), o.cpu_worker_args.end());
   gpu.argv.insert(gpu.argv.end(), o.gpu_worker_args.begin(), o.gpu_worker_args.end());
+  coord.argv.insert(coord.argv.end(), o.coordinator_args.begin(), o.coordinator_args.end());
   std::vector<Child*> workers{&gpu};
   for (Child& c : cpus) workers.push_back(&c);
   workers.push_back(&io);
@@ -336,6 +338,9 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   st->add_option("--gpu-worker-arg", o.gpu_worker_args,
                  "an extra argument for the gpu_worker (repeat; e.g. --gpu-worker-arg=--handoff-copies)")
+      ->allow_extra_args(false);
+  st->add_option("--coordinator-arg", o.coordinator_args,
+                 "an extra argument for the coordinator (repeat; e.g. --coordinator-arg=--step-channel=zmq)")
       ->allow_extra_args(false);
   st->add_option("--ctx", o.ctx, "context to plan KV memory for (0: min(4096, the model's))");
   st->add_option("--backend", o.backend, "the gpu_worker's backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));

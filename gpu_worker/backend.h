@@ -102,6 +102,23 @@ class Backend {
   }
   virtual int64_t n_layer() const = 0;
 
+  // Greedy decode (StepHeader::greedy_token): while `token` is set, every call that produces a
+  // step's logits (logits, step_whole, handoff_finish) also puts the argmax of the last logits
+  // row (sampling::argmax's rule) in *token, and a backend that computes it where the logits are
+  // may leave the logits rows unwritten: the CUDA backend copies the id, not the 607 KB row.
+  // nullptr: logits only, as always. nonfinite (with token): also the last row's first non-finite
+  // logit, coded as StepReply::nonfinite (-1: none).
+  void set_token_output(int32_t* token, int32_t* nonfinite = nullptr) {
+    token_out_ = token;
+    nonfinite_out_ = token != nullptr ? nonfinite : nullptr;
+  }
+
+ protected:
+  int32_t* token_out_ = nullptr;
+  int32_t* nonfinite_out_ = nullptr;
+
+ public:
+
   // A step with cpu workers, launched whole (a device backend that can: the CUDA one replays one
   // captured graph): the device runs every layer in order; at each layer that is not
   // layer_on_device it copies the routing and h into `io` (host memory pinned by

@@ -2,6 +2,7 @@
 // reference's. Scratch is sized once for max_tokens rows.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -10,6 +11,7 @@
 
 #include "common/reference/executor.h"
 #include "common/reference/moe_parts.h"
+#include "common/sampling/sampler.h"
 #include "gpu_worker/backend.h"
 #ifdef MORAINE_HAVE_CUDA
 #include "gpu_worker/cuda_backend.h"
@@ -118,6 +120,16 @@ class CpuBackend final : public Backend {
   void logits(int64_t rows, float* out) override {
     if (rows <= 0 || rows > last_n_) throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step of " + std::to_string(last_n_));
     exec_.output_logits(x_.data() + (last_n_ - rows) * m_.hp.n_embd, rows, norm_.data(), out);
+    // Greedy decode's token on the host, from the logits the coordinator would have read: the
+    // same bits, the same rule, so the group tests cover the token-only protocol.
+    const int64_t V = m_.hp.n_vocab;
+    if (token_out_ != nullptr) *token_out_ = sampling::argmax({out + (rows - 1) * V, static_cast<size_t>(V)});
+    if (nonfinite_out_ != nullptr) {
+      const float* last = out + (rows - 1) * V;
+      *nonfinite_out_ = -1;
+      for (int64_t i = 0; i < V && *nonfinite_out_ < 0; ++i)
+        if (!std::isfinite(last[i])) *nonfinite_out_ = static_cast<int32_t>(2 * i + (std::isnan(last[i]) ? 1 : 0));
+    }
   }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the

@@ -301,6 +301,11 @@ class CudaBackend final : public Backend {
   DeviceBuffer<uint8_t> fused_ws_;
   PinnedBuffer<int32_t> tok_pinned_, pos_pinned_, alt_pinned_, idx_pinned_;
   PinnedBuffer<int32_t> chosen_pinned_;   // [layer][max_tokens * k]: routing of layer_whole layers
+  // Greedy decode (Backend::set_token_output): the argmax kernel's scratch and the token it
+  // writes into host memory; allocated at the first such step (finish_step).
+  DeviceBuffer<uint8_t> argmax_scratch_;
+  PinnedBuffer<int32_t> token_pinned_;
+  int32_t* token_dev_ = nullptr;   // the device's address of token_pinned_
   std::vector<PendingChosen> pending_chosen_;
   std::vector<int32_t> host_chosen_;
   std::vector<float> host_weight_;

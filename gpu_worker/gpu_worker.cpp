@@ -1,9 +1,11 @@
-// moraine-gpu-worker: runs the layer chain of each step the coordinator sends (a LayerStep
-// descriptor over ZeroMQ: one hop per step, not per layer). Per layer: mixer + router on the
-// backend, routing published in the exchange segment, the cpu_expert_workers handed the layer
-// (doorbells by default, ZeroMQ ExpertJobList with the manifest's zmq_handoff), their outputs
-// summed with the shared expert. Experts the placement plan put in VRAM are computed here, by
-// the backend, while the cpu workers compute theirs. Logits go to the exchange segment's logits rows.
+// moraine-gpu-worker: runs the layer chain of each step the coordinator hands it (the step
+// doorbells of the exchange segment, coordinator/step_bell.h, or with the manifest's step_channel
+// "zmq" a LayerStep descriptor over ZeroMQ: one hop per step, not per layer). Per layer: mixer +
+// router on the backend, routing published in the exchange segment, the cpu_expert_workers handed
+// the layer (doorbells by default, ZeroMQ ExpertJobList with the manifest's zmq_handoff), their
+// outputs summed with the shared expert. Experts the placement plan put in VRAM are computed here,
+// by the backend, while the cpu workers compute theirs. Logits go to the exchange segment's logits
+// rows, or for greedy decode (StepHeader::greedy_token) only the last row's argmax to StepReply.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
@@ -21,6 +23,7 @@
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
+#include "coordinator/step_bell.h"
 #include "gpu_worker/backend.h"
 
 namespace {
@@ -112,22 +115,36 @@ class StepRunner {
     }
   }
 
+  std::byte* exchange() const { return exchange_.data(); }
+  const group::ExchangeLayout& exchange_layout() const { return xl_; }
+
   messaging::JobLimits limits() const {
     return {{{group::kExchangeSegmentId, exchange_.data_bytes()}},
             static_cast<uint32_t>(m_.hp.n_layer), static_cast<uint32_t>(m_.hp.n_expert),
             static_cast<uint32_t>(man_.max_tokens), static_cast<uint32_t>(m_.hp.n_embd * sizeof(float)), {}};
   }
 
-  void run(const jobs::LayerStep& step, jobs::JobReply& reply) {
+  // The step the StepHeader describes, which must be step `seq` of n_tokens tokens from
+  // first_position (what the LayerStep or the step doorbell named). Returns the greedy token
+  // (StepHeader::greedy_token) or -1.
+  int32_t run(uint64_t seq, uint64_t n_tokens, uint64_t first_position) {
     const auto t0 = Clock::now();
     std::byte* base = exchange_.data();
     const auto* hdr = xl_.region("step").at<const group::StepHeader>(base);
     const int64_t n = hdr->n_tokens;
-    if (hdr->step_seq != step.step_seq() || n != step.n_tokens() || hdr->first_position != step.first_position()) {
-      throw std::runtime_error("step " + std::to_string(step.step_seq()) + " does not match the step header in shared memory (seq " +
+    if (hdr->step_seq != seq || static_cast<uint64_t>(n) != n_tokens || hdr->first_position != first_position) {
+      throw std::runtime_error("step " + std::to_string(seq) + " does not match the step header in shared memory (seq " +
                                std::to_string(hdr->step_seq) + ", " + std::to_string(n) + " tokens)");
     }
+    if (n < 1 || n > man_.max_tokens)
+      throw std::runtime_error("step header: " + std::to_string(n) + " tokens, expected 1.." + std::to_string(man_.max_tokens));
     if (hdr->logit_rows == 0 || hdr->logit_rows > n) throw std::runtime_error("step header: logit_rows out of [1, n_tokens]");
+    int32_t token = -1;
+    // The first non-finite logit goes straight into the step's reply (StepHeader::check_finite);
+    // write_step_reply leaves that field alone.
+    int32_t& nonfinite = xl_.region("step_reply").at<group::StepReply>(base)->nonfinite;
+    nonfinite = -1;
+    backend_->set_token_output(hdr->greedy_token ? &token : nullptr, hdr->check_finite ? &nonfinite : nullptr);
     if (hdr->reset) {
       backend_->reset();
       broken_ = false;
@@ -151,8 +168,8 @@ class StepRunner {
     float* logits = xl_.region("logits").at<float>(base);
     if (all_on_device_) {   // no cpu worker takes part: the backend may replay a captured step
       backend_->step_whole(tokens, n, hdr->logit_rows, logits, step_chosen_.data(), man_.max_tokens * k);
-      finish_step(step, reply, n, t0);
-      return;
+      finish_step(n, t0);
+      return token;
     }
     // The whole step in one launch when the backend can: the device waits on flags in host
     // memory at each layer with cpu-worker experts while this thread hands the layers over.
@@ -163,7 +180,7 @@ class StepRunner {
           const auto tw = Clock::now();
           backend_->handoff_wait_routed(il);
           routed_wait_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(tw));
-          hand_layer_to_workers(step.step_seq(), il, n, chosen);
+          hand_layer_to_workers(seq, il, n, chosen);
           backend_->handoff_release(il, plan_);
         }
         backend_->handoff_finish(logits, step_chosen_.data(), man_.max_tokens * k);
@@ -172,8 +189,8 @@ class StepRunner {
         backend_->handoff_abort();
         throw;
       }
-      finish_step(step, reply, n, t0);
-      return;
+      finish_step(n, t0);
+      return token;
     }
     backend_->embed(tokens, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
@@ -184,12 +201,13 @@ class StepRunner {
       }
       backend_->layer_begin(il, n, chosen, weights, hidden);
       std::copy_n(chosen, nk, layer_chosen);
-      hand_layer_to_workers(step.step_seq(), il, n, chosen);
+      hand_layer_to_workers(seq, il, n, chosen);
       backend_->layer_end(il, n, plan_, expert_out);
     }
     backend_->advance(n);
     backend_->logits(hdr->logit_rows, logits);
-    finish_step(step, reply, n, t0);
+    finish_step(n, t0);
+    return token;
   }
 
  private:
@@ -209,7 +227,7 @@ class StepRunner {
     handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
   }
 
-  void finish_step(const jobs::LayerStep& step, jobs::JobReply& reply, int64_t n, Clock::time_point t0) {
+  void finish_step(int64_t n, Clock::time_point t0) {
     // cudaMemGetInfo is a driver call: read it at most once a second, not on every decode step
     // (nothing the backend allocates is freed before it goes, so a later read still sees it).
     if (const auto now = Clock::now(); now - device_used_sampled_ >= std::chrono::seconds(1)) {
@@ -224,7 +242,6 @@ class StepRunner {
       adapt_vram_tier();
     }
     broken_ = false;
-    reply.set_done_seq(step.step_seq());
     step_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(t0));
   }
 
@@ -417,7 +434,8 @@ class StepRunner {
   jobs::JobReply reply_;
 };
 
-int run(const std::string& socket_dir, const std::string& backend_kind, const gpu_worker::BackendOptions& base) {
+int run(const std::string& socket_dir, const std::string& backend_kind, const gpu_worker::BackendOptions& base,
+        std::chrono::nanoseconds step_spin) {
   group::install_stop_signals();
   const std::string instance = group::kGpuWorkerInstance;
   group::ControlServer control(control::ROLE_GPU_WORKER, instance, group::control_address(socket_dir, instance));
@@ -441,17 +459,48 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
   });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), runner.limits());
-  control.set_state(control::SERVING);
+  group::StepReply& step_reply = *runner.exchange_layout().region("step_reply").at<group::StepReply>(runner.exchange());
   const auto handler = [&](const jobs::JobEnvelope& job, jobs::JobReply& reply) {
     if (job.has_layer_step()) {
-      runner.run(job.layer_step(), reply);
+      const jobs::LayerStep& s = job.layer_step();
+      const int32_t token = runner.run(s.step_seq(), s.n_tokens(), s.first_position());
+      group::write_step_reply(step_reply, s.step_seq(), true, token, "");   // the greedy token travels there
+      reply.set_done_seq(s.step_seq());
     } else if (!job.has_ping()) {
       throw std::runtime_error("a gpu_worker takes layer_step and ping only");
     }
     reply.set_status(jobs::JOB_OK);
   };
+  // The step doorbells (coordinator/step_bell.h): registered once the backend is loaded, so the
+  // coordinator rings only a gpu_worker that can serve.
+  std::unique_ptr<group::StepBellServer> bells;
+  if (man.step_channel == "doorbell") {
+    bells = std::make_unique<group::StepBellServer>(runner.exchange(), runner.exchange_layout());
+    bells->start();
+  }
+  const group::StepHeader& header = *runner.exchange_layout().region("step").at<const group::StepHeader>(runner.exchange());
+  control.set_state(control::SERVING);
+  auto zmq_polled = Clock::now();
   while (!control.shutdown_requested() && !group::signal_received()) {
-    const messaging::ServeResult r = group::serve_one_job(server, handler, std::chrono::milliseconds(100));
+    messaging::ServeResult r;
+    if (bells) {
+      // Steps from the bells; ZeroMQ (pings, stray jobs) and the coordinator's liveness when a
+      // wait found none, or at least every kLivenessSlice during a run of steps.
+      if (const uint64_t seq = bells->next(group::kLivenessSlice, step_spin)) {
+        try {
+          const int32_t token = runner.run(seq, header.n_tokens, header.first_position);
+          bells->answer(seq, true, token, "");
+        } catch (const std::exception& e) {
+          std::cerr << instance << ": step " << seq << " failed: " << e.what() << "\n";
+          bells->answer(seq, false, -1, e.what());
+        }
+        if (Clock::now() - zmq_polled < group::kLivenessSlice) continue;
+      }
+      zmq_polled = Clock::now();
+      r = group::serve_one_job(server, handler, std::chrono::milliseconds(0));
+    } else {
+      r = group::serve_one_job(server, handler, std::chrono::milliseconds(100));
+    }
     if (r == messaging::ServeResult::kRejected) {
       std::cerr << instance << ": rejected a job: " << server.last_error() << "\n";
     } else if (r == messaging::ServeResult::kIdle && !shm::process_alive(man.coordinator_pid, man.coordinator_start_ticks)) {
@@ -459,6 +508,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
       break;
     }
   }
+  if (bells) bells->withdraw();
   runner.flush_census();
   control.stop();
   return 0;
@@ -479,6 +529,14 @@ int main(int argc, char** argv) {
                "reads and writes of the mapped exchange (A/B and fallback)");
   app.add_flag("!--no-pdl", base.programmatic_launch,
                "cuda: launch the kernels without programmatic dependent launch (A/B)");
+  // No spin by default: the control plane shares its reserved core (supervisor --reserve-cores),
+  // so a gpu_worker spinning for the next step takes the CPU the coordinator needs to sample it.
+  // Dev box, CPU backend, every expert on it, decode p50 minus layer_chain p50 (coordinator
+  // spinning 20 us): 33-47 us without a spin here, 39-53 us spinning 200 us.
+  int step_spin_us = 0;
+  app.add_option("--step-spin-us", step_spin_us,
+                 "how long the step doorbell wait spins before it sleeps (microseconds)")
+      ->check(CLI::NonNegativeNumber);
   std::string kernel_trace;
   uint64_t kernel_trace_rows = 2'000'000;
   app.add_option("--kernel-trace", kernel_trace,
@@ -493,7 +551,7 @@ int main(int argc, char** argv) {
 #else
     if (!kernel_trace.empty()) throw std::runtime_error("--kernel-trace: this build has no CUDA");
 #endif
-    return run(socket_dir, backend, base);
+    return run(socket_dir, backend, base, std::chrono::microseconds(step_spin_us));
   } catch (const std::exception& e) {
     std::cerr << "moraine-gpu-worker: " << e.what() << "\n";
     return 1;

@@ -588,6 +588,31 @@ TEST_P(CudaBackendGolden, GraphStepEqualsLayerByLayer) {
   }
 }
 
+// Greedy decode's token (Backend::set_token_output): the device's argmax of the last logits row
+// (kernels/cuda/argmax.cu, the id written into pinned host memory, no logits copied) is the
+// sampler's argmax of the row another backend copies out, step after step, through the captured
+// graph and layer by layer; its non-finite report (StepHeader::check_finite) says -1 for these
+// finite rows (argmax_test plants NaNs and infinities).
+TEST_P(CudaBackendGolden, GreedyTokenIsTheArgmaxOfTheLogits) {
+  auto other = cuda_backend(*model_, kMaxTokens, 256, nullptr, true, GetParam().kv);
+  int32_t token = -1, nonfinite = -2;
+  other->set_token_output(&token, &nonfinite);
+  std::vector<float> a = run_step(*backend_, *model_, prompt_, false);
+  run_step(*other, *model_, prompt_, false);
+  const int64_t V = model_->hp.n_vocab;
+  for (int i = 0; i < 8; ++i) {
+    const int32_t want = sampling::argmax(std::span<const float>(a.data(), V));
+    ASSERT_EQ(token, want) << "step " << i;
+    ASSERT_EQ(nonfinite, -1) << "step " << i;
+    token = -1;
+    nonfinite = -2;
+    const Drive drive = i % 2 == 0 ? Drive::kGraph : Drive::kLayers;
+    a = run_step(*backend_, *model_, {want}, false, drive);
+    run_step(*other, *model_, {want}, false, drive);
+  }
+  EXPECT_EQ(token, sampling::argmax(std::span<const float>(a.data(), V)));
+}
+
 TEST(CudaBackend, RejectsBadInputWithoutCrashing) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   const model::Model m = model::Model::load(golden_gguf("qwen3moe_odd", "f32"));

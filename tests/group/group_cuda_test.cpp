@@ -128,5 +128,40 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaBackend, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
+// Greedy decode without the logits dump: the coordinator asks for tokens only and the gpu_worker
+// takes each from the device's argmax (kernels/cuda/argmax.cu) instead of copying the row; the
+// tokens are still the reference's (as the dumped runs above show them to be), through the
+// captured step (every expert in VRAM) and the in-graph hand-off (half of them).
+class GroupCudaGreedyTokens : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupCudaGreedyTokens, TheDevicePicksTheReferenceTokens) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const Case& c = GetParam();
+  constexpr int kTokens = 12;
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "greedy", kTokens, c.kv);
+  GroupOptions o;
+  o.model = model;
+  o.backend = "cuda";
+  o.vram = c.experts == Experts::kVram ? "1099511627776" : half_the_experts(model);
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(kTokens));
+  // With check_logits (moraine-bench's default) the device also scans the row for non-finite logits.
+  const Generation checked = generate(g.socket_dir(), prompt, kTokens, /*check_logits=*/true);
+  ASSERT_TRUE(checked.error.empty()) << checked.error;
+  EXPECT_EQ(checked.ids, ref.ids);
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * kTokens));
+  g.stop();
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
+                         ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
+                                           Case{"qwen3moe_odd", "f32", Experts::kHalf}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+
 }  // namespace
 }  // namespace moraine::group_test

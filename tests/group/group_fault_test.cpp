@@ -1,7 +1,8 @@
 // The group under faults and bad input: malformed job descriptors and gRPC requests get error
 // replies and the group keeps serving; `moraine stats` counts every stage; a cpu_expert_worker
 // SIGKILLed in the middle of a step is restarted and the generation completes with the reference
-// tokens; a SIGKILLed coordinator makes the workers exit and its shared memory is reclaimed by
+// tokens, and so does a SIGKILLed gpu_worker (the coordinator's step doorbell wait notices); a
+// SIGKILLed coordinator makes the workers exit and its shared memory is reclaimed by
 // the next start.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -232,7 +233,9 @@ TEST_F(GroupFaults, AClientLeavingMidStreamEndsItsRequest) {
 
 // A non-finite logit with SamplingParams::check_logits (what moraine-bench asks for): the request
 // fails naming the logit and the position, instead of sampling from it. The model's output row 5 is
-// made NaN in a copy of the file (F32 weights), so logit 5 is NaN at every position.
+// made NaN in a copy of the file (F32 weights), so logit 5 is NaN at every position. Greedy, the
+// gpu_worker finds it (StepHeader::check_finite: the logits do not cross); with a temperature the
+// coordinator scans the logits it samples from: the same message both ways.
 TEST_F(GroupFaults, CheckLogitsNamesANonFiniteLogit) {
   const std::string bad = *dir_ + "/nan_logit.gguf";
   fs::copy_file(*model_, bad, fs::copy_options::overwrite_existing);
@@ -256,20 +259,24 @@ TEST_F(GroupFaults, CheckLogitsNamesANonFiniteLogit) {
   Group g(options(bad));
   auto stub = generate::Coordinator::NewStub(grpc::CreateChannel(
       group::control_address(g.socket_dir(), group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
-  generate::GenerateRequest req;
-  for (int32_t id : *prompt_) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
-  req.mutable_sampling()->set_max_tokens(4);
-  req.mutable_sampling()->set_check_logits(true);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = stub->Generate(&ctx, req);
-  generate::GenerateChunk chunk;
-  std::string error;
-  while (reader->Read(&chunk)) {
-    if (!chunk.error().empty()) error = chunk.error();
+  for (const float temperature : {0.0f, 0.7f}) {
+    generate::GenerateRequest req;
+    for (int32_t id : *prompt_) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
+    req.mutable_sampling()->set_max_tokens(4);
+    req.mutable_sampling()->set_temperature(temperature);
+    req.mutable_sampling()->set_check_logits(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub->Generate(&ctx, req);
+    generate::GenerateChunk chunk;
+    std::string error;
+    while (reader->Read(&chunk)) {
+      if (!chunk.error().empty()) error = chunk.error();
+    }
+    EXPECT_FALSE(reader->Finish().ok()) << "temperature " << temperature;
+    EXPECT_NE(error.find("logit 5 of position " + std::to_string(prompt_->size()) + " is NaN"), std::string::npos)
+        << "temperature " << temperature << ": " << error;
   }
-  EXPECT_FALSE(reader->Finish().ok());
-  EXPECT_NE(error.find("logit 5 of position " + std::to_string(prompt_->size()) + " is NaN"), std::string::npos) << error;
 }
 
 TEST_F(GroupFaults, DrainStopsNewRequestsAndReportsDrained) {
@@ -357,6 +364,56 @@ TEST_F(GroupFaults, KilledCpuWorkerMidStepIsRestartedAndTokensMatch) {
   std::ifstream log(g.socket_dir() + "/supervisor.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("cpu_expert_worker-1 (pid " + std::to_string(victim) + ") died"), std::string::npos) << text;
+}
+
+// The gpu_worker SIGKILLed in the middle of a step (held there by a frozen cpu worker): the
+// coordinator, waiting on the step doorbell, sees the process gone and says so, the supervisor
+// restarts it, the new one answers the orphaned step with an error before it registers, and the
+// coordinator's re-issue from a reset completes with the reference's tokens.
+TEST_F(GroupFaults, KilledGpuWorkerMidStepIsDetectedAndTheStepReissued) {
+  Group g(options(*model_));
+  const pid_t victim = g.instance_pid(group::kGpuWorkerInstance);
+  const pid_t holder = g.instance_pid(group::cpu_worker_instance(1));
+  ASSERT_EQ(kill(holder, SIGSTOP), 0);
+  Generation gen;
+  std::thread client([&] { gen = generate(g.socket_dir(), *prompt_, kTokens); });
+  const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(g.socket_dir()));
+  ASSERT_EQ(man.step_channel, "doorbell");
+  const model::Model m = model::Model::load(*model_);
+  shm::ShmSegment exchange = shm::ShmSegment::open(man.exchange_locator);
+  const group::ExchangeLayout xl = group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers);
+  auto bell = [&](const char* region, size_t i) {
+    return shm::Doorbell::at(exchange.data() + xl.region(region).offset + i * sizeof(shm::Doorbell));
+  };
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  bool in_flight = false;
+  while (std::chrono::steady_clock::now() < until) {
+    if (bell("bells", group::ExchangeLayout::request_bell(1))->load() > bell("bells", group::ExchangeLayout::done_bell(1))->load() &&
+        bell("step_bells", 0)->load() > bell("step_bells", 1)->load()) {
+      in_flight = true;
+      break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(in_flight) << "no step reached the frozen worker";
+  const uint64_t lost_step = bell("step_bells", 0)->load();
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  ASSERT_EQ(kill(holder, SIGCONT), 0);
+  client.join();
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref_->ids);
+  EXPECT_EQ(g.wait_all_serving(30s), "");
+  EXPECT_NE(g.instance_pid(group::kGpuWorkerInstance), victim) << "the gpu_worker was not restarted";
+  std::ifstream log(g.socket_dir() + "/coordinator.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  const std::string died = "gpu_worker-0 (pid " + std::to_string(victim) + ") died during step " + std::to_string(lost_step);
+  const std::string orphan = "gpu_worker-0 restarted during step " + std::to_string(lost_step);
+  EXPECT_TRUE(text.find(died) != std::string::npos || text.find(orphan) != std::string::npos) << text;
+  EXPECT_NE(text.find("re-issuing from a reset"), std::string::npos) << text;
+  // And the group goes on serving.
+  const Generation again = generate(g.socket_dir(), *prompt_, kTokens);
+  ASSERT_TRUE(again.error.empty()) << again.error;
+  EXPECT_EQ(again.ids, ref_->ids);
 }
 
 TEST_F(GroupFaults, KilledCoordinatorMakesWorkersExitAndShmIsReclaimed) {

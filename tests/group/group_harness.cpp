@@ -144,12 +144,13 @@ Group::~Group() {
   if (o_.socket_dir.empty() && !::testing::Test::HasFailure()) fs::remove_all(dir_);
 }
 
-Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n) {
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits) {
   auto stub = generate::Coordinator::NewStub(
       grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
   for (int32_t id : prompt) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
   req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(n));
+  req.mutable_sampling()->set_check_logits(check_logits);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(180));
   auto reader = stub->Generate(&ctx, req);
@@ -206,6 +207,18 @@ std::vector<std::string> shm_files(const std::string& prefix) {
     if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
   }
   return out;
+}
+
+uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name) {
+  auto stub = control::Control::NewStub(
+      grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  control::StatsReply reply;
+  const grpc::Status st = stub->Stats(&ctx, control::StatsRequest(), &reply);
+  EXPECT_TRUE(st.ok()) << "coordinator Stats: " << st.error_message();
+  const auto it = reply.counters().find(name);
+  return it == reply.counters().end() ? 0 : it->second;
 }
 
 }  // namespace moraine::group_test

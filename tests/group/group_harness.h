@@ -73,7 +73,9 @@ struct Generation {
   std::string error;       // gRPC status message or chunk error; empty on success
   int status_code = 0;     // grpc::StatusCode
 };
-Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n);
+// Greedy (temperature 0); check_logits: SamplingParams::check_logits (the coordinator then reads
+// every sampled row's logits instead of taking the gpu_worker's token).
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits = false);
 
 // Greedy tokens and each sampled row's logits from the in-process reference executor.
 struct ReferenceRun {
@@ -96,5 +98,8 @@ GoldenCase golden_case(const std::string& name, const std::string& weights, cons
                        model::KvType kv = model::KvType::F32);
 
 std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm entries with prefix
+
+// A counter of the coordinator's Stats (`moraine stats --json`); 0 when it has none by that name.
+uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name);
 
 }  // namespace moraine::group_test

@@ -1,6 +1,9 @@
 // The process group end to end: coordinator + gpu_worker (CPU backend) + two cpu_expert_workers
 // started by deploy/moraine-supervisor generate exactly the reference executor's greedy tokens,
-// with logits bit-identical (the workers run the reference kernels), over both hand-offs.
+// with logits bit-identical (the workers run the reference kernels), over both hand-offs and
+// both step channels (the exchange's step doorbells, a LayerStep over ZeroMQ). Without the logits
+// dump the coordinator asks for greedy tokens only: the gpu_worker picks them (StepHeader::
+// greedy_token) and they are still the reference's.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -17,7 +20,8 @@ struct Case {
   std::string model;
   std::string weights;   // "f32", "q8_0", "kmix"
   std::string handoff;
-  std::string name() const { return model + "_" + weights + "_" + handoff; }
+  std::string step_channel = "doorbell";
+  std::string name() const { return model + "_" + weights + "_" + handoff + (step_channel == "zmq" ? "_zmqsteps" : ""); }
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
@@ -32,6 +36,7 @@ TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
   GroupOptions o;
   o.model = model;
   o.handoff = c.handoff;
+  o.extra_args = {"--coordinator-arg=--step-channel=" + c.step_channel};
   o.logits_dump = dir + "/logits.f32";
   Group g(o);
   const Generation gen = generate(g.socket_dir(), prompt, kTokens);
@@ -44,6 +49,35 @@ TEST_P(GroupMatchesReference, GreedyTokensAndLogits) {
   const size_t first_diff = first_bit_difference(got, ref.logits);
   EXPECT_EQ(first_diff, got.size()) << "logit " << first_diff << ": group " << got[first_diff] << " vs reference "
                                     << ref.logits[first_diff];
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), 0u) << "the logits dump needs the logits";
+  g.stop();
+  fs::remove_all(dir);
+}
+
+// Greedy decode without the logits crossing: every token is the gpu_worker's (the counter), and
+// they are the reference's, over both step channels; a second request on the same group with
+// check_logits set also takes the gpu_worker's tokens (which then checks the logits where they are:
+// StepHeader::check_finite; group_fault_test's CheckLogitsNamesANonFiniteLogit has the NaN) and
+// gets the same tokens.
+class GroupGreedyTokens : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupGreedyTokens, TheGpuWorkerPicksTheReferenceTokens) {
+  const Case& c = GetParam();
+  constexpr int kTokens = 12;
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "greedy", kTokens);
+  GroupOptions o;
+  o.model = model;
+  o.handoff = c.handoff;
+  o.extra_args = {"--coordinator-arg=--step-channel=" + c.step_channel};
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(kTokens));
+  const Generation checked = generate(g.socket_dir(), prompt, kTokens, /*check_logits=*/true);
+  ASSERT_TRUE(checked.error.empty()) << checked.error;
+  EXPECT_EQ(checked.ids, ref.ids);
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * kTokens));
   g.stop();
   fs::remove_all(dir);
 }
@@ -59,10 +93,19 @@ std::vector<Case> cases() {
   // The ZeroMQ reference hand-off.
   v.push_back({"qwen3moe_odd", "f32", "zmq"});
   v.push_back({"qwen3next_k256", "kmix", "zmq"});
+  // Steps as LayerStep round trips over ZeroMQ (--step-channel zmq).
+  v.push_back({"qwen3next_odd", "f32", "doorbell", "zmq"});
   return v;
 }
 
+std::vector<Case> greedy_cases() {
+  return {{"qwen3moe_odd", "f32", "doorbell", "doorbell"}, {"qwen3next_k256", "kmix", "doorbell", "doorbell"},
+          {"qwen3moe_odd", "q8_0", "zmq", "zmq"}};
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, GroupMatchesReference, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Golden, GroupGreedyTokens, ::testing::ValuesIn(greedy_cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
 }  // namespace

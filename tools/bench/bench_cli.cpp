@@ -95,6 +95,9 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   app.add_option("--ctx", o.ctx,
                  "group: context the group plans KV memory for (0, the default: the longest prompt + n + 1)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--check-logits,!--no-check-logits", o.check_logits,
+               "group: the coordinator checks every sampled row's logits finite (default; off: the gpu_worker returns "
+               "the greedy token and the logits stay on the device)");
   app.add_option("--supervisor-arg", o.supervisor_args,
                  "group: an extra argument for `moraine-supervisor start` (repeat; e.g. --supervisor-arg=--reserve-cores=2)")
       ->allow_extra_args(false);

@@ -36,6 +36,9 @@ struct BenchOptions {
   int vram_adapt_every = 0;       // group: the gpu_worker's adaptive VRAM tier (0: off)
   std::string socket_dir;         // group: where its sockets and logs go (default: a fresh temp dir)
   std::vector<std::string> supervisor_args;  // group: appended to `moraine-supervisor start` (A/B of its flags)
+  // group: every sampled row's logits checked finite by the coordinator (SamplingParams::check_logits),
+  // which then reads them; off: greedy tokens come from the gpu_worker without the logits copy.
+  bool check_logits = true;
   // group: positions the group plans KV memory for (moraine-supervisor --ctx). 0: what the runs
   // need, the longest prompt + n + 1 (the census warm-up's run), as llama-bench sizes n_ctx to
   // its test; the supervisor's own default, min(4096, the model's), cannot run pp8192.

@@ -178,7 +178,7 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
   sp.set_temperature(0);
   sp.set_max_tokens(static_cast<uint32_t>(n));
   sp.set_ignore_eos(true);
-  sp.set_check_logits(true);
+  sp.set_check_logits(o_.check_logits);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
   Generated g;

@@ -36,6 +36,7 @@ struct GroupEngineOptions {
   // missing) and kept, with the group's log (group.log) and the census of a warm-up.
   std::string socket_dir;
   std::vector<std::string> supervisor_args;   // appended to the supervisor's start arguments
+  bool check_logits = true;                    // SamplingParams::check_logits of every request
 };
 
 class GroupEngine final : public BenchEngine {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/formats/quant.h"
+#include "kernels/cuda/argmax.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
@@ -252,6 +253,15 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       add("moe_combine", "8x2048 x " + tok, ms, double((n * k * d + 2 * n * d) * 4), "GB/s");
       ms = ms_per_call([&](int) { cuda::residual_add(x.get(), slots.get(), n * d); }, min_ms);
       add("residual_add", "2048 x " + tok, ms, double(3 * n * d * 4), "GB/s");
+    }
+    if (n == 1) {  // greedy decode's token: the argmax over a 151936-word logits row (kernels/cuda/argmax.h)
+      const int64_t vocab = 151936;
+      DeviceBuffer<float> row = random_device(vocab, 10);
+      DeviceBuffer<int32_t> id(1);
+      DeviceBuffer<uint8_t> scratch(cuda::argmax_scratch_bytes(1));
+      scratch.fill_bytes(0);
+      const double ms = ms_per_call([&](int) { cuda::argmax_rows(row.get(), 1, vocab, id.get(), scratch.get()); }, min_ms);
+      add("argmax (greedy token)", "151936 logits", ms, double(vocab * 4), "GB/s");
     }
     {  // embedding rows from a q8_0 table of 151936 x 2048 (311 MB, well above L2)
       const int64_t vocab = 151936;
