@@ -1,10 +1,24 @@
 // AVX-512 kernels (internal). Each group lives in its own .cpp compiled with AVX-512 flags;
 // nothing here may be called unless detect_cpu_isa() reports the tier named in the comment.
 #pragma once
+#include <xmmintrin.h>
+
 #include <cstddef>
 #include <cstdint>
 
 namespace moraine::cpu::avx512 {
+
+// The spread prefetch of the packed tiles (MatvecPrefetch::spread): at step k of n a tile asks
+// for part k of the `bytes` lines from `pf` (prefetcht0), so a 4-row step's lines go out as
+// it computes rather than in one burst before it. pf == nullptr: nothing.
+inline void prefetch_part(const uint8_t* pf, size_t bytes, int64_t k, int64_t n) {
+  if (!pf) return;
+  const auto base = reinterpret_cast<uintptr_t>(pf);
+  const uintptr_t to = base + bytes * static_cast<size_t>(k + 1) / static_cast<size_t>(n);
+  for (uintptr_t line = (base + bytes * static_cast<size_t>(k) / static_cast<size_t>(n)) & ~uintptr_t{63}; line < to; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
 
 // Tier Avx512 (F, BW, VL, F16C, FMA): vec_dot_avx512_float.cpp.
 float dot_f32(int64_t n, const void* w, const void* a);
@@ -45,11 +59,13 @@ constexpr size_t groups4_packed_act_bytes(int64_t n) { return static_cast<size_t
 void pack_mxfp4_acts(int64_t n, const void* act, void* dst);
 // row_by_row: the four rows one after the other (each row's bytes read in order) instead of
 // side by side; the same instructions but for the activation loads, the same results.
+// prefetch (or nullptr): prefetcht0 the prefetch_bytes from there, spread over the steps
+// (prefetch_part; 4-row tiles only, not row_by_row).
 void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                        bool row_by_row);
+                        bool row_by_row, const void* prefetch = nullptr, size_t prefetch_bytes = 0);
 void pack_q8_0_acts(int64_t n, const void* act, void* dst);
 void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                       bool row_by_row);
+                       bool row_by_row, const void* prefetch = nullptr, size_t prefetch_bytes = 0);
 
 // Tier Avx512Vnni plus GFNI: matvec_avx512_q4k.cpp. Q4_K against Q8_K activation rows repacked
 // once per matvec_tokens call (pack_q4_k_acts: q4_k_packed_act_bytes(n) bytes, 64-byte aligned);
@@ -57,7 +73,10 @@ void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* 
 inline constexpr size_t kQ4KPackedBlockBytes = 384;
 constexpr size_t q4_k_packed_act_bytes(int64_t n) { return static_cast<size_t>(n / 256) * kQ4KPackedBlockBytes; }
 void pack_q4_k_acts(int64_t n, const void* act, void* dst);
-void q4_k_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride);
+// prefetch (or nullptr): prefetcht0 the prefetch_bytes from there, spread over the super-blocks
+// (prefetch_part).
+void q4_k_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
+                       const void* prefetch = nullptr, size_t prefetch_bytes = 0);
 
 // Tier Avx512: quantize_activation_avx512.cpp; bit-identical to the scalar quantizers.
 void quantize_q8_0(const float* x, void* dst, int64_t n);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -46,6 +47,8 @@ std::atomic<FfnSchedule> g_schedule{FfnSchedule::Sliced};
 // Activation rows quantized by the calling thread instead of in the job list (about 1 us each
 // at hidden 2048, about what handing them to the pool costs).
 constexpr int64_t kInlineQuantizeJobs = 4;
+// FfnSliceOptions::split's bound (a thread's share of one expert is ~50 gate/up rows at 15 threads).
+constexpr int kMaxSliceSplit = 8;
 
 // Activation types a layer needs; x is quantized once per type.
 constexpr TensorType kActTypes[] = {TensorType::Q8_0, TensorType::Q8_K, TensorType::F32, TensorType::F16, TensorType::BF16};
@@ -100,12 +103,26 @@ inline void spin_until_at_least(const std::atomic<T>& a, T target) {
 
 std::atomic<bool> g_balanced{FfnSliceOptions{}.balanced};
 std::atomic<bool> g_wait_prefetch{FfnSliceOptions{}.wait_prefetch};
+std::atomic<int> g_slice_split{FfnSliceOptions{}.split};
+std::atomic<bool> g_gate_up_first{FfnSliceOptions{}.gate_up_first};
 
 void set_ffn_slice_options(FfnSliceOptions o) {
   g_balanced.store(o.balanced, std::memory_order_relaxed);
   g_wait_prefetch.store(o.wait_prefetch, std::memory_order_relaxed);
+  g_slice_split.store(std::clamp(o.split, 1, kMaxSliceSplit), std::memory_order_relaxed);
+  g_gate_up_first.store(o.gate_up_first, std::memory_order_relaxed);
 }
-FfnSliceOptions ffn_slice_options() { return {g_balanced.load(std::memory_order_relaxed), g_wait_prefetch.load(std::memory_order_relaxed)}; }
+FfnSliceOptions ffn_slice_options() {
+  return {g_balanced.load(std::memory_order_relaxed), g_wait_prefetch.load(std::memory_order_relaxed), g_slice_split.load(std::memory_order_relaxed),
+          g_gate_up_first.load(std::memory_order_relaxed)};
+}
+
+std::atomic<FfnPhaseTrace*> g_phase_trace{nullptr};
+void set_ffn_phase_trace(FfnPhaseTrace* trace) { g_phase_trace.store(trace, std::memory_order_relaxed); }
+
+namespace {
+int64_t trace_now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+}  // namespace
 
 void set_ffn_schedule(FfnSchedule s) { g_schedule.store(s, std::memory_order_relaxed); }
 FfnSchedule ffn_schedule() { return g_schedule.load(std::memory_order_relaxed); }
@@ -134,6 +151,11 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
 }
 
 void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum, int n_tokens, int64_t hidden, ThreadPool& pool) {
+  FfnPhaseTrace* const trace = g_phase_trace.load(std::memory_order_relaxed);
+  if (trace) {
+    trace->workers.assign(static_cast<size_t>(pool.size()), FfnWorkerPhases{});
+    trace->call_start_ns = trace_now_ns();
+  }
   const FfnJobRows job_rows = ffn_job_rows();
   const int64_t gate_up_rows = job_rows.gate_up, down_rows = job_rows.down;
   // Validate and plan: which activation types, and where each expert's scratch goes.
@@ -290,12 +312,38 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
         if (base >= u1) break;
       }
     };
-    for (int w = 0; w < n_slices; ++w) {
-      const size_t first = spans_.size();
-      emit(0, gu_units * w / n_slices, gu_units * (w + 1) / n_slices);
-      emit(1, dn_units * w / n_slices, dn_units * (w + 1) / n_slices);
-      for (size_t i = first; i + 1 < spans_.size(); ++i) spans_[i].next = static_cast<int64_t>(i + 1);
-      slice_end_[static_cast<size_t>(w)] = x_jobs + static_cast<int64_t>(spans_.size());  // slice 0 starts with the x jobs
+    // Each share cut into `split` jobs (FfnSliceOptions::split).
+    const int64_t split = slice_opt.split;
+    auto emit_share = [&](int down, int64_t units, int w) {
+      const int64_t u0 = units * w / n_slices, u1 = units * (w + 1) / n_slices;
+      for (int64_t k = 0; k < split; ++k) emit(down, u0 + (u1 - u0) * k / split, u0 + (u1 - u0) * (k + 1) / split);
+    };
+    if (!slice_opt.gate_up_first) {
+      for (int w = 0; w < n_slices; ++w) {
+        const size_t first = spans_.size();
+        emit_share(0, gu_units, w);
+        emit_share(1, dn_units, w);
+        for (size_t i = first; i + 1 < spans_.size(); ++i) spans_[i].next = static_cast<int64_t>(i + 1);
+        slice_end_[static_cast<size_t>(w)] = x_jobs + static_cast<int64_t>(spans_.size());  // slice 0 starts with the x jobs
+      }
+    } else {
+      // Two phases (ThreadPool::run_sliced_phases): every thread's gate/up share, then every
+      // thread's down share; a thread's last gate/up job hints at its first down job.
+      slice_end_.resize(2 * static_cast<size_t>(n_slices));
+      std::vector<size_t>& gu_last = gu_last_;
+      gu_last.assign(static_cast<size_t>(n_slices), SIZE_MAX);
+      for (int p = 0; p < 2; ++p) {
+        for (int w = 0; w < n_slices; ++w) {
+          const size_t first = spans_.size();
+          emit_share(p, p ? dn_units : gu_units, w);
+          for (size_t i = first; i + 1 < spans_.size(); ++i) spans_[i].next = static_cast<int64_t>(i + 1);
+          if (p == 0 && spans_.size() > first) gu_last[static_cast<size_t>(w)] = spans_.size() - 1;
+          if (p == 1 && spans_.size() > first && gu_last[static_cast<size_t>(w)] != SIZE_MAX) {
+            spans_[gu_last[static_cast<size_t>(w)]].next = static_cast<int64_t>(first);
+          }
+          slice_end_[static_cast<size_t>(p * n_slices + w)] = x_jobs + static_cast<int64_t>(spans_.size());
+        }
+      }
     }
   }
   // Gate/up jobs per expert (no other thread runs yet: plain loads and stores, no locked adds).
@@ -324,7 +372,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   };
 
   const int64_t n_jobs = x_jobs + static_cast<int64_t>(spans_.size());
-  auto run_job = [&](int64_t job) {
+  auto run_job = [&](int64_t job, FfnWorkerPhases* ph) {
     if (job < x_jobs) {
       quantize_x(job);
       x_done_.fetch_add(1, std::memory_order_release);
@@ -370,6 +418,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       }
       // The job finishing an expert's last chunk (acq_rel: the other chunks' rows are visible
       // to it) quantizes the intermediate.
+      if (ph) ph->rows_done_ns = trace_now_ns();
       if (remaining_[e].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
       const TensorType qt = dot_activation_type(w.down_type);
       for (int i = 0; i < a.n_tok; ++i) {
@@ -377,17 +426,20 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
         quantize_act(qt, h, hq_.data() + p.q_offset + static_cast<size_t>(i) * p.q_row_bytes, w.ffn);
       }
       ready_[e].store(1, std::memory_order_release);
+      if (ph) ph->ready_set_ns = trace_now_ns();
       return;
     }
     // Down: output rows [r0, r1) of one expert, through matvec_tokens (register-blocked tiles,
     // prefetch). Experts are taken in list order, so the first experts' down work runs while
     // the last ones' gate/up chunks finish.
     if (ready_[e].load(std::memory_order_acquire) == 0) {
+      const int64_t wait_start = ph ? trace_now_ns() : 0;
       size_t bytes = 0;
       const uint8_t* wp = span_weights(sp, bytes);
       prefetch_while_waiting([&] { return ready_[e].load(std::memory_order_acquire) != 0; }, wp, bytes);
+      spin_until_at_least(ready_[e], 1);
+      if (ph) ph->down_wait_ns += trace_now_ns() - wait_start;
     }
-    spin_until_at_least(ready_[e], 1);
     if (float* out = out_[e]) {
       // This expert's own output rows: y = 0 + w * FFN, the accumulate below on a zeroed y.
       matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, out, hidden, after,
@@ -415,13 +467,33 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       }
     }
   };
+  // Every job through here: with a trace, its worker's phase times around it.
+  auto job_on = [&](int64_t job, int worker) {
+    if (!trace) return run_job(job, nullptr);
+    FfnWorkerPhases& ph = trace->workers[static_cast<size_t>(worker)];
+    const int64_t t0 = trace_now_ns();
+    if (ph.jobs++ == 0) ph.first_start_ns = t0;
+    run_job(job, &ph);
+    ph.last_end_ns = trace_now_ns();
+    if (job >= x_jobs && !spans_[static_cast<size_t>(job - x_jobs)].down) ph.gate_up_end_ns = ph.last_end_ns;
+  };
+  struct EndTrace {  // the call's end, on every return below
+    FfnPhaseTrace* t;
+    ~EndTrace() {
+      if (t) t->call_end_ns = trace_now_ns();
+    }
+  } end_trace{trace};
+  if (trace) trace->list_start_ns = trace_now_ns();
   if (!sliced) {
-    pool.run(n_jobs, [&](int64_t job, int) { run_job(job); });
+    pool.run(n_jobs, [&](int64_t job, int w) { job_on(job, w); });
     return;
   }
   if (balanced) {
-    // The x jobs (if any) and then spans_ are already in slice order.
-    pool.run_sliced(slice_end_.data(), [&](int64_t i, int) { run_job(i); });
+    // The x jobs (if any) and then spans_ are already in slice order. Two phases: a down job
+    // waits only for gate/up jobs, all in the first phase, which a thread leaves only once
+    // every gate/up job has been claimed (and those wait only for the x jobs at the front of
+    // slice 0, which never wait): no deadlock.
+    pool.run_sliced_phases(slice_end_.data(), slice_opt.gate_up_first ? 2 : 1, [&](int64_t i, int w) { job_on(i, w); });
     return;
   }
   // Slice w: the w-th share of the gate/up jobs, then the w-th share of the down jobs (both in
@@ -440,7 +512,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     for (int64_t j = down_jobs * w / n_slices; j < down_jobs * (w + 1) / n_slices; ++j) order_[k++] = gate_up_spans + j;
     slice_end_[static_cast<size_t>(w)] = static_cast<int64_t>(k);
   }
-  pool.run_sliced(slice_end_.data(), [&](int64_t i, int) { run_job(order_[static_cast<size_t>(i)]); });
+  pool.run_sliced(slice_end_.data(), [&](int64_t i, int w) { job_on(order_[static_cast<size_t>(i)], w); });
 }
 
 void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_experts) {
@@ -461,11 +533,11 @@ void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_expert
   if (hq_.size() < rows * hq_row) hq_.resize(rows * hq_row);
   plan_.reserve(static_cast<size_t>(max_experts));
   {
-    // The job table: fixed chunks, or balanced slices (at most two jobs per thread and phase
-    // plus one per expert boundary; 256 threads is far more than a pool has).
+    // The job table: fixed chunks, or balanced slices (per thread and phase at most `split`
+    // jobs plus one per expert boundary, so 2 x split; 256 threads is far more than a pool has).
     const FfnJobRows jr = ffn_job_rows();
     const int64_t fixed = max_experts * ((ffn + jr.gate_up - 1) / jr.gate_up + (hidden + jr.down - 1) / jr.down);
-    spans_.reserve(static_cast<size_t>(std::max<int64_t>(fixed, 4 * 256 + 2 * max_experts)));
+    spans_.reserve(static_cast<size_t>(std::max<int64_t>(fixed, 4 * 256 * kMaxSliceSplit + 2 * max_experts)));
   }
   active_.reserve(static_cast<size_t>(max_experts));
   out_.reserve(static_cast<size_t>(max_experts));

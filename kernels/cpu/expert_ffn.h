@@ -128,6 +128,7 @@ class MoeFfn {
   std::vector<float> ones_;    // and its route weights
   std::vector<ExpertAssignment> job_assign_;
   std::vector<int64_t> order_, slice_end_;  // the sliced schedule's job order and slice ends
+  std::vector<size_t> gu_last_;             // two-phase balanced lists: each thread's last gate/up span
   // One job: rows [r0, r1) of one expert's gate+up (down == 0) or down (1) matrices; next: the
   // job the same thread runs after it (its weights are the next-call prefetch hint), or -1.
   struct Span {
@@ -170,12 +171,55 @@ FfnSchedule ffn_schedule();
 // down rows, cut only where an expert ends: one job per matrix run and thread.
 // wait_prefetch: a down job whose expert's intermediate is not ready yet prefetches its own
 // weight rows into L2 (prefetcht1) while it waits, instead of only spinning.
+// split: balanced slices cut each thread's share of a phase into this many jobs (1: one job).
+// Helpers take a slice's jobs from its back (ThreadPool::run_sliced), so with more than one a
+// thread that is done early takes over the last rows of a slower one instead of idling until
+// it ends (at 1 expert per call every thread's share is ~177 KB of the 2.65 MB expert).
+// gate_up_first: the balanced list in two phases (ThreadPool::run_sliced_phases): a thread done
+// with its gate/up share takes the last gate/up jobs of slower threads (with split > 1) before
+// it starts on its down share, so the experts' intermediates are ready sooner; otherwise it
+// goes straight to its own down jobs and waits there for the slowest thread's gate/up rows.
+// Defaults split 4, gate_up_first. On the H200 host (clean run C: 15 threads, gap 130 us, Q4_K
+// us per call at 1 / 2 / 4 experts, two runs each) a third of the workers took ~1.5x as long
+// for their rows (per-worker gate/up 14-18 us, the slow ones 23-26 us at 1 expert) and every
+// down job waited for them. main (ad29586: one job per thread and phase, helpers taking a
+// slice's next job) 34.3-38.8 / 60.8-71.3 / 101.4-121.3 (means); one job per thread and phase
+// with helpers taking from the back 39.1-41.2 / 73.0-73.2 / 131.1-139.7 (p50: the helpers then
+// take down jobs that wait); split 4 + gate/up first 35.1-36.3 / 58.2-58.8 / 102.2-104.2, with
+// the spread prefetch (matvec.h) 34.2-38.0 / 56.8-57.7 / 98.4-98.9 and every worker's gate/up
+// 17-19 us; split 8 35.7-40.4 / 59.2-63.2 / 100.1-108.0 (its short jobs' starts show). Q8_0
+// with both: 72.5 / 134.8 / 219.6 (main, means) -> 53.1 / 92.0 / 162.6 us p50.
 struct FfnSliceOptions {
   bool balanced = true;
   bool wait_prefetch = true;
+  int split = 4;
+  bool gate_up_first = true;
 };
 void set_ffn_slice_options(FfnSliceOptions o);
 FfnSliceOptions ffn_slice_options();
+
+// Where a layer call's time goes, per pool worker, for the benches' --phase-trace (a 1-expert call
+// of 2.65 MB took 44.5 us on the 16-core Xeon against ~22 us for its bytes at the DRAM probe's
+// rate: the trace says whether the rest is the hand-over, the gate/up -> down wait or uneven
+// threads). Times are steady_clock nanoseconds; a worker that ran no job keeps jobs == 0.
+struct alignas(64) FfnWorkerPhases {  // one cache line each: the workers write their own
+  int64_t first_start_ns = 0;  // its first job began
+  int64_t gate_up_end_ns = 0;  // its last gate/up job ended (0: it ran none)
+  int64_t rows_done_ns = 0;    // its last gate/up job had its rows (before counting itself done)
+  int64_t ready_set_ns = 0;    // it quantized an expert's intermediate (the expert's down may start; 0: none)
+  int64_t down_wait_ns = 0;    // summed time its down jobs waited for their experts' intermediates
+  int64_t last_end_ns = 0;     // its last job ended
+  int jobs = 0;
+};
+struct FfnPhaseTrace {
+  int64_t call_start_ns = 0;  // run_layer began
+  int64_t list_start_ns = 0;  // the job list was handed to the pool (after planning)
+  int64_t call_end_ns = 0;    // the pool's list returned
+  std::vector<FfnWorkerPhases> workers;  // pool.size() entries, resized by the call
+};
+// Process-wide; nullptr (the default) traces nothing. A trace costs a few clock reads per job.
+// The caller owns the object and reads it between calls (one MoeFfn call at a time).
+void set_ffn_phase_trace(FfnPhaseTrace* trace);
 
 // One expert over n_tok contiguous tokens: y_accum[t] += route_weight[t] * FFN(x[t]).
 // Uses a thread-local MoeFfn for scratch.

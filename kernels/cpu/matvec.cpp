@@ -19,6 +19,8 @@ std::atomic<size_t> g_prefetch_l1{MatvecPrefetch{}.l1_bytes};
 std::atomic<size_t> g_prefetch_l2{MatvecPrefetch{}.l2_bytes};
 std::atomic<bool> g_prefetch_past_end{MatvecPrefetch{}.past_end};
 std::atomic<int> g_prefetch_next_call{MatvecPrefetch{}.next_call};
+std::atomic<bool> g_prefetch_spread{MatvecPrefetch{}.spread};
+std::atomic<size_t> g_prefetch_spread_l1{MatvecPrefetch{}.spread_l1_bytes};
 std::atomic<bool> g_tile_mxfp4_vbmi{MatvecTiles{}.mxfp4_vbmi};
 std::atomic<bool> g_tile_q4_k_gfni{MatvecTiles{}.q4_k_gfni};
 std::atomic<bool> g_tile_q8_0_vbmi{MatvecTiles{}.q8_0_vbmi};
@@ -67,11 +69,14 @@ void set_matvec_prefetch(MatvecPrefetch p) {
   g_prefetch_l2.store(p.l2_bytes, std::memory_order_relaxed);
   g_prefetch_past_end.store(p.past_end, std::memory_order_relaxed);
   g_prefetch_next_call.store(p.next_call, std::memory_order_relaxed);
+  g_prefetch_spread.store(p.spread, std::memory_order_relaxed);
+  g_prefetch_spread_l1.store(p.spread_l1_bytes, std::memory_order_relaxed);
 }
 
 MatvecPrefetch matvec_prefetch() {
   return {g_prefetch_l1.load(std::memory_order_relaxed), g_prefetch_l2.load(std::memory_order_relaxed),
-          g_prefetch_past_end.load(std::memory_order_relaxed), g_prefetch_next_call.load(std::memory_order_relaxed)};
+          g_prefetch_past_end.load(std::memory_order_relaxed), g_prefetch_next_call.load(std::memory_order_relaxed),
+          g_prefetch_spread.load(std::memory_order_relaxed), g_prefetch_spread_l1.load(std::memory_order_relaxed)};
 }
 
 void set_matvec_tiles(MatvecTiles t) {
@@ -133,7 +138,8 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   // same GB/s suggests ~30 us per layer that do not scale with the bytes (~32 calls per
   // thread, each starting on a cold stream, a join): next_call 2 starts the next call's
   // stream one call early.
-  const size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed), pf_l2 = g_prefetch_l2.load(std::memory_order_relaxed);
+  size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed);  // the spread path below moves it (prefetch_to reads it)
+  const size_t pf_l2 = g_prefetch_l2.load(std::memory_order_relaxed);
   const uint8_t *pf1 = wrow, *pf2 = wrow;
   // Prefetches never fault, so running past the matrix's end (into whatever follows) is safe.
   // With a next-call hint (followed), the stream continues there instead of past the end.
@@ -196,7 +202,7 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
     // then tiles that read them (matvec_avx512_groups4.cpp, matvec_avx512_q4k.cpp). Beyond one
     // token chunk the older tiles (no repacked copy of every row).
     using PackFn = void (*)(int64_t, const void*, void*);
-    using PackedRows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t, bool);
+    using PackedRows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t, bool, const void*, size_t);
     PackFn pack = nullptr;
     PackedRows4Fn packed_rows4 = nullptr;
     size_t pb = 0;
@@ -210,9 +216,8 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
       pb = avx512::groups4_packed_act_bytes(n_cols);
     } else if (one_chunk && type == TensorType::Q4_K && cpu_has_gfni() && g_tile_q4_k_gfni.load(std::memory_order_relaxed)) {
       pack = avx512::pack_q4_k_acts;
-      packed_rows4 = [](int64_t n, const void* w4, size_t stride, const void* const* pk, int nt, float* y4, int64_t ys, bool) {
-        avx512::q4_k_rows4_packed(n, w4, stride, pk, nt, y4, ys);
-      };
+      packed_rows4 = [](int64_t n, const void* w4, size_t stride, const void* const* pk, int nt, float* y4, int64_t ys, bool, const void* pf,
+                        size_t pf_bytes) { avx512::q4_k_rows4_packed(n, w4, stride, pk, nt, y4, ys, pf, pf_bytes); };
       pb = avx512::q4_k_packed_act_bytes(n_cols);
     }
     const bool row_by_row = g_tile_row_by_row.load(std::memory_order_relaxed);
@@ -225,9 +230,24 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
         packed_ptr[t] = packed + static_cast<size_t>(t) * pb;
         pack(n_cols, act_ptr[t], packed + static_cast<size_t>(t) * pb);
       }
+      // Spread (MatvecPrefetch::spread): a step's prefetcht0 lines go out with the tile's blocks
+      // instead of in one burst before it (while a whole step's lines fit before the end).
+      const bool spread = pf_l1 > 0 && !row_by_row && g_prefetch_spread.load(std::memory_order_relaxed);
+      if (spread) {
+        // The spread stream's own distance (MatvecPrefetch::spread_l1_bytes): the frontier out to it now.
+        pf_l1 = std::max<size_t>(64, g_prefetch_spread_l1.load(std::memory_order_relaxed));
+        prefetch_lines<3>(pf1, wrow + pf_l1, pf1_end);
+      }
       for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {
+        if (spread && pf1 + 4 * wb <= pf1_end) {
+          const uint8_t* from = pf1;
+          pf1 += 4 * wb;
+          prefetch_to(wrow + 4 * wb);  // the L2 stream only: the L1 one is at its target already
+          packed_rows4(n_cols, wrow, wb, packed_ptr, n_tok, y + r, y_stride, false, from, 4 * wb);
+          continue;
+        }
         prefetch_to(wrow + 4 * wb);
-        packed_rows4(n_cols, wrow, wb, packed_ptr, n_tok, y + r, y_stride, row_by_row);
+        packed_rows4(n_cols, wrow, wb, packed_ptr, n_tok, y + r, y_stride, row_by_row, nullptr, 0);
       }
     }
     for (; r + 4 <= row_end; r += 4, wrow += 4 * wb) {

@@ -52,11 +52,25 @@ int amx_min_tokens();
 // (the expert FFN does on the sliced schedule, expert_ffn.cpp): 0 ignore it; 1 run the prefetch
 // streams on into that region over this call's last rows; 2 prefetch its first max(l1, l2)
 // bytes into L2 (prefetcht1) when this call starts, so they have a whole call to arrive.
+// spread: the packed tiles (Q4_K GFNI, Q8_0 / MXFP4 VBMI) issue a 4-row step's prefetcht0 lines
+// block by block as they compute (Q4_K: 9 lines per super-block) instead of all of them (Q4_K
+// 72, Q8_0 136 at 2048 columns) before the step: software prefetches that miss
+// wait for one of the core's few L1 fill buffers, and a burst of them stalls the compute behind
+// it; spread, they interleave with it, and run 8 KB ahead (spread_l1_bytes; at 4 KB, less than
+// a Q4_K 4-row step of 4.6 KB or a Q8_0 one of 8.7 KB, part of a step's lines were asked for
+// only just before use). Per-thread memory parallelism was the limit: 4 threads of the 16-core
+// Xeon got 5.3-6.5 GB/s each against 12.4 for the plain streaming read and ~21 for the tile on
+// L2-resident rows. Measured there (clean run C, worker form, gap 130 us, us per call p50 at
+// 1 / 2 / 4 Q4_K experts, two runs each, one job per thread and phase): 15 threads 39.1-41.2 /
+// 73.0-73.2 / 131.1-139.7 -> 29.4-38.3 / 50.7-62.3 / 96.8-115.0; 4 threads at 4 experts 307 ->
+// 286. Other tiles keep l1_bytes and their burst.
 struct MatvecPrefetch {
   size_t l1_bytes = 4096;
   size_t l2_bytes = 0;
   bool past_end = false;
   int next_call = 0;
+  bool spread = true;
+  size_t spread_l1_bytes = 8192;  // the spread path's prefetcht0 distance (it replaces l1_bytes there)
 };
 void set_matvec_prefetch(MatvecPrefetch p);
 MatvecPrefetch matvec_prefetch();

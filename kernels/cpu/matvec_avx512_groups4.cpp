@@ -92,8 +92,10 @@ inline __mmask64 first_bytes(int64_t bytes) {
   return (__mmask64{1} << bytes) - 1;
 }
 
+// pf (or nullptr): part g of the pf_bytes from pf prefetched at group g (prefetch_part).
 template <int kRows, int T>
-void mxfp4_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedGroup* const* a, float* y, int64_t y_stride) {
+void mxfp4_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedGroup* const* a, float* y, int64_t y_stride,
+                      const uint8_t* pf, size_t pf_bytes) {
   __m512 acc[kRows][T];
   for (auto& row : acc) {
     for (auto& v : row) v = _mm512_setzero_ps();
@@ -107,6 +109,7 @@ void mxfp4_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const Pac
   // blocks (masked loads do not fault), the rest reads as code 0 / exponent 0 against zero
   // activations, adding nothing.
   auto step = [&](int64_t g, __mmask64 ma, __mmask64 mb) __attribute__((always_inline)) {
+    prefetch_part(pf, pf_bytes, g, n_groups);
     __m512i lo[kRows], hi[kRows];
     __m512 ef[kRows];
 #pragma GCC unroll 4
@@ -159,8 +162,10 @@ inline Q8_0Group load_q8_0_group(const uint8_t* p, int64_t bytes) {
           _mm512_permutex2var_epi16(x0, _mm512_load_si512(kTables.act_d), x1)};
 }
 
+// pf (or nullptr): part g of the pf_bytes from pf prefetched at group g (prefetch_part).
 template <int kRows, int T>
-void q8_0_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedGroup* const* a, float* y, int64_t y_stride) {
+void q8_0_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedGroup* const* a, float* y, int64_t y_stride,
+                     const uint8_t* pf, size_t pf_bytes) {
   __m512 acc[kRows][T];
   for (auto& row : acc) {
     for (auto& v : row) v = _mm512_setzero_ps();
@@ -168,6 +173,7 @@ void q8_0_group_tile(int64_t nb, const uint8_t* w, size_t row_stride, const Pack
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t n_groups = (nb + kGroupBlocks - 1) / kGroupBlocks;
   auto step = [&](int64_t g, int64_t bytes) __attribute__((always_inline)) {
+    prefetch_part(pf, pf_bytes, g, n_groups);
     __m512i lo[kRows], hi[kRows];
     __m512 dw[kRows];
 #pragma GCC unroll 4
@@ -238,18 +244,22 @@ namespace {
 
 // Four rows against packed activations, token groups as by_token_groups cuts them; Tile is
 // q8_0_group_tile or mxfp4_group_tile (as a generic lambda over <rows, tokens>).
+// The spread prefetch (pf) goes with the first token group's tile (the others re-read the rows
+// from L1), and only with the four rows side by side.
 template <class Tile>
 void rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
-                  int64_t y_stride, bool row_by_row, Tile tile) {
+                  int64_t y_stride, bool row_by_row, const void* prefetch, size_t prefetch_bytes, Tile tile) {
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* const* a = reinterpret_cast<const PackedGroup* const*>(packed);
   const int64_t nb = n / kQK;
+  const auto* pf = row_by_row ? nullptr : static_cast<const uint8_t*>(prefetch);
   by_token_groups(a, n_tok, y, y_stride, [&]<int T>(const PackedGroup* const* at, float* yt) {
     if (row_by_row) {
       for (int r = 0; r < 4; ++r)
-        tile.template operator()<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride);
+        tile.template operator()<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride, nullptr, 0);
     } else {
-      tile.template operator()<4, T>(nb, wb, row_stride, at, yt, y_stride);
+      tile.template operator()<4, T>(nb, wb, row_stride, at, yt, y_stride, pf, prefetch_bytes);
+      pf = nullptr;
     }
   });
 }
@@ -257,15 +267,15 @@ void rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const
 }  // namespace
 
 void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                       bool row_by_row) {
-  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, []<int R, int T>(auto... args) {
+                       bool row_by_row, const void* prefetch, size_t prefetch_bytes) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
     q8_0_group_tile<R, T>(args...);
   });
 }
 
 void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
-                        int64_t y_stride, bool row_by_row) {
-  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, []<int R, int T>(auto... args) {
+                        int64_t y_stride, bool row_by_row, const void* prefetch, size_t prefetch_bytes) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
     mxfp4_group_tile<R, T>(args...);
   });
 }

@@ -65,8 +65,10 @@ constexpr PackedScaleIndex kPackedScaleIndex;
 // matrix is byte 7 - i).
 constexpr long long kHighNibble = 0x1020408000000000ll;
 
+// pf (or nullptr): part b of the pf_bytes from pf prefetched at super-block b (prefetch_part).
 template <int T>
-void q4_k_packed_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedQ8K* const* a, float* y, int64_t y_stride) {
+void q4_k_packed_tile(int64_t nb, const uint8_t* w, size_t row_stride, const PackedQ8K* const* a, float* y, int64_t y_stride,
+                      const uint8_t* pf, size_t pf_bytes) {
   static_assert(kRows * T % 4 == 0);
   constexpr int kGroups = kRows * T / 4;
   __m128 acc[kGroups];
@@ -77,6 +79,7 @@ void q4_k_packed_tile(int64_t nb, const uint8_t* w, size_t row_stride, const Pac
     return reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * row_stride)[b];
   };
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_part(pf, pf_bytes, b, nb);
     // The block headers, scales and mins as in q45_k_tile (k_quant_headers4).
     const auto [head, scales, mins] = k_quant_headers4(&row_block(0, b), &row_block(1, b), &row_block(2, b), &row_block(3, b));
     // Min sums: lane r, dword t (t < T) = sum_j min_j(row r) * bs2_j(token t).
@@ -163,17 +166,21 @@ void pack_q4_k_acts(int64_t n, const void* act, void* dst) {
   }
 }
 
-void q4_k_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride) {
+void q4_k_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
+                       const void* prefetch, size_t prefetch_bytes) {
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* const* a = reinterpret_cast<const PackedQ8K* const*>(packed);
   const int64_t nb = n / kQK_K;
+  // The prefetch goes with the first token group's tile (the others re-read these rows from L1).
+  const auto* pf = static_cast<const uint8_t*>(prefetch);
   int t = 0;
-  for (; t + 4 <= n_tok; t += 4) q4_k_packed_tile<4>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride);
+  for (; t + 4 <= n_tok; t += 4, pf = nullptr) q4_k_packed_tile<4>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride, pf, prefetch_bytes);
   if (t + 2 <= n_tok) {
-    q4_k_packed_tile<2>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride);
+    q4_k_packed_tile<2>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride, pf, prefetch_bytes);
+    pf = nullptr;
     t += 2;
   }
-  if (t < n_tok) q4_k_packed_tile<1>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride);
+  if (t < n_tok) q4_k_packed_tile<1>(nb, wb, row_stride, a + t, y + t * y_stride, y_stride, pf, prefetch_bytes);
 }
 
 }  // namespace moraine::cpu::avx512

@@ -161,7 +161,7 @@ ThreadPool::ThreadPool(const std::vector<int>& cpus, Options options)
                                   format_cpu_list(allowed) + ")");
     }
   }
-  slices_ = std::make_unique<Slice[]>(cpus.size());
+  slices_ = std::make_unique<Slice[]>(cpus.size() * kMaxSlicePhases);
   workers_.reserve(cpus.size());
   for (int i = first_thread_; i < static_cast<int>(cpus.size()); ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
@@ -202,19 +202,23 @@ void ThreadPool::shutdown() {
   workers_.clear();
 }
 
-void ThreadPool::run_erased(int64_t n_jobs, const int64_t* slice_end, JobFn fn, void* ctx) {
+void ThreadPool::run_erased(int64_t n_jobs, const int64_t* slice_end, int n_phases, JobFn fn, void* ctx) {
+  if (slice_end && (n_phases < 1 || n_phases > kMaxSlicePhases)) {
+    throw std::invalid_argument("ThreadPool::run_sliced_phases: " + std::to_string(n_phases) + " phases (1.." + std::to_string(kMaxSlicePhases) + ")");
+  }
   if (n_jobs <= 0) return;
   fn_ = fn;
   ctx_ = ctx;
   n_jobs_ = n_jobs;
-  next_.store(0, std::memory_order_relaxed);
-  sliced_ = slice_end != nullptr;
-  if (sliced_) {
+  if (!slice_end) next_.store(0, std::memory_order_relaxed);  // (sliced lists leave its line alone)
+  slice_phases_ = slice_end ? n_phases : 0;
+  if (slice_end) {
+    if (n_jobs >= (int64_t{1} << 31)) throw std::invalid_argument("ThreadPool::run_sliced: " + std::to_string(n_jobs) + " jobs (at most 2^31 - 1)");
     int64_t begin = 0;
-    for (int w = 0; w < size(); ++w) {
-      slices_[w].next.store(begin, std::memory_order_relaxed);
-      slices_[w].end = std::max(begin, slice_end[w]);
-      begin = slices_[w].end;
+    for (int w = 0; w < n_phases * size(); ++w) {
+      const int64_t end = std::max(begin, slice_end[w]);
+      slices_[w].range.store(static_cast<uint64_t>(begin) | static_cast<uint64_t>(end) << 32, std::memory_order_relaxed);
+      begin = end;
     }
   }
   active_.store(size(), std::memory_order_relaxed);
@@ -230,19 +234,27 @@ void ThreadPool::work_on_list(int index, uint32_t gen) {
   const JobFn fn = fn_;
   void* const ctx = ctx_;
   const int64_t n = n_jobs_;
-  if (sliced_) {
-    const int n_workers = size();
+  const int n_workers = size();
+  for (int phase = 0; phase < slice_phases_; ++phase) {
     for (int k = 0; k < n_workers; ++k) {
-      Slice& sl = slices_[(index + k) % n_workers];
-      // A plain load first: at the end of a list every worker looks at every slice, and a
-      // fetch_add on a slice already used up would take its cache line from the other workers
-      // (size() x size() line transfers in a row at 15 threads) for nothing.
-      if (k > 0 && sl.next.load(std::memory_order_relaxed) >= sl.end) continue;
-      for (int64_t i = sl.next.fetch_add(1, std::memory_order_relaxed); i < sl.end; i = sl.next.fetch_add(1, std::memory_order_relaxed)) {
-        fn(ctx, i, index);
+      std::atomic<uint64_t>& range = slices_[phase * n_workers + (index + k) % n_workers].range;
+      const bool own = k == 0;
+      // Claims one job: the owner the front one, a helper the back one. The load is plain
+      // until a job is there: at the end of a list every worker looks at every slice, and a
+      // compare-exchange on a slice already used up would take its cache line from the other
+      // workers (size() x size() line transfers in a row at 15 threads) for nothing.
+      uint64_t r = range.load(std::memory_order_relaxed);
+      for (;;) {
+        const auto next = static_cast<uint32_t>(r), end = static_cast<uint32_t>(r >> 32);
+        if (next >= end) break;
+        const uint64_t claimed = own ? r + 1 : r - (uint64_t{1} << 32);
+        if (!range.compare_exchange_weak(r, claimed, std::memory_order_relaxed)) continue;  // r reloaded
+        fn(ctx, own ? next : end - 1, index);
+        r = range.load(std::memory_order_relaxed);
       }
     }
-  } else {
+  }
+  if (slice_phases_ == 0) {
     for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n; i = next_.fetch_add(1, std::memory_order_relaxed)) {
       fn(ctx, i, index);
     }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace moraine::cpu {
@@ -100,27 +101,42 @@ class ThreadPool {
   template <typename F>
   void run(int64_t n_jobs, F&& job) {
     using Fn = std::remove_reference_t<F>;
-    run_erased(n_jobs, nullptr, [](void* ctx, int64_t i, int w) { (*static_cast<Fn*>(ctx))(i, w); },
+    run_erased(n_jobs, nullptr, 0, [](void* ctx, int64_t i, int w) { (*static_cast<Fn*>(ctx))(i, w); },
                const_cast<void*>(static_cast<const void*>(&job)));
   }
 
   // Like run(), with the jobs cut into size() slices: slice w is [slice_end[w-1], slice_end[w])
-  // (slice_end[-1] = 0; slice_end[size()-1] = the number of jobs, non-decreasing). Worker w
-  // runs its own slice's jobs in order first, then helps with the other slices (from w+1 on,
-  // claiming each one's next job, also in order). A worker's jobs are then one contiguous run
-  // of the list until it helps, so jobs laid out in memory order give each thread one long
-  // stream instead of every thread hopping to the next free job. A job that waits for another
+  // (slice_end[-1] = 0; slice_end[size()-1] = the number of jobs, non-decreasing, below 2^31).
+  // Worker w runs its own slice's jobs in order from the front first, then helps with the other
+  // slices (from w+1 on), taking each one's jobs from the BACK: a helper takes what the owner
+  // would have reached last, so the owner's jobs stay one contiguous run of the list (jobs
+  // laid out in memory order give each thread one long stream instead of every thread hopping
+  // to the next free job) and only its tail moves to idle threads. A job that waits for another
   // one needs an order that keeps the wait deadlock-free (MoeFfn's sliced schedule argues its).
   template <typename F>
   void run_sliced(const int64_t* slice_end, F&& job) {
+    run_sliced_phases(slice_end, 1, std::forward<F>(job));
+  }
+
+  // Like run_sliced, with the list in `n_phases` (1..kMaxSlicePhases) runs of size() slices each:
+  // slice_end has n_phases x size() entries, phase p's slice w ending at slice_end[p * size() + w]
+  // (cumulative over the whole list). A worker runs phase p's own slice, then helps with phase
+  // p's other slices (from the back), and only then moves on to phase p + 1. So threads done
+  // early with a phase take over the rest of that phase before they start on the next one (the
+  // expert FFN's gate/up rows before the down rows that wait for them). Deadlock-free when a
+  // job waits only for jobs of earlier phases, or of its own slice before it.
+  static constexpr int kMaxSlicePhases = 2;
+  template <typename F>
+  void run_sliced_phases(const int64_t* slice_end, int n_phases, F&& job) {
     using Fn = std::remove_reference_t<F>;
-    run_erased(slice_end[size() - 1], slice_end, [](void* ctx, int64_t i, int w) { (*static_cast<Fn*>(ctx))(i, w); },
+    const bool valid = n_phases >= 1 && n_phases <= kMaxSlicePhases;  // run_erased throws otherwise
+    run_erased(valid ? slice_end[n_phases * size() - 1] : 0, slice_end, n_phases, [](void* ctx, int64_t i, int w) { (*static_cast<Fn*>(ctx))(i, w); },
                const_cast<void*>(static_cast<const void*>(&job)));
   }
 
  private:
   using JobFn = void (*)(void* ctx, int64_t i, int worker);
-  void run_erased(int64_t n_jobs, const int64_t* slice_end, JobFn fn, void* ctx);
+  void run_erased(int64_t n_jobs, const int64_t* slice_end, int n_phases, JobFn fn, void* ctx);
   void worker_loop(int index);
   // Worker `index`'s part of the current list; the last one out publishes `gen` as finished.
   void work_on_list(int index, uint32_t gen);
@@ -133,20 +149,22 @@ class ThreadPool {
   std::atomic<int> spin_us_{kShortSpinUs};
   bool watch_sharing_ = true;
   std::atomic<uint64_t> sleeps_{0};
+  // run_sliced's slices, one cache line each: the unclaimed jobs [next, end) as one word
+  // (next in the low 32 bits, end in the high), so the owner's claims at the front and the
+  // helpers' at the back are compare-exchanges on the same range and never hand out a job twice.
+  struct alignas(64) Slice {
+    std::atomic<uint64_t> range{0};
+  };
   // The current list. Written by run() before `generation_` is bumped (release), read by the
   // workers after they see the bump (acquire).
-  JobFn fn_ = nullptr;
+  alignas(64) JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
   int64_t n_jobs_ = 0;
   bool stop_ = false;
+  int slice_phases_ = 0;  // 0: a plain list
+  // (Beside the list's fields: a worker starting a list reads them all from this one line.)
+  std::unique_ptr<Slice[]> slices_;  // run_sliced's: kMaxSlicePhases x size()
   alignas(64) std::atomic<int64_t> next_{0};
-  // run_sliced's slices: next job to claim and end, one cache line each.
-  struct alignas(64) Slice {
-    std::atomic<int64_t> next{0};
-    int64_t end = 0;
-  };
-  std::unique_ptr<Slice[]> slices_;
-  bool sliced_ = false;
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<int> active_{0};
   alignas(64) std::atomic<uint32_t> finished_generation_{0};

@@ -462,7 +462,7 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
   std::vector<float> want_layer(x.size(), 0.5f);
   ffn.run(layer, x.data(), want_layer.data(), kTok, kHidden, pool);
   const cpu::FfnJobRows job_variants[] = {{1, 1}, {7, 13}, {kFfn, kHidden}, {1000, 5000}};
-  const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 64}, {1 << 16, 1 << 16}, {4096, 0}};
+  const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 64, false, 0, true, 128}, {1 << 16, 1 << 16}, {4096, 0, false, 0, true, 2048}};
   const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
   for (int i = 0; i < 4; ++i) {
     cpu::set_ffn_job_rows(job_variants[i]);
@@ -471,7 +471,7 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
     std::vector<float> y(x.size(), NAN);
     ffn.run_expert(e.w, x.data(), kTok, y.data(), pool);
     EXPECT_EQ(y, want) << "job rows " << job_variants[i].gate_up << "/" << job_variants[i].down << ", prefetch " << pf_variants[i].l1_bytes << "/"
-                       << pf_variants[i].l2_bytes;
+                       << pf_variants[i].l2_bytes << (pf_variants[i].spread ? " spread" : "");
     std::vector<float> y_layer(x.size(), 0.5f);
     ffn.run(layer, x.data(), y_layer.data(), kTok, kHidden, pool);
     EXPECT_EQ(y_layer, want_layer) << "layer, job rows " << job_variants[i].gate_up << "/" << job_variants[i].down;
@@ -483,7 +483,8 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
 
 // The latency options of the sliced schedule (balanced slices: one run of rows per thread and
 // phase, cut at multiples of 4 rows wherever the thread count puts them, mid-expert included;
-// the down jobs' prefetch while they wait) change which thread computes a row, never a bit of
+// the down jobs' prefetch while they wait; shares cut into several jobs that idle threads take
+// from the back) change which thread computes a row, never a bit of
 // it: Q8_0 / MXFP4 tiles start at multiples of 4 rows either way. 1 to 3 experts of 1 and 3
 // rows, as the worker gets them at a 12 GB budget, on a pool the caller joins (its slice then
 // starts with the activation rows' quantization, which the other slices wait for) and one it
@@ -512,17 +513,21 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
     ffn.run_experts(jobs, x.data(), kRows, pool);
     return ys;
   };
-  const cpu::FfnSliceOptions variants[] = {{true, false}, {false, true}, {true, true}};
+  // split > 1: several jobs per thread and phase, the idle threads taking others' last ones.
+  // gate_up_first: every gate/up job before any down job, the idle threads helping in between.
+  const cpu::FfnSliceOptions variants[] = {{true, false, 1, false}, {false, true, 1, false}, {true, true, 1, false}, {true, true, 3, false},
+                                           {true, false, 8, false}, {true, true, 1, true}, {true, true, 4, true}};
   for (int n_exp = 1; n_exp <= 3; ++n_exp) {
     for (int m : {1, 3}) {
-      const auto want = run_with(waits, {false, false}, n_exp, m);
+      const auto want = run_with(waits, {false, false, 1, false}, n_exp, m);
       double norm = 0;
       for (float v : want.back()) norm += std::fabs(v);
       EXPECT_GT(norm, 1.0);
       for (cpu::ThreadPool* pool : {&waits, &joined}) {
         for (const cpu::FfnSliceOptions& o : variants) {
           EXPECT_EQ(run_with(*pool, o, n_exp, m), want) << n_exp << " experts, " << m << " rows, balanced " << o.balanced << ", wait prefetch "
-                                                         << o.wait_prefetch << ", caller joins " << pool->caller_joins();
+                                                         << o.wait_prefetch << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", caller joins "
+                                                         << pool->caller_joins();
         }
       }
     }

@@ -190,8 +190,9 @@ TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
   EXPECT_GT(checked, 0);
 }
 
-// The next-call prefetch hint (followed, with short and long distances) leaves every result
-// bitwise as it is without the hint.
+// The next-call prefetch hint (followed, with short and long distances) and the spread prefetch
+// (the packed tiles' lines issued block by block inside the tile) leave every result bitwise as
+// it is without them.
 TEST(MatvecTokens, NextCallHintChangesNothing) {
   const cpu::MatvecPrefetch saved = cpu::matvec_prefetch();
   constexpr int64_t kCols = 512, kRows = 21;
@@ -206,11 +207,12 @@ TEST(MatvecTokens, NextCallHintChangesNothing) {
       quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
     }
     for (int n_tok = 1; n_tok <= 3; ++n_tok) {
-      cpu::set_matvec_prefetch({4096, 0, false, 0});
+      cpu::set_matvec_prefetch({4096, 0, false, 0, false});
       std::vector<float> plain(static_cast<size_t>(n_tok * kRows)), hinted(plain.size());
       cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, plain.data(), kRows);
       for (const cpu::MatvecPrefetch pf : {cpu::MatvecPrefetch{4096, 0, false, 1}, cpu::MatvecPrefetch{256, 65536, true, 1},
-                                           cpu::MatvecPrefetch{4096, 16384, false, 2}}) {
+                                           cpu::MatvecPrefetch{4096, 16384, false, 2}, cpu::MatvecPrefetch{256, 0, false, 0, true, 256},
+                                           cpu::MatvecPrefetch{1024, 4096, false, 1, true, 512}, cpu::MatvecPrefetch{4096, 0, true, 0, true, 1024}}) {
         cpu::set_matvec_prefetch(pf);
         std::fill(hinted.begin(), hinted.end(), 0.0f);
         cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, hinted.data(), kRows, other.q.data(), other.q.size());

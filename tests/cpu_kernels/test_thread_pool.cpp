@@ -147,6 +147,69 @@ TEST(ThreadPool, SlicedListsRunEveryJobOnceOwnSliceFirst) {
   for (int w = 0; w < n; ++w) EXPECT_EQ(ran_by[static_cast<size_t>(4 * w)], w) << "slice " << w << "'s first job";
 }
 
+// Helpers take a slice's jobs from its back: the owner's jobs stay one run from the slice's
+// front (the stream its rows were laid out for) and the helpers' the rest. Slice 0 holds every
+// job, ~1 ms each; the other workers have empty slices and help from the start.
+TEST(ThreadPool, HelpersTakeASlicesJobsFromItsBack) {
+  ThreadPool pool(allowed_cpus());
+  const int n = pool.size();
+  if (n < 2) GTEST_SKIP() << "needs two CPUs";
+  const int64_t jobs = 4 * n;
+  std::vector<int64_t> ends(static_cast<size_t>(n), jobs);
+  std::vector<int> ran_by(static_cast<size_t>(jobs), -1);
+  pool.run_sliced(ends.data(), [&](int64_t i, int w) {
+    ran_by[static_cast<size_t>(i)] = w;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  });
+  int64_t owner_run = 0;
+  while (owner_run < jobs && ran_by[static_cast<size_t>(owner_run)] == 0) ++owner_run;
+  EXPECT_GE(owner_run, 1) << "the owner must run its slice's first job";
+  for (int64_t i = owner_run; i < jobs; ++i) {
+    EXPECT_GT(ran_by[static_cast<size_t>(i)], 0) << "job " << i << ": the owner's jobs must be one run from the front (it ran "
+                                                 << owner_run << " first)";
+  }
+  EXPECT_LT(owner_run, jobs) << "no helper ran a job of " << jobs << " taking ~1 ms each";
+}
+
+// run_sliced_phases: no job of the second phase starts before every job of the first has
+// started, though the first phase's jobs all sit in one slice (the other workers help there
+// first), and a second-phase job waiting for every first-phase job to finish does not deadlock.
+TEST(ThreadPool, PhasedListsStartEveryJobOfAPhaseBeforeTheNext) {
+  ThreadPool pool(allowed_cpus());
+  const int n = pool.size();
+  const int64_t first = 4 * n, second = 2 * n;
+  std::vector<int64_t> ends(2 * static_cast<size_t>(n));
+  for (int w = 0; w < n; ++w) ends[static_cast<size_t>(w)] = first;  // phase 0: all in slice 0
+  for (int w = 0; w < n; ++w) ends[static_cast<size_t>(n + w)] = first + 2 * (w + 1);
+  for (int list = 0; list < 20; ++list) {
+    std::atomic<int64_t> started0{0}, done0{0};
+    std::vector<int64_t> seen_started(static_cast<size_t>(second), -1);
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(first + second));
+    pool.run_sliced_phases(ends.data(), 2, [&](int64_t i, int) {
+      hits[static_cast<size_t>(i)].fetch_add(1, std::memory_order_relaxed);
+      if (i < first) {
+        started0.fetch_add(1, std::memory_order_acq_rel);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+        done0.fetch_add(1, std::memory_order_acq_rel);
+        return;
+      }
+      seen_started[static_cast<size_t>(i - first)] = started0.load(std::memory_order_acquire);
+      while (done0.load(std::memory_order_acquire) < first) std::this_thread::yield();
+    });
+    for (int64_t i = 0; i < first + second; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << "list " << list << " job " << i;
+    for (int64_t j = 0; j < second; ++j) {
+      ASSERT_EQ(seen_started[static_cast<size_t>(j)], first) << "list " << list << ": second-phase job " << j << " began before every first-phase job had";
+    }
+  }
+  std::vector<int64_t> more((ThreadPool::kMaxSlicePhases + 1) * static_cast<size_t>(n), 1);
+  EXPECT_THROW(pool.run_sliced_phases(more.data(), ThreadPool::kMaxSlicePhases + 1, [](int64_t, int) {}), std::invalid_argument);
+  EXPECT_THROW(pool.run_sliced_phases(more.data(), 0, [](int64_t, int) {}), std::invalid_argument);
+}
+
 TEST(ThreadPool, JobsRunOnTheListedCpusWithWorkerIndices) {
   const std::vector<int> cpus = allowed_cpus();
   ThreadPool pool(cpus);

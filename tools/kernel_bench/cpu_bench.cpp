@@ -107,7 +107,100 @@ struct Point {
   double gbps = 0.0, seconds = 0.0;
   int64_t layers = 0;
   double sleeps_per_call = 0.0;  // pool futex sleeps (workers and caller) per timed call: each costs a wake-up
+  double p50_us = 0.0, p90_us = 0.0;  // per-call time percentiles (gap_us > 0 only: each call timed alone)
+  std::string phases;  // --phase-trace: where the calls' time went (phase_report)
 };
+
+// Microseconds between two trace stamps.
+double trace_us(int64_t from_ns, int64_t to_ns) { return static_cast<double>(to_ns - from_ns) / 1e3; }
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+// One traced call's phase times, in us from the call's start (cpu::FfnPhaseTrace), and per
+// worker its gate/up time (first job to last gate/up end) and down time (from when its down
+// could start, the later of its gate/up end and the last expert's ready, to its last job's end).
+struct CallPhases {
+  double setup = 0, first_max = 0, first_mean = 0, gu_min = 0, gu_med = 0, gu_max = 0, rows_max = 0, ready = 0, wait_mean = 0, end_min = 0,
+         end_med = 0, end_max = 0, returned = 0;
+  std::vector<double> worker_gu, worker_down;  // per worker, -1 when it ran no such job
+};
+
+CallPhases call_phases(const cpu::FfnPhaseTrace& tr) {
+  CallPhases c;
+  const int64_t t0 = tr.call_start_ns;
+  c.setup = trace_us(t0, tr.list_start_ns);
+  c.returned = trace_us(t0, tr.call_end_ns);
+  std::vector<double> first, gu, ends, waits;
+  int64_t ready = 0, rows_done = 0;
+  for (const cpu::FfnWorkerPhases& w : tr.workers) {
+    ready = std::max(ready, w.ready_set_ns);
+    rows_done = std::max(rows_done, w.rows_done_ns);
+  }
+  c.ready = ready ? trace_us(t0, ready) : 0.0;
+  c.rows_max = rows_done ? trace_us(t0, rows_done) : 0.0;
+  for (const cpu::FfnWorkerPhases& w : tr.workers) {
+    if (w.jobs == 0) {
+      c.worker_gu.push_back(-1);
+      c.worker_down.push_back(-1);
+      continue;
+    }
+    first.push_back(trace_us(tr.list_start_ns, w.first_start_ns));
+    ends.push_back(trace_us(t0, w.last_end_ns));
+    waits.push_back(static_cast<double>(w.down_wait_ns) / 1e3);
+    if (w.gate_up_end_ns) gu.push_back(trace_us(t0, w.gate_up_end_ns));
+    c.worker_gu.push_back(w.gate_up_end_ns ? trace_us(w.first_start_ns, w.gate_up_end_ns) : -1);
+    const int64_t down_from = std::max(w.gate_up_end_ns ? w.gate_up_end_ns : w.first_start_ns, ready);
+    c.worker_down.push_back(w.last_end_ns > down_from ? trace_us(down_from, w.last_end_ns) : -1);
+  }
+  auto stats = [](std::vector<double> v, double& lo, double& med, double& hi) {
+    if (v.empty()) return;
+    std::sort(v.begin(), v.end());
+    lo = v.front();
+    med = v[v.size() / 2];
+    hi = v.back();
+  };
+  double unused = 0;
+  stats(first, unused, unused, c.first_max);
+  for (double f : first) c.first_mean += f / static_cast<double>(first.size());
+  for (double w : waits) c.wait_mean += w / static_cast<double>(waits.size());
+  stats(gu, c.gu_min, c.gu_med, c.gu_max);
+  stats(ends, c.end_min, c.end_med, c.end_max);
+  return c;
+}
+
+// Medians over the traced calls, as two lines for the table.
+std::string phase_report(const std::vector<CallPhases>& calls) {
+  if (calls.empty()) return {};
+  auto med = [&](double CallPhases::*f) {
+    std::vector<double> v;
+    for (const CallPhases& c : calls) v.push_back(c.*f);
+    return median_of(v);
+  };
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "    phases, us from the call's start, median of %zu calls: setup %.1f | first job (after the hand-over) mean %.1f max "
+                "%.1f | gate/up end min %.1f med %.1f max %.1f | last rows %.1f ready %.1f | down wait mean %.1f | last job end min %.1f med %.1f "
+                "max %.1f | returned %.1f\n",
+                calls.size(), med(&CallPhases::setup), med(&CallPhases::first_mean), med(&CallPhases::first_max), med(&CallPhases::gu_min),
+                med(&CallPhases::gu_med), med(&CallPhases::gu_max), med(&CallPhases::rows_max), med(&CallPhases::ready), med(&CallPhases::wait_mean), med(&CallPhases::end_min),
+                med(&CallPhases::end_med), med(&CallPhases::end_max), med(&CallPhases::returned));
+  std::string out = buf;
+  out += "    per worker, median us gate/up | down:";
+  for (size_t w = 0; w < calls.front().worker_gu.size(); ++w) {
+    std::vector<double> g, d;
+    for (const CallPhases& c : calls) {
+      if (c.worker_gu[w] >= 0) g.push_back(c.worker_gu[w]);
+      if (c.worker_down[w] >= 0) d.push_back(c.worker_down[w]);
+    }
+    std::snprintf(buf, sizeof buf, " w%zu %.1f|%.1f", w, median_of(g), median_of(d));
+    out += buf;
+  }
+  return out + "\n";
+}
 
 // GB/s of expert bytes consumed: whole sweeps over the set (n_per_call distinct experts per
 // layer call) until min_seconds have passed. With gap_us > 0 the bench's thread sleeps that
@@ -115,7 +208,7 @@ struct Point {
 // the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
 // cpu_expert_worker's call) instead of run() accumulating into one y.
 Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
-              cpu::ThreadPool& pool) {
+              bool phase_trace, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -142,13 +235,20 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   const auto t0 = Clock::now();
   int64_t done = 0;
   double s = 0.0, busy = 0.0;
+  std::vector<double> call_us;
+  cpu::FfnPhaseTrace trace;
+  std::vector<CallPhases> phases;
+  if (phase_trace) cpu::set_ffn_phase_trace(&trace);
   do {
     if (gap_us > 0) {
       for (int64_t l = 0; l < n_layers; ++l) {
         std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
         const auto c0 = Clock::now();
         layer(l);
-        busy += std::chrono::duration<double>(Clock::now() - c0).count();
+        const double c = std::chrono::duration<double>(Clock::now() - c0).count();
+        busy += c;
+        call_us.push_back(1e6 * c);
+        if (phase_trace) phases.push_back(call_phases(trace));
       }
     } else {
       for (int64_t l = 0; l < n_layers; ++l) layer(l);
@@ -157,7 +257,14 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
     s = std::chrono::duration<double>(Clock::now() - t0).count();
   } while (s < min_seconds);
   if (gap_us > 0) s = busy;
+  cpu::set_ffn_phase_trace(nullptr);
   Point p;
+  if (!call_us.empty()) {
+    std::sort(call_us.begin(), call_us.end());
+    p.p50_us = call_us[call_us.size() / 2];
+    p.p90_us = call_us[call_us.size() * 9 / 10];
+  }
+  p.phases = phase_report(phases);
   p.format = std::string(type_name(t));
   p.tokens = n_tok;
   p.layers = done;
@@ -324,6 +431,10 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
       ->check(CLI::Range(0, 1 << 20));
   cpu->add_option("--prefetch-past-end", opt.prefetch_past_end, "1: matvec prefetches past a job's last row into the next rows; 0: not "
                   "(default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--prefetch-spread", opt.prefetch_spread, "1: the packed tiles (Q4_K, Q8_0, MXFP4) issue the prefetcht0 lines of "
+                  "a 4-row step block by block as they compute; 0: all before the step (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--prefetch-spread-l1", opt.prefetch_spread_l1, "the spread prefetch's prefetcht0 distance in bytes (default: the "
+                  "library's)")->check(CLI::Range(64, 1 << 20));
   cpu->add_option("--prefetch-next", opt.prefetch_next, "the expert FFN's next-call prefetch hints (sliced schedule): 0 ignored; "
                   "1 matvec's streams run on into the next call's region; 2 its first lines into L2 at the call's start "
                   "(default: the library's)")->check(CLI::Range(0, 2));
@@ -360,6 +471,13 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "rows (worker form only); 0: fixed job rows (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--wait-prefetch", opt.wait_prefetch, "1: a down job waiting for its expert prefetches its rows into L2 meanwhile; "
                   "0: it only spins (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--slice-split", opt.slice_split, "balanced slices: jobs per thread and phase; idle threads take the last ones "
+                  "of slower threads (default: the library's)")->check(CLI::Range(1, 8));
+  cpu->add_option("--gate-up-first", opt.gate_up_first, "1: balanced slices in two phases, every gate/up job (threads done early "
+                  "taking the last ones of slower threads) before any down job; 0: each thread its gate/up then its down share "
+                  "(default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_flag("--phase-trace", opt.phase_trace, "with --gap-us: print where each row's calls spend their time (per-worker phase "
+                "times from the call's start, medians over the calls; a few clock reads per job)");
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
@@ -371,6 +489,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.prefetch_l2 >= 0) prefetch.l2_bytes = static_cast<size_t>(opt.prefetch_l2);
   if (opt.prefetch_past_end >= 0) prefetch.past_end = opt.prefetch_past_end == 1;
   if (opt.prefetch_next >= 0) prefetch.next_call = opt.prefetch_next;
+  if (opt.prefetch_spread >= 0) prefetch.spread = opt.prefetch_spread == 1;
+  if (opt.prefetch_spread_l1 > 0) prefetch.spread_l1_bytes = static_cast<size_t>(opt.prefetch_spread_l1);
   cpu::set_matvec_prefetch(prefetch);
   cpu::MatvecTiles tiles = cpu::matvec_tiles();
   if (opt.tile_mxfp4 >= 0) tiles.mxfp4_vbmi = opt.tile_mxfp4 == 1;
@@ -386,6 +506,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   cpu::FfnSliceOptions slice_opt = cpu::ffn_slice_options();
   if (opt.balanced_slices >= 0) slice_opt.balanced = opt.balanced_slices == 1;
   if (opt.wait_prefetch >= 0) slice_opt.wait_prefetch = opt.wait_prefetch == 1;
+  if (opt.slice_split > 0) slice_opt.split = opt.slice_split;
+  if (opt.gate_up_first >= 0) slice_opt.gate_up_first = opt.gate_up_first == 1;
   cpu::set_ffn_slice_options(slice_opt);
   if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
   const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
@@ -425,11 +547,12 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s; job rows %lld/%lld; "
+    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
                 "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
                 static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0,
-                slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
+                slice_opt.split, slice_opt.gate_up_first ? 1 : 0, slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
                 prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
+                prefetch.spread ? (" spread " + std::to_string(prefetch.spread_l1_bytes) + " B").c_str() : "",
                 static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
                 opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
@@ -467,27 +590,32 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       ceilings.emplace_back(core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool),
                             all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool));
     }
+    std::string phase_lines;
     for (int n_per_call : opt.experts_per_call) {
       if (!opt.json) std::printf("%-7s %8d %14zu", std::string(type_name(t)).c_str(), n_per_call, set.expert_bytes);
       for (size_t ti = 0; ti < opt.tokens.size(); ++ti) {
         const int n_tok = opt.tokens[ti];
-        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, pool);
+        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, pool);
         const double us_per_call = 1e6 * p.seconds / static_cast<double>(p.layers);
         const auto [ceiling, all] = ceilings[ti];
         if (!opt.json) {
           std::printf("   %13.1f (%5.1f%%) %7.1f [%5.1f] {%5.1f} sleeps/call %.2f", p.gbps, 100.0 * p.gbps / dram, us_per_call, ceiling, all,
                       p.sleeps_per_call);
+          if (p.p50_us > 0) std::printf(" p50 %.1f p90 %.1f us", p.p50_us, p.p90_us);
           std::fflush(stdout);
         }
         rows.push_back({{"format", p.format}, {"tokens", p.tokens}, {"experts_per_call", n_per_call}, {"gb_per_s", p.gbps},
                         {"share_of_dram", p.gbps / dram}, {"us_per_call", us_per_call}, {"core_l2_gb_per_s", ceiling},
                         {"all_cores_l2_gb_per_s", all}, {"expert_bytes", set.expert_bytes}, {"distinct_experts", set.experts.size()},
-                        {"layer_calls", p.layers}, {"sleeps_per_call", p.sleeps_per_call}, {"huge_page_share", huge_share}, {"seconds", p.seconds}});
+                        {"layer_calls", p.layers}, {"sleeps_per_call", p.sleeps_per_call}, {"huge_page_share", huge_share}, {"seconds", p.seconds},
+                        {"p50_us", p.p50_us}, {"p90_us", p.p90_us}, {"phases", p.phases}});
+        if (!p.phases.empty()) phase_lines += p.phases;
       }
       if (!opt.json) {
         if (opt.huge_pages) std::printf("   huge pages %3.0f%%", 100.0 * huge_share);
-        std::printf("\n");
+        std::printf("\n%s", phase_lines.c_str());
       }
+      phase_lines.clear();
     }
   }
   if (opt.json) {
@@ -501,12 +629,16 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"worker_form", opt.worker_form},
                                 {"balanced_slices", slice_opt.balanced},
                                 {"wait_prefetch", slice_opt.wait_prefetch},
+                                {"slice_split", slice_opt.split},
+                                {"gate_up_first", slice_opt.gate_up_first},
                                 {"set_mib", opt.set_mib},
                                 {"amx_min_tokens", cpu::amx_min_tokens()},
                                 {"prefetch_l1", prefetch.l1_bytes},
                                 {"prefetch_l2", prefetch.l2_bytes},
                                 {"prefetch_past_end", prefetch.past_end},
                                 {"prefetch_next_call", prefetch.next_call},
+                                {"prefetch_spread", prefetch.spread},
+                                {"prefetch_spread_l1", prefetch.spread_l1_bytes},
                                 {"gate_up_rows", job_rows.gate_up},
                                 {"down_rows", job_rows.down},
                                 {"schedule", schedule},

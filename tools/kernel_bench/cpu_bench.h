@@ -23,6 +23,8 @@ struct CpuBenchOptions {
   int prefetch_l1 = -1;       // bytes; -1: the library default (cpu::MatvecPrefetch)
   int prefetch_l2 = -1;
   int prefetch_past_end = -1;  // 0/1; -1: the library default
+  int prefetch_spread = -1;    // 0/1: cpu::MatvecPrefetch::spread (the packed tiles' prefetches block by block); -1: the library default
+  int prefetch_spread_l1 = -1; // bytes: cpu::MatvecPrefetch::spread_l1_bytes; -1: the library default
   int prefetch_next = -1;      // 0/1/2: the expert FFN's next-call prefetch hints (cpu::MatvecPrefetch); -1: the library default
   int gate_up_rows = 0;       // 0: the library default (cpu::FfnJobRows)
   int down_rows = 0;
@@ -42,6 +44,9 @@ struct CpuBenchOptions {
   bool worker_form = false;   // call MoeFfn::run_experts (RowsJob, each expert its own rows) as the worker does, not run()
   int balanced_slices = -1;   // 0/1: cpu::FfnSliceOptions::balanced; -1: the library default
   int wait_prefetch = -1;     // 0/1: cpu::FfnSliceOptions::wait_prefetch; -1: the library default
+  int slice_split = 0;        // >0: cpu::FfnSliceOptions::split (jobs per thread and phase); 0: the library default
+  int gate_up_first = -1;     // 0/1: cpu::FfnSliceOptions::gate_up_first (the balanced list in two phases); -1: the library default
+  bool phase_trace = false;   // with gap_us > 0: per-worker phase times of every call (cpu::FfnPhaseTrace), medians printed
 };
 
 void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt);
