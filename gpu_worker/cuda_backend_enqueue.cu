@@ -56,9 +56,15 @@ namespace {
 
 // Whether the FFN input's norm, the router matvec and the softmax top-k go out as one launch
 // (rms_norm_router_fused, the bits of the three): a float router, no shared expert (whose
-// quantized matrices want h_'s q8 activations from norm_h).
-bool norm_route_fused(const DevLayer& L, const model::HParams& hp) {
-  return !L.shared_gate && L.router && L.router.cols == hp.n_embd && L.router.rows == hp.n_expert &&
+// quantized matrices want h_'s q8 activations from norm_h), and a decode-sized step: its CTAs
+// read the router rows once per token (a grid of tokens x row blocks), where the batched matvec
+// reads them once per step. With every step fused, prefill fell to 1741 tok/s at 512 tokens and
+// 1394 at 8192 (30B all in VRAM, H200, bench/side-by-side run D, session 8); decode-sized only:
+// 2240 / 1815 (run E; session 7's table had 2561 / 1819).
+constexpr int64_t kNormRouteFusedMaxRows = 4;
+bool norm_route_fused(const DevLayer& L, const model::HParams& hp, int64_t n) {
+  return n <= kNormRouteFusedMaxRows && !L.shared_gate && L.router && L.router.cols == hp.n_embd &&
+         L.router.rows == hp.n_expert &&
          cuda::rms_norm_router_fused_supported(L.router.type, L.router.rows, L.router.cols);
 }
 
@@ -72,7 +78,7 @@ void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
   } else {
     attention_block(L, n);
   }
-  if (norm_route_fused(L, m_.hp)) {   // enqueue_route normalises as well
+  if (norm_route_fused(L, m_.hp, n)) {   // enqueue_route normalises as well
     act_of_h_ = TensorType::F32;
     return;
   }
@@ -109,7 +115,7 @@ void CudaBackend::norm_h(const float* x, const float* w, int64_t n, const DevMat
 void CudaBackend::enqueue_route(int64_t il, int64_t n) {
   const model::HParams& hp = m_.hp;
   const DevLayer& L = layers_[il];
-  if (norm_route_fused(L, hp)) {
+  if (norm_route_fused(L, hp, n)) {
     cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, x_.get(), L.ffn_norm.get(),
                                 static_cast<float>(hp.rms_eps), n, h_.get(), hp.n_expert_used, hp.norm_topk_prob,
                                 router_logits_.get(), chosen_of(il, n), weight_.get(), route_arrivals_.get(), stream_);
