@@ -17,6 +17,7 @@
 // prepared, and the wait still has the full completion and memory flush of the previous grid.
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/cuda_timing.h"
+#include "tools/kernel_bench/decode_chain_shape.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -43,25 +44,8 @@ namespace {
 using cuda::DeviceBuffer;
 using cuda::uploaded;
 
-constexpr int64_t kEmbd = 2048, kHeads = 32, kKvHeads = 4, kHeadDim = 128, kExperts = 128, kTopK = 8;
-constexpr int64_t kLayers = 48, kMaxCtx = 1024;
-constexpr int64_t kQDim = kHeads * kHeadDim, kKvDim = kKvHeads * kHeadDim, kQkvRows = kQDim + 2 * kKvDim;
+using namespace decode_chain;  // the layer's sizes and weights (decode_chain_shape.h)
 constexpr int kLaunchesPerLayer = 11;
-
-std::vector<float> normal(std::mt19937& rng, size_t n, float sd) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<uint8_t> q8_0(std::mt19937& rng, int64_t rows, int64_t n) {
-  const std::vector<float> w = normal(rng, static_cast<size_t>(rows * n), 0.05f);
-  const size_t rb = row_bytes(TensorType::Q8_0, n);
-  std::vector<uint8_t> q(rb * static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) quantize_row(TensorType::Q8_0, w.data() + r * n, q.data() + r * rb, n);
-  return q;
-}
 
 struct Layer {
   DeviceBuffer<uint8_t> qkv, o;
@@ -85,11 +69,7 @@ struct Chain {
     for (int64_t il = 0; il < kLayers; ++il) {
       layers.push_back({uploaded(qkv_host), uploaded(o_host), uploaded(kv_host), uploaded(kv_host)});
     }
-    shape.n_head = kHeads;
-    shape.n_head_kv = kKvHeads;
-    shape.head_dim = kHeadDim;
-    shape.kv_stride = kKvDim;
-    shape.scale = 0.08838834764831845f;  // 1 / sqrt(128)
+    shape = attention_shape();
     norm_w = uploaded(normal(rng, kEmbd, 1.0f));
     head_norm_w = uploaded(normal(rng, kHeadDim, 1.0f));
     router = uploaded(normal(rng, kExperts * kEmbd, 0.05f));
@@ -118,25 +98,8 @@ struct Chain {
       b.out_stride = kQkvRows;
       b.weights_from_previous_kernel = !weights_first;
       cuda::matvec_quantized_batched(TensorType::Q8_0, L.qkv.get(), kQkvRows, kEmbd, act.get(), qkv_out.get(), b, s);
-      cuda::QkNormRopeStoreArgs a;
-      a.q = qkv_out.get();
-      a.q_row_stride = kQkvRows;
-      a.q_head_stride = kHeadDim;
-      a.k = qkv_out.get() + kQDim;
-      a.k_row_stride = kQkvRows;
-      a.v = a.k + kKvDim;
-      a.v_row_stride = kQkvRows;
-      a.q_norm = a.k_norm = head_norm_w.get();
-      a.rows = 1;
-      a.n_head = kHeads;
-      a.n_head_kv = kKvHeads;
-      a.head_dim = a.n_rot = kHeadDim;
-      a.pos0_dev = pos.get();
-      a.freq_base = 1e6;
-      a.max_pos = kMaxCtx;
-      a.q_out = q.get();
-      a.k_cache = L.k_cache.get();
-      a.v_cache = L.v_cache.get();
+      const cuda::QkNormRopeStoreArgs a =
+          decode_chain::qk_args(qkv_out.get(), head_norm_w.get(), pos.get(), q.get(), L.k_cache.get(), L.v_cache.get());
       cuda::qk_norm_rope_store(a, s);
       cuda::attention_decode(shape, q.get(), L.k_cache.get(), L.v_cache.get(), 1, pos.get(), 0, kMaxCtx, nullptr, 0, 0,
                              attn.get(), scratch.get(), scratch_floats, s);
