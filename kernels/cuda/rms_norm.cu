@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/rms_norm_block.cuh"
 
 namespace moraine::cuda {
 namespace {
@@ -25,14 +26,7 @@ __global__ void __launch_bounds__(kThreads)
     const double v = xr[i];
     ss += v * v;
   }
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-  __syncthreads();
-  double total = 0.0;
-#pragma unroll
-  for (int i = 0; i < kThreads / 32; ++i) total += partial[i];
-  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  const float inv = rms_inverse<kThreads / 32>(ss, partial, n, eps);
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const float v = __fmul_rn(xr[i], inv);
     orow[i] = w != nullptr ? __fmul_rn(v, w[i]) : v;

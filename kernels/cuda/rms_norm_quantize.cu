@@ -23,6 +23,7 @@
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/rms_norm_block.cuh"
 #include "kernels/cuda/quantize_block.cuh"
 
 namespace moraine::cuda {
@@ -112,14 +113,7 @@ __global__ void __launch_bounds__(kThreads)
       ss += dv * dv;
     }
   }
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-  __syncthreads();
-  double total = 0.0;
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) total += partial[i];
-  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  const float inv = rms_inverse<kWarps>(ss, partial, n, eps);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if constexpr (kAct == Act::Q8_K) {
@@ -192,14 +186,7 @@ __global__ void __launch_bounds__(kThreads)
       ss += dv * dv;
     }
   }
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-  __syncthreads();
-  double total = 0.0;
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) total += partial[i];
-  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(n)));
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  const float inv = rms_inverse<kWarps>(ss, partial, n, eps);
   float xv = 0.0f;
 #pragma unroll
   for (int j = 0; j < kCached; ++j)

@@ -12,6 +12,7 @@
 #include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/rms_norm_block.cuh"
 #include "kernels/cuda/matvec_float_row.cuh"
 #include "kernels/cuda/route_warp.cuh"
 
@@ -124,14 +125,7 @@ __global__ void __launch_bounds__(kNormThreads)
       ss += v * v;
     }
   }
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (lane == 0) partial[warp] = ss;
-  __syncthreads();
-  double total = 0.0;
-#pragma unroll
-  for (int i = 0; i < kNormWarps; ++i) total += partial[i];
-  const float mean = __double2float_rn(__ddiv_rn(total, static_cast<double>(d)));
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  const float inv = rms_inverse<kNormWarps>(ss, partial, d, eps);
 #pragma unroll
   for (int j = 0; j < kCached; ++j) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kNormThreads;
