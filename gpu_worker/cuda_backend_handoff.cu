@@ -141,9 +141,23 @@ void CudaBackend::enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo&
       cuda::publish_to_host(out, 3, routed + il, seq, stream_);
       if (layers_[il].fused) enqueue_fused_experts(il, n);
       enqueue_shared(il, n);
-      const cuda::HostSpan in[] = {{cpu_rows_.get(), mapped(io.host_rows, rows_bytes), rows_bytes},
-                                   {alt_row_.get(), alt_pinned_dev_, map_bytes}};
-      cuda::fetch_from_host(ready + il, seq, timeout_ns, handoff_error_.get(), in, 2, stream_);
+      cuda::ExpertRowFetch f;
+      f.flag = ready + il;
+      f.seq_dev = seq;
+      f.timeout_ns = timeout_ns;
+      f.error_dev = handoff_error_.get();
+      f.map_host = alt_pinned_dev_;
+      f.rows_host = static_cast<const float*>(mapped(io.host_rows, rows_bytes));
+      f.map_dev = alt_row_.get();
+      f.rows_dev = cpu_rows_.get();
+      f.nk = static_cast<int>(nk);
+      f.row_floats = static_cast<int>(d);
+      if (layers_[il].fused) {   // the device's own slots are known: skip the wait when the host has none
+        f.chosen = chosen_of(il, n);
+        f.slots = slot_table_.get() + il * slot_stride();
+        f.n_expert = static_cast<int>(hp.n_expert);
+      }
+      cuda::fetch_expert_rows(f, stream_);
     } else {
       copy_to_host(io.chosen, chosen_of(il, n), nk * sizeof(int32_t));
       copy_to_host(io.weight, weight_.get(), nk * sizeof(float));
