@@ -216,6 +216,8 @@ void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt) {
   sub->add_option("--moe-tokens", opt.moe.tokens, "fused MoE tokens per call (default 1,8)")->delimiter(',');
   sub->add_option("--moe-select", opt.moe.only, "fused MoE rows of one SHAPE,FORMAT only (e.g. qwen3-30b-a3b,q4_k)")
       ->delimiter(',')->expected(2);
+  sub->add_flag("--moe-host-weights", opt.moe.host_weights,
+                "fused MoE experts in mapped pinned host memory: the kernels read them over PCIe");
 }
 
 int run_cuda_bench(const CudaBenchOptions& opt) {

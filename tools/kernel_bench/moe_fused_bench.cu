@@ -8,7 +8,8 @@
 // default the default form (auto), the tiled kernels with the per-expert down kernel (expert) and
 // the warp-unit kernels (units); "sform" is moe_staged.cu's form (Tuning::staged).
 // Which variants, token counts and shape: MoeBenchSelection (moraine-kernel-bench cuda
-// --moe-variants all|NAME,... --moe-tokens 1,4,8 --moe-select SHAPE,FORMAT).
+// --moe-variants all|NAME,... --moe-tokens 1,4,8 --moe-select SHAPE,FORMAT); --moe-host-weights
+// puts the experts in mapped pinned host memory (read over PCIe).
 #include "tools/kernel_bench/moe_fused_bench.h"
 
 #include <algorithm>
@@ -156,15 +157,40 @@ void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::
   std::vector<uint8_t> m(rb * static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)
     std::copy_n(templ.data() + static_cast<size_t>(r % kTemplateRows) * rb, rb, m.data() + static_cast<size_t>(r) * rb);
-  CUDA_CHECK(cudaMemcpy(dst, m.data(), m.size(), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dst, m.data(), m.size(), cudaMemcpyDefault));
 }
 
 size_t round256(size_t v) { return (v + 255) / 256 * 256; }
 
 // emit(point) as each variant is measured (the table prints it at once: a variant that fails
 // still leaves the earlier rows).
-void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib, const std::vector<const Variant*>& variants,
-               const std::function<void(const MoePoint&)>& emit) {
+// The experts' memory: device memory, or mapped pinned host memory the device reads in place.
+class WeightPool {
+ public:
+  WeightPool(size_t bytes, bool host) {
+    if (!host) {
+      device_ = DeviceBuffer<uint8_t>(bytes);
+      ptr_ = device_.get();
+      return;
+    }
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ptr_), host_, 0));
+  }
+  ~WeightPool() {
+    if (host_ != nullptr) cudaFreeHost(host_);
+  }
+  WeightPool(const WeightPool&) = delete;
+  WeightPool& operator=(const WeightPool&) = delete;
+  uint8_t* get() const { return ptr_; }
+
+ private:
+  DeviceBuffer<uint8_t> device_;
+  uint8_t* host_ = nullptr;
+  uint8_t* ptr_ = nullptr;
+};
+
+void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib, bool host_weights,
+               const std::vector<const Variant*>& variants, const std::function<void(const MoePoint&)>& emit) {
   std::mt19937 rng(5);
   const size_t gate_bytes = row_bytes(t, s.n_embd) * static_cast<size_t>(s.n_ff);  // one expert
   const size_t down_bytes = row_bytes(t, s.n_ff) * static_cast<size_t>(s.n_embd);
@@ -173,7 +199,7 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
                                 round256(down_bytes * s.n_expert)};
   const size_t layer_bytes = kind_bytes[0] + kind_bytes[1] + kind_bytes[2];
   const size_t layers = std::max<size_t>(1, ((static_cast<size_t>(set_mib) << 20) + layer_bytes - 1) / layer_bytes);
-  DeviceBuffer<uint8_t> pool(layer_bytes * layers);
+  const WeightPool pool(layer_bytes * layers, host_weights);
   // Expert 0 of layer 0 from templates, then doubling device copies fill each tensor and layer.
   for (int kind = 0; kind < 3; ++kind) {
     uint8_t* base = pool.get() + (kind == 0 ? 0 : kind == 1 ? kind_bytes[0] : kind_bytes[0] + kind_bytes[1]);
@@ -181,11 +207,11 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
     upload_matrix(t, kind == 2 ? s.n_embd : s.n_ff, kind == 2 ? s.n_ff : s.n_embd, base, rng);
     for (size_t have = 1; have < static_cast<size_t>(s.n_expert); have *= 2) {
       const size_t copy = std::min(have, static_cast<size_t>(s.n_expert) - have);
-      CUDA_CHECK(cudaMemcpy(base + have * one, base, copy * one, cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy(base + have * one, base, copy * one, cudaMemcpyDefault));
     }
   }
   for (size_t l = 1; l < layers; ++l)
-    CUDA_CHECK(cudaMemcpy(pool.get() + l * layer_bytes, pool.get(), layer_bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(pool.get() + l * layer_bytes, pool.get(), layer_bytes, cudaMemcpyDefault));
 
   // Routings for many calls, and the distinct experts each reads.
   constexpr int kRoutings = 512;
@@ -303,7 +329,7 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
     CUDA_CHECK(cudaStreamDestroy(gs));
     const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
     const bool falls_back = v->tuning.staged != Staged::kOff && !cuda::moe_fused_staged_applies(w, n, s.k);
-    emit({s.name + std::string(" ") + v->name + (falls_back ? "(=auto)" : ""), std::string(type_name(t)), n,
+    emit({s.name + std::string(" ") + v->name + (falls_back ? "(=auto)" : "") + (host_weights ? " host" : ""), std::string(type_name(t)), n,
           ms_per_call * 1e3, bytes,
                       bytes / ms_per_call / 1e6, graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6});
   }
@@ -365,7 +391,7 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
     for (TensorType t : formats) {
       if (only.size() == 2 && (!same_name(only[0], s.name) || !same_name(only[1], type_name(t)))) continue;
       for (int n : tokens)
-        if (n >= 1 && n <= cuda::kMoeMaxTokens) bench_moe(s, t, n, min_ms, set_mib, variants, emit);
+        if (n >= 1 && n <= cuda::kMoeMaxTokens) bench_moe(s, t, n, min_ms, set_mib, select.host_weights, variants, emit);
     }
 }
 

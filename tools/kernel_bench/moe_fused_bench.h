@@ -14,6 +14,9 @@ struct MoeBenchSelection {
   std::vector<std::string> variants;  // "all" or names of the variant table; default auto, expert, units
   std::vector<int> tokens;            // tokens per call; default 1, 8
   std::vector<std::string> only;      // {shape, format}: one of each (e.g. for a profiler run)
+  // The experts in mapped pinned host memory instead of device memory: the kernels then read
+  // them over PCIe, what a GPU computing RAM-tier experts in place would see (--moe-host-weights).
+  bool host_weights = false;
 };
 
 // read_gbps: the plain read kernel's bandwidth measured by the caller. Prints a table, or
