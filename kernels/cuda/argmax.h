@@ -20,6 +20,8 @@ size_t argmax_scratch_bytes(int64_t rows);
 // nonfinite (optional, [rows] int32, device or mapped host memory): each row's first non-finite
 // logit as index * 2 + 1 for a NaN, index * 2 for an infinity, -1 when the row is finite: what
 // moraine-bench's logit check (the coordinator's check_finite) names, without the row crossing.
+// Without it (nullptr) the kernel does not look for non-finite logits at all (a second kernel
+// instantiation; calls of either kind may share one scratch).
 // Throws std::invalid_argument for rows < 1, n < 1 or n >= 2^31 (2^30 with nonfinite).
 void argmax_rows(const float* logits, int64_t rows, int64_t n, int32_t* out, void* scratch,
                  cudaStream_t stream = nullptr, int32_t* nonfinite = nullptr);

@@ -4,7 +4,8 @@
 // answer): fresh random rows with a fixed seed, lengths around the kernel's 2048-element blocks
 // and the 151,936-word vocabulary, planted ties, NaNs, infinities and signed zeros. Then the
 // scratch contract (the same scratch over many calls and inside a replayed graph), the report of
-// the first non-finite logit, and writing into mapped host memory as the CUDA backend does.
+// the first non-finite logit (and calls without it, which skip the scan, on the same scratch), and
+// writing into mapped host memory as the CUDA backend does.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -143,6 +144,55 @@ TEST_F(ArgmaxTest, ReportsTheFirstNonFiniteLogitOfEachRow) {
   }
   EXPECT_GT(with_bad, 20) << "the rows must plant non-finite values";
   EXPECT_LT(with_bad, 72) << "and leave some rows finite";
+}
+
+// The report only where asked, calls of both kinds on one scratch: a call without it (greedy
+// decode's usual token: no scan) on rows holding NaNs and infinities still answers the sampler's
+// argmax, and leaves nothing behind for the next call that asks, which reports its own rows (-1
+// for finite rows right after non-finite ones). Fails if the kernel's flag is wired backwards (no
+// report where asked; a scan without a report, whose leftover would leak into the next report,
+// or a report written through the null pointer) or if the NaN guard of the argmax hangs on it.
+TEST_F(ArgmaxTest, ReportsOnlyWhenAskedOnASharedScratch) {
+  std::mt19937 rng(4242);
+  const size_t n = 151936;
+  const int rows = 3;
+  const int non_finite_kinds[] = {2, 3, 4, 5, 7, 8}, finite_kinds[] = {0, 1, 6, 9};   // make_row's variants
+  cuda::DeviceBuffer<uint8_t> scratch(cuda::argmax_scratch_bytes(rows));
+  scratch.fill_bytes(0);
+  int asked_finite = 0, asked_bad = 0;
+  for (int it = 0; it < 32; ++it) {
+    const bool ask = it % 2 == 1;
+    const bool finite = ask && it % 4 == 1;   // an asking call on finite rows right after a scan-free one on bad rows
+    std::vector<float> x;
+    for (int r = 0; r < rows; ++r) {
+      const int kind = finite ? finite_kinds[(it + r) % 4] : non_finite_kinds[(it + r) % 6];
+      const std::vector<float> row = make_row(rng, n, kind);
+      x.insert(x.end(), row.begin(), row.end());
+    }
+    cuda::DeviceBuffer<float> dx = cuda::uploaded(x);
+    cuda::DeviceBuffer<int32_t> out(rows), bad(rows);
+    out.fill_bytes(0x7f);
+    bad.fill_bytes(0x7f);
+    cuda::argmax_rows(dx.get(), rows, static_cast<int64_t>(n), out.get(), scratch.get(), nullptr,
+                      ask ? bad.get() : nullptr);
+    std::vector<int32_t> got_token(rows), got_bad(rows);
+    out.download(got_token.data(), got_token.size());
+    bad.download(got_bad.data(), got_bad.size());
+    for (int r = 0; r < rows; ++r) {
+      const float* row = x.data() + static_cast<size_t>(r) * n;
+      EXPECT_EQ(got_token[r], sampling::argmax({row, n}))
+          << "call " << it << (ask ? " (asked)" : " (not asked)") << " row " << r;
+      if (!ask) continue;
+      int32_t want = -1;
+      for (size_t i = 0; i < n && want < 0; ++i)
+        if (!std::isfinite(row[i])) want = static_cast<int32_t>(2 * i + (std::isnan(row[i]) ? 1 : 0));
+      ASSERT_EQ(want < 0, finite) << "the rows must be what the call plants";
+      (finite ? asked_finite : asked_bad) += 1;
+      EXPECT_EQ(got_bad[r], want) << "call " << it << " row " << r;
+    }
+  }
+  EXPECT_EQ(asked_finite, 8 * rows);
+  EXPECT_EQ(asked_bad, 8 * rows);
 }
 
 // The scratch is left zeroed by every call: many calls on one scratch, and the calls captured in

@@ -254,14 +254,23 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       ms = ms_per_call([&](int) { cuda::residual_add(x.get(), slots.get(), n * d); }, min_ms);
       add("residual_add", "2048 x " + tok, ms, double(3 * n * d * 4), "GB/s");
     }
-    if (n == 1) {  // greedy decode's token: the argmax over a 151936-word logits row (kernels/cuda/argmax.h)
+    if (n == 1) {  // greedy decode's token: the argmax over a 151936-word logits row (kernels/cuda/argmax.h),
+                   // alone and with the non-finite report (moraine-bench's check_logits), per stream launch
+                   // and inside a captured graph (the backend's decode step)
       const int64_t vocab = 151936;
       DeviceBuffer<float> row = random_device(vocab, 10);
-      DeviceBuffer<int32_t> id(1);
+      DeviceBuffer<int32_t> id(1), first_bad(1);
       DeviceBuffer<uint8_t> scratch(cuda::argmax_scratch_bytes(1));
       scratch.fill_bytes(0);
-      const double ms = ms_per_call([&](int) { cuda::argmax_rows(row.get(), 1, vocab, id.get(), scratch.get()); }, min_ms);
-      add("argmax (greedy token)", "151936 logits", ms, double(vocab * 4), "GB/s");
+      for (int32_t* report : {static_cast<int32_t*>(nullptr), first_bad.get()}) {
+        const auto call = [&](cudaStream_t s, int) {
+          cuda::argmax_rows(row.get(), 1, vocab, id.get(), scratch.get(), s, report);
+        };
+        const std::string name = report == nullptr ? "argmax (greedy token)" : "argmax + non-finite report";
+        const double stream_ms = ms_per_call([&](int i) { call(nullptr, i); }, min_ms);
+        add(name, "151936 logits, stream", stream_ms, double(vocab * 4), "GB/s");
+        add(name, "151936 logits, graph", graph_ms_per_call(call, min_ms), double(vocab * 4), "GB/s");
+      }
     }
     {  // embedding rows from a q8_0 table of 151936 x 2048 (311 MB, well above L2)
       const int64_t vocab = 151936;
