@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -28,6 +29,14 @@
 
 namespace moraine {
 namespace {
+
+// A device buffer's whole contents on the host.
+template <typename T>
+std::vector<T> downloaded(const cuda::DeviceBuffer<T>& b) {
+  std::vector<T> v(b.size());
+  b.download(v.data(), v.size());
+  return v;
+}
 
 struct Case {
   TensorType type;
@@ -72,24 +81,20 @@ struct RouterInputs {
       weight.fill_bytes(0xff);
       chosen.fill_bytes(0xff);
     }
-    Routed get() const {
-      Routed r{std::vector<float>(logits.size()), std::vector<float>(weight.size()), std::vector<int32_t>(chosen.size())};
-      logits.download(r.logits.data(), r.logits.size());
-      weight.download(r.weight.data(), r.weight.size());
-      chosen.download(r.chosen.data(), r.chosen.size());
-      return r;
-    }
+    Routed get() const { return {downloaded(logits), downloaded(weight), downloaded(chosen)}; }
   };
-  Routed unfused() const {
+  // The unfused pair on the activations act ([n][d]): the router matvec, then softmax top-k.
+  Routed matvec_then_route(const float* act) const {
     Out o(c);
     cuda::MatvecBatch b;
     b.count = static_cast<int>(c.n);
     b.act_stride_bytes = c.d * static_cast<int64_t>(sizeof(float));
     b.out_stride = c.n_expert;
-    cuda::matvec_float_batched(c.type, w.get(), c.n_expert, c.d, x.get(), o.logits.get(), b);
+    cuda::matvec_float_batched(c.type, w.get(), c.n_expert, c.d, act, o.logits.get(), b);
     cuda::route_softmax_top_k(o.logits.get(), c.n, c.n_expert, c.k, c.renorm, o.chosen.get(), o.weight.get());
     return o.get();
   }
+  Routed unfused() const { return matvec_then_route(x.get()); }
   Routed fused(uint32_t* arrivals, cudaStream_t stream = nullptr) const {
     Out o(c);
     cuda::router_fused(c.type, w.get(), c.n_expert, c.d, x.get(), c.n, c.k, c.renorm, o.logits.get(), o.chosen.get(),
@@ -108,18 +113,65 @@ void expect_same(const Routed& got, const Routed& want, const std::string& what)
   }
 }
 
+// The models' router shapes, then a test's own `more` (n left 0), at 1, 3 and 16 tokens, token
+// count by token count.
+std::vector<Case> at_token_counts(std::initializer_list<Case> more) {
+  const Case models[] = {
+      {TensorType::F32, 128, 2048, 0, 8, true},    // Qwen3-30B-A3B
+      {TensorType::F32, 512, 2048, 0, 10, true},   // Qwen3-Next
+      {TensorType::BF16, 128, 2048, 0, 8, false},
+  };
+  std::vector<Case> cases;
+  for (int64_t n : {1, 3, 16}) {
+    for (Case c : models) cases.push_back({c.type, c.n_expert, c.d, n, c.k, c.renorm});
+    for (Case c : more) cases.push_back({c.type, c.n_expert, c.d, n, c.k, c.renorm});
+  }
+  return cases;
+}
+
+// The fused kernels' arrival counters must come back to zero after every call.
+void expect_arrivals_back_to_zero(const cuda::DeviceBuffer<uint32_t>& arrivals) {
+  for (uint32_t v : downloaded(arrivals)) EXPECT_EQ(v, 0u) << "an arrival counter was left non-zero";
+}
+
+// A non-blocking stream and a graph captured on it, destroyed with the holder.
+struct CapturedGraph {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  // What record(stream) enqueues, captured and instantiated (call under ASSERT_NO_FATAL_FAILURE).
+  template <class Record>
+  void capture(cudaStreamCaptureMode mode, Record&& record) {
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(stream, mode), cudaSuccess);
+    record(stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  }
+  // One replay after the legacy stream's fills landed, waited for (call under ASSERT_NO_FATAL_FAILURE).
+  void replay() const {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+};
+
 TEST(CudaRouterFused, BitIdenticalToMatvecThenRoute) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   cuda::DeviceBuffer<uint32_t> arrivals(16);
   arrivals.fill_bytes(0);
   uint32_t seed = 1;
-  std::vector<Case> cases;
-  for (int64_t n : {1, 3, 16}) {
-    cases.push_back({TensorType::F32, 128, 2048, n, 8, true});  // Qwen3-30B-A3B
-    cases.push_back({TensorType::F32, 512, 2048, n, 10, true});  // Qwen3-Next
-    cases.push_back({TensorType::BF16, 128, 2048, n, 8, false});
-    cases.push_back({TensorType::F16, 60, 1000, n, 4, true});   // partial last CTA, odd width
-  }
+  const std::vector<Case> cases = at_token_counts({
+      {TensorType::F16, 60, 1000, 0, 4, true},   // partial last CTA, odd width
+  });
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name());
     const bool ties = seed % 2 == 0;
@@ -128,9 +180,7 @@ TEST(CudaRouterFused, BitIdenticalToMatvecThenRoute) {
     expect_same(s.fused(arrivals.get()), want, c.name());
     expect_same(s.fused(arrivals.get()), want, c.name() + ", second call");  // counters back to zero
   }
-  std::vector<uint32_t> left(arrivals.size());
-  arrivals.download(left.data(), left.size());
-  for (uint32_t v : left) EXPECT_EQ(v, 0u) << "an arrival counter was left non-zero";
+  expect_arrivals_back_to_zero(arrivals);
 }
 
 TEST(CudaRouterFused, GraphReplays) {
@@ -142,26 +192,17 @@ TEST(CudaRouterFused, GraphReplays) {
   arrivals.fill_bytes(0);
   RouterInputs::Out o(c);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the fills above run on the legacy stream
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  cuda::router_fused(c.type, s.w.get(), c.n_expert, c.d, s.x.get(), c.n, c.k, c.renorm, o.logits.get(), o.chosen.get(),
-                     o.weight.get(), arrivals.get(), stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  CapturedGraph g;
+  ASSERT_NO_FATAL_FAILURE(g.capture(cudaStreamCaptureModeGlobal, [&](cudaStream_t stream) {
+    cuda::router_fused(c.type, s.w.get(), c.n_expert, c.d, s.x.get(), c.n, c.k, c.renorm, o.logits.get(),
+                       o.chosen.get(), o.weight.get(), arrivals.get(), stream);
+  }));
   for (int rep = 0; rep < 5; ++rep) {
     o.chosen.fill_bytes(0xff);
     o.weight.fill_bytes(0xff);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(g.replay());
     expect_same(o.get(), want, "replay " + std::to_string(rep));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // Argument checks come before any CUDA call, so this runs without a device too.
@@ -201,30 +242,23 @@ struct NormRouterInputs : RouterInputs {
   }
   const float* nw() const { return weighted ? norm_w.get() : nullptr; }
   NormRouted unfused() const {
-    cuda::DeviceBuffer<float> h(static_cast<size_t>(c.n * c.d));
-    h.fill_bytes(0xff);
+    cuda::DeviceBuffer<float> h = poisoned_h();
     cuda::rms_norm(x.get(), nw(), h.get(), c.d, c.n, kEps);
-    Out o(c);
-    cuda::MatvecBatch b;
-    b.count = static_cast<int>(c.n);
-    b.act_stride_bytes = c.d * static_cast<int64_t>(sizeof(float));
-    b.out_stride = c.n_expert;
-    cuda::matvec_float_batched(c.type, w.get(), c.n_expert, c.d, h.get(), o.logits.get(), b);
-    cuda::route_softmax_top_k(o.logits.get(), c.n, c.n_expert, c.k, c.renorm, o.chosen.get(), o.weight.get());
-    NormRouted r{o.get(), std::vector<float>(h.size())};
-    h.download(r.h.data(), r.h.size());
-    return r;
+    return {matvec_then_route(h.get()), downloaded(h)};
   }
   NormRouted fused(uint32_t* arrivals) const {
-    cuda::DeviceBuffer<float> h(static_cast<size_t>(c.n * c.d));
-    h.fill_bytes(0xff);
+    cuda::DeviceBuffer<float> h = poisoned_h();
     Out o(c);
     cuda::rms_norm_router_fused(c.type, w.get(), c.n_expert, c.d, x.get(), nw(), kEps, c.n, h.get(), c.k, c.renorm,
                                 o.logits.get(), o.chosen.get(), o.weight.get(), arrivals);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    NormRouted r{o.get(), std::vector<float>(h.size())};
-    h.download(r.h.data(), r.h.size());
-    return r;
+    return {o.get(), downloaded(h)};
+  }
+  // The normalised rows' buffer, all NaN bits until a kernel writes it.
+  cuda::DeviceBuffer<float> poisoned_h() const {
+    cuda::DeviceBuffer<float> h(static_cast<size_t>(c.n * c.d));
+    h.fill_bytes(0xff);
+    return h;
   }
   // The CPU reference's normalised rows.
   std::vector<float> reference_h() const {
@@ -240,14 +274,10 @@ TEST(CudaRmsNormRouterFused, BitIdenticalToNormThenMatvecThenRoute) {
   cuda::DeviceBuffer<uint32_t> arrivals(16);
   arrivals.fill_bytes(0);
   uint32_t seed = 101;
-  std::vector<Case> cases;
-  for (int64_t n : {1, 3, 16}) {
-    cases.push_back({TensorType::F32, 128, 2048, n, 8, true});   // Qwen3-30B-A3B
-    cases.push_back({TensorType::F32, 512, 2048, n, 10, true});  // Qwen3-Next
-    cases.push_back({TensorType::BF16, 128, 2048, n, 8, false});
-    cases.push_back({TensorType::F16, 61, 1000, n, 4, true});    // odd experts (half-full last CTA), odd width
-    cases.push_back({TensorType::F32, 128, 3072, n, 8, true});   // 12 elements per thread (the 16-wide path)
-  }
+  const std::vector<Case> cases = at_token_counts({
+      {TensorType::F16, 61, 1000, 0, 4, true},    // odd experts (half-full last CTA), odd width
+      {TensorType::F32, 128, 3072, 0, 8, true},   // 12 elements per thread (the 16-wide path)
+  });
   for (const Case& c : cases) {
     const bool weighted = seed % 3 != 0;
     SCOPED_TRACE(c.name() + (weighted ? ", norm weight" : ", no norm weight"));
@@ -266,9 +296,7 @@ TEST(CudaRmsNormRouterFused, BitIdenticalToNormThenMatvecThenRoute) {
       expect_same(got.r, want.r, c.name() + ", call " + std::to_string(call));
     }
   }
-  std::vector<uint32_t> left(arrivals.size());
-  arrivals.download(left.data(), left.size());
-  for (uint32_t v : left) EXPECT_EQ(v, 0u) << "an arrival counter was left non-zero";
+  expect_arrivals_back_to_zero(arrivals);
 }
 
 // Captured behind a kernel that writes x (PDL edge: the fused kernel must wait for it before
@@ -285,34 +313,24 @@ TEST(CudaRmsNormRouterFused, GraphWaitsForTheKernelBefore) {
   arrivals.fill_bytes(0);
   RouterInputs::Out o(c);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  cuda::residual_add(s.x.get(), ddelta.get(), c.n * c.d, stream);   // x += delta, then the fused kernel reads x
-  cuda::rms_norm_router_fused(c.type, s.w.get(), c.n_expert, c.d, s.x.get(), s.norm_w.get(), NormRouterInputs::kEps,
-                              c.n, h.get(), c.k, c.renorm, o.logits.get(), o.chosen.get(), o.weight.get(),
-                              arrivals.get(), stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  CapturedGraph g;
+  ASSERT_NO_FATAL_FAILURE(g.capture(cudaStreamCaptureModeThreadLocal, [&](cudaStream_t stream) {
+    cuda::residual_add(s.x.get(), ddelta.get(), c.n * c.d, stream);   // x += delta, then the fused kernel reads x
+    cuda::rms_norm_router_fused(c.type, s.w.get(), c.n_expert, c.d, s.x.get(), s.norm_w.get(), NormRouterInputs::kEps,
+                                c.n, h.get(), c.k, c.renorm, o.logits.get(), o.chosen.get(), o.weight.get(),
+                                arrivals.get(), stream);
+  }));
   for (int rep = 0; rep < 4; ++rep) {
     h.fill_bytes(0xff);
     o.chosen.fill_bytes(0xff);
     o.weight.fill_bytes(0xff);
     o.logits.fill_bytes(0xff);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(g.replay());
     const NormRouted want = s.unfused();   // on x as the replay left it
-    std::vector<float> got_h(h.size());
-    h.download(got_h.data(), got_h.size());
+    const std::vector<float> got_h = downloaded(h);
     ASSERT_EQ(std::memcmp(got_h.data(), want.h.data(), want.h.size() * 4), 0) << "replay " << rep << ": h";
     expect_same(o.get(), want.r, "replay " + std::to_string(rep));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(CudaRmsNormRouterFusedArguments, RejectsBadShapes) {
