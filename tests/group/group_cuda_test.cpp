@@ -20,6 +20,7 @@
 #include "coordinator/placement.h"
 #include "common/model/model.h"
 #include "kernels/cuda/device.h"
+#include "tests/group/greedy_tokens.h"
 #include "tests/group/group_harness.h"
 #include "tests/reference/float_order_bound.h"
 
@@ -144,17 +145,8 @@ TEST_P(GroupCudaGreedyTokens, TheDevicePicksTheReferenceTokens) {
   o.model = model;
   o.backend = "cuda";
   o.vram = c.experts == Experts::kVram ? "1099511627776" : half_the_experts(model);
-  Group g(o);
-  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
-  ASSERT_TRUE(gen.error.empty()) << gen.error;
-  EXPECT_EQ(gen.ids, ref.ids);
-  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(kTokens));
-  // With check_logits (moraine-bench's default) the device also scans the row for non-finite logits.
-  const Generation checked = generate(g.socket_dir(), prompt, kTokens, /*check_logits=*/true);
-  ASSERT_TRUE(checked.error.empty()) << checked.error;
-  EXPECT_EQ(checked.ids, ref.ids);
-  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * kTokens));
-  g.stop();
+  // With check_logits the device's argmax kernel also scans the row for non-finite logits.
+  ASSERT_NO_FATAL_FAILURE(expect_worker_greedy_tokens(o, prompt, ref.ids, kTokens));
   fs::remove_all(dir);
 }
 

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tests/group/greedy_tokens.h"
 #include "tests/group/group_harness.h"
 
 namespace moraine::group_test {
@@ -69,16 +70,7 @@ TEST_P(GroupGreedyTokens, TheGpuWorkerPicksTheReferenceTokens) {
   o.model = model;
   o.handoff = c.handoff;
   o.extra_args = {"--coordinator-arg=--step-channel=" + c.step_channel};
-  Group g(o);
-  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
-  ASSERT_TRUE(gen.error.empty()) << gen.error;
-  EXPECT_EQ(gen.ids, ref.ids);
-  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(kTokens));
-  const Generation checked = generate(g.socket_dir(), prompt, kTokens, /*check_logits=*/true);
-  ASSERT_TRUE(checked.error.empty()) << checked.error;
-  EXPECT_EQ(checked.ids, ref.ids);
-  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * kTokens));
-  g.stop();
+  ASSERT_NO_FATAL_FAILURE(expect_worker_greedy_tokens(o, prompt, ref.ids, kTokens));
   fs::remove_all(dir);
 }
 
