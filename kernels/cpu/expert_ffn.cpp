@@ -49,6 +49,46 @@ std::atomic<FfnSchedule> g_schedule{FfnSchedule::Sliced};
 constexpr int64_t kInlineQuantizeJobs = 4;
 // FfnSliceOptions::split's bound (a thread's share of one expert is ~50 gate/up rows at 15 threads).
 constexpr int kMaxSliceSplit = 8;
+// FfnStreamOptions::runs' bound (with gate_up_together, twice this many streams per call:
+// matvec_tokens_runs takes at most 16).
+constexpr int kMaxStreamRuns = 8;
+// Down jobs one gate/up job pulls toward L2 at most (FfnStreamOptions::down_early; a share is
+// `split` jobs plus one per expert boundary).
+constexpr int kMaxEarlyRegions = 8;
+
+// Splits the regions r[0, n) at half their bytes (a line boundary): r[0, n) keeps the first half,
+// second[0, n_second) gets the rest (at most n regions).
+void split_regions(PrefetchRegion* r, int& n, PrefetchRegion* second, int& n_second) {
+  size_t total = 0;
+  for (int i = 0; i < n; ++i) total += r[i].bytes;
+  const size_t half = total / 2 & ~size_t{63};
+  size_t acc = 0;
+  n_second = 0;
+  for (int i = 0; i < n; ++i) {
+    if (acc + r[i].bytes <= half) {
+      acc += r[i].bytes;
+      continue;
+    }
+    const size_t off = half - acc;
+    second[n_second++] = {static_cast<const uint8_t*>(r[i].p) + off, r[i].bytes - off};
+    for (int j = i + 1; j < n; ++j) second[n_second++] = r[j];
+    r[i].bytes = off;
+    n = off > 0 ? i + 1 : i;
+    return;
+  }
+}
+
+// Cuts rows [r0, r1) of the matrix at w into at most k runs whose boundaries are multiples of 4
+// rows from r0 (so every row keeps its tile position: results equal one run's), into out.
+int cut_runs(const void* w, int64_t r0, int64_t r1, float* y, int k, MatvecRun* out) {
+  const int64_t units = (r1 - r0 + 3) / 4;
+  int n = 0;
+  for (int j = 0; j < k; ++j) {
+    const int64_t a = r0 + 4 * (units * j / k), b = std::min(r0 + 4 * (units * (j + 1) / k), r1);
+    if (a < b) out[n++] = {w, a, b, y};
+  }
+  return n;
+}
 
 // Activation types a layer needs; x is quantized once per type.
 constexpr TensorType kActTypes[] = {TensorType::Q8_0, TensorType::Q8_K, TensorType::F32, TensorType::F16, TensorType::BF16};
@@ -117,6 +157,24 @@ FfnSliceOptions ffn_slice_options() {
           g_gate_up_first.load(std::memory_order_relaxed)};
 }
 
+std::atomic<int> g_stream_runs{FfnStreamOptions{}.runs};
+std::atomic<int> g_gate_up_together{FfnStreamOptions{}.gate_up_together};
+std::atomic<bool> g_down_early{FfnStreamOptions{}.down_early};
+std::atomic<size_t> g_down_early_bytes{FfnStreamOptions{}.down_early_bytes};
+std::atomic<int> g_down_runs{FfnStreamOptions{}.down_runs};
+
+void set_ffn_stream_options(FfnStreamOptions o) {
+  g_stream_runs.store(std::clamp(o.runs, 1, kMaxStreamRuns), std::memory_order_relaxed);
+  g_gate_up_together.store(std::clamp(o.gate_up_together, 0, 2), std::memory_order_relaxed);
+  g_down_early.store(o.down_early, std::memory_order_relaxed);
+  g_down_early_bytes.store(o.down_early_bytes, std::memory_order_relaxed);
+  g_down_runs.store(std::clamp(o.down_runs, 0, kMaxStreamRuns), std::memory_order_relaxed);
+}
+FfnStreamOptions ffn_stream_options() {
+  return {g_stream_runs.load(std::memory_order_relaxed), g_gate_up_together.load(std::memory_order_relaxed), g_down_early.load(std::memory_order_relaxed),
+          g_down_early_bytes.load(std::memory_order_relaxed), g_down_runs.load(std::memory_order_relaxed)};
+}
+
 std::atomic<FfnPhaseTrace*> g_phase_trace{nullptr};
 void set_ffn_phase_trace(FfnPhaseTrace* trace) { g_phase_trace.store(trace, std::memory_order_relaxed); }
 
@@ -151,7 +209,7 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
 }
 
 void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum, int n_tokens, int64_t hidden, ThreadPool& pool) {
-  FfnPhaseTrace* const trace = g_phase_trace.load(std::memory_order_relaxed);
+  FfnPhaseTrace* const trace = prefetch_ ? nullptr : g_phase_trace.load(std::memory_order_relaxed);
   if (trace) {
     trace->workers.assign(static_cast<size_t>(pool.size()), FfnWorkerPhases{});
     trace->call_start_ns = trace_now_ns();
@@ -239,6 +297,8 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   // In the list only on the shared schedule (a slice's gate/up jobs would wait for quantization
   // jobs in other slices); the sliced one quantizes in a list of its own first.
   const FfnSliceOptions slice_opt = ffn_slice_options();
+  const FfnStreamOptions stream_opt = ffn_stream_options();
+  const bool runs_l2 = matvec_prefetch().runs_l2_bytes > 0;  // its L2 streams exist on the runs path only
   const bool balanced = sliced && slice_opt.balanced && n_accumulating == 0;
   // Balanced slices with the caller joining: the caller quantizes the few rows as the first jobs
   // of its own slice, and the other threads' first gate/up jobs wait for them there (pulling
@@ -246,7 +306,8 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   // for the caller's ~1 us per row (hidden 2048) before the list starts.
   const bool x_in_slice0 = balanced && pool.caller_joins() && x_jobs_all <= kInlineQuantizeJobs;
   const int64_t x_jobs = x_in_slice0 ? x_jobs_all : x_jobs_all <= kInlineQuantizeJobs || sliced ? 0 : x_jobs_all;
-  if (x_in_slice0) {
+  if (prefetch_ && !balanced) return;  // prefetch_experts: only the balanced lists say which thread reads which rows
+  if (x_in_slice0 || prefetch_) {
     // quantized in the list
   } else if (x_jobs_all <= kInlineQuantizeJobs) {
     for (int64_t j = 0; j < x_jobs_all; ++j) quantize_x(j);
@@ -270,9 +331,31 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   // FfnJobRows::down (chunk c of each expert covers the same rows: the accumulating form adds
   // them up per chunk). Balanced (sliced, no accumulating expert): each thread's equal share.
   const int n_slices = pool.size();
-  spans_.clear();
   int64_t gate_up_spans = 0;
-  if (!balanced) {
+  // A balanced list depends only on what plan_key_ holds: a decode loop calling with the same
+  // expert slots, row counts and pool reuses the last one instead of building ~120 spans (15
+  // threads x 2 phases x split 4) again. On the H200 host the call's setup grew with the span
+  // count: 1.3 / 2.3 / 3.8 us at split 1 / 4 / 8 (1 expert, 15 threads; cpu1's run C traces);
+  // reused, 2.3-2.7 -> 0.9-1.2 us at 1 expert (session 9 runs B and C traces), Q4_K p50 at 1 expert
+  // 40.3 -> 37.5 us (run C, 3 rounds).
+  bool reuse = false;
+  if (balanced) {
+    plan_key_next_.clear();
+    for (const int64_t v : {int64_t{n_slices}, x_jobs, int64_t{slice_opt.split}, int64_t{slice_opt.gate_up_first}, int64_t{stream_opt.down_early}, hidden})
+      plan_key_next_.push_back(v);
+    for (int32_t e : active_) {
+      plan_key_next_.push_back(e);
+      plan_key_next_.push_back(experts[static_cast<size_t>(e)].weights->ffn);
+    }
+    reuse = plan_key_next_ == plan_key_ && !spans_.empty();
+    if (!reuse) plan_key_.assign(plan_key_next_.begin(), plan_key_next_.end());
+  } else {
+    plan_key_.clear();
+  }
+  if (!reuse) spans_.clear();
+  if (reuse) {
+    // spans_ and slice_end_ as the last call left them.
+  } else if (!balanced) {
     for (int32_t e : active_) {
       const int64_t ffn = experts[static_cast<size_t>(e)].weights->ffn;
       for (int64_t r0 = 0; r0 < ffn; r0 += gate_up_rows) spans_.push_back({e, 0, r0, std::min(r0 + gate_up_rows, ffn), -1});
@@ -344,6 +427,21 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
           slice_end_[static_cast<size_t>(p * n_slices + w)] = x_jobs + static_cast<int64_t>(spans_.size());
         }
       }
+      if (stream_opt.down_early) {
+        // Gate/up job k of G in slice w pulls the slice's down jobs [D k / G, D (k + 1) / G).
+        auto first_of = [&](int idx) { return idx == 0 ? int64_t{0} : slice_end_[static_cast<size_t>(idx - 1)] - x_jobs; };
+        for (int w = 0; w < n_slices; ++w) {
+          const int64_t gf = first_of(w), ge = slice_end_[static_cast<size_t>(w)] - x_jobs;
+          const int64_t df = first_of(n_slices + w), de = slice_end_[static_cast<size_t>(n_slices + w)] - x_jobs;
+          const int64_t g = ge - gf, d = de - df;
+          for (int64_t k = 0; k < g; ++k) {
+            Span& sp = spans_[static_cast<size_t>(gf + k)];
+            sp.slice = w;
+            sp.bg0 = df + d * k / g;
+            sp.bg1 = df + d * (k + 1) / g;
+          }
+        }
+      }
     }
   }
   // Gate/up jobs per expert (no other thread runs yet: plain loads and stores, no locked adds).
@@ -372,7 +470,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   };
 
   const int64_t n_jobs = x_jobs + static_cast<int64_t>(spans_.size());
-  auto run_job = [&](int64_t job, FfnWorkerPhases* ph) {
+  auto run_job = [&](int64_t job, int worker, FfnWorkerPhases* ph) {
     if (job < x_jobs) {
       quantize_x(job);
       x_done_.fetch_add(1, std::memory_order_release);
@@ -400,12 +498,58 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       const int gi = act_index(dot_activation_type(w.gate_type)), ui = act_index(dot_activation_type(w.up_type));
       // Next-call prefetch hints: the gate rows lead into the up rows of the same job, the up
       // rows into the thread's next job.
-      const size_t up_rb = row_bytes(w.up_type, hidden);
-      const uint8_t* up_start = static_cast<const uint8_t*>(w.up) + static_cast<size_t>(r0) * up_rb;
-      matvec_tokens(w.gate_type, hidden, w.gate, r0, r1, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok,
-                    gate_.data() + p.h_offset, w.ffn, sliced ? up_start : nullptr, static_cast<size_t>(r1 - r0) * up_rb);
-      matvec_tokens(w.up_type, hidden, w.up, r0, r1, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok,
-                    up_.data() + p.h_offset, w.ffn, after, after_bytes);
+      // FfnStreamOptions: this slice's down rows toward L2 (only on the thread that owns the
+      // slice: a helper's L2 is not where they will be read).
+      PrefetchRegion early[kMaxEarlyRegions];
+      int n_early = 0;
+      if (stream_opt.down_early && sp.slice == worker) {
+        for (int64_t d = sp.bg0; d < sp.bg1 && n_early < kMaxEarlyRegions; ++d) {
+          size_t bytes = 0;
+          const uint8_t* dp = span_weights(spans_[static_cast<size_t>(d)], bytes);
+          if (stream_opt.down_early_bytes) bytes = std::min(bytes, stream_opt.down_early_bytes);
+          early[n_early++] = {dp, bytes};
+        }
+      }
+      // FfnStreamOptions::gate_up_together (2: Q4_K only, the type it was measured faster for).
+      const bool together = w.gate_type == w.up_type &&
+                            (stream_opt.gate_up_together == 1 || (stream_opt.gate_up_together == 2 && w.gate_type == TensorType::Q4_K));
+      if (stream_opt.runs > 1 || together || n_early > 0 || runs_l2) {
+        MatvecRun runs[2 * kMaxStreamRuns];
+        float* const gy = gate_.data() + p.h_offset;
+        float* const uy = up_.data() + p.h_offset;
+        if (together) {
+          // gate run j, then up run j, side by side (gi == ui: one activation type).
+          MatvecRun g[kMaxStreamRuns], u[kMaxStreamRuns];
+          const int ng = cut_runs(w.gate, r0, r1, gy, stream_opt.runs, g);
+          cut_runs(w.up, r0, r1, uy, stream_opt.runs, u);
+          for (int j = 0; j < ng; ++j) {
+            runs[2 * j] = g[j];
+            runs[2 * j + 1] = u[j];
+          }
+          matvec_tokens_runs(w.gate_type, hidden, runs, 2 * ng, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok, w.ffn,
+                             {early, n_early, after, after_bytes});
+        } else {
+          // The gate rows' next-call hint: the up rows of this job; the up rows': the next job.
+          // The early down lines: the first half over the gate rows, the rest over the up rows.
+          PrefetchRegion second[kMaxEarlyRegions];
+          int n_second = 0;
+          split_regions(early, n_early, second, n_second);
+          const size_t up_rb = row_bytes(w.up_type, hidden);
+          int n = cut_runs(w.gate, r0, r1, gy, stream_opt.runs, runs);
+          matvec_tokens_runs(w.gate_type, hidden, runs, n, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok, w.ffn,
+                             {early, n_early, static_cast<const uint8_t*>(w.up) + static_cast<size_t>(r0) * up_rb, static_cast<size_t>(r1 - r0) * up_rb});
+          n = cut_runs(w.up, r0, r1, uy, stream_opt.runs, runs);
+          matvec_tokens_runs(w.up_type, hidden, runs, n, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok, w.ffn,
+                             {second, n_second, after, after_bytes});
+        }
+      } else {
+        const size_t up_rb = row_bytes(w.up_type, hidden);
+        const uint8_t* up_start = static_cast<const uint8_t*>(w.up) + static_cast<size_t>(r0) * up_rb;
+        matvec_tokens(w.gate_type, hidden, w.gate, r0, r1, xq_.data() + act_offset[gi], act_row[gi], a.tokens, a.n_tok,
+                      gate_.data() + p.h_offset, w.ffn, sliced ? up_start : nullptr, static_cast<size_t>(r1 - r0) * up_rb);
+        matvec_tokens(w.up_type, hidden, w.up, r0, r1, xq_.data() + act_offset[ui], act_row[ui], a.tokens, a.n_tok,
+                      up_.data() + p.h_offset, w.ffn, after, after_bytes);
+      }
       // SwiGLU of this job's rows, in place into gate_ (elementwise: the same floats whichever
       // job computes them). It used to run over the whole expert in the job finishing its last
       // chunk, while the expert's down jobs on other threads waited: ffn scalar exps (768 take
@@ -440,10 +584,21 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       spin_until_at_least(ready_[e], 1);
       if (ph) ph->down_wait_ns += trace_now_ns() - wait_start;
     }
+    // Down rows through matvec_tokens, or as FfnStreamOptions::runs runs side by side.
+    auto down_rows_into = [&](float* y) {
+      const int k = stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs;
+      if (k > 1 || runs_l2) {
+        MatvecRun runs[kMaxStreamRuns];
+        const int n = cut_runs(w.down, r0, r1, y, k, runs);
+        matvec_tokens_runs(w.down_type, w.ffn, runs, n, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, hidden,
+                           {nullptr, 0, after, after_bytes});
+        return;
+      }
+      matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, y, hidden, after, after_bytes);
+    };
     if (float* out = out_[e]) {
       // This expert's own output rows: y = 0 + w * FFN, the accumulate below on a zeroed y.
-      matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, out, hidden, after,
-                    after_bytes);
+      down_rows_into(out);
       for (int i = 0; i < a.n_tok; ++i) {
         float* row = out + static_cast<int64_t>(i) * hidden;
         for (int64_t r = r0; r < r1; ++r) row[r] = 0.0f + a.route_weight[i] * row[r];
@@ -451,8 +606,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       return;
     }
     const int64_t c = r0 / down_rows;  // fixed chunks only (balanced needs every expert writing its own rows)
-    matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, part_.data() + p.y_offset,
-                  hidden, after, after_bytes);
+    down_rows_into(part_.data() + p.y_offset);
     if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     // The chunk's last expert: add every expert's partial into y_accum in (expert, row, token)
     // order, the order of the two-barrier version.
@@ -469,11 +623,11 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   };
   // Every job through here: with a trace, its worker's phase times around it.
   auto job_on = [&](int64_t job, int worker) {
-    if (!trace) return run_job(job, nullptr);
+    if (!trace) return run_job(job, worker, nullptr);
     FfnWorkerPhases& ph = trace->workers[static_cast<size_t>(worker)];
     const int64_t t0 = trace_now_ns();
     if (ph.jobs++ == 0) ph.first_start_ns = t0;
-    run_job(job, &ph);
+    run_job(job, worker, &ph);
     ph.last_end_ns = trace_now_ns();
     if (job >= x_jobs && !spans_[static_cast<size_t>(job - x_jobs)].down) ph.gate_up_end_ns = ph.last_end_ns;
   };
@@ -483,6 +637,43 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       if (t) t->call_end_ns = trace_now_ns();
     }
   } end_trace{trace};
+  if (prefetch_) {
+    // prefetch_experts: thread w pulls the rows of its own slices (both phases, in list order)
+    // toward its L2, polling the stop callback every 1 KB; a helper taking another slice's job
+    // skips it (its L2 is not where the rows are read).
+    const int n_phases = slice_opt.gate_up_first ? 2 : 1;
+    prefetch_ends_.resize(static_cast<size_t>(n_slices));
+    for (int w = 0; w < n_slices; ++w) prefetch_ends_[static_cast<size_t>(w)] = w + 1;
+    const Prefetch pf = *prefetch_;
+    pool.run_sliced(prefetch_ends_.data(), [&](int64_t i, int worker) {
+      if (i != worker) return;
+      auto pull = [&](const uint8_t* p, size_t bytes) {
+        for (size_t off = 0; off < bytes; off += 64) {
+          if ((off & 1023) == 0 && pf.stop && pf.stop(pf.ctx)) return false;
+#if defined(__x86_64__) || defined(__i386__)
+          _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+#endif
+        }
+        return true;
+      };
+      for (int p = 0; p < n_phases; ++p) {
+        const int idx = p * n_slices + worker;
+        const int64_t first = idx == 0 ? 0 : slice_end_[static_cast<size_t>(idx - 1)] - x_jobs, end = slice_end_[static_cast<size_t>(idx)] - x_jobs;
+        for (int64_t k = std::max<int64_t>(first, 0); k < end; ++k) {
+          const Span& sp = spans_[static_cast<size_t>(k)];
+          size_t bytes = 0;
+          const uint8_t* wp = span_weights(sp, bytes);
+          if (!pull(wp, bytes)) return;
+          if (!sp.down) {
+            const ExpertWeights& w = *experts[static_cast<size_t>(sp.expert)].weights;
+            const size_t rb = row_bytes(w.up_type, hidden);
+            if (!pull(static_cast<const uint8_t*>(w.up) + static_cast<size_t>(sp.r0) * rb, static_cast<size_t>(sp.r1 - sp.r0) * rb)) return;
+          }
+        }
+      }
+    });
+    return;
+  }
   if (trace) trace->list_start_ns = trace_now_ns();
   if (!sliced) {
     pool.run(n_jobs, [&](int64_t job, int w) { job_on(job, w); });
@@ -532,6 +723,8 @@ void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_expert
   // worker's forms write their own outputs and never use it.
   if (hq_.size() < rows * hq_row) hq_.resize(rows * hq_row);
   plan_.reserve(static_cast<size_t>(max_experts));
+  plan_key_.reserve(8 + 2 * static_cast<size_t>(max_experts));
+  plan_key_next_.reserve(8 + 2 * static_cast<size_t>(max_experts));
   {
     // The job table: fixed chunks, or balanced slices (per thread and phase at most `split`
     // jobs plus one per expert boundary, so 2 x split; 256 threads is far more than a pool has).
@@ -567,6 +760,37 @@ void MoeFfn::run_expert(const ExpertWeights& w, const float* x, int m, float* y,
   out_.assign(1, y);
   const ExpertAssignment a{&w, iota_.data(), ones_.data(), m};
   run_layer(std::span<const ExpertAssignment>(&a, 1), nullptr, m, w.hidden, pool);
+}
+
+void MoeFfn::prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx),
+                              const void* ctx) {
+  if (experts.empty() || m <= 0) return;
+  int64_t hidden = 0, max_ffn = 0;
+  for (size_t j = 0; j < experts.size(); ++j) {
+    const ExpertWeights* w = experts[j];
+    if (!w || w->hidden <= 0 || w->ffn <= 0 || (j > 0 && w->hidden != hidden)) {
+      throw std::invalid_argument("expert FFN: prefetch_experts expert " + std::to_string(j) + " is missing or has another hidden size");
+    }
+    hidden = w->hidden;
+    max_ffn = std::max(max_ffn, w->ffn);
+  }
+  const int n = static_cast<int>(experts.size());
+  reserve(m, hidden, max_ffn, n);
+  // The same layer as run_experts(jobs of m rows each) plans; rows and outputs are never touched.
+  x_rows_.assign(static_cast<size_t>(m), nullptr);
+  out_.clear();
+  job_assign_.clear();
+  for (const ExpertWeights* w : experts) {
+    job_assign_.push_back({w, iota_.data(), ones_.data(), m});
+    out_.push_back(&prefetch_sink_);
+  }
+  Prefetch pf{stop, ctx};
+  prefetch_ = &pf;
+  struct Reset {
+    const Prefetch*& p;
+    ~Reset() { p = nullptr; }
+  } reset{prefetch_};
+  run_layer(job_assign_, nullptr, m, hidden, pool);
 }
 
 namespace {

@@ -92,6 +92,21 @@ class MoeFfn {
   };
   void run_experts(std::span<const RowsJob> jobs, const float* x, int n_rows, ThreadPool& pool);
 
+  // Pulls into each pool thread's L2 (prefetcht1) the weight rows that thread reads when
+  // run_experts is next called with these experts at m rows each (its own slices of the
+  // balanced two-phase list; other schedules: nothing). For the cpu_expert_worker's idle time
+  // between two layer calls (~41 us at 12G, session 9): a layer's experts of the previous token
+  // are often routed again (routing locality), and a call whose rows sit in its threads' L2 runs
+  // at their compute rate instead of a cold stream. stop(ctx), when given, is polled every 1 KB
+  // of lines per thread: the prefetch ends as soon as it returns true (the call it prepares has
+  // arrived). Computes and writes nothing; throws std::invalid_argument on inconsistent experts.
+  // Measured (H200 host, moraine-kernel-bench cpu --gap-prefetch, 15 threads, gap 40 us, p50 us
+  // at 1 / 2 / 4 experts): the next call's experts (a right guess) Q4_K 36.9 / 58.8 / 104.5 ->
+  // 27.0 / 42.7 / 79.5, Q8_0 58.4 / 101.7 / 180.2 -> 37.8 / 74.6 / 153.5; other experts (a wrong
+  // guess) 35.5 / 52.6 / 88.5 and 56.2 / 92.4 / 161.8: no loss.
+  void prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx) = nullptr,
+                        const void* ctx = nullptr);
+
   // Grows the scratch for up to `max_tokens` tokens through `max_experts` experts of this shape,
   // so that later runs within it allocate nothing (call once at start-up).
   void reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_experts = 1);
@@ -131,11 +146,24 @@ class MoeFfn {
   std::vector<size_t> gu_last_;             // two-phase balanced lists: each thread's last gate/up span
   // One job: rows [r0, r1) of one expert's gate+up (down == 0) or down (1) matrices; next: the
   // job the same thread runs after it (its weights are the next-call prefetch hint), or -1.
+  // slice, bg0, bg1 (FfnStreamOptions::down_early, gate/up jobs of two-phase balanced lists): the
+  // slice the job belongs to and the down jobs [bg0, bg1) of that slice it pulls toward L2.
   struct Span {
     int32_t expert = 0, down = 0;
     int64_t r0 = 0, r1 = 0, next = -1;
+    int32_t slice = -1;
+    int64_t bg0 = 0, bg1 = 0;
   };
   std::vector<Span> spans_;
+  std::vector<int64_t> plan_key_, plan_key_next_;  // what the balanced spans_ / slice_end_ were built for
+  // prefetch_experts: run_layer plans as usual, then only prefetches (when prefetch_ is set).
+  struct Prefetch {
+    bool (*stop)(const void* ctx) = nullptr;
+    const void* ctx = nullptr;
+  };
+  const Prefetch* prefetch_ = nullptr;
+  std::vector<int64_t> prefetch_ends_;
+  float prefetch_sink_ = 0.0f;  // the outputs' stand-in (never written)
 };
 
 // Rows of one matrix per pool job: gate+up jobs take `gate_up` rows of one expert, down jobs
@@ -197,6 +225,46 @@ struct FfnSliceOptions {
 };
 void set_ffn_slice_options(FfnSliceOptions o);
 FfnSliceOptions ffn_slice_options();
+
+// How one job walks its rows (process-wide, for the benches' A/B runs: --runs, --down-runs,
+// --gate-up-together, --down-early, --down-early-bytes; the worker's --ffn-* flags). Results do
+// not depend on them (each matrix run keeps its 4-row tiles counted from the job's first row:
+// matvec_tokens_runs). Why: a thread of the 16-core Xeon streams its gate/up rows at ~6.5 GB/s
+// against ~8-9 GB/s per thread for the plain read with all cores, and its rows from L2 at 15-20
+// GB/s: per-thread memory parallelism is the limit, so these put more independent streams and
+// lines in flight per thread.
+// runs: each matrix's rows of a job cut (at multiples of 4 rows) into this many runs walked side
+// by side, 4-row step by step (1..8). down_runs: the same for down jobs alone (0: runs).
+// gate_up_together: a gate/up job walks its gate rows and its up rows side by side (2 x runs
+// streams) instead of all gate rows, then all up rows (same type only): 0 never, 1 every type,
+// 2 Q4_K only (the default: the one type it was measured faster for).
+// down_early: balanced two-phase lists: a thread's own gate/up jobs pull its down share into L2
+// (prefetcht1) spread over their steps (the expert is known from the call's start), so its down
+// jobs start on L2 hits instead of a cold stream after the gate/up -> down hand-over.
+// down_early_bytes: only the first this many bytes of each down job (the start of each down
+// stream); 0: the whole share.
+// Measured on the H200 host (moraine-kernel-bench cpu --worker-form, 15 threads, 1 token, gap 130
+// us; p50 us per call at 1 / 2 / 4 / 8 experts, mean of interleaved rounds; session 9 runs B (2
+// rounds) and C (3 rounds)): Q4_K main 39.4 / 62.4 / 113.0 / 210.4 (B), 40.3 / 63.1 / 110.4 /
+// 210.9 (C); gate_up_together 34.6 / 57.7 / 101.6 / 186.6 (B), 35.7 / 58.3 / 102.2 / 183.4 (C),
+// faster than main in 4 of the 5 rounds at 1-2 experts and all 5 at 8; runs 2 38.0 / 58.0 / 101.2
+// / 183.0 (B); down_early whole 38.7 / 64.8 / 115.2 / 213.6, first 4 KB 35.7 / 58.2 / 103.0 /
+// 190.8 (B) but 38.6 / 61.3 / 107.0 / 195.3 (C), and with gate_up_together 38.5 / 62.4 / 105.9 /
+// 198.6 (C): no gain over gate_up_together alone; four streams per job (together with runs 2, or
+// runs 4) 37.5-40.2 / 63-68 / 116-122 / 215-234; per-run prefetcht0 at 1 KB 41.5 / 71.0 / 129.7
+// / 251.0 (with gate_up_together). Q8_0 with gate_up_together (+ first 4 KB of down early)
+// 60.8 / 108.1 / 212.4 / 392.1 against main's 55.6 / 95.6 / 177.9 / 334.6 (C; its 8.7 KB 4-row
+// step is longer than a run's 4 KB prefetch distance); MXFP4 level (38.3 / 59.0 / 106.6 / 198.0
+// against 38.9 / 61.0 / 110.6 / 199.8). Hence the default: Q4_K only.
+struct FfnStreamOptions {
+  int runs = 1;
+  int gate_up_together = 2;
+  bool down_early = false;
+  size_t down_early_bytes = 0;
+  int down_runs = 0;
+};
+void set_ffn_stream_options(FfnStreamOptions o);
+FfnStreamOptions ffn_stream_options();
 
 // Where a layer call's time goes, per pool worker, for the benches' --phase-trace (a 1-expert call
 // of 2.65 MB took 44.5 us on the 16-core Xeon against ~22 us for its bytes at the DRAM probe's

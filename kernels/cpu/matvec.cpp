@@ -21,6 +21,8 @@ std::atomic<bool> g_prefetch_past_end{MatvecPrefetch{}.past_end};
 std::atomic<int> g_prefetch_next_call{MatvecPrefetch{}.next_call};
 std::atomic<bool> g_prefetch_spread{MatvecPrefetch{}.spread};
 std::atomic<size_t> g_prefetch_spread_l1{MatvecPrefetch{}.spread_l1_bytes};
+std::atomic<size_t> g_prefetch_runs_l1{MatvecPrefetch{}.runs_l1_bytes};
+std::atomic<size_t> g_prefetch_runs_l2{MatvecPrefetch{}.runs_l2_bytes};
 std::atomic<bool> g_tile_mxfp4_vbmi{MatvecTiles{}.mxfp4_vbmi};
 std::atomic<bool> g_tile_q4_k_gfni{MatvecTiles{}.q4_k_gfni};
 std::atomic<bool> g_tile_q8_0_vbmi{MatvecTiles{}.q8_0_vbmi};
@@ -58,6 +60,51 @@ inline void prefetch_lines(const uint8_t*& next, const uint8_t* until, const uin
   for (; next < limit; next += 64) __builtin_prefetch(next, 0, kLocality);
 }
 
+// The packed-activation tiles (MXFP4 and Q8_0 with VBMI, Q4_K with GFNI) for one call of
+// n_tok <= kTokenChunk tokens on the VNNI tier: the activation rows repacked once per call (a
+// few hundred instructions per row, against thousands for the weight rows of even one job),
+// then tiles that read them (matvec_avx512_groups4.cpp, matvec_avx512_q4k.cpp).
+constexpr int kTokenChunk = 64;
+using PackFn = void (*)(int64_t, const void*, void*);
+using PackedRows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t, bool, const void*, size_t);
+struct PackedTile {
+  PackFn pack = nullptr;
+  PackedRows4Fn rows4 = nullptr;
+  size_t packed_bytes = 0;  // per activation row
+};
+PackedTile packed_tile_for(TensorType type, int64_t n_cols, int n_tok) {
+  if (n_tok > kTokenChunk) return {};
+  if (type == TensorType::MXFP4 && cpu_has_avx512_vbmi() && g_tile_mxfp4_vbmi.load(std::memory_order_relaxed)) {
+    return {avx512::pack_mxfp4_acts, avx512::mxfp4_rows4_packed, avx512::groups4_packed_act_bytes(n_cols)};
+  }
+  if (type == TensorType::Q8_0 && cpu_has_avx512_vbmi() && g_tile_q8_0_vbmi.load(std::memory_order_relaxed)) {
+    return {avx512::pack_q8_0_acts, avx512::q8_0_rows4_packed, avx512::groups4_packed_act_bytes(n_cols)};
+  }
+  if (type == TensorType::Q4_K && cpu_has_gfni() && g_tile_q4_k_gfni.load(std::memory_order_relaxed)) {
+    return {avx512::pack_q4_k_acts,
+            [](int64_t n, const void* w4, size_t stride, const void* const* pk, int nt, float* y4, int64_t ys, bool, const void* pf, size_t pf_bytes) {
+              avx512::q4_k_rows4_packed(n, w4, stride, pk, nt, y4, ys, pf, pf_bytes);
+            },
+            avx512::q4_k_packed_act_bytes(n_cols)};
+  }
+  return {};
+}
+
+// Packs the n_tok activation rows (tok / act_row_bytes as matvec_tokens takes them) into a
+// thread-local buffer; packed_ptr[t] points at token t's packed row.
+void pack_acts(const PackedTile& tile, int64_t n_cols, const uint8_t* a, size_t act_row_bytes, const int32_t* tok, int n_tok,
+               const void** packed_ptr) {
+  thread_local std::vector<uint8_t> packed_buf;  // grows to the largest call, then reused
+  const size_t pb = tile.packed_bytes;
+  if (packed_buf.size() < pb * static_cast<size_t>(n_tok) + 64) packed_buf.resize(pb * static_cast<size_t>(n_tok) + 64);
+  auto* packed = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed_buf.data()) + 63) & ~uintptr_t{63});
+  for (int t = 0; t < n_tok; ++t) {
+    const size_t ti = tok ? static_cast<size_t>(tok[t]) : static_cast<size_t>(t);
+    packed_ptr[t] = packed + static_cast<size_t>(t) * pb;
+    tile.pack(n_cols, a + ti * act_row_bytes, packed + static_cast<size_t>(t) * pb);
+  }
+}
+
 }  // namespace
 
 void set_amx_min_tokens(int n_tok) { g_amx_min_tokens.store(n_tok < 1 ? 1 : n_tok, std::memory_order_relaxed); }
@@ -71,12 +118,15 @@ void set_matvec_prefetch(MatvecPrefetch p) {
   g_prefetch_next_call.store(p.next_call, std::memory_order_relaxed);
   g_prefetch_spread.store(p.spread, std::memory_order_relaxed);
   g_prefetch_spread_l1.store(p.spread_l1_bytes, std::memory_order_relaxed);
+  g_prefetch_runs_l1.store(p.runs_l1_bytes, std::memory_order_relaxed);
+  g_prefetch_runs_l2.store(p.runs_l2_bytes, std::memory_order_relaxed);
 }
 
 MatvecPrefetch matvec_prefetch() {
   return {g_prefetch_l1.load(std::memory_order_relaxed), g_prefetch_l2.load(std::memory_order_relaxed),
           g_prefetch_past_end.load(std::memory_order_relaxed), g_prefetch_next_call.load(std::memory_order_relaxed),
-          g_prefetch_spread.load(std::memory_order_relaxed), g_prefetch_spread_l1.load(std::memory_order_relaxed)};
+          g_prefetch_spread.load(std::memory_order_relaxed), g_prefetch_spread_l1.load(std::memory_order_relaxed),
+          g_prefetch_runs_l1.load(std::memory_order_relaxed), g_prefetch_runs_l2.load(std::memory_order_relaxed)};
 }
 
 void set_matvec_tiles(MatvecTiles t) {
@@ -187,7 +237,6 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
     // Tokens in chunks of kTokenChunk activation pointers; beyond one chunk (only without AMX,
     // or below amx_min_tokens()) the weight rows are re-read from L1/L2 per chunk, not from DRAM:
     // a 4-row group is at most a few KB.
-    constexpr int kTokenChunk = 64;
     const void* act_ptr[kTokenChunk];
     auto fill_chunk = [&](int t0, int nt) {
       for (int t = 0; t < nt; ++t) {
@@ -197,39 +246,13 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
     };
     const bool one_chunk = n_tok <= kTokenChunk;
     if (one_chunk) fill_chunk(0, n_tok);
-    // MXFP4 and Q8_0 with VBMI, Q4_K with GFNI: the activation rows repacked once for this call (a few
-    // hundred instructions per row, against thousands for the weight rows of even one job),
-    // then tiles that read them (matvec_avx512_groups4.cpp, matvec_avx512_q4k.cpp). Beyond one
-    // token chunk the older tiles (no repacked copy of every row).
-    using PackFn = void (*)(int64_t, const void*, void*);
-    using PackedRows4Fn = void (*)(int64_t, const void*, size_t, const void* const*, int, float*, int64_t, bool, const void*, size_t);
-    PackFn pack = nullptr;
-    PackedRows4Fn packed_rows4 = nullptr;
-    size_t pb = 0;
-    if (one_chunk && type == TensorType::MXFP4 && cpu_has_avx512_vbmi() && g_tile_mxfp4_vbmi.load(std::memory_order_relaxed)) {
-      pack = avx512::pack_mxfp4_acts;
-      packed_rows4 = avx512::mxfp4_rows4_packed;
-      pb = avx512::groups4_packed_act_bytes(n_cols);
-    } else if (one_chunk && type == TensorType::Q8_0 && cpu_has_avx512_vbmi() && g_tile_q8_0_vbmi.load(std::memory_order_relaxed)) {
-      pack = avx512::pack_q8_0_acts;
-      packed_rows4 = avx512::q8_0_rows4_packed;
-      pb = avx512::groups4_packed_act_bytes(n_cols);
-    } else if (one_chunk && type == TensorType::Q4_K && cpu_has_gfni() && g_tile_q4_k_gfni.load(std::memory_order_relaxed)) {
-      pack = avx512::pack_q4_k_acts;
-      packed_rows4 = [](int64_t n, const void* w4, size_t stride, const void* const* pk, int nt, float* y4, int64_t ys, bool, const void* pf,
-                        size_t pf_bytes) { avx512::q4_k_rows4_packed(n, w4, stride, pk, nt, y4, ys, pf, pf_bytes); };
-      pb = avx512::q4_k_packed_act_bytes(n_cols);
-    }
+    // Beyond one token chunk the older tiles (no repacked copy of every row).
+    const PackedTile tile = packed_tile_for(type, n_cols, n_tok);
+    const PackedRows4Fn packed_rows4 = tile.rows4;
     const bool row_by_row = g_tile_row_by_row.load(std::memory_order_relaxed);
     if (packed_rows4 && r + 4 <= row_end) {
-      thread_local std::vector<uint8_t> packed_buf;  // grows to the largest call, then reused
-      if (packed_buf.size() < pb * static_cast<size_t>(n_tok) + 64) packed_buf.resize(pb * static_cast<size_t>(n_tok) + 64);
-      auto* packed = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(packed_buf.data()) + 63) & ~uintptr_t{63});
       const void* packed_ptr[kTokenChunk];
-      for (int t = 0; t < n_tok; ++t) {
-        packed_ptr[t] = packed + static_cast<size_t>(t) * pb;
-        pack(n_cols, act_ptr[t], packed + static_cast<size_t>(t) * pb);
-      }
+      pack_acts(tile, n_cols, a, act_row_bytes, tok, n_tok, packed_ptr);
       // Spread (MatvecPrefetch::spread): a step's prefetcht0 lines go out with the tile's blocks
       // instead of in one burst before it (while a whole step's lines fit before the end).
       const bool spread = pf_l1 > 0 && !row_by_row && g_prefetch_spread.load(std::memory_order_relaxed);
@@ -264,6 +287,141 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
     for (int t = 0; t < n_tok; ++t) {
       const size_t ti = tok ? static_cast<size_t>(tok[t]) : static_cast<size_t>(t);
       y[t * y_stride + r] = fn(n_cols, wrow, a + ti * act_row_bytes);
+    }
+  }
+}
+
+namespace {
+
+// The background regions of matvec_tokens_runs as one sequence of lines, handed out in parts.
+class BackgroundPrefetch {
+ public:
+  BackgroundPrefetch(const PrefetchRegion* r, int n) : regions_(r), n_(n) {
+    for (int i = 0; i < n; ++i) total_ += r[i].bytes;
+  }
+  // Issues the lines up to part k + 1 of n (prefetcht1), from where the last call stopped.
+  void part(int64_t k, int64_t n) {
+    if (total_ == 0 || n <= 0) return;
+    const size_t to = total_ * static_cast<size_t>(k + 1) / static_cast<size_t>(n);
+    while (done_ < to && i_ < n_) {
+      const PrefetchRegion& rg = regions_[i_];
+      const auto* p = static_cast<const uint8_t*>(rg.p);
+      const size_t stop = std::min(rg.bytes, off_ + (to - done_));
+      for (size_t o = off_; o < stop; o += 64) __builtin_prefetch(p + o, 0, 2);
+      done_ += stop - off_;
+      off_ = stop;
+      if (off_ >= rg.bytes) {
+        ++i_;
+        off_ = 0;
+      }
+    }
+  }
+  void all() { part(0, 1); }
+
+ private:
+  const PrefetchRegion* regions_;
+  int n_;
+  size_t total_ = 0, done_ = 0, off_ = 0;
+  int i_ = 0;
+};
+
+}  // namespace
+
+void matvec_tokens_runs(TensorType type, int64_t n_cols, const MatvecRun* runs, int n_runs, const void* acts, size_t act_row_bytes,
+                        const int32_t* tok, int n_tok, int64_t y_stride, const RunsPrefetch& extra) {
+  const VecDotFn fn = best_vec_dot_fn(type);
+  if (!fn) throw std::invalid_argument("matvec_tokens_runs: no kernel for weight type " + std::string(type_name(type)));
+  constexpr int kMaxRuns = 16;
+  if (n_runs > kMaxRuns) throw std::invalid_argument("matvec_tokens_runs: " + std::to_string(n_runs) + " runs (at most 16)");
+  BackgroundPrefetch bg(extra.background, extra.n_background);
+  if (n_runs <= 0 || n_tok <= 0) return bg.all();
+  const size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed);
+  const PackedTile tile = fn == vec_dot_fn(type, CpuIsa::Avx512Vnni) && g_tile_rows4.load(std::memory_order_relaxed) && !matvec_uses_amx(type, n_tok)
+                              ? packed_tile_for(type, n_cols, n_tok)
+                              : PackedTile{};
+  const bool interleave = tile.rows4 && pf_l1 > 0 && g_prefetch_spread.load(std::memory_order_relaxed) &&
+                          !g_tile_row_by_row.load(std::memory_order_relaxed);
+  if (!interleave) {
+    // One run after the other, the background lines spread over them.
+    for (int i = 0; i < n_runs; ++i) {
+      bg.part(i, n_runs);
+      matvec_tokens(type, n_cols, runs[i].w, runs[i].row_begin, runs[i].row_end, acts, act_row_bytes, tok, n_tok, runs[i].y, y_stride);
+    }
+    return;
+  }
+  const size_t wb = row_bytes(type, n_cols);
+  const size_t step = 4 * wb;
+  size_t dist = g_prefetch_runs_l1.load(std::memory_order_relaxed);
+  if (dist == 0) dist = std::max<size_t>(2048, g_prefetch_spread_l1.load(std::memory_order_relaxed) / static_cast<size_t>(n_runs));
+  // The next-call hint (MatvecPrefetch::next_call): 2, its first bytes into L2 now; 1, its
+  // prefetcht0 frontier `nx`, moved a step's lines at a time by the streams done with their own.
+  const auto* nx = static_cast<const uint8_t*>(extra.next);
+  const int next_mode = nx ? g_prefetch_next_call.load(std::memory_order_relaxed) : 0;
+  const uint8_t* const nx_end = nx ? nx + std::min(extra.next_bytes, dist) : nullptr;
+  if (next_mode == 2) {
+    const uint8_t* early = nx;
+    prefetch_lines<2>(early, nx_end, nx_end);
+  }
+  const void* packed_ptr[kTokenChunk];
+  pack_acts(tile, n_cols, static_cast<const uint8_t*>(acts), act_row_bytes, tok, n_tok, packed_ptr);
+  const size_t dist2 = g_prefetch_runs_l2.load(std::memory_order_relaxed);
+  struct Stream {
+    const uint8_t *w, *end, *pf, *pf2;
+    int64_t r, r_end;
+    float* y;
+  };
+  Stream st[kMaxRuns];
+  int64_t steps = 0;
+  for (int i = 0; i < n_runs; ++i) {
+    const MatvecRun& run = runs[i];
+    const auto* base = static_cast<const uint8_t*>(run.w);
+    Stream& s = st[i];
+    s.r = run.row_begin;
+    s.r_end = std::max(run.row_begin, run.row_end);
+    s.w = base + static_cast<size_t>(s.r) * wb;
+    s.end = base + static_cast<size_t>(s.r_end) * wb;
+    s.pf = s.w;
+    s.pf2 = s.w + std::min(dist, static_cast<size_t>(s.end - s.w));  // the L2 stream starts where the L1 one ends
+    s.y = run.y;
+    steps += (s.r_end - s.r) / 4;
+    prefetch_lines<3>(s.pf, s.w + dist, s.end);  // each stream's frontier out to its distance
+  }
+  // 4-row steps in turn; a stream's prefetcht0 lines go out spread over its step's blocks.
+  int64_t k = 0;
+  for (bool any = true; any;) {
+    any = false;
+    for (int i = 0; i < n_runs; ++i) {
+      Stream& s = st[i];
+      if (s.r + 4 > s.r_end) continue;
+      any = true;
+      bg.part(k++, steps);
+      if (dist2 > 0) {
+        const uint8_t* const target = s.w + step + dist2;
+        prefetch_lines<2>(s.pf2, std::min(target, s.pf2 + 2 * step), s.end);
+      }
+      if (s.pf + step <= s.end) {
+        const uint8_t* from = s.pf;
+        s.pf += step;
+        tile.rows4(n_cols, s.w, wb, packed_ptr, n_tok, s.y + s.r, y_stride, false, from, step);
+      } else {
+        prefetch_lines<3>(s.pf, s.end, s.end);
+        if (next_mode == 1 && nx < nx_end) prefetch_lines<3>(nx, nx + step, nx_end);
+        tile.rows4(n_cols, s.w, wb, packed_ptr, n_tok, s.y + s.r, y_stride, false, nullptr, 0);
+      }
+      s.r += 4;
+      s.w += step;
+    }
+  }
+  bg.all();
+  // Tail rows (fewer than 4 left in a run) through the per-row kernel, as matvec_tokens does.
+  const auto* a = static_cast<const uint8_t*>(acts);
+  for (int i = 0; i < n_runs; ++i) {
+    Stream& s = st[i];
+    for (; s.r < s.r_end; ++s.r, s.w += wb) {
+      for (int t = 0; t < n_tok; ++t) {
+        const size_t ti = tok ? static_cast<size_t>(tok[t]) : static_cast<size_t>(t);
+        s.y[t * y_stride + s.r] = fn(n_cols, s.w, a + ti * act_row_bytes);
+      }
     }
   }
 }

@@ -28,6 +28,46 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
 void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_begin, int64_t row_end, const void* acts,
                    size_t act_row_bytes, const int32_t* tok, int n_tok, float* y, int64_t y_stride, const void* next, size_t next_bytes);
 
+// One run of rows for matvec_tokens_runs: rows [row_begin, row_end) of the matrix at w, results
+// to y[t * y_stride + r] as matvec_tokens writes them.
+struct MatvecRun {
+  const void* w = nullptr;
+  int64_t row_begin = 0, row_end = 0;
+  float* y = nullptr;
+};
+// Bytes matvec_tokens_runs pulls toward L2 (prefetcht1) while it computes, spread evenly over its
+// 4-row steps (the expert FFN: a thread's down rows during its gate/up rows).
+struct PrefetchRegion {
+  const void* p = nullptr;
+  size_t bytes = 0;
+};
+
+// What matvec_tokens_runs prefetches beyond its runs' own streams. background: pulled toward L2
+// (prefetcht1), spread evenly over the 4-row steps. next / next_bytes: where the caller's next
+// call starts reading; with matvec_prefetch().next_call 1 the prefetcht0 streams run on into it
+// as they reach their ends (up to the per-run distance: no drained pipeline between two calls),
+// with 2 its first bytes go to L2 at the start; 0 ignores it.
+struct RunsPrefetch {
+  const PrefetchRegion* background = nullptr;
+  int n_background = 0;
+  const void* next = nullptr;
+  size_t next_bytes = 0;
+};
+
+// Several runs of one type against the same activations, their 4-row steps taken in turn (run
+// 0's step, run 1's, ..., then run 0's next), so one thread keeps that many sequential streams
+// going instead of one (more lines in flight, one hardware-prefetcher stream per run). Each
+// run's results are bitwise matvec_tokens' on that run alone: the same tile for the same 4 rows
+// (counted from the run's first row) and the same tail rows. The packed tiles with the spread
+// prefetch (matvec_prefetch().spread) interleave, each run with its own prefetcht0 stream
+// runs_l1_bytes ahead (and runs_l2_bytes of prefetcht1 further on); other paths take the runs
+// one after the other. `extra.background` is pulled into L2 over the steps either way; the
+// next-call hint is followed on the interleaved path only. l1_bytes, l2_bytes and past_end are
+// not used. The expert FFN takes it through FfnStreamOptions (measurements in expert_ffn.h: the
+// gate and up rows of a job as two streams win for Q4_K; four streams, or 1 KB per run, lose).
+void matvec_tokens_runs(TensorType type, int64_t n_cols, const MatvecRun* runs, int n_runs, const void* acts, size_t act_row_bytes,
+                        const int32_t* tok, int n_tok, int64_t y_stride, const RunsPrefetch& extra = {});
+
 // Measured on the 16-core Xeon (moraine-kernel-bench cpu, expert FFN GB/s at 2 / 4 / 8 / 16
 // tokens, VNNI tiles vs the AMX path forced from 2 tokens): Q4_K 53 / 43 / 27 / 15 vs 16 / 14 /
 // 12 / 11; Q8_0 68 / 56 / 35 / 20 vs 33 / 31 / 23 / 17; MXFP4 44 / 33 / 18 / 10 vs 16 / 12 /
@@ -71,6 +111,13 @@ struct MatvecPrefetch {
   int next_call = 0;
   bool spread = true;
   size_t spread_l1_bytes = 8192;  // the spread path's prefetcht0 distance (it replaces l1_bytes there)
+  size_t runs_l1_bytes = 0;       // matvec_tokens_runs: each run's prefetcht0 distance (0: spread_l1_bytes / runs, >= 2 KB)
+  // matvec_tokens_runs: each run's prefetcht1 (L2) stream this far ahead (0: none), ramped up at
+  // most two steps' lines per step (no burst at a run's start); the expert FFN takes the runs
+  // path whenever it is set. H200 host, Q4_K, 15 threads, p50 us at 1 / 2 / 4 / 8 experts (run
+  // B, 2 rounds): 16 KB 37.2 / 61.5 / 108.1 / 199.7, 32 KB with 2 KB prefetcht0 37.7 / 63.0 /
+  // 115.5 / 208.1, against 39.4 / 62.4 / 113.0 / 210.4 without: within the noise, so off.
+  size_t runs_l2_bytes = 0;
 };
 void set_matvec_prefetch(MatvecPrefetch p);
 MatvecPrefetch matvec_prefetch();

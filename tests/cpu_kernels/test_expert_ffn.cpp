@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -533,6 +534,151 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
     }
   }
   cpu::set_ffn_slice_options(opt0);
+  cpu::set_ffn_schedule(schedule0);
+}
+
+// FfnStreamOptions (a job's rows as several runs side by side, the down jobs' their own count,
+// gate and up rows together, each thread's down rows pulled toward L2 during its gate/up jobs,
+// whole or only their first bytes)
+// leave the worker form's results bitwise as they are without them, on one and several jobs per
+// thread and phase, with the caller joining the pool and not, with per-run L2 streams
+// (MatvecPrefetch::runs_l2_bytes); and the Q4_K / Q6_K expert stays
+// bitwise reference::swiglu_expert's.
+TEST(MoeFfn, StreamOptionsKeepResultsBitwise) {
+  cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  const cpu::FfnSliceOptions slice0 = cpu::ffn_slice_options();
+  const cpu::FfnStreamOptions stream0 = cpu::ffn_stream_options();
+  const cpu::MatvecPrefetch pf0 = cpu::matvec_prefetch();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  std::vector<Expert> experts;
+  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9100));
+  experts.push_back(make_expert(TensorType::Q8_0, TensorType::MXFP4, 9200));
+  experts.push_back(make_expert(TensorType::MXFP4, TensorType::Q4_K, 9300));
+  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q8_0, 9400));
+  constexpr int kRows = 3;
+  std::vector<float> x(kRows * kHidden);
+  for (int t = 0; t < kRows; ++t) {
+    const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 900 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  const int32_t one_row[] = {1}, three_rows[] = {2, 0, 1};
+  cpu::MoeFfn ffn;
+  auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnStreamOptions o, int n_exp, int m) {
+    cpu::set_ffn_stream_options(o);
+    std::vector<std::vector<float>> ys(static_cast<size_t>(n_exp), std::vector<float>(static_cast<size_t>(m * kHidden), NAN));
+    std::vector<cpu::MoeFfn::RowsJob> jobs;
+    for (int i = 0; i < n_exp; ++i) jobs.push_back({&experts[static_cast<size_t>(i)].w, m == 1 ? one_row : three_rows, m, ys[static_cast<size_t>(i)].data()});
+    ffn.run_experts(jobs, x.data(), kRows, pool);
+    return ys;
+  };
+  // The first expert on row 1 through the reference path.
+  reference::ThreadPool ref_pool(2, 0);
+  reference::ExpertScratch scratch;
+  scratch.reserve(1, kFfn);
+  std::vector<float> ref(kHidden, NAN);
+  reference::swiglu_expert(as_matrix(experts[0].gate), as_matrix(experts[0].up), as_matrix(experts[0].down), x.data() + kHidden, 1, ref.data(),
+                           scratch, ref_pool);
+  const cpu::FfnStreamOptions variants[] = {{2, false, false, 0}, {3, true, false, 0},   {8, false, false, 0},      {1, true, false, 0},
+                                            {1, false, true, 0},  {1, false, true, 512}, {4, true, true, 0},        {2, false, true, 4096},
+                                            {1, true, true, 4096, 2}, {3, false, false, 0, 1}, {1, false, false, 0, 5},
+                                            {1, 2, false, 0, 0},      {2, 2, true, 4096, 2}};  // 2: Q4_K only (the default)
+  int checked = 0;
+  for (const cpu::FfnSliceOptions& so : {cpu::FfnSliceOptions{true, true, 4, true}, cpu::FfnSliceOptions{true, true, 1, true},
+                                          cpu::FfnSliceOptions{true, true, 2, false}}) {
+    cpu::set_ffn_slice_options(so);
+    for (int n_exp = 1; n_exp <= 4; ++n_exp) {
+      for (int m : {1, 3}) {
+        const auto want = run_with(waits, {1, 0, false, 0, 0}, n_exp, m);  // one stream per matrix, nothing early
+        double norm = 0;
+        for (float v : want.back()) norm += std::fabs(v);
+        EXPECT_GT(norm, 1.0);
+        for (cpu::ThreadPool* pool : {&waits, &joined}) {
+          for (size_t vi = 0; vi <= std::size(variants); ++vi) {
+            // The last variant: the default options (Q4_K gate/up together) with per-run L2 streams
+            // (every job on the runs path).
+            const bool l2 = vi == std::size(variants);
+            const cpu::FfnStreamOptions o = l2 ? cpu::FfnStreamOptions{} : variants[vi];
+            cpu::MatvecPrefetch pf = pf0;
+            pf.runs_l2_bytes = l2 ? 32768 : 0;
+            pf.next_call = l2 ? 1 : vi % 3;  // next-call hints followed / into L2 on the runs path too
+            cpu::set_matvec_prefetch(pf);
+            const auto got = run_with(*pool, o, n_exp, m);
+            cpu::set_matvec_prefetch(pf0);
+            EXPECT_EQ(got, want) << n_exp << " experts, " << m << " rows, runs l2 " << l2 << ", runs " << o.runs << ", down runs " << o.down_runs << ", gate/up together " << o.gate_up_together
+                                 << ", down early " << o.down_early << " (" << o.down_early_bytes << " B), split " << so.split << ", gate/up first "
+                                 << so.gate_up_first << ", caller joins " << pool->caller_joins();
+            if (m == 1) {
+              ASSERT_EQ(got[0], ref) << "Q4_K/Q6_K expert against reference::swiglu_expert, runs " << o.runs << ", together " << o.gate_up_together
+                                     << ", down early " << o.down_early;
+            }
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+  cpu::set_ffn_stream_options(stream0);
+  cpu::set_ffn_slice_options(slice0);
+  cpu::set_ffn_schedule(schedule0);
+}
+
+// prefetch_experts (the worker's idle-time prefetch of a layer's previous experts) computes and
+// writes nothing: the calls after it are bitwise those without it, with the caller joining the
+// pool or not, whether it ran to the end or its stop callback ended it at once (and the callback
+// is polled); experts of another hidden size are refused with a message naming the expert.
+TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
+  cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  std::vector<Expert> experts;
+  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9500));
+  experts.push_back(make_expert(TensorType::Q8_0, TensorType::MXFP4, 9600));
+  constexpr int kRows = 2;
+  std::vector<float> x(kRows * kHidden);
+  for (int t = 0; t < kRows; ++t) {
+    const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 950 + static_cast<uint32_t>(t));
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  const int32_t rows[] = {1, 0};
+  auto call = [&](cpu::MoeFfn& ffn, cpu::ThreadPool& pool) {
+    std::vector<std::vector<float>> ys(experts.size(), std::vector<float>(static_cast<size_t>(kRows * kHidden), NAN));
+    std::vector<cpu::MoeFfn::RowsJob> jobs;
+    for (size_t i = 0; i < experts.size(); ++i) jobs.push_back({&experts[i].w, rows, kRows, ys[i].data()});
+    ffn.run_experts(jobs, x.data(), kRows, pool);
+    return ys;
+  };
+  cpu::MoeFfn plain;
+  const auto want = call(plain, waits);
+  const std::vector<const cpu::ExpertWeights*> ws{&experts[0].w, &experts[1].w};
+  int polls = 0;
+  for (cpu::ThreadPool* pool : {&waits, &joined}) {
+    for (int stop_at_once = 0; stop_at_once < 2; ++stop_at_once) {
+      cpu::MoeFfn ffn;
+      for (int round = 0; round < 2; ++round) {
+        polls = 0;
+        if (stop_at_once) {
+          ffn.prefetch_experts(ws, kRows, *pool, [](const void* c) { ++*static_cast<int*>(const_cast<void*>(c)); return true; }, &polls);
+          EXPECT_GT(polls, 0) << "the stop callback was never polled";
+        } else {
+          ffn.prefetch_experts(ws, kRows, *pool);
+        }
+        EXPECT_EQ(call(ffn, *pool), want) << "after a prefetch, stop at once " << stop_at_once << ", round " << round << ", caller joins "
+                                          << pool->caller_joins();
+      }
+    }
+  }
+  Expert other = make_expert(TensorType::Q4_K, TensorType::Q4_K, 9700);
+  other.w.hidden = kHidden / 2;
+  const std::vector<const cpu::ExpertWeights*> bad{&experts[0].w, &other.w};
+  cpu::MoeFfn ffn;
+  try {
+    ffn.prefetch_experts(bad, 1, waits);
+    ADD_FAILURE() << "an expert of another hidden size was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 1"), std::string::npos) << e.what();
+  }
   cpu::set_ffn_schedule(schedule0);
 }
 

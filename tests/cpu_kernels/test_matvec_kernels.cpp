@@ -223,6 +223,97 @@ TEST(MatvecTokens, NextCallHintChangesNothing) {
   cpu::set_matvec_prefetch(saved);
 }
 
+// matvec_tokens_runs (several runs walked side by side, with background lines pulled toward L2):
+// every run's results are bitwise matvec_tokens' on that run alone and meet the scalar
+// reference's contract (exact for the k-quants), with the runs interleaved (the spread prefetch,
+// short and long per-run distances, per-run L2 streams, the next-call hint) and taken one after the other (spread off, older tiles, every
+// tier); rows outside the runs stay untouched.
+TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
+  test::IsaCapGuard guard;
+  const cpu::MatvecPrefetch saved_pf = cpu::matvec_prefetch();
+  const cpu::MatvecTiles saved_tiles = cpu::matvec_tiles();
+  constexpr int64_t kCols = 512, kRows = 45;
+  constexpr int kMaxTok = 5;
+  int checked = 0;
+  for (TensorType t : kExpertFormats) {
+    const Matrix gate = random_matrix(t, kRows, kCols, 300 + static_cast<uint32_t>(t));
+    const Matrix up = random_matrix(t, kRows, kCols, 600 + static_cast<uint32_t>(t));
+    const Matrix far = random_matrix(t, 8, kCols, 900 + static_cast<uint32_t>(t));  // the background lines
+    const TensorType at = dot_activation_type(t);
+    const size_t arb = row_bytes(at, kCols);
+    std::vector<uint8_t> acts(arb * kMaxTok);
+    std::vector<float> a_deq(static_cast<size_t>(kCols * kMaxTok));
+    for (int i = 0; i < kMaxTok; ++i) {
+      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 1200 + static_cast<uint32_t>(i));
+      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
+      dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * kCols, kCols);
+    }
+    std::vector<int32_t> tok(kMaxTok);
+    for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 3 + 1) % kMaxTok;
+    const cpu::PrefetchRegion bg[2] = {{far.q.data(), far.q.size()}, {gate.q.data() + 100, 3000}};
+    for (int variant = 0; variant < 6; ++variant) {
+      cpu::MatvecPrefetch pf = saved_pf;
+      pf.spread = variant != 3;
+      pf.runs_l1_bytes = variant == 1 ? 256 : variant == 2 ? 65536 : 0;
+      pf.runs_l2_bytes = variant == 5 ? 16384 : variant == 2 ? 1024 : 0;
+      pf.next_call = variant % 3;  // the next-call hint ignored, followed, or its start into L2
+      cpu::set_matvec_prefetch(pf);
+      const bool older = variant == 4;
+      cpu::set_matvec_tiles({!older, !older, !older, true});
+      for (cpu::CpuIsa isa : test::available_tiers()) {
+        cpu::set_max_cpu_isa(isa);
+        for (int n_tok = 1; n_tok <= kMaxTok; ++n_tok) {
+          std::vector<float> gy(static_cast<size_t>(n_tok * kRows), NAN), uy(gy.size(), NAN);
+          // Runs of 13 (a partial last tile), 0, 45, 13, 8 and 1 rows; gate rows 0 and 44 outside.
+          const cpu::MatvecRun runs[] = {{gate.q.data(), 1, 14, gy.data()}, {up.q.data(), 5, 5, uy.data()}, {up.q.data(), 0, kRows, uy.data()},
+                                         {gate.q.data(), 14, 27, gy.data()}, {gate.q.data(), 27, 35, gy.data()}, {gate.q.data(), 43, 44, gy.data()},
+                                         {gate.q.data(), 35, 43, gy.data()}};
+          cpu::matvec_tokens_runs(t, kCols, runs, 7, acts.data(), arb, tok.data(), n_tok, kRows, {bg, 2, far.q.data(), far.q.size()});
+          for (const cpu::MatvecRun& run : runs) {
+            const Matrix& m = run.y == gy.data() ? gate : up;
+            std::vector<float> alone(gy.size(), NAN);
+            cpu::matvec_tokens(t, kCols, m.q.data(), run.row_begin, run.row_end, acts.data(), arb, tok.data(), n_tok, alone.data(), kRows);
+            for (int i = 0; i < n_tok; ++i) {
+              const size_t ti = static_cast<size_t>(tok[static_cast<size_t>(i)]);
+              for (int64_t r = run.row_begin; r < run.row_end; ++r) {
+                const float got = run.y[i * kRows + r];
+                const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + " variant " + std::to_string(variant) +
+                                          " n_tok " + std::to_string(n_tok) + " run [" + std::to_string(run.row_begin) + ", " +
+                                          std::to_string(run.row_end) + ") row " + std::to_string(r);
+                ASSERT_EQ(got, alone[static_cast<size_t>(i * kRows + r)]) << where;
+                const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
+                const float ref = vec_dot_reference(t, kCols, wrow, acts.data() + ti * arb);
+                if (exact_kernels(t) || isa == cpu::CpuIsa::Scalar) {
+                  ASSERT_EQ(got, ref) << where;
+                } else {
+                  const std::vector<uint8_t> wq(wrow, wrow + m.rb);
+                  const std::vector<float> wd(m.deq.begin() + r * kCols, m.deq.begin() + (r + 1) * kCols);
+                  const std::vector<float> ad(a_deq.begin() + static_cast<int64_t>(ti) * kCols, a_deq.begin() + static_cast<int64_t>(ti + 1) * kCols);
+                  const double adds = static_cast<double>(kCols / type_traits(t).block_elems) + 16.0;
+                  ASSERT_NEAR(got, ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad)) << where;
+                }
+                ++checked;
+              }
+            }
+          }
+          for (int i = 0; i < n_tok; ++i) {
+            EXPECT_TRUE(std::isnan(gy[static_cast<size_t>(i * kRows)])) << "gate row 0 is in no run";
+            EXPECT_TRUE(std::isnan(gy[static_cast<size_t>(i * kRows + 44)])) << "gate row 44 is in no run";
+          }
+        }
+      }
+    }
+  }
+  cpu::set_matvec_prefetch(saved_pf);
+  cpu::set_matvec_tiles(saved_tiles);
+  EXPECT_GT(checked, 0);
+  // More runs than it takes: a clear error, not an overrun.
+  std::vector<uint8_t> w(row_bytes(TensorType::Q8_0, 32) * 4), a(row_bytes(TensorType::Q8_0, 32));
+  std::vector<float> y(4);
+  const std::vector<cpu::MatvecRun> many(17, cpu::MatvecRun{w.data(), 0, 4, y.data()});
+  EXPECT_THROW(cpu::matvec_tokens_runs(TensorType::Q8_0, 32, many.data(), 17, a.data(), a.size(), nullptr, 1, 4), std::invalid_argument);
+}
+
 TEST(MatvecTokens, RejectsTypesWithoutKernel) {
   std::vector<uint8_t> w(64), a(64);
   float y = 0.0f;

@@ -208,7 +208,7 @@ std::string phase_report(const std::vector<CallPhases>& calls) {
 // the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
 // cpu_expert_worker's call) instead of run() accumulating into one y.
 Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
-              bool phase_trace, cpu::ThreadPool& pool) {
+              bool phase_trace, int gap_prefetch, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -230,6 +230,19 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
     if (worker_form) ffn.run_experts(std::span<const cpu::MoeFfn::RowsJob>(jobs), x.data(), n_tok, pool);
     else ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
   };
+  // --gap-prefetch: during the gap before call l, MoeFfn::prefetch_experts of call l's experts (1: the
+  // guess from routing locality was right) or of call l + n_layers / 2's (2: wrong), stopped
+  // when the gap ends; worker form only.
+  std::vector<const cpu::ExpertWeights*> guess(static_cast<size_t>(n_per_call));
+  auto gap = [&](int64_t l) {
+    const auto end = Clock::now() + std::chrono::microseconds(gap_us);
+    if (gap_prefetch > 0 && worker_form) {
+      const int64_t g = gap_prefetch == 1 ? l : (l + n_layers / 2) % n_layers;
+      for (int k = 0; k < n_per_call; ++k) guess[static_cast<size_t>(k)] = &set.experts[static_cast<size_t>(g * n_per_call + k)];
+      ffn.prefetch_experts(guess, n_tok, pool, [](const void* c) { return Clock::now() >= *static_cast<const Clock::time_point*>(c); }, &end);
+    }
+    std::this_thread::sleep_until(end);
+  };
   layer(n_layers - 1);  // warm-up (scratch sized, threads awake); the sweep starts at layer 0
   const uint64_t sleeps0 = pool.sleeps();
   const auto t0 = Clock::now();
@@ -242,7 +255,7 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   do {
     if (gap_us > 0) {
       for (int64_t l = 0; l < n_layers; ++l) {
-        std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+        gap(l);
         const auto c0 = Clock::now();
         layer(l);
         const double c = std::chrono::duration<double>(Clock::now() - c0).count();
@@ -478,6 +491,22 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "(default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_flag("--phase-trace", opt.phase_trace, "with --gap-us: print where each row's calls spend their time (per-worker phase "
                 "times from the call's start, medians over the calls; a few clock reads per job)");
+  cpu->add_option("--runs", opt.stream_runs, "each matrix's rows of a job walked as this many side-by-side runs (more streams per thread; "
+                  "default: the library's)")->check(CLI::Range(1, 8));
+  cpu->add_option("--down-runs", opt.down_runs, "down jobs' rows as this many side-by-side runs (0: as --runs; default: the library's)")
+      ->check(CLI::Range(0, 8));
+  cpu->add_option("--gate-up-together", opt.gate_up_together, "1: a gate/up job walks its gate and up rows side by side; 0: one after "
+                  "the other; 2: side by side for Q4_K only (default: the library's)")->check(CLI::Range(0, 2));
+  cpu->add_option("--down-early", opt.down_early, "1: each thread pulls its down rows toward L2 (prefetcht1) during its gate/up jobs "
+                  "(balanced two-phase lists; default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--down-early-bytes", opt.down_early_bytes, "with --down-early: only the first this many bytes of each down job "
+                  "(0: all; default: the library's)")->check(CLI::Range(0, 1 << 30));
+  cpu->add_option("--prefetch-runs-l1", opt.prefetch_runs_l1, "each run's prefetcht0 distance in bytes with --runs / --gate-up-together "
+                  "/ --down-early (0: the spread distance / runs; default: the library's)")->check(CLI::Range(0, 1 << 24));
+  cpu->add_option("--prefetch-runs-l2", opt.prefetch_runs_l2, "each run's prefetcht1 (L2) stream distance in bytes, ramped (0: none; "
+                  "set: the expert FFN walks every job through the runs path; default: the library's)")->check(CLI::Range(0, 1 << 24));
+  cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
+                  "next call's experts (1: a right guess) or of other experts (2: a wrong guess) until the gap ends; 0: none")->check(CLI::Range(0, 2));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
@@ -491,7 +520,16 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.prefetch_next >= 0) prefetch.next_call = opt.prefetch_next;
   if (opt.prefetch_spread >= 0) prefetch.spread = opt.prefetch_spread == 1;
   if (opt.prefetch_spread_l1 > 0) prefetch.spread_l1_bytes = static_cast<size_t>(opt.prefetch_spread_l1);
+  if (opt.prefetch_runs_l1 >= 0) prefetch.runs_l1_bytes = static_cast<size_t>(opt.prefetch_runs_l1);
+  if (opt.prefetch_runs_l2 >= 0) prefetch.runs_l2_bytes = static_cast<size_t>(opt.prefetch_runs_l2);
   cpu::set_matvec_prefetch(prefetch);
+  cpu::FfnStreamOptions stream_opt = cpu::ffn_stream_options();
+  if (opt.stream_runs > 0) stream_opt.runs = opt.stream_runs;
+  if (opt.gate_up_together >= 0) stream_opt.gate_up_together = opt.gate_up_together;
+  if (opt.down_runs >= 0) stream_opt.down_runs = opt.down_runs;
+  if (opt.down_early >= 0) stream_opt.down_early = opt.down_early == 1;
+  if (opt.down_early_bytes >= 0) stream_opt.down_early_bytes = static_cast<size_t>(opt.down_early_bytes);
+  cpu::set_ffn_stream_options(stream_opt);
   cpu::MatvecTiles tiles = cpu::matvec_tiles();
   if (opt.tile_mxfp4 >= 0) tiles.mxfp4_vbmi = opt.tile_mxfp4 == 1;
   if (opt.tile_q4k >= 0) tiles.q4_k_gfni = opt.tile_q4k == 1;
@@ -555,6 +593,10 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                 prefetch.spread ? (" spread " + std::to_string(prefetch.spread_l1_bytes) + " B").c_str() : "",
                 static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
                 opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
+    if (opt.gap_prefetch > 0) std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1 ? "the next call's experts (right guess)" : "other experts (wrong guess)");
+    std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
+                stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
+                prefetch.runs_l2_bytes);
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
     if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
     std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
@@ -595,7 +637,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       if (!opt.json) std::printf("%-7s %8d %14zu", std::string(type_name(t)).c_str(), n_per_call, set.expert_bytes);
       for (size_t ti = 0; ti < opt.tokens.size(); ++ti) {
         const int n_tok = opt.tokens[ti];
-        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, pool);
+        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, opt.gap_prefetch, pool);
         const double us_per_call = 1e6 * p.seconds / static_cast<double>(p.layers);
         const auto [ceiling, all] = ceilings[ti];
         if (!opt.json) {
@@ -631,6 +673,13 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"wait_prefetch", slice_opt.wait_prefetch},
                                 {"slice_split", slice_opt.split},
                                 {"gate_up_first", slice_opt.gate_up_first},
+                                {"stream_runs", stream_opt.runs},
+                                {"gate_up_together", stream_opt.gate_up_together},
+                                {"down_runs", stream_opt.down_runs},
+                                {"down_early", stream_opt.down_early},
+                                {"down_early_bytes", stream_opt.down_early_bytes},
+                                {"prefetch_runs_l1", prefetch.runs_l1_bytes},
+                                {"prefetch_runs_l2", prefetch.runs_l2_bytes},
                                 {"set_mib", opt.set_mib},
                                 {"amx_min_tokens", cpu::amx_min_tokens()},
                                 {"prefetch_l1", prefetch.l1_bytes},
