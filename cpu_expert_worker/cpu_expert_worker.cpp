@@ -23,6 +23,7 @@
 #include "common/model/model.h"
 #include "common/reference/moe_parts.h"
 #include "kernels/cpu/expert_ffn.h"
+#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/thread_pool.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
@@ -44,8 +45,8 @@ constexpr auto kFetchAttempt = std::chrono::seconds(10);
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus)
-      : man_(man), index_(index), model_(model::Model::load(man.model_path)),
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool prefetch_next_layer)
+      : man_(man), index_(index), prefetch_next_layer_(prefetch_next_layer), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
@@ -72,6 +73,11 @@ class ExpertWorker {
     ffn_.reserve(static_cast<int>(max_slots), hp.n_embd, hp.n_ff_exp, static_cast<int>(hp.n_expert));
     fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
     fast_jobs_.reserve(static_cast<size_t>(hp.n_expert));
+    if (prefetch_next_layer_) {
+      last_fast_.resize(static_cast<size_t>(hp.n_layer));
+      for (auto& v : last_fast_) v.reserve(static_cast<size_t>(hp.n_expert));
+      prefetch_ptrs_.reserve(static_cast<size_t>(hp.n_expert));
+    }
     scratch_.reserve(man.max_tokens, hp.n_ff_exp);
     rows_.reserve(static_cast<size_t>(max_slots));
     work_.reserve(static_cast<size_t>(hp.n_expert));
@@ -122,6 +128,7 @@ class ExpertWorker {
       done->ring(seq);
       return true;
     }
+    const int64_t il = r->layer;  // (the request region may change once the answer is rung)
     const int64_t k = model_.hp.n_expert_used;
     const int64_t d = model_.hp.n_embd;
     plan_exp_.build(xl_.region("chosen").at<const int32_t>(exchange_.data()), r->n_tokens * k, model_.hp.n_expert);
@@ -148,8 +155,30 @@ class ExpertWorker {
     }
     done->ring(seq);
     last_answer_ = Clock::now();
-    stage.record(r->n_tokens, work_.size(), work_bytes(r->layer), us_since(t0));
+    stage.record(r->n_tokens, work_.size(), work_bytes(il), us_since(t0));
+    prefetch_next_layer(il, req, seq);
     return true;
+  }
+
+  // --ffn-prefetch-next-layer: while the GPU runs the rest of layer il and the next layer's
+  // mixer (~41 us per layer at 12G, session 9), each pool thread pulls into its L2 the rows it
+  // would compute of the experts this worker computed for layer il + 1 at the previous token
+  // (routing repeats from token to token: moraine-synth builds that locality in, as real
+  // routers have it). Ends as soon as the next request rings (polled every 1 KB per thread).
+  void prefetch_next_layer(int64_t il, const shm::Doorbell* req, uint64_t answered) {
+    if (!prefetch_next_layer_) return;
+    const std::vector<cpu::ExpertWeights>& ws = last_fast_[static_cast<size_t>((il + 1) % model_.hp.n_layer)];
+    if (ws.empty()) return;
+    prefetch_ptrs_.clear();
+    for (const cpu::ExpertWeights& w : ws) prefetch_ptrs_.push_back(&w);
+    struct Until {
+      const shm::Doorbell* req;
+      uint64_t answered;
+    } until{req, answered};
+    ffn_.prefetch_experts(prefetch_ptrs_, 1, fast_pool_, [](const void* c) {
+      const auto* u = static_cast<const Until*>(c);
+      return u->req->load() > u->answered;
+    }, &until);
   }
 
   // ZeroMQ path: one validated ExpertJobList.
@@ -220,6 +249,9 @@ class ExpertWorker {
       ++experts_ram_;
     }
     finish_compute();
+    // What the next token's prefetch_next_layer reads for this layer (RAM / mapped experts: their
+    // rows stay where they are; staged FILE experts' slots are reused).
+    if (prefetch_next_layer_) last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
     batch_.clear();
     for (const Work& w : work_) {
       if (plan_.at(il, w.expert) != group::Tier::kFile) continue;
@@ -337,6 +369,9 @@ class ExpertWorker {
 
   group::GroupManifest man_;
   int index_;
+  const bool prefetch_next_layer_;
+  std::vector<std::vector<cpu::ExpertWeights>> last_fast_;  // [layer] the RAM experts last computed (prefetch_next_layer_)
+  std::vector<const cpu::ExpertWeights*> prefetch_ptrs_;
   model::Model model_;   // shapes and types; the expert bytes used are the arena's
   shm::ShmSegment exchange_, arena_;
   group::ExchangeLayout xl_;
@@ -370,7 +405,7 @@ class ExpertWorker {
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus) {
+        bool exclusive_cpus, bool prefetch_next_layer) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -408,7 +443,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch_next_layer);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -476,9 +511,41 @@ int main(int argc, char** argv) {
   app.add_flag("--exclusive-cpus,!--shared-cpus", exclusive_cpus,
                "the --cpus are this worker's alone: poll the whole --spin-us window even when a CPU looks shared "
                "(default --shared-cpus: such a poll sleeps early)");
+  // How each expert thread streams its rows (kernels/cpu: FfnStreamOptions, MatvecPrefetch), for
+  // A/B runs of the whole group; -1 keeps the library default (the kernel bench's same flags
+  // measured them: --runs, --down-runs, --gate-up-together, --down-early, --prefetch-runs-l2, --prefetch-next).
+  int ffn_runs = -1, ffn_down_runs = -1, ffn_gate_up_together = -1, ffn_down_early = -1, ffn_prefetch_runs_l2 = -1, ffn_prefetch_next = -1;
+  app.add_option("--ffn-runs", ffn_runs, "each expert matrix's rows of a job walked as this many side-by-side runs (1..8)")->check(CLI::Range(1, 8));
+  app.add_option("--ffn-down-runs", ffn_down_runs, "down jobs' rows as this many side-by-side runs (0: as --ffn-runs)")->check(CLI::Range(0, 8));
+  app.add_option("--ffn-gate-up-together", ffn_gate_up_together,
+                 "a gate/up job walks its gate and up rows side by side: 0 never, 1 always, 2 Q4_K only (the default)")->check(CLI::Range(0, 2));
+  app.add_option("--ffn-down-early", ffn_down_early, "1: each thread pulls its down rows toward L2 during its gate/up rows")->check(CLI::Range(0, 1));
+  app.add_option("--ffn-prefetch-runs-l2", ffn_prefetch_runs_l2, "bytes of prefetcht1 stream ahead of each run (0: none)")->check(CLI::Range(0, 1 << 24));
+  // On by default, measured with the kernel bench's --gap-prefetch (H200 host, 15 threads, gap 40
+  // us, p50 us at 1 / 2 / 4 experts, session 9 run C): a right guess Q4_K 36.9 / 58.8 / 104.5 ->
+  // 27.0 / 42.7 / 79.5, Q8_0 58.4 / 101.7 / 180.2 -> 37.8 / 74.6 / 153.5, MXFP4 37.8 / 59.4 / 96.3
+  // -> 29.8 / 46.6 / 84.9; a wrong one costs nothing (35.5 / 52.6 / 88.5 Q4_K). Not yet measured in
+  // the whole group's decode: --no-ffn-prefetch-next-layer turns it off.
+  bool prefetch_next_layer = true;
+  app.add_flag("--ffn-prefetch-next-layer,!--no-ffn-prefetch-next-layer", prefetch_next_layer,
+               "after answering layer L, pull into the pool threads' L2 the experts computed for layer L+1 at the previous token, "
+               "until the next request rings (routing locality; default on)");
+  app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
+  {
+    moraine::cpu::FfnStreamOptions so = moraine::cpu::ffn_stream_options();
+    if (ffn_runs > 0) so.runs = ffn_runs;
+    if (ffn_down_runs >= 0) so.down_runs = ffn_down_runs;
+    if (ffn_gate_up_together >= 0) so.gate_up_together = ffn_gate_up_together;
+    if (ffn_down_early >= 0) so.down_early = ffn_down_early == 1;
+    moraine::cpu::set_ffn_stream_options(so);
+    moraine::cpu::MatvecPrefetch pf = moraine::cpu::matvec_prefetch();
+    if (ffn_prefetch_runs_l2 >= 0) pf.runs_l2_bytes = static_cast<size_t>(ffn_prefetch_runs_l2);
+    if (ffn_prefetch_next >= 0) pf.next_call = ffn_prefetch_next;
+    moraine::cpu::set_matvec_prefetch(pf);
+  }
   try {
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch_next_layer);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;
