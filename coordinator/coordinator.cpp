@@ -50,7 +50,9 @@ struct Options {
   bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
-  int cpu_workers = 2, max_tokens = 64, step_retries = 2;
+  // 512 rows a step, llama.cpp's default ubatch: prefill in 64-row steps (the old default) gave the
+  // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace).
+  int cpu_workers = 2, max_tokens = 512, step_retries = 2;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
   std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default
   std::string step_channel = "doorbell";   // GroupManifest::step_channel
@@ -482,7 +484,7 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
   app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
   app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
-  app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk); sizes the exchange segment");
+  app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512); sizes the exchange segment and the device scratch");
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");

@@ -48,7 +48,7 @@ struct Options {
   std::vector<std::string> gpu_worker_args;   // appended to the gpu_worker's
   std::vector<std::string> coordinator_args;  // appended to the coordinator's
   int64_t ctx = 0;
-  int cpu_workers = 2, max_tokens = 64, gpu_threads = 0, device = 0;
+  int cpu_workers = 2, max_tokens = 512, gpu_threads = 0, device = 0;   // max_tokens: the coordinator's default
   std::string backend = "cpu";
   std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
   double ready_timeout_s = 120;
@@ -320,7 +320,7 @@ int main(int argc, char** argv) {
   st->add_option("--socket-dir", o.socket_dir, "directory for sockets, manifest, logs");
   st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
   st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
-  st->add_option("--max-tokens", o.max_tokens, "rows of one step");
+  st->add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512)");
   st->add_option("--vram", o.vram, "GPU memory budget, what the gpu_worker may hold on the card: dense + KV + (cuda) its context and scratch first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
   st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");

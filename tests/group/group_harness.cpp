@@ -96,7 +96,10 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
   lo.env = {{"MORAINE_BIN_DIR", (kBuild / "coordinator").string()}};
   lo.start_args = {"-m", o_.model, "--cpu-workers", std::to_string(o_.cpu_workers), "--handoff", o_.handoff,
                    "--gpu-threads", "1", "--bin-dir", (kBuild / "coordinator").string(),
-                   "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram, "--backend", o_.backend};
+                   "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram, "--backend", o_.backend,
+                   // 64-row steps (the default is 512): the golden prompts (up to 80 tokens) then
+                   // prefill in two steps, so the group tests cover a prefill split across steps.
+                   "--max-tokens", "64"};
   if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
   if (!o_.write_census) lo.start_args.push_back("--no-census");
   if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
