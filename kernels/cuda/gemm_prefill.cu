@@ -51,17 +51,6 @@ void check_weight_shape(const char* who, TensorType t, int64_t rows, int64_t col
 
 }  // namespace
 
-struct PrefillGemm::GroupedArgs {
-  explicit GroupedArgs(int n)
-      : transa(static_cast<size_t>(n), CUBLAS_OP_T), transb(static_cast<size_t>(n), CUBLAS_OP_N),
-        m(static_cast<size_t>(n)), n(static_cast<size_t>(n)), k(static_cast<size_t>(n)),
-        lda(static_cast<size_t>(n)), ldb(static_cast<size_t>(n)), ldc(static_cast<size_t>(n)),
-        group_size(static_cast<size_t>(n), 1), alpha(static_cast<size_t>(n), 1.0f), beta(static_cast<size_t>(n), 0.0f) {}
-  std::vector<cublasOperation_t> transa, transb;
-  std::vector<int> m, n, k, lda, ldb, ldc, group_size;
-  std::vector<float> alpha, beta;
-};
-
 bool prefill_gemm_supported(TensorType weight) { return dequantize_weights_supported(weight); }
 
 PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, GemmInput input)
@@ -76,12 +65,17 @@ PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, G
   weights_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.weight_workspace_elems));
   inputs_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.max_tokens * limits.max_cols));
   cublas_space_ = DeviceBuffer<uint8_t>(kCublasWorkspaceBytes);
-  group_ptrs_ = DeviceBuffer<const void*>(static_cast<size_t>(3 * limits.max_experts));
-  args_ = std::make_unique<GroupedArgs>(limits.max_experts);
+  // Each selected group adds at most count / 32 + 1 token tiles (the smaller tile has 32 tokens).
+  tile_capacity_ = limits.max_experts + limits.max_tokens / expert_tile_tokens(ExpertTiles::Small) + 1;
+  part_bytes_ = sizeof(ExpertGemmTile) * static_cast<size_t>(tile_capacity_) +
+                sizeof(const void*) * static_cast<size_t>(limits.max_experts);
+  table_ = DeviceBuffer<uint8_t>(kTableRing * part_bytes_);
+  tile_list_.reserve(static_cast<size_t>(tile_capacity_));
+  chunk_tiles_.reserve(static_cast<size_t>(limits.max_experts) + 1);
   selected_.reserve(static_cast<size_t>(limits.max_experts));
   chunk_weights_.reserve(static_cast<size_t>(limits.max_experts));
-  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staged_ptrs_), sizeof(void*) * 3 * static_cast<size_t>(limits.max_experts)));
-  CUDA_CHECK(cudaEventCreateWithFlags(&staged_free_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staged_table_), kTableRing * part_bytes_));
+  for (cudaEvent_t& e : staged_free_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   CUBLAS_CHECK(cublasCreate(&handle_));
   // The stream first: cublasSetStream resets the handle's workspace to cuBLAS's own pool.
   CUBLAS_CHECK(cublasSetStream(handle_, stream_));
@@ -92,8 +86,9 @@ PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, G
 PrefillGemm::~PrefillGemm() {
   // No throws from a destructor: errors here would surface on the next CUDA call anyway.
   if (handle_ != nullptr) cublasDestroy(handle_);
-  if (staged_free_ != nullptr) cudaEventDestroy(staged_free_);
-  if (staged_ptrs_ != nullptr) cudaFreeHost(staged_ptrs_);
+  for (cudaEvent_t e : staged_free_)
+    if (e != nullptr) cudaEventDestroy(e);
+  if (staged_table_ != nullptr) cudaFreeHost(staged_table_);
 }
 
 void PrefillGemm::gemm(const void* a, const void* b, float* c, int64_t m, int64_t n, int64_t k, int64_t ldc,
@@ -126,44 +121,6 @@ void PrefillGemm::matmul(TensorType weight, const void* w, int64_t rows, int64_t
   }
 }
 
-bool PrefillGemm::grouped_gemm(std::span<const ExpertRows> experts, int c0, int count, int64_t rows, int64_t cols,
-                               float* y, int64_t ldy) {
-  // This chunk's pointers occupy staging slots [3 * c0, 3 * (c0 + count)): A (the dequantized
-  // matrices), B (X rows), C (Y rows). Each chunk of a call has its own slots, so no slot the
-  // stream has yet to upload is overwritten within a call (matmul_experts waits for the previous
-  // call's uploads before the first chunk).
-  const void** host = staged_ptrs_ + 3 * c0;
-  const size_t elems = static_cast<size_t>(rows * cols);
-  GroupedArgs& g = *args_;
-  for (int i = 0; i < count; ++i) {
-    const ExpertRows& e = experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])];
-    host[i] = weights_.get() + static_cast<size_t>(i) * elems;
-    host[count + i] = inputs_.get() + static_cast<size_t>(e.first_row * cols);
-    host[2 * count + i] = y + e.first_row * ldy;
-    const auto s = static_cast<size_t>(i);
-    g.m[s] = static_cast<int>(rows);
-    g.n[s] = static_cast<int>(e.count);
-    g.k[s] = g.lda[s] = g.ldb[s] = static_cast<int>(cols);
-    g.ldc[s] = static_cast<int>(ldy);
-  }
-  const void** dev = group_ptrs_.get() + 3 * c0;
-  CUDA_CHECK(cudaMemcpyAsync(dev, host, sizeof(void*) * 3 * static_cast<size_t>(count), cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaEventRecord(staged_free_, stream_));
-  const cudaDataType_t t = cuda_type(input_);
-  const cublasStatus_t st = cublasGemmGroupedBatchedEx(
-      handle_, g.transa.data(), g.transb.data(), g.m.data(), g.n.data(), g.k.data(), g.alpha.data(), dev, t,
-      g.lda.data(), dev + count, t, g.ldb.data(), g.beta.data(), const_cast<void* const*>(dev + 2 * count), CUDA_R_32F,
-      g.ldc.data(), count, g.group_size.data(), CUBLAS_COMPUTE_32F);
-  // NVIDIA documents the grouped call for fewer type combinations than cublasGemmEx; a refusal of
-  // ours (16-bit in, F32 out) comes back as NOT_SUPPORTED or INVALID_VALUE: fall back to the loop.
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
-    grouped_off_reason_ = std::string("cublasGemmGroupedBatchedEx returned ") + cublasGetStatusName(st);
-    return false;
-  }
-  CUBLAS_CHECK(st);
-  return true;
-}
-
 int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
                                     const float* x, float* y, int64_t min_rows, int64_t ldy) {
   if (ldy == 0) ldy = rows;
@@ -193,27 +150,99 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
     computed += e.count;
   }
   if (selected_.empty()) return 0;
+  if (computed > limits_.max_tokens)  // the tile table is sized for max_tokens rows in all
+    throw std::invalid_argument("PrefillGemm::matmul_experts: the selected groups' rows sum to " +
+                                std::to_string(computed) + ", more than max_tokens " +
+                                std::to_string(limits_.max_tokens) + " (do the groups overlap?)" +
+                                describe(weight, rows, cols));
   convert_gemm_input(x, end_row * cols, input_, inputs_.get(), stream_);
-  // The host staging of the grouped call is reused: wait until the previous call's uploads ran.
-  if (grouped_) CUDA_CHECK(cudaEventSynchronize(staged_free_));
   const int per_chunk = static_cast<int>(std::min<int64_t>(limits_.weight_workspace_elems / elems, limits_.max_experts));
   const int total = static_cast<int>(selected_.size());
-  for (int c0 = 0; c0 < total; c0 += per_chunk) {
-    const int count = std::min(per_chunk, total - c0);
+  const auto group = [&](int s) -> const ExpertRows& { return experts[static_cast<size_t>(selected_[static_cast<size_t>(s)])]; };
+  const auto expand_chunk = [&](int c0, int count) {
     chunk_weights_.clear();
-    for (int i = 0; i < count; ++i)
-      chunk_weights_.push_back(experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])].weight);
+    for (int i = 0; i < count; ++i) chunk_weights_.push_back(group(c0 + i).weight);
     dequantize_weights(weight, chunk_weights_.data(), count, elems, input_, weights_.get(), stream_);
-    if (grouped_ && grouped_gemm(experts, c0, count, rows, cols, y, ldy)) continue;
-    grouped_ = false;  // unsupported combination: the loop from now on
-    for (int i = 0; i < count; ++i) {
-      const ExpertRows& e = experts[static_cast<size_t>(selected_[static_cast<size_t>(c0 + i)])];
-      gemm(weights_.get() + static_cast<size_t>(i) * static_cast<size_t>(elems),
-           inputs_.get() + static_cast<size_t>(e.first_row * cols), y + e.first_row * ldy, rows, e.count, cols, ldy,
-           false);
+  };
+  const bool fusable = expert_gemm_fused_supported(weight) &&
+                       std::all_of(selected_.begin(), selected_.end(), [&](int i) {
+                         return reinterpret_cast<uintptr_t>(experts[static_cast<size_t>(i)].weight) % 16 == 0;
+                       });
+  const bool loop =
+      path_ == ExpertPath::CublasLoop || (path_ == ExpertPath::Auto && computed >= kLoopMinMeanRows * total);
+  last_fused_ = false;
+  if (loop) {
+    for (int c0 = 0; c0 < total; c0 += per_chunk) {
+      const int count = std::min(per_chunk, total - c0);
+      expand_chunk(c0, count);
+      for (int i = 0; i < count; ++i) {
+        const ExpertRows& e = group(c0 + i);
+        gemm(weights_.get() + static_cast<size_t>(i) * static_cast<size_t>(elems),
+             inputs_.get() + static_cast<size_t>(e.first_row * cols), y + e.first_row * ldy, rows, e.count, cols, ldy,
+             false);
+      }
     }
+    return computed;
+  }
+  // The grouped kernels: every chunk's tiles in one table (slot = index in the chunk; for the
+  // fused kernel one chunk of all groups, slot = index in selected_, with the weight pointers).
+  const bool fused = (path_ == ExpertPath::Fused || path_ == ExpertPath::Auto) && fusable;
+  last_fused_ = fused;
+  const int chunk = fused ? total : per_chunk;
+  const ExpertTiles shape = forced_tiles_ ? *forced_tiles_ : choose_tiles(experts);
+  last_tiles_ = shape;
+  tile_list_.clear();
+  chunk_tiles_.clear();
+  for (int c0 = 0; c0 < total; c0 += chunk) {
+    chunk_tiles_.push_back(static_cast<int64_t>(tile_list_.size()));
+    for (int i = 0; i < std::min(chunk, total - c0); ++i)
+      expert_gemm_tiles(shape, i, group(c0 + i).first_row, group(c0 + i).count, tile_list_);
+  }
+  chunk_tiles_.push_back(static_cast<int64_t>(tile_list_.size()));
+  if (static_cast<int64_t>(tile_list_.size()) > tile_capacity_)  // cannot happen after the check above
+    throw std::logic_error("PrefillGemm::matmul_experts: " + std::to_string(tile_list_.size()) +
+                           " token tiles overflow the table of " + std::to_string(tile_capacity_));
+  const int part = next_part_;
+  next_part_ = (next_part_ + 1) % kTableRing;
+  CUDA_CHECK(cudaEventSynchronize(staged_free_[part]));  // this part's previous upload has run
+  uint8_t* host = staged_table_ + static_cast<size_t>(part) * part_bytes_;
+  uint8_t* dev = table_.get() + static_cast<size_t>(part) * part_bytes_;
+  const size_t ptr_at = sizeof(ExpertGemmTile) * static_cast<size_t>(tile_capacity_);
+  std::copy(tile_list_.begin(), tile_list_.end(), reinterpret_cast<ExpertGemmTile*>(host));
+  size_t upload = sizeof(ExpertGemmTile) * tile_list_.size();
+  if (fused) {
+    const void** ptrs = reinterpret_cast<const void**>(host + ptr_at);
+    for (int i = 0; i < total; ++i) ptrs[i] = group(i).weight;
+    upload = ptr_at + sizeof(const void*) * static_cast<size_t>(total);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(staged_free_[part], stream_));
+  const auto* dev_tiles = reinterpret_cast<const ExpertGemmTile*>(dev);
+  if (fused) {
+    expert_gemm_fused(weight, input_, shape, reinterpret_cast<const void* const*>(dev + ptr_at), rows, cols,
+                      inputs_.get(), dev_tiles, static_cast<int>(tile_list_.size()), y, ldy, stream_);
+    return computed;
+  }
+  for (int c0 = 0, c = 0; c0 < total; c0 += per_chunk, ++c) {
+    expand_chunk(c0, std::min(per_chunk, total - c0));
+    const int64_t t0 = chunk_tiles_[static_cast<size_t>(c)], t1 = chunk_tiles_[static_cast<size_t>(c) + 1];
+    expert_gemm(input_, shape, weights_.get(), elems, rows, cols, inputs_.get(), dev_tiles + t0,
+                static_cast<int>(t1 - t0), y, ldy, stream_);
   }
   return computed;
+}
+
+// Large tiles do 4x the work per CTA with the better ratio of mma to ldmatrix, but pad every
+// group to a multiple of 64 tokens: used unless that padding exceeds a quarter of the rows.
+ExpertTiles PrefillGemm::choose_tiles(std::span<const ExpertRows> experts) const {
+  const int64_t bn = expert_tile_tokens(ExpertTiles::Large);
+  int64_t rows = 0, padded = 0;
+  for (int s : selected_) {
+    const int64_t c = experts[static_cast<size_t>(s)].count;
+    rows += c;
+    padded += (c + bn - 1) / bn * bn;
+  }
+  return padded * 4 <= rows * 5 ? ExpertTiles::Large : ExpertTiles::Small;
 }
 
 }  // namespace moraine::cuda

@@ -7,7 +7,9 @@
 // on the H200 where llama.cpp reaches 6200 (issue #5). Measured with this path (H200, q4_k,
 // moraine-kernel-bench cuda --gemm-only; plain cublasGemmEx BF16 peak 882 TFLOP/s): attn_q
 // 4096 x 2048 at n = 512 takes 33 us (260 TFLOP/s; expansion 14 us, cuBLAS alone 15 us), at
-// n = 8192 236 us (583 TFLOP/s, 66% of peak).
+// n = 8192 236 us (583 TFLOP/s, 66% of peak). A MoE layer's experts (matmul_experts) go through
+// the grouped kernel of expert_gemm.h instead: one launch for all experts of a workspace chunk,
+// or with weights decoded in the kernel, one launch for the layer (ExpertPath).
 //
 // Accuracy: each product sees x and w rounded once to the 16-bit type (relative error at most
 // u = 2^-8 for BF16, 2^-11 for F16), summed in float: |Y - X W^T| <= ((1+u)^2 - 1 + gamma) *
@@ -15,12 +17,16 @@
 //
 // One object per stream: it owns a cuBLAS handle bound to that stream and every buffer it needs
 // (sized by PrefillGemmLimits at construction); calls allocate nothing, enqueue work on the
-// stream and return without waiting. Not thread-safe; calls on one object are stream-ordered.
+// stream and return without waiting, except that matmul_experts' grouped paths wait (on the host)
+// for the upload of their tile table from kTableRing calls before, which is long done in a
+// pipeline but makes those calls unfit for stream capture. Not thread-safe; calls on one object
+// are stream-ordered.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -28,6 +34,7 @@
 #include "common/formats/tensor_type.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/dequantize_weights.h"
+#include "kernels/cuda/expert_gemm.h"
 
 struct cublasContext;  // cublasHandle_t, without making every includer see cublas_v2.h
 
@@ -69,50 +76,72 @@ class PrefillGemm {
 
   // One MoE layer's expert matrices (all rows x cols of one type) over X rows grouped per expert:
   // Y[i][r] = sum_k X[i][k] W_e[r][k] for the rows i of each group with count >= min_rows; the
-  // Y rows of smaller groups are left untouched (the caller runs those through the matvec path,
-  // where one decoded block per row costs less than expanding the whole matrix). X and Y are
-  // indexed by absolute row (y row stride ldy, 0 means rows). Returns the rows computed.
-  // Choosing min_rows (H200, q4_k, 128 experts, moraine-kernel-bench cuda --gemm-only): the GEMM
-  // path costs about 12 us per expert whatever its rows up to 512 (1.5 ms for 128 experts:
-  // expansion plus one small cuBLAS call each), the matvec about 0.46 us per row for 768 x 2048
-  // and 0.75 us for 2048 x 768; so min_rows of about 24 (gate/up) and 16 (down).
+  // Y rows of smaller groups are left untouched (the caller may run those through the matvec
+  // path). X and Y are indexed by absolute row (y row stride ldy, 0 means rows). The selected
+  // groups' counts must sum to at most max_tokens (true of disjoint groups). Returns the rows
+  // computed. The experts run in chunks of as many whole matrices as fit the weight workspace:
+  // per chunk one dequantize_weights launch and one expert_gemm launch (expert_gemm.h) over all
+  // of the chunk's groups.
+  // Measured before the grouped kernel (H200, q4_k, 128 experts, moraine-kernel-bench cuda
+  // --gemm-only): one cublasGemmEx per expert cost about 12 us per expert whatever its rows up
+  // to 512, the matvec about 0.46 us per row for 768 x 2048 and 0.75 us for 2048 x 768.
   int64_t matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
                          const float* x, float* y, int64_t min_rows = 1, int64_t ldy = 0);
 
-  // Experts run as one cublasGemmEx each (default) or, when set_grouped(true), as one
-  // cublasGemmGroupedBatchedEx per workspace chunk; if cuBLAS refuses the grouped call
-  // (NOT_SUPPORTED or INVALID_VALUE) the object switches to the loop for good. Off by default
-  // because cuBLAS 13.1 on the H200 refuses it for BF16 in / F32 out (NOT_SUPPORTED, measured by
-  // moraine-kernel-bench cuda --gemm-only), so trying costs a wasted call and a host sync.
-  void set_grouped(bool on) { grouped_ = on; }
-  bool grouped() const { return grouped_; }
-  const std::string& grouped_off_reason() const { return grouped_off_reason_; }  // empty unless it fell back
+  // How matmul_experts multiplies. Expanded: per chunk, dequantize_weights into the workspace
+  // and one expert_gemm launch. Fused: one expert_gemm_fused launch for the whole layer, weights
+  // decoded in the kernel (q4_k with 16-byte aligned matrices; other calls take the Expanded
+  // path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert (the
+  // previous path; cublasGemmGroupedBatchedEx is no option: cuBLAS 13.1 refuses it for BF16 in /
+  // F32 out with NOT_SUPPORTED on the H200). Auto (default): CublasLoop when the groups average
+  // kLoopMinMeanRows rows or more (cuBLAS's GEMM beats ours on long groups), else Fused where it
+  // applies, else Expanded. Measured (H200, 128 experts, q4_k, moraine-kernel-bench cuda
+  // --gemm-only, us per 128 matrices; loop / expanded / fused): 768 x 2048 at pp512 (32 rows
+  // each) 1153 / 640 / 179, at pp8192 (512 each) 1529 / 1799 / 1533; 2048 x 768 at pp512
+  // 1468 / 493 / 169, at pp8192 1320 / 1607 / 1498; 128 x R rows of 768 x 2048, R = 64: 1212 /
+  // 695 / 221, R = 512: 1535 / 1803 / 1535 (expanded meets the loop near R = 360).
+  enum class ExpertPath : uint8_t { Auto, Expanded, Fused, CublasLoop };
+  static constexpr int64_t kLoopMinMeanRows = 384;
+  void set_expert_path(ExpertPath p) { path_ = p; }
+  ExpertPath expert_path() const { return path_; }
+  bool last_call_fused() const { return last_fused_; }
+  // The grouped kernel's tile shape: chosen per call from the group sizes (Large unless it would
+  // pad the token tiles by more than a quarter), or forced (tests, bench).
+  void force_expert_tiles(std::optional<ExpertTiles> shape) { forced_tiles_ = shape; }
+  ExpertTiles last_expert_tiles() const { return last_tiles_; }  // what the last grouped call used
 
   GemmInput input_type() const { return input_; }
   const PrefillGemmLimits& limits() const { return limits_; }
 
  private:
   void gemm(const void* a, const void* b, float* c, int64_t m, int64_t n, int64_t k, int64_t ldc, bool accumulate);
-  // Chunk [c0, c0 + count) of selected_, its matrices dequantized in workspace slots 0..count-1.
-  bool grouped_gemm(std::span<const ExpertRows> experts, int c0, int count, int64_t rows, int64_t cols, float* y,
-                    int64_t ldy);
+  ExpertTiles choose_tiles(std::span<const ExpertRows> experts) const;
 
   cudaStream_t stream_;
   PrefillGemmLimits limits_;
   GemmInput input_;
-  bool grouped_ = false;
-  std::string grouped_off_reason_;
+  ExpertPath path_ = ExpertPath::Auto;
+  bool last_fused_ = false;
+  std::optional<ExpertTiles> forced_tiles_;
+  ExpertTiles last_tiles_ = ExpertTiles::Large;
   cublasContext* handle_ = nullptr;
   DeviceBuffer<uint16_t> weights_;       // dequantized weights (16-bit elements)
   DeviceBuffer<uint16_t> inputs_;        // X rounded to the input type
   DeviceBuffer<uint8_t> cublas_space_;   // cuBLAS workspace, set once on the handle
-  DeviceBuffer<const void*> group_ptrs_; // A, B, C pointer arrays of the grouped call, 3 * max_experts
-  const void** staged_ptrs_ = nullptr;   // pinned host mirror of group_ptrs_
-  cudaEvent_t staged_free_ = nullptr;    // recorded after the last upload of staged_ptrs_
-  struct GroupedArgs;                    // host arrays of the grouped call (gemm_prefill.cu)
-  std::unique_ptr<GroupedArgs> args_;
+  // The grouped kernel's tile tables, a ring of kTableRing parts used by successive calls: a call
+  // fills its part of the pinned mirror once that part's previous upload (kTableRing calls ago)
+  // has run, so the host may run that many calls ahead of the GPU before it waits.
+  static constexpr int kTableRing = 4;
+  int64_t tile_capacity_ = 0;            // tile entries per part; then max_experts weight pointers
+  size_t part_bytes_ = 0;
+  DeviceBuffer<uint8_t> table_;          // kTableRing parts
+  uint8_t* staged_table_ = nullptr;      // pinned host mirror of table_
+  cudaEvent_t staged_free_[kTableRing] = {};  // recorded after each part's upload
+  int next_part_ = 0;
+  std::vector<ExpertGemmTile> tile_list_;  // this call's tiles, built on the host
+  std::vector<int64_t> chunk_tiles_;       // index in tile_list_ where each chunk's tiles start
   std::vector<int> selected_;            // indices of the experts a call runs
-  std::vector<const void*> chunk_weights_;
+  std::vector<const void*> chunk_weights_;  // a chunk's matrices; the fused call's, all of them
 };
 
 }  // namespace moraine::cuda

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <utility>
@@ -260,15 +261,17 @@ TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
 INSTANTIATE_TEST_SUITE_P(Formats, GemmPrefill, ::testing::ValuesIn(kAllFormats),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
-// One MoE layer: six experts over contiguous row groups (one empty, two below min_rows = 4),
-// two expert matrices per workspace chunk, through the grouped cuBLAS call and the per-expert
-// loop. Groups below the threshold keep their NaN poison; the others match the reference.
+// One MoE layer: ten experts over contiguous row groups of uneven sizes (one empty, two below
+// min_rows = 4, up to 512 rows), two expert matrices per workspace chunk, ldy wider than rows,
+// through the grouped kernel (tile shape chosen or forced), expanded and fused, the per-expert
+// cuBLAS loop, for both 16-bit input types. Groups below the threshold and the ldy gap keep
+// their NaN poison; the others match the reference.
 TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   constexpr TensorType t = TensorType::Q4_K;
-  constexpr int64_t kRows = 96, kCols = 256;
-  const int64_t counts[] = {0, 3, 17, 1, 40, 9, 64};
-  constexpr int kExperts = 7;
+  constexpr int64_t kRows = 96, kCols = 256, kLdy = 101;
+  const int64_t counts[] = {0, 3, 17, 1, 40, 9, 64, 130, 512, 33};
+  constexpr int kExperts = 10;
   constexpr int64_t kMinRows = 4;
   std::mt19937 rng(401);
   std::vector<Matrix> ms;
@@ -284,43 +287,96 @@ TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
     if (counts[e] >= kMinRows) expected_rows += counts[e];
   }
   const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(total * kCols));
-  const std::vector<float> xr = rounded(GemmInput::BF16, x);
-  std::vector<std::vector<float>> wrs;
-  for (const Matrix& m : ms) wrs.push_back(rounded(GemmInput::BF16, m.values));
-  cuda::DeviceBuffer<float> dx(x.size()), dy(static_cast<size_t>(total * kRows));
+  cuda::DeviceBuffer<float> dx(x.size()), dy(static_cast<size_t>(total * kLdy));
   dx.upload(x.data(), x.size());
   cuda::PrefillGemmLimits lim;
   lim.max_tokens = total;
   lim.max_cols = kCols;
   lim.weight_workspace_elems = 2 * kRows * kCols + 1000;  // two matrices per chunk
   lim.max_experts = kExperts;
-  for (bool grouped : {true, false}) {
-    cuda::PrefillGemm gemm(nullptr, lim);
-    gemm.set_grouped(grouped);
-    dy.fill_bytes(0xff);
-    EXPECT_EQ(gemm.matmul_experts(t, groups, kRows, kCols, dx.get(), dy.get(), kMinRows), expected_rows);
-    std::vector<float> y(static_cast<size_t>(total * kRows));
-    dy.download(y.data(), y.size());
-    for (int e = 0; e < kExperts; ++e) {
-      const cuda::ExpertRows& g = groups[static_cast<size_t>(e)];
-      for (int64_t i = g.first_row; i < g.first_row + g.count; ++i)
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float got = y[static_cast<size_t>(i * kRows + r)];
-          if (g.count < kMinRows) {
-            ASSERT_TRUE(std::isnan(got)) << "expert " << e << " below the threshold was written at row " << i;
-            continue;
+  using Path = cuda::PrefillGemm::ExpertPath;
+  struct Variant {
+    const char* name;
+    Path path;
+    std::optional<cuda::ExpertTiles> tiles;
+  };
+  // Expanded [0, 3) and fused [3, 6) with the same tiles, in the same order: compared bit for bit.
+  constexpr size_t kPaired = 3;
+  const Variant variants[] = {{"kernel (tiles chosen)", Path::Expanded, std::nullopt},
+                              {"kernel large tiles", Path::Expanded, cuda::ExpertTiles::Large},
+                              {"kernel small tiles", Path::Expanded, cuda::ExpertTiles::Small},
+                              {"fused (tiles chosen)", Path::Fused, std::nullopt},
+                              {"fused large tiles", Path::Fused, cuda::ExpertTiles::Large},
+                              {"fused small tiles", Path::Fused, cuda::ExpertTiles::Small},
+                              {"cublas loop", Path::CublasLoop, std::nullopt},
+                              {"default (auto)", Path::Auto, std::nullopt}};
+  for (GemmInput in : {GemmInput::BF16, GemmInput::F16}) {
+    const std::vector<float> xr = rounded(in, x);
+    std::vector<std::vector<float>> wrs;
+    for (const Matrix& m : ms) wrs.push_back(rounded(in, m.values));
+    std::vector<std::vector<float>> outputs;
+    for (const Variant& v : variants) {
+      cuda::PrefillGemm gemm(nullptr, lim, in);
+      gemm.set_expert_path(v.path);
+      gemm.force_expert_tiles(v.tiles);
+      dy.fill_bytes(0xff);
+      EXPECT_EQ(gemm.matmul_experts(t, groups, kRows, kCols, dx.get(), dy.get(), kMinRows, kLdy), expected_rows);
+      if (v.path != Path::Auto) {
+        EXPECT_EQ(gemm.last_call_fused(), v.path == Path::Fused) << v.name;
+      }
+      std::vector<float>& y = outputs.emplace_back(static_cast<size_t>(total * kLdy));
+      dy.download(y.data(), y.size());
+      for (int e = 0; e < kExperts; ++e) {
+        const cuda::ExpertRows& g = groups[static_cast<size_t>(e)];
+        for (int64_t i = g.first_row; i < g.first_row + g.count; ++i)
+          for (int64_t r = 0; r < kLdy; ++r) {
+            const float got = y[static_cast<size_t>(i * kLdy + r)];
+            if (g.count < kMinRows || r >= kRows) {
+              ASSERT_TRUE(std::isnan(got)) << v.name << " via " << name_of(in) << ": expert " << e << " row " << i
+                                           << " out " << r << " (below the threshold or in the ldy gap) was written";
+              continue;
+            }
+            const Expected want = expected(x.data() + i * kCols, ms[static_cast<size_t>(e)].values.data() + r * kCols,
+                                           xr.data() + i * kCols, wrs[static_cast<size_t>(e)].data() + r * kCols, kCols,
+                                           in);
+            ASSERT_LE(std::fabs(got - want.value), want.tolerance)
+                << v.name << " via " << name_of(in) << ": expert " << e << " row " << i << " out " << r << ": got "
+                << got << ", reference " << want.value;
           }
-          const Expected want = expected(x.data() + i * kCols, ms[static_cast<size_t>(e)].values.data() + r * kCols,
-                                         xr.data() + i * kCols, wrs[static_cast<size_t>(e)].data() + r * kCols, kCols,
-                                         GemmInput::BF16);
-          ASSERT_LE(std::fabs(got - want.value), want.tolerance)
-              << (grouped ? "grouped" : "loop") << ": expert " << e << " row " << i << " out " << r << ": got " << got
-              << ", reference " << want.value;
-        }
+      }
+      if (v.path != Path::CublasLoop)
+        std::printf("experts via %s, %s: %s, %s tiles\n", name_of(in), v.name,
+                    gemm.last_call_fused() ? "fused" : "expanded",
+                    gemm.last_expert_tiles() == cuda::ExpertTiles::Large ? "large" : "small");
     }
-    std::printf("experts asked %s: grouped call %s %s\n", grouped ? "grouped" : "loop", gemm.grouped() ? "in use" : "off",
-                gemm.grouped_off_reason().c_str());
+    // Decoding in the kernel gives the expanded path's bits (same 16-bit operands, same mma order).
+    for (size_t v = 0; v < kPaired; ++v)
+      for (size_t i = 0; i < outputs[v].size(); ++i)
+        if (!std::isnan(outputs[v][i])) {
+          ASSERT_EQ(outputs[v][i], outputs[v + kPaired][i]) << variants[v].name << " vs " << variants[v + kPaired].name
+                                                            << " via " << name_of(in) << " at flat index " << i;
+        }
   }
+}
+
+// The groups' rows must fit the tile table sized for max_tokens: overlapping groups that sum to
+// more are refused with a clear error rather than overrunning it.
+TEST(GemmPrefillExperts, RefusesGroupsSummingPastMaxTokens) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr TensorType t = TensorType::Q8_0;
+  constexpr int64_t kRows = 64, kCols = 64, kTokens = 64;
+  std::mt19937 rng(451);
+  const Matrix m = random_matrix(t, kRows, kCols, rng);
+  cuda::DeviceBuffer<uint8_t> dw(m.bytes.size());
+  dw.upload(m.bytes.data(), m.bytes.size());
+  cuda::DeviceBuffer<float> dx(static_cast<size_t>(kTokens * kCols)), dy(static_cast<size_t>(kTokens * kRows));
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = kTokens;
+  lim.max_cols = kCols;
+  lim.max_experts = 8;
+  cuda::PrefillGemm gemm(nullptr, lim);
+  const std::vector<cuda::ExpertRows> groups(8, cuda::ExpertRows{dw.get(), 0, kTokens});  // all the same rows
+  EXPECT_THROW(gemm.matmul_experts(t, groups, kRows, kCols, dx.get(), dy.get()), std::invalid_argument);
 }
 
 // accumulate: Y += X W^T onto values already there; ldy wider than rows leaves the gap alone.

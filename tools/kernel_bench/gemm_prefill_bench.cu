@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -18,6 +20,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/dequantize_weights.h"
+#include "kernels/cuda/expert_gemm.h"
 #include "kernels/cuda/gemm_prefill.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/quantize_activations.h"
@@ -149,49 +152,156 @@ std::vector<DensePoint> bench_dense(cublasHandle_t h, double min_ms) {
   return out;
 }
 
+// Token counts of 128 experts for n tokens routed top-8 (8n rows, at most n per expert):
+// uniform, or Zipf-skewed (expert of rank e gets a share ~ 1 / (e + 1), capped at n, the excess
+// spread over the others), shuffled so the big groups are not all in the first chunk.
+std::vector<int64_t> expert_counts(int experts, int64_t n, bool zipf) {
+  const int64_t total = 8 * n;
+  std::vector<int64_t> c(static_cast<size_t>(experts), 0);
+  std::vector<double> share(static_cast<size_t>(experts));
+  for (int e = 0; e < experts; ++e) share[static_cast<size_t>(e)] = zipf ? 1.0 / (e + 1) : 1.0;
+  int64_t left = total;
+  while (left > 0) {
+    double open = 0.0;
+    for (int e = 0; e < experts; ++e)
+      if (c[static_cast<size_t>(e)] < n) open += share[static_cast<size_t>(e)];
+    int64_t given = 0;
+    for (int e = 0; e < experts && open > 0.0; ++e) {
+      int64_t& ce = c[static_cast<size_t>(e)];
+      if (ce >= n) continue;
+      const auto add = std::min<int64_t>(n - ce, static_cast<int64_t>(static_cast<double>(left) * share[static_cast<size_t>(e)] / open));
+      ce += add;
+      given += add;
+    }
+    if (given == 0)  // rounding left a few rows: one each to the open experts, in rank order
+      for (int e = 0; e < experts && given < left; ++e)
+        if (c[static_cast<size_t>(e)] < n) ++c[static_cast<size_t>(e)], ++given;
+    left -= given;
+  }
+  std::shuffle(c.begin(), c.end(), std::mt19937(5));
+  return c;
+}
+
+struct LayerPoint {
+  std::string shape, split;
+  int64_t n;          // tokens of the step (8n expert rows)
+  int64_t min_count, max_count;
+  double loop_us = 0, kernel_us = 0, large_us = 0, small_us = 0, whole_us = 0, gemm_only_us = 0;
+  double fused_us = 0, fused_large_us = 0, fused_small_us = 0, auto_us = 0;
+  std::string chosen = {};  // tile shape the kernel path chose
+  double flop = 0;
+};
+
 struct ExpertPoint {
   std::string shape;
   int64_t rows_per_expert;
-  double grouped_us, loop_us, matvec_us;  // matvec_us < 0: not measured
-  double grouped_tflops;
+  double kernel_us, fused_us, loop_us, matvec_us;  // matvec_us < 0: not measured
+  double kernel_tflops;
 };
 
-std::vector<ExpertPoint> bench_experts(double min_ms) {
+struct ExpertBench {
+  std::vector<LayerPoint> layers;
+  std::vector<ExpertPoint> per_expert;
+};
+
+ExpertBench bench_experts(double min_ms) {
   constexpr int kExperts = 128;
-  constexpr TensorType kType = TensorType::Q4_K;
-  const DenseShape shapes[] = {{"128x(768x2048)", 768, 2048}, {"128x(2048x768)", 2048, 768}};
+  struct ExpertShape {
+    const char* name;
+    int64_t rows, cols;
+    TensorType type;
+  };
+  const ExpertShape shapes[] = {{"128x(768x2048)", 768, 2048, TensorType::Q4_K},
+                                {"128x(2048x768)", 2048, 768, TensorType::Q4_K}};
   const int64_t per_expert[] = {1, 4, 16, 32, 64, 512};  // 32: pp512 with 8 of 128 experts, 512: pp8192
-  std::vector<ExpertPoint> out;
-  for (const DenseShape& s : shapes) {
+  using Path = cuda::PrefillGemm::ExpertPath;
+  ExpertBench out;
+  for (const ExpertShape& s : shapes) {
+    const TensorType kType = s.type;
     const size_t mat = row_bytes(kType, s.cols) * static_cast<size_t>(s.rows);
+    const int64_t elems = s.rows * s.cols;
     DeviceBuffer<uint8_t> pool = make_matrices(kType, s.rows, s.cols, kExperts);
     const int64_t max_rows = kExperts * 512;
+    // As the CUDA backend configures it (default workspace: 13 matrices of 768 x 2048 a chunk),
+    // and with a workspace holding the whole layer (one chunk, one launch of each kernel).
     cuda::PrefillGemmLimits lim;
     lim.max_tokens = max_rows;
     lim.max_cols = 2048;
     lim.max_experts = kExperts;
-    lim.weight_workspace_elems = int64_t{kExperts} * s.rows * s.cols;  // a whole layer in one chunk
     cuda::PrefillGemm gemm(nullptr, lim);
+    cuda::PrefillGemmLimits whole_lim = lim;
+    whole_lim.weight_workspace_elems = int64_t{kExperts} * elems;
+    cuda::PrefillGemm whole(nullptr, whole_lim);
     DeviceBuffer<float> dx = random_input(static_cast<size_t>(max_rows * s.cols));
     DeviceBuffer<float> y(static_cast<size_t>(max_rows * s.rows));
+    // The GEMM alone: the whole layer expanded once, X rounded once.
+    DeviceBuffer<uint16_t> expanded(static_cast<size_t>(kExperts * elems)), xb(static_cast<size_t>(max_rows * s.cols));
+    {
+      std::vector<const void*> ptrs;
+      for (int e = 0; e < kExperts; ++e) ptrs.push_back(pool.get() + static_cast<size_t>(e) * mat);
+      cuda::dequantize_weights(kType, ptrs.data(), kExperts, elems, cuda::GemmInput::BF16, expanded.get());
+      cuda::convert_gemm_input(dx.get(), max_rows * s.cols, cuda::GemmInput::BF16, xb.get());
+    }
+    const auto groups_of = [&](const std::vector<int64_t>& counts) {
+      std::vector<cuda::ExpertRows> g;
+      int64_t at = 0;
+      for (int e = 0; e < kExperts; ++e) {
+        g.push_back({pool.get() + static_cast<size_t>(e) * mat, at, counts[static_cast<size_t>(e)]});
+        at += counts[static_cast<size_t>(e)];
+      }
+      return g;
+    };
+    const auto time_call = [&](cuda::PrefillGemm& g, Path path, std::optional<cuda::ExpertTiles> tiles,
+                               const std::vector<cuda::ExpertRows>& groups) {
+      g.set_expert_path(path);
+      g.force_expert_tiles(tiles);
+      return 1e3 * ms_per_call([&](int) { g.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); }, min_ms);
+    };
+    for (int64_t n : {int64_t{512}, int64_t{8192}})
+      for (bool zipf : {false, true}) {
+        const std::vector<int64_t> counts = expert_counts(kExperts, n, zipf);
+        const std::vector<cuda::ExpertRows> groups = groups_of(counts);
+        LayerPoint p{s.name, zipf ? "zipf" : "uniform", n, *std::min_element(counts.begin(), counts.end()),
+                     *std::max_element(counts.begin(), counts.end())};
+        p.loop_us = time_call(gemm, Path::CublasLoop, std::nullopt, groups);
+        p.kernel_us = time_call(gemm, Path::Expanded, std::nullopt, groups);
+        p.chosen = gemm.last_expert_tiles() == cuda::ExpertTiles::Large ? "large" : "small";
+        p.large_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Large, groups);
+        p.small_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Small, groups);
+        p.whole_us = time_call(whole, Path::Expanded, std::nullopt, groups);
+        p.fused_us = time_call(gemm, Path::Fused, std::nullopt, groups);
+        if (gemm.last_call_fused() != cuda::expert_gemm_fused_supported(kType))
+          throw std::logic_error("gemm_prefill bench: the fused path did not run where it applies");
+        p.fused_large_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Large, groups);
+        p.fused_small_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Small, groups);
+        p.auto_us = time_call(gemm, Path::Auto, std::nullopt, groups);
+        std::vector<cuda::ExpertGemmTile> tiles;
+        const cuda::ExpertTiles shape = whole.last_expert_tiles();
+        for (int e = 0; e < kExperts; ++e)
+          cuda::expert_gemm_tiles(shape, e, groups[static_cast<size_t>(e)].first_row, groups[static_cast<size_t>(e)].count,
+                                  tiles);
+        DeviceBuffer<cuda::ExpertGemmTile> dt = cuda::uploaded(tiles);
+        p.gemm_only_us = 1e3 * ms_per_call(
+                                   [&](int) {
+                                     cuda::expert_gemm(cuda::GemmInput::BF16, shape, expanded.get(), elems, s.rows,
+                                                       s.cols, xb.get(), dt.get(), static_cast<int>(tiles.size()),
+                                                       y.get(), s.rows);
+                                   },
+                                   min_ms);
+        p.flop = 2.0 * 8 * static_cast<double>(n) * static_cast<double>(elems);
+        out.layers.push_back(p);
+      }
     const TensorType at = dot_activation_type(kType);
     DeviceBuffer<uint8_t> act(row_bytes(at, s.cols) * static_cast<size_t>(max_rows));
     cuda::quantize_activations(at, dx.get(), act.get(), s.cols, max_rows);
     for (int64_t r : per_expert) {
-      std::vector<cuda::ExpertRows> groups;
+      const std::vector<cuda::ExpertRows> groups = groups_of(std::vector<int64_t>(kExperts, r));
       std::vector<int32_t> ids;
-      for (int e = 0; e < kExperts; ++e) {
-        groups.push_back({pool.get() + static_cast<size_t>(e) * mat, e * r, r});
+      for (int e = 0; e < kExperts; ++e)
         for (int64_t i = 0; i < r; ++i) ids.push_back(e);
-      }
-      double us[2];
-      for (int mode = 0; mode < 2; ++mode) {
-        gemm.set_grouped(mode == 0);
-        us[mode] = 1e3 * ms_per_call([&](int) { gemm.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); },
-                                 min_ms);
-        if (mode == 0 && !gemm.grouped())
-          std::printf("note: grouped cuBLAS call refused (%s), the loop ran\n", gemm.grouped_off_reason().c_str());
-      }
+      const double kernel_us = time_call(gemm, Path::Expanded, std::nullopt, groups);
+      const double fused_us = time_call(gemm, Path::Fused, std::nullopt, groups);
+      const double loop_us = time_call(gemm, Path::CublasLoop, std::nullopt, groups);
       double mv_us = -1.0;
       if (kExperts * r <= 65535) {  // one launch: matrix id per activation row
         DeviceBuffer<int32_t> dids(ids.size());
@@ -206,8 +316,8 @@ std::vector<ExpertPoint> bench_experts(double min_ms) {
                           [&](int) { cuda::matvec_quantized_batched(kType, pool.get(), s.rows, s.cols, act.get(), y.get(), batch); },
                           min_ms);
       }
-      const double flop = 2.0 * kExperts * static_cast<double>(r) * static_cast<double>(s.rows * s.cols);
-      out.push_back({s.name, r, us[0], us[1], mv_us, flop / us[0] / 1e6});
+      const double flop = 2.0 * kExperts * static_cast<double>(r) * static_cast<double>(elems);
+      out.per_expert.push_back({s.name, r, kernel_us, fused_us, loop_us, mv_us, flop / kernel_us / 1e6});
     }
   }
   return out;
@@ -228,7 +338,7 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
     throw;
   }
   cublasDestroy(h);
-  const std::vector<ExpertPoint> experts = bench_experts(min_ms);
+  const ExpertBench experts = bench_experts(min_ms);
   if (json != nullptr) {
     nlohmann::json& j = (*json)["gemm_prefill"];
     j["bf16_peak_tflops"] = peak;
@@ -237,10 +347,19 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
                             {"call_us", p.call_us}, {"call_tflops", p.call_tflops}, {"gemm_us", p.gemm_us},
                             {"gemm_tflops", p.gemm_tflops}, {"dequant_us", p.dequant_us},
                             {"dequant_gbps", p.dequant_gbps}});
-    for (const ExpertPoint& p : experts)
+    for (const LayerPoint& p : experts.layers)
+      j["expert_layers_q4_k"].push_back({{"shape", p.shape}, {"split", p.split}, {"n", p.n}, {"loop_us", p.loop_us},
+                                         {"kernel_us", p.kernel_us}, {"tiles", p.chosen}, {"large_us", p.large_us},
+                                         {"small_us", p.small_us}, {"whole_layer_us", p.whole_us},
+                                         {"gemm_only_us", p.gemm_only_us}, {"fused_us", p.fused_us},
+                                         {"fused_large_us", p.fused_large_us}, {"fused_small_us", p.fused_small_us},
+                                         {"auto_us", p.auto_us},
+                                         {"flop", p.flop}});
+    for (const ExpertPoint& p : experts.per_expert)
       j["experts_q4_k"].push_back({{"shape", p.shape}, {"rows_per_expert", p.rows_per_expert},
-                                   {"grouped_us", p.grouped_us}, {"loop_us", p.loop_us}, {"matvec_us", p.matvec_us},
-                                   {"grouped_tflops", p.grouped_tflops}});
+                                   {"kernel_us", p.kernel_us}, {"fused_us", p.fused_us}, {"loop_us", p.loop_us},
+                                   {"matvec_us", p.matvec_us},
+                                   {"kernel_tflops", p.kernel_tflops}});
     return;
   }
   std::printf("\nprefill GEMM (gemm_prefill: expand to bf16 + cublasGemmEx, f32 accumulate); plain cublasGemmEx "
@@ -254,12 +373,45 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
                 p.format.c_str(), static_cast<long long>(p.rows), static_cast<long long>(p.cols),
                 static_cast<long long>(p.n), p.call_us, p.call_tflops, 100.0 * p.call_tflops / peak, p.gemm_us,
                 p.gemm_tflops, p.dequant_us, p.dequant_gbps);
-  std::printf("\nexpert layer, q4_k, 128 experts x R rows each (matmul_experts; matvec: the decode kernel, one "
-              "launch over all 128R rows)\n");
-  std::printf("%-16s %6s %12s %12s %12s %10s\n", "shape", "R", "grouped us", "loop us", "matvec us", "TFLOP/s");
-  for (const ExpertPoint& p : experts)
-    std::printf("%-16s %6lld %12.1f %12.1f %12.1f %10.1f\n", p.shape.c_str(), static_cast<long long>(p.rows_per_expert),
-                p.grouped_us, p.loop_us, p.matvec_us, p.grouped_tflops);
+  std::printf("\nexpert layer, q4_k, 128 experts, n tokens top-8 (8n rows; uniform or zipf 1/rank, capped at n): "
+              "matmul_experts us per matrix set\n(loop: expand + one cublasGemmEx per expert [the old path]; kernel: "
+              "expand + one expert_gemm per workspace chunk, tiles chosen, then forced large / small; whole: workspace "
+              "of the whole layer; gemm: expert_gemm alone on expanded weights; fused: q4_k decoded in the kernel, "
+              "chosen / large / small)\n");
+  std::printf("%-18s %-7s %5s %8s %7s %7s %5s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %5s\n", "shape", "split", "n",
+              "counts", "loop", "kernel", "tiles", "large", "small", "whole", "gemm", "fused", "fusedL", "fusedS",
+              "auto", "speedup", "TFLOP/s", "gemm%");
+  for (const LayerPoint& p : experts.layers) {
+    const std::string range = std::to_string(p.min_count) + "-" + std::to_string(p.max_count);
+    std::printf("%-18s %-7s %5lld %8s %7.1f %7.1f %5s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %6.2fx %7.1f "
+                "%4.0f%%\n",
+                p.shape.c_str(), p.split.c_str(), static_cast<long long>(p.n), range.c_str(), p.loop_us, p.kernel_us,
+                p.chosen.c_str(), p.large_us, p.small_us, p.whole_us, p.gemm_only_us, p.fused_us, p.fused_large_us,
+                p.fused_small_us, p.auto_us, p.loop_us / p.auto_us, p.flop / p.auto_us / 1e6,
+                100.0 * p.flop / p.gemm_only_us / 1e6 / peak);
+  }
+  std::printf("(us per call; auto: the default path, what the CUDA backend runs; speedup and TFLOP/s: auto vs loop; "
+              "gemm%%: expert_gemm alone as a share of the bf16 peak)\n");
+  std::printf("per layer (2 x gate/up + down), us: ");
+  for (const LayerPoint& gu : experts.layers) {
+    if (gu.shape != experts.layers.front().shape) continue;  // gate/up rows; down found below
+    const LayerPoint* dn = nullptr;
+    for (const LayerPoint& q : experts.layers)
+      if (q.shape == "128x(2048x768)" && q.split == gu.split && q.n == gu.n) dn = &q;
+    if (dn == nullptr) continue;
+    std::printf("%s pp%lld: loop %.0f, kernel %.0f, fused %.0f, auto %.0f;  ", gu.split.c_str(),
+                static_cast<long long>(gu.n), 2 * gu.loop_us + dn->loop_us, 2 * gu.kernel_us + dn->kernel_us,
+                2 * gu.fused_us + dn->fused_us, 2 * gu.auto_us + dn->auto_us);
+  }
+  std::printf("\n");
+  std::printf("\nexpert layer, q4_k, 128 experts x R rows each (matmul_experts kernel path vs cuBLAS loop; matvec: "
+              "the decode kernel, one launch over all 128R rows)\n");
+  std::printf("%-16s %6s %12s %12s %12s %12s %10s\n", "shape", "R", "kernel us", "fused us", "loop us", "matvec us",
+              "TFLOP/s");
+  for (const ExpertPoint& p : experts.per_expert)
+    std::printf("%-16s %6lld %12.1f %12.1f %12.1f %12.1f %10.1f\n", p.shape.c_str(),
+                static_cast<long long>(p.rows_per_expert), p.kernel_us, p.fused_us, p.loop_us, p.matvec_us,
+                p.kernel_tflops);
 }
 
 }  // namespace moraine::kernel_bench

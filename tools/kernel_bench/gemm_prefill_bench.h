@@ -2,8 +2,10 @@
 // Qwen3-30B-A3B's shapes and n = 512 / 8192 tokens: TFLOP/s of the whole call (X rounding,
 // weight expansion, cuBLAS) beside the card's BF16 peak measured with a plain cublasGemmEx, the
 // GEMM alone on an already expanded matrix, and the expansion (dequantize_weights) alone. Then
-// one MoE layer's 128 experts with R rows each, grouped cuBLAS call vs per-expert loop vs the
-// decode matvec on the same rows, which is where the expert threshold comes from.
+// one MoE layer's 128 experts (q4_k) at pp512 / pp8192 with uniform and Zipf-skewed token counts:
+// the grouped kernel path (expert_gemm.h) vs the previous one-cublasGemmEx-per-expert loop; and
+// 128 experts with R rows each, kernel path vs loop vs the decode matvec on the same rows, which
+// is where the expert threshold comes from.
 #pragma once
 #include <nlohmann/json.hpp>
 

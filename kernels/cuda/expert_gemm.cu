@@ -1,0 +1,412 @@
+// Grouped expert GEMM (expert_gemm.h). Both operands are K-contiguous ("TN"): W_g is rows x cols
+// row-major, X is tokens x cols row-major, so mma's A (M x K, row) is a W tile and its B (K x N,
+// col) is an X tile, and ldmatrix without .trans reads both from shared memory.
+//
+// Fragment maps (PTX ISA, mma.m16n8k16 with 16-bit A/B, F32 C), g = lane / 4, t = lane % 4:
+//   A regs a0..a3: (row g, k 2t..2t+1), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
+//   B regs b0, b1: (k 2t..2t+1, n g), (k 2t+8.., n g)
+//   C c0..c3:      (row g, n 2t), (row g, n 2t+1), (row g+8, n 2t), (row g+8, n 2t+1)
+// ldmatrix.x4 gives register i the 8x8 matrix whose 8 row addresses lanes 8i..8i+7 supplied, lane
+// holding (row lane/4, cols 2(lane%4)..+1); so lane l points at A row (l % 16), k (l / 16) * 8
+// (matrices: rows 0-7 k 0-7, rows 8-15 k 0-7, rows 0-7 k 8-15, rows 8-15 k 8-15 = a0..a3), and
+// for two n8 tiles of B at token (l % 8) + (l / 16) * 8, k ((l / 8) % 2) * 8 (matrices: n 0-7 k
+// 0-7, n 0-7 k 8-15, n 8-15 k 0-7, n 8-15 k 8-15 = b0, b1 of the first tile, b0, b1 of the second).
+#include "kernels/cuda/expert_gemm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace moraine::cuda {
+namespace {
+
+constexpr int kTileK = 32;             // K per stage: 64 bytes of each tile row
+constexpr int kSmemStride = kTileK + 8;  // 80-byte rows: the 8 rows of an ldmatrix hit 8 distinct bank quads
+constexpr int kStages = 3;             // cp.async pipeline depth (two tiles in flight while one is used)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, or 16 zero bytes when !valid (src-size 0: nothing is read, src
+// only has to be a valid address).
+__device__ __forceinline__ void copy_16_or_zero(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <GemmInput T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (T == GemmInput::BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Round to nearest even, as dequantize_weights does.
+template <GemmInput T>
+__device__ __forceinline__ unsigned short round_to_16(float v) {
+  if constexpr (T == GemmInput::BF16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+// One k16 step of a warp's kMt x kNt block of m16n8 tiles: A from a_lane (this lane's ldmatrix
+// row address, k already added), B from b_lane, both with row strides in elements.
+template <GemmInput T, int kMt, int kNt>
+__device__ __forceinline__ void warp_mma_k16(float (&acc)[kMt][kNt][4], const uint16_t* a_lane, int a_stride,
+                                             const uint16_t* b_lane, int b_stride) {
+  unsigned a[kMt][4];
+#pragma unroll
+  for (int i = 0; i < kMt; ++i) ldmatrix_x4(a[i], a_lane + i * 16 * a_stride);
+  unsigned b[kNt][2];
+#pragma unroll
+  for (int j = 0; j < kNt; j += 2) {
+    unsigned r[4];
+    ldmatrix_x4(r, b_lane + j * 8 * b_stride);
+    b[j][0] = r[0];
+    b[j][1] = r[1];
+    b[j + 1][0] = r[2];
+    b[j + 1][1] = r[3];
+  }
+#pragma unroll
+  for (int i = 0; i < kMt; ++i)
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) mma_16816<T>(acc[i][j], a[i], b[j][0], b[j][1]);
+}
+
+// The C fragments of a warp into Y: (row g / g+8, tokens 2t, 2t+1). Eight lanes of one t write 8
+// consecutive floats of one Y row: whole 32-byte sectors.
+template <int kMt, int kNt>
+__device__ __forceinline__ void store_warp_tile(const float (&acc)[kMt][kNt][4], float* yt, int64_t ldy, int warp_row,
+                                                int warp_token, int m_valid, int n_valid, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < kMt; ++i)
+#pragma unroll
+    for (int j = 0; j < kNt; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = warp_row + i * 16 + g + (q / 2) * 8;
+        const int n = warp_token + j * 8 + 2 * t + q % 2;
+        if (r < m_valid && n < n_valid) yt[static_cast<int64_t>(n) * ldy + r] = acc[i][j][q];
+      }
+}
+
+// Copies rows x (kChunks 16-byte pieces) of a K-contiguous operand into a shared tile with row
+// stride `stride` elements; rows at or past `valid` are zero-filled.
+template <int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void load_rows(uint16_t* dst, int stride, const uint16_t* src, int64_t src_stride, int k0,
+                                          int valid) {
+#pragma unroll
+  for (int c = static_cast<int>(threadIdx.x); c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, kc = (c % kChunks) * 8;
+    const bool ok = r < valid;
+    copy_16_or_zero(dst + r * stride + kc, ok ? src + r * src_stride + k0 + kc : src, ok);
+  }
+}
+
+// BM weight rows x BN tokens per CTA, WM x WN warps; weights already 16-bit in the workspace.
+template <GemmInput T, int BM, int BN, int WM, int WN>
+__global__ void __launch_bounds__(WM* WN * 32)
+    expert_gemm_kernel(const uint16_t* __restrict__ weights, int64_t slot_stride, int rows, int cols,
+                       const uint16_t* __restrict__ x, const ExpertGemmTile* __restrict__ tiles, float* __restrict__ y,
+                       int64_t ldy) {
+  constexpr int kThreads = WM * WN * 32;
+  constexpr int kWarpRows = BM / WM, kWarpTokens = BN / WN;
+  constexpr int kMt = kWarpRows / 16, kNt = kWarpTokens / 8;
+  static_assert(kWarpRows % 16 == 0 && kWarpTokens % 16 == 0, "warp tile: m16 blocks, pairs of n8 blocks");
+  __shared__ __align__(128) uint16_t sa[kStages][BM * kSmemStride];
+  __shared__ __align__(128) uint16_t sb[kStages][BN * kSmemStride];
+
+  const ExpertGemmTile tile = tiles[blockIdx.x];
+  const int row0 = static_cast<int>(blockIdx.y) * BM;
+  const int m_valid = min(BM, rows - row0);
+  const uint16_t* wa = weights + static_cast<int64_t>(tile.slot) * slot_stride + static_cast<int64_t>(row0) * cols;
+  const uint16_t* xb = x + static_cast<int64_t>(tile.x_row) * cols;
+  const auto load_stage = [&](int stage, int k0) {
+    load_rows<BM, kTileK / 8, kThreads>(sa[stage], kSmemStride, wa, cols, k0, m_valid);
+    load_rows<BN, kTileK / 8, kThreads>(sb[stage], kSmemStride, xb, cols, k0, tile.count);
+  };
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warp_row = (warp % WM) * kWarpRows, warp_token = (warp / WM) * kWarpTokens;
+  float acc[kMt][kNt][4] = {};
+  const int k_tiles = cols / kTileK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s * kTileK);
+    commit_group();
+  }
+  // This lane's ldmatrix row addresses within a stage (see the file comment).
+  const int a_off = (warp_row + lane % 16) * kSmemStride + (lane / 16) * 8;
+  const int b_off = (warp_token + lane % 8 + (lane / 16) * 8) * kSmemStride + ((lane / 8) % 2) * 8;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    // Groups committed so far: kStages - 1 + kt; all but the newest kStages - 2 done = tile kt.
+    wait_group<kStages - 2>();
+    __syncthreads();  // tile kt visible to all; every warp is past tile kt - 1, whose stage is refilled next
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next * kTileK);
+    commit_group();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += 16)
+      warp_mma_k16<T>(acc, sa[kt % kStages] + a_off + kk, kSmemStride, sb[kt % kStages] + b_off + kk, kSmemStride);
+  }
+  wait_group<0>();  // no copy may still target shared memory when the CTA exits
+  store_warp_tile(acc, y + static_cast<int64_t>(tile.x_row) * ldy + row0, ldy, warp_row, warp_token, m_valid,
+                  tile.count, lane);
+}
+
+// The same product with Q4_K weights decoded inside the kernel (no expansion pass): per stage of
+// 64 K, each weight row's 16-byte block header (d, dmin, packed scales) and the 32 quant bytes of
+// sub-blocks 2p, 2p+1 go to shared memory by cp.async; after the barrier each thread decodes one
+// row's 32-element sub-block with dequantize_weights' float expressions (__fmul_rn / __fsub_rn,
+// round to nearest even), so the A tile holds exactly the expanded path's 16-bit values and the
+// mma sequence (k16 steps in K order) is the same: the result equals the expanded path's bit
+// for bit. weight_of[slot] is the slot's Q4_K matrix (rows x cols, 16-byte aligned).
+constexpr int kQ4TileK = 64;
+constexpr int kQ4RawBytes = 48;  // header 16 + quants 32 per row and stage
+constexpr int kQ4Stride = kQ4TileK + 8;  // 144-byte rows: conflict-free ldmatrix
+
+template <int BM, int BN>
+constexpr int q4k_smem_bytes() {
+  return kStages * (BM * kQ4RawBytes + BN * kQ4Stride * 2) + BM * kQ4Stride * 2;
+}
+
+template <GemmInput T, int BM, int BN, int WM, int WN>
+__global__ void __launch_bounds__(WM* WN * 32)
+    expert_gemm_q4k_kernel(const uint8_t* const* __restrict__ weight_of, int rows, int cols,
+                           const uint16_t* __restrict__ x, const ExpertGemmTile* __restrict__ tiles,
+                           float* __restrict__ y, int64_t ldy) {
+  constexpr int kThreads = WM * WN * 32;
+  constexpr int kWarpRows = BM / WM, kWarpTokens = BN / WN;
+  constexpr int kMt = kWarpRows / 16, kNt = kWarpTokens / 8;
+  static_assert(kWarpRows % 16 == 0 && kWarpTokens % 16 == 0, "warp tile: m16 blocks, pairs of n8 blocks");
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* raw = smem;                                                          // [kStages][BM][48]
+  uint16_t* sb = reinterpret_cast<uint16_t*>(smem + kStages * BM * kQ4RawBytes);  // [kStages][BN][kQ4Stride]
+  uint16_t* sa = sb + kStages * BN * kQ4Stride;                                  // [BM][kQ4Stride]
+
+  const ExpertGemmTile tile = tiles[blockIdx.x];
+  const int row0 = static_cast<int>(blockIdx.y) * BM;
+  const int m_valid = min(BM, rows - row0);
+  const int64_t row_bytes = static_cast<int64_t>(cols / 256) * 144;
+  const uint8_t* wq = weight_of[tile.slot] + static_cast<int64_t>(row0) * row_bytes;
+  const uint16_t* xb = x + static_cast<int64_t>(tile.x_row) * cols;
+  const auto load_stage = [&](int stage, int kt) {
+    const int64_t block = static_cast<int64_t>(kt / 4) * 144;  // super-block of K tile kt, quants 32p..32p+31
+    const int quants = 16 + 32 * (kt % 4);
+#pragma unroll
+    for (int c = static_cast<int>(threadIdx.x); c < BM * 3; c += kThreads) {
+      const int r = c / 3, piece = c % 3;
+      const bool ok = r < m_valid;
+      const uint8_t* src = wq + static_cast<int64_t>(r) * row_bytes + block + (piece == 0 ? 0 : quants + 16 * (piece - 1));
+      copy_16_or_zero(raw + (stage * BM + r) * kQ4RawBytes + 16 * piece, ok ? src : wq, ok);
+    }
+    load_rows<BN, kQ4TileK / 8, kThreads>(sb + stage * BN * kQ4Stride, kQ4Stride, xb, cols, kt * kQ4TileK, tile.count);
+  };
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warp_row = (warp % WM) * kWarpRows, warp_token = (warp / WM) * kWarpTokens;
+  float acc[kMt][kNt][4] = {};
+  const int k_tiles = cols / kQ4TileK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    commit_group();
+  }
+  const int a_off = (warp_row + lane % 16) * kQ4Stride + (lane / 16) * 8;
+  const int b_off = (warp_token + lane % 8 + (lane / 16) * 8) * kQ4Stride + ((lane / 8) % 2) * 8;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    wait_group<kStages - 2>();
+    __syncthreads();  // raw and X of tile kt visible; every warp is done with sa and with stage kt - 1
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
+    commit_group();
+    // Decode: task (row r, half h) = sub-block j = 2p + h of the row, 32 elements.
+    const int p = kt % 4;
+#pragma unroll
+    for (int task = static_cast<int>(threadIdx.x); task < BM * 2; task += kThreads) {
+      const int r = task / 2, h = task % 2, j = 2 * p + h;
+      const uint8_t* b = raw + ((kt % kStages) * BM + r) * kQ4RawBytes;
+      const float d = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(b)));
+      const float dmin = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(b + 2)));
+      const uint8_t* packed = b + 4;
+      int sc, m;
+      if (j < 4) {
+        sc = packed[j] & 63;
+        m = packed[j + 4] & 63;
+      } else {
+        sc = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 6) << 4);
+        m = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+      }
+      const float dl = __fmul_rn(d, static_cast<float>(sc)), ml = __fmul_rn(dmin, static_cast<float>(m));
+      const uint4* qv = reinterpret_cast<const uint4*>(b + 16);
+      uint4* dst = reinterpret_cast<uint4*>(sa + r * kQ4Stride + 32 * h);
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {  // 16 quant bytes -> 16 elements -> two 16-byte stores
+        const uint4 w = qv[v];
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        unsigned out[8];
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+          unsigned short pair[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const unsigned byte = (words[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xffu;
+            const int q = static_cast<int>(h ? (byte >> 4) : (byte & 0x0fu));
+            pair[u] = round_to_16<T>(__fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml));
+          }
+          out[e / 2] = static_cast<unsigned>(pair[0]) | (static_cast<unsigned>(pair[1]) << 16);
+        }
+        dst[2 * v] = make_uint4(out[0], out[1], out[2], out[3]);
+        dst[2 * v + 1] = make_uint4(out[4], out[5], out[6], out[7]);
+      }
+    }
+    __syncthreads();  // the decoded A tile complete
+    const uint16_t* sb_s = sb + (kt % kStages) * BN * kQ4Stride;
+#pragma unroll
+    for (int kk = 0; kk < kQ4TileK; kk += 16)
+      warp_mma_k16<T>(acc, sa + a_off + kk, kQ4Stride, sb_s + b_off + kk, kQ4Stride);
+  }
+  wait_group<0>();
+  store_warp_tile(acc, y + static_cast<int64_t>(tile.x_row) * ldy + row0, ldy, warp_row, warp_token, m_valid,
+                  tile.count, lane);
+}
+
+template <GemmInput T>
+void launch(ExpertTiles shape, const void* weights, int64_t slot_stride, int64_t rows, int64_t cols, const void* x,
+            const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  const auto* w = static_cast<const uint16_t*>(weights);
+  const auto* xs = static_cast<const uint16_t*>(x);
+  const int bm = expert_tile_rows(shape);
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + bm - 1) / bm));
+  if (shape == ExpertTiles::Large)
+    expert_gemm_kernel<T, 128, 64, 4, 2><<<grid, 256, 0, stream>>>(w, slot_stride, static_cast<int>(rows),
+                                                                    static_cast<int>(cols), xs, tiles, y, ldy);
+  else
+    expert_gemm_kernel<T, 64, 32, 2, 2><<<grid, 128, 0, stream>>>(w, slot_stride, static_cast<int>(rows),
+                                                                   static_cast<int>(cols), xs, tiles, y, ldy);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <GemmInput T, int BM, int BN, int WM, int WN>
+void launch_q4k_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                      const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  constexpr int kBytes = q4k_smem_bytes<BM, BN>();
+  auto* kernel = expert_gemm_q4k_kernel<T, BM, BN, WM, WN>;
+  // Above the 48 KiB default the kernel must opt in, once per kernel (and device: one here).
+  static const cudaError_t opted = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  CUDA_CHECK(opted);
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
+  kernel<<<grid, WM * WN * 32, kBytes, stream>>>(reinterpret_cast<const uint8_t* const*>(weight_of),
+                                                 static_cast<int>(rows), static_cast<int>(cols),
+                                                 static_cast<const uint16_t*>(x), tiles, y, ldy);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <GemmInput T>
+void launch_q4k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  if (shape == ExpertTiles::Large)
+    launch_q4k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  else
+    launch_q4k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+}
+
+}  // namespace
+
+int expert_tile_rows(ExpertTiles shape) { return shape == ExpertTiles::Large ? 128 : 64; }
+int expert_tile_tokens(ExpertTiles shape) { return shape == ExpertTiles::Large ? 64 : 32; }
+
+void expert_gemm_tiles(ExpertTiles shape, int32_t slot, int64_t first_row, int64_t count,
+                       std::vector<ExpertGemmTile>& out) {
+  if (slot < 0 || first_row < 0 || count < 0 || first_row + count > (int64_t{1} << 31) - 1)
+    throw std::invalid_argument("expert_gemm_tiles: slot " + std::to_string(slot) + ", rows " +
+                                std::to_string(first_row) + " + " + std::to_string(count) +
+                                ": need slot >= 0, first_row >= 0, count >= 0 and an end below 2^31");
+  const int64_t bn = expert_tile_tokens(shape);
+  for (int64_t t0 = 0; t0 < count; t0 += bn)
+    out.push_back({slot, static_cast<int32_t>(first_row + t0), static_cast<int32_t>(std::min(bn, count - t0)), 0});
+}
+
+void expert_gemm(GemmInput type, ExpertTiles shape, const void* weights, int64_t slot_stride, int64_t rows,
+                 int64_t cols, const void* x, const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy,
+                 cudaStream_t stream) {
+  const std::string shape_text = " (rows " + std::to_string(rows) + ", cols " + std::to_string(cols) + ", ldy " +
+                                 std::to_string(ldy) + ", " + std::to_string(n_tiles) + " tiles)";
+  if (rows < 1 || cols < kTileK || cols % kTileK != 0 || cols > (int64_t{1} << 30) || ldy < rows ||
+      (rows + expert_tile_rows(shape) - 1) / expert_tile_rows(shape) > 65535 || n_tiles < 0)
+    throw std::invalid_argument("expert_gemm: need rows >= 1 in at most 65535 row tiles, cols a positive multiple of 32, "
+                                "ldy >= rows and n_tiles >= 0" + shape_text);
+  if (slot_stride < rows * cols || slot_stride % 8 != 0)
+    throw std::invalid_argument("expert_gemm: slot_stride " + std::to_string(slot_stride) +
+                                " must be a multiple of 8 and at least rows * cols" + shape_text);
+  if (n_tiles == 0) return;
+  if (weights == nullptr || x == nullptr || y == nullptr || tiles == nullptr ||
+      reinterpret_cast<uintptr_t>(weights) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    throw std::invalid_argument("expert_gemm: null pointer, or weights / x not 16-byte aligned" + shape_text);
+  if (type == GemmInput::BF16)
+    launch<GemmInput::BF16>(shape, weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  else
+    launch<GemmInput::F16>(shape, weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+}
+
+}  // namespace moraine::cuda
+
+namespace moraine::cuda {
+
+bool expert_gemm_fused_supported(TensorType weight) { return weight == TensorType::Q4_K; }
+
+void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, const void* const* weight_of, int64_t rows,
+                       int64_t cols, const void* x, const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy,
+                       cudaStream_t stream) {
+  const std::string shape_text = " (weight " + std::string(type_name(weight)) + ", rows " + std::to_string(rows) +
+                                 ", cols " + std::to_string(cols) + ", ldy " + std::to_string(ldy) + ", " +
+                                 std::to_string(n_tiles) + " tiles)";
+  if (!expert_gemm_fused_supported(weight))
+    throw std::invalid_argument("expert_gemm_fused: only q4_k weights are decoded in the kernel" + shape_text);
+  if (rows < 1 || cols < 256 || cols % 256 != 0 || cols > (int64_t{1} << 30) || ldy < rows ||
+      (rows + expert_tile_rows(shape) - 1) / expert_tile_rows(shape) > 65535 || n_tiles < 0)
+    throw std::invalid_argument("expert_gemm_fused: need rows >= 1 in at most 65535 row tiles, cols a positive "
+                                "multiple of 256, ldy >= rows and n_tiles >= 0" + shape_text);
+  if (n_tiles == 0) return;
+  if (weight_of == nullptr || x == nullptr || y == nullptr || tiles == nullptr ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    throw std::invalid_argument("expert_gemm_fused: null pointer, or x not 16-byte aligned" + shape_text);
+  if (type == GemmInput::BF16)
+    launch_q4k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  else
+    launch_q4k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+}
+
+}  // namespace moraine::cuda
