@@ -22,6 +22,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/matvec_formats.cuh"
 
 namespace moraine::cuda {
 namespace {
@@ -262,13 +263,7 @@ __global__ void __launch_bounds__(WM* WN * 32)
       const float dmin = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(b + 2)));
       const uint8_t* packed = b + 4;
       int sc, m;
-      if (j < 4) {
-        sc = packed[j] & 63;
-        m = packed[j + 4] & 63;
-      } else {
-        sc = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 6) << 4);
-        m = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
-      }
+      matvec_detail::scale_min_k4(packed, j, sc, m);
       const float dl = __fmul_rn(d, static_cast<float>(sc)), ml = __fmul_rn(dmin, static_cast<float>(m));
       const uint4* qv = reinterpret_cast<const uint4*>(b + 16);
       uint4* dst = reinterpret_cast<uint4*>(sa + r * kQ4Stride + 32 * h);
