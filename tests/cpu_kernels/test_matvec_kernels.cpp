@@ -56,14 +56,11 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
   for (TensorType t : kExpertFormats) {
     const Matrix m = random_matrix(t, kRows, kCols, 100 * static_cast<uint32_t>(t));
     const TensorType at = dot_activation_type(t);
-    const size_t arb = row_bytes(at, kCols);
-    std::vector<uint8_t> acts(arb * kMaxTok);
-    std::vector<float> a_deq(static_cast<size_t>(kCols * kMaxTok));
-    for (int i = 0; i < kMaxTok; ++i) {
-      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 9000 + static_cast<uint32_t>(i));
-      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
-      dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * kCols, kCols);
-    }
+    // The kMaxTok activation rows the dot kernels take (quantized) and their exact values.
+    const Matrix acts_m = random_matrix(at, kMaxTok, kCols, 9000);
+    const size_t arb = acts_m.rb;
+    const std::vector<uint8_t>& acts = acts_m.q;
+    const std::vector<float>& a_deq = acts_m.deq;
     // Tokens gathered out of order, as an expert's routed subset is.
     std::vector<int32_t> tok(kMaxTok);
     for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 7 + 3) % kMaxTok;
@@ -151,14 +148,11 @@ TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
     for (int64_t cols : {32, 64, 96, 128, 160, 224, 480}) {
       const Matrix m = random_matrix(t, kRows, cols, 7 * static_cast<uint32_t>(cols) + static_cast<uint32_t>(t));
       const TensorType at = dot_activation_type(t);
-      const size_t arb = row_bytes(at, cols);
-      std::vector<uint8_t> acts(arb * kMaxTok);
-      std::vector<float> a_deq(static_cast<size_t>(cols * kMaxTok));
-      for (int i = 0; i < kMaxTok; ++i) {
-        const std::vector<float> x = test::random_row(test::kAllDists[i % 3], cols, 500 + static_cast<uint32_t>(i + 10 * cols));
-        quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, cols);
-        dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * cols, cols);
-      }
+      // The kMaxTok activation rows the dot kernels take (quantized) and their exact values.
+      const Matrix acts_m = random_matrix(at, kMaxTok, cols, 500 + 10 * static_cast<uint32_t>(cols));
+      const size_t arb = acts_m.rb;
+      const std::vector<uint8_t>& acts = acts_m.q;
+      const std::vector<float>& a_deq = acts_m.deq;
       for (int tiles = 0; tiles < 3; ++tiles) {
         const bool vbmi = tiles < 2;
         cpu::set_matvec_tiles({vbmi, vbmi, vbmi, true, tiles == 1});
@@ -240,14 +234,11 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
     const Matrix up = random_matrix(t, kRows, kCols, 600 + static_cast<uint32_t>(t));
     const Matrix far = random_matrix(t, 8, kCols, 900 + static_cast<uint32_t>(t));  // the background lines
     const TensorType at = dot_activation_type(t);
-    const size_t arb = row_bytes(at, kCols);
-    std::vector<uint8_t> acts(arb * kMaxTok);
-    std::vector<float> a_deq(static_cast<size_t>(kCols * kMaxTok));
-    for (int i = 0; i < kMaxTok; ++i) {
-      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 1200 + static_cast<uint32_t>(i));
-      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
-      dequantize_row(at, acts.data() + static_cast<size_t>(i) * arb, a_deq.data() + i * kCols, kCols);
-    }
+    // The kMaxTok activation rows the dot kernels take (quantized) and their exact values.
+    const Matrix acts_m = random_matrix(at, kMaxTok, kCols, 1200);
+    const size_t arb = acts_m.rb;
+    const std::vector<uint8_t>& acts = acts_m.q;
+    const std::vector<float>& a_deq = acts_m.deq;
     std::vector<int32_t> tok(kMaxTok);
     for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 3 + 1) % kMaxTok;
     const cpu::PrefetchRegion bg[2] = {{far.q.data(), far.q.size()}, {gate.q.data() + 100, 3000}};
