@@ -13,6 +13,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm_input_round.cuh"
 
 namespace moraine::cuda {
 namespace {
@@ -165,15 +166,6 @@ struct DequantPlain {
   }
 };
 
-template <GemmInput O>
-__device__ __forceinline__ unsigned short round_to_input(float v) {
-  if constexpr (O == GemmInput::BF16) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    return __half_as_ushort(__float2half_rn(v));
-  }
-}
-
 struct MatrixList {
   const uint8_t* w[kMaxMatricesPerLaunch];
 };
@@ -190,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
   uint4 packed[4];
   unsigned short* h = reinterpret_cast<unsigned short*>(packed);
 #pragma unroll
-  for (int l = 0; l < kSliceElems; ++l) h[l] = round_to_input<O>(y[l]);
+  for (int l = 0; l < kSliceElems; ++l) h[l] = round_to_gemm_input<O>(y[l]);
   uint4* dst = reinterpret_cast<uint4*>(out + m * elems + s * kSliceElems);
 #pragma unroll
   for (int i = 0; i < 4; ++i) dst[i] = packed[i];
@@ -201,8 +193,8 @@ __global__ void convert_kernel(const float4* __restrict__ x, int64_t quads, uint
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float4 v = x[i];
-    const unsigned a = round_to_input<O>(v.x), b = round_to_input<O>(v.y), c = round_to_input<O>(v.z),
-                   d = round_to_input<O>(v.w);
+    const unsigned a = round_to_gemm_input<O>(v.x), b = round_to_gemm_input<O>(v.y);
+    const unsigned c = round_to_gemm_input<O>(v.z), d = round_to_gemm_input<O>(v.w);
     out[i] = make_uint2(a | (b << 16), c | (d << 16));
   }
 }

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm_input_round.cuh"
 #include "kernels/cuda/matvec_formats.cuh"
 
 namespace moraine::cuda {
@@ -68,16 +69,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
         "{%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Round to nearest even, as dequantize_weights does.
-template <GemmInput T>
-__device__ __forceinline__ unsigned short round_to_16(float v) {
-  if constexpr (T == GemmInput::BF16) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    return __half_as_ushort(__float2half_rn(v));
   }
 }
 
@@ -279,7 +270,7 @@ __global__ void __launch_bounds__(WM* WN * 32)
           for (int u = 0; u < 2; ++u) {
             const unsigned byte = (words[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xffu;
             const int q = static_cast<int>(h ? (byte >> 4) : (byte & 0x0fu));
-            pair[u] = round_to_16<T>(__fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml));
+            pair[u] = round_to_gemm_input<T>(__fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml));
           }
           out[e / 2] = static_cast<unsigned>(pair[0]) | (static_cast<unsigned>(pair[1]) << 16);
         }
