@@ -48,6 +48,24 @@ Matrix random_matrix(TensorType t, int64_t rows, int64_t cols, uint32_t seed) {
   return m;
 }
 
+// y = weight row r of m . activation row a (its quantized bytes at act_row, its exact values in
+// row a of a_deq) against the scalar reference dot: equal when `exact`, else within the float
+// order bound of the block sums, 2 (blocks + 20) u sum |w x|.
+void check_dot(const Matrix& m, int64_t r, const uint8_t* act_row, const std::vector<float>& a_deq, size_t a, bool exact,
+               float y, const std::string& where) {
+  const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
+  const float ref = vec_dot_reference(m.type, m.cols, wrow, act_row);
+  if (exact) {
+    ASSERT_EQ(y, ref) << where;
+    return;
+  }
+  const std::vector<uint8_t> wq(wrow, wrow + m.rb);
+  const std::vector<float> wd(m.deq.begin() + r * m.cols, m.deq.begin() + (r + 1) * m.cols);
+  const std::vector<float> ad(a_deq.begin() + static_cast<int64_t>(a) * m.cols, a_deq.begin() + static_cast<int64_t>(a + 1) * m.cols);
+  const double adds = static_cast<double>(m.cols / type_traits(m.type).block_elems) + 16.0;
+  ASSERT_NEAR(y, ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(m.type, wq, wd, ad)) << where;
+}
+
 TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
   test::IsaCapGuard guard;
   constexpr int64_t kCols = 512, kRows = 37;  // two super-blocks; an odd row count
@@ -81,23 +99,14 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
         for (int i = 0; i < n_tok; ++i) {
           const size_t ti = static_cast<size_t>(tok[static_cast<size_t>(i)]);
           for (int64_t r = 3; r < kRows; ++r) {
-            const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
-            const float ref = vec_dot_reference(t, kCols, wrow, acts.data() + ti * arb);
-            const float got = y[static_cast<size_t>(i * kRows + r)];
             const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + (tiles ? " older tiles" : "") +
                                       " n_tok " + std::to_string(n_tok) +
                                       " row " + std::to_string(r) + " token " + std::to_string(ti);
             // The AMX prefill path is exact for every format it takes (integer tile sums, the
             // reference's float expression per block in block order).
-            if (exact_kernels(t) || isa == cpu::CpuIsa::Scalar || cpu::matvec_uses_amx(t, n_tok)) {
-              ASSERT_EQ(got, ref) << where;
-            } else {
-              const std::vector<uint8_t> wq(wrow, wrow + m.rb);
-              const std::vector<float> wd(m.deq.begin() + r * kCols, m.deq.begin() + (r + 1) * kCols);
-              const std::vector<float> ad(a_deq.begin() + static_cast<int64_t>(ti) * kCols, a_deq.begin() + static_cast<int64_t>(ti + 1) * kCols);
-              const double adds = static_cast<double>(kCols / type_traits(t).block_elems) + 16.0;
-              ASSERT_NEAR(got, ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad)) << where;
-            }
+            const bool exact = exact_kernels(t) || isa == cpu::CpuIsa::Scalar || cpu::matvec_uses_amx(t, n_tok);
+            ASSERT_NO_FATAL_FAILURE(
+                check_dot(m, r, acts.data() + ti * arb, a_deq, ti, exact, y[static_cast<size_t>(i * kRows + r)], where));
             ++checked;
           }
           EXPECT_TRUE(std::isnan(y[static_cast<size_t>(i * kRows + 2)])) << "row 2 is outside the slice and must stay untouched";
@@ -164,14 +173,11 @@ TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
             cpu::matvec_tokens(t, cols, m.q.data(), 1, kRows, acts.data(), arb, nullptr, n_tok, y.data(), kRows);
             for (int i = 0; i < n_tok; ++i) {
               for (int64_t r = 1; r < kRows; ++r) {
-                const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
-                const float ref = vec_dot_reference(t, cols, wrow, acts.data() + static_cast<size_t>(i) * arb);
-                const std::vector<uint8_t> wq(wrow, wrow + m.rb);
-                const std::vector<float> wd(m.deq.begin() + r * cols, m.deq.begin() + (r + 1) * cols);
-                const std::vector<float> ad(a_deq.begin() + i * cols, a_deq.begin() + (i + 1) * cols);
-                const double adds = static_cast<double>(cols / type_traits(t).block_elems) + 16.0;
-                ASSERT_NEAR(y[static_cast<size_t>(i * kRows + r)], ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad))
-                    << type_name(t) << " " << cpu::isa_name(isa) << " cols " << cols << " tiles " << tiles << " n_tok " << n_tok << " row " << r;
+                const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + " cols " +
+                                          std::to_string(cols) + " tiles " + std::to_string(tiles) + " n_tok " +
+                                          std::to_string(n_tok) + " row " + std::to_string(r);
+                ASSERT_NO_FATAL_FAILURE(check_dot(m, r, acts.data() + static_cast<size_t>(i) * arb, a_deq,
+                                                  static_cast<size_t>(i), false, y[static_cast<size_t>(i * kRows + r)], where));
                 ++checked;
               }
               EXPECT_TRUE(std::isnan(y[static_cast<size_t>(i * kRows)])) << "row 0 is outside the slice";
@@ -272,17 +278,8 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
                                           " n_tok " + std::to_string(n_tok) + " run [" + std::to_string(run.row_begin) + ", " +
                                           std::to_string(run.row_end) + ") row " + std::to_string(r);
                 ASSERT_EQ(got, alone[static_cast<size_t>(i * kRows + r)]) << where;
-                const uint8_t* wrow = m.q.data() + static_cast<size_t>(r) * m.rb;
-                const float ref = vec_dot_reference(t, kCols, wrow, acts.data() + ti * arb);
-                if (exact_kernels(t) || isa == cpu::CpuIsa::Scalar) {
-                  ASSERT_EQ(got, ref) << where;
-                } else {
-                  const std::vector<uint8_t> wq(wrow, wrow + m.rb);
-                  const std::vector<float> wd(m.deq.begin() + r * kCols, m.deq.begin() + (r + 1) * kCols);
-                  const std::vector<float> ad(a_deq.begin() + static_cast<int64_t>(ti) * kCols, a_deq.begin() + static_cast<int64_t>(ti + 1) * kCols);
-                  const double adds = static_cast<double>(kCols / type_traits(t).block_elems) + 16.0;
-                  ASSERT_NEAR(got, ref, 2.0 * (adds + 4.0) * kU * test::dot_magnitude(t, wq, wd, ad)) << where;
-                }
+                ASSERT_NO_FATAL_FAILURE(check_dot(m, r, acts.data() + ti * arb, a_deq, ti,
+                                                  exact_kernels(t) || isa == cpu::CpuIsa::Scalar, got, where));
                 ++checked;
               }
             }
