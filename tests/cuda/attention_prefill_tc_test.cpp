@@ -135,6 +135,77 @@ void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated,
   }
 }
 
+// The bound above is dominated by the mma chains, loose enough that dropping q_lo or P_lo would
+// pass it; this check isolates the split. K and V one-hot: position j's kv head holds c_j
+// (+-2^e, e in -2..3) in K and w_j (a random half) in V, both at dim j (n_kv <= head_dim), zeros
+// elsewhere. Then every mma sum has one nonzero product (q_hi c_j and p_hi w_j are exact: 11 x
+// 11 bits) plus the lo product: one truncated addition (2u), and adding zeros is exact. So
+//   ds_j <= (4.004 + 2) u scale |q_j c_j| + 2^-25 scale |c_j| + u |s_j|   (split, the add, scale);
+//   e_p as above; output dim d < n_kv is p_d w_d / l: the numerator carries P's split (4.004u,
+//   2^-40 |w_d| absolute), its add (2u) and the later tiles' rescales (u a tile), l and the final
+//   1/l as above: rel = 2 e_p + (6.004 + tiles) u + (kBc / 4 + 2 + 2 tiles) u + 2u, ~400u here.
+//   Dims d >= n_kv are exact zeros. Without the split an operand errs by up to 2^-12 = 4096u.
+void check_split(const cuda::AttentionShape& s, int64_t n, int64_t n_past, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
+  ASSERT_LE(n_ctx, hd) << "one-hot rows need a dim per position";
+  // Wide q (sd 3) so the scores spread and the running max moves.
+  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(n * qd), 3.0f);
+  std::vector<float> kc(static_cast<size_t>(n_ctx * s.kv_stride), 0.0f), vc(kc.size(), 0.0f);
+  std::uniform_int_distribution<int> exponent(-2, 3), sign(0, 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t j = 0; j < n_ctx; ++j)
+    for (int64_t g = 0; g < s.n_head_kv; ++g) {
+      kc[j * s.kv_stride + g * hd + j] = std::ldexp(sign(rng) ? 1.0f : -1.0f, exponent(rng));
+      vc[j * s.kv_stride + g * hd + j] = normal(rng);
+    }
+  const std::vector<uint16_t> k16 = round_to_half(kc), v16 = round_to_half(vc);
+
+  cuda::DeviceBuffer<float> dq(q.size()), dout(q.size());
+  cuda::DeviceBuffer<__half> dk(k16.size()), dv(v16.size());
+  dq.upload(q.data(), q.size());
+  dk.upload(reinterpret_cast<const __half*>(k16.data()), k16.size());
+  dv.upload(reinterpret_cast<const __half*>(v16.data()), v16.size());
+  dout.fill_bytes(0xff);
+  cuda::attention_prefill_tc(s, dq.get(), dk.get(), dv.get(), n, n_past, nullptr, 0, 0, dout.get());
+  std::vector<float> got(q.size());
+  dout.download(got.data(), got.size());
+
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < s.n_head; ++h) {
+      const int64_t n_kv = n_past + t + 1, g = h / group;
+      const float* qh = q.data() + (t * s.n_head + h) * hd;
+      std::vector<double> p(static_cast<size_t>(n_kv));
+      double mx = -INFINITY, max_ds = 0, max_s = 0;
+      for (int64_t j = 0; j < n_kv; ++j) {
+        const double c = kc[j * s.kv_stride + g * hd + j];
+        p[j] = double(qh[j]) * c * s.scale;
+        max_ds = std::max(max_ds, 6.004 * u * s.scale * std::fabs(double(qh[j]) * c) +
+                                      std::ldexp(1.0, -25) * s.scale * std::fabs(c) + u * std::fabs(p[j]));
+        max_s = std::max(max_s, std::fabs(p[j]));
+        mx = std::max(mx, p[j]);
+      }
+      double sum = 0;
+      for (double& v : p) sum += (v = std::exp(v - mx));
+      const double tiles = std::ceil(double(n_kv) / kMinTile);
+      const double e_p = 2 * max_ds + 4 * u * max_s + (2 + 3 * tiles) * u;
+      const double rel = 2 * e_p + (6.004 + tiles) * u + (kMaxTile / 4 + 2 + 2 * tiles) * u + 2 * u;
+      for (int64_t d = 0; d < hd; ++d) {
+        double o = 0, tol = 0;
+        if (d < n_kv) {
+          const double w = vc[d * s.kv_stride + g * hd + d];
+          o = p[d] / sum * w;
+          tol = rel * std::fabs(o) + std::ldexp(1.0, -40) * std::fabs(w) / sum;
+        }
+        const float gd = got[(t * s.n_head + h) * hd + d];
+        ASSERT_LE(std::fabs(gd - o), tol + 1e-30)
+            << "row " << t << " head " << h << " dim " << d << ": got " << gd << ", exact " << o << ", tol " << tol;
+      }
+    }
+  }
+}
+
 TEST(CudaAttentionPrefillTc, MatchesExactAttentionOnTheHalfValues) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   check(cuda_test::attention_shape(32, 4, 128, 8), 200, 0, false, 201);   // Qwen3-30B, a prefill from empty
@@ -144,6 +215,13 @@ TEST(CudaAttentionPrefillTc, MatchesExactAttentionOnTheHalfValues) {
   check(cuda_test::attention_shape(4, 4, 256, 8), 40, 20, false, 205);    // no grouping
   check(cuda_test::attention_shape(32, 4, 128, 8), 1, 0, false, 206);     // a single row and position
   check(cuda_test::attention_shape(8, 1, 128, 8), 150, 900, false, 207);  // ~30 KV tiles, both buffers many times
+}
+
+TEST(CudaAttentionPrefillTc, SplitOperandsKeepF32Accuracy) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_split(cuda_test::attention_shape(32, 4, 128, 8), 100, 20, 301);  // Qwen3-30B: 2 KV tiles of 64
+  check_split(cuda_test::attention_shape(16, 2, 256, 8), 60, 150, 302);  // qwen3next's head_dim: 7 tiles of 32
+  check_split(cuda_test::attention_shape(6, 2, 128, 8), 75, 5, 303);     // group of 3: tiles cut mid-row
 }
 
 TEST(CudaAttentionPrefillTcArguments, RejectsWhatItDoesNotTake) {
