@@ -8,9 +8,9 @@
 // attention_prefill.
 //
 // Narrower than attention_prefill: head_dim 128 or 256 only, kv_stride a multiple of 8 halves and
-// both caches 16-byte aligned (each K/V row moves by 16-byte cp.async), |q| below 65504 (q_hi is a
-// half: a larger q becomes inf). Anything else throws std::invalid_argument so the caller can keep
-// attention_prefill; attention_prefill_tc_supports says so beforehand.
+// both caches 16-byte aligned (each K/V row moves by 16-byte cp.async). Anything else throws
+// std::invalid_argument so the caller can keep attention_prefill; attention_prefill_tc_supports says
+// so beforehand. q has no range limit: a CTA scales its query tile by a power of two before the split.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
