@@ -42,6 +42,8 @@ constexpr float kPUnscale = 1.0f / 32768.0f;
 // Positions per KV tile: 64 at head_dim 128 (S and P take 64 registers, O 64), 32 at 256 (O takes
 // 128). Shared memory: Q hi/lo 64 rows + K and V 2 x kBc rows, each row head_dim + 8 halves (the 8
 // rows of an ldmatrix then start in distinct bank quads): 102 KB at 128 (2 CTAs per SM), 132 KB at 256.
+// ptxas (sm_90, CUDA 13.0): 168 registers at 128 (16 B of spills), 255 and ~90 B of spills at 256.
+// Neither tile size has been timed yet.
 template <int HD>
 struct TcTile {
   static constexpr int kBc = HD == 128 ? 64 : 32;
