@@ -17,6 +17,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
+#include "kernels/cuda/attention_prefill_tc.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
@@ -413,6 +414,11 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
         cuda::attention_prefill(s, q.get(), kc16.get(), vc16.get(), n, 0, nullptr, 0, 0, out.get());
       }, min_ms);
       add("attention_prefill (tiled) F16 KV", shape, ms16, flops, "TFLOP/s");
+      // The tensor-core variant (attention_prefill_tc.h) on the same cache: the row to compare.
+      const double ms_tc = ms_per_call([&](int) {
+        cuda::attention_prefill_tc(s, q.get(), kc16.get(), vc16.get(), n, 0, nullptr, 0, 0, out.get());
+      }, min_ms);
+      add("attention_prefill_tc F16 KV", shape, ms_tc, flops, "TFLOP/s");
     }
   }
 
