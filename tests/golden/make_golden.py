@@ -25,7 +25,9 @@ import sys
 
 # ---------------------------------------------------------------------------------------------
 # Model configurations. "odd" ones stress shapes (vocab not a power of two, GQA 2 and 8, head_dim
-# not hidden/heads); "k256" ones have hidden and expert sizes divisible by 256 so K-quants apply.
+# not hidden/heads); "k256" ones have hidden and expert sizes divisible by 256 so K-quants apply;
+# "hd128" / "hd256" carry the real models' head sizes (Qwen3-30B-A3B 128, Qwen3-Next 256, gated),
+# so kernels that only take those (the tensor-core prefill attention) run against HF too.
 # ---------------------------------------------------------------------------------------------
 N_ADDED = 5  # <|endoftext|> <|im_start|> <|im_end|> (control) and <think> </think> (user-defined)
 
@@ -63,6 +65,27 @@ MODELS = {
         arch="Qwen3NextForCausalLM", seed=2002, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=1, head_dim=32,
+                    layer_types=["linear_attention", "full_attention"],
+                    linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_experts=3, num_experts_per_tok=2, moe_intermediate_size=256,
+                    shared_expert_intermediate_size=256, norm_topk_prob=True,
+                    decoder_sparse_step=1, rms_norm_eps=1e-6, max_position_embeddings=512,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                     "partial_rotary_factor": 0.25})),
+    "qwen3moe_hd128": dict(
+        arch="Qwen3MoeForCausalLM", seed=1003, layout="fused", shards=1,
+        config=dict(vocab_size=643, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                    norm_topk_prob=True, decoder_sparse_step=1, rms_norm_eps=1e-6,
+                    max_position_embeddings=512, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3next_hd256": dict(
+        arch="Qwen3NextForCausalLM", seed=2003, layout="per_expert", shards=1,
+        config=dict(vocab_size=643, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                     layer_types=["linear_attention", "full_attention"],
                     linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                     linear_num_key_heads=2, linear_num_value_heads=4,
@@ -128,10 +151,21 @@ def tokenizer_config(tok):
     }
 
 
+def selected(args):
+    """MODELS, or the ones --only names (the others' fixtures stay as they are)."""
+    if not args.only:
+        return MODELS
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        sys.exit(f"--only: unknown models {unknown}; known: {sorted(MODELS)}")
+    return {n: MODELS[n] for n in names}
+
+
 def phase_tokenizers(args):
     with open(args.qwen_tokenizer, encoding="utf-8") as f:
         src = json.load(f)
-    for name, spec in MODELS.items():
+    for name, spec in selected(args).items():
         d = os.path.join(args.out, name)
         os.makedirs(d, exist_ok=True)
         tok = truncate_tokenizer(src, spec["config"]["vocab_size"])
@@ -295,8 +329,18 @@ def phase_models(args):
                 "python": sys.version.split()[0], "device": "cpu", "dtype_forward": "float32",
                 "dtype_weights": "bfloat16", "n_prompt": N_PROMPT, "n_greedy": N_GREEDY,
                 "models": {}}
+    path = os.path.join(args.out, "manifest.json")
+    if args.only and os.path.exists(path):
+        # Keep the other models' entries; the versions must be the ones they were made with.
+        with open(path) as f:
+            old = json.load(f)
+        for k in ("torch", "transformers", "safetensors", "tokenizers"):
+            if old.get(k) != manifest[k]:
+                sys.exit(f"--only: {path} was made with {k} {old.get(k)}, this is {manifest[k]}: "
+                         "remake every model instead")
+        manifest["models"] = old.get("models", {})
     failed = {}
-    for name, spec in MODELS.items():
+    for name, spec in selected(args).items():
         print(f"== {name}", flush=True)
         try:
             one_model(args, name, spec, manifest)
@@ -305,7 +349,7 @@ def phase_models(args):
             traceback.print_exc()
             failed[name] = repr(e)
     manifest["failed"] = failed
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(manifest, f, indent=1)
     if failed:
         sys.exit(f"failed: {sorted(failed)}")
@@ -435,6 +479,8 @@ def main():
     m = sub.add_parser("models")
     m.add_argument("--out", required=True)
     m.add_argument("--tokenizers", default=os.path.dirname(os.path.abspath(__file__)))
+    for p in (t, m):
+        p.add_argument("--only", default="", help="comma-separated model names (default: all)")
     args = ap.parse_args()
     phase_tokenizers(args) if args.phase == "tokenizers" else phase_models(args)
 
