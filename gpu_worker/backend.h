@@ -37,6 +37,10 @@ struct BackendOptions {
   // Steps of at least this many rows take the tiled prefill attention (CUDA; not bit-identical
   // to decode); 0: never (every row through the split-KV kernel, as decode).
   int64_t tiled_prefill_rows = 64;
+  // Those steps over an F16 KV cache take the tensor-core kernel (attention_prefill_tc.h: q and P
+  // split into two halves each, within the same first-order bound as the F32 kernel) where it takes
+  // the shape; false: the F32 tiled kernel (A/B).
+  bool prefill_attention_tensor_cores = true;
   // Steps of at least this many rows multiply quantized weights through cuBLAS (BF16 inputs, F32
   // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
   // 0: never. Within BF16 rounding of the matvec path, not equal to it.

@@ -261,6 +261,7 @@ class CudaBackend final : public Backend {
   const int device_;
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
   const bool handoff_zero_copy_;
+  const bool prefill_attention_tc_;   // BackendOptions::prefill_attention_tensor_cores
   const int64_t max_context_;
   const bool kv_f16_;   // the KV cache holds IEEE halves (BackendOptions::kv_type)
   int64_t logits_rows_ = 1;   // rows logits_ holds

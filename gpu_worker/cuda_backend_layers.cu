@@ -3,10 +3,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
+#include "kernels/cuda/attention_prefill_tc.h"
 #include "kernels/cuda/qk_norm_rope_store.h"
 
 namespace moraine::gpu_worker::cuda_impl {
@@ -175,6 +177,13 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
       cuda::attention(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
                       attn_scratch_.get(), scratch, stream_);
     } else {
+      if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, __half>) {
+        if (prefill_attention_tc_ && cuda::attention_prefill_tc_supports(shape, kc, vc)) {
+          cuda::attention_prefill_tc(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
+                                     stream_);
+          return;
+        }
+      }
       cuda::attention_prefill(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(), stream_);
     }
   };

@@ -527,6 +527,9 @@ int main(int argc, char** argv) {
   app.add_flag("!--handoff-copies", base.handoff_zero_copy,
                "cuda: move the in-graph hand-off's routing and rows with memcpy nodes instead of the device's own "
                "reads and writes of the mapped exchange (A/B and fallback)");
+  app.add_flag("!--no-tensor-core-prefill-attention", base.prefill_attention_tensor_cores,
+               "cuda: long prefill steps over an F16 KV cache take the F32 tiled attention kernel instead of the "
+               "tensor-core one (A/B)");
   app.add_flag("!--no-pdl", base.programmatic_launch,
                "cuda: launch the kernels without programmatic dependent launch (A/B)");
   // No spin by default: the control plane shares its reserved core (supervisor --reserve-cores),

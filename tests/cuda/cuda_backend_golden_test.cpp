@@ -371,7 +371,10 @@ std::vector<Case> golden_cases(model::KvType kv) {
   for (const auto& [m, v] : std::vector<std::pair<std::string, std::string>>{
            {"qwen3moe_odd", "f32"}, {"qwen3moe_k256", "f32"}, {"qwen3moe_odd", "q8_0"}, {"qwen3moe_k256", "q8_0"},
            {"qwen3moe_k256", "kmix"}, {"qwen3next_odd", "f32"}, {"qwen3next_k256", "f32"}, {"qwen3next_odd", "q8_0"},
-           {"qwen3next_k256", "q8_0"}, {"qwen3next_k256", "kmix"}})
+           {"qwen3next_k256", "q8_0"}, {"qwen3next_k256", "kmix"},
+           // The real head sizes (128; 256 gated): the tensor-core prefill attention takes only these.
+           {"qwen3moe_hd128", "f32"}, {"qwen3moe_hd128", "kmix"}, {"qwen3next_hd256", "f32"},
+           {"qwen3next_hd256", "kmix"}})
     cases.push_back({m, v, kv});
   return cases;
 }
@@ -509,7 +512,8 @@ void CudaBackendGolden::handoff_equals_layer_by_layer(bool zero_copy) {
                            V * sizeof(float)));
 }
 
-// A prefill of 64 rows or more takes the tiled attention (attention_prefill.h): within the same
+// A prefill of 64 rows or more takes the tiled attention (attention_prefill.h; over an F16 cache the
+// tensor-core attention_prefill_tc.h, its F32 kernel checked beside it): within the same
 // bounds of the reference executor (its per-row kernels) at every position, with the exact
 // matmuls; the split-KV kernel on the same rows is printed beside it. The cuBLAS path
 // (gemm_prefill_rows, BF16 inputs) is not equal to the reference's quantized dots: its own bound
@@ -532,16 +536,19 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
   const std::vector<float> want = reference::ReferenceExecutor(*model_, reference_options(c)).forward(tokens, true);
   cpu::set_amx_min_tokens(amx_from);
   const Gap amx = gap(reference::ReferenceExecutor(*model_, reference_options(c)).forward(tokens, true), want);
-  auto with = [&](int64_t tiled_rows, int64_t gemm_rows) {
+  auto with = [&](int64_t tiled_rows, int64_t gemm_rows, bool tensor_cores = true) {
     gpu_worker::BackendOptions o;
     o.kv_type = c.kv;
     o.max_tokens = kMaxTokens;
     o.max_context = 256;
     o.tiled_prefill_rows = tiled_rows;
     o.gemm_prefill_rows = gemm_rows;
+    o.prefill_attention_tensor_cores = tensor_cores;
     return run_step(*gpu_worker::make_cuda_backend(*model_, o), *model_, tokens, true);
   };
-  const Gap g = gap(with(64, 0), want), u = gap(with(0, 0), want);
+  // Over an F16 cache the tiled steps take the tensor-core kernel (attention_prefill_tc.h); the
+  // F32 tiled kernel on the same cache must stay within the same bound.
+  const Gap g = gap(with(64, 0), want), u = gap(with(0, 0), want), simt = gap(with(64, 0, false), want);
   const std::vector<float> fast = with(64, 64);
   const Gap f = gap(fast, want);
   const test_support::OrderBound b = case_bound(c, want, [&](reference::DotOrderSeed s) {
@@ -551,7 +558,9 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
               "%.3g; reference with AMX vs without %.3g; %s\n", c.name().c_str(),
               g.max_diff / g.max_ref, u.max_diff / u.max_ref, f.max_diff / f.max_ref, amx.max_diff / amx.max_ref,
               b.describe().c_str());
+  std::printf("[ %s ] tiled attention without tensor cores %.3g of max\n", c.name().c_str(), simt.max_diff / simt.max_ref);
   EXPECT_LE(g.max_diff, b.bound * g.max_ref);
+  EXPECT_LE(simt.max_diff, b.bound * simt.max_ref);
   for (int64_t t = 0; t < 80; ++t) {
     const float* r = want.data() + t * V;
     const float* got = fast.data() + t * V;
