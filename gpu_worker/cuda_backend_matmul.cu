@@ -32,14 +32,18 @@ void CudaBackend::matmul(const DevMatrix& W, const float* x, int64_t n, float* y
     gemm_->matmul(W.type, W.bytes.get(), W.rows, W.cols, x, n, y);
     return;
   }
+  if (gemm_ != nullptr && n >= gemm_prefill_rows_ && W.type == TensorType::F32) {
+    gemm_->matmul_f32(reinterpret_cast<const float*>(W.bytes.get()), W.rows, W.cols, x, n, y);
+    return;
+  }
   cuda::MatvecBatch b;
   b.count = static_cast<int>(n);
   b.out_stride = W.rows;
   run_matvec(W, x, n, y, b);
 }
 
-// Quantized weights of a long step go through cuBLAS; float weights keep the exact matvec (the
-// F32 golden bound is tighter than BF16 rounding).
+// Quantized weights of a long step go through cuBLAS with 16-bit inputs; F32 weights take
+// cuBLAS in F32 (matmul above: the F32 golden bound is tighter than BF16 rounding).
 bool CudaBackend::use_gemm(const DevMatrix& W, int64_t n) const {
   return gemm_ != nullptr && n >= gemm_prefill_rows_ && cuda::matvec_supported(W.type) &&
          cuda::prefill_gemm_supported(W.type) && W.cols % 32 == 0;

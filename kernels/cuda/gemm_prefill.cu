@@ -121,6 +121,24 @@ void PrefillGemm::matmul(TensorType weight, const void* w, int64_t rows, int64_t
   }
 }
 
+void PrefillGemm::matmul_f32(const float* w, int64_t rows, int64_t cols, const float* x, int64_t n, float* y,
+                             int64_t ldy) {
+  if (ldy == 0) ldy = rows;
+  if (rows < 1 || cols < 1 || ldy < rows || rows > INT32_MAX || cols > INT32_MAX || ldy > INT32_MAX)
+    throw std::invalid_argument("PrefillGemm::matmul_f32: bad shape " + std::to_string(rows) + " x " +
+                                std::to_string(cols) + " (ldy " + std::to_string(ldy) + ")");
+  if (n < 1 || n > limits_.max_tokens)
+    throw std::invalid_argument("PrefillGemm::matmul_f32: n = " + std::to_string(n) + " not in 1..max_tokens " +
+                                std::to_string(limits_.max_tokens));
+  if (w == nullptr || x == nullptr || y == nullptr)
+    throw std::invalid_argument("PrefillGemm::matmul_f32: null weight, input or output pointer");
+  const float alpha = 1.0f, beta = 0.0f;
+  CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n),
+                            static_cast<int>(cols), &alpha, w, CUDA_R_32F, static_cast<int>(cols), x, CUDA_R_32F,
+                            static_cast<int>(cols), &beta, y, CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+}
+
 int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
                                     const float* x, float* y, int64_t min_rows, int64_t ldy) {
   if (ldy == 0) ldy = rows;

@@ -74,6 +74,13 @@ class PrefillGemm {
   void matmul(TensorType weight, const void* w, int64_t rows, int64_t cols, const float* x, int64_t n, float* y,
               int64_t ldy = 0, bool accumulate = false);
 
+  // The same product for F32 weights, entirely in F32 (cuBLAS with CUBLAS_COMPUTE_32F: no TF32,
+  // no 16-bit rounding; only the order of the sums differs from the matvec's). Any cols and
+  // pointers aligned as floats; n up to max_tokens. The per-row matvec reads the whole matrix
+  // once per row: the Qwen3-Next router (512 x 2048 F32) took ~150 us per 512-row step that way
+  // (session 10 run A, CUPTI trace of an 80B prefill).
+  void matmul_f32(const float* w, int64_t rows, int64_t cols, const float* x, int64_t n, float* y, int64_t ldy = 0);
+
   // One MoE layer's expert matrices (all rows x cols of one type) over X rows grouped per expert:
   // Y[i][r] = sum_k X[i][k] W_e[r][k] for the rows i of each group with count >= min_rows; the
   // Y rows of smaller groups are left untouched (the caller may run those through the matvec
