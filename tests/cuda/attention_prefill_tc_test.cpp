@@ -52,26 +52,13 @@ namespace {
 
 constexpr double kMaxTile = 64, kMinTile = 32;  // the kernel's KV tiles (positions), see the top
 
-// x rounded to IEEE half: the halves, and x replaced by their exact floats.
-std::vector<uint16_t> round_to_half(std::vector<float>& x) {
-  std::vector<uint16_t> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    h[i] = half::fp32_to_fp16(x[i]);
-    x[i] = half::fp16_to_fp32(h[i]);
-  }
-  return h;
-}
-
 void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed) {
   std::mt19937 rng(seed);
-  const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
-  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
-  // Wide scores (sd ~ 2.5 after scaling) so the running max moves across KV tiles.
-  std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
-  std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
-  std::vector<float> gate;
-  if (gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
-  const std::vector<uint16_t> k16 = round_to_half(kc), v16 = round_to_half(vc);
+  const int64_t hd = s.head_dim, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
+  cuda_test::PrefillInputs in = cuda_test::prefill_inputs(rng, s, n, n_past, gated);
+  const std::vector<float>& q = in.q;
+  std::vector<float>&kc = in.kc, &vc = in.vc, &gate = in.gate;
+  const std::vector<uint16_t> k16 = cuda_test::round_to_half(kc), v16 = cuda_test::round_to_half(vc);
 
   cuda::DeviceBuffer<float> dq(q.size()), dg(std::max<size_t>(gate.size(), 1)), dout(q.size());
   cuda::DeviceBuffer<__half> dk(k16.size()), dv(v16.size());
@@ -165,7 +152,7 @@ void check_split(const cuda::AttentionShape& s, int64_t n, int64_t n_past, uint3
       kc[j * s.kv_stride + g * hd + j] = std::ldexp(sign(rng) ? 1.0f : -1.0f, exponent(rng));
       vc[j * s.kv_stride + g * hd + j] = normal(rng);
     }
-  const std::vector<uint16_t> k16 = round_to_half(kc), v16 = round_to_half(vc);
+  const std::vector<uint16_t> k16 = cuda_test::round_to_half(kc), v16 = cuda_test::round_to_half(vc);
 
   cuda::DeviceBuffer<float> dq(q.size()), dout(q.size());
   cuda::DeviceBuffer<__half> dk(k16.size()), dv(v16.size());

@@ -32,29 +32,16 @@
 namespace moraine {
 namespace {
 
-// x rounded to IEEE half: the halves, and x replaced by their exact floats.
-std::vector<uint16_t> round_to_half(std::vector<float>& x) {
-  std::vector<uint16_t> h(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    h[i] = half::fp32_to_fp16(x[i]);
-    x[i] = half::fp16_to_fp32(h[i]);
-  }
-  return h;
-}
-
 // f16: K and V rounded to half, the kernel run over the half cache and also (bit-identical) over
 // a float cache of the same values.
 void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed, bool f16 = false) {
   std::mt19937 rng(seed);
-  const int64_t hd = s.head_dim, n_ctx = n_past + n, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
-  const std::vector<float> q = cuda_test::normal_values(rng, static_cast<size_t>(n * qd), 1.0f);
-  // Wide scores (sd ~ 2.5 after scaling) so the running max moves across KV tiles.
-  std::vector<float> kc = cuda_test::normal_values(rng, static_cast<size_t>(n_ctx * s.kv_stride), 2.5f);
-  std::vector<float> vc = cuda_test::random_values(rng, static_cast<size_t>(n_ctx * s.kv_stride));
-  std::vector<float> gate;
-  if (gated) gate = cuda_test::normal_values(rng, static_cast<size_t>(n * 2 * qd), 2.0f);
+  const int64_t hd = s.head_dim, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
+  cuda_test::PrefillInputs in = cuda_test::prefill_inputs(rng, s, n, n_past, gated);
+  const std::vector<float>& q = in.q;
+  std::vector<float>&kc = in.kc, &vc = in.vc, &gate = in.gate;
   std::vector<uint16_t> k16, v16;
-  if (f16) k16 = round_to_half(kc), v16 = round_to_half(vc);
+  if (f16) k16 = cuda_test::round_to_half(kc), v16 = cuda_test::round_to_half(vc);
 
   cuda::DeviceBuffer<float> dq(q.size()), dk(kc.size()), dv(vc.size()), dg(std::max<size_t>(gate.size(), 1)),
       dout(q.size());

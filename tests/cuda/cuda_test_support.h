@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/formats/half_float.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/device.h"
 
@@ -54,6 +56,33 @@ inline cuda::AttentionShape attention_shape(int64_t n_head, int64_t n_head_kv, i
   s.kv_stride = n_head_kv * hd + kv_pad;
   s.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   return s;
+}
+
+// x rounded to IEEE half: the halves, and x replaced by their exact floats.
+inline std::vector<uint16_t> round_to_half(std::vector<float>& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    h[i] = half::fp32_to_fp16(x[i]);
+    x[i] = half::fp16_to_fp32(h[i]);
+  }
+  return h;
+}
+
+// A prefill attention test's inputs for n queries after n_past cached positions: q (sd 1), the
+// caches K (sd 2.5: wide scores, so the running max moves across KV tiles) and V (random_values),
+// and with gated the gate rows (2 x the query width per token, sd 2), drawn in that order.
+struct PrefillInputs {
+  std::vector<float> q, kc, vc, gate;
+};
+inline PrefillInputs prefill_inputs(std::mt19937& rng, const cuda::AttentionShape& s, int64_t n, int64_t n_past,
+                                    bool gated) {
+  const size_t qd = static_cast<size_t>(s.n_head * s.head_dim), ctx = static_cast<size_t>((n_past + n) * s.kv_stride);
+  PrefillInputs in;
+  in.q = normal_values(rng, static_cast<size_t>(n) * qd, 1.0f);
+  in.kc = normal_values(rng, ctx, 2.5f);
+  in.vc = random_values(rng, ctx);
+  if (gated) in.gate = normal_values(rng, static_cast<size_t>(n) * 2 * qd, 2.0f);
+  return in;
 }
 
 }  // namespace moraine::cuda_test
