@@ -145,16 +145,18 @@ std::atomic<bool> g_balanced{FfnSliceOptions{}.balanced};
 std::atomic<bool> g_wait_prefetch{FfnSliceOptions{}.wait_prefetch};
 std::atomic<int> g_slice_split{FfnSliceOptions{}.split};
 std::atomic<bool> g_gate_up_first{FfnSliceOptions{}.gate_up_first};
+std::atomic<bool> g_balanced_accumulating{FfnSliceOptions{}.accumulating};
 
 void set_ffn_slice_options(FfnSliceOptions o) {
   g_balanced.store(o.balanced, std::memory_order_relaxed);
   g_wait_prefetch.store(o.wait_prefetch, std::memory_order_relaxed);
   g_slice_split.store(std::clamp(o.split, 1, kMaxSliceSplit), std::memory_order_relaxed);
   g_gate_up_first.store(o.gate_up_first, std::memory_order_relaxed);
+  g_balanced_accumulating.store(o.accumulating, std::memory_order_relaxed);
 }
 FfnSliceOptions ffn_slice_options() {
   return {g_balanced.load(std::memory_order_relaxed), g_wait_prefetch.load(std::memory_order_relaxed), g_slice_split.load(std::memory_order_relaxed),
-          g_gate_up_first.load(std::memory_order_relaxed)};
+          g_gate_up_first.load(std::memory_order_relaxed), g_balanced_accumulating.load(std::memory_order_relaxed)};
 }
 
 std::atomic<int> g_stream_runs{FfnStreamOptions{}.runs};
@@ -299,7 +301,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   const FfnSliceOptions slice_opt = ffn_slice_options();
   const FfnStreamOptions stream_opt = ffn_stream_options();
   const bool runs_l2 = matvec_prefetch().runs_l2_bytes > 0;  // its L2 streams exist on the runs path only
-  const bool balanced = sliced && slice_opt.balanced && n_accumulating == 0;
+  const bool balanced = sliced && slice_opt.balanced && (n_accumulating == 0 || slice_opt.accumulating);
   // Balanced slices with the caller joining: the caller quantizes the few rows as the first jobs
   // of its own slice, and the other threads' first gate/up jobs wait for them there (pulling
   // their weight rows into L2 meanwhile with wait_prefetch), instead of the whole pool waiting
@@ -323,13 +325,18 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     remaining_[e].store(0, std::memory_order_relaxed);
     ready_[e].store(0, std::memory_order_relaxed);
   }
-  for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(n_accumulating, std::memory_order_relaxed);
+  // Down spans of accumulating experts per chunk: one per expert with the fixed chunks; the
+  // balanced list's spans (set below) may cover several chunks or part of one.
+  if (!balanced) {
+    for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(n_accumulating, std::memory_order_relaxed);
+  }
   x_done_.store(0, std::memory_order_relaxed);
 
   // The job list (after the x_jobs quantization jobs): spans_. Fixed chunks: every expert's
   // gate/up rows in FfnJobRows::gate_up chunks, then every expert's down rows in chunks of
   // FfnJobRows::down (chunk c of each expert covers the same rows: the accumulating form adds
-  // them up per chunk). Balanced (sliced, no accumulating expert): each thread's equal share.
+  // them up per chunk). Balanced (sliced; accumulating experts too with FfnSliceOptions::accumulating):
+  // each thread's equal share.
   const int n_slices = pool.size();
   int64_t gate_up_spans = 0;
   // A balanced list depends only on what plan_key_ holds: a decode loop calling with the same
@@ -346,7 +353,9 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     for (int32_t e : active_) {
       plan_key_next_.push_back(e);
       plan_key_next_.push_back(experts[static_cast<size_t>(e)].weights->ffn);
+      plan_key_next_.push_back(out_[static_cast<size_t>(e)] ? 1 : 0);  // accumulating experts: the chunk counts
     }
+    if (n_accumulating > 0) plan_key_next_.push_back(down_rows);
     reuse = plan_key_next_ == plan_key_ && !spans_.empty();
     if (!reuse) plan_key_.assign(plan_key_next_.begin(), plan_key_next_.end());
   } else {
@@ -443,6 +452,18 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
         }
       }
     }
+  }
+  if (balanced && n_accumulating > 0) {
+    // Accumulating experts on the balanced list: each chunk of FfnJobRows::down output rows is
+    // summed into y_accum by the down span that finishes the chunk's last covering span.
+    if (!reuse) {
+      chunk_spans_.assign(static_cast<size_t>(down_chunks), 0);
+      for (const Span& sp : spans_) {
+        if (!sp.down || out_[static_cast<size_t>(sp.expert)]) continue;
+        for (int64_t c = sp.r0 / down_rows; c <= (sp.r1 - 1) / down_rows; ++c) ++chunk_spans_[static_cast<size_t>(c)];
+      }
+    }
+    for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(chunk_spans_[static_cast<size_t>(c)], std::memory_order_relaxed);
   }
   // Gate/up jobs per expert (no other thread runs yet: plain loads and stores, no locked adds).
   for (const Span& sp : spans_) {
@@ -605,18 +626,22 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       }
       return;
     }
-    const int64_t c = r0 / down_rows;  // fixed chunks only (balanced needs every expert writing its own rows)
     down_rows_into(part_.data() + p.y_offset);
-    if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    // The chunk's last expert: add every expert's partial into y_accum in (expert, row, token)
-    // order, the order of the two-barrier version.
-    for (int32_t ex : active_) {
-      if (out_[static_cast<size_t>(ex)]) continue;
-      const ExpertAssignment& ax = experts[static_cast<size_t>(ex)];
-      const float* part = part_.data() + plan_[static_cast<size_t>(ex)].y_offset;
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int i = 0; i < ax.n_tok; ++i) {
-          y_accum[static_cast<int64_t>(ax.tokens[i]) * hidden + r] += ax.route_weight[i] * part[static_cast<int64_t>(i) * hidden + r];
+    // Each chunk of FfnJobRows::down rows this span covers (fixed chunks: exactly one, the span).
+    for (int64_t c = r0 / down_rows; c <= (r1 - 1) / down_rows; ++c) {
+      if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      // The chunk's last span: add every expert's partial into y_accum in (expert, row, token)
+      // order, the order of the two-barrier version (each y element's sum in expert order,
+      // whichever spans wrote the partials).
+      const int64_t c0 = c * down_rows, c1 = std::min(c0 + down_rows, hidden);
+      for (int32_t ex : active_) {
+        if (out_[static_cast<size_t>(ex)]) continue;
+        const ExpertAssignment& ax = experts[static_cast<size_t>(ex)];
+        const float* part = part_.data() + plan_[static_cast<size_t>(ex)].y_offset;
+        for (int64_t r = c0; r < c1; ++r) {
+          for (int i = 0; i < ax.n_tok; ++i) {
+            y_accum[static_cast<int64_t>(ax.tokens[i]) * hidden + r] += ax.route_weight[i] * part[static_cast<int64_t>(i) * hidden + r];
+          }
         }
       }
     }
@@ -723,8 +748,8 @@ void MoeFfn::reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_expert
   // worker's forms write their own outputs and never use it.
   if (hq_.size() < rows * hq_row) hq_.resize(rows * hq_row);
   plan_.reserve(static_cast<size_t>(max_experts));
-  plan_key_.reserve(8 + 2 * static_cast<size_t>(max_experts));
-  plan_key_next_.reserve(8 + 2 * static_cast<size_t>(max_experts));
+  plan_key_.reserve(8 + 3 * static_cast<size_t>(max_experts));
+  plan_key_next_.reserve(8 + 3 * static_cast<size_t>(max_experts));
   {
     // The job table: fixed chunks, or balanced slices (per thread and phase at most `split`
     // jobs plus one per expert boundary, so 2 x split; 256 threads is far more than a pool has).

@@ -43,8 +43,8 @@ struct ExpertAssignment {
 // adds the chunk into y_accum in expert list order, so no two jobs write the same y element
 // (no atomics) and the sum order is fixed: results do not depend on the thread count, and are
 // bitwise those of the earlier two-barrier version. Scratch grows on demand and is reused; a
-// steady layer loop allocates nothing. On the sliced schedule the worker's forms (each expert
-// writing its own rows) cut the jobs per thread instead (FfnSliceOptions::balanced).
+// steady layer loop allocates nothing. On the sliced schedule the jobs are cut per thread
+// instead (FfnSliceOptions::balanced; for accumulating experts with FfnSliceOptions::accumulating).
 class MoeFfn {
  public:
   // x, y_accum: [n_tokens][hidden] floats. Throws std::invalid_argument on inconsistent shapes,
@@ -144,6 +144,7 @@ class MoeFfn {
   std::vector<ExpertAssignment> job_assign_;
   std::vector<int64_t> order_, slice_end_;  // the sliced schedule's job order and slice ends
   std::vector<size_t> gu_last_;             // two-phase balanced lists: each thread's last gate/up span
+  std::vector<int32_t> chunk_spans_;        // balanced lists with accumulating experts: their down spans per down chunk
   // One job: rows [r0, r1) of one expert's gate+up (down == 0) or down (1) matrices; next: the
   // job the same thread runs after it (its weights are the next-call prefetch hint), or -1.
   // slice, bg0, bg1 (FfnStreamOptions::down_early, gate/up jobs of two-phase balanced lists): the
@@ -167,8 +168,10 @@ class MoeFfn {
 };
 
 // Rows of one matrix per pool job: gate+up jobs take `gate_up` rows of one expert, down jobs
-// `down` output rows of one expert (the shared schedule, the accumulating run(), and the sliced
-// schedule with FfnSliceOptions::balanced off; balanced slices size their jobs by thread count). Process-wide, for the benches' A/B runs (--gate-up-rows,
+// `down` output rows of one expert (the shared schedule, and the sliced schedule with
+// FfnSliceOptions::balanced off or, for run()'s accumulating experts, accumulating off; balanced
+// slices size their jobs by thread count; an accumulating layer still sums its partials into
+// y_accum in chunks of `down` rows). Process-wide, for the benches' A/B runs (--gate-up-rows,
 // --down-rows); results do not depend on it (each y element is still summed in expert order)
 // as long as the rows are multiples of 4 for Q8_0 / MXFP4 (matvec_tokens runs rows in tiles of
 // four from a job's first row, and a tail row through the per-row kernel, whose float sum order
@@ -191,8 +194,9 @@ void set_ffn_schedule(FfnSchedule s);
 FfnSchedule ffn_schedule();
 
 // Latency options of the sliced schedule for layers whose experts write their own rows (the
-// worker's run_experts forms), process-wide, for the benches' A/B runs (--balanced-slices,
-// --wait-prefetch). Results do not depend on them.
+// worker's run_experts forms; run()'s accumulating experts with `accumulating`), process-wide,
+// for the benches' A/B runs (--balanced-slices, --wait-prefetch, --balanced-accumulate). Results
+// do not depend on them.
 // balanced: instead of fixed FfnJobRows chunks dealt out whole (at 2 experts and 15 threads,
 // 48 gate/up chunks: some threads get 4, others 3, and every down job waits for the slowest),
 // thread w gets the w-th equal share (in runs of 4 rows) of all gate/up rows and then of all
@@ -217,11 +221,24 @@ FfnSchedule ffn_schedule();
 // the spread prefetch (matvec.h) 34.2-38.0 / 56.8-57.7 / 98.4-98.9 and every worker's gate/up
 // 17-19 us; split 8 35.7-40.4 / 59.2-63.2 / 100.1-108.0 (its short jobs' starts show). Q8_0
 // with both: 72.5 / 134.8 / 219.6 (main, means) -> 53.1 / 92.0 / 162.6 us p50.
+// accumulating: the balanced list for run()'s accumulating experts too (the kernel bench's table
+// form, expert_ffn()): down spans then write per-expert partials of any rows, and the span
+// finishing the last partial of a chunk of FfnJobRows::down rows adds that chunk into y_accum
+// (each element's sum still in expert order: results bitwise those of the fixed chunks). On the
+// H200 host (session 10 run B: moraine-kernel-bench cpu --threads 16, 8 experts per call, 3
+// rounds interleaved with main's fixed chunks, GB/s at 1 / 4 tokens and share of each run's DRAM
+// probe at 1 token): Q4_K 77-111 / 54-64 (65-84%) -> 108-134 / 72-75 (87-106%), Q8_0 102-122 /
+// 82-101 (82-86%) -> 101-129 / 85-101 (81-101%), MXFP4 98-114 / 61-69 (79-83%) -> 110-115 /
+// 70-72 (85-91%). Its pattern probe (--pattern-probe: the same calls reading their lines without
+// arithmetic) ran at the kernel's speed on both lists (kernel / pattern 91-105%): the fixed
+// chunks' loss was their access pattern (each thread hopping between 32-row chunks of
+// different experts), not the arithmetic.
 struct FfnSliceOptions {
   bool balanced = true;
   bool wait_prefetch = true;
   int split = 4;
   bool gate_up_first = true;
+  bool accumulating = true;
 };
 void set_ffn_slice_options(FfnSliceOptions o);
 FfnSliceOptions ffn_slice_options();

@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/amx_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
+#include "kernels/cpu/matvec_read_only.h"
 #include "kernels/cpu/vec_dot.h"
 
 namespace moraine::cpu {
@@ -28,6 +29,7 @@ std::atomic<bool> g_tile_q4_k_gfni{MatvecTiles{}.q4_k_gfni};
 std::atomic<bool> g_tile_q8_0_vbmi{MatvecTiles{}.q8_0_vbmi};
 std::atomic<bool> g_tile_rows4{MatvecTiles{}.rows4};
 std::atomic<bool> g_tile_row_by_row{MatvecTiles{}.row_by_row};
+std::atomic<MatvecMath> g_math{MatvecMath::Compute};
 
 bool cpu_has_avx512_vbmi() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -143,6 +145,10 @@ MatvecTiles matvec_tiles() {
           g_tile_row_by_row.load(std::memory_order_relaxed)};
 }
 
+void set_matvec_math(MatvecMath m) { g_math.store(m, std::memory_order_relaxed); }
+
+MatvecMath matvec_math() { return g_math.load(std::memory_order_relaxed); }
+
 bool matvec_uses_amx(TensorType type, int n_tok) {
   return n_tok >= amx_min_tokens() && detect_cpu_isa() == CpuIsa::Amx && amx::supports(type);
 }
@@ -157,6 +163,10 @@ void matvec_tokens(TensorType type, int64_t n_cols, const void* w, int64_t row_b
   const VecDotFn fn = best_vec_dot_fn(type);
   if (!fn) throw std::invalid_argument("matvec_tokens: no kernel for weight type " + std::string(type_name(type)));
   if (row_end <= row_begin || n_tok <= 0) return;
+  if (const MatvecMath m = g_math.load(std::memory_order_relaxed); m != MatvecMath::Compute) {
+    return read_rows_only(m, w, row_bytes(type, n_cols), row_begin, row_end, n_tok, y, y_stride,
+                          g_prefetch_spread_l1.load(std::memory_order_relaxed));
+  }
   if (matvec_uses_amx(type, n_tok)) {
     return amx::matmul_tokens(type, n_cols, w, row_begin, row_end, acts, act_row_bytes, tok, n_tok, y, y_stride);
   }
@@ -335,6 +345,10 @@ void matvec_tokens_runs(TensorType type, int64_t n_cols, const MatvecRun* runs, 
   if (n_runs > kMaxRuns) throw std::invalid_argument("matvec_tokens_runs: " + std::to_string(n_runs) + " runs (at most 16)");
   BackgroundPrefetch bg(extra.background, extra.n_background);
   if (n_runs <= 0 || n_tok <= 0) return bg.all();
+  if (const MatvecMath m = g_math.load(std::memory_order_relaxed); m != MatvecMath::Compute) {
+    bg.all();
+    return read_runs_only(m, row_bytes(type, n_cols), runs, n_runs, n_tok, y_stride, g_prefetch_spread_l1.load(std::memory_order_relaxed));
+  }
   const size_t pf_l1 = g_prefetch_l1.load(std::memory_order_relaxed);
   const PackedTile tile = fn == vec_dot_fn(type, CpuIsa::Avx512Vnni) && g_tile_rows4.load(std::memory_order_relaxed) && !matvec_uses_amx(type, n_tok)
                               ? packed_tile_for(type, n_cols, n_tok)

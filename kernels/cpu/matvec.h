@@ -147,6 +147,14 @@ struct MatvecTiles {
 void set_matvec_tiles(MatvecTiles t);
 MatvecTiles matvec_tiles();
 
+// What matvec_tokens / matvec_tokens_runs do with the rows, process-wide: Compute (the default),
+// or for the benches' pattern probe (--pattern-probe, matvec_read_only.h) only read the lines
+// they would read and write zeros: ReadOnly with plain loads, ReadOnlyPrefetch with the packed
+// tiles' prefetcht0 stream (MatvecPrefetch::spread_l1_bytes ahead) as well.
+enum class MatvecMath { Compute, ReadOnly, ReadOnlyPrefetch };
+void set_matvec_math(MatvecMath m);
+MatvecMath matvec_math();
+
 // Whether matvec_tokens takes the AMX path for this type and token count right now.
 bool matvec_uses_amx(TensorType type, int n_tok);
 

@@ -537,6 +537,73 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
   cpu::set_ffn_schedule(schedule0);
 }
 
+// FfnSliceOptions::accumulating: run()'s accumulating experts on the balanced list, whose down
+// spans start and end wherever the thread shares fall (several down chunks per span, or part of
+// one), leave every bit of y_accum as the fixed chunks do: each element's partials are added in
+// expert order by whichever span finishes its chunk last. Overlapping token subsets (an expert
+// with none among them), 1, 9 and 40 tokens, down chunks of 128 / 7 / 4096 rows, several jobs per
+// thread and phase or one, one phase or two, caller joining or not.
+TEST(MoeFfn, BalancedAccumulatingKeepsResultsBitwise) {
+  cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  const cpu::FfnSliceOptions opt0 = cpu::ffn_slice_options();
+  const cpu::FfnJobRows rows0 = cpu::ffn_job_rows();
+  const TensorType types[] = {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K};
+  std::vector<Expert> experts;
+  for (int i = 0; i < 4; ++i) experts.push_back(make_expert(types[i], types[(i + 2) % 4], 9100 + 31 * static_cast<uint32_t>(i)));
+  for (int n_tok : {1, 9, 40}) {  // 40: the AMX path on CPUs with AMX (cpu::kPrefillTokens)
+    std::vector<float> x(static_cast<size_t>(n_tok) * kHidden);
+    for (int t = 0; t < n_tok; ++t) {
+      const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 1300 + static_cast<uint32_t>(t));
+      std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+    }
+    // Expert i takes tokens t with (t + i) % 3 != 0 (at 1 token: all but expert 0), out of order; expert 3 none.
+    std::vector<std::vector<int32_t>> toks(4);
+    std::vector<std::vector<float>> rws(4);
+    for (int i = 0; i < 3; ++i) {
+      for (int t = n_tok - 1; t >= 0; --t) {
+        if (n_tok > 1 ? (t + i) % 3 != 0 : i > 0) {
+          toks[static_cast<size_t>(i)].push_back(t);
+          rws[static_cast<size_t>(i)].push_back(0.3f + 0.1f * static_cast<float>(i) + 0.01f * static_cast<float>(t));
+        }
+      }
+    }
+    std::vector<cpu::ExpertAssignment> assign;
+    for (int i = 0; i < 4; ++i) {
+      assign.push_back({&experts[static_cast<size_t>(i)].w, toks[static_cast<size_t>(i)].data(), rws[static_cast<size_t>(i)].data(),
+                        static_cast<int>(toks[static_cast<size_t>(i)].size())});
+    }
+    cpu::MoeFfn ffn;
+    auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnSchedule sched, cpu::FfnSliceOptions o, int64_t down_rows) {
+      cpu::set_ffn_schedule(sched);
+      cpu::set_ffn_slice_options(o);
+      cpu::set_ffn_job_rows({32, down_rows});
+      std::vector<float> y(x.size(), 0.25f);
+      ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
+      return y;
+    };
+    const std::vector<float> want = run_with(waits, cpu::FfnSchedule::Shared, {}, 128);
+    double moved = 0;
+    for (float v : want) moved += std::fabs(v - 0.25f);
+    EXPECT_GT(moved, 1.0) << "the layer must add something";
+    const cpu::FfnSliceOptions variants[] = {{true, true, 4, true, true}, {true, false, 1, false, true}, {true, true, 3, false, true}, {true, true, 8, true, true}};
+    for (cpu::ThreadPool* pool : {&waits, &joined}) {
+      for (int64_t down_rows : {int64_t{128}, int64_t{7}, int64_t{4096}}) {
+        for (const cpu::FfnSliceOptions& o : variants) {
+          EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want)
+              << n_tok << " tokens, down chunks " << down_rows << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", caller joins "
+              << pool->caller_joins();
+          // The same list again (reused spans and chunk counts).
+          EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want) << "reused list, " << n_tok << " tokens, down chunks " << down_rows;
+        }
+      }
+    }
+  }
+  cpu::set_ffn_job_rows(rows0);
+  cpu::set_ffn_slice_options(opt0);
+  cpu::set_ffn_schedule(schedule0);
+}
+
 // FfnStreamOptions (a job's rows as several runs side by side, the down jobs' their own count,
 // gate and up rows together, each thread's down rows pulled toward L2 during its gate/up jobs,
 // whole or only their first bytes)

@@ -302,6 +302,45 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
   EXPECT_THROW(cpu::matvec_tokens_runs(TensorType::Q8_0, 32, many.data(), 17, a.data(), a.size(), nullptr, 1, 4), std::invalid_argument);
 }
 
+// The pattern probe's modes (cpu::MatvecMath, the kernel bench's --pattern-probe): matvec_tokens
+// and matvec_tokens_runs write zeros to exactly their rows (and tokens), leave every other y
+// element alone, and once the mode is back to Compute the results are the kernels' again, bitwise.
+TEST(MatvecTokens, ReadOnlyModesZeroTheirRowsOnlyAndComputeReturns) {
+  constexpr int64_t kCols = 512, kRows = 23, kStride = 30;
+  constexpr int kTok = 3;
+  for (TensorType t : {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K}) {
+    const Matrix m = random_matrix(t, kRows, kCols, 900 + static_cast<uint32_t>(t));
+    const TensorType at = dot_activation_type(t);
+    const size_t arb = row_bytes(at, kCols);
+    std::vector<uint8_t> acts(arb * kTok);
+    for (int i = 0; i < kTok; ++i) {
+      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 950 + static_cast<uint32_t>(i));
+      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
+    }
+    std::vector<float> want(static_cast<size_t>(kTok * kStride), -7.0f);
+    cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, want.data(), kStride);
+    for (const cpu::MatvecMath mode : {cpu::MatvecMath::ReadOnly, cpu::MatvecMath::ReadOnlyPrefetch}) {
+      cpu::set_matvec_math(mode);
+      std::vector<float> y(want.size(), -7.0f), yr(want.size(), -7.0f);
+      cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, y.data(), kStride);
+      const cpu::MatvecRun runs[] = {{m.q.data(), 3, 10, yr.data()}, {m.q.data(), 14, 21, yr.data()}};
+      cpu::matvec_tokens_runs(t, kCols, runs, 2, acts.data(), arb, nullptr, kTok, kStride);
+      cpu::set_matvec_math(cpu::MatvecMath::Compute);
+      for (int i = 0; i < kTok; ++i) {
+        for (int64_t r = 0; r < kStride; ++r) {
+          const size_t k = static_cast<size_t>(i * kStride + r);
+          ASSERT_EQ(y[k], r >= 3 && r < 21 ? 0.0f : -7.0f) << type_name(t) << " token " << i << " row " << r;
+          ASSERT_EQ(yr[k], (r >= 3 && r < 10) || (r >= 14 && r < 21) ? 0.0f : -7.0f) << type_name(t) << " runs, token " << i << " row " << r;
+        }
+      }
+    }
+    std::vector<float> again(want.size(), -7.0f);
+    cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, again.data(), kStride);
+    EXPECT_EQ(again, want) << type_name(t);
+    EXPECT_NE(want[5], 0.0f) << type_name(t);
+  }
+}
+
 TEST(MatvecTokens, RejectsTypesWithoutKernel) {
   std::vector<uint8_t> w(64), a(64);
   float y = 0.0f;

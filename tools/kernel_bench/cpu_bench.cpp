@@ -287,6 +287,142 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   return p;
 }
 
+// The plain probe in the layer call's form: each call reads its n_per_call experts' bytes (one
+// contiguous range of the set) as pool.size() equal contiguous spans, one job each, after the
+// same gap as measure()'s calls (none: back to back). What a call would cost if its bytes came
+// at the streaming rate, with the same wake-up, hand-over and join.
+// two_phases: the FFN's dependency instead: every expert's gate+up bytes (one span per thread
+// of their concatenation), a barrier (each thread's second job waits for all first ones), then
+// every expert's down bytes likewise (ThreadPool::run_sliced_phases, as the balanced list).
+Point measure_plain_calls(const ExpertSet& set, int n_per_call, double min_seconds, int gap_us, bool two_phases, cpu::ThreadPool& pool) {
+  const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
+  const size_t call_bytes = set.expert_bytes * static_cast<size_t>(n_per_call);
+  const int n = pool.size();
+  const size_t span = ((call_bytes + static_cast<size_t>(n) - 1) / static_cast<size_t>(n) + 63) & ~size_t{63};
+  const auto* base = static_cast<const uint8_t*>(set.memory.data());
+  std::vector<uint64_t> sink(static_cast<size_t>(n) * 8, 0);
+  // Two phases: per phase, its bytes of each expert [from, to) (gate+up: the expert's start up to down).
+  const size_t down_at = static_cast<size_t>(static_cast<const uint8_t*>(set.experts.front().down) - static_cast<const uint8_t*>(set.experts.front().gate));
+  std::vector<int64_t> ends(2 * static_cast<size_t>(n));
+  for (int k = 0; k < 2 * n; ++k) ends[static_cast<size_t>(k)] = k + 1;
+  alignas(64) std::atomic<int> first_done{0};
+  auto read_part = [&](const uint8_t* p, size_t from, size_t to, int64_t part, int w) {  // part of n of every expert's [from, to)
+    const size_t each = to - from, total = each * static_cast<size_t>(n_per_call);
+    const size_t a = (total * static_cast<size_t>(part) / static_cast<size_t>(n)) & ~size_t{63};
+    const size_t b = part + 1 == n ? total : (total * static_cast<size_t>(part + 1) / static_cast<size_t>(n)) & ~size_t{63};
+    for (size_t o = a; o < b;) {
+      const size_t e = o / each, in = o % each, len = std::min(b - o, each - in);
+      sink[static_cast<size_t>(w) * 8] ^= cpu::stream_read(p + e * set.expert_bytes + from + in, len & ~size_t{63});
+      o += len;
+    }
+  };
+  auto call = [&](int64_t l) {
+    const uint8_t* p = base + static_cast<size_t>(l) * call_bytes;
+    if (two_phases) {
+      first_done.store(0, std::memory_order_relaxed);
+      pool.run_sliced_phases(ends.data(), 2, [&](int64_t j, int w) {
+        if (j < n) {
+          read_part(p, 0, down_at, j, w);
+          first_done.fetch_add(1, std::memory_order_release);
+          return;
+        }
+        while (first_done.load(std::memory_order_acquire) < n) {
+        }
+        read_part(p, down_at, set.expert_bytes, j - n, w);
+      });
+      return;
+    }
+    pool.run(n, [&](int64_t j, int w) {
+      const size_t off = static_cast<size_t>(j) * span;
+      if (off < call_bytes) sink[static_cast<size_t>(w) * 8] ^= cpu::stream_read(p + off, std::min(span, call_bytes - off) & ~size_t{63});
+    });
+  };
+  call(n_layers - 1);
+  std::vector<double> call_us;
+  double busy = 0.0;
+  int64_t done = 0;
+  const auto t0 = Clock::now();
+  do {
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+      const auto c0 = Clock::now();
+      call(l);
+      const double c = std::chrono::duration<double>(Clock::now() - c0).count();
+      busy += c;
+      call_us.push_back(1e6 * c);
+    }
+    done += n_layers;
+  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_seconds);
+  uint64_t all = 0;
+  for (uint64_t v : sink) all ^= v;
+  asm volatile("" : : "r"(all));
+  Point p;
+  std::sort(call_us.begin(), call_us.end());
+  if (gap_us > 0) {  // as measure(): percentiles of calls timed alone only
+    p.p50_us = call_us[call_us.size() / 2];
+    p.p90_us = call_us[call_us.size() * 9 / 10];
+  }
+  p.layers = done;
+  p.seconds = busy;
+  p.gbps = static_cast<double>(done) * static_cast<double>(call_bytes) / busy / 1e9;
+  return p;
+}
+
+// --pattern-probe: `rounds` interleaved rounds of [the kernel, the pattern probe (the same FFN
+// call with matvec reading its lines only: cpu::MatvecMath::ReadOnly), the same with the tiles'
+// prefetcht0 stream (ReadOnlyPrefetch), the plain probe in the call's form, the same in the
+// FFN's two phases], so the shared host's drift hits all alike. probe -> pattern: the access
+// pattern and the call's synchronisation (probe2ph: the gate/up -> down barrier's share of it);
+// pattern -> kernel: the arithmetic's stall on memory. One line per round and a median line;
+// returns the median line. Session 10 run B (H200 host, medians of 3 rounds): the worker's call
+// (15 threads, gap 130 us), p50 us at 1 expert, kernel / pattern / probe / probe2ph: Q4_K 32.2 /
+// 30.6 / 28.7 / 31.0, Q8_0 52.9 / 47.7 / 41.6 / 42.6, MXFP4 34.5 / 28.1 / 22.9 / 23.8 (Q4_K: the
+// call's own fixed costs, in the probe too; Q8_0 / MXFP4: the arithmetic's 5-6 us as well);
+// 8 experts accumulating back to back (16 threads): kernel / pattern 91-105%, and the pattern
+// with the tiles' prefetcht0 stream 10-18% above the kernel on the balanced list.
+std::string pattern_rounds(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, const CpuBenchOptions& opt, cpu::ThreadPool& pool) {
+  constexpr int kKinds = 5;
+  const char* names[kKinds] = {"kernel", "pattern", "pattern+pf", "probe", "probe2ph"};
+  std::vector<double> gbps[kKinds], p50[kKinds];
+  const std::string head = std::string(type_name(t)) + " " + std::to_string(n_per_call) + " exp " + std::to_string(n_tok) + " tok";
+  auto line = [&](const char* tag, const double* g, const double* u) {
+    char buf[768];
+    int k = std::snprintf(buf, sizeof buf, "pattern %-22s %-6s", head.c_str(), tag);
+    for (int i = 0; i < kKinds; ++i) k += std::snprintf(buf + k, sizeof buf - static_cast<size_t>(k), " | %s %6.1f GB/s p50 %6.1f us", names[i], g[i], u[i]);
+    // Shares of the probe's rate, from the mean GB/s and (calls timed alone) from the p50 call times.
+    std::snprintf(buf + k, sizeof buf - static_cast<size_t>(k),
+                  " || GB/s kernel/probe %5.1f%% pattern/probe %5.1f%% kernel/pattern %5.1f%% | p50 %5.1f%% %5.1f%% %5.1f%%\n", 100.0 * g[0] / g[3],
+                  100.0 * g[1] / g[3], 100.0 * g[0] / g[1], 100.0 * u[3] / u[0], 100.0 * u[3] / u[1], 100.0 * u[1] / u[0]);
+    return std::string(buf);
+  };
+  for (int r = 0; r < opt.pattern_rounds; ++r) {
+    double g[kKinds], u[kKinds];
+    for (int i = 0; i < kKinds; ++i) {
+      Point p;
+      if (i >= 3) {
+        p = measure_plain_calls(set, n_per_call, opt.min_seconds, opt.gap_us, i == 4, pool);
+      } else {
+        cpu::set_matvec_math(i == 0 ? cpu::MatvecMath::Compute : i == 1 ? cpu::MatvecMath::ReadOnly : cpu::MatvecMath::ReadOnlyPrefetch);
+        p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, false, opt.gap_prefetch, pool);
+        cpu::set_matvec_math(cpu::MatvecMath::Compute);
+      }
+      g[i] = p.gbps;
+      u[i] = p.p50_us > 0 ? p.p50_us : 1e6 * p.seconds / static_cast<double>(p.layers);
+      gbps[i].push_back(g[i]);
+      p50[i].push_back(u[i]);
+    }
+    const std::string round = "r" + std::to_string(r + 1);
+    std::fputs(line(round.c_str(), g, u).c_str(), stdout);
+    std::fflush(stdout);
+  }
+  double gm[kKinds], um[kKinds];
+  for (int i = 0; i < kKinds; ++i) {
+    gm[i] = median_of(gbps[i]);
+    um[i] = median_of(p50[i]);
+  }
+  return line("median", gm, um);
+}
+
 // The kernels' compute ceiling: GB/s of one worker running matvec_tokens over the first
 // expert's gate rows [0, kCeilingRows) (at most a few hundred KB: L2-resident after the first
 // pass), per CPU second of that worker. Times the thread count, it says whether the cores could
@@ -486,6 +622,8 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "0: it only spins (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--slice-split", opt.slice_split, "balanced slices: jobs per thread and phase; idle threads take the last ones "
                   "of slower threads (default: the library's)")->check(CLI::Range(1, 8));
+  cpu->add_option("--balanced-accumulate", opt.balanced_accumulate, "1: the balanced slices also for the accumulating form (run(): the "
+                  "table without --worker-form), each thread one run of rows per phase; 0: fixed chunks (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--gate-up-first", opt.gate_up_first, "1: balanced slices in two phases, every gate/up job (threads done early "
                   "taking the last ones of slower threads) before any down job; 0: each thread its gate/up then its down share "
                   "(default: the library's)")->check(CLI::Range(0, 1));
@@ -507,10 +645,17 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "set: the expert FFN walks every job through the runs path; default: the library's)")->check(CLI::Range(0, 1 << 24));
   cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
                   "next call's experts (1: a right guess) or of other experts (2: a wrong guess) until the gap ends; 0: none")->check(CLI::Range(0, 2));
+  cpu->add_option("--pattern-probe", opt.pattern_rounds, "per format and row: this many interleaved rounds of the kernel, the pattern "
+                  "probe (the same calls reading their weight lines without arithmetic; also with the tiles' prefetcht0 stream) and the "
+                  "plain read of the call's bytes in one contiguous span per thread, then their medians (0: the usual table)")->check(CLI::Range(0, 50));
+  cpu->add_option("--matvec-math", opt.matvec_math, "the table's calls with matvec computing (compute, the default) or only reading "
+                  "their weight lines (read-only; read-only-pf: with the tiles' prefetcht0 stream): e.g. --phase-trace of the pattern "
+                  "probe")->check(CLI::IsMember({"compute", "read-only", "read-only-pf"}));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
 int run_cpu_bench(const CpuBenchOptions& opt) {
+  if (opt.pattern_rounds > 0 && opt.json) throw std::invalid_argument("--pattern-probe prints its rounds as lines: not with --json");
   if (!opt.isa.empty()) cpu::set_max_cpu_isa(*cpu::parse_isa(opt.isa));
   if (opt.amx_min_tokens > 0) cpu::set_amx_min_tokens(opt.amx_min_tokens);
   cpu::MatvecPrefetch prefetch = cpu::matvec_prefetch();
@@ -523,6 +668,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.prefetch_runs_l1 >= 0) prefetch.runs_l1_bytes = static_cast<size_t>(opt.prefetch_runs_l1);
   if (opt.prefetch_runs_l2 >= 0) prefetch.runs_l2_bytes = static_cast<size_t>(opt.prefetch_runs_l2);
   cpu::set_matvec_prefetch(prefetch);
+  if (opt.matvec_math == "read-only") cpu::set_matvec_math(cpu::MatvecMath::ReadOnly);
+  if (opt.matvec_math == "read-only-pf") cpu::set_matvec_math(cpu::MatvecMath::ReadOnlyPrefetch);
   cpu::FfnStreamOptions stream_opt = cpu::ffn_stream_options();
   if (opt.stream_runs > 0) stream_opt.runs = opt.stream_runs;
   if (opt.gate_up_together >= 0) stream_opt.gate_up_together = opt.gate_up_together;
@@ -546,6 +693,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.wait_prefetch >= 0) slice_opt.wait_prefetch = opt.wait_prefetch == 1;
   if (opt.slice_split > 0) slice_opt.split = opt.slice_split;
   if (opt.gate_up_first >= 0) slice_opt.gate_up_first = opt.gate_up_first == 1;
+  if (opt.balanced_accumulate >= 0) slice_opt.accumulating = opt.balanced_accumulate == 1;
   cpu::set_ffn_slice_options(slice_opt);
   if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
   const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
@@ -585,9 +733,9 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
+    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d (accumulating %d) split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
                 "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
-                static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0,
+                static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0, slice_opt.accumulating ? 1 : 0,
                 slice_opt.split, slice_opt.gate_up_first ? 1 : 0, slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
                 prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
                 prefetch.spread ? (" spread " + std::to_string(prefetch.spread_l1_bytes) + " B").c_str() : "",
@@ -597,6 +745,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
                 stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
                 prefetch.runs_l2_bytes);
+    if (cpu::matvec_math() != cpu::MatvecMath::Compute) std::printf("matvec math: %s (no arithmetic: the pattern probe)\n", opt.matvec_math.c_str());
     std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
     if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
     std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
@@ -627,6 +776,15 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       }
     }
     // The ceilings do not depend on the experts per call: measured once per token count.
+    if (opt.pattern_rounds > 0) {
+      std::string medians;
+      for (int n_per_call : opt.experts_per_call) {
+        for (int n_tok : opt.tokens) medians += pattern_rounds(set, t, n_tok, n_per_call, opt, pool);
+      }
+      std::fputs(medians.c_str(), stdout);
+      std::fflush(stdout);
+      continue;
+    }
     std::vector<std::pair<double, double>> ceilings;
     for (int n_tok : opt.tokens) {
       ceilings.emplace_back(core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool),
@@ -673,6 +831,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"wait_prefetch", slice_opt.wait_prefetch},
                                 {"slice_split", slice_opt.split},
                                 {"gate_up_first", slice_opt.gate_up_first},
+                                {"balanced_accumulating", slice_opt.accumulating},
+                                {"matvec_math", opt.matvec_math.empty() ? std::string("compute") : opt.matvec_math},
                                 {"stream_runs", stream_opt.runs},
                                 {"gate_up_together", stream_opt.gate_up_together},
                                 {"down_runs", stream_opt.down_runs},
