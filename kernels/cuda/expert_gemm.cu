@@ -24,52 +24,21 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm_input_round.cuh"
 #include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/mma_ptx.cuh"
 
 namespace moraine::cuda {
 namespace {
+
+using namespace ptx;
 
 constexpr int kTileK = 32;             // K per stage: 64 bytes of each tile row
 constexpr int kSmemStride = kTileK + 8;  // 80-byte rows: the 8 rows of an ldmatrix hit 8 distinct bank quads
 constexpr int kStages = 3;             // cp.async pipeline depth (two tiles in flight while one is used)
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, or 16 zero bytes when !valid (src-size 0: nothing is read, src
-// only has to be a valid address).
-__device__ __forceinline__ void copy_16_or_zero(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int Pending>
-__device__ __forceinline__ void wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
 template <GemmInput T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (T == GemmInput::BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  if constexpr (T == GemmInput::BF16) mma_bf16(c, a, b0, b1);
+  else mma_f16(c, a, b0, b1);
 }
 
 // One k16 step of a warp's kMt x kNt block of m16n8 tiles: A from a_lane (this lane's ldmatrix
@@ -137,8 +106,9 @@ __global__ void __launch_bounds__(WM* WN * 32)
   constexpr int kWarpRows = BM / WM, kWarpTokens = BN / WN;
   constexpr int kMt = kWarpRows / 16, kNt = kWarpTokens / 8;
   static_assert(kWarpRows % 16 == 0 && kWarpTokens % 16 == 0, "warp tile: m16 blocks, pairs of n8 blocks");
-  __shared__ __align__(128) uint16_t sa[kStages][BM * kSmemStride];
-  __shared__ __align__(128) uint16_t sb[kStages][BN * kSmemStride];
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint16_t* sa = reinterpret_cast<uint16_t*>(smem);  // [kStages][BM * kSmemStride]
+  uint16_t* sb = sa + kStages * BM * kSmemStride;     // [kStages][BN * kSmemStride]
 
   const ExpertGemmTile tile = tiles[blockIdx.x];
   const int row0 = static_cast<int>(blockIdx.y) * BM;
@@ -146,8 +116,8 @@ __global__ void __launch_bounds__(WM* WN * 32)
   const uint16_t* wa = weights + static_cast<int64_t>(tile.slot) * slot_stride + static_cast<int64_t>(row0) * cols;
   const uint16_t* xb = x + static_cast<int64_t>(tile.x_row) * cols;
   const auto load_stage = [&](int stage, int k0) {
-    load_rows<BM, kTileK / 8, kThreads>(sa[stage], kSmemStride, wa, cols, k0, m_valid);
-    load_rows<BN, kTileK / 8, kThreads>(sb[stage], kSmemStride, xb, cols, k0, tile.count);
+    load_rows<BM, kTileK / 8, kThreads>(sa + stage * BM * kSmemStride, kSmemStride, wa, cols, k0, m_valid);
+    load_rows<BN, kTileK / 8, kThreads>(sb + stage * BN * kSmemStride, kSmemStride, xb, cols, k0, tile.count);
   };
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
@@ -171,7 +141,8 @@ __global__ void __launch_bounds__(WM* WN * 32)
     commit_group();
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16)
-      warp_mma_k16<T>(acc, sa[kt % kStages] + a_off + kk, kSmemStride, sb[kt % kStages] + b_off + kk, kSmemStride);
+      warp_mma_k16<T>(acc, sa + (kt % kStages) * BM * kSmemStride + a_off + kk, kSmemStride,
+                      sb + (kt % kStages) * BN * kSmemStride + b_off + kk, kSmemStride);
   }
   wait_group<0>();  // no copy may still target shared memory when the CTA exits
   store_warp_tile(acc, y + static_cast<int64_t>(tile.x_row) * ldy + row0, ldy, warp_row, warp_token, m_valid,
@@ -181,19 +152,44 @@ __global__ void __launch_bounds__(WM* WN * 32)
 // The same product with Q4_K weights decoded inside the kernel (no expansion pass): per stage of
 // 64 K, each weight row's 16-byte block header (d, dmin, packed scales) and the 32 quant bytes of
 // sub-blocks 2p, 2p+1 go to shared memory by cp.async; after the barrier each thread decodes one
-// row's 32-element sub-block with dequantize_weights' float expressions (__fmul_rn / __fsub_rn,
-// round to nearest even), so the A tile holds exactly the expanded path's 16-bit values and the
+// row's 32-element sub-block to dequantize_weights' float values (its __fmul_rn / __fsub_rn
+// expressions, reached with fewer instructions: q4k_weight; round to nearest even, two elements
+// per conversion), so the A tile holds exactly the expanded path's 16-bit values and the
 // mma sequence (k16 steps in K order) is the same: the result equals the expanded path's bit
 // for bit. weight_of[slot] is the slot's Q4_K matrix (rows x cols, 16-byte aligned).
+// Measured (session 10 run B, ncu, H200, 128 x (768 x 2048), 32 tokens per expert, small
+// tiles): 157.5 us with an int -> float and a float -> 16-bit conversion per weight, 113.7 us
+// with this decode. What bounds it now is L2 (77% busy, DRAM 29%): every row tile re-reads its
+// group's X, and ncu counts 38% of the L2 sectors as excess (the 16-byte header and quant
+// pieces of rows 1152 bytes apart).
 constexpr int kQ4TileK = 64;
 constexpr int kQ4RawBytes = 48;  // header 16 + quants 32 per row and stage
 constexpr int kQ4Stride = kQ4TileK + 8;  // 144-byte rows: conflict-free ldmatrix
+
+// float(v) for v < 2^23 without the int -> float conversion instruction: 2^23 + v has v in its
+// mantissa bits exactly, and subtracting 2^23 is exact. Same value as static_cast<float>(v).
+__device__ __forceinline__ float small_int_as_float(unsigned v) {
+  return __fsub_rn(__uint_as_float(0x4b000000u | v), 8388608.0f);
+}
+// float(byte e of `bytes`) (bytes holds values < 16 here) with one byte permute: 0x4b0000XX.
+__device__ __forceinline__ float nibble_as_float(unsigned bytes, int e) {
+  return __fsub_rn(__uint_as_float(__byte_perm(bytes, 0x4b000000u, 0x7440u | static_cast<unsigned>(e))), 8388608.0f);
+}
+// dequantize_weights' __fsub_rn(__fmul_rn(dl, q), ml) as one fma, bit for bit: dl = d * sc is
+// exact in float (11-bit fp16 significand times a 6-bit scale), so dl * q (q < 16) has at most 21
+// significant bits and is exact too; fma's single rounding of dl * q - ml is then the rounding
+// of the subtraction alone.
+__device__ __forceinline__ float q4k_weight(float dl, float ml, float q) { return __fmaf_rn(dl, q, -ml); }
 
 template <int BM, int BN>
 constexpr int q4k_smem_bytes() {
   return kStages * (BM * kQ4RawBytes + BN * kQ4Stride * 2) + BM * kQ4Stride * 2;
 }
 
+// (Measured and dropped, session 10 run B: an "overlapped" schedule with two A tiles, K tile
+// kt + 1 decoded while tile kt is multiplied, one barrier a tile. Its extra A tile cut the CTAs
+// per SM (Small: 5 instead of 7) and it ran slower: pp512 uniform 128 x (768 x 2048) 148.9 vs
+// 136.7 us, R = 64 193.5 vs 177.6; at pp8192 within +-4%.)
 template <GemmInput T, int BM, int BN, int WM, int WN>
 __global__ void __launch_bounds__(WM* WN * 32)
     expert_gemm_q4k_kernel(const uint8_t* const* __restrict__ weight_of, int rows, int cols,
@@ -214,37 +210,52 @@ __global__ void __launch_bounds__(WM* WN * 32)
   const int64_t row_bytes = static_cast<int64_t>(cols / 256) * 144;
   const uint8_t* wq = weight_of[tile.slot] + static_cast<int64_t>(row0) * row_bytes;
   const uint16_t* xb = x + static_cast<int64_t>(tile.x_row) * cols;
+  // This thread's cp.async pieces are the same every stage up to an offset in K, so their source
+  // pointers and destinations are worked out once (not per stage: division by 3, 64-bit row
+  // products). Raw piece c = (row c / 3, piece c % 3): the header, or quant bytes 0-15 / 16-31
+  // of the stage's sub-block pair; X piece c = (token c / 8, 8 elements at (c % 8) * 8).
+  constexpr int kRawPieces = BM * 3, kXPieces = BN * kQ4TileK / 8;
+  constexpr int kRawCopies = (kRawPieces + kThreads - 1) / kThreads, kXCopies = (kXPieces + kThreads - 1) / kThreads;
+  const uint8_t* raw_src[kRawCopies];
+  int raw_dst[kRawCopies], raw_quant[kRawCopies];  // byte offset in a stage; 1 for a quant piece
+  bool raw_ok[kRawCopies];
+#pragma unroll
+  for (int i = 0; i < kRawCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads, r = c / 3, piece = c % 3;
+    raw_ok[i] = c < kRawPieces && r < m_valid;
+    raw_src[i] = raw_ok[i] ? wq + static_cast<int64_t>(r) * row_bytes + (piece == 0 ? 0 : 16 * (piece - 1)) : wq;
+    raw_dst[i] = r * kQ4RawBytes + 16 * piece;
+    raw_quant[i] = piece == 0 ? 0 : 1;
+  }
+  const uint16_t* x_src[kXCopies];
+  int x_dst[kXCopies];
+  bool x_ok[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads, r = c / 8, kc = (c % 8) * 8;
+    x_ok[i] = c < kXPieces && r < tile.count;
+    x_src[i] = x_ok[i] ? xb + static_cast<int64_t>(r) * cols + kc : xb;
+    x_dst[i] = r * kQ4Stride + kc;
+  }
   const auto load_stage = [&](int stage, int kt) {
     const int64_t block = static_cast<int64_t>(kt / 4) * 144;  // super-block of K tile kt, quants 32p..32p+31
     const int quants = 16 + 32 * (kt % 4);
 #pragma unroll
-    for (int c = static_cast<int>(threadIdx.x); c < BM * 3; c += kThreads) {
-      const int r = c / 3, piece = c % 3;
-      const bool ok = r < m_valid;
-      const uint8_t* src = wq + static_cast<int64_t>(r) * row_bytes + block + (piece == 0 ? 0 : quants + 16 * (piece - 1));
-      copy_16_or_zero(raw + (stage * BM + r) * kQ4RawBytes + 16 * piece, ok ? src : wq, ok);
+    for (int i = 0; i < kRawCopies; ++i) {
+      if (kRawPieces % kThreads != 0 && static_cast<int>(threadIdx.x) + i * kThreads >= kRawPieces) continue;
+      copy_16_or_zero(raw + stage * BM * kQ4RawBytes + raw_dst[i],
+                      raw_ok[i] ? raw_src[i] + block + raw_quant[i] * quants : wq, raw_ok[i]);
     }
-    load_rows<BN, kQ4TileK / 8, kThreads>(sb + stage * BN * kQ4Stride, kQ4Stride, xb, cols, kt * kQ4TileK, tile.count);
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      if (kXPieces % kThreads != 0 && static_cast<int>(threadIdx.x) + i * kThreads >= kXPieces) continue;
+      copy_16_or_zero(sb + stage * BN * kQ4Stride + x_dst[i], x_ok[i] ? x_src[i] + kt * kQ4TileK : xb, x_ok[i]);
+    }
   };
 
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int warp_row = (warp % WM) * kWarpRows, warp_token = (warp / WM) * kWarpTokens;
-  float acc[kMt][kNt][4] = {};
-  const int k_tiles = cols / kQ4TileK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
-    commit_group();
-  }
-  const int a_off = (warp_row + lane % 16) * kQ4Stride + (lane / 16) * 8;
-  const int b_off = (warp_token + lane % 8 + (lane / 16) * 8) * kQ4Stride + ((lane / 8) % 2) * 8;
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    wait_group<kStages - 2>();
-    __syncthreads();  // raw and X of tile kt visible; every warp is done with sa and with stage kt - 1
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) load_stage(next % kStages, next);
-    commit_group();
-    // Decode: task (row r, half h) = sub-block j = 2p + h of the row, 32 elements.
+  // Decodes K tile kt (raw stage kt % kStages) into the A tile at a: task (row r, half h) =
+  // sub-block j = 2p + h of the row, 32 elements.
+  const auto decode = [&](int kt, uint16_t* a) {
     const int p = kt % 4;
 #pragma unroll
     for (int task = static_cast<int>(threadIdx.x); task < BM * 2; task += kThreads) {
@@ -255,84 +266,138 @@ __global__ void __launch_bounds__(WM* WN * 32)
       const uint8_t* packed = b + 4;
       int sc, m;
       matvec_detail::scale_min_k4(packed, j, sc, m);
-      const float dl = __fmul_rn(d, static_cast<float>(sc)), ml = __fmul_rn(dmin, static_cast<float>(m));
+      const float dl = __fmul_rn(d, small_int_as_float(static_cast<unsigned>(sc)));
+      const float ml = __fmul_rn(dmin, small_int_as_float(static_cast<unsigned>(m)));
       const uint4* qv = reinterpret_cast<const uint4*>(b + 16);
-      uint4* dst = reinterpret_cast<uint4*>(sa + r * kQ4Stride + 32 * h);
+      uint4* dst = reinterpret_cast<uint4*>(a + r * kQ4Stride + 32 * h);
 #pragma unroll
       for (int v = 0; v < 2; ++v) {  // 16 quant bytes -> 16 elements -> two 16-byte stores
         const uint4 w = qv[v];
         const unsigned words[4] = {w.x, w.y, w.z, w.w};
         unsigned out[8];
 #pragma unroll
-        for (int e = 0; e < 16; e += 2) {
-          unsigned short pair[2];
+        for (int i = 0; i < 4; ++i) {
+          const unsigned nibbles = (words[i] >> (4 * h)) & 0x0f0f0f0fu;  // element 4i + e in byte e
+          float f[4];
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const unsigned byte = (words[(e + u) / 4] >> (8 * ((e + u) % 4))) & 0xffu;
-            const int q = static_cast<int>(h ? (byte >> 4) : (byte & 0x0fu));
-            pair[u] = round_to_gemm_input<T>(__fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml));
-          }
-          out[e / 2] = static_cast<unsigned>(pair[0]) | (static_cast<unsigned>(pair[1]) << 16);
+          for (int e = 0; e < 4; ++e) f[e] = q4k_weight(dl, ml, nibble_as_float(nibbles, e));
+          out[2 * i] = round_pair_to_gemm_input<T>(f[0], f[1]);
+          out[2 * i + 1] = round_pair_to_gemm_input<T>(f[2], f[3]);
         }
         dst[2 * v] = make_uint4(out[0], out[1], out[2], out[3]);
         dst[2 * v + 1] = make_uint4(out[4], out[5], out[6], out[7]);
       }
     }
-    __syncthreads();  // the decoded A tile complete
+  };
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warp_row = (warp % WM) * kWarpRows, warp_token = (warp / WM) * kWarpTokens;
+  float acc[kMt][kNt][4] = {};
+  const int k_tiles = cols / kQ4TileK;
+  const int a_off = (warp_row + lane % 16) * kQ4Stride + (lane / 16) * 8;
+  const int b_off = (warp_token + lane % 8 + (lane / 16) * 8) * kQ4Stride + ((lane / 8) % 2) * 8;
+  const auto multiply = [&](int kt, const uint16_t* a) {
     const uint16_t* sb_s = sb + (kt % kStages) * BN * kQ4Stride;
 #pragma unroll
     for (int kk = 0; kk < kQ4TileK; kk += 16)
-      warp_mma_k16<T>(acc, sa + a_off + kk, kQ4Stride, sb_s + b_off + kk, kQ4Stride);
+      warp_mma_k16<T>(acc, a + a_off + kk, kQ4Stride, sb_s + b_off + kk, kQ4Stride);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    commit_group();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    wait_group<kStages - 2>();
+    __syncthreads();  // raw and X of tile kt visible; every warp is done with sa and with stage kt - 1
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
+    commit_group();
+    decode(kt, sa);
+    __syncthreads();  // the decoded A tile complete
+    multiply(kt, sa);
   }
   wait_group<0>();
   store_warp_tile(acc, y + static_cast<int64_t>(tile.x_row) * ldy + row0, ldy, warp_row, warp_token, m_valid,
                   tile.count, lane);
 }
 
+// Launches with `bytes` of dynamic shared memory; above the 48 KiB default a kernel must opt in.
+// The opt-in is set on every launch (a host call, no GPU work): a function-local static in a
+// helper templated on the kernel's type is shared by every kernel of one signature and opted in
+// only the first (session 9 run C's cudaErrorInvalidValue), and the attribute is per device.
+template <class Kernel, class... Args>
+void launch_with_smem(Kernel* kernel, int bytes, dim3 grid, int threads, cudaStream_t stream, Args... args) {
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, threads, bytes, stream>>>(args...);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <GemmInput T, int BM, int BN, int WM, int WN>
+void launch_shape(const void* weights, int64_t slot_stride, int64_t rows, int64_t cols, const void* x,
+                  const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  constexpr int kBytes = kStages * (BM + BN) * kSmemStride * 2;
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
+  launch_with_smem(expert_gemm_kernel<T, BM, BN, WM, WN>, kBytes, grid, WM * WN * 32, stream,
+                   static_cast<const uint16_t*>(weights), slot_stride, static_cast<int>(rows), static_cast<int>(cols),
+                   static_cast<const uint16_t*>(x), tiles, y, ldy);
+}
+
 template <GemmInput T>
 void launch(ExpertTiles shape, const void* weights, int64_t slot_stride, int64_t rows, int64_t cols, const void* x,
             const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
-  const auto* w = static_cast<const uint16_t*>(weights);
-  const auto* xs = static_cast<const uint16_t*>(x);
-  const int bm = expert_tile_rows(shape);
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + bm - 1) / bm));
-  if (shape == ExpertTiles::Large)
-    expert_gemm_kernel<T, 128, 64, 4, 2><<<grid, 256, 0, stream>>>(w, slot_stride, static_cast<int>(rows),
-                                                                    static_cast<int>(cols), xs, tiles, y, ldy);
-  else
-    expert_gemm_kernel<T, 64, 32, 2, 2><<<grid, 128, 0, stream>>>(w, slot_stride, static_cast<int>(rows),
-                                                                   static_cast<int>(cols), xs, tiles, y, ldy);
-  CUDA_CHECK(cudaGetLastError());
+  switch (shape) {
+    case ExpertTiles::Wide:
+      return launch_shape<T, 128, 128, 2, 2>(weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Large:
+      return launch_shape<T, 128, 64, 4, 2>(weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Small:
+      return launch_shape<T, 64, 32, 2, 2>(weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Tall:
+      return launch_shape<T, 128, 32, 4, 2>(weights, slot_stride, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  }
 }
 
 template <GemmInput T, int BM, int BN, int WM, int WN>
 void launch_q4k_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
                       const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
-  constexpr int kBytes = q4k_smem_bytes<BM, BN>();
-  auto* kernel = expert_gemm_q4k_kernel<T, BM, BN, WM, WN>;
-  // Above the 48 KiB default the kernel must opt in, once per kernel (and device: one here).
-  static const cudaError_t opted = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  CUDA_CHECK(opted);
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
-  kernel<<<grid, WM * WN * 32, kBytes, stream>>>(reinterpret_cast<const uint8_t* const*>(weight_of),
-                                                 static_cast<int>(rows), static_cast<int>(cols),
-                                                 static_cast<const uint16_t*>(x), tiles, y, ldy);
-  CUDA_CHECK(cudaGetLastError());
+  launch_with_smem(expert_gemm_q4k_kernel<T, BM, BN, WM, WN>, q4k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream,
+                   reinterpret_cast<const uint8_t* const*>(weight_of), static_cast<int>(rows), static_cast<int>(cols),
+                   static_cast<const uint16_t*>(x), tiles, y, ldy);
 }
 
 template <GemmInput T>
 void launch_q4k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
                 const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
-  if (shape == ExpertTiles::Large)
-    launch_q4k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-  else
-    launch_q4k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  switch (shape) {
+    case ExpertTiles::Wide:
+      return launch_q4k_shape<T, 128, 128, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Large:
+      return launch_q4k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Small:
+      return launch_q4k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Tall:
+      return launch_q4k_shape<T, 128, 32, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  }
 }
 
 }  // namespace
 
-int expert_tile_rows(ExpertTiles shape) { return shape == ExpertTiles::Large ? 128 : 64; }
-int expert_tile_tokens(ExpertTiles shape) { return shape == ExpertTiles::Large ? 64 : 32; }
+int expert_tile_rows(ExpertTiles shape) { return shape == ExpertTiles::Small ? 64 : 128; }
+int expert_tile_tokens(ExpertTiles shape) {
+  return shape == ExpertTiles::Wide ? 128 : shape == ExpertTiles::Large ? 64 : 32;  // Small, Tall: 32
+}
+
+const char* expert_tiles_name(ExpertTiles shape) {
+  switch (shape) {
+    case ExpertTiles::Large: return "large";
+    case ExpertTiles::Small: return "small";
+    case ExpertTiles::Wide: return "wide";
+    case ExpertTiles::Tall: return "tall";
+  }
+  return "?";
+}
 
 void expert_gemm_tiles(ExpertTiles shape, int32_t slot, int64_t first_row, int64_t count,
                        std::vector<ExpertGemmTile>& out) {

@@ -32,12 +32,14 @@ struct ExpertGemmTile {
   int32_t unused = 0;  // pads the entry to 16 bytes (one vector load)
 };
 
-// Tile shapes: Large is 128 weight rows x 64 tokens (8 warps, 32 x 32 each), Small 64 x 32
-// (4 warps, 32 x 16 each) for groups of a few dozen tokens, where a 64-token tile would be
-// mostly padding and a chunk would launch too few CTAs to fill the GPU.
-enum class ExpertTiles : uint8_t { Large, Small };
-int expert_tile_rows(ExpertTiles shape);    // 128 or 64
-int expert_tile_tokens(ExpertTiles shape);  // 64 or 32
+// Tile shapes (weight rows x tokens, warps): Wide 128 x 128 (2 x 2 warps of 64 x 64: 32 mma per
+// 8 ldmatrix, for long groups), Large 128 x 64 (4 x 2 warps of 32 x 32), Tall 128 x 32 (4 x 2
+// warps of 32 x 16) and Small 64 x 32 (2 x 2 warps of 32 x 16) for groups of a few dozen tokens,
+// where a wider tile would be mostly padding and a chunk would launch too few CTAs.
+enum class ExpertTiles : uint8_t { Large, Small, Wide, Tall };
+int expert_tile_rows(ExpertTiles shape);    // 64 (Small) or 128
+int expert_tile_tokens(ExpertTiles shape);  // 128 (Wide), 64 (Large) or 32
+const char* expert_tiles_name(ExpertTiles shape);  // "large", "small", "wide", "tall"
 
 // Appends the token tiles of a group (first_row, count >= 0; none when count is 0) to `out`.
 void expert_gemm_tiles(ExpertTiles shape, int32_t slot, int64_t first_row, int64_t count,

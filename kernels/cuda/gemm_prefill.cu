@@ -186,8 +186,8 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
                        std::all_of(selected_.begin(), selected_.end(), [&](int i) {
                          return reinterpret_cast<uintptr_t>(experts[static_cast<size_t>(i)].weight) % 16 == 0;
                        });
-  const bool loop =
-      path_ == ExpertPath::CublasLoop || (path_ == ExpertPath::Auto && computed >= kLoopMinMeanRows * total);
+  const bool loop = path_ == ExpertPath::CublasLoop ||
+                    (path_ == ExpertPath::Auto && !fusable && computed > kExpandedMaxMeanRows * total);
   last_fused_ = false;
   if (loop) {
     for (int c0 = 0; c0 < total; c0 += per_chunk) {
@@ -250,17 +250,24 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
   return computed;
 }
 
-// Large tiles do 4x the work per CTA with the better ratio of mma to ldmatrix, but pad every
-// group to a multiple of 64 tokens: used unless that padding exceeds a quarter of the rows.
+// Wider token tiles do more work per CTA and per ldmatrix (and, fused, decode each weight for
+// more tokens), but pad every group to a multiple of their tokens: the widest shape whose padding
+// stays within a quarter of the rows. One shape per call: choosing per group (one launch per
+// shape) measured slower, the launches run one after another and the wide one has few CTAs
+// (session 10 run B, 128 x (768 x 2048), Zipf split: fused pp512 201 us mixed vs 188 all small;
+// expanded pp512 1122 vs 656, pp8192 2445 vs 1559 all wide).
 ExpertTiles PrefillGemm::choose_tiles(std::span<const ExpertRows> experts) const {
-  const int64_t bn = expert_tile_tokens(ExpertTiles::Large);
-  int64_t rows = 0, padded = 0;
-  for (int s : selected_) {
-    const int64_t c = experts[static_cast<size_t>(s)].count;
-    rows += c;
-    padded += (c + bn - 1) / bn * bn;
+  for (ExpertTiles shape : {ExpertTiles::Wide, ExpertTiles::Large}) {
+    const int64_t bn = expert_tile_tokens(shape);
+    int64_t rows = 0, padded = 0;
+    for (int s : selected_) {
+      const int64_t c = experts[static_cast<size_t>(s)].count;
+      rows += c;
+      padded += (c + bn - 1) / bn * bn;
+    }
+    if (padded * 4 <= rows * 5) return shape;
   }
-  return padded * 4 <= rows * 5 ? ExpertTiles::Large : ExpertTiles::Small;
+  return ExpertTiles::Small;
 }
 
 }  // namespace moraine::cuda

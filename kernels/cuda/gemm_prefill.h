@@ -100,20 +100,23 @@ class PrefillGemm {
   // decoded in the kernel (q4_k with 16-byte aligned matrices; other calls take the Expanded
   // path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert (the
   // previous path; cublasGemmGroupedBatchedEx is no option: cuBLAS 13.1 refuses it for BF16 in /
-  // F32 out with NOT_SUPPORTED on the H200). Auto (default): CublasLoop when the groups average
-  // kLoopMinMeanRows rows or more (cuBLAS's GEMM beats ours on long groups), else Fused where it
-  // applies, else Expanded. Measured (H200, 128 experts, q4_k, moraine-kernel-bench cuda
-  // --gemm-only, us per 128 matrices; loop / expanded / fused): 768 x 2048 at pp512 (32 rows
-  // each) 1153 / 640 / 179, at pp8192 (512 each) 1529 / 1799 / 1533; 2048 x 768 at pp512
-  // 1468 / 493 / 169, at pp8192 1320 / 1607 / 1498; 128 x R rows of 768 x 2048, R = 64: 1212 /
-  // 695 / 221, R = 512: 1535 / 1803 / 1535 (expanded meets the loop near R = 360).
+  // F32 out with NOT_SUPPORTED on the H200). Auto (default): Fused where it applies; else
+  // Expanded up to kExpandedMaxMeanRows rows per group on average, CublasLoop above (cuBLAS's
+  // GEMM beat ours on long groups before the Wide tiles, and the loop's per-call cost is
+  // amortized there). Measured (H200, q4_k, 128 experts, moraine-kernel-bench cuda --gemm-only,
+  // us per 128 matrices of 768 x 2048, loop / expanded / fused): session 10 run B pp512 (32 rows
+  // each) 2005 / 640 / 137, pp8192 (512 each) 1988 / 1728 / 1084, 2048 x 768 pp8192 2055 /
+  // 1494 / 1004 (the loop's time varies between runs: session 9 run G had 1159 at pp512, 1664
+  // and 1315 at pp8192); before the Wide tiles and the cheaper decode (run G) fused was 179 at
+  // pp512 and 1526 at pp8192; 128 x R rows, expanded vs loop (run G): R = 64 695 vs 1212.
   enum class ExpertPath : uint8_t { Auto, Expanded, Fused, CublasLoop };
-  static constexpr int64_t kLoopMinMeanRows = 384;
+  static constexpr int64_t kExpandedMaxMeanRows = 256;
   void set_expert_path(ExpertPath p) { path_ = p; }
   ExpertPath expert_path() const { return path_; }
   bool last_call_fused() const { return last_fused_; }
-  // The grouped kernel's tile shape: chosen per call from the group sizes (Large unless it would
-  // pad the token tiles by more than a quarter), or forced (tests, bench).
+  // The grouped kernel's tile shape: chosen per call from the group sizes (the widest of Wide,
+  // Large whose padding of the token tiles stays within a quarter, else Small), or forced
+  // (tests, bench).
   void force_expert_tiles(std::optional<ExpertTiles> shape) { forced_tiles_ = shape; }
   ExpertTiles last_expert_tiles() const { return last_tiles_; }  // what the last grouped call used
 

@@ -1,8 +1,9 @@
 // The grouped expert GEMM (kernels/cuda/expert_gemm.h) against a scalar reference on fresh random
 // 16-bit operands: many groups of uneven sizes (0, 1, 17, 130, 512 tokens, and Zipf-skewed),
-// row counts that are no multiple of the tile, ldy > rows, gaps of X rows no group covers, both
-// tile shapes and both 16-bit input types. The output is poisoned with NaN first: every output
-// a tile owns must be written, every other float (the ldy gap, uncovered rows) left alone.
+// row counts that are no multiple of the tile, ldy > rows, gaps of X rows no group covers, every
+// tile shape (large, small, wide, tall) and both 16-bit input types. The output is poisoned with
+// NaN first: every output a tile owns must be written, every other float (the ldy gap, uncovered
+// rows) left alone.
 //
 // Tolerance: the operands are 16-bit values, so each product is exact in float; the kernel adds
 // them in float on the tensor cores. As in gemm_prefill_test.cpp each addition may err by 2
@@ -18,6 +19,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/formats/quant.h"
@@ -36,7 +38,7 @@ double gamma_u(int64_t k, double u) { return static_cast<double>(k) * u / (1.0 -
 uint16_t bits_of(GemmInput t, float v) { return t == GemmInput::BF16 ? fp32_to_bf16(v) : fp32_to_fp16(v); }
 float value_of(GemmInput t, uint16_t b) { return t == GemmInput::BF16 ? bf16_to_fp32(b) : fp16_to_fp32(b); }
 const char* name_of(GemmInput t) { return t == GemmInput::BF16 ? "bf16" : "f16"; }
-const char* name_of(ExpertTiles s) { return s == ExpertTiles::Large ? "large" : "small"; }
+const char* name_of(ExpertTiles s) { return cuda::expert_tiles_name(s); }
 
 // Random 16-bit operands and their float values. F16 keeps to |v| < 2^15 (no infinities).
 struct Operand {
@@ -150,7 +152,7 @@ TEST(ExpertGemm, UnevenGroupsMatchReferenceForBothTypesAndTileShapes) {
   const std::vector<Group> groups = lay_out(counts, 3, &x_rows);
   uint32_t seed = 1000;
   for (GemmInput type : {GemmInput::BF16, GemmInput::F16})
-    for (ExpertTiles shape : {ExpertTiles::Large, ExpertTiles::Small})
+    for (ExpertTiles shape : {ExpertTiles::Large, ExpertTiles::Small, ExpertTiles::Wide, ExpertTiles::Tall})
       check_grouped_gemm(type, shape, 200, 256, 211, groups, x_rows, ++seed);
 }
 
@@ -169,13 +171,96 @@ TEST(ExpertGemm, ZipfSkewedGroupsMatchReference) {
   const std::vector<Group> groups = lay_out(counts, 0, &x_rows);
   check_grouped_gemm(GemmInput::BF16, ExpertTiles::Large, 96, 768, 96, groups, x_rows, 2001);
   check_grouped_gemm(GemmInput::BF16, ExpertTiles::Small, 96, 768, 96, groups, x_rows, 2002);
+  check_grouped_gemm(GemmInput::BF16, ExpertTiles::Wide, 96, 768, 96, groups, x_rows, 2004);
+  check_grouped_gemm(GemmInput::F16, ExpertTiles::Wide, 300, 512, 301, groups, x_rows, 2005);
+  check_grouped_gemm(GemmInput::BF16, ExpertTiles::Tall, 300, 512, 300, groups, x_rows, 2006);
   check_grouped_gemm(GemmInput::F16, ExpertTiles::Small, 768, 96 * 8, 770, {{0, 40}, {40, 7}}, 47, 2003);
 }
 
 // Q4_K weights decoded inside the kernel (expert_gemm_fused) against the expanded path
-// (dequantize_weights + expert_gemm with the same tiles): bit for bit, and within the bound of
-// the scalar reference on the expanded 16-bit values. Uneven groups, partial row tile (200 rows),
-// ldy > rows, matrices at separate allocations (the pointer table), both types and tile shapes.
+// (dequantize_weights + expert_gemm with the same tiles) on the Q4_K matrices `mats` (one per
+// group, rows x cols, separate allocations: the pointer table): bit for bit, NaN poison left
+// alone outside the tiles, and (check_bound) within the bound of the scalar reference on the
+// expanded 16-bit values. Both input types, every tile shape.
+void check_fused_equals_expanded(const char* what, const std::vector<std::vector<uint8_t>>& mats, int64_t rows,
+                                 int64_t cols, int64_t ldy, const std::vector<Group>& groups, int64_t x_rows,
+                                 bool check_bound, std::mt19937& rng) {
+  constexpr TensorType kType = TensorType::Q4_K;
+  const int n_groups = static_cast<int>(groups.size());
+  ASSERT_EQ(mats.size(), groups.size());
+  std::vector<cuda::DeviceBuffer<uint8_t>> dw;
+  std::vector<const void*> ptrs;
+  for (const std::vector<uint8_t>& m : mats) {
+    dw.push_back(cuda::uploaded(m));
+    ptrs.push_back(dw.back().get());
+  }
+  cuda::DeviceBuffer<const void*> dptrs = cuda::uploaded(ptrs);
+  const int64_t elems = rows * cols;
+  for (GemmInput type : {GemmInput::BF16, GemmInput::F16}) {
+    cuda::DeviceBuffer<uint16_t> expanded(static_cast<size_t>(elems * n_groups));
+    cuda::dequantize_weights(kType, ptrs.data(), n_groups, elems, type, expanded.get());
+    std::vector<uint16_t> wbits(expanded.size());
+    expanded.download(wbits.data(), wbits.size());
+    const Operand x = random_operand(type, static_cast<size_t>(x_rows * cols), rng);
+    cuda::DeviceBuffer<uint16_t> dx = cuda::uploaded(x.bits);
+    for (ExpertTiles shape : {ExpertTiles::Large, ExpertTiles::Small, ExpertTiles::Wide, ExpertTiles::Tall}) {
+      const std::string name = std::string(name_of(type)) + "/" + name_of(shape);
+      std::vector<ExpertGemmTile> tiles;
+      for (int g = 0; g < n_groups; ++g) {
+        const Group& gr = groups[static_cast<size_t>(g)];
+        cuda::expert_gemm_tiles(shape, g, gr.first_row, gr.count, tiles);
+      }
+      cuda::DeviceBuffer<ExpertGemmTile> dt = cuda::uploaded(tiles);
+      cuda::DeviceBuffer<float> y_expanded(static_cast<size_t>(x_rows * ldy)), y_fused(y_expanded.size());
+      y_expanded.fill_bytes(0xff);
+      y_fused.fill_bytes(0xff);
+      cuda::expert_gemm(type, shape, expanded.get(), elems, rows, cols, dx.get(), dt.get(),
+                        static_cast<int>(tiles.size()), y_expanded.get(), ldy);
+      cuda::expert_gemm_fused(kType, type, shape, dptrs.get(), rows, cols, dx.get(), dt.get(),
+                              static_cast<int>(tiles.size()), y_fused.get(), ldy);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> a(y_expanded.size()), b(y_fused.size());
+      y_expanded.download(a.data(), a.size());
+      y_fused.download(b.data(), b.size());
+      int64_t written = 0;
+      for (int g = 0; check_bound && g < n_groups; ++g) {
+        const Group& gr = groups[static_cast<size_t>(g)];
+        for (int64_t i = gr.first_row; i < gr.first_row + gr.count; ++i)
+          for (int64_t r = 0; r < rows; ++r) {
+            const size_t at = static_cast<size_t>(i * ldy + r);
+            double exact = 0.0, abs_sum = 0.0;
+            for (int64_t k = 0; k < cols; ++k) {
+              const double p = static_cast<double>(x.values[static_cast<size_t>(i * cols + k)]) *
+                               value_of(type, wbits[static_cast<size_t>(g * elems + r * cols + k)]);
+              exact += p;
+              abs_sum += std::fabs(p);
+            }
+            const double tol = gamma_u(cols + 32, std::ldexp(1.0, -22)) * abs_sum;
+            ASSERT_LE(std::fabs(static_cast<double>(b[at]) - exact), tol)
+                << what << " fused " << name << ": first mismatch at Y[" << i
+                << "][" << r << "] (group " << g << "): got " << b[at] << ", want " << exact << " +- " << tol
+                << " (expanded path " << a[at] << ")";
+            ++written;
+          }
+      }
+      int64_t equal = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (std::isnan(a[i])) {
+          ASSERT_TRUE(std::isnan(b[i])) << what << " fused " << name << " wrote flat index " << i
+                                        << " outside every tile";
+        } else {
+          ASSERT_EQ(a[i], b[i]) << what << " fused vs expanded " << name << " at Y[" << i / ldy << "][" << i % ldy
+                                << "]";
+          ++equal;
+        }
+      }
+      std::printf("%s fused q4_k %s: %lld outputs equal to the expanded path, %lld within bound\n", what,
+                  name.c_str(), static_cast<long long>(equal), static_cast<long long>(written));
+    }
+  }
+}
+
+// Uneven groups, partial row tile (200 rows), ldy > rows, weights quantized from random values.
 TEST(ExpertGemm, FusedQ4KEqualsExpandedPathBitForBit) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   constexpr TensorType kType = TensorType::Q4_K;
@@ -183,78 +268,50 @@ TEST(ExpertGemm, FusedQ4KEqualsExpandedPathBitForBit) {
   const std::vector<int64_t> counts = {5, 0, 1, 17, 130, 64, 33};
   int64_t x_rows = 0;
   const std::vector<Group> groups = lay_out(counts, 2, &x_rows);
-  const int n_groups = static_cast<int>(groups.size());
   std::mt19937 rng(3001);
-  const size_t rb = row_bytes(kType, kCols), mat = rb * kRows;
-  std::vector<cuda::DeviceBuffer<uint8_t>> dw;
-  std::vector<const void*> ptrs;
-  for (int g = 0; g < n_groups; ++g) {
+  const size_t rb = row_bytes(kType, kCols);
+  std::vector<std::vector<uint8_t>> mats;
+  for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(kRows * kCols));
-    std::vector<uint8_t> bytes(mat);
+    std::vector<uint8_t> bytes(rb * kRows);
     for (int64_t r = 0; r < kRows; ++r) quantize_row(kType, src.data() + r * kCols, bytes.data() + r * rb, kCols);
-    dw.push_back(cuda::uploaded(bytes));
-    ptrs.push_back(dw.back().get());
+    mats.push_back(std::move(bytes));
   }
-  cuda::DeviceBuffer<const void*> dptrs = cuda::uploaded(ptrs);
-  const int64_t elems = kRows * kCols;
-  for (GemmInput type : {GemmInput::BF16, GemmInput::F16}) {
-    cuda::DeviceBuffer<uint16_t> expanded(static_cast<size_t>(elems * n_groups));
-    cuda::dequantize_weights(kType, ptrs.data(), n_groups, elems, type, expanded.get());
-    std::vector<uint16_t> wbits(expanded.size());
-    expanded.download(wbits.data(), wbits.size());
-    const Operand x = random_operand(type, static_cast<size_t>(x_rows * kCols), rng);
-    cuda::DeviceBuffer<uint16_t> dx = cuda::uploaded(x.bits);
-    for (ExpertTiles shape : {ExpertTiles::Large, ExpertTiles::Small}) {
-      std::vector<ExpertGemmTile> tiles;
-      for (int g = 0; g < n_groups; ++g)
-        cuda::expert_gemm_tiles(shape, g, groups[static_cast<size_t>(g)].first_row, groups[static_cast<size_t>(g)].count,
-                                tiles);
-      cuda::DeviceBuffer<ExpertGemmTile> dt = cuda::uploaded(tiles);
-      cuda::DeviceBuffer<float> y_expanded(static_cast<size_t>(x_rows * kLdy)), y_fused(y_expanded.size());
-      y_expanded.fill_bytes(0xff);
-      y_fused.fill_bytes(0xff);
-      cuda::expert_gemm(type, shape, expanded.get(), elems, kRows, kCols, dx.get(), dt.get(),
-                        static_cast<int>(tiles.size()), y_expanded.get(), kLdy);
-      cuda::expert_gemm_fused(kType, type, shape, dptrs.get(), kRows, kCols, dx.get(), dt.get(),
-                              static_cast<int>(tiles.size()), y_fused.get(), kLdy);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<float> a(y_expanded.size()), b(y_fused.size());
-      y_expanded.download(a.data(), a.size());
-      y_fused.download(b.data(), b.size());
-      int64_t written = 0;
-      for (int g = 0; g < n_groups; ++g) {
-        const Group& gr = groups[static_cast<size_t>(g)];
-        for (int64_t i = gr.first_row; i < gr.first_row + gr.count; ++i)
-          for (int64_t r = 0; r < kRows; ++r) {
-            const size_t at = static_cast<size_t>(i * kLdy + r);
-            double exact = 0.0, abs_sum = 0.0;
-            for (int64_t k = 0; k < kCols; ++k) {
-              const double p = static_cast<double>(x.values[static_cast<size_t>(i * kCols + k)]) *
-                               value_of(type, wbits[static_cast<size_t>(g * elems + r * kCols + k)]);
-              exact += p;
-              abs_sum += std::fabs(p);
-            }
-            const double tol = gamma_u(kCols + 32, std::ldexp(1.0, -22)) * abs_sum;
-            ASSERT_LE(std::fabs(static_cast<double>(b[at]) - exact), tol)
-                << "fused " << name_of(type) << "/" << name_of(shape) << ": first mismatch at Y[" << i << "][" << r
-                << "] (group " << g << "): got " << b[at] << ", want " << exact << " +- " << tol << " (expanded path "
-                << a[at] << ")";
-            ++written;
-          }
-      }
-      for (size_t i = 0; i < a.size(); ++i) {
-        if (std::isnan(a[i])) {
-          ASSERT_TRUE(std::isnan(b[i])) << "fused " << name_of(type) << "/" << name_of(shape) << " wrote flat index "
-                                        << i << " outside every tile";
-        } else {
-          ASSERT_EQ(a[i], b[i]) << "fused vs expanded " << name_of(type) << "/" << name_of(shape) << " at Y["
-                                << i / kLdy << "][" << i % kLdy << "]";
-        }
-      }
-      std::printf("fused q4_k %s/%s: %lld outputs equal to the expanded path and within bound\n", name_of(type),
-                  name_of(shape), static_cast<long long>(written));
+  check_fused_equals_expanded("quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
+}
+
+// Q4_K blocks of random BYTES: every 6-bit scale and min, and fp16 d / dmin of random sign over
+// exponents 0..20 (subnormals up to 64, so the F16 expansion stays finite), so d * sc * q and
+// dmin * m meet at every relative magnitude. The fused decode reaches the expanded path's
+// values by other instructions (an fma for its multiply-then-subtract, float(q) without a
+// conversion): this holds it to the same bits where roundings would show.
+TEST(ExpertGemm, FusedQ4KEqualsExpandedPathOnRandomBlocks) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr int64_t kRows = 136, kCols = 768, kLdy = 136;
+  const std::vector<int64_t> counts = {3, 40, 1, 70};
+  int64_t x_rows = 0;
+  const std::vector<Group> groups = lay_out(counts, 1, &x_rows);
+  std::mt19937 rng(3002);
+  std::uniform_int_distribution<int> byte(0, 255), exponent(0, 20), mantissa(0, 1023), sign(0, 1);
+  const auto random_half = [&] {
+    return static_cast<uint16_t>((sign(rng) << 15) | (exponent(rng) << 10) | mantissa(rng));
+  };
+  const size_t rb = row_bytes(TensorType::Q4_K, kCols);
+  ASSERT_EQ(rb % 144, 0u);
+  std::vector<std::vector<uint8_t>> mats;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<uint8_t> bytes(rb * kRows);
+    for (size_t blk = 0; blk < bytes.size(); blk += 144) {
+      const uint16_t d = random_half(), dmin = random_half();
+      bytes[blk] = static_cast<uint8_t>(d & 0xff);
+      bytes[blk + 1] = static_cast<uint8_t>(d >> 8);
+      bytes[blk + 2] = static_cast<uint8_t>(dmin & 0xff);
+      bytes[blk + 3] = static_cast<uint8_t>(dmin >> 8);
+      for (size_t i = 4; i < 144; ++i) bytes[blk + i] = static_cast<uint8_t>(byte(rng));
     }
+    mats.push_back(std::move(bytes));
   }
+  check_fused_equals_expanded("random blocks", mats, kRows, kCols, kLdy, groups, x_rows, false, rng);
 }
 
 // Argument checks come before any CUDA call, so these run without a device too.

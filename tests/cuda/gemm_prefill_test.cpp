@@ -300,14 +300,18 @@ TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
     Path path;
     std::optional<cuda::ExpertTiles> tiles;
   };
-  // Expanded [0, 3) and fused [3, 6) with the same tiles, in the same order: compared bit for bit.
-  constexpr size_t kPaired = 3;
+  // Expanded [0, 5) and fused [5, 10) with the same tiles, in the same order: compared bit for bit.
+  constexpr size_t kPaired = 5;
   const Variant variants[] = {{"kernel (tiles chosen)", Path::Expanded, std::nullopt},
                               {"kernel large tiles", Path::Expanded, cuda::ExpertTiles::Large},
                               {"kernel small tiles", Path::Expanded, cuda::ExpertTiles::Small},
+                              {"kernel wide tiles", Path::Expanded, cuda::ExpertTiles::Wide},
+                              {"kernel tall tiles", Path::Expanded, cuda::ExpertTiles::Tall},
                               {"fused (tiles chosen)", Path::Fused, std::nullopt},
                               {"fused large tiles", Path::Fused, cuda::ExpertTiles::Large},
                               {"fused small tiles", Path::Fused, cuda::ExpertTiles::Small},
+                              {"fused wide tiles", Path::Fused, cuda::ExpertTiles::Wide},
+                              {"fused tall tiles", Path::Fused, cuda::ExpertTiles::Tall},
                               {"cublas loop", Path::CublasLoop, std::nullopt},
                               {"default (auto)", Path::Auto, std::nullopt}};
   for (GemmInput in : {GemmInput::BF16, GemmInput::F16}) {
@@ -347,7 +351,7 @@ TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
       if (v.path != Path::CublasLoop)
         std::printf("experts via %s, %s: %s, %s tiles\n", name_of(in), v.name,
                     gemm.last_call_fused() ? "fused" : "expanded",
-                    gemm.last_expert_tiles() == cuda::ExpertTiles::Large ? "large" : "small");
+                    cuda::expert_tiles_name(gemm.last_expert_tiles()));
     }
     // Decoding in the kernel gives the expanded path's bits (same 16-bit operands, same mma order).
     for (size_t v = 0; v < kPaired; ++v)

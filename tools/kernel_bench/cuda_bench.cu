@@ -206,6 +206,10 @@ void add_cuda_subcommand(CLI::App& app, CudaBenchOptions& opt) {
   sub->add_option("--formats", opt.formats, "weight formats")->delimiter(',');
   sub->add_option("--min-ms", opt.min_ms, "timed milliseconds per point")->check(CLI::Range(1.0, 10000.0));
   sub->add_flag("--gemm-only", opt.gemm_only, "only the prefill GEMM section (gemm_prefill: cuBLAS on expanded weights)");
+  sub->add_flag("--gemm-experts-only", opt.gemm.experts_only, "with --gemm-only: skip the dense shapes");
+  sub->add_option("--gemm-profile", opt.gemm.profile_tokens,
+                  "with --gemm-only: only the expert layer's default path at N tokens, one line (for a profiler)")
+      ->check(CLI::Range(1LL, 65536LL));
   sub->add_flag("--moe-only", opt.moe_only, "only the fused MoE layer bench (moe_fused), after the bandwidth measure");
   sub->add_flag("--backend-only", opt.backend_only, "only the backend kernels section, after the bandwidth measure");
   sub->add_flag("--pdl-only", opt.pdl_only, "only the decode-chain section, PDL off vs on (pdl_chain_bench.h)");
@@ -235,7 +239,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   if (opt.gemm_only) {  // compute-bound: no bandwidth measure needed
     std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     nlohmann::json j;
-    run_gemm_prefill_bench(opt.min_ms, opt.json ? &j : nullptr);
+    run_gemm_prefill_bench(opt.min_ms, opt.gemm, opt.json ? &j : nullptr);
     if (opt.json) std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -295,7 +299,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
     run_delta_net_bench(opt.min_ms, &j);
     run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, &j, opt.moe);
     run_backend_kernels_bench(opt.min_ms, bw.read_gbps, &j);
-    run_gemm_prefill_bench(opt.min_ms, &j);
+    run_gemm_prefill_bench(opt.min_ms, GemmBenchSelection{}, &j);
     run_pdl_chain_bench(opt.min_ms, &j);
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -310,7 +314,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   run_delta_net_bench(opt.min_ms, nullptr);
   run_moe_fused_bench(opt.min_ms, opt.set_mib, bw.read_gbps, nullptr, opt.moe);
   run_backend_kernels_bench(opt.min_ms, bw.read_gbps, nullptr);
-  run_gemm_prefill_bench(opt.min_ms, nullptr);
+  run_gemm_prefill_bench(opt.min_ms, GemmBenchSelection{}, nullptr);
   run_pdl_chain_bench(opt.min_ms, nullptr);
   return 0;
 }

@@ -7,6 +7,8 @@
 
 #include "tools/kernel_bench/moe_fused_bench.h"
 
+#include "tools/kernel_bench/gemm_prefill_bench.h"
+
 namespace CLI {
 class App;
 }
@@ -19,6 +21,7 @@ struct CudaBenchOptions {
   std::vector<std::string> formats{"q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4"};
   double min_ms = 30.0;  // timed span per measurement point
   bool gemm_only = false;  // only the prefill GEMM section (gemm_prefill_bench.h)
+  GemmBenchSelection gemm;  // which of its rows (gemm_prefill_bench.h)
   bool moe_only = false;  // only the fused MoE layer (after the bandwidth measure)
   bool backend_only = false;  // only the backend kernels section (backend_kernels_bench.h)
   bool pdl_only = false;  // only the PDL decode-chain section (pdl_chain_bench.h)

@@ -8,6 +8,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -187,7 +188,8 @@ struct LayerPoint {
   int64_t n;          // tokens of the step (8n expert rows)
   int64_t min_count, max_count;
   double loop_us = 0, kernel_us = 0, large_us = 0, small_us = 0, whole_us = 0, gemm_only_us = 0;
-  double fused_us = 0, fused_large_us = 0, fused_small_us = 0, auto_us = 0;
+  double fused_us = 0, fused_large_us = 0, fused_small_us = 0, wide_us = 0, fused_wide_us = 0, auto_us = 0;
+  double tall_us = 0, fused_tall_us = 0;
   std::string chosen = {};  // tile shape the kernel path chose
   double flop = 0;
 };
@@ -196,12 +198,14 @@ struct ExpertPoint {
   std::string shape;
   int64_t rows_per_expert;
   double kernel_us, fused_us, loop_us, matvec_us;  // matvec_us < 0: not measured
+  std::string tiles;  // the shape chosen
   double kernel_tflops;
 };
 
 struct ExpertBench {
   std::vector<LayerPoint> layers;
   std::vector<ExpertPoint> per_expert;
+  std::vector<std::string> failures;  // calls that threw (their time is NaN); reported after the tables
 };
 
 ExpertBench bench_experts(double min_ms) {
@@ -211,8 +215,11 @@ ExpertBench bench_experts(double min_ms) {
     int64_t rows, cols;
     TensorType type;
   };
+  // q4_k gate/up and down; and q6_k down, which Q4_K_M models use for some layers' ffn_down
+  // (no fused kernel: expanded or the cuBLAS loop).
   const ExpertShape shapes[] = {{"128x(768x2048)", 768, 2048, TensorType::Q4_K},
-                                {"128x(2048x768)", 2048, 768, TensorType::Q4_K}};
+                                {"128x(2048x768)", 2048, 768, TensorType::Q4_K},
+                                {"q6k:128x(2048x768)", 2048, 768, TensorType::Q6_K}};
   const int64_t per_expert[] = {1, 4, 16, 32, 64, 512};  // 32: pp512 with 8 of 128 experts, 512: pp8192
   using Path = cuda::PrefillGemm::ExpertPath;
   ExpertBench out;
@@ -251,11 +258,20 @@ ExpertBench bench_experts(double min_ms) {
       }
       return g;
     };
+    // A call that throws (a launch refused for one tile shape, say) costs its column, not the
+    // whole table: the error is kept and raised once every table is printed.
     const auto time_call = [&](cuda::PrefillGemm& g, Path path, std::optional<cuda::ExpertTiles> tiles,
                                const std::vector<cuda::ExpertRows>& groups) {
       g.set_expert_path(path);
       g.force_expert_tiles(tiles);
-      return 1e3 * ms_per_call([&](int) { g.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); }, min_ms);
+      try {
+        return 1e3 * ms_per_call([&](int) { g.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get()); },
+                                 min_ms);
+      } catch (const std::exception& e) {
+        out.failures.push_back(std::string(s.name) + " tiles " + (tiles ? cuda::expert_tiles_name(*tiles) : "chosen") +
+                               ": " + e.what());
+        return std::nan("");
+      }
     };
     for (int64_t n : {int64_t{512}, int64_t{8192}})
       for (bool zipf : {false, true}) {
@@ -265,15 +281,19 @@ ExpertBench bench_experts(double min_ms) {
                      *std::max_element(counts.begin(), counts.end())};
         p.loop_us = time_call(gemm, Path::CublasLoop, std::nullopt, groups);
         p.kernel_us = time_call(gemm, Path::Expanded, std::nullopt, groups);
-        p.chosen = gemm.last_expert_tiles() == cuda::ExpertTiles::Large ? "large" : "small";
+        p.chosen = cuda::expert_tiles_name(gemm.last_expert_tiles());
         p.large_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Large, groups);
         p.small_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Small, groups);
+        p.wide_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Wide, groups);
+        p.tall_us = time_call(gemm, Path::Expanded, cuda::ExpertTiles::Tall, groups);
         p.whole_us = time_call(whole, Path::Expanded, std::nullopt, groups);
         p.fused_us = time_call(gemm, Path::Fused, std::nullopt, groups);
         if (gemm.last_call_fused() != cuda::expert_gemm_fused_supported(kType))
           throw std::logic_error("gemm_prefill bench: the fused path did not run where it applies");
         p.fused_large_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Large, groups);
         p.fused_small_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Small, groups);
+        p.fused_wide_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Wide, groups);
+        p.fused_tall_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Tall, groups);
         p.auto_us = time_call(gemm, Path::Auto, std::nullopt, groups);
         std::vector<cuda::ExpertGemmTile> tiles;
         const cuda::ExpertTiles shape = whole.last_expert_tiles();
@@ -281,13 +301,19 @@ ExpertBench bench_experts(double min_ms) {
           cuda::expert_gemm_tiles(shape, e, groups[static_cast<size_t>(e)].first_row, groups[static_cast<size_t>(e)].count,
                                   tiles);
         DeviceBuffer<cuda::ExpertGemmTile> dt = cuda::uploaded(tiles);
-        p.gemm_only_us = 1e3 * ms_per_call(
-                                   [&](int) {
-                                     cuda::expert_gemm(cuda::GemmInput::BF16, shape, expanded.get(), elems, s.rows,
-                                                       s.cols, xb.get(), dt.get(), static_cast<int>(tiles.size()),
-                                                       y.get(), s.rows);
-                                   },
-                                   min_ms);
+        try {
+          p.gemm_only_us = 1e3 * ms_per_call(
+                                     [&](int) {
+                                       cuda::expert_gemm(cuda::GemmInput::BF16, shape, expanded.get(), elems, s.rows,
+                                                         s.cols, xb.get(), dt.get(), static_cast<int>(tiles.size()),
+                                                         y.get(), s.rows);
+                                     },
+                                     min_ms);
+        } catch (const std::exception& e) {
+          out.failures.push_back(std::string(s.name) + " expert_gemm alone, " + cuda::expert_tiles_name(shape) +
+                                 " tiles: " + e.what());
+          p.gemm_only_us = std::nan("");
+        }
         p.flop = 2.0 * 8 * static_cast<double>(n) * static_cast<double>(elems);
         out.layers.push_back(p);
       }
@@ -301,6 +327,7 @@ ExpertBench bench_experts(double min_ms) {
         for (int64_t i = 0; i < r; ++i) ids.push_back(e);
       const double kernel_us = time_call(gemm, Path::Expanded, std::nullopt, groups);
       const double fused_us = time_call(gemm, Path::Fused, std::nullopt, groups);
+      const std::string tiles = cuda::expert_tiles_name(gemm.last_expert_tiles());
       const double loop_us = time_call(gemm, Path::CublasLoop, std::nullopt, groups);
       double mv_us = -1.0;
       if (kExperts * r <= 65535) {  // one launch: matrix id per activation row
@@ -317,22 +344,63 @@ ExpertBench bench_experts(double min_ms) {
                           min_ms);
       }
       const double flop = 2.0 * kExperts * static_cast<double>(r) * static_cast<double>(elems);
-      out.per_expert.push_back({s.name, r, kernel_us, fused_us, loop_us, mv_us, flop / kernel_us / 1e6});
+      out.per_expert.push_back(
+          {s.name, r, kernel_us, fused_us, loop_us, mv_us, tiles, flop / kernel_us / 1e6});
     }
   }
   return out;
 }
 
+// A profiler's run (--gemm-profile N, e.g. under ncu -k regex:expert_gemm_q4k):
+// only matmul_experts' default path on 128 x (768 x 2048) q4_k at n tokens, uniform split, one
+// line printed; the whole bench would keep a profiler attached for minutes.
+void profile_fused(int64_t n, double min_ms) {
+  constexpr int kExperts = 128;
+  constexpr int64_t kRows = 768, kCols = 2048;
+  const size_t mat = row_bytes(TensorType::Q4_K, kCols) * static_cast<size_t>(kRows);
+  DeviceBuffer<uint8_t> pool = make_matrices(TensorType::Q4_K, kRows, kCols, kExperts);
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = 8 * n;
+  lim.max_cols = kCols;
+  lim.max_experts = kExperts;
+  cuda::PrefillGemm gemm(nullptr, lim);
+  DeviceBuffer<float> dx = random_input(static_cast<size_t>(8 * n * kCols));
+  DeviceBuffer<float> y(static_cast<size_t>(8 * n * kRows));
+  const std::vector<int64_t> counts = expert_counts(kExperts, n, false);
+  std::vector<cuda::ExpertRows> groups;
+  int64_t at = 0;
+  for (int e = 0; e < kExperts; ++e) {
+    groups.push_back({pool.get() + static_cast<size_t>(e) * mat, at, counts[static_cast<size_t>(e)]});
+    at += counts[static_cast<size_t>(e)];
+  }
+  const double us = 1e3 * ms_per_call([&](int) { gemm.matmul_experts(TensorType::Q4_K, groups, kRows, kCols, dx.get(), y.get()); },
+                                      min_ms);
+  std::printf("profile: 128x(768x2048) q4_k pp%lld uniform, %s, %s tiles: %.1f us per call\n",
+              static_cast<long long>(n), gemm.last_call_fused() ? "fused" : "not fused",
+              cuda::expert_tiles_name(gemm.last_expert_tiles()), us);
+}
+
+void throw_failures(const ExpertBench& experts) {
+  if (experts.failures.empty()) return;
+  std::string all;
+  for (const std::string& f : experts.failures) all += "\n  " + f;
+  throw std::runtime_error("gemm_prefill bench: " + std::to_string(experts.failures.size()) + " calls failed:" + all);
+}
+
 }  // namespace
 
-void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
+void run_gemm_prefill_bench(double min_ms, const GemmBenchSelection& sel, nlohmann::json* json) {
+  if (sel.profile_tokens > 0) {
+    profile_fused(sel.profile_tokens, min_ms);
+    return;
+  }
   cublasHandle_t h = nullptr;
   cublas_check(cublasCreate(&h), "cublasCreate");
   double peak = 0.0;
   std::vector<DensePoint> dense;
   try {
     peak = peak_bf16_tflops(h, min_ms);
-    dense = bench_dense(h, min_ms);
+    if (!sel.experts_only) dense = bench_dense(h, min_ms);
   } catch (...) {
     cublasDestroy(h);
     throw;
@@ -353,13 +421,18 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
                                          {"small_us", p.small_us}, {"whole_layer_us", p.whole_us},
                                          {"gemm_only_us", p.gemm_only_us}, {"fused_us", p.fused_us},
                                          {"fused_large_us", p.fused_large_us}, {"fused_small_us", p.fused_small_us},
-                                         {"auto_us", p.auto_us},
+                                         {"wide_us", p.wide_us}, {"fused_wide_us", p.fused_wide_us},
+                                         {"auto_us", p.auto_us}, {"tall_us", p.tall_us},
+                                         {"fused_tall_us", p.fused_tall_us},
                                          {"flop", p.flop}});
     for (const ExpertPoint& p : experts.per_expert)
       j["experts_q4_k"].push_back({{"shape", p.shape}, {"rows_per_expert", p.rows_per_expert},
-                                   {"kernel_us", p.kernel_us}, {"fused_us", p.fused_us}, {"loop_us", p.loop_us},
+                                   {"kernel_us", p.kernel_us}, {"fused_us", p.fused_us},
+                                   {"tiles", p.tiles},
+                                   {"loop_us", p.loop_us},
                                    {"matvec_us", p.matvec_us},
                                    {"kernel_tflops", p.kernel_tflops}});
+    throw_failures(experts);
     return;
   }
   std::printf("\nprefill GEMM (gemm_prefill: expand to bf16 + cublasGemmEx, f32 accumulate); plain cublasGemmEx "
@@ -373,22 +446,22 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
                 p.format.c_str(), static_cast<long long>(p.rows), static_cast<long long>(p.cols),
                 static_cast<long long>(p.n), p.call_us, p.call_tflops, 100.0 * p.call_tflops / peak, p.gemm_us,
                 p.gemm_tflops, p.dequant_us, p.dequant_gbps);
-  std::printf("\nexpert layer, q4_k, 128 experts, n tokens top-8 (8n rows; uniform or zipf 1/rank, capped at n): "
+  std::printf("\nexpert layer, q4_k (q6k: q6_k), 128 experts, n tokens top-8 (8n rows; uniform or zipf 1/rank, capped at n): "
               "matmul_experts us per matrix set\n(loop: expand + one cublasGemmEx per expert [the old path]; kernel: "
-              "expand + one expert_gemm per workspace chunk, tiles chosen, then forced large / small; whole: workspace "
-              "of the whole layer; gemm: expert_gemm alone on expanded weights; fused: q4_k decoded in the kernel, "
-              "chosen / large / small)\n");
-  std::printf("%-18s %-7s %5s %8s %7s %7s %5s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %5s\n", "shape", "split", "n",
-              "counts", "loop", "kernel", "tiles", "large", "small", "whole", "gemm", "fused", "fusedL", "fusedS",
-              "auto", "speedup", "TFLOP/s", "gemm%");
+              "expand + one expert_gemm per workspace chunk, tiles chosen, then forced large / small / wide / tall; "
+              "whole: workspace of the whole layer; gemm: expert_gemm alone on expanded weights; fused: q4_k decoded in "
+              "the kernel, tiles chosen, then forced L / S / W / T)\n");
+  std::printf("%-18s %-7s %5s %8s %7s %7s %5s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %5s\n",
+              "shape", "split", "n", "counts", "loop", "kernel", "tiles", "large", "small", "wide", "tall", "whole",
+              "gemm", "fused", "fusedL", "fusedS", "fusedW", "fusedT", "auto", "speedup", "TFLOP/s", "gemm%");
   for (const LayerPoint& p : experts.layers) {
     const std::string range = std::to_string(p.min_count) + "-" + std::to_string(p.max_count);
-    std::printf("%-18s %-7s %5lld %8s %7.1f %7.1f %5s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %6.2fx %7.1f "
-                "%4.0f%%\n",
+    std::printf("%-18s %-7s %5lld %8s %7.1f %7.1f %5s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f "
+                "%7.1f %6.2fx %7.1f %4.0f%%\n",
                 p.shape.c_str(), p.split.c_str(), static_cast<long long>(p.n), range.c_str(), p.loop_us, p.kernel_us,
-                p.chosen.c_str(), p.large_us, p.small_us, p.whole_us, p.gemm_only_us, p.fused_us, p.fused_large_us,
-                p.fused_small_us, p.auto_us, p.loop_us / p.auto_us, p.flop / p.auto_us / 1e6,
-                100.0 * p.flop / p.gemm_only_us / 1e6 / peak);
+                p.chosen.c_str(), p.large_us, p.small_us, p.wide_us, p.tall_us, p.whole_us, p.gemm_only_us, p.fused_us,
+                p.fused_large_us, p.fused_small_us, p.fused_wide_us, p.fused_tall_us, p.auto_us, p.loop_us / p.auto_us,
+                p.flop / p.auto_us / 1e6, 100.0 * p.flop / p.gemm_only_us / 1e6 / peak);
   }
   std::printf("(us per call; auto: the default path, what the CUDA backend runs; speedup and TFLOP/s: auto vs loop; "
               "gemm%%: expert_gemm alone as a share of the bf16 peak)\n");
@@ -404,14 +477,15 @@ void run_gemm_prefill_bench(double min_ms, nlohmann::json* json) {
                 2 * gu.fused_us + dn->fused_us, 2 * gu.auto_us + dn->auto_us);
   }
   std::printf("\n");
-  std::printf("\nexpert layer, q4_k, 128 experts x R rows each (matmul_experts kernel path vs cuBLAS loop; matvec: "
+  std::printf("\nexpert layer, q4_k (q6k: q6_k), 128 experts x R rows each (matmul_experts kernel path vs cuBLAS loop; matvec: "
               "the decode kernel, one launch over all 128R rows)\n");
-  std::printf("%-16s %6s %12s %12s %12s %12s %10s\n", "shape", "R", "kernel us", "fused us", "loop us", "matvec us",
-              "TFLOP/s");
+  std::printf("%-18s %6s %6s %12s %12s %12s %12s %10s\n", "shape", "R", "tiles", "kernel us", "fused us", "loop us",
+              "matvec us", "TFLOP/s");
   for (const ExpertPoint& p : experts.per_expert)
-    std::printf("%-16s %6lld %12.1f %12.1f %12.1f %12.1f %10.1f\n", p.shape.c_str(),
-                static_cast<long long>(p.rows_per_expert), p.kernel_us, p.fused_us, p.loop_us, p.matvec_us,
-                p.kernel_tflops);
+    std::printf("%-18s %6lld %6s %12.1f %12.1f %12.1f %12.1f %10.1f\n", p.shape.c_str(),
+                static_cast<long long>(p.rows_per_expert), p.tiles.c_str(), p.kernel_us, p.fused_us, p.loop_us,
+                p.matvec_us, p.kernel_tflops);
+  throw_failures(experts);
 }
 
 }  // namespace moraine::kernel_bench

@@ -11,7 +11,14 @@
 
 namespace moraine::kernel_bench {
 
+struct GemmBenchSelection {
+  bool experts_only = false;  // skip the dense shapes (--gemm-experts-only)
+  // > 0: only matmul_experts' default path on 128 x (768 x 2048) q4_k at this many tokens, one
+  // line (--gemm-profile N: a profiler run, e.g. under ncu -k regex:expert_gemm_q4k).
+  long long profile_tokens = 0;
+};
+
 // Prints tables, or (json != null) stores the numbers under (*json)["gemm_prefill"].
-void run_gemm_prefill_bench(double min_ms, nlohmann::json* json);
+void run_gemm_prefill_bench(double min_ms, const GemmBenchSelection& sel, nlohmann::json* json);
 
 }  // namespace moraine::kernel_bench
