@@ -223,14 +223,11 @@ std::pair<int32_t, int32_t> CudaBackend::fill_alt_rows(int64_t il, const group::
   return {lo, hi};
 }
 
-// Which layers' experts go through moe_fused, the expert-path scratch, and whether steps can
-// be captured as graphs (every layer fused, embedding on the device).
-void CudaBackend::setup_experts() {
+// Which layers' experts go through moe_fused, and whether steps can be captured as graphs
+// (every layer fused, embedding on the device). Before the scratch is listed: the expert path
+// decides which buffers it has (scratch_options).
+void CudaBackend::choose_expert_paths() {
   const model::HParams& hp = m_.hp;
-  const int64_t d = hp.n_embd, k = hp.n_expert_used;
-  const size_t slots = static_cast<size_t>(max_tokens_ * k);
-  size_t ws = 0;
-  bool any_matvec = false;
   graphs_ok_ = tok_embd_.size() != 0;
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     DevLayer& L = layers_[il];
@@ -239,37 +236,57 @@ void CudaBackend::setup_experts() {
       try {
         cuda::moe_fused_check(fused_weights(il));
         L.fused = true;
-        ws = std::max(ws, cuda::moe_fused_workspace_bytes(fused_weights(il), cuda::kMoeMaxTokens, static_cast<int>(k)));
       } catch (const std::invalid_argument&) {
         // a shape the fused kernel does not take: the batched matvec path serves it
       }
     }
-    any_matvec = any_matvec || (L.resident > 0 && !L.fused);
     graphs_ok_ = graphs_ok_ && L.fused && L.resident == hp.n_expert;
     // The hand-off step computes the device's experts of a layer with moe_fused only.
     handoff_ok_ = handoff_ok_ && (L.resident == 0 || L.fused);
   }
-  if (ws > 0) {
-    fused_ws_ = DeviceBuffer<uint8_t>(ws);
-    cuda::moe_fused_workspace_init(fused_ws_.get(), ws, stream_);
+}
+
+CudaStepScratchOptions CudaBackend::scratch_options() const {
+  CudaStepScratchOptions o;
+  o.max_tokens = max_tokens_;
+  o.max_context = max_context_;
+  o.gemm_prefill_rows = gemm_prefill_rows_;
+  for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+    const DevLayer& L = layers_[il];
+    if (L.recurrent)
+      o.recurrent = true;
+    else
+      o.q_rows = std::max(o.q_rows, m_.layers[il].attn.q.n_rows);
+    if (L.fused) o.fused_down_types.push_back(L.down.type);
+    o.expert_matvec = o.expert_matvec || (L.resident > 0 && !L.fused);
+  }
+  return o;
+}
+
+// The expert path's scratch (listed by cuda_step_scratch): moe_fused's workspace, the
+// PrefillGemm and the per-expert path's gather / scatter rows.
+void CudaBackend::setup_experts() {
+  const model::HParams& hp = m_.hp;
+  const size_t slots = static_cast<size_t>(max_tokens_ * hp.n_expert_used);
+  if (scratch_.has("moe_fused_ws")) {
+    fused_ws_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("moe_fused_ws"));
+    cuda::moe_fused_workspace_init(fused_ws_.get(), fused_ws_.size(), stream_);
   }
   // Long steps multiply quantized weights through cuBLAS (and run the resident experts per
   // expert, from the host's plan, instead of moe_fused's 16-token groups).
-  if (gemm_prefill_rows_ > 0 && max_tokens_ >= gemm_prefill_rows_) {
+  if (cuda_scratch_prefill_gemm(scratch_options())) {
     cuda::PrefillGemmLimits lim;
     lim.max_tokens = static_cast<int64_t>(slots);
-    lim.max_cols = std::max({d, hp.n_head * hp.head_dim, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+    lim.max_cols = cuda_scratch_max_cols(hp);
     lim.max_experts = static_cast<int>(hp.n_expert);
+    lim.weight_workspace_elems = kPrefillGemmWeightElems;
     gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, lim);
-    any_matvec = true;   // the per-expert path's gather / scatter buffers
   }
-  if (any_matvec) {
-    expert_in_ = DeviceBuffer<float>(slots * d);
-    expert_g_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
-    expert_u_ = DeviceBuffer<float>(slots * hp.n_ff_exp);
-    expert_out_ = DeviceBuffer<float>(slots * d);
-    expert_idx_ = DeviceBuffer<int32_t>(3 * slots);
-  }
+  expert_in_ = DeviceBuffer<float>(scratch_.count<float>("expert_in"));   // empty: every layer fused, short steps
+  expert_g_ = DeviceBuffer<float>(scratch_.count<float>("expert_g"));
+  expert_u_ = DeviceBuffer<float>(scratch_.count<float>("expert_u"));
+  expert_out_ = DeviceBuffer<float>(scratch_.count<float>("expert_out"));
+  expert_idx_ = DeviceBuffer<int32_t>(scratch_.count<int32_t>("expert_idx"));
   host_chosen_.resize(slots);
   host_weight_.resize(slots);
   host_plan_.reserve(hp.n_expert, static_cast<int64_t>(slots));

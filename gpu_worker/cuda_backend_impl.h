@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gpu_worker/cuda_backend.h"
+#include "gpu_worker/cuda_step_scratch.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/delta_net.h"
@@ -123,6 +124,12 @@ class CudaBackend final : public Backend {
 
   void advance(int64_t n) override { n_past_ += n; }
 
+  // The step scratch as listed (cuda_step_scratch.h) and the device-buffer bytes its allocation
+  // took (cuda::device_buffer_live_bytes before and after): equal to step_scratch().total(16)
+  // unless a buffer was allocated outside the list (tests/cuda/cuda_backend_golden_test checks).
+  const CudaStepScratch& step_scratch() const { return scratch_; }
+  uint64_t step_scratch_allocated_bytes() const { return scratch_allocated_bytes_; }
+
   void logits(int64_t rows, float* out) override;
   bool begin_swap(int64_t il, int32_t out, int32_t in) override;
   std::vector<std::pair<int64_t, int32_t>> landed_swaps() override;
@@ -180,6 +187,8 @@ class CudaBackend final : public Backend {
   };
   void setup_swaps(bool all_experts);
   void set_table_entry(int64_t il, int32_t e, const cuda::MoeExpertSlot& v);
+  void choose_expert_paths();
+  CudaStepScratchOptions scratch_options() const;
   void setup_experts();
   static bool fused_formats(const DevLayer& L);
   cuda::MoeLayerWeights fused_weights(int64_t il) const;
@@ -283,6 +292,8 @@ class CudaBackend final : public Backend {
   // PCIe) so that its bytes go to experts (coordinator/device_reserve.h cuda_host_resident_bytes);
   // empty when embed falls back to the host dequantizer.
   cuda::PinnedBuffer<uint8_t> tok_embd_;
+  CudaStepScratch scratch_;   // what the scratch buffers below were allocated from
+  uint64_t scratch_allocated_bytes_ = 0;
   DeviceBuffer<float> x_, h_, y_, qg_, q_, k_new_, v_new_, attn_, attn_scratch_, router_logits_, weight_;
   DeviceBuffer<uint8_t> act_;
   // What act_ holds: act_src_'s rows quantized as act_of_h_ (F32: nothing), act_of_h_rows_ rows;

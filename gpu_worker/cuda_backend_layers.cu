@@ -1,5 +1,6 @@
 // The CUDA backend's mixers (cuda_backend_impl.h): full attention and Gated DeltaNet.
 #include "gpu_worker/cuda_backend_impl.h"
+#include "gpu_worker/cuda_step_scratch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,16 +14,7 @@
 
 namespace moraine::gpu_worker::cuda_impl {
 
-cuda::DeltaNetShape CudaBackend::delta_shape() const {
-  const model::HParams& hp = m_.hp;
-  cuda::DeltaNetShape s;
-  s.n_k_heads = hp.ssm_n_k_heads;
-  s.n_v_heads = hp.ssm_n_v_heads;
-  s.head_k_dim = hp.ssm_head_k_dim;
-  s.head_v_dim = hp.ssm_head_v_dim;
-  s.conv_kernel = hp.ssm_conv_kernel;
-  return s;
-}
+cuda::DeltaNetShape CudaBackend::delta_shape() const { return delta_net_shape_of(m_.hp); }
 
 // A new sequence: the recurrent layers start from zero state (the KV cache needs no clearing:
 // attention reads only positions below n_past + n, all written by then).
@@ -56,13 +48,8 @@ void CudaBackend::delta_net_block(DevLayer& L, int64_t n) {
 }
 
 cuda::AttentionShape CudaBackend::attention_shape() const {
-  const model::HParams& hp = m_.hp;
-  cuda::AttentionShape s;
-  s.n_head = hp.n_head;
-  s.n_head_kv = hp.n_head_kv;
-  s.head_dim = hp.head_dim;
-  s.kv_stride = hp.n_head_kv * hp.head_dim;
-  s.scale = 1.0f / std::sqrt(static_cast<float>(hp.head_dim));
+  cuda::AttentionShape s = attention_shape_of(m_.hp);
+  s.scale = 1.0f / std::sqrt(static_cast<float>(m_.hp.head_dim));
   return s;
 }
 

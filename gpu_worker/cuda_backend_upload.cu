@@ -176,10 +176,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
   log_device_memory("context");
-  const int64_t d = hp.n_embd, k = hp.n_expert_used, hd = hp.head_dim;
-  const int64_t kv_dim = hp.n_head_kv * hd;
-  int64_t q_rows = hp.n_head * hd;
-  const int64_t max_cols = std::max({d, hp.n_head * hd, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+  const int64_t kv_dim = hp.n_head_kv * hp.head_dim;
 
   std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
   for (int64_t e = 0; e < hp.n_expert; ++e) all[e] = static_cast<int32_t>(e);
@@ -224,7 +221,6 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     D.q_rows = L.attn.q.n_rows;
     D.o = upload_matrix(weights_arena_, L.attn.o);
     D.q_has_gate = L.attn.q_has_gate;
-    q_rows = std::max(q_rows, L.attn.q.n_rows + 2 * kv_dim);   // the stacked q | k | v output
     const size_t cache_elems = static_cast<size_t>(max_context_ * kv_dim);
     if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
       D.k_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
@@ -244,56 +240,54 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   }
 
   log_device_memory("weights");
-  const size_t T = static_cast<size_t>(max_tokens_);
-  const size_t slots = T * static_cast<size_t>(k);
-  x_ = DeviceBuffer<float>(T * d);
-  h_ = DeviceBuffer<float>(T * d);
-  y_ = DeviceBuffer<float>(T * d);
-  qg_ = DeviceBuffer<float>(T * q_rows);
-  q_ = DeviceBuffer<float>(T * hp.n_head * hd);
-  k_new_ = DeviceBuffer<float>(T * kv_dim);
-  v_new_ = DeviceBuffer<float>(T * kv_dim);
-  attn_ = DeviceBuffer<float>(T * hp.n_head * hd);
-  const cuda::AttentionShape shape = attention_shape();
+  // The step scratch: every buffer with the bytes gpu_worker/cuda_step_scratch.h lists (the
+  // coordinator charges that same list against --vram), in the list's order.
+  choose_expert_paths();
+  scratch_ = cuda_step_scratch(hp, scratch_options());
+  const uint64_t live_before_scratch = cuda::device_buffer_live_bytes().load();
+  const CudaStepScratch& s = scratch_;
+  x_ = DeviceBuffer<float>(s.count<float>("x"));
+  h_ = DeviceBuffer<float>(s.count<float>("h"));
+  y_ = DeviceBuffer<float>(s.count<float>("y"));
+  qg_ = DeviceBuffer<float>(s.count<float>("qg"));
+  q_ = DeviceBuffer<float>(s.count<float>("q"));
+  k_new_ = DeviceBuffer<float>(s.count<float>("k_new"));
+  v_new_ = DeviceBuffer<float>(s.count<float>("v_new"));
+  attn_ = DeviceBuffer<float>(s.count<float>("attn"));
   // Split-KV records for 16 rows at a time (longer steps between 16 and the tiled prefill go
   // through in passes): enough to fill the GPU, about 34 MB at 32K context for 32 heads of 128.
-  const int64_t rows16 = std::min<int64_t>(max_tokens_, kDecodeRows);
-  attn_scratch_ = DeviceBuffer<float>(static_cast<size_t>(
-      std::max({cuda::attention_scratch_floats(shape, rows16, max_context_),
-                cuda::attention_at_scratch_floats(shape, rows16, max_context_),
-                cuda::attention_decode_scratch_floats(shape, rows16, max_context_)})));
-  // Activation bytes for the widest row of any matrix, for every expert row of a step; a
-  // quantized row never takes more bytes than the floats it came from.
-  act_ = DeviceBuffer<uint8_t>(slots * static_cast<size_t>(max_cols) * sizeof(float));
-  router_logits_ = DeviceBuffer<float>(T * hp.n_expert);
-  route_arrivals_ = DeviceBuffer<uint32_t>(T);   // rms_norm_router_fused's counters: zero between calls
+  attn_scratch_ = DeviceBuffer<float>(s.count<float>("attn_scratch"));
+  act_ = DeviceBuffer<uint8_t>(s.count<uint8_t>("act"));
+  router_logits_ = DeviceBuffer<float>(s.count<float>("router_logits"));
+  route_arrivals_ = DeviceBuffer<uint32_t>(s.count<uint32_t>("route_arrivals"));   // zero between calls
   CUDA_CHECK(cudaMemsetAsync(route_arrivals_.get(), 0, route_arrivals_.bytes(), stream_));
-  chosen_ = DeviceBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
-  weight_ = DeviceBuffer<float>(slots);
-  token_ids_ = DeviceBuffer<int32_t>(T);
-  pos_dev_ = DeviceBuffer<int32_t>(1);
-  dev_slots_ = DeviceBuffer<float>(slots * d);
-  cpu_rows_ = DeviceBuffer<float>(slots * d);
-  alt_row_ = DeviceBuffer<int32_t>(slots);
-  if (hp.n_ff_shexp > 0) {
-    shared_g_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
-    shared_u_ = DeviceBuffer<float>(T * hp.n_ff_shexp);
-    shared_out_ = DeviceBuffer<float>(T * d);
-    shared_logit_ = DeviceBuffer<float>(T);
-  }
-  // Logits for one decode-sized step at a time (longer requests go in passes: CudaBackend::logits):
-  // T x n_vocab floats would be 297 MiB at 512-row steps of a 151936-token vocabulary, VRAM the
-  // experts can use instead.
+  chosen_ = DeviceBuffer<int32_t>(s.count<int32_t>("chosen"));
+  weight_ = DeviceBuffer<float>(s.count<float>("weight"));
+  token_ids_ = DeviceBuffer<int32_t>(s.count<int32_t>("token_ids"));
+  pos_dev_ = DeviceBuffer<int32_t>(s.count<int32_t>("pos"));
+  dev_slots_ = DeviceBuffer<float>(s.count<float>("dev_slots"));
+  cpu_rows_ = DeviceBuffer<float>(s.count<float>("cpu_rows"));
+  alt_row_ = DeviceBuffer<int32_t>(s.count<int32_t>("alt_row"));
+  shared_g_ = DeviceBuffer<float>(s.count<float>("shared_g"));   // empty without a shared expert
+  shared_u_ = DeviceBuffer<float>(s.count<float>("shared_u"));
+  shared_out_ = DeviceBuffer<float>(s.count<float>("shared_out"));
+  shared_logit_ = DeviceBuffer<float>(s.count<float>("shared_logit"));
+  // Logits for one decode-sized step at a time (longer requests go in passes: CudaBackend::logits).
   logits_rows_ = std::min<int64_t>(max_tokens_, kDecodeRows);
-  logits_ = DeviceBuffer<float>(static_cast<size_t>(logits_rows_) * static_cast<size_t>(hp.n_vocab));
-  if (any_recurrent) {
-    const cuda::DeltaNetShape ds = delta_shape();
-    mixed_ = DeviceBuffer<float>(T * ds.conv_dim());
-    z_ = DeviceBuffer<float>(T * ds.value_dim());
-    ba_ = DeviceBuffer<float>(T * 2 * ds.n_v_heads);
-    core_ = DeviceBuffer<float>(T * ds.value_dim());
-    delta_ws_ = DeviceBuffer<float>(static_cast<size_t>(cuda::delta_net_workspace_floats(ds, max_tokens_)));
-  }
+  logits_ = DeviceBuffer<float>(s.count<float>("logits"));
+  mixed_ = DeviceBuffer<float>(s.count<float>("delta_mixed"));   // empty without Gated DeltaNet layers
+  z_ = DeviceBuffer<float>(s.count<float>("delta_z"));
+  ba_ = DeviceBuffer<float>(s.count<float>("delta_ba"));
+  core_ = DeviceBuffer<float>(s.count<float>("delta_core"));
+  delta_ws_ = DeviceBuffer<float>(s.count<float>("delta_ws"));
+  handoff_seq_dev_ = DeviceBuffer<uint64_t>(s.count<uint64_t>("handoff_seq"));
+  handoff_error_ = DeviceBuffer<int32_t>(s.count<int32_t>("handoff_error"));
+  CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
+  setup_experts();
+  scratch_allocated_bytes_ = cuda::device_buffer_live_bytes().load() - live_before_scratch;
+  log_device_memory("scratch");
+  const size_t T = static_cast<size_t>(max_tokens_);
+  const size_t slots = T * static_cast<size_t>(hp.n_expert_used);
   tok_pinned_ = PinnedBuffer<int32_t>(T);
   pos_pinned_ = PinnedBuffer<int32_t>(1);
   alt_pinned_ = PinnedBuffer<int32_t>(slots);
@@ -304,15 +298,10 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&alt_pinned_dev_), alt_pinned_.get(), 0));
   handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
-  handoff_seq_dev_ = DeviceBuffer<uint64_t>(1);
-  handoff_error_ = DeviceBuffer<int32_t>(1);
-  CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
-  log_device_memory("scratch");
-  setup_experts();
   setup_swaps(o.all_experts);
   zero_states();
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  log_device_memory("expert scratch");
+  log_device_memory("setup");
 }
 
 void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D) {

@@ -371,15 +371,6 @@ void attention_host(bool shared, const AttentionShape& s, const float* q, const 
 
 }  // namespace
 
-int64_t attention_scratch_floats(const AttentionShape& s, int64_t n, int64_t n_ctx) {
-  const int64_t chunks = (n_ctx + kAttentionChunk - 1) / kAttentionChunk;
-  return n * s.n_head * chunks * (s.head_dim + 2);
-}
-
-int64_t attention_at_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx) {
-  return attention_scratch_floats(s, n, max_ctx);
-}
-
 void attention(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
                int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, float* out,
                float* scratch, int64_t scratch_floats, cudaStream_t stream) {

@@ -35,19 +35,11 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attention_scratch.h"   // AttentionShape, kAttentionChunk, the scratch sizes
+
 namespace moraine::cuda {
 
-constexpr int64_t kAttentionChunk = 256;
 constexpr int64_t kAttentionMaxHeadDim = 512;
-
-struct AttentionShape {
-  int64_t n_head = 0, n_head_kv = 0, head_dim = 0;
-  int64_t kv_stride = 0;  // floats per cached position (n_head_kv * head_dim when packed)
-  float scale = 1.0f;
-};
-
-// Scratch floats for n query rows at once, the last of which sees n_ctx positions.
-int64_t attention_scratch_floats(const AttentionShape& s, int64_t n, int64_t n_ctx);
 
 // Throws std::invalid_argument naming the problem for a bad shape or too small scratch.
 void attention(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
@@ -62,8 +54,6 @@ void attention(const AttentionShape& s, const float* q, const float* k_cache, co
 // attention_at_scratch_floats(s, n, max_ctx) floats (one pass, all rows). The caller guarantees
 // *n_past_dev >= 0 and *n_past_dev + n <= max_ctx; a device value outside that cannot be thrown
 // from inside a graph, so the output is then all NaN (never a read out of bounds).
-constexpr int64_t kAttentionAtMaxRows = 16;
-int64_t attention_at_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx);
 void attention_at(const AttentionShape& s, const float* q, const float* k_cache, const float* v_cache, int64_t n,
                   const int32_t* n_past_dev, int64_t max_ctx, const float* gate, int64_t gate_row_stride,
                   int64_t gate_head_stride, float* out, float* scratch, int64_t scratch_floats,

@@ -625,10 +625,6 @@ bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const At
          aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm);
 }
 
-int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx) {
-  return n * s.n_head * split_slots(max_ctx) * (s.head_dim + 4);
-}
-
 namespace {
 
 // qk: null, or attention_decode_fused_qk's projections (q and the caches are then its own).

@@ -52,20 +52,12 @@
 
 namespace moraine::cuda {
 
-constexpr int64_t kDecodeTile = 32;        // positions staged and scored at once (one per lane)
-constexpr int64_t kDecodeMaxSplits = 64;
+// kDecodeTile (positions staged and scored at once, one per lane), kDecodeMaxSplits,
+// attention_decode_splits and attention_decode_scratch_floats: attention_scratch.h.
 constexpr int64_t kAttentionDecodeMaxRows = 16;
-
-// Splits of a row that sees `positions` positions: one per tile up to 32, 32 up to 128 tiles, 64
-// above (balanced: split c of S takes tiles [c * T / S, (c + 1) * T / S)).
-__host__ __device__ constexpr int64_t attention_decode_splits(int64_t positions) {
-  const int64_t tiles = (positions + kDecodeTile - 1) / kDecodeTile;
-  return tiles <= 32 ? tiles : tiles <= 128 ? 32 : kDecodeMaxSplits;
-}
 
 // head_dim a multiple of 32 up to 256, at most 32 query heads per kv head.
 bool attention_decode_supported(const AttentionShape& s);
-int64_t attention_decode_scratch_floats(const AttentionShape& s, int64_t n, int64_t max_ctx);
 
 // Throws std::invalid_argument naming the problem (unsupported shape, n outside
 // 1..kAttentionDecodeMaxRows, too small scratch, q / K / V / scratch not 16-byte aligned).

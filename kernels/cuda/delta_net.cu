@@ -513,7 +513,7 @@ void delta_net_gated_rms_norm(const DeltaNetShape& s, float* o, const float* z, 
 int64_t delta_net_workspace_floats(const DeltaNetShape& s, int64_t n) {
   check_delta_net_shape(s);
   check_n("delta_net_workspace_floats", n);
-  return n * (s.conv_dim() + 2 * s.n_v_heads);
+  return delta_net_mix_workspace_floats(s, n);
 }
 
 void delta_net_mix(const DeltaNetShape& s, const DeltaNetWeightsDevice& w, const DeltaNetStateDevice& state,

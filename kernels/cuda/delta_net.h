@@ -31,23 +31,11 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/delta_net_shape.h"   // DeltaNetShape, delta_net_mix_workspace_floats
+
 namespace moraine::cuda {
 
-struct DeltaNetShape {
-  int64_t n_k_heads = 0;    // query/key heads (ssm.group_count)
-  int64_t n_v_heads = 0;    // value heads, a multiple of n_k_heads (ssm.time_step_rank)
-  int64_t head_k_dim = 0;   // d_k, 1..128 (the recurrence keeps a head's state in registers)
-  int64_t head_v_dim = 0;   // d_v, 1..256
-  int64_t conv_kernel = 0;  // K, 1..16
-
-  int64_t key_dim() const { return n_k_heads * head_k_dim; }
-  int64_t value_dim() const { return n_v_heads * head_v_dim; }
-  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
-  int64_t conv_state_floats() const { return (conv_kernel - 1) * conv_dim(); }
-  int64_t ssm_state_floats() const { return n_v_heads * head_k_dim * head_v_dim; }
-};
-
-// Throws std::invalid_argument naming the field when a shape is outside the limits above.
+// Throws std::invalid_argument naming the field when a shape is outside DeltaNetShape's limits.
 void check_delta_net_shape(const DeltaNetShape& s);
 
 // ---- stages (each one launch or two; tests check each against the reference) ----
@@ -112,7 +100,8 @@ struct DeltaNetStateDevice {
 };
 
 // Floats of scratch delta_net_mix needs for n tokens (conv output, beta and gate): n *
-// (conv_dim + 2 * n_v_heads). Size it once for the largest n: a smaller call needs no more.
+// (conv_dim + 2 * n_v_heads), delta_net_mix_workspace_floats after checking the shape and n >= 1
+// (std::invalid_argument). Size it once for the largest n: a smaller call needs no more.
 int64_t delta_net_workspace_floats(const DeltaNetShape& s, int64_t n);
 
 // out[n][value_dim] = the mixer's output before the out projection (reference's `core`), for

@@ -656,17 +656,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_units_kernel(const MoePa
   for (int it = 0; n_leaders == 0 && unit_of_warp(warp, it) < chunks; ++it) add_weighted_sums(unit_of_warp(warp, it) * R);
 }
 
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
 // Words one staged row occupies: up to 15 bytes before it (rows start at any byte), the last
 // word rounded up, and a spare word for load_16_unaligned's over-read (as matvec.cu).
 int seg_words(int64_t row_bytes) { return static_cast<int>((row_bytes + 15 + 15) / 16 + 1); }
 
-// Activation row bytes in shared memory / the workspace: whole 16-byte words plus a spare one.
-int act_stride(TensorType act, int64_t n) {
-  const int64_t bytes = act == TensorType::Q8_K ? n / kQK_K * kQ8KStride : n / kQK * kQ80Stride;  // Q8_0
-  return static_cast<int>(round_up(bytes, 16) + 16);
-}
+// Activation row bytes in shared memory / the workspace (moe_fused_workspace.h).
+static_assert(kQ8KStride == kMoeActStrideQ8K && kQ80Stride == kMoeActStrideQ80,
+              "moe_fused_workspace.h sizes activations with the padded strides of moe_fused_dots.cuh");
+int act_stride(TensorType act, int64_t n) { return static_cast<int>(moe_fused_act_stride(act, n)); }
 
 // The fields of MoeParams that follow from the weights and the call's shape (every form's
 // launcher and moe_fused_staged_applies): the formats, sizes, weight addresses and layouts. The
@@ -705,30 +702,10 @@ void fill_moe_params(MoeParams& p, const MoeLayerWeights& w, int n_tokens, int k
   p.down_seg_words = seg_words(p.down_row_bytes);
 }
 
-struct WorkspaceLayout {
-  size_t count_a = 0, count_b = 0, h = 0, hq = 0, slot_out = 0, total = 0;
-};
-
-// Counters first, at offsets that do not depend on the slot count, so the zeroed counters of
-// one call are where the next call (any n, k) looks for them.
-WorkspaceLayout workspace_layout(const MoeLayerWeights& w, int64_t slots) {
-  const TensorType h_act = dot_activation_type(w.down_type);
-  const int64_t h_blocks = w.n_ff / type_traits(h_act).block_elems;
-  WorkspaceLayout l;
-  size_t at = 0;
-  auto take = [&](size_t bytes) {
-    const size_t here = at;
-    at = static_cast<size_t>(round_up(static_cast<int64_t>(at + bytes), 256));
-    return here;
-  };
-  l.count_a = take(sizeof(int) * static_cast<size_t>(kMaxSlots * h_blocks));
-  // Row tiles of the smallest size: kWarps rows (moe_down_kernel), 8 (moe_down_units_kernel).
-  l.count_b = take(sizeof(int) * static_cast<size_t>((w.n_embd + 7) / 8));
-  l.h = take(sizeof(float) * static_cast<size_t>(slots * w.n_ff));
-  l.hq = take(static_cast<size_t>(slots * act_stride(h_act, w.n_ff)));
-  l.slot_out = take(sizeof(float) * static_cast<size_t>(slots * w.n_embd));
-  l.total = at;
-  return l;
+// moe_fused_workspace.h's layout (the CUDA backend and the coordinator size it from there).
+static_assert(kMaxSlots == kMoeMaxTokens * kMoeMaxTopK, "the counters cover every slot of a call");
+MoeWorkspaceLayout workspace_layout(const MoeLayerWeights& w, int64_t slots) {
+  return moe_fused_workspace_layout(w.down_type, w.n_embd, w.n_ff, slots);
 }
 
 std::string where(const MoeLayerWeights& w) {
@@ -843,7 +820,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   if (out.sum == nullptr && out.slot_rows == nullptr)
     throw std::invalid_argument("moe_fused: no output asked for (sum and slot_rows both null)" + where(w));
   const int n_slots = n * k;
-  const WorkspaceLayout l = workspace_layout(w, n_slots);
+  const MoeWorkspaceLayout l = workspace_layout(w, n_slots);
   if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0 || workspace_bytes < l.total)
     throw std::invalid_argument("moe_fused: the workspace must be 256-byte aligned and hold " + std::to_string(l.total) +
                                 " bytes for " + std::to_string(n) + " tokens of top-" + std::to_string(k) + ", got " +

@@ -109,11 +109,9 @@
 #include <cstdint>
 
 #include "common/formats/tensor_type.h"
+#include "kernels/cuda/moe_fused_workspace.h"   // kMoeMaxTokens, kMoeMaxTopK, the workspace layout
 
 namespace moraine::cuda {
-
-inline constexpr int kMoeMaxTokens = 16;   // tokens per call (decode / verify)
-inline constexpr int kMoeMaxTopK = 32;     // experts per token
 
 // One expert's three tensors ([n_ff][n_embd], [n_ff][n_embd], [n_embd][n_ff], row-major, in
 // their GGUF formats). gate == nullptr: the expert is not on this GPU; its slots are skipped.

@@ -51,8 +51,10 @@
 #include "common/reference/executor.h"
 #include "common/reference/moe_parts.h"
 #include "common/sampling/sampler.h"
+#include "coordinator/device_reserve.h"
 #include "coordinator/group_layout.h"
 #include "gpu_worker/cuda_backend.h"
+#include "gpu_worker/cuda_backend_impl.h"
 #include "kernels/cpu/matvec.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
@@ -638,6 +640,45 @@ TEST(CudaBackend, RejectsBadInputWithoutCrashing) {
   EXPECT_THROW(b->step_whole(ok, 2, 1, logits.data(), nullptr, 0), std::runtime_error);
   std::vector<std::vector<int32_t>> bad_ids(static_cast<size_t>(m.hp.n_layer), std::vector<int32_t>{3, 1});
   EXPECT_THROW(cuda_backend(m, 4, 8, &bad_ids), std::invalid_argument);  // not ascending
+}
+
+// The backend allocates its step scratch from gpu_worker/cuda_step_scratch.h's list, which the
+// coordinator charges against --vram: the device-buffer bytes the backend's construction added
+// beyond the weights are exactly the list's (16-byte rounded as DeviceBuffer asks cudaMalloc),
+// and the coordinator's list (coordinator/device_reserve.h) has every one of its buffers at least
+// as large. Both expert paths: F32 experts take the batched matvec path at any step length
+// (moe_fused takes quantized experts), kmix's Q4_K experts moe_fused; 80-row steps add the
+// PrefillGemm; all experts on the device or the even ones only; short and odd contexts.
+TEST(CudaBackend, ScratchIsTheListedBuffers) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  for (const char* name : {"qwen3moe_k256", "qwen3next_k256"}) {
+    for (const char* variant : {"f32", "kmix"}) {
+      const model::Model m = model::Model::load(golden_gguf(name, variant));
+      std::vector<std::vector<int32_t>> even(static_cast<size_t>(m.hp.n_layer));
+      for (auto& ids : even)
+        for (int32_t e = 0; e < m.hp.n_expert; e += 2) ids.push_back(e);
+      for (int T : {1, 16, 80}) {
+        for (int64_t ctx : {int64_t{96}, int64_t{1000}}) {
+          for (bool split : {false, true}) {
+            SCOPED_TRACE(std::string(name) + "_" + variant + " max_tokens " + std::to_string(T) + " context " +
+                         std::to_string(ctx) + (split ? " even experts" : " all experts"));
+            auto b = cuda_backend(m, T, ctx, split ? &even : nullptr);
+            const auto* cb = dynamic_cast<const gpu_worker::cuda_impl::CudaBackend*>(b.get());
+            ASSERT_NE(cb, nullptr);
+            const gpu_worker::CudaStepScratch& s = cb->step_scratch();
+            EXPECT_EQ(cb->step_scratch_allocated_bytes(), s.total(16));
+            EXPECT_EQ(s.has("expert_in"), std::string(variant) == "f32" || T >= 64);
+            EXPECT_EQ(s.has("moe_fused_ws"), std::string(variant) == "kmix");
+            EXPECT_EQ(s.has("gemm_weights"), T >= 64);
+            const gpu_worker::CudaStepScratch reserve =
+                gpu_worker::cuda_step_scratch(m.hp, group::cuda_reserve_scratch_options(m.layers, T, ctx));
+            for (const gpu_worker::ScratchBuffer& buf : s.buffers)
+              EXPECT_GE(reserve.bytes(buf.name), buf.bytes) << buf.name;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -40,6 +40,7 @@
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/row_gather.h"
 #include "tests/cuda/cuda_test_support.h"
+#include "tools/kernel_bench/decode_chain_buffers.h"
 
 namespace moraine {
 namespace {
@@ -70,13 +71,16 @@ struct Layer {
 };
 
 // Everything the step touches on the device: weights and the scratch every layer reuses.
-class DecodeChain {
+// The scratch every layer reuses is kernel_bench::DecodeChainBuffers (x, h, qkv_out, q, attn,
+// scratch, logits, weight, slots, act, chosen, pos), the chain benches' set.
+class DecodeChain : kernel_bench::DecodeChainBuffers {
  public:
   DecodeChain(const DecodeChain&) = delete;  // the host functions hold its address
   DecodeChain& operator=(const DecodeChain&) = delete;
-  explicit DecodeChain(uint32_t seed) {
+  explicit DecodeChain(uint32_t seed)
+      : DecodeChainBuffers(cuda_test::attention_shape(kHeads, kKvHeads, kHeadDim), kEmbd, kExperts, kTopK, kMaxCtx),
+        shape_(cuda_test::attention_shape(kHeads, kKvHeads, kHeadDim)) {
     std::mt19937 rng(seed);
-    shape_ = cuda_test::attention_shape(kHeads, kKvHeads, kHeadDim);
     for (int64_t il = 0; il < kLayers; ++il) {
       Layer L;
       L.qkv = uploaded(quantized(rng, TensorType::Q8_0, kQkvRows, kEmbd, 0.08f));
@@ -95,21 +99,8 @@ class DecodeChain {
     tok_embd_ = uploaded(quantized(rng, TensorType::Q8_0, kVocab, kEmbd, 0.5f));
     out_norm_ = uploaded(cuda_test::normal_values(rng, kEmbd, 1.0f));
     lm_head_ = uploaded(quantized(rng, TensorType::Q8_0, kVocab, kEmbd, 0.05f));
-    x_ = DeviceBuffer<float>(kEmbd);
     e_ = DeviceBuffer<float>(kEmbd);
-    h_ = DeviceBuffer<float>(kEmbd);
-    act_ = DeviceBuffer<uint8_t>(row_bytes(TensorType::Q8_0, std::max(kEmbd, kQDim)));
-    qkv_out_ = DeviceBuffer<float>(kQkvRows);
-    q_ = DeviceBuffer<float>(kQDim);
-    attn_ = DeviceBuffer<float>(kQDim);
-    scratch_floats_ = cuda::attention_decode_scratch_floats(shape_, 1, kMaxCtx);
-    scratch_ = DeviceBuffer<float>(static_cast<size_t>(scratch_floats_));
-    logits_ = DeviceBuffer<float>(kExperts);
-    chosen_ = DeviceBuffer<int32_t>(kTopK);
-    weight_ = DeviceBuffer<float>(kTopK);
-    slots_ = DeviceBuffer<float>(kTopK * kEmbd);
     out_ = DeviceBuffer<float>(kVocab);
-    pos_dev_ = DeviceBuffer<int32_t>(1);
     token_dev_ = DeviceBuffer<int32_t>(1);
     pos_pinned_ = PinnedBuffer<int32_t>(1);
     token_pinned_ = PinnedBuffer<int32_t>(1);
@@ -121,7 +112,7 @@ class DecodeChain {
 
   // The state every run starts from: x and the caches zero.
   void reset() {
-    x_.fill_bytes(0);
+    x.fill_bytes(0);
     for (Layer& L : layers_) {
       L.k_cache.fill_bytes(0);
       L.v_cache.fill_bytes(0);
@@ -129,38 +120,38 @@ class DecodeChain {
     CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  void set_step(int32_t pos, int32_t token) {
-    pos_pinned_.get()[0] = pos;
+  void set_step(int32_t position, int32_t token) {
+    pos_pinned_.get()[0] = position;
     token_pinned_.get()[0] = token;
   }
 
   // One decode step on `stream`; after() runs after every enqueued operation.
   template <class After>
   void enqueue(cudaStream_t s, const After& after) {
-    CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(pos.get(), pos_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, s));
     after();
     CUDA_CHECK(cudaMemcpyAsync(token_dev_.get(), token_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, s));
     after();
     cuda::embed_rows(TensorType::Q8_0, tok_embd_.get(), row_bytes(TensorType::Q8_0, kEmbd), kEmbd, token_dev_.get(), 1,
                      e_.get(), s);
     after();
-    cuda::residual_add(x_.get(), e_.get(), kEmbd, s);  // x carries over from step to step
+    cuda::residual_add(x.get(), e_.get(), kEmbd, s);  // x carries over from step to step
     after();
     for (int64_t il = 0; il < kLayers; ++il) {
       Layer& L = layers_[il];
-      cuda::rms_norm(x_.get(), L.attn_norm.get(), h_.get(), kEmbd, 1, kEps, s);
+      cuda::rms_norm(x.get(), L.attn_norm.get(), h.get(), kEmbd, 1, kEps, s);
       after();
-      cuda::quantize_activations_llama(TensorType::Q8_0, h_.get(), act_.get(), kEmbd, 1, s);
+      cuda::quantize_activations_llama(TensorType::Q8_0, h.get(), act.get(), kEmbd, 1, s);
       after();
       cuda::MatvecBatch b;
       b.out_stride = kQkvRows;
-      cuda::matvec_quantized_batched(TensorType::Q8_0, L.qkv.get(), kQkvRows, kEmbd, act_.get(), qkv_out_.get(), b, s);
+      cuda::matvec_quantized_batched(TensorType::Q8_0, L.qkv.get(), kQkvRows, kEmbd, act.get(), qkv_out.get(), b, s);
       after();
       cuda::QkNormRopeStoreArgs a;
-      a.q = qkv_out_.get();
+      a.q = qkv_out.get();
       a.q_row_stride = kQkvRows;
       a.q_head_stride = kHeadDim;
-      a.k = qkv_out_.get() + kQDim;
+      a.k = qkv_out.get() + kQDim;
       a.k_row_stride = kQkvRows;
       a.v = a.k + kKvDim;
       a.v_row_stride = kQkvRows;
@@ -171,56 +162,56 @@ class DecodeChain {
       a.n_head_kv = kKvHeads;
       a.head_dim = kHeadDim;
       a.n_rot = kHeadDim;
-      a.pos0_dev = pos_dev_.get();
+      a.pos0_dev = pos.get();
       a.freq_base = 10000.0;
       a.eps = kEps;
       a.max_pos = kMaxCtx;
-      a.q_out = q_.get();
+      a.q_out = q.get();
       a.k_cache = L.k_cache.get();
       a.v_cache = L.v_cache.get();
       cuda::qk_norm_rope_store(a, s);
       after();
-      cuda::attention_decode(shape_, q_.get(), L.k_cache.get(), L.v_cache.get(), 1, pos_dev_.get(), 0, kMaxCtx, nullptr,
-                             0, 0, attn_.get(), scratch_.get(), scratch_floats_, s);
+      cuda::attention_decode(shape_, q.get(), L.k_cache.get(), L.v_cache.get(), 1, pos.get(), 0, kMaxCtx, nullptr,
+                             0, 0, attn.get(), scratch.get(), scratch_floats, s);
       after();
-      cuda::quantize_activations_llama(TensorType::Q8_0, attn_.get(), act_.get(), kQDim, 1, s);
+      cuda::quantize_activations_llama(TensorType::Q8_0, attn.get(), act.get(), kQDim, 1, s);
       after();
       cuda::MatvecBatch ob;
       ob.out_stride = kEmbd;
       ob.accumulate = true;
       ob.weights_from_previous_kernel = il % 2 == 1;  // both matvec paths: weights before / after the wait
-      cuda::matvec_quantized_batched(TensorType::Q8_0, L.o.get(), kEmbd, kQDim, act_.get(), x_.get(), ob, s);
+      cuda::matvec_quantized_batched(TensorType::Q8_0, L.o.get(), kEmbd, kQDim, act.get(), x.get(), ob, s);
       after();
-      cuda::rms_norm(x_.get(), L.ffn_norm.get(), h_.get(), kEmbd, 1, kEps, s);
+      cuda::rms_norm(x.get(), L.ffn_norm.get(), h.get(), kEmbd, 1, kEps, s);
       after();
       cuda::MatvecBatch rb;
       rb.out_stride = kExperts;
-      cuda::matvec_float_batched(TensorType::F32, L.router.get(), kExperts, kEmbd, h_.get(), logits_.get(), rb, s);
+      cuda::matvec_float_batched(TensorType::F32, L.router.get(), kExperts, kEmbd, h.get(), logits.get(), rb, s);
       after();
-      cuda::route_softmax_top_k(logits_.get(), 1, kExperts, kTopK, true, chosen_.get(), weight_.get(), s);
+      cuda::route_softmax_top_k(logits.get(), 1, kExperts, kTopK, true, chosen.get(), weight.get(), s);
       after();
       if (il % 2 == 0) {  // the hand-off's shape: routing to the host, rows back from it
-        CUDA_CHECK(cudaMemcpyAsync(chosen_pinned_.get(), chosen_.get(), kTopK * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+        CUDA_CHECK(cudaMemcpyAsync(chosen_pinned_.get(), chosen.get(), kTopK * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
         after();
         CUDA_CHECK(cudaLaunchHostFunc(s, &DecodeChain::host_rows, &host_tasks_[il]));
         after();
-        CUDA_CHECK(cudaMemcpyAsync(slots_.get(), rows_pinned_.get(), kTopK * kEmbd * sizeof(float),
+        CUDA_CHECK(cudaMemcpyAsync(slots.get(), rows_pinned_.get(), kTopK * kEmbd * sizeof(float),
                                    cudaMemcpyHostToDevice, s));
         after();
       } else {
-        cuda::gather_rows(L.experts.get(), chosen_.get(), slots_.get(), kTopK, kEmbd, s);
+        cuda::gather_rows(L.experts.get(), chosen.get(), slots.get(), kTopK, kEmbd, s);
         after();
       }
-      cuda::moe_combine(x_.get(), slots_.get(), weight_.get(), nullptr, nullptr, 1, kTopK, kEmbd, s);
+      cuda::moe_combine(x.get(), slots.get(), weight.get(), nullptr, nullptr, 1, kTopK, kEmbd, s);
       after();
     }
-    cuda::rms_norm(x_.get(), out_norm_.get(), h_.get(), kEmbd, 1, kEps, s);
+    cuda::rms_norm(x.get(), out_norm_.get(), h.get(), kEmbd, 1, kEps, s);
     after();
-    cuda::quantize_activations_llama(TensorType::Q8_0, h_.get(), act_.get(), kEmbd, 1, s);
+    cuda::quantize_activations_llama(TensorType::Q8_0, h.get(), act.get(), kEmbd, 1, s);
     after();
     cuda::MatvecBatch lb;
     lb.out_stride = kVocab;
-    cuda::matvec_quantized_batched(TensorType::Q8_0, lm_head_.get(), kVocab, kEmbd, act_.get(), out_.get(), lb, s);
+    cuda::matvec_quantized_batched(TensorType::Q8_0, lm_head_.get(), kVocab, kEmbd, act.get(), out_.get(), lb, s);
     after();
   }
 
@@ -228,7 +219,7 @@ class DecodeChain {
   std::vector<float> state() const {
     std::vector<float> v(static_cast<size_t>(kEmbd + kVocab + kLayers * 2 * kMaxCtx * kKvDim));
     float* p = v.data();
-    x_.download(p, kEmbd);
+    x.download(p, kEmbd);
     out_.download(p + kEmbd, kVocab);
     p += kEmbd + kVocab;
     for (const Layer& L : layers_) {
@@ -263,12 +254,11 @@ class DecodeChain {
   cuda::AttentionShape shape_;
   std::vector<Layer> layers_;
   std::vector<HostTask> host_tasks_;  // per layer, for the host function (its address is captured)
-  DeviceBuffer<uint8_t> tok_embd_, lm_head_, act_;
-  DeviceBuffer<float> out_norm_, x_, e_, h_, qkv_out_, q_, attn_, scratch_, logits_, weight_, slots_, out_;
-  DeviceBuffer<int32_t> chosen_, pos_dev_, token_dev_;
+  DeviceBuffer<uint8_t> tok_embd_, lm_head_;
+  DeviceBuffer<float> out_norm_, e_, out_;
+  DeviceBuffer<int32_t> token_dev_;
   PinnedBuffer<int32_t> pos_pinned_, token_pinned_, chosen_pinned_;
   PinnedBuffer<float> rows_pinned_;
-  int64_t scratch_floats_ = 0;
 };
 
 enum class Mode { kKernelByKernel, kStream, kGraph };

@@ -12,6 +12,8 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/model/model.h"
 #include "coordinator/device_reserve.h"
@@ -225,16 +227,21 @@ TEST(Placement, DeviceReserveIsChargedToTheVramBudget) {
   }
 }
 
-// The CUDA reserve grows with the rows of a step (up to 16 logits rows of n_vocab floats, the
-// head's pass) and covers at least the runtime's context.
+// The CUDA reserve covers the runtime's context and every buffer of the step scratch the backend
+// allocates (gpu_worker/cuda_step_scratch.h's list), the logits among them: up to 16 rows of
+// n_vocab floats (the head's pass), so a 16-row step holds 15 rows more than a 1-row step. Longer
+// steps (the PrefillGemm's workspaces from 64 rows) need more.
 TEST(Placement, CudaDeviceReserveCoversContextAndLogits) {
   const std::string dir = group_test::temp_dir("placement-reserve");
   const std::string path = group_test::convert_golden("qwen3moe_odd", "--default q8_0", dir);
   const model::Model m = model::Model::load(path);
-  const uint64_t small = cuda_device_reserve_bytes(m, 1, 256), big = cuda_device_reserve_bytes(m, 16, 256);
-  EXPECT_GE(small, kCudaContextReserve);
-  EXPECT_GE(big - small, uint64_t{15} * static_cast<uint64_t>(m.hp.n_vocab) * sizeof(float));
-  EXPECT_GT(cuda_device_reserve_bytes(m, 512, 1024), big);
+  const uint64_t V = static_cast<uint64_t>(m.hp.n_vocab);
+  for (const auto& [T, ctx] : std::vector<std::pair<int64_t, int64_t>>{{1, 256}, {16, 256}, {512, 1024}}) {
+    const gpu_worker::CudaStepScratch s = gpu_worker::cuda_step_scratch(m.hp, cuda_reserve_scratch_options(m.layers, T, ctx));
+    EXPECT_GE(cuda_device_reserve_bytes(m, T, ctx), kCudaContextReserve + s.total(1)) << T << " rows";
+    EXPECT_EQ(s.bytes("logits"), static_cast<uint64_t>(std::min<int64_t>(T, 16)) * V * sizeof(float)) << T << " rows";
+  }
+  EXPECT_GT(cuda_device_reserve_bytes(m, 512, 1024), cuda_device_reserve_bytes(m, 16, 256));
   // The embedding table stays in host memory; this model has its own output head.
   ASSERT_NE(m.output.data, m.tok_embd.data);
   EXPECT_EQ(cuda_host_resident_bytes(m), m.tok_embd.row_bytes * static_cast<uint64_t>(m.tok_embd.n_rows));

@@ -43,6 +43,7 @@
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/router_fused.h"
 #include "tools/kernel_bench/cuda_timing.h"
+#include "tools/kernel_bench/decode_chain_buffers.h"
 #include "tools/kernel_bench/decode_chain_shape.h"
 
 namespace moraine::kernel_bench {
@@ -63,17 +64,15 @@ struct Layer {
   DeviceBuffer<float> router, k_cache, v_cache;
 };
 
-struct Chain {
+struct Chain : DecodeChainBuffers {
   std::vector<Layer> layers;
-  cuda::AttentionShape shape;
+  cuda::AttentionShape shape = attention_shape();
   std::vector<float> x_host;
-  DeviceBuffer<float> norm_w, head_norm_w, x, h, qkv_out, q, attn, scratch, logits, weight, slots;
-  DeviceBuffer<uint8_t> act;
-  DeviceBuffer<int32_t> chosen, pos;
+  DeviceBuffer<float> norm_w, head_norm_w;
   DeviceBuffer<uint32_t> arrivals;
-  int64_t scratch_floats = 0;
 
-  explicit Chain(int32_t position) {
+  // Every layer's routing is kept (chosen_rows = kLayers): the variants' routings are compared.
+  explicit Chain(int32_t position) : DecodeChainBuffers(attention_shape(), kEmbd, kExperts, kTopK, kMaxCtx, kLayers) {
     std::mt19937 rng(7);
     // One layer's weights made on the host, copied to every layer's own buffers (the values do
     // not change the speed).
@@ -82,23 +81,13 @@ struct Chain {
     const std::vector<float> kv_host = normal(rng, static_cast<size_t>(kMaxCtx * kKvDim), 1.0f);
     for (int64_t il = 0; il < kLayers; ++il)
       layers.push_back({uploaded(qkv_host), uploaded(o_host), uploaded(router_host), uploaded(kv_host), uploaded(kv_host)});
-    shape = attention_shape();
     norm_w = uploaded(normal(rng, kEmbd, 1.0f));
     head_norm_w = uploaded(normal(rng, kHeadDim, 1.0f));
     x_host = normal(rng, kEmbd, 1.0f);
-    x = uploaded(x_host);
-    h = DeviceBuffer<float>(kEmbd);
-    qkv_out = DeviceBuffer<float>(kQkvRows);
-    q = DeviceBuffer<float>(kQDim);
-    attn = DeviceBuffer<float>(kQDim);
-    scratch_floats = cuda::attention_decode_scratch_floats(shape, 1, kMaxCtx);
-    scratch = DeviceBuffer<float>(static_cast<size_t>(scratch_floats));
-    logits = DeviceBuffer<float>(kExperts);
-    weight = DeviceBuffer<float>(kTopK);
-    slots = uploaded(normal(rng, kTopK * kEmbd, 0.01f));
-    act = DeviceBuffer<uint8_t>(row_bytes(TensorType::Q8_0, kQDim));
-    chosen = DeviceBuffer<int32_t>(static_cast<size_t>(kLayers * kTopK));
-    pos = uploaded(std::vector<int32_t>{position});
+    x.upload(x_host.data(), x_host.size());
+    const std::vector<float> slots_host = normal(rng, kTopK * kEmbd, 0.01f);
+    slots.upload(slots_host.data(), slots_host.size());
+    pos.upload(&position, 1);
     arrivals = DeviceBuffer<uint32_t>(1);
     arrivals.fill_bytes(0);
   }

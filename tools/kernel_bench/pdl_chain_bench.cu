@@ -17,6 +17,7 @@
 // prepared, and the wait still has the full completion and memory flush of the previous grid.
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/cuda_timing.h"
+#include "tools/kernel_bench/decode_chain_buffers.h"
 #include "tools/kernel_bench/decode_chain_shape.h"
 
 #include <algorithm>
@@ -52,15 +53,12 @@ struct Layer {
   DeviceBuffer<float> k_cache, v_cache;
 };
 
-struct Chain {
+struct Chain : DecodeChainBuffers {
   std::vector<Layer> layers;
-  cuda::AttentionShape shape;
-  DeviceBuffer<float> norm_w, head_norm_w, router, x, h, qkv_out, q, attn, scratch, logits, weight, slots;
-  DeviceBuffer<uint8_t> act;
-  DeviceBuffer<int32_t> chosen, pos;
-  int64_t scratch_floats = 0;
+  cuda::AttentionShape shape = attention_shape();
+  DeviceBuffer<float> norm_w, head_norm_w, router;
 
-  explicit Chain(int32_t position) {
+  explicit Chain(int32_t position) : DecodeChainBuffers(attention_shape(), kEmbd, kExperts, kTopK, kMaxCtx) {
     std::mt19937 rng(7);
     // One layer's weights quantized on the host, copied to every layer's own buffers (quantizing
     // 48 layers would take the bench's whole time; the bytes' values do not change the speed).
@@ -69,23 +67,14 @@ struct Chain {
     for (int64_t il = 0; il < kLayers; ++il) {
       layers.push_back({uploaded(qkv_host), uploaded(o_host), uploaded(kv_host), uploaded(kv_host)});
     }
-    shape = attention_shape();
     norm_w = uploaded(normal(rng, kEmbd, 1.0f));
     head_norm_w = uploaded(normal(rng, kHeadDim, 1.0f));
     router = uploaded(normal(rng, kExperts * kEmbd, 0.05f));
-    x = uploaded(normal(rng, kEmbd, 1.0f));
-    h = DeviceBuffer<float>(kEmbd);
-    qkv_out = DeviceBuffer<float>(kQkvRows);
-    q = DeviceBuffer<float>(kQDim);
-    attn = DeviceBuffer<float>(kQDim);
-    scratch_floats = cuda::attention_decode_scratch_floats(shape, 1, kMaxCtx);
-    scratch = DeviceBuffer<float>(static_cast<size_t>(scratch_floats));
-    logits = DeviceBuffer<float>(kExperts);
-    weight = DeviceBuffer<float>(kTopK);
-    slots = uploaded(normal(rng, kTopK * kEmbd, 0.01f));
-    act = DeviceBuffer<uint8_t>(row_bytes(TensorType::Q8_0, kQDim));
-    chosen = DeviceBuffer<int32_t>(kTopK);
-    pos = uploaded(std::vector<int32_t>{position});
+    const std::vector<float> x_host = normal(rng, kEmbd, 1.0f);
+    x.upload(x_host.data(), x_host.size());
+    const std::vector<float> slots_host = normal(rng, kTopK * kEmbd, 0.01f);
+    slots.upload(slots_host.data(), slots_host.size());
+    pos.upload(&position, 1);
   }
 
   // weights_first: the matvecs start their weight loads before waiting on the previous kernel
