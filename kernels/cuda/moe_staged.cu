@@ -32,6 +32,7 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_fused_dots.cuh"
 #include "kernels/cuda/moe_staged.cuh"
+#include "kernels/cuda/mma_ptx.cuh"
 
 namespace moraine::cuda::moe_detail {
 namespace {
@@ -63,10 +64,14 @@ __device__ __forceinline__ void wait_groups_pending(int pending) {
   }
 }
 
+}  // namespace
+
+// Outside the anonymous namespace: below sm_90 these bodies are empty and some are never called,
+// which nvcc reports (#177) for internal functions only.
 // Bulk copies (cp.async.bulk, the Tensor Memory Accelerator's plain form, sm_90+) completing on
 // shared-memory mbarriers (StagedParams::bulk): one instruction per row instead of one 16-byte
 // copy per lane and word. Below sm_90 these compile to nothing (the host never asks for them there).
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+using ptx::smem_addr;
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -122,6 +127,8 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+
+namespace {
 
 // Gate activation block u of x (blocks of every token in turn, as quantize_x deals them): the
 // values quantize_block loads for it, 8 per lane for Q8_K, 1 (v[0]) for Q8_0.
