@@ -168,6 +168,16 @@ TEST(BenchReport, JsonParsesAndCarriesEveryField) {
     EXPECT_TRUE(j.at("bandwidth").at(tier).contains("bytes_per_s")) << tier;
     EXPECT_FALSE(j.at("bandwidth").at(tier).at("note").get<std::string>().empty()) << tier;
   }
+  // RAM and PCIe read at once: numbers on a machine with a GPU, else null with the reason.
+  for (const char* tier : {"ram", "pcie"}) {
+    const auto& c = j.at("bandwidth_concurrent").at(tier);
+    const std::string note = c.at("note").get<std::string>();
+    if (c.at("bytes_per_s").is_null()) {
+      EXPECT_EQ(note.rfind("n/a", 0), 0u) << tier << ": " << note;
+    } else {
+      EXPECT_GT(c.at("bytes_per_s").get<double>(), 1e8) << tier;
+    }
+  }
   EXPECT_EQ(j.at("bytes_per_token").at("ram"), kRamBytesPerToken);
   EXPECT_EQ(j.at("hit_rate").at("ram"), 1.0);
   // The file is under one O_DIRECT request: disk says why it has no number.

@@ -20,13 +20,15 @@
 
 namespace moraine::bench {
 
-Measured measure_dram_read(size_t bytes) {
+Measured measure_dram_read(size_t bytes, const std::function<void(bool)>& around) {
   bytes = std::max<size_t>(bytes & ~size_t{(1u << 20) - 1}, size_t{1} << 20);
   const std::vector<int> cpus = cpu::physical_core_cpus();
   cpu::ThreadPool pool(cpus);
   cpu::NodeMemory buf(bytes, cpu::numa_node_of_cpu_id(cpus.front()));
   std::memset(buf.data(), 1, buf.size());  // fault every page in before timing
+  if (around) around(true);
   const double bw = cpu::measure_read_bandwidth(pool, buf.data(), buf.size(), 3);
+  if (around) around(false);
   return {bw, "stream_read, " + std::to_string(cpus.size()) + " threads (" + cpu::format_cpu_list(cpus) + "), " +
                   std::to_string(bytes >> 20) + " MiB, best of 3"};
 }

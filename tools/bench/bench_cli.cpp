@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <sstream>
+#include <tuple>
 
 #include "tools/bench/bandwidth_probe.h"
 #include "tools/bench/bench_run.h"
@@ -58,6 +59,8 @@ BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   r.bandwidth[static_cast<int>(Tier::Pcie)] = measure_pinned_h2d(gpu_bytes);
   r.bandwidth[static_cast<int>(Tier::Ram)] = measure_dram_read(static_cast<size_t>(o.dram_probe_mib) << 20);
   r.bandwidth[static_cast<int>(Tier::Disk)] = measure_disk_read(o.model, static_cast<size_t>(o.disk_probe_mib) << 20);
+  std::tie(r.ram_beside_pcie, r.pcie_beside_ram) =
+      measure_dram_beside_h2d(static_cast<size_t>(o.dram_probe_mib) << 20, gpu_bytes);
 
   TierBandwidth bw;
   for (int t = 0; t < kTierCount; ++t) bw[t] = r.bandwidth[t].bytes_per_s;

@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 #endif
 
 namespace moraine::bench {
@@ -80,9 +82,55 @@ Measured measure_device_memory(size_t bytes) {
   return {2.0 * static_cast<double>(bytes) / s,
           "cudaMemcpy device->device, " + std::to_string(bytes >> 20) + " MiB (read + write counted), best of 5"};
 }
+
+std::pair<Measured, Measured> measure_dram_beside_h2d(size_t dram_bytes, size_t h2d_bytes) {
+  std::string why;
+  if (!gpu_present(why)) return {{std::nullopt, why}, {std::nullopt, why}};
+  void* host = nullptr;
+  void* dev = nullptr;
+  if (cudaMallocHost(&host, h2d_bytes) != cudaSuccess || cudaMalloc(&dev, h2d_bytes) != cudaSuccess) {
+    cudaFreeHost(host);
+    const std::string no = "n/a: could not allocate " + std::to_string(h2d_bytes >> 20) + " MiB pinned + device";
+    return {{std::nullopt, no}, {std::nullopt, no}};
+  }
+  int device = 0;
+  cudaGetDevice(&device);
+  cudaMemcpy(dev, host, h2d_bytes, cudaMemcpyHostToDevice);   // first touch
+  std::atomic<bool> stop{false};
+  uint64_t copies = 0;
+  double seconds = 0;
+  std::thread copier;
+  const Measured dram = measure_dram_read(dram_bytes, [&](bool start) {
+    if (!start) {
+      stop = true;
+      copier.join();
+      return;
+    }
+    copier = std::thread([&] {
+      cudaSetDevice(device);
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (cudaMemcpy(dev, host, h2d_bytes, cudaMemcpyHostToDevice) != cudaSuccess) break;
+        ++copies;
+      }
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+  });
+  cudaFree(dev);
+  cudaFreeHost(host);
+  Measured pcie{std::nullopt, "cudaMemcpy pinned host->device of " + std::to_string(h2d_bytes >> 20) +
+                                  " MiB back to back during the DRAM read's passes"};
+  if (copies > 0 && seconds > 0) pcie.bytes_per_s = static_cast<double>(copies * h2d_bytes) / seconds;
+  Measured ram = dram;
+  ram.note += ", while the bus copies";
+  return {ram, pcie};
+}
 #else
 Measured measure_pinned_h2d(size_t) { return {std::nullopt, "n/a: built without CUDA"}; }
 Measured measure_device_memory(size_t) { return {std::nullopt, "n/a: built without CUDA"}; }
+std::pair<Measured, Measured> measure_dram_beside_h2d(size_t, size_t) {
+  return {{std::nullopt, "n/a: built without CUDA"}, {std::nullopt, "n/a: built without CUDA"}};
+}
 #endif
 
 }  // namespace moraine::bench

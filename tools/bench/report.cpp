@@ -56,6 +56,9 @@ nlohmann::json report_json(const BenchReport& r) {
                                                    : nlohmann::json(nullptr)},
                 {"why_none", r.bound.why_none}};
   j["share_of_bound"] = opt_number(r.share_of_bound);
+  j["bandwidth_concurrent"] = {
+      {"ram", {{"bytes_per_s", opt_number(r.ram_beside_pcie.bytes_per_s)}, {"note", r.ram_beside_pcie.note}}},
+      {"pcie", {{"bytes_per_s", opt_number(r.pcie_beside_ram.bytes_per_s)}, {"note", r.pcie_beside_ram.note}}}};
   j["census"] = r.stats.census;
   return j;
 }
@@ -75,7 +78,7 @@ void print_table(const BenchReport& r, std::ostream& out) {
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
   out << "| ------------- | ------: | -----: | --------------: | ----------: | -----: |\n";
-  char line[256];
+  char line[512];
   for (const Timing& t : r.prefill) {
     std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %6s |\n", r.engine.c_str(), r.threads,
                   ("pp" + std::to_string(t.n_tokens)).c_str(), t.tok_s, t.stddev, "-", "-");
@@ -97,6 +100,12 @@ void print_table(const BenchReport& r, std::ostream& out) {
     const std::string per = bw && bytes > 0 ? fmt("%.3f ms", 1e3 * bytes / *bw) : "-";
     std::snprintf(line, sizeof line, "| %-4s | %11s | %7.1f%% | %11s | %10s | %s\n", kTierNames[t], mib(bytes).c_str(),
                   100.0 * r.stats.hit_rate[t], bws.c_str(), per.c_str(), r.bandwidth[t].note.c_str());
+    out << line;
+  }
+  if (r.ram_beside_pcie.bytes_per_s && r.pcie_beside_ram.bytes_per_s) {
+    std::snprintf(line, sizeof line, "\nram and pcie at once: %.2f GB/s DRAM read + %.2f GB/s host->device = %.2f GB/s (%s)\n",
+                  *r.ram_beside_pcie.bytes_per_s / 1e9, *r.pcie_beside_ram.bytes_per_s / 1e9,
+                  (*r.ram_beside_pcie.bytes_per_s + *r.pcie_beside_ram.bytes_per_s) / 1e9, r.pcie_beside_ram.note.c_str());
     out << line;
   }
   if (r.bound.tok_s) {

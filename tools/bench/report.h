@@ -33,6 +33,9 @@ struct BenchReport {
   Timing decode;
   EngineStats stats;
   std::array<Measured, kTierCount> bandwidth;  // per tier, as measured (or why not)
+  // The RAM and PCIe tiers measured at once (measure_dram_beside_h2d): whether the bound's
+  // "tiers read concurrently" holds for the two on this host.
+  Measured ram_beside_pcie, pcie_beside_ram;
   Bound bound;
   std::optional<double> share_of_bound;  // decode tok/s over the bound
 };
