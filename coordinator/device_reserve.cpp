@@ -10,6 +10,7 @@ namespace moraine::group {
 gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const model::LayerWeights> layers,
                                                                 std::int64_t max_tokens, std::int64_t context) {
   gpu_worker::CudaStepScratchOptions o;
+  std::vector<std::array<std::size_t, 3>> take_layouts;
   o.max_tokens = std::max<std::int64_t>(max_tokens, 1);
   o.max_context = std::max<std::int64_t>(context, o.max_tokens);   // as gpu_worker.cpp sizes the cache
   o.gemm_prefill_rows = gpu_worker::BackendOptions{}.gemm_prefill_rows;   // the gpu_worker runs the default
@@ -25,8 +26,19 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
     if (L.moe.down) {
       o.fused_down_types.push_back(L.moe.down.all.type);
       o.expert_matvec = true;
+      // The taken expert's buffers when the gpu_worker's default takes experts
+      // (BackendOptions::take_expert_from; off by default: `--device-takes-from N` then holds
+      // ~3 MB beyond this reserve for the 30B shape, which its over-budget line reports), whenever
+      // some expert may be off the device: the placement is not known here either.
+      if (gpu_worker::BackendOptions{}.take_expert_from > 0) {
+        o.take_expert_bytes = std::max<std::uint64_t>(o.take_expert_bytes, ArenaLayout::slot_bytes(L.moe));
+        o.take_down_types.push_back(L.moe.down.all.type);
+        const auto offsets = ArenaLayout::part_offsets(L.moe);
+        if (std::find(take_layouts.begin(), take_layouts.end(), offsets) == take_layouts.end()) take_layouts.push_back(offsets);
+      }
     }
   }
+  o.take_layouts = static_cast<std::int64_t>(take_layouts.size());
   return o;
 }
 

@@ -118,13 +118,14 @@ const model::ExpertTensor& expert_tensor(const model::Model& m, std::int64_t il,
 
 // Expert parts of layer il laid out from `at`, each 4 KiB aligned; returns the end.
 std::size_t lay_parts(const model::Model& m, std::int64_t il, std::size_t at, ArenaLayout::ExpertSlot& s) {
+  const model::MoeWeights& moe = m.layers[static_cast<std::size_t>(il)].moe;
+  const std::array<std::size_t, 3> offsets = ArenaLayout::part_offsets(moe);
   for (int w = 0; w < 3; ++w) {
     const model::ExpertTensor& t = expert_tensor(m, il, w);
-    s.offset[w] = at;
+    s.offset[w] = at + offsets[w];
     s.bytes[w] = static_cast<std::size_t>(t.rows_per_expert) * t.all.row_bytes;
-    at += arena_align(s.bytes[w]);
   }
-  return at;
+  return at + ArenaLayout::slot_bytes(moe);
 }
 
 }  // namespace
@@ -153,6 +154,21 @@ ArenaLayout ArenaLayout::build(const model::Model& m, const PlacementPlan& plan)
   at += static_cast<std::size_t>(plan.staging_bytes());
   a.total_bytes = at;
   return a;
+}
+
+std::array<std::size_t, 3> ArenaLayout::part_offsets(const model::MoeWeights& moe) {
+  std::array<std::size_t, 3> off{};
+  std::size_t at = 0;
+  int w = 0;
+  for (const model::ExpertTensor* t : {&moe.gate, &moe.up, &moe.down}) {
+    off[static_cast<std::size_t>(w++)] = at;
+    at += arena_align(static_cast<std::size_t>(t->rows_per_expert) * t->all.row_bytes);
+  }
+  return off;
+}
+
+std::size_t ArenaLayout::slot_bytes(const model::MoeWeights& moe) {
+  return part_offsets(moe)[2] + arena_align(static_cast<std::size_t>(moe.down.rows_per_expert) * moe.down.all.row_bytes);
 }
 
 ArenaLayout::ExpertSlot ArenaLayout::staging_slot(const model::Model& m, std::int64_t il, int worker,

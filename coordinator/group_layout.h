@@ -91,6 +91,10 @@ struct ExpertRequest {
   std::uint64_t seq;
   std::uint32_t layer;
   std::uint32_t n_tokens;
+  // A RAM-tier expert of this layer the gpu_worker computes itself this time (it copies the
+  // arena slot over PCIe while the workers compute the rest; gpu_worker --device-takes-from), or
+  // -1: the workers skip it as they skip resident ones.
+  std::int32_t device_expert;
 };
 
 // Segment ids announced for job validation (ShmRef.segment_id).
@@ -138,6 +142,11 @@ struct ArenaLayout {
   }
   // Where layer il's expert parts go in staging slot `slot` of cpu worker `worker`.
   ExpertSlot staging_slot(const model::Model& m, std::int64_t il, int worker, std::int64_t slot) const;
+  // Bytes of one arena slot of layer il: its three parts, each rounded up to 4 KiB (the span from
+  // the gate's offset to the end of the down part's rounding).
+  static std::size_t slot_bytes(const model::MoeWeights& moe);
+  // Where the gate, up and down parts start in such a slot (0 for the gate).
+  static std::array<std::size_t, 3> part_offsets(const model::MoeWeights& moe);
   // Gate, up and down of expert (il, e) as matrices reading from `s` in `arena`.
   static std::array<model::Matrix, 3> bind(const model::Model& m, std::int64_t il, std::int64_t e,
                                            const ExpertSlot& s, const std::byte* arena);

@@ -135,9 +135,12 @@ class ExpertWorker {
     float* out = xl_.region("expert_out").at<float>(exchange_.data());
     work_.clear();
     rows_.clear();
+    const int32_t device_expert = r->device_expert;
     for (int64_t e = 0; e < model_.hp.n_expert; ++e) {
-      // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while running).
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e)) {
+      // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while running),
+      // and so is the one it took over for this request (ExpertRequest::device_expert).
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e) ||
+          e == device_expert) {
         continue;
       }
       const int32_t m = plan_exp_.count(e);

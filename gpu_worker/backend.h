@@ -8,6 +8,7 @@
 // is on this device: no host round trip) or layer_begin / [cpu workers] / layer_end, then advance
 // and logits. Only routing, h for the cpu workers and the cpu workers' rows cross to the host.
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -52,6 +53,20 @@ struct BackendOptions {
   // CUDA: kernels launched with programmatic dependent launch where the device has it
   // (kernels/cuda/launch.h; a process-wide switch, set by the backend's constructor).
   bool programmatic_launch = true;
+  // The hand-off (gpu_worker): at a layer where one cpu worker has at least this many experts to
+  // compute, the device copies one of them in from the RAM tier over PCIe and computes it itself
+  // (handoff_take_expert), beside the worker's share; 0: never (then the CUDA backend allocates
+  // no buffer for it). The arithmetic that proposed it: a worker's call takes ~32 us for one
+  // expert and ~21 us more for each further one (Qwen3-30B shape, Q4_K, 16 cores, session 10),
+  // the device's copy of one 2.65 MB expert ~48 us at 55 GB/s plus its kernel, so from 3 experts
+  // on the copy would end before the worker's share: ~+20% at 12G uniform. Measured (H200 host,
+  // 30B Zipf 0, --vram 12G --ram 32G, census warm, moraine-bench -p 64 -n 64 -r 3, runs A2 and B
+  // of session 11): off 161.5 / 153.4 / 162.2 / 169.1 tok/s, from 3: 137.9 / 137.2 / 143.2 /
+  // 161.0, from 4: 179.6 / 158.6. Slower, so off by default: the bus's copy reads the same DRAM
+  // the 16 cores already stream at ~124 GB/s (moraine-bench's "ram and pcie at once" line
+  // measures how much the two share on a host), and the worker's call does not shrink by a whole
+  // expert's time. Kept for hosts whose DRAM outruns their cores.
+  int take_expert_from = 0;
 };
 
 inline constexpr int64_t kDefaultContext = 8192;
@@ -153,6 +168,22 @@ class Backend {
     no_handoff();
   }
   virtual void handoff_abort() {}
+  // Between handoff_wait_routed(il) and handoff_release(il): this device computes routed expert
+  // e of layer il itself, from its gate / up / down rows in host memory (`parts`: the matrices'
+  // data in memory given to pin_host_memory, GGUF rows in an arena slot, coordinator/
+  // group_layout.h), so the cpu workers skip it; handoff_release then takes the device's rows for
+  // e's slots (the plan's rows of e in io.host_rows are not read). handoff_can_take says whether
+  // it can (no buffer for it, a format its kernels do not take, e already on the device, one
+  // expert already taken for this layer, memory not pinned: no) without starting anything, so
+  // the caller can tell the cpu workers and ring them first; handoff_take_expert then must be
+  // called, and throws std::logic_error where handoff_can_take says no.
+  virtual bool handoff_can_take(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) const {
+    return (void)il, (void)e, (void)parts, false;
+  }
+  virtual void handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) {
+    (void)il, (void)e, (void)parts;
+    throw std::logic_error("this backend takes no expert off the cpu workers (handoff_can_take is false)");
+  }
 
  private:
   [[noreturn]] static void no_handoff() {

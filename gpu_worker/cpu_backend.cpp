@@ -89,19 +89,24 @@ class CpuBackend final : public Backend {
     const model::MoeWeights& W = m_.layers[il].moe;
     const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used, n_expert = m_.hp.n_expert;
     // This device's experts, into the same packed rows the cpu workers use.
+    // The taken expert (handoff_take_expert) from the host memory it was given, as the CUDA
+    // backend computes it from its copy of those bytes.
+    const auto own_expert = [&](int64_t e) { return on_device_[il * n_expert + e] || e == taken_e_; };
     for (int64_t e = 0; e < n_expert; ++e) {
       const int32_t rows = plan.count(e);
-      if (rows == 0 || !on_device_[il * n_expert + e]) continue;
+      if (rows == 0 || !own_expert(e)) continue;
       for (int32_t j = 0; j < rows; ++j) {
         const int64_t t = plan.slot_of[plan.start[e] + j] / k;
         std::copy_n(h_.data() + t * d, d, gathered_.data() + j * d);
       }
-      reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), gathered_.data(), rows,
+      const bool taken = e == taken_e_;
+      reference::swiglu_expert(taken ? taken_parts_[0] : W.gate.expert(e), taken ? taken_parts_[1] : W.up.expert(e),
+                               taken ? taken_parts_[2] : W.down.expert(e), gathered_.data(), rows,
                                own_rows_.data() + int64_t{plan.start[e]} * d, routed_scratch_, exec_.pool());
     }
     for (int64_t i = 0; i < n * k; ++i) {
       const int32_t e = chosen_[i];
-      const bool own = e >= 0 && e < n_expert && on_device_[il * n_expert + e];
+      const bool own = e >= 0 && e < n_expert && own_expert(e);
       if (!own && host_rows == nullptr)
         throw std::logic_error("CPU backend: layer " + std::to_string(il) + " slot " + std::to_string(i) +
                                " has an expert off this device and no host rows were given");
@@ -149,6 +154,7 @@ class CpuBackend final : public Backend {
     handoff_chosen_.assign(static_cast<size_t>(m_.hp.n_layer * n * k), -1);
     handoff_logits_.assign(static_cast<size_t>(logit_rows * m_.hp.n_vocab), 0.0f);
     routed_ = released_ = -1;
+    pending_take_e_ = -1;
     handoff_done_ = handoff_abort_ = false;
     handoff_error_ = nullptr;
     handoff_n_ = n;
@@ -164,6 +170,22 @@ class CpuBackend final : public Backend {
     if (routed_ >= il) return;
     if (handoff_error_) std::rethrow_exception(handoff_error_);
     throw std::logic_error("CPU backend: the step ended without handing off layer " + std::to_string(il));
+  }
+
+  bool handoff_can_take(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) const override {
+    (void)parts;
+    if (il < 0 || il >= m_.hp.n_layer || e < 0 || e >= m_.hp.n_expert || on_device_[il * m_.hp.n_expert + e]) return false;
+    std::lock_guard<std::mutex> lock(handoff_mu_);
+    return routed_ == il && released_ < il && pending_take_e_ < 0;
+  }
+
+  void handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) override {
+    if (!handoff_can_take(il, e, parts))
+      throw std::logic_error("CPU backend: handoff_take_expert(" + std::to_string(il) + ", " + std::to_string(e) +
+                             ") where handoff_can_take says no");
+    std::lock_guard<std::mutex> lock(handoff_mu_);
+    pending_take_e_ = e;
+    pending_take_parts_ = parts;
   }
 
   void handoff_release(int64_t il, const group::ExpertPlan& plan) override {
@@ -218,8 +240,11 @@ class CpuBackend final : public Backend {
           handoff_cv_.wait(lock, [&] { return released_ >= il || handoff_abort_; });
           if (handoff_abort_) throw Aborted{};
           plan = handoff_plan_;
+          taken_e_ = std::exchange(pending_take_e_, -1);
+          taken_parts_ = pending_take_parts_;
         }
         layer_end(il, n, plan, io.host_rows);
+        taken_e_ = -1;
       }
       advance(n);
       logits(logit_rows, handoff_logits_.data());
@@ -251,9 +276,13 @@ class CpuBackend final : public Backend {
   // The hand-off step's thread and what it shares with the caller (under handoff_mu_: routed_,
   // released_, handoff_plan_, handoff_done_, handoff_abort_; handoff_error_ once the thread ended).
   std::thread handoff_thread_;
-  std::mutex handoff_mu_;
+  mutable std::mutex handoff_mu_;
   std::condition_variable handoff_cv_;
   int64_t routed_ = -1, released_ = -1, handoff_n_ = 0;
+  int32_t pending_take_e_ = -1;   // handoff_take_expert's, until the layer's release
+  std::array<model::Matrix, 3> pending_take_parts_{};
+  int32_t taken_e_ = -1;           // the hand-off thread's: the layer it computes now
+  std::array<model::Matrix, 3> taken_parts_{};
   bool handoff_done_ = false, handoff_abort_ = false;
   std::exception_ptr handoff_error_;
   group::ExpertPlan handoff_plan_;

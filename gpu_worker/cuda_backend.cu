@@ -21,6 +21,11 @@ CudaBackend::~CudaBackend() {
     if (p.landed != nullptr) cudaEventDestroy(p.landed);
   swaps_.clear();
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  if (take_stream_ != nullptr) {
+    cudaStreamSynchronize(take_stream_);
+    cudaStreamDestroy(take_stream_);
+  }
+  if (take_done_ != nullptr) cudaEventDestroy(take_done_);
   for (void* p : pinned_) cudaHostUnregister(p);
   if (routed_ != nullptr) cudaEventDestroy(routed_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -202,14 +207,14 @@ void* CudaBackend::mapped(const void* p, size_t bytes) const {
 
 // Slots whose expert is off the device read row alt[slot] of the cpu workers' rows (plan
 // order); -1 for the device's own. The rows' span [lo, hi), empty (hi < 0) when none.
-std::pair<int32_t, int32_t> CudaBackend::fill_alt_rows(int64_t il, const group::ExpertPlan& plan) {
+std::pair<int32_t, int32_t> CudaBackend::fill_alt_rows(int64_t il, const group::ExpertPlan& plan, int32_t device_expert) {
   const DevLayer& L = layers_[il];
   const int64_t nk = step_n_ * m_.hp.n_expert_used;
   int32_t* alt = alt_pinned_.get();
   std::fill(alt, alt + nk, -1);
   int32_t lo = INT32_MAX, hi = -1;
   for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
-    if (plan.count(e) == 0 || L.slab_of[e] >= 0) continue;
+    if (plan.count(e) == 0 || L.slab_of[e] >= 0 || e == device_expert) continue;
     for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
       const int32_t slot = plan.slot_of[r];
       if (slot < 0 || slot >= nk)
@@ -240,6 +245,21 @@ void CudaBackend::choose_expert_paths() {
         // a shape the fused kernel does not take: the batched matvec path serves it
       }
     }
+    L.take_layout = -1;
+    if (take_expert_from_ > 0 && L.resident < hp.n_expert && hp.n_expert_used <= cuda::kMoeMaxTopK &&
+        m_.layers[il].moe.down) {
+      try {
+        cuda::MoeLayerWeights w = take_weights(il, 0);
+        w.slots = slot_table_.get();   // take_tables_ come with the scratch, after this check of formats and shapes
+        cuda::moe_fused_check(w);
+        const std::array<size_t, 3> offsets = group::ArenaLayout::part_offsets(m_.layers[il].moe);
+        auto at = std::find(take_layouts_.begin(), take_layouts_.end(), offsets);
+        if (at == take_layouts_.end()) at = take_layouts_.insert(at, offsets);
+        L.take_layout = static_cast<int>(at - take_layouts_.begin());
+      } catch (const std::invalid_argument&) {
+        // the cpu workers compute all of this layer's misses
+      }
+    }
     graphs_ok_ = graphs_ok_ && L.fused && L.resident == hp.n_expert;
     // The hand-off step computes the device's experts of a layer with moe_fused only.
     handoff_ok_ = handoff_ok_ && (L.resident == 0 || L.fused);
@@ -259,6 +279,11 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
       o.q_rows = std::max(o.q_rows, m_.layers[il].attn.q.n_rows);
     if (L.fused) o.fused_down_types.push_back(L.down.type);
     o.expert_matvec = o.expert_matvec || (L.resident > 0 && !L.fused);
+    if (L.take_layout >= 0) {
+      o.take_expert_bytes = std::max<uint64_t>(o.take_expert_bytes, group::ArenaLayout::slot_bytes(m_.layers[il].moe));
+      o.take_down_types.push_back(m_.layers[il].moe.down.all.type);
+    }
+    o.take_layouts = static_cast<int64_t>(take_layouts_.size());
   }
   return o;
 }
@@ -281,6 +306,24 @@ void CudaBackend::setup_experts() {
     lim.max_experts = static_cast<int>(hp.n_expert);
     lim.weight_workspace_elems = kPrefillGemmWeightElems;
     gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, lim);
+  }
+  if (scratch_.has("take_expert")) {
+    take_expert_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_expert"));
+    take_ws_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_ws"));
+    cuda::moe_fused_workspace_init(take_ws_.get(), take_ws_.size(), stream_);
+    // Table (layout v, expert e): entry e names the copy's parts at layout v's offsets.
+    std::vector<cuda::MoeExpertSlot> tables(scratch_.count<cuda::MoeExpertSlot>("take_table"));
+    const int64_t E = hp.n_expert, stride = slot_stride();
+    if (static_cast<int64_t>(tables.size()) != static_cast<int64_t>(take_layouts_.size()) * E * stride)
+      throw std::logic_error("CUDA backend: the take tables' size does not match the listed scratch");
+    for (size_t v = 0; v < take_layouts_.size(); ++v)
+      for (int64_t e = 0; e < E; ++e)
+        tables[(v * E + e) * stride + e] = {take_expert_.get() + take_layouts_[v][0], take_expert_.get() + take_layouts_[v][1],
+                                            take_expert_.get() + take_layouts_[v][2]};
+    take_tables_ = DeviceBuffer<cuda::MoeExpertSlot>(tables.size());
+    take_tables_.upload(tables.data(), tables.size());
+    CUDA_CHECK(cudaStreamCreateWithFlags(&take_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&take_done_, cudaEventDisableTiming));
   }
   expert_in_ = DeviceBuffer<float>(scratch_.count<float>("expert_in"));   // empty: every layer fused, short steps
   expert_g_ = DeviceBuffer<float>(scratch_.count<float>("expert_g"));
@@ -317,6 +360,17 @@ cuda::MoeLayerWeights CudaBackend::fused_weights(int64_t il) const {
   // The best form: the staged one (moe_staged.cu, same bits) where it measured faster; its
   // planner (moe_staged_plan, with the numbers) declines the rest and the default kernels run.
   w.tuning.staged = cuda::MoeLayerWeights::Tuning::Staged::kWhereFaster;
+  return w;
+}
+
+cuda::MoeLayerWeights CudaBackend::take_weights(int64_t il, int32_t e) const {
+  const model::MoeWeights& W = m_.layers[il].moe;
+  cuda::MoeLayerWeights w = fused_weights(il);
+  w.gate_type = W.gate.all.type;   // the layer may have no expert on the device (DevLayer::gate empty)
+  w.up_type = W.up.all.type;
+  w.down_type = W.down.all.type;
+  const int layout = std::max(layers_[il].take_layout, 0);
+  w.slots = take_tables_.size() == 0 ? nullptr : take_tables_.get() + (layout * m_.hp.n_expert + e) * slot_stride();
   return w;
 }
 

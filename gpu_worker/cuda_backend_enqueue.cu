@@ -133,6 +133,11 @@ void CudaBackend::enqueue_route(int64_t il, int64_t n) {
 // bits of moe_combine without the launch) instead of unweighted rows for enqueue_combine; only
 // for a layer whose every expert is here and that has no shared expert.
 void CudaBackend::enqueue_fused_experts(int64_t il, int64_t n, bool into_residual) {
+  fused_experts(fused_weights(il), il, n, into_residual, fused_ws_, stream_);
+}
+
+void CudaBackend::fused_experts(const cuda::MoeLayerWeights& w, int64_t il, int64_t n, bool into_residual,
+                                DeviceBuffer<uint8_t>& workspace, cudaStream_t stream) {
   const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
   for (int64_t t0 = 0; t0 < n; t0 += cuda::kMoeMaxTokens) {
     cuda::MoeRouting routing;
@@ -147,7 +152,7 @@ void CudaBackend::enqueue_fused_experts(int64_t il, int64_t n, bool into_residua
     } else {
       out.slot_rows = dev_slots_.get() + t0 * k * d;
     }
-    cuda::moe_fused(fused_weights(il), h_.get() + t0 * d, routing, out, fused_ws_.get(), fused_ws_.size(), stream_);
+    cuda::moe_fused(w, h_.get() + t0 * d, routing, out, workspace.get(), workspace.size(), stream);
   }
 }
 

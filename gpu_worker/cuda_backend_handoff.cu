@@ -2,6 +2,8 @@
 #include "gpu_worker/cuda_backend_impl.h"
 
 #include <immintrin.h>
+
+#include <algorithm>
 #include <stdexcept>
 
 #include "kernels/cuda/host_handoff.h"
@@ -73,8 +75,61 @@ void CudaBackend::handoff_release(int64_t il, const group::ExpertPlan& plan) {
     throw std::invalid_argument("handoff_release: the plan covers " +
                                 std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
                                 std::to_string(nk));
-  fill_alt_rows(il, plan);   // read by the graph's copy once the flag is up
+  const bool taken = take_layer_ == il;
+  fill_alt_rows(il, plan, taken ? take_e_ : -1);   // read by the graph's copy once the flag is up
+  // The taken expert's rows must be in dev_slots_ before the graph's combine reads them: the
+  // flag goes up only after its kernel finished (its copy ran beside the cpu workers).
+  if (taken) wait_taken();
   __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
+}
+
+// One copy of the span from the gate's first byte to the down's last, the parts at the layer's
+// arena offsets in it (each on a 4 KiB boundary, so each stays 16-byte aligned for moe_fused).
+bool CudaBackend::handoff_can_take(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) const {
+  check_layer(il);
+  if (take_stream_ == nullptr || e < 0 || e >= m_.hp.n_expert || take_layer_ >= 0) return false;
+  const DevLayer& L = layers_[il];
+  if (L.take_layout < 0 || L.slab_of[e] >= 0 || step_n_ > kDecodeRows) return false;
+  const std::array<size_t, 3>& offsets = take_layouts_[static_cast<size_t>(L.take_layout)];
+  const uint8_t* lo = parts[0].data;
+  if (lo == nullptr) return false;
+  for (size_t i = 0; i < 3; ++i)
+    if (parts[i].data != lo + offsets[i]) return false;
+  const size_t span = offsets[2] + parts[2].row_bytes * static_cast<size_t>(parts[2].n_rows);
+  return span + 16 <= take_expert_.size() && pinned(lo, span);
+}
+
+void CudaBackend::handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) {
+  if (!handoff_can_take(il, e, parts))
+    throw std::logic_error("CUDA backend: handoff_take_expert(" + std::to_string(il) + ", " + std::to_string(e) +
+                           ") where handoff_can_take says no");
+  use_device();
+  const size_t span = take_layouts_[static_cast<size_t>(layers_[il].take_layout)][2] +
+                      parts[2].row_bytes * static_cast<size_t>(parts[2].n_rows);
+  CUDA_CHECK(cudaMemcpyAsync(take_expert_.get(), parts[0].data, span, cudaMemcpyHostToDevice, take_stream_));
+  // h_, the routing and weight_ of layer il are final: the device published them before the host
+  // saw the routed flag, and overwrites them only after this layer's ready flag, which waits for
+  // take_done_. The kernel writes only e's slot rows of dev_slots_; the graph's moe_fused writes
+  // the resident experts' rows beside it.
+  fused_experts(take_weights(il, e), il, step_n_, false, take_ws_, take_stream_);
+  CUDA_CHECK(cudaEventRecord(take_done_, take_stream_));
+  take_layer_ = il;
+  take_e_ = e;
+}
+
+void CudaBackend::wait_taken() {
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spins = 0;; ++spins) {
+    const cudaError_t q = cudaEventQuery(take_done_);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) CUDA_CHECK(q);
+    _mm_pause();
+    if (spins % 4096 == 0 && std::chrono::steady_clock::now() - start > kHandoffTimeout)
+      throw std::runtime_error("CUDA backend: layer " + std::to_string(take_layer_) + "'s taken expert " +
+                               std::to_string(take_e_) + " did not land within " + std::to_string(kHandoffTimeout.count()) + " s");
+  }
+  take_layer_ = -1;
+  take_e_ = -1;
 }
 
 void CudaBackend::handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) {
@@ -90,6 +145,9 @@ void CudaBackend::handoff_finish(float* logits_out, int32_t* chosen_out, int64_t
 
 void CudaBackend::handoff_abort() {
   use_device();
+  if (take_stream_ != nullptr) cudaStreamSynchronize(take_stream_);
+  take_layer_ = -1;
+  take_e_ = -1;
   for (int64_t il = 0; il < m_.hp.n_layer; ++il)
     __atomic_store_n(handoff_flags_.get() + m_.hp.n_layer + il, handoff_seq_, __ATOMIC_RELEASE);
   cudaStreamSynchronize(stream_);

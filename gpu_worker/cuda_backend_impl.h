@@ -12,6 +12,7 @@
 //   cuda_backend_matmul.cu   matmuls: batched matvec or cuBLAS, the activation quantization
 // capture_into is a template (layer_begin and handoff_begin capture too), so it stays here.
 #pragma once
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -66,6 +67,8 @@ struct DevLayer {
   std::vector<int32_t> slab_of;
   int64_t resident = 0;
   bool fused = false;   // the routed experts go through moe_fused
+  // handoff_take_expert may take one of its experts: its arena part layout in take_layouts_ (-1: none)
+  int take_layout = -1;
   bool q_has_gate = false;
   // [max_context][n_head_kv * head_dim]: floats, or halves with an F16 cache (the other pair empty)
   DeviceBuffer<float> k_cache, v_cache;
@@ -145,6 +148,8 @@ class CudaBackend final : public Backend {
   void handoff_release(int64_t il, const group::ExpertPlan& plan) override;
   void handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) override;
   void handoff_abort() override;
+  bool handoff_can_take(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) const override;
+  void handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) override;
 
  private:
   static constexpr std::chrono::seconds kHandoffTimeout{60};
@@ -156,8 +161,14 @@ class CudaBackend final : public Backend {
   // not there or not mapped.
   void* mapped(const void* p, size_t bytes) const;
   void check_handoff_error();
-  std::pair<int32_t, int32_t> fill_alt_rows(int64_t il, const group::ExpertPlan& plan);
+  // device_expert: an expert off the device whose rows the device computes anyway (the taken one).
+  std::pair<int32_t, int32_t> fill_alt_rows(int64_t il, const group::ExpertPlan& plan, int32_t device_expert = -1);
   void enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo& io, const std::vector<char>& whole);
+  // Layer il's experts as moe_fused sees them with the slot table naming only expert e's copy.
+  cuda::MoeLayerWeights take_weights(int64_t il, int32_t e) const;
+  // Returns once the taken expert's rows are in dev_slots_ (take_done_), or throws on a CUDA error
+  // or after kHandoffTimeout.
+  void wait_taken();
 
   struct PendingChosen {
     const int32_t* from;   // pinned
@@ -235,6 +246,9 @@ class CudaBackend final : public Backend {
   void norm_h(const float* x, const float* w, int64_t n, const DevMatrix& consumer);
   void enqueue_route(int64_t il, int64_t n);
   void enqueue_fused_experts(int64_t il, int64_t n, bool into_residual = false);
+  // moe_fused over the step's routing of layer il in kMoeMaxTokens-token groups, on `stream`.
+  void fused_experts(const cuda::MoeLayerWeights& w, int64_t il, int64_t n, bool into_residual,
+                     DeviceBuffer<uint8_t>& workspace, cudaStream_t stream);
   void enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan);
   void enqueue_shared(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
@@ -271,6 +285,7 @@ class CudaBackend final : public Backend {
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
   const bool handoff_zero_copy_;
   const bool prefill_attention_tc_;   // BackendOptions::prefill_attention_tensor_cores
+  const int take_expert_from_;        // BackendOptions::take_expert_from
   const int64_t max_context_;
   const bool kv_f16_;   // the KV cache holds IEEE halves (BackendOptions::kv_type)
   int64_t logits_rows_ = 1;   // rows logits_ holds
@@ -335,6 +350,17 @@ class CudaBackend final : public Backend {
   uint64_t handoff_seq_ = 0;
   int64_t handoff_rows_ = 0;
   std::vector<char> handoff_whole_;   // this step's layers run whole (handoff_begin's scratch)
+  // The taken expert (handoff_take_expert): its arena slot copied in, and per (part layout,
+  // expert) a slot table naming only that expert's copy (built once: a take is one copy and the
+  // kernels, no table write), moe_fused's workspace, all on take_stream_, which records
+  // take_done_ after the kernel; take_layer_ / take_e_ while one is in flight (-1: none).
+  std::vector<std::array<size_t, 3>> take_layouts_;
+  cudaStream_t take_stream_ = nullptr;
+  cudaEvent_t take_done_ = nullptr;
+  DeviceBuffer<uint8_t> take_expert_, take_ws_;
+  DeviceBuffer<cuda::MoeExpertSlot> take_tables_;
+  int64_t take_layer_ = -1;
+  int32_t take_e_ = -1;
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
   std::vector<char*> pinned_dev_;   // [range]: its device address (nullptr: not mapped)

@@ -31,6 +31,14 @@ struct CudaStepScratchOptions {
   bool recurrent = false;           // some layer is a Gated DeltaNet layer
   bool expert_matvec = false;       // some layer's resident experts take the batched matvec path
   std::vector<TensorType> fused_down_types;   // the down format of each layer that goes through moe_fused
+  // The hand-off's taken expert (Backend::handoff_take_expert): bytes of the largest arena slot
+  // (group::ArenaLayout::slot_bytes; 0: the device takes none) and the down format of each layer
+  // it may take one from.
+  uint64_t take_expert_bytes = 0;
+  std::vector<TensorType> take_down_types;
+  // Distinct arena part layouts (ArenaLayout::part_offsets) among those layers: a slot table per
+  // (layout, expert) naming only that expert, so a take passes a table instead of writing one.
+  int64_t take_layouts = 0;
 };
 
 // The PrefillGemm's own buffers (kernels/cuda/gemm_prefill.cu allocates them in its constructor
@@ -173,12 +181,23 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   s.add("handoff_seq", sizeof(uint64_t));
   s.add("handoff_error", i32);
   // cuda_backend.cu's setup_experts: moe_fused's workspace for its largest layer ...
-  uint64_t ws = 0;
-  for (TensorType down : o.fused_down_types)
-    ws = std::max<uint64_t>(ws, cuda::moe_fused_workspace_layout(down, hp.n_embd, hp.n_ff_exp,
-                                                                 int64_t{cuda::kMoeMaxTokens} * hp.n_expert_used)
-                                    .total);
-  s.add("moe_fused_ws", ws);
+  const auto fused_ws = [&](const std::vector<TensorType>& downs) {
+    uint64_t ws = 0;
+    for (TensorType down : downs)
+      ws = std::max<uint64_t>(ws, cuda::moe_fused_workspace_layout(down, hp.n_embd, hp.n_ff_exp,
+                                                                   int64_t{cuda::kMoeMaxTokens} * hp.n_expert_used)
+                                      .total);
+    return ws;
+  };
+  s.add("moe_fused_ws", fused_ws(o.fused_down_types));
+  // ... the taken expert's copy (one arena slot, 16 bytes more: moe_fused reads whole 16-byte
+  // words), its slot table (moe_fused's, an even count of 24-byte entries as the backend's) and a
+  // workspace of its own (it runs on its own stream beside moe_fused's) ...
+  if (o.take_expert_bytes > 0) {
+    s.add("take_expert", o.take_expert_bytes + 16);
+    s.add("take_table", static_cast<uint64_t>(o.take_layouts * hp.n_expert * ((hp.n_expert + 1) / 2 * 2)) * 3 * sizeof(void*));
+    s.add("take_ws", fused_ws(o.take_down_types));
+  }
   // ... the PrefillGemm's (its constructor allocates these, in this order) ...
   const bool gemm = cuda_scratch_prefill_gemm(o);
   if (gemm) {

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "common/messaging/job_channel.h"
 #include "common/shm/doorbell.h"
@@ -77,6 +78,19 @@ class StepRunner {
                 << " MiB for context and scratch)\n";
     }
     all_on_device_ = backend_->all_on_device();
+    // The RAM tier, pinned, for the experts the device takes over from the cpu workers
+    // (handoff_take_expert copies them from here over PCIe).
+    if (o.take_expert_from > 0 && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
+      const auto t0 = Clock::now();
+      arena_.emplace(shm::ShmSegment::open(man.arena_locator));
+      al_.emplace(group::ArenaLayout::build(m, placement_));
+      if (arena_->data_bytes() < al_->total_bytes) throw std::runtime_error("arena segment is smaller than this model's layout");
+      backend_->pin_host_memory(arena_->data(), arena_->data_bytes());
+      take_from_ = o.take_expert_from;
+      std::cerr << "gpu_worker: the RAM tier (" << (arena_->data_bytes() >> 20) << " MiB) mapped for the device in "
+                << static_cast<int64_t>(us_since(t0) / 1000) << " ms; it takes one expert of a layer where a cpu worker "
+                << "has at least " << take_from_ << "\n";
+    }
     resident_ = xl_.region("resident").at<uint8_t>(exchange_.data());
     for (int64_t il = 0; il < m.hp.n_layer; ++il)
       for (int64_t e = 0; e < m.hp.n_expert; ++e)
@@ -87,6 +101,8 @@ class StepRunner {
     const int64_t k = m.hp.n_expert_used;
     step_chosen_.resize(static_cast<size_t>(m.hp.n_layer * man.max_tokens * k));
     worker_busy_.resize(static_cast<size_t>(man.n_cpu_workers));
+    worker_misses_.resize(static_cast<size_t>(man.n_cpu_workers));
+    worker_ram_expert_.resize(static_cast<size_t>(man.n_cpu_workers));
     seen_.resize(static_cast<size_t>(m.hp.n_expert));
     plan_.reserve(m.hp.n_expert, man.max_tokens * k);
     for (int w = 0; w < man.n_cpu_workers; ++w) {
@@ -101,6 +117,7 @@ class StepRunner {
   void flush_census() { report(census_.flush()); }
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
+  uint64_t experts_taken() const { return experts_taken_.load(); }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
   // The most seen after a step, or now if more (Stats reads it after a run's last step).
   uint64_t device_used_peak() const { return std::max(device_used_peak_.load(), backend_->device_bytes_in_use()); }
@@ -180,7 +197,7 @@ class StepRunner {
           const auto tw = Clock::now();
           backend_->handoff_wait_routed(il);
           routed_wait_stage_.record(static_cast<uint64_t>(n), 0, 0, us_since(tw));
-          hand_layer_to_workers(seq, il, n, chosen);
+          hand_layer_to_workers(seq, il, n, chosen, true);
           backend_->handoff_release(il, plan_);
         }
         backend_->handoff_finish(logits, step_chosen_.data(), man_.max_tokens * k);
@@ -214,15 +231,20 @@ class StepRunner {
   // Layer il's experts off the device: the plan of the routing in `chosen`, then the cpu
   // workers that own a chosen expert compute their rows into the exchange's expert_out (the
   // VRAM-tier experts are already running on the device).
-  void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen) {
+  // may_take: the device may take one of the misses (between handoff_wait_routed and release).
+  void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen, bool may_take = false) {
     const int64_t nk = n * m_.hp.n_expert_used;
     plan_.build(chosen, nk, m_.hp.n_expert);
     const auto th = Clock::now();
+    device_expert_ = may_take ? expert_to_take(il) : -1;
     if (man_.zmq_handoff) {
       handoff_zmq(step_seq, il, n);
     } else if (mark_busy_workers(il, chosen, nk)) {
       ring_workers(il, n);
+      take_expert(il);   // after the ring: the workers start first (the CUDA calls take ~10 us)
       wait_workers(il);
+    } else {
+      take_expert(il);
     }
     handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
   }
@@ -287,11 +309,41 @@ class StepRunner {
     bool any = false;
     for (int64_t i = 0; i < nk; ++i) {
       const int32_t e = chosen[i];
-      if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e]) continue;
+      if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e] || e == device_expert_) continue;
       worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
       any = true;
     }
     return any;
+  }
+
+  // The expert of layer il the device computes itself this time (Backend::handoff_take_expert),
+  // or -1: one RAM-tier expert of the cpu worker with the most experts to compute (plan_), when
+  // that worker has at least take_from_ (BackendOptions::take_expert_from says why). FILE-tier
+  // experts stay with the workers (their bytes are not in the arena yet).
+  int32_t expert_to_take(int64_t il) {
+    if (take_from_ <= 0) return -1;
+    const int64_t E = m_.hp.n_expert;
+    std::fill(worker_misses_.begin(), worker_misses_.end(), 0);
+    std::fill(worker_ram_expert_.begin(), worker_ram_expert_.end(), -1);
+    for (int64_t e = 0; e < E; ++e) {
+      if (plan_.count(e) == 0 || resident_[il * E + e]) continue;
+      const size_t w = static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers));
+      ++worker_misses_[w];
+      if (al_->ram_index[static_cast<size_t>(il * E + e)] >= 0) worker_ram_expert_[w] = static_cast<int32_t>(e);
+    }
+    size_t best = 0;
+    for (size_t w = 1; w < worker_misses_.size(); ++w)
+      if (worker_misses_[w] > worker_misses_[best]) best = w;
+    const int32_t e = worker_ram_expert_[best];
+    if (worker_misses_[best] < take_from_ || e < 0) return -1;
+    take_parts_ = group::ArenaLayout::bind(m_, il, e, al_->ram_slot(il, e), arena_->data());
+    return backend_->handoff_can_take(il, e, take_parts_) ? e : -1;
+  }
+
+  void take_expert(int64_t il) {
+    if (device_expert_ < 0) return;
+    backend_->handoff_take_expert(il, device_expert_, take_parts_);
+    ++experts_taken_;
   }
 
   // What the step's routing (every layer's, in step_chosen_ once logits returned) feeds, in one
@@ -328,6 +380,7 @@ class StepRunner {
     req->seq = ++expert_seq_;
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
+    req->device_expert = device_expert_;
     for (int w = 0; w < man_.n_cpu_workers; ++w)
       if (worker_busy_[w]) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
   }
@@ -423,6 +476,15 @@ class StepRunner {
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
   int steps_since_adapt_ = 0;
   std::atomic<uint64_t> experts_swapped_in_{0};
+  // The experts the device takes over from the cpu workers (expert_to_take): the arena, pinned.
+  std::optional<shm::ShmSegment> arena_;
+  std::optional<group::ArenaLayout> al_;
+  int take_from_ = 0;   // BackendOptions::take_expert_from, 0 without the arena
+  int32_t device_expert_ = -1;   // this layer's taken expert (ExpertRequest::device_expert)
+  std::array<model::Matrix, 3> take_parts_{};   // its rows in the arena
+  std::vector<int> worker_misses_;
+  std::vector<int32_t> worker_ram_expert_;
+  std::atomic<uint64_t> experts_taken_{0};
   std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
   Clock::time_point device_used_sampled_{};     // when it was last read
@@ -452,6 +514,8 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     r.set_shm_mapped_bytes(runner.shm_mapped());
     (*r.mutable_counters())["experts_vram"] = runner.experts_vram();
     (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
+    // Experts the device computed from the RAM tier instead of a cpu worker (--device-takes-from).
+    (*r.mutable_counters())["experts_device_taken"] = runner.experts_taken();
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
     // What the --vram budget is checked against (moraine-bench prints it beside the budget).
     (*r.mutable_counters())["device_used_bytes"] = runner.device_used_peak();
@@ -530,6 +594,11 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-tensor-core-prefill-attention", base.prefill_attention_tensor_cores,
                "cuda: long prefill steps over an F16 KV cache take the F32 tiled attention kernel instead of the "
                "tensor-core one (A/B)");
+  app.add_option("--device-takes-from", base.take_expert_from,
+                 "at a hand-off layer where a cpu worker has at least this many experts to compute, the device copies "
+                 "one of them from the RAM tier over PCIe and computes it itself (0: never, the default: slower on the "
+                 "H200 host, whose DRAM the cores already saturate; see BackendOptions::take_expert_from)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-pdl", base.programmatic_launch,
                "cuda: launch the kernels without programmatic dependent launch (A/B)");
   // No spin by default: the control plane shares its reserved core (supervisor --reserve-cores),

@@ -20,6 +20,8 @@
 #include "common/gguf/gguf.h"
 #include "common/model/model.h"
 #include "coordinator/device_reserve.h"
+#include "coordinator/group_layout.h"
+#include "gpu_worker/backend.h"
 #include "gpu_worker/cuda_step_scratch.h"
 #include "tools/synth/shapes.h"
 
@@ -222,6 +224,60 @@ TEST(CudaStepScratch, FamilyBuffers) {
   const CudaStepScratch m = cuda_step_scratch(moe->hp, cuda_reserve_scratch_options(moe->layers, T, 4096));
   for (const char* absent : {"delta_ws", "delta_mixed", "shared_g", "shared_logit"}) EXPECT_FALSE(m.has(absent)) << absent;
   EXPECT_EQ(m.bytes("qg"), static_cast<uint64_t>(T * (moe->hp.n_head + 2 * moe->hp.n_head_kv) * moe->hp.head_dim) * 4);
+}
+
+// The hand-off's taken expert (gpu_worker --device-takes-from, off by default): its copy (one
+// arena slot, ArenaLayout::slot_bytes, plus the 16 bytes moe_fused may read past it), a slot
+// table per (part layout, expert) and moe_fused's workspace; the coordinator's reserve holds them
+// only when the gpu_worker's default takes experts.
+TEST(CudaStepScratch, TakenExpertBuffers) {
+  for (const char* name : kShapes) {
+    auto sm = shape_model(name, {TensorType::Q4_K, TensorType::Q6_K});
+    const model::HParams& hp = sm->hp;
+    uint64_t largest = 0;
+    for (model::LayerWeights& L : sm->layers) {
+      for (model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
+        const bool down = t == &L.moe.down;
+        if (!down) t->all.type = TensorType::Q4_K;
+        t->all.info = &sm->info;
+        t->rows_per_expert = down ? hp.n_embd : hp.n_ff_exp;
+        t->all.row_bytes = row_bytes(t->all.type, down ? hp.n_ff_exp : hp.n_embd);
+      }
+      largest = std::max<uint64_t>(largest, group::ArenaLayout::slot_bytes(L.moe));
+    }
+    CudaStepScratchOptions o = cuda_reserve_scratch_options(sm->layers, 16, 4096);
+    const CudaStepScratch off = cuda_step_scratch(hp, o);
+    EXPECT_EQ(o.take_expert_bytes > 0, gpu_worker::BackendOptions{}.take_expert_from > 0) << name;
+    EXPECT_EQ(off.has("take_expert"), gpu_worker::BackendOptions{}.take_expert_from > 0) << name;
+    o.take_expert_bytes = largest;
+    o.take_down_types = {TensorType::Q4_K, TensorType::Q6_K};
+    o.take_layouts = 1;   // gate and up Q4_K in every layer: down's format moves no offset
+    const CudaStepScratch on = cuda_step_scratch(hp, o);
+    EXPECT_EQ(on.bytes("take_expert"), largest + 16) << name;
+    EXPECT_EQ(on.bytes("take_table"), static_cast<uint64_t>(hp.n_expert * ((hp.n_expert + 1) / 2 * 2)) * 24) << name;
+    EXPECT_EQ(on.bytes("take_ws"), std::max(moe_workspace_bytes(hp, TensorType::Q4_K), moe_workspace_bytes(hp, TensorType::Q6_K)))
+        << name;
+    EXPECT_EQ(on.total(16), off.total(16) + round_up(largest + 16, 16) + round_up(on.bytes("take_table"), 16) +
+                                round_up(on.bytes("take_ws"), 16))
+        << name;
+  }
+  // The Qwen3-30B-A3B expert at Q4_K: three 864 KiB parts (2.65 MB), already 4 KiB multiples.
+  model::MoeWeights moe;
+  gguf::TensorInfo info;
+  for (model::ExpertTensor* t : {&moe.gate, &moe.up, &moe.down}) {
+    const bool down = t == &moe.down;
+    t->all.info = &info;
+    t->all.type = TensorType::Q4_K;
+    t->all.row_bytes = row_bytes(TensorType::Q4_K, down ? 768 : 2048);
+    t->rows_per_expert = down ? 2048 : 768;
+  }
+  EXPECT_EQ(group::ArenaLayout::slot_bytes(moe), uint64_t{3} * 884736);
+  EXPECT_EQ(group::ArenaLayout::part_offsets(moe), (std::array<size_t, 3>{0, 884736, 2 * 884736}));
+  moe.down.all.type = TensorType::Q6_K;   // 2048 rows of 630 bytes: 1290240, a 4 KiB multiple as well
+  moe.down.all.row_bytes = row_bytes(TensorType::Q6_K, 768);
+  EXPECT_EQ(group::ArenaLayout::slot_bytes(moe), uint64_t{2} * 884736 + 1290240);
+  moe.gate.rows_per_expert = 767;   // a gate of 883584 bytes: up starts at the next 4 KiB
+  EXPECT_EQ(group::ArenaLayout::part_offsets(moe)[1], 884736u);
 }
 
 TEST(CudaStepScratch, RejectsStepsLongerThanTheContext) {

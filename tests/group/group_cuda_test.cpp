@@ -15,6 +15,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "coordinator/group_layout.h"
 #include "coordinator/device_reserve.h"
 #include "coordinator/placement.h"
@@ -40,7 +42,12 @@ struct Case {
   std::string name() const {
     return model + "_" + weights +
            (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts") +
-           (gpu_worker_args.empty() ? "" : "_no_pdl") + (kv == model::KvType::F32 ? "_f32kv" : "");
+           args_suffix() + (kv == model::KvType::F32 ? "_f32kv" : "");
+  }
+  std::string args_suffix() const {
+    std::string out;
+    for (const std::string& a : gpu_worker_args) out += a == "--no-pdl" ? "_no_pdl" : a.starts_with("--device-takes-from") ? "_device_takes" : "_args";
+    return out;
   }
 };
 
@@ -104,6 +111,15 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f (%.3g of max), %s\n", c.name().c_str(), max_diff, max_ref,
               max_diff / max_ref, b.describe().c_str());
   EXPECT_LE(max_diff, b.bound * max_ref);
+  if (c.args_suffix().find("_device_takes") != std::string::npos) {   // the device did take experts
+    const fs::path cli = fs::path(MORAINE_BUILD_DIR) / "coordinator" / "moraine";
+    const auto [rc, out] = run_command(shell_quote(cli.string()) + " stats --json --socket-dir " + shell_quote(g.socket_dir()));
+    ASSERT_EQ(rc, 0) << out;
+    uint64_t taken = 0;
+    for (const auto& p : nlohmann::json::parse(out))
+      if (p["role"] == "ROLE_GPU_WORKER") taken += p.value("counters", nlohmann::json::object()).value("experts_device_taken", uint64_t{0});
+    EXPECT_GT(taken, 0u) << out;
+  }
   g.stop();
   fs::remove_all(dir);
 }
@@ -122,6 +138,9 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf});
   v.push_back({"qwen3next_k256", "kmix", Experts::kHalf});
   v.push_back({"qwen3moe_odd", "f32", Experts::kHalf});
+  // ... and the device taking one of each hand-off layer's misses over PCIe (handoff_take_expert).
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
+  v.push_back({"qwen3next_k256", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   v.push_back({"qwen3moe_k256", "f32", Experts::kVram, {}, model::KvType::F32});   // --kv-type=f32
   return v;
 }

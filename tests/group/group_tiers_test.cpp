@@ -32,7 +32,13 @@ struct Case {
   std::string weights;   // "f32" or "kmix"
   std::string handoff;
   bool census = false;   // a random popularity census beside the model
-  std::string name() const { return model + "_" + weights + "_" + handoff + (census ? "_census" : ""); }
+  // gpu_worker --device-takes-from (0: its default): 1 has the device take one RAM-tier expert of
+  // every hand-off layer with a miss (Backend::handoff_take_expert; the CPU backend computes it
+  // from the arena bytes it is given), so the protocol runs on every decode step.
+  int device_takes_from = 0;
+  std::string name() const {
+    return model + "_" + weights + "_" + handoff + (census ? "_census" : "") + (device_takes_from > 0 ? "_device_takes" : "");
+  }
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
@@ -82,6 +88,7 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   o.handoff = c.handoff;
   o.logits_dump = dir + "/logits.f32";
   std::tie(o.vram, o.ram) = three_tier_budgets(model, o.cpu_workers);
+  if (c.device_takes_from > 0) o.extra_args.push_back("--gpu-worker-arg=--device-takes-from=" + std::to_string(c.device_takes_from));
   group::Census census;
   if (c.census) {
     const model::Model m = model::Model::load(model);
@@ -130,7 +137,7 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   ASSERT_EQ(rc, 0) << out;
   const nlohmann::json all = nlohmann::json::parse(out);
   std::set<std::string> seen;
-  uint64_t experts_ram = 0, experts_file = 0, file_bytes = 0, experts_vram = 0;
+  uint64_t experts_ram = 0, experts_file = 0, file_bytes = 0, experts_vram = 0, experts_taken = 0;
   for (const auto& p : all) {
     const std::string inst = p["instance"].get<std::string>();
     seen.insert(inst);
@@ -152,6 +159,7 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
       file_bytes += cn.at("file_bytes_fetched").get<uint64_t>();
     } else if (p["role"] == "ROLE_GPU_WORKER") {
       experts_vram += cn.at("experts_vram").get<uint64_t>();
+      experts_taken += cn.at("experts_device_taken").get<uint64_t>();
       // Per layer: every layer routed the same slots; some of them on the device, never more.
       uint64_t first_slots = 0, vram_slots = 0;
       for (int64_t il = 0; il < plan.n_layer; ++il) {
@@ -184,6 +192,9 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   EXPECT_GT(experts_ram, 0u);
   EXPECT_GT(experts_file, 0u);
   EXPECT_GT(file_bytes, 0u);
+  if (c.device_takes_from == 1) {
+    EXPECT_GT(experts_taken, 0u);
+  }
   // The table form shows the placement.
   std::tie(rc, out) = run_command(shell_quote(cli.string()) + " stats --socket-dir " + shell_quote(g.socket_dir()));
   ASSERT_EQ(rc, 0) << out;
@@ -329,6 +340,8 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "kmix", "doorbell"});
   v.push_back({"qwen3moe_odd", "f32", "doorbell", true});
   v.push_back({"qwen3next_odd", "f32", "zmq", true});
+  v.push_back({"qwen3moe_k256", "kmix", "doorbell", false, 1});
+  v.push_back({"qwen3next_odd", "f32", "doorbell", true, 1});
   return v;
 }
 

@@ -147,10 +147,12 @@ void GroupEngine::reset() {
   counts_at_reset_ = expert_counts();
 }
 
-std::array<uint64_t, 3> GroupEngine::expert_counts() const {
-  std::array<uint64_t, 3> c{};
+std::array<uint64_t, 4> GroupEngine::expert_counts() const {
+  std::array<uint64_t, 4> c{};
   try {
-    c[0] = counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "experts_vram");
+    const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
+    c[0] = counter(g, "experts_vram");
+    c[3] = counter(g, "experts_device_taken");   // RAM-tier experts the device copied in and computed
     for (int i = 0; i < o_.cpu_workers; ++i) {
       const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
       c[1] += counter(r, "experts_ram");
@@ -227,18 +229,19 @@ EngineStats GroupEngine::stats() const {
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
   }
-  const std::array<uint64_t, 3> now = expert_counts();
-  for (int t = 0; t < 3; ++t) {
+  const std::array<uint64_t, 4> now = expert_counts();
+  for (int t = 0; t < 4; ++t) {
     if (now[t] < counts_at_reset_[t]) throw BenchFault("hit rates: a worker's expert counter went back (restarted?)");
   }
   const double vram = static_cast<double>(now[0] - counts_at_reset_[0]);
   const double ram = static_cast<double>(now[1] - counts_at_reset_[1]);
   const double file = static_cast<double>(now[2] - counts_at_reset_[2]);
+  const double taken = static_cast<double>(now[3] - counts_at_reset_[3]);
   EngineStats s;
   s.budgets_applied = true;
   s.census = census_note_;
   s.device_used_bytes = device_used;
-  const double total = vram + ram + file;
+  const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
   s.bytes_per_token[static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram)] += bytes_.dense;
@@ -247,6 +250,11 @@ EngineStats GroupEngine::stats() const {
     s.hit_rate[vram_tier] += vram / total;
     s.hit_rate[static_cast<int>(Tier::Ram)] += ram / total;
     s.hit_rate[static_cast<int>(Tier::Disk)] += file / total;
+    // The device's copies over the bus: the PCIe tier, read beside the cpu workers' DRAM (the CPU
+    // backend computes them from RAM).
+    const int taken_tier = static_cast<int>(on_gpu ? Tier::Pcie : Tier::Ram);
+    s.hit_rate[taken_tier] += taken / total;
+    s.expert_reads[taken_tier] += now[3] - counts_at_reset_[3];
     s.expert_reads[vram_tier] += now[0] - counts_at_reset_[0];
     s.expert_reads[static_cast<int>(Tier::Ram)] += now[1] - counts_at_reset_[1];
     s.expert_reads[static_cast<int>(Tier::Disk)] += now[2] - counts_at_reset_[2];

@@ -65,11 +65,12 @@ class GroupEngine final : public BenchEngine {
 
  private:
   void start(bool record_census);
-  // Experts computed per tier since the process started (vram, ram, file): the workers' counters
+  // Experts computed per tier since the process started (vram, ram, file, taken by the device
+  // over PCIe: gpu_worker --device-takes-from): the workers' counters
   // are not zeroed by Stats' reset, so reset() keeps a snapshot and stats() reports the difference.
-  std::array<uint64_t, 3> expert_counts() const;
+  std::array<uint64_t, 4> expert_counts() const;
   GroupEngineOptions o_;
-  std::array<uint64_t, 3> counts_at_reset_{};
+  std::array<uint64_t, 4> counts_at_reset_{};
   std::unique_ptr<model::Model> model_;
   ModelReadBytes bytes_;
   std::string socket_dir_;
