@@ -300,12 +300,7 @@ void CudaBackend::setup_experts() {
   // Long steps multiply quantized weights through cuBLAS (and run the resident experts per
   // expert, from the host's plan, instead of moe_fused's 16-token groups).
   if (cuda_scratch_prefill_gemm(scratch_options())) {
-    cuda::PrefillGemmLimits lim;
-    lim.max_tokens = static_cast<int64_t>(slots);
-    lim.max_cols = cuda_scratch_max_cols(hp);
-    lim.max_experts = static_cast<int>(hp.n_expert);
-    lim.weight_workspace_elems = kPrefillGemmWeightElems;
-    gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, lim);
+    gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, cuda_scratch_prefill_gemm_limits(hp, scratch_options()));
   }
   if (scratch_.has("take_expert")) {
     take_expert_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_expert"));

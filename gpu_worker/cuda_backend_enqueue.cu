@@ -194,14 +194,15 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
       g.push_back({nullptr, r, end - r});
       r = end;
     }
-    const auto run = [&](const DevMatrix& W, const float* x, float* y) {
+    const auto run = [&](const DevMatrix& W, const float* x, float* y, bool reuse_input) {
       for (cuda::ExpertRows& e : g) e.weight = W.matrix(slab[e.first_row]);
-      gemm_->matmul_experts(W.type, g, W.rows, W.cols, x, y);
+      gemm_->matmul_experts(W.type, g, W.rows, W.cols, x, y, 1, 0, reuse_input);
     };
-    run(L.gate, expert_in_.get(), expert_g_.get());
-    run(L.up, expert_in_.get(), expert_u_.get());
+    // up reuses the 16-bit X that gate's call rounded (same expert_in_ rows): one rounding a layer.
+    run(L.gate, expert_in_.get(), expert_g_.get(), false);
+    run(L.up, expert_in_.get(), expert_u_.get(), true);
     cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
-    run(L.down, expert_g_.get(), expert_out_.get());
+    run(L.down, expert_g_.get(), expert_out_.get(), false);
   } else {
     expert_matmul(L.gate, expert_in_.get(), rows, dev + S, expert_g_.get());
     expert_matmul(L.up, expert_in_.get(), rows, dev + S, expert_u_.get());

@@ -17,6 +17,7 @@
 #include "common/model/hparams.h"
 #include "kernels/cuda/attention_scratch.h"
 #include "kernels/cuda/delta_net_shape.h"
+#include "kernels/cuda/gemm_prefill_limits.h"
 #include "kernels/cuda/moe_fused_workspace.h"
 
 namespace moraine::gpu_worker {
@@ -41,14 +42,9 @@ struct CudaStepScratchOptions {
   int64_t take_layouts = 0;
 };
 
-// The PrefillGemm's own buffers (kernels/cuda/gemm_prefill.cu allocates them in its constructor
-// from PrefillGemmLimits; its defaults and constants are restated here because gemm_prefill.h
-// needs CUDA headers: the GPU check above catches a change on either side).
-inline constexpr int64_t kPrefillGemmWeightElems = int64_t{20} << 20;   // PrefillGemmLimits' default, 2 bytes each
-inline constexpr int64_t kPrefillGemmCublasBytes = int64_t{32} << 20;   // kCublasWorkspaceBytes
-inline constexpr int64_t kPrefillGemmTableRing = 4;                     // PrefillGemm::kTableRing
-inline constexpr int64_t kPrefillGemmSmallTileTokens = 32;              // expert_tile_tokens(Small)
-inline constexpr int64_t kPrefillGemmTileBytes = 16;                    // sizeof(ExpertGemmTile)
+// The workspace of expanded weights the backend gives its PrefillGemm: PrefillGemmLimits'
+// default (2 bytes each: 40 MiB).
+inline constexpr int64_t kPrefillGemmWeightElems = cuda::PrefillGemmLimits{}.weight_workspace_elems;
 
 struct ScratchBuffer {
   const char* name;
@@ -117,6 +113,18 @@ inline int64_t cuda_scratch_max_cols(const model::HParams& hp) {
 // Whether the backend builds a PrefillGemm (and with it the per-expert path's buffers).
 inline bool cuda_scratch_prefill_gemm(const CudaStepScratchOptions& o) {
   return o.gemm_prefill_rows > 0 && o.max_tokens >= o.gemm_prefill_rows;
+}
+
+// The limits the backend builds its PrefillGemm with (when cuda_scratch_prefill_gemm): every
+// expert slot of a step, the widest matrix, all experts of a layer in one call.
+inline cuda::PrefillGemmLimits cuda_scratch_prefill_gemm_limits(const model::HParams& hp,
+                                                                const CudaStepScratchOptions& o) {
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = o.max_tokens * hp.n_expert_used;
+  lim.max_cols = cuda_scratch_max_cols(hp);
+  lim.max_experts = static_cast<int>(hp.n_expert);
+  lim.weight_workspace_elems = kPrefillGemmWeightElems;
+  return lim;
 }
 
 inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaStepScratchOptions& o) {
@@ -201,12 +209,11 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   // ... the PrefillGemm's (its constructor allocates these, in this order) ...
   const bool gemm = cuda_scratch_prefill_gemm(o);
   if (gemm) {
-    const uint64_t experts = static_cast<uint64_t>(hp.n_expert);
-    const uint64_t tiles = experts + S / kPrefillGemmSmallTileTokens + 1;
-    s.add("gemm_weights", kPrefillGemmWeightElems * sizeof(uint16_t));
-    s.add("gemm_inputs", S * max_cols * sizeof(uint16_t));
-    s.add("gemm_cublas_workspace", kPrefillGemmCublasBytes);
-    s.add("gemm_tile_tables", kPrefillGemmTableRing * (kPrefillGemmTileBytes * tiles + sizeof(void*) * experts));
+    const cuda::PrefillGemmBuffers g = cuda::prefill_gemm_buffers(cuda_scratch_prefill_gemm_limits(hp, o));
+    s.add("gemm_weights", g.weight_bytes);
+    s.add("gemm_inputs", g.input_bytes);
+    s.add("gemm_cublas_workspace", g.cublas_bytes);
+    s.add("gemm_tile_tables", g.table_bytes());
   }
   // ... and the per-expert path's gather / scatter rows, for any layer not fused or long steps.
   if (gemm || o.expert_matvec) {

@@ -322,6 +322,174 @@ __global__ void __launch_bounds__(WM* WN * 32)
                   tile.count, lane);
 }
 
+// The same with Q6_K weights (210-byte super-blocks of 256: ql[128] low nibbles, qh[64] high bit
+// pairs, int8 scales[16] one per 16 elements, fp16 d; element 128h + 32s + l has low nibble
+// ql[64h + 32(s % 2) + l] >> 4(s / 2), high bits qh[32h + l] >> 2s, scale scales[8h + 2s + l / 16]).
+// Super-blocks are 210 bytes, so rows and blocks are only 2-byte aligned and cp.async (16-byte
+// aligned sources) cannot fetch a block's fields: each row's whole super-block is fetched as the
+// 14 aligned 16-byte pieces around it (src-size clipped to the block's last byte, so nothing past
+// it is read), into one of two raw buffers (super-block b in buffer b % 2, issued with the X of
+// K tile 4b, so it arrives with that tile; buffer b % 2 was last read by tile 4b - 5). The decode
+// finds the block at its address's offset mod 16 in the window and reads its words by funnel
+// shifts. Values: dequantize_weights' __fmul_rn(d * sc, float(q - 32)), float(q - 32) reached
+// as (2^23 + q) - (2^23 + 32), exact (both within [2^23, 2^24), the difference an integer);
+// d * sc is the same exact product: the same bits. Why: the expanded path writes and re-reads
+// the layer's 16-bit weights; the q6_k 2048 x 768 down took 494 us vs q4_k's fused 129 us at
+// pp512 (session 10 run B).
+constexpr int kQ6BlockBytes = 210;
+constexpr int kQ6Pieces = 14;  // 16-byte pieces covering a block at any even offset (14 + 210 <= 224)
+constexpr int kQ6Window = kQ6Pieces * 16;
+
+template <int BM, int BN>
+constexpr int q6k_smem_bytes() {
+  return 2 * BM * kQ6Window + kStages * BN * kQ4Stride * 2 + BM * kQ4Stride * 2;
+}
+
+// cp.async of the first `bytes` (0..16) of an aligned 16-byte piece; the rest of dst zero-filled.
+__device__ __forceinline__ void copy_16_prefix(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+// The 32-bit word at shared byte offset `at` (even) of a raw window, from the two aligned words
+// around it.
+__device__ __forceinline__ unsigned word_at(const uint8_t* window, int at) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(window + (at & ~3));
+  return __funnelshift_r(w[0], w[1], 8 * (at & 3));
+}
+
+template <GemmInput T, int BM, int BN, int WM, int WN>
+__global__ void __launch_bounds__(WM* WN * 32)
+    expert_gemm_q6k_kernel(const uint8_t* const* __restrict__ weight_of, int rows, int cols,
+                           const uint16_t* __restrict__ x, const ExpertGemmTile* __restrict__ tiles,
+                           float* __restrict__ y, int64_t ldy) {
+  constexpr int kThreads = WM * WN * 32;
+  constexpr int kWarpRows = BM / WM, kWarpTokens = BN / WN;
+  constexpr int kMt = kWarpRows / 16, kNt = kWarpTokens / 8;
+  static_assert(kWarpRows % 16 == 0 && kWarpTokens % 16 == 0, "warp tile: m16 blocks, pairs of n8 blocks");
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* raw = smem;                                                          // [2][BM][kQ6Window]
+  uint16_t* sb = reinterpret_cast<uint16_t*>(smem + 2 * BM * kQ6Window);         // [kStages][BN][kQ4Stride]
+  uint16_t* sa = sb + kStages * BN * kQ4Stride;                                  // [BM][kQ4Stride]
+
+  const ExpertGemmTile tile = tiles[blockIdx.x];
+  const int row0 = static_cast<int>(blockIdx.y) * BM;
+  const int m_valid = min(BM, rows - row0);
+  const int64_t row_bytes = static_cast<int64_t>(cols / 256) * kQ6BlockBytes;
+  const uint8_t* wq = weight_of[tile.slot] + static_cast<int64_t>(row0) * row_bytes;
+  const uint16_t* xb = x + static_cast<int64_t>(tile.x_row) * cols;
+  // Raw piece c = (row c / 14, piece c % 14) of a super-block window; X piece as the Q4_K kernel's.
+  constexpr int kRawPieces = BM * kQ6Pieces, kXPieces = BN * kQ4TileK / 8;
+  constexpr int kRawCopies = (kRawPieces + kThreads - 1) / kThreads, kXCopies = (kXPieces + kThreads - 1) / kThreads;
+  const uint8_t* raw_row[kRawCopies];  // the row's first byte
+  int raw_dst[kRawCopies], raw_piece[kRawCopies];
+  bool raw_ok[kRawCopies];
+#pragma unroll
+  for (int i = 0; i < kRawCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads, r = c / kQ6Pieces;
+    raw_ok[i] = c < kRawPieces && r < m_valid;
+    raw_row[i] = raw_ok[i] ? wq + static_cast<int64_t>(r) * row_bytes : wq;
+    raw_piece[i] = c % kQ6Pieces;
+    raw_dst[i] = c * 16;  // = r * kQ6Window + 16 * piece
+  }
+  const uint16_t* x_src[kXCopies];
+  int x_dst[kXCopies];
+  bool x_ok[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads, r = c / 8, kc = (c % 8) * 8;
+    x_ok[i] = c < kXPieces && r < tile.count;
+    x_src[i] = x_ok[i] ? xb + static_cast<int64_t>(r) * cols + kc : xb;
+    x_dst[i] = r * kQ4Stride + kc;
+  }
+  const auto load_stage = [&](int stage, int kt) {
+    if (kt % 4 == 0) {  // the super-block of tiles kt..kt+3
+      const int b = kt / 4;
+#pragma unroll
+      for (int i = 0; i < kRawCopies; ++i) {
+        if (kRawPieces % kThreads != 0 && static_cast<int>(threadIdx.x) + i * kThreads >= kRawPieces) continue;
+        const uintptr_t block = reinterpret_cast<uintptr_t>(raw_row[i]) + static_cast<uintptr_t>(b) * kQ6BlockBytes;
+        const int off = static_cast<int>(block & 15), at = 16 * raw_piece[i];
+        const int bytes = raw_ok[i] ? min(16, off + kQ6BlockBytes - at) : 0;  // >= 2 when ok
+        copy_16_prefix(raw + (b % 2) * BM * kQ6Window + raw_dst[i],
+                       raw_ok[i] ? reinterpret_cast<const void*>((block & ~uintptr_t{15}) + at) : wq, bytes);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      if (kXPieces % kThreads != 0 && static_cast<int>(threadIdx.x) + i * kThreads >= kXPieces) continue;
+      copy_16_or_zero(sb + stage * BN * kQ4Stride + x_dst[i], x_ok[i] ? x_src[i] + kt * kQ4TileK : xb, x_ok[i]);
+    }
+  };
+
+  // Decodes K tile kt (64 elements 64p.. of super-block kt / 4: h = p / 2, s = 2(p % 2) + t for
+  // the task's half t) into the A tile: task (row r, half t), 32 elements.
+  const auto decode = [&](int kt, uint16_t* a) {
+    const int b = kt / 4, p = kt % 4, h = p / 2;
+#pragma unroll
+    for (int task = static_cast<int>(threadIdx.x); task < BM * 2; task += kThreads) {
+      const int r = task / 2, t = task % 2, s = 2 * (p % 2) + t;
+      const uint8_t* window = raw + ((b % 2) * BM + r) * kQ6Window;
+      const int off = static_cast<int>((reinterpret_cast<uintptr_t>(wq) + static_cast<uintptr_t>(r) * row_bytes +
+                                        static_cast<uintptr_t>(b) * kQ6BlockBytes) & 15);
+      const float d = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(window + off + 208)));
+      const unsigned scales = *reinterpret_cast<const unsigned short*>(window + off + 192 + 8 * h + 2 * s);
+      const float dl[2] = {__fmul_rn(d, static_cast<float>(static_cast<int8_t>(scales & 0xff))),
+                           __fmul_rn(d, static_cast<float>(static_cast<int8_t>(scales >> 8)))};
+      const int ql_at = off + 64 * h + 32 * t, qh_at = off + 128 + 32 * h;
+      uint4* dst = reinterpret_cast<uint4*>(a + r * kQ4Stride + 32 * t);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {  // 8 elements 8v..8v+7 -> one 16-byte store
+        unsigned out[4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int word = 2 * v + i;  // elements 4 word .. 4 word + 3
+          const unsigned lo = (word_at(window, ql_at + 4 * word) >> (4 * (s / 2))) & 0x0f0f0f0fu;
+          const unsigned hi = ((word_at(window, qh_at + 4 * word) >> (2 * s)) & 0x03030303u) << 4;
+          const unsigned q = lo | hi;  // element 4 word + e in byte e, 0..63
+          float f[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f[e] = __fmul_rn(dl[word / 4],
+                             __fsub_rn(__uint_as_float(__byte_perm(q, 0x4b000000u, 0x7440u | static_cast<unsigned>(e))),
+                                       8388640.0f));
+          out[2 * i] = round_pair_to_gemm_input<T>(f[0], f[1]);
+          out[2 * i + 1] = round_pair_to_gemm_input<T>(f[2], f[3]);
+        }
+        dst[v] = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
+  };
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int warp_row = (warp % WM) * kWarpRows, warp_token = (warp / WM) * kWarpTokens;
+  float acc[kMt][kNt][4] = {};
+  const int k_tiles = cols / kQ4TileK;
+  const int a_off = (warp_row + lane % 16) * kQ4Stride + (lane / 16) * 8;
+  const int b_off = (warp_token + lane % 8 + (lane / 16) * 8) * kQ4Stride + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < k_tiles) load_stage(st, st);
+    commit_group();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    wait_group<kStages - 2>();
+    __syncthreads();  // X of tile kt (and its super-block) visible; every warp is done with sa and stage kt - 1
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
+    commit_group();
+    decode(kt, sa);
+    __syncthreads();  // the decoded A tile complete
+    const uint16_t* sb_s = sb + (kt % kStages) * BN * kQ4Stride;
+#pragma unroll
+    for (int kk = 0; kk < kQ4TileK; kk += 16)
+      warp_mma_k16<T>(acc, sa + a_off + kk, kQ4Stride, sb_s + b_off + kk, kQ4Stride);
+  }
+  wait_group<0>();
+  store_warp_tile(acc, y + static_cast<int64_t>(tile.x_row) * ldy + row0, ldy, warp_row, warp_token, m_valid,
+                  tile.count, lane);
+}
+
 // Launches with `bytes` of dynamic shared memory; above the 48 KiB default a kernel must opt in.
 // The opt-in is set on every launch (a host call, no GPU work): a function-local static in a
 // helper templated on the kernel's type is shared by every kernel of one signature and opted in
@@ -367,6 +535,30 @@ void launch_q4k_shape(const void* const* weight_of, int64_t rows, int64_t cols, 
                    static_cast<const uint16_t*>(x), tiles, y, ldy);
 }
 
+template <GemmInput T, int BM, int BN, int WM, int WN>
+void launch_q6k_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                      const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
+  launch_with_smem(expert_gemm_q6k_kernel<T, BM, BN, WM, WN>, q6k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream,
+                   reinterpret_cast<const uint8_t* const*>(weight_of), static_cast<int>(rows), static_cast<int>(cols),
+                   static_cast<const uint16_t*>(x), tiles, y, ldy);
+}
+
+template <GemmInput T>
+void launch_q6k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+  switch (shape) {
+    case ExpertTiles::Wide:
+      return launch_q6k_shape<T, 128, 128, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Large:
+      return launch_q6k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Small:
+      return launch_q6k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    case ExpertTiles::Tall:
+      return launch_q6k_shape<T, 128, 32, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  }
+}
+
 template <GemmInput T>
 void launch_q4k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
                 const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
@@ -385,6 +577,8 @@ void launch_q4k(ExpertTiles shape, const void* const* weight_of, int64_t rows, i
 }  // namespace
 
 int expert_tile_rows(ExpertTiles shape) { return shape == ExpertTiles::Small ? 64 : 128; }
+// Small and Tall (the launches' BN = 32) have the fewest tokens, which sizes the tile tables.
+static_assert(kExpertMinTileTokens == 32, "gemm_prefill_limits.h: the smallest token tile is 32");
 int expert_tile_tokens(ExpertTiles shape) {
   return shape == ExpertTiles::Wide ? 128 : shape == ExpertTiles::Large ? 64 : 32;  // Small, Tall: 32
 }
@@ -436,7 +630,7 @@ void expert_gemm(GemmInput type, ExpertTiles shape, const void* weights, int64_t
 
 namespace moraine::cuda {
 
-bool expert_gemm_fused_supported(TensorType weight) { return weight == TensorType::Q4_K; }
+bool expert_gemm_fused_supported(TensorType weight) { return weight == TensorType::Q4_K || weight == TensorType::Q6_K; }
 
 void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, const void* const* weight_of, int64_t rows,
                        int64_t cols, const void* x, const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy,
@@ -445,7 +639,7 @@ void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, con
                                  ", cols " + std::to_string(cols) + ", ldy " + std::to_string(ldy) + ", " +
                                  std::to_string(n_tiles) + " tiles)";
   if (!expert_gemm_fused_supported(weight))
-    throw std::invalid_argument("expert_gemm_fused: only q4_k weights are decoded in the kernel" + shape_text);
+    throw std::invalid_argument("expert_gemm_fused: only q4_k and q6_k weights are decoded in the kernel" + shape_text);
   if (rows < 1 || cols < 256 || cols % 256 != 0 || cols > (int64_t{1} << 30) || ldy < rows ||
       (rows + expert_tile_rows(shape) - 1) / expert_tile_rows(shape) > 65535 || n_tiles < 0)
     throw std::invalid_argument("expert_gemm_fused: need rows >= 1 in at most 65535 row tiles, cols a positive "
@@ -454,10 +648,14 @@ void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, con
   if (weight_of == nullptr || x == nullptr || y == nullptr || tiles == nullptr ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     throw std::invalid_argument("expert_gemm_fused: null pointer, or x not 16-byte aligned" + shape_text);
-  if (type == GemmInput::BF16)
-    launch_q4k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-  else
-    launch_q4k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  const bool bf16 = type == GemmInput::BF16;
+  if (weight == TensorType::Q6_K) {
+    if (bf16) launch_q6k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    else launch_q6k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    return;
+  }
+  if (bf16) launch_q4k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  else launch_q4k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
 }
 
 }  // namespace moraine::cuda

@@ -20,6 +20,7 @@
 
 #include "common/formats/tensor_type.h"
 #include "kernels/cuda/dequantize_weights.h"
+#include "kernels/cuda/gemm_prefill_limits.h"
 
 namespace moraine::cuda {
 
@@ -31,6 +32,7 @@ struct ExpertGemmTile {
   int32_t count = 0;
   int32_t unused = 0;  // pads the entry to 16 bytes (one vector load)
 };
+static_assert(sizeof(ExpertGemmTile) == kExpertGemmTileBytes, "gemm_prefill_limits.h sizes the tile tables");
 
 // Tile shapes (weight rows x tokens, warps): Wide 128 x 128 (2 x 2 warps of 64 x 64: 32 mma per
 // 8 ldmatrix, for long groups), Large 128 x 64 (4 x 2 warps of 32 x 32), Tall 128 x 32 (4 x 2
@@ -59,7 +61,7 @@ void expert_gemm(GemmInput type, ExpertTiles shape, const void* weights, int64_t
 // per-slot matrix pointers (rows x cols in the GGUF layout, each 16-byte aligned, which the
 // caller must check). Bit-identical to dequantize_weights + expert_gemm with the same tiles.
 // Why: expanding 128 x 3 expert matrices writes and re-reads ~1.2 GB of 16-bit weights per
-// layer. Q4_K only (cols a multiple of 256).
+// layer. Q4_K and Q6_K (cols a multiple of 256).
 bool expert_gemm_fused_supported(TensorType weight);
 void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, const void* const* weight_of, int64_t rows,
                        int64_t cols, const void* x, const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy,

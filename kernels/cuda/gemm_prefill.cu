@@ -23,8 +23,6 @@
 namespace moraine::cuda {
 namespace {
 
-// What NVIDIA recommends for Hopper (cuBLAS docs, cublasSetWorkspace): 32 MiB.
-constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 // Slabs of a large dense matrix start on multiples of 64 rows, so each slab's Y columns stay
 // 256-byte aligned for any ldy that is (cuBLAS picks its fastest kernels for aligned C).
 constexpr int64_t kSlabRowAlign = 64;
@@ -62,14 +60,14 @@ PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, G
                                 "max_experts >= 1 and weight_workspace_elems >= 64 * max_cols (got max_tokens " +
                                 std::to_string(limits.max_tokens) + ", max_cols " + std::to_string(limits.max_cols) +
                                 ", workspace " + std::to_string(limits.weight_workspace_elems) + ")");
-  weights_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.weight_workspace_elems));
-  inputs_ = DeviceBuffer<uint16_t>(static_cast<size_t>(limits.max_tokens * limits.max_cols));
-  cublas_space_ = DeviceBuffer<uint8_t>(kCublasWorkspaceBytes);
-  // Each selected group adds at most count / 32 + 1 token tiles (the smaller tile has 32 tokens).
-  tile_capacity_ = limits.max_experts + limits.max_tokens / expert_tile_tokens(ExpertTiles::Small) + 1;
-  part_bytes_ = sizeof(ExpertGemmTile) * static_cast<size_t>(tile_capacity_) +
-                sizeof(const void*) * static_cast<size_t>(limits.max_experts);
-  table_ = DeviceBuffer<uint8_t>(kTableRing * part_bytes_);
+  // The sizes the CUDA backend's scratch list reads too (gemm_prefill_limits.h).
+  const PrefillGemmBuffers sizes = prefill_gemm_buffers(limits);
+  weights_ = DeviceBuffer<uint16_t>(static_cast<size_t>(sizes.weight_bytes / sizeof(uint16_t)));
+  inputs_ = DeviceBuffer<uint16_t>(static_cast<size_t>(sizes.input_bytes / sizeof(uint16_t)));
+  cublas_space_ = DeviceBuffer<uint8_t>(static_cast<size_t>(sizes.cublas_bytes));
+  tile_capacity_ = sizes.tile_capacity;
+  part_bytes_ = static_cast<size_t>(sizes.table_part_bytes);
+  table_ = DeviceBuffer<uint8_t>(static_cast<size_t>(sizes.table_bytes()));
   tile_list_.reserve(static_cast<size_t>(tile_capacity_));
   chunk_tiles_.reserve(static_cast<size_t>(limits.max_experts) + 1);
   selected_.reserve(static_cast<size_t>(limits.max_experts));
@@ -79,7 +77,7 @@ PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, G
   CUBLAS_CHECK(cublasCreate(&handle_));
   // The stream first: cublasSetStream resets the handle's workspace to cuBLAS's own pool.
   CUBLAS_CHECK(cublasSetStream(handle_, stream_));
-  CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_space_.get(), kCublasWorkspaceBytes));
+  CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_space_.get(), cublas_space_.size()));
   CUBLAS_CHECK(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
 }
 
@@ -109,6 +107,7 @@ void PrefillGemm::matmul(TensorType weight, const void* w, int64_t rows, int64_t
                                 std::to_string(limits_.max_tokens) + describe(weight, rows, cols));
   if (w == nullptr || x == nullptr || y == nullptr)
     throw std::invalid_argument("PrefillGemm::matmul: null weight, input or output pointer" + describe(weight, rows, cols));
+  rounded_x_ = nullptr;  // inputs_ now holds this call's X, which matmul_experts must not reuse
   convert_gemm_input(x, n * cols, input_, inputs_.get(), stream_);
   const int64_t fit = limits_.weight_workspace_elems / cols;
   const int64_t slab = std::min(rows, fit / kSlabRowAlign * kSlabRowAlign);
@@ -140,7 +139,7 @@ void PrefillGemm::matmul_f32(const float* w, int64_t rows, int64_t cols, const f
 }
 
 int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
-                                    const float* x, float* y, int64_t min_rows, int64_t ldy) {
+                                    const float* x, float* y, int64_t min_rows, int64_t ldy, bool reuse_input) {
   if (ldy == 0) ldy = rows;
   check_weight_shape("PrefillGemm::matmul_experts", weight, rows, cols, ldy, limits_);
   if (experts.size() > static_cast<size_t>(limits_.max_experts))
@@ -167,13 +166,25 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
     end_row = std::max(end_row, e.first_row + e.count);
     computed += e.count;
   }
+  if (reuse_input && (x != rounded_x_ || cols != rounded_cols_ || end_row > rounded_rows_))
+    throw std::invalid_argument("PrefillGemm::matmul_experts: reuse_input, but the previous call " +
+                                (rounded_x_ == nullptr ? std::string("left no rounded X (not matmul_experts, or none)")
+                                                       : "rounded rows 0.." + std::to_string(rounded_rows_) + " of " +
+                                                             std::to_string(rounded_cols_) + " columns at another x") +
+                                " where this call needs rows 0.." + std::to_string(end_row) + " of " +
+                                std::to_string(cols) + describe(weight, rows, cols));
   if (selected_.empty()) return 0;
   if (computed > limits_.max_tokens)  // the tile table is sized for max_tokens rows in all
     throw std::invalid_argument("PrefillGemm::matmul_experts: the selected groups' rows sum to " +
                                 std::to_string(computed) + ", more than max_tokens " +
                                 std::to_string(limits_.max_tokens) + " (do the groups overlap?)" +
                                 describe(weight, rows, cols));
-  convert_gemm_input(x, end_row * cols, input_, inputs_.get(), stream_);
+  if (!reuse_input) {
+    convert_gemm_input(x, end_row * cols, input_, inputs_.get(), stream_);
+    rounded_x_ = x;
+    rounded_rows_ = end_row;
+    rounded_cols_ = cols;
+  }
   const int per_chunk = static_cast<int>(std::min<int64_t>(limits_.weight_workspace_elems / elems, limits_.max_experts));
   const int total = static_cast<int>(selected_.size());
   const auto group = [&](int s) -> const ExpertRows& { return experts[static_cast<size_t>(selected_[static_cast<size_t>(s)])]; };

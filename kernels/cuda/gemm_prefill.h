@@ -16,7 +16,7 @@
 // sum_k |x_k w_k| per output, gamma for the float sum (tests/cuda/gemm_prefill_test.cpp).
 //
 // One object per stream: it owns a cuBLAS handle bound to that stream and every buffer it needs
-// (sized by PrefillGemmLimits at construction); calls allocate nothing, enqueue work on the
+// (sized by PrefillGemmLimits at construction: prefill_gemm_buffers, gemm_prefill_limits.h); calls allocate nothing, enqueue work on the
 // stream and return without waiting, except that matmul_experts' grouped paths wait (on the host)
 // for the upload of their tile table from kTableRing calls before, which is long done in a
 // pipeline but makes those calls unfit for stream capture. Not thread-safe; calls on one object
@@ -35,22 +35,13 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/dequantize_weights.h"
 #include "kernels/cuda/expert_gemm.h"
+#include "kernels/cuda/gemm_prefill_limits.h"
 
 struct cublasContext;  // cublasHandle_t, without making every includer see cublas_v2.h
 
 namespace moraine::cuda {
 
 bool prefill_gemm_supported(TensorType weight);  // = dequantize_weights_supported
-
-struct PrefillGemmLimits {
-  int64_t max_tokens = 8192;  // rows of X (n) per call, and the highest expert row end
-  int64_t max_cols = 4096;    // columns (K) of any weight matrix
-  // Dequantized weight elements held at once: a dense matrix larger than this runs in slabs of
-  // rows (the 151936 x 2048 output head in 16 slabs at the default, 2 bytes each: 40 MiB), and
-  // experts run in chunks of as many whole matrices as fit (13 of 768 x 2048).
-  int64_t weight_workspace_elems = int64_t{20} << 20;
-  int max_experts = 256;      // expert groups per matmul_experts call
-};
 
 // Rows [first_row, first_row + count) of X and Y belong to the expert whose weight matrix
 // (rows x cols, GGUF layout) starts at `weight` (a device pointer).
@@ -92,13 +83,20 @@ class PrefillGemm {
   // Measured before the grouped kernel (H200, q4_k, 128 experts, moraine-kernel-bench cuda
   // --gemm-only): one cublasGemmEx per expert cost about 12 us per expert whatever its rows up
   // to 512, the matvec about 0.46 us per row for 768 x 2048 and 0.75 us for 2048 x 768.
+  //
+  // reuse_input: X is the previous matmul_experts call's x, unchanged (same pointer and cols,
+  // its contents the caller's promise), so the 16-bit copy that call made is used again instead
+  // of rounding X anew: the gate and up products of a MoE layer share their X, which was rounded
+  // twice per layer (8 x 512 rows x 2048 cols: ~15 us of ~400 at pp512 on Qwen3-30B-A3B, session
+  // 10's estimate). Same bits as rounding again. Throws std::invalid_argument when the previous
+  // call was not matmul_experts on this x and cols, or covered fewer rows, or rounded nothing.
   int64_t matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
-                         const float* x, float* y, int64_t min_rows = 1, int64_t ldy = 0);
+                         const float* x, float* y, int64_t min_rows = 1, int64_t ldy = 0, bool reuse_input = false);
 
   // How matmul_experts multiplies. Expanded: per chunk, dequantize_weights into the workspace
   // and one expert_gemm launch. Fused: one expert_gemm_fused launch for the whole layer, weights
-  // decoded in the kernel (q4_k with 16-byte aligned matrices; other calls take the Expanded
-  // path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert (the
+  // decoded in the kernel (q4_k or q6_k with 16-byte aligned matrices; other calls take the
+  // Expanded path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert (the
   // previous path; cublasGemmGroupedBatchedEx is no option: cuBLAS 13.1 refuses it for BF16 in /
   // F32 out with NOT_SUPPORTED on the H200). Auto (default): Fused where it applies; else
   // Expanded up to kExpandedMaxMeanRows rows per group on average, CublasLoop above (cuBLAS's
@@ -137,11 +135,15 @@ class PrefillGemm {
   cublasContext* handle_ = nullptr;
   DeviceBuffer<uint16_t> weights_;       // dequantized weights (16-bit elements)
   DeviceBuffer<uint16_t> inputs_;        // X rounded to the input type
+  // What inputs_ holds (reuse_input): rows [0, rounded_rows_) of rounded_x_ with rounded_cols_
+  // columns; rounded_x_ is null when it holds nothing reusable (after matmul).
+  const float* rounded_x_ = nullptr;
+  int64_t rounded_rows_ = 0, rounded_cols_ = 0;
   DeviceBuffer<uint8_t> cublas_space_;   // cuBLAS workspace, set once on the handle
   // The grouped kernel's tile tables, a ring of kTableRing parts used by successive calls: a call
   // fills its part of the pinned mirror once that part's previous upload (kTableRing calls ago)
   // has run, so the host may run that many calls ahead of the GPU before it waits.
-  static constexpr int kTableRing = 4;
+  static constexpr int kTableRing = kPrefillGemmTableRing;
   int64_t tile_capacity_ = 0;            // tile entries per part; then max_experts weight pointers
   size_t part_bytes_ = 0;
   DeviceBuffer<uint8_t> table_;          // kTableRing parts

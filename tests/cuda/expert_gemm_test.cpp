@@ -177,15 +177,14 @@ TEST(ExpertGemm, ZipfSkewedGroupsMatchReference) {
   check_grouped_gemm(GemmInput::F16, ExpertTiles::Small, 768, 96 * 8, 770, {{0, 40}, {40, 7}}, 47, 2003);
 }
 
-// Q4_K weights decoded inside the kernel (expert_gemm_fused) against the expanded path
-// (dequantize_weights + expert_gemm with the same tiles) on the Q4_K matrices `mats` (one per
+// Q4_K / Q6_K weights decoded inside the kernel (expert_gemm_fused) against the expanded path
+// (dequantize_weights + expert_gemm with the same tiles) on the kType matrices `mats` (one per
 // group, rows x cols, separate allocations: the pointer table): bit for bit, NaN poison left
 // alone outside the tiles, and (check_bound) within the bound of the scalar reference on the
 // expanded 16-bit values. Both input types, every tile shape.
-void check_fused_equals_expanded(const char* what, const std::vector<std::vector<uint8_t>>& mats, int64_t rows,
-                                 int64_t cols, int64_t ldy, const std::vector<Group>& groups, int64_t x_rows,
-                                 bool check_bound, std::mt19937& rng) {
-  constexpr TensorType kType = TensorType::Q4_K;
+void check_fused_equals_expanded(TensorType weight_type, const char* what, const std::vector<std::vector<uint8_t>>& mats,
+                                 int64_t rows, int64_t cols, int64_t ldy, const std::vector<Group>& groups,
+                                 int64_t x_rows, bool check_bound, std::mt19937& rng) {
   const int n_groups = static_cast<int>(groups.size());
   ASSERT_EQ(mats.size(), groups.size());
   std::vector<cuda::DeviceBuffer<uint8_t>> dw;
@@ -198,7 +197,7 @@ void check_fused_equals_expanded(const char* what, const std::vector<std::vector
   const int64_t elems = rows * cols;
   for (GemmInput type : {GemmInput::BF16, GemmInput::F16}) {
     cuda::DeviceBuffer<uint16_t> expanded(static_cast<size_t>(elems * n_groups));
-    cuda::dequantize_weights(kType, ptrs.data(), n_groups, elems, type, expanded.get());
+    cuda::dequantize_weights(weight_type, ptrs.data(), n_groups, elems, type, expanded.get());
     std::vector<uint16_t> wbits(expanded.size());
     expanded.download(wbits.data(), wbits.size());
     const Operand x = random_operand(type, static_cast<size_t>(x_rows * cols), rng);
@@ -216,7 +215,7 @@ void check_fused_equals_expanded(const char* what, const std::vector<std::vector
       y_fused.fill_bytes(0xff);
       cuda::expert_gemm(type, shape, expanded.get(), elems, rows, cols, dx.get(), dt.get(),
                         static_cast<int>(tiles.size()), y_expanded.get(), ldy);
-      cuda::expert_gemm_fused(kType, type, shape, dptrs.get(), rows, cols, dx.get(), dt.get(),
+      cuda::expert_gemm_fused(weight_type, type, shape, dptrs.get(), rows, cols, dx.get(), dt.get(),
                               static_cast<int>(tiles.size()), y_fused.get(), ldy);
       CUDA_CHECK(cudaDeviceSynchronize());
       std::vector<float> a(y_expanded.size()), b(y_fused.size());
@@ -254,8 +253,8 @@ void check_fused_equals_expanded(const char* what, const std::vector<std::vector
           ++equal;
         }
       }
-      std::printf("%s fused q4_k %s: %lld outputs equal to the expanded path, %lld within bound\n", what,
-                  name.c_str(), static_cast<long long>(equal), static_cast<long long>(written));
+      std::printf("%s fused %s %s: %lld outputs equal to the expanded path, %lld within bound\n", what,
+                  std::string(type_name(weight_type)).c_str(), name.c_str(), static_cast<long long>(equal), static_cast<long long>(written));
     }
   }
 }
@@ -277,7 +276,7 @@ TEST(ExpertGemm, FusedQ4KEqualsExpandedPathBitForBit) {
     for (int64_t r = 0; r < kRows; ++r) quantize_row(kType, src.data() + r * kCols, bytes.data() + r * rb, kCols);
     mats.push_back(std::move(bytes));
   }
-  check_fused_equals_expanded("quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
+  check_fused_equals_expanded(kType, "quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
 }
 
 // Q4_K blocks of random BYTES: every 6-bit scale and min, and fp16 d / dmin of random sign over
@@ -311,7 +310,58 @@ TEST(ExpertGemm, FusedQ4KEqualsExpandedPathOnRandomBlocks) {
     }
     mats.push_back(std::move(bytes));
   }
-  check_fused_equals_expanded("random blocks", mats, kRows, kCols, kLdy, groups, x_rows, false, rng);
+  check_fused_equals_expanded(TensorType::Q4_K, "random blocks", mats, kRows, kCols, kLdy, groups, x_rows, false, rng);
+}
+
+// Q6_K, quantized from random values: 768 columns make 630-byte rows, so rows and super-blocks
+// sit at every even offset mod 16 (the kernel fetches aligned windows around them); 200 rows
+// leave a partial row tile.
+TEST(ExpertGemm, FusedQ6KEqualsExpandedPathBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr TensorType kType = TensorType::Q6_K;
+  constexpr int64_t kRows = 200, kCols = 768, kLdy = 203;
+  const std::vector<int64_t> counts = {5, 0, 1, 17, 130, 64, 33};
+  int64_t x_rows = 0;
+  const std::vector<Group> groups = lay_out(counts, 2, &x_rows);
+  std::mt19937 rng(3003);
+  const size_t rb = row_bytes(kType, kCols);
+  ASSERT_NE(rb % 16, 0u);
+  std::vector<std::vector<uint8_t>> mats;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(kRows * kCols));
+    std::vector<uint8_t> bytes(rb * kRows);
+    for (int64_t r = 0; r < kRows; ++r) quantize_row(kType, src.data() + r * kCols, bytes.data() + r * rb, kCols);
+    mats.push_back(std::move(bytes));
+  }
+  check_fused_equals_expanded(kType, "quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
+}
+
+// Q6_K blocks of random BYTES: every quant, every int8 scale (-128..127), fp16 d of random sign
+// over exponents 0..17 (|d * sc * (q - 32)| < 8 * 128 * 32, finite in F16), 1280 columns (rows
+// of 1050 bytes, odd super-block counts per row): the fused decode (float(q - 32) without a
+// conversion, words by funnel shifts from an aligned window) held to the expanded path's bits.
+TEST(ExpertGemm, FusedQ6KEqualsExpandedPathOnRandomBlocks) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr int64_t kRows = 136, kCols = 1280, kLdy = 136;
+  const std::vector<int64_t> counts = {3, 40, 1, 70};
+  int64_t x_rows = 0;
+  const std::vector<Group> groups = lay_out(counts, 1, &x_rows);
+  std::mt19937 rng(3004);
+  std::uniform_int_distribution<int> byte(0, 255), exponent(0, 17), mantissa(0, 1023), sign(0, 1);
+  const size_t rb = row_bytes(TensorType::Q6_K, kCols);
+  ASSERT_EQ(rb % 210, 0u);
+  std::vector<std::vector<uint8_t>> mats;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<uint8_t> bytes(rb * kRows);
+    for (size_t blk = 0; blk < bytes.size(); blk += 210) {
+      for (size_t i = 0; i < 208; ++i) bytes[blk + i] = static_cast<uint8_t>(byte(rng));
+      const auto d = static_cast<uint16_t>((sign(rng) << 15) | (exponent(rng) << 10) | mantissa(rng));
+      bytes[blk + 208] = static_cast<uint8_t>(d & 0xff);
+      bytes[blk + 209] = static_cast<uint8_t>(d >> 8);
+    }
+    mats.push_back(std::move(bytes));
+  }
+  check_fused_equals_expanded(TensorType::Q6_K, "random blocks", mats, kRows, kCols, kLdy, groups, x_rows, false, rng);
 }
 
 // Argument checks come before any CUDA call, so these run without a device too.
@@ -331,8 +381,10 @@ TEST(ExpertGemmArguments, RejectsBadShapesPointersAndTiles) {
   EXPECT_THROW(call(64, 64, 64 * 64, nullptr, 64), std::invalid_argument);
   std::vector<ExpertGemmTile> tiles;
   const auto* ptrs = reinterpret_cast<const void* const*>(uintptr_t{4096});
-  EXPECT_THROW(cuda::expert_gemm_fused(TensorType::Q6_K, GemmInput::BF16, ExpertTiles::Large, ptrs, 64, 256, p, t, 1, y, 64),
-               std::invalid_argument);  // only q4_k decodes in the kernel
+  EXPECT_THROW(cuda::expert_gemm_fused(TensorType::Q5_K, GemmInput::BF16, ExpertTiles::Large, ptrs, 64, 256, p, t, 1, y, 64),
+               std::invalid_argument);  // only q4_k and q6_k decode in the kernel
+  EXPECT_THROW(cuda::expert_gemm_fused(TensorType::Q6_K, GemmInput::BF16, ExpertTiles::Large, ptrs, 64, 320, p, t, 1, y, 64),
+               std::invalid_argument);  // cols not whole super-blocks
   EXPECT_THROW(cuda::expert_gemm_fused(TensorType::Q4_K, GemmInput::BF16, ExpertTiles::Large, ptrs, 64, 320, p, t, 1, y, 64),
                std::invalid_argument);  // cols not whole super-blocks
   EXPECT_THROW(cuda::expert_gemm_tiles(ExpertTiles::Small, 0, -1, 5, tiles), std::invalid_argument);

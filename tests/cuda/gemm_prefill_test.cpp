@@ -266,9 +266,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, GemmPrefill, ::testing::ValuesIn(kAllFormats),
 // through the grouped kernel (tile shape chosen or forced), expanded and fused, the per-expert
 // cuBLAS loop, for both 16-bit input types. Groups below the threshold and the ldy gap keep
 // their NaN poison; the others match the reference.
-TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
-  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  constexpr TensorType t = TensorType::Q4_K;
+void check_groups_at_or_above_threshold(TensorType t) {
   constexpr int64_t kRows = 96, kCols = 256, kLdy = 101;
   const int64_t counts[] = {0, 3, 17, 1, 40, 9, 64, 130, 512, 33};
   constexpr int kExperts = 10;
@@ -363,6 +361,17 @@ TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
   }
 }
 
+TEST(GemmPrefillExperts, GroupsAtOrAboveThresholdMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_groups_at_or_above_threshold(TensorType::Q4_K);
+}
+
+// Q6_K (fused since session 11): 256 columns make 210-byte rows, at every even offset mod 16.
+TEST(GemmPrefillExperts, Q6KGroupsAtOrAboveThresholdMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_groups_at_or_above_threshold(TensorType::Q6_K);
+}
+
 // The groups' rows must fit the tile table sized for max_tokens: overlapping groups that sum to
 // more are refused with a clear error rather than overrunning it.
 TEST(GemmPrefillExperts, RefusesGroupsSummingPastMaxTokens) {
@@ -381,6 +390,69 @@ TEST(GemmPrefillExperts, RefusesGroupsSummingPastMaxTokens) {
   cuda::PrefillGemm gemm(nullptr, lim);
   const std::vector<cuda::ExpertRows> groups(8, cuda::ExpertRows{dw.get(), 0, kTokens});  // all the same rows
   EXPECT_THROW(gemm.matmul_experts(t, groups, kRows, kCols, dx.get(), dy.get()), std::invalid_argument);
+}
+
+// reuse_input (the gate/up pair of a MoE layer): the second call on the same X with the first
+// call's 16-bit X gives the bits of a call that rounds X itself, on every path; a reuse the
+// object cannot honour (another x, wider rows, other cols, after matmul) is refused.
+TEST(GemmPrefillExperts, ReusedInputGivesTheBitsOfRoundingAgain) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  constexpr TensorType t = TensorType::Q4_K;
+  constexpr int64_t kRows = 128, kCols = 512;
+  const int64_t counts[] = {5, 0, 37, 64, 2, 90};
+  std::mt19937 rng(421);
+  std::vector<cuda::DeviceBuffer<uint8_t>> gate_w, up_w;
+  std::vector<cuda::ExpertRows> gate, up;
+  int64_t total = 0;
+  for (int64_t c : counts) {
+    for (auto* ws : {&gate_w, &up_w}) {
+      const Matrix m = random_matrix(t, kRows, kCols, rng);
+      ws->emplace_back(m.bytes.size());
+      ws->back().upload(m.bytes.data(), m.bytes.size());
+    }
+    gate.push_back({gate_w.back().get(), total, c});
+    up.push_back({up_w.back().get(), total, c});
+    total += c;
+  }
+  const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(total * kCols));
+  cuda::DeviceBuffer<float> dx(x.size()), dother(x.size()), dy(static_cast<size_t>(total * kRows));
+  dx.upload(x.data(), x.size());
+  dother.upload(x.data(), x.size());
+  cuda::PrefillGemmLimits lim;
+  lim.max_tokens = total;
+  lim.max_cols = kCols;
+  lim.max_experts = 8;
+  lim.weight_workspace_elems = 3 * kRows * kCols;
+  using Path = cuda::PrefillGemm::ExpertPath;
+  for (Path path : {Path::Auto, Path::Expanded, Path::CublasLoop}) {
+    cuda::PrefillGemm gemm(nullptr, lim);
+    gemm.set_expert_path(path);
+    const auto run = [&](const std::vector<cuda::ExpertRows>& g, bool reuse) {
+      dy.fill_bytes(0xff);
+      gemm.matmul_experts(t, g, kRows, kCols, dx.get(), dy.get(), 1, 0, reuse);
+      std::vector<float> y(static_cast<size_t>(total * kRows));
+      dy.download(y.data(), y.size());
+      return y;
+    };
+    const std::vector<float> up_fresh = run(up, false);
+    run(gate, false);
+    const std::vector<float> up_reused = run(up, true);
+    for (size_t i = 0; i < up_fresh.size(); ++i)
+      ASSERT_EQ(std::memcmp(&up_fresh[i], &up_reused[i], sizeof(float)), 0)
+          << "path " << static_cast<int>(path) << ": up with gate's rounded X differs at flat index " << i << ": "
+          << up_reused[i] << " vs " << up_fresh[i];
+    // A later call over fewer rows may reuse too (rows 0..end of the first call cover it).
+    const std::vector<cuda::ExpertRows> first_two(up.begin(), up.begin() + 2);
+    EXPECT_NO_THROW(gemm.matmul_experts(t, first_two, kRows, kCols, dx.get(), dy.get(), 1, 0, true));
+    EXPECT_THROW(gemm.matmul_experts(t, up, kRows, kCols, dother.get(), dy.get(), 1, 0, true), std::invalid_argument);
+    gemm.matmul_experts(t, first_two, kRows, kCols, dx.get(), dy.get());  // rounds only rows 0..5
+    EXPECT_THROW(gemm.matmul_experts(t, up, kRows, kCols, dx.get(), dy.get(), 1, 0, true), std::invalid_argument);
+    gemm.matmul_experts(t, up, kRows, kCols, dx.get(), dy.get());
+    EXPECT_THROW(gemm.matmul_experts(t, up, kRows, kCols - 256, dx.get(), dy.get(), 1, 0, true),
+                 std::invalid_argument);
+    gemm.matmul(t, gate_w[0].get(), kRows, kCols, dx.get(), total, dy.get());
+    EXPECT_THROW(gemm.matmul_experts(t, up, kRows, kCols, dx.get(), dy.get(), 1, 0, true), std::invalid_argument);
+  }
 }
 
 // accumulate: Y += X W^T onto values already there; ldy wider than rows leaves the gap alone.

@@ -169,6 +169,36 @@ TEST(CudaStepScratch, ExpertPathRowsAtEveryStepLength) {
   }
 }
 
+// The PrefillGemm's buffers (gemm_prefill_limits.h, which gemm_prefill.cu's constructor
+// allocates from), written out from gemm_prefill.h's description: a 20 Mi-element 16-bit weight
+// workspace, X rounded to 16 bits for every expert slot at the widest matrix's columns, cuBLAS's
+// 32 MiB, and a ring of 4 tile tables of 16-byte entries (one per expert plus one per 32 rows)
+// followed by one weight pointer per expert. Only steps from gemm_prefill_rows have them.
+TEST(CudaStepScratch, PrefillGemmBuffersFollowTheirLayout) {
+  for (const char* name : kShapes) {
+    const auto sm = shape_model(name, {TensorType::Q4_K});
+    const model::HParams& hp = sm->hp;
+    const uint64_t widest = static_cast<uint64_t>(
+        std::max({hp.n_embd, hp.n_head * hp.head_dim, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()}));
+    for (int64_t T : {64, 100, 512, 2048}) {
+      SCOPED_TRACE(std::string(name) + " T=" + std::to_string(T));
+      CudaStepScratchOptions o;
+      o.max_tokens = T;
+      o.max_context = 4096;
+      o.gemm_prefill_rows = 64;
+      const CudaStepScratch s = cuda_step_scratch(hp, o);
+      const uint64_t S = static_cast<uint64_t>(T * hp.n_expert_used), E = static_cast<uint64_t>(hp.n_expert);
+      EXPECT_EQ(s.bytes("gemm_weights"), uint64_t{40} << 20);
+      EXPECT_EQ(s.bytes("gemm_inputs"), S * widest * 2);
+      EXPECT_EQ(s.bytes("gemm_cublas_workspace"), uint64_t{32} << 20);
+      EXPECT_EQ(s.bytes("gemm_tile_tables"), 4 * (16 * (E + S / 32 + 1) + sizeof(void*) * E));
+      const cuda::PrefillGemmLimits lim = gpu_worker::cuda_scratch_prefill_gemm_limits(hp, o);
+      EXPECT_EQ(lim.max_tokens, static_cast<int64_t>(S));
+      EXPECT_EQ(lim.max_experts, hp.n_expert);
+    }
+  }
+}
+
 // Gap 2: the split-KV records are the largest of the three kernels' needs for up to 16 rows,
 // at contexts on both sides of each split rule's steps (random ones too, fixed seed).
 TEST(CudaStepScratch, SplitKvRecordsAreTheKernelsLargest) {

@@ -190,6 +190,9 @@ struct LayerPoint {
   double loop_us = 0, kernel_us = 0, large_us = 0, small_us = 0, whole_us = 0, gemm_only_us = 0;
   double fused_us = 0, fused_large_us = 0, fused_small_us = 0, wide_us = 0, fused_wide_us = 0, auto_us = 0;
   double tall_us = 0, fused_tall_us = 0;
+  // gate + up as the backend runs them (two auto calls on the same X): X rounded by each call,
+  // or by the first only (reuse_input); NaN for the down shapes.
+  double pair_us = std::nan(""), pair_reuse_us = std::nan("");
   std::string chosen = {};  // tile shape the kernel path chose
   double flop = 0;
 };
@@ -216,7 +219,7 @@ ExpertBench bench_experts(double min_ms) {
     TensorType type;
   };
   // q4_k gate/up and down; and q6_k down, which Q4_K_M models use for some layers' ffn_down
-  // (no fused kernel: expanded or the cuBLAS loop).
+  // (fused since session 11; before, expanded or the cuBLAS loop).
   const ExpertShape shapes[] = {{"128x(768x2048)", 768, 2048, TensorType::Q4_K},
                                 {"128x(2048x768)", 2048, 768, TensorType::Q4_K},
                                 {"q6k:128x(2048x768)", 2048, 768, TensorType::Q6_K}};
@@ -295,6 +298,17 @@ ExpertBench bench_experts(double min_ms) {
         p.fused_wide_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Wide, groups);
         p.fused_tall_us = time_call(gemm, Path::Fused, cuda::ExpertTiles::Tall, groups);
         p.auto_us = time_call(gemm, Path::Auto, std::nullopt, groups);
+        if (s.rows < s.cols) {  // a gate/up shape: the pair on one X (the same weights twice)
+          gemm.set_expert_path(Path::Auto);
+          gemm.force_expert_tiles(std::nullopt);
+          for (bool reuse : {false, true})
+            (reuse ? p.pair_reuse_us : p.pair_us) = 1e3 * ms_per_call(
+                [&](int) {
+                  gemm.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get());
+                  gemm.matmul_experts(kType, groups, s.rows, s.cols, dx.get(), y.get(), 1, 0, reuse);
+                },
+                min_ms);
+        }
         std::vector<cuda::ExpertGemmTile> tiles;
         const cuda::ExpertTiles shape = whole.last_expert_tiles();
         for (int e = 0; e < kExperts; ++e)
@@ -424,6 +438,7 @@ void run_gemm_prefill_bench(double min_ms, const GemmBenchSelection& sel, nlohma
                                          {"wide_us", p.wide_us}, {"fused_wide_us", p.fused_wide_us},
                                          {"auto_us", p.auto_us}, {"tall_us", p.tall_us},
                                          {"fused_tall_us", p.fused_tall_us},
+                                         {"pair_us", p.pair_us}, {"pair_reuse_us", p.pair_reuse_us},
                                          {"flop", p.flop}});
     for (const ExpertPoint& p : experts.per_expert)
       j["experts_q4_k"].push_back({{"shape", p.shape}, {"rows_per_expert", p.rows_per_expert},
@@ -449,7 +464,7 @@ void run_gemm_prefill_bench(double min_ms, const GemmBenchSelection& sel, nlohma
   std::printf("\nexpert layer, q4_k (q6k: q6_k), 128 experts, n tokens top-8 (8n rows; uniform or zipf 1/rank, capped at n): "
               "matmul_experts us per matrix set\n(loop: expand + one cublasGemmEx per expert [the old path]; kernel: "
               "expand + one expert_gemm per workspace chunk, tiles chosen, then forced large / small / wide / tall; "
-              "whole: workspace of the whole layer; gemm: expert_gemm alone on expanded weights; fused: q4_k decoded in "
+              "whole: workspace of the whole layer; gemm: expert_gemm alone on expanded weights; fused: q4_k / q6_k decoded in "
               "the kernel, tiles chosen, then forced L / S / W / T)\n");
   std::printf("%-18s %-7s %5s %8s %7s %7s %5s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %5s\n",
               "shape", "split", "n", "counts", "loop", "kernel", "tiles", "large", "small", "wide", "tall", "whole",
@@ -476,6 +491,12 @@ void run_gemm_prefill_bench(double min_ms, const GemmBenchSelection& sel, nlohma
                 static_cast<long long>(gu.n), 2 * gu.loop_us + dn->loop_us, 2 * gu.kernel_us + dn->kernel_us,
                 2 * gu.fused_us + dn->fused_us, 2 * gu.auto_us + dn->auto_us);
   }
+  std::printf("\n");
+  std::printf("gate + up pair (two auto calls on one X), us: X rounded twice -> once (reuse_input):");
+  for (const LayerPoint& p : experts.layers)
+    if (!std::isnan(p.pair_us))
+      std::printf("  %s %s pp%lld %.1f -> %.1f;", p.shape.c_str(), p.split.c_str(), static_cast<long long>(p.n),
+                  p.pair_us, p.pair_reuse_us);
   std::printf("\n");
   std::printf("\nexpert layer, q4_k (q6k: q6_k), 128 experts x R rows each (matmul_experts kernel path vs cuBLAS loop; matvec: "
               "the decode kernel, one launch over all 128R rows)\n");
