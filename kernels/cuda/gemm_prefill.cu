@@ -215,7 +215,8 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
   }
   // The grouped kernels: every chunk's tiles in one table (slot = index in the chunk; for the
   // fused kernel one chunk of all groups, slot = index in selected_, with the weight pointers).
-  const bool fused = (path_ == ExpertPath::Fused || path_ == ExpertPath::Auto) && fusable;
+  const bool auto_fused = weight != TensorType::Q6_K || computed <= kQ6FusedMaxMeanRows * total;
+  const bool fused = (path_ == ExpertPath::Fused || (path_ == ExpertPath::Auto && auto_fused)) && fusable;
   last_fused_ = fused;
   const int chunk = fused ? total : per_chunk;
   const ExpertTiles shape = forced_tiles_ ? *forced_tiles_ : choose_tiles(experts);

@@ -109,6 +109,10 @@ class PrefillGemm {
   // pp512 and 1526 at pp8192; 128 x R rows, expanded vs loop (run G): R = 64 695 vs 1212.
   enum class ExpertPath : uint8_t { Auto, Expanded, Fused, CublasLoop };
   static constexpr int64_t kExpandedMaxMeanRows = 256;
+  // Auto takes fused q6_k only up to this many rows per group on average. H200, session 11 run G,
+  // q6_k down 128 x (2048 x 768) uniform, us expanded / fused: pp512 (32 rows each) 492.5 / 198.7,
+  // pp8192 (512 each) 1490 / 1633; the straight lines through those cross at ~354 rows.
+  static constexpr int64_t kQ6FusedMaxMeanRows = 352;
   void set_expert_path(ExpertPath p) { path_ = p; }
   ExpertPath expert_path() const { return path_; }
   bool last_call_fused() const { return last_fused_; }

@@ -276,7 +276,7 @@ ExpertBench bench_experts(double min_ms) {
         return std::nan("");
       }
     };
-    for (int64_t n : {int64_t{512}, int64_t{8192}})
+    for (int64_t n : {int64_t{512}, int64_t{4096}, int64_t{8192}})
       for (bool zipf : {false, true}) {
         const std::vector<int64_t> counts = expert_counts(kExperts, n, zipf);
         const std::vector<cuda::ExpertRows> groups = groups_of(counts);
