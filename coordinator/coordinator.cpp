@@ -7,6 +7,7 @@
 // A step that fails (a worker died and was not back in time) is re-issued by replaying the
 // sequence from a reset: the forward is deterministic, so the tokens are the same.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -32,6 +33,7 @@
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
 #include "coordinator/process_util.h"
+#include "coordinator/speculation.h"
 #include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -62,6 +64,9 @@ struct Options {
   // without a spin, 37-49 us spinning 20 us; spinning through the step (both sides): 510 us.
   int step_spin_us = 0;
   bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
+  // Speculation, for requests that ask (GenerateRequest::speculate, greedy only): drafts of at
+  // most this many tokens (0: never draft), looked up from suffixes of up to speculate_ngram.
+  int speculate_draft = 4, speculate_ngram = 3;
 };
 
 // --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
@@ -123,6 +128,8 @@ class Coordinator final : public generate::Coordinator::Service {
         sample_(control.add_stage("sample")), stream_write_(control.add_stage("stream_write")),
         gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)), bells_(exchange_.data(), xl_) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
+    can_rewind_ = std::none_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
+    context_positions_ = group::planned_context(model_, o.ctx);
     try {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
     } catch (const std::exception& e) {
@@ -150,6 +157,10 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["steps_reissued"] = reissued_.load();
       // Tokens the gpu_worker picked (greedy decode without the logits crossing).
       (*r.mutable_counters())["greedy_worker_tokens"] = greedy_worker_tokens_.load();
+      // Speculation (GenerateRequest::speculate): windows verified, tokens drafted and accepted.
+      (*r.mutable_counters())["verify_steps"] = verify_steps_.load();
+      (*r.mutable_counters())["drafted_tokens"] = drafted_tokens_.load();
+      (*r.mutable_counters())["accepted_draft_tokens"] = accepted_draft_tokens_.load();
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
       for (auto [name, t] : {std::pair{"vram", &plan_.vram}, std::pair{"ram", &plan_.ram}, std::pair{"file", &plan_.file}}) {
@@ -209,6 +220,10 @@ class Coordinator final : public generate::Coordinator::Service {
     group::ChunkStreamer stream(writer);   // the client reads at its own pace (chunk_streamer.h)
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
+    // Speculation (GenerateRequest::speculate): prompt-lookup drafts verified by greedy tokens,
+    // so only where the gpu_worker returns them and the cache can drop rejected positions.
+    const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0 && can_rewind_;
+    group::DraftPolicy policy;
     try {
       auto t0 = Clock::now();
       StepOutput out = feed(context.data(), static_cast<int64_t>(context.size()), true, context);
@@ -216,48 +231,86 @@ class Coordinator final : public generate::Coordinator::Service {
       prefill_.record(context.size(), 0, 0, us_since(t0));
       const auto t1 = Clock::now();
       generate::FinishReason finish = generate::FINISH_LENGTH;
-      for (uint32_t i = 0; i < max_new; ++i) {
+      // The next token from a one-row step's output: the finite check, then the sampler (or the
+      // gpu_worker's greedy token).
+      const auto sample_one = [&](const StepOutput& o) {
+        if (sp.check_logits()) {
+          if (check_on_worker_) {
+            report_nonfinite(o.nonfinite, context.size());
+          } else {
+            check_finite(o.logits, context.size());
+          }
+        }
+        if (o.token < 0) return sampler.sample(o.logits);
+        ++greedy_worker_tokens_;
+        return o.token;
+      };
+      std::vector<int32_t> decided{sample_one(out)};   // tokens the last step settled, in order
+      for (uint32_t i = 0;;) {
+        for (const int32_t id : decided) {
+          const auto tsample = Clock::now();
+          context.push_back(id);
+          generate::GenerateChunk chunk;
+          chunk.add_token_ids(static_cast<uint32_t>(id));
+          // proto3 strings must be UTF-8: a tiny test vocabulary can decode to stray bytes.
+          if (dec) chunk.set_text(tokenizer::replace_invalid_utf8(dec->push(id)));
+          timing.set_generated_tokens(++i);
+          const bool stop = !sp.ignore_eos() && tok_ && tok_->is_end_of_generation(id);
+          if (stop || i == max_new) {
+            finish = stop ? generate::FINISH_STOP : generate::FINISH_LENGTH;
+            if (dec) chunk.set_text(chunk.text() + tokenizer::replace_invalid_utf8(dec->flush()));
+            timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
+            chunk.set_finish(finish);
+            *chunk.mutable_timing() = timing;
+            stream.push(std::move(chunk));
+            return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+          }
+          const auto twrite = Clock::now();
+          sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
+          stream.push(std::move(chunk));
+          stream_write_.record(1, 0, 0, us_since(twrite));
+        }
         if (ctx->IsCancelled() || stream.broken()) {
           finish = generate::FINISH_CANCELLED;
           break;
         }
-        const auto tsample = Clock::now();
-        if (sp.check_logits()) {
-          if (check_on_worker_) {
-            report_nonfinite(out.nonfinite, context.size());
-          } else {
-            check_finite(out.logits, context.size());
-          }
-        }
-        int32_t id = out.token;
-        if (id < 0) {
-          id = sampler.sample(out.logits);
-        } else {
-          ++greedy_worker_tokens_;
-        }
-        context.push_back(id);
-        generate::GenerateChunk chunk;
-        chunk.add_token_ids(static_cast<uint32_t>(id));
-        // proto3 strings must be UTF-8: a tiny test vocabulary can decode to stray bytes.
-        if (dec) chunk.set_text(tokenizer::replace_invalid_utf8(dec->push(id)));
-        timing.set_generated_tokens(i + 1);
-        const bool stop = !sp.ignore_eos() && tok_ && tok_->is_end_of_generation(id);
-        if (stop || i + 1 == max_new) {
-          finish = stop ? generate::FINISH_STOP : generate::FINISH_LENGTH;
-          if (dec) chunk.set_text(chunk.text() + tokenizer::replace_invalid_utf8(dec->flush()));
-          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-          chunk.set_finish(finish);
-          *chunk.mutable_timing() = timing;
-          stream.push(std::move(chunk));
-          return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-        }
-        const auto twrite = Clock::now();
-        sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
-        stream.push(std::move(chunk));
-        stream_write_.record(1, 0, 0, us_since(twrite));
+        // A window emits up to draft + 1 tokens: no more than are left to generate, and no
+        // position past the cache that a one-token step would not have needed.
+        group::LookupOptions lo{o_.speculate_draft, o_.speculate_ngram, 1};
+        lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(max_new - i) - 1,
+                                                           context_positions_ - position_ - 1, o_.max_tokens - 1}));
+        std::vector<int32_t> draft;
+        if (speculate && lo.max_draft > 0) draft = group::lookup_draft(context, lo);
         const auto ts = Clock::now();
+        if (!draft.empty() && policy.should_verify()) {
+          std::vector<int32_t> window{context.back()};
+          window.insert(window.end(), draft.begin(), draft.end());
+          const int64_t at = position_;
+          const StepOutput v = verify(window, context);
+          const size_t j = group::accepted_prefix(draft, v.row_tokens);
+          if (sp.check_logits()) {   // the rows whose tokens are used
+            for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+          }
+          decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
+          decided.push_back(v.row_tokens[j]);
+          greedy_worker_tokens_ += decided.size();
+          position_ = at + 1 + static_cast<int64_t>(j);   // the last token and the accepted drafts
+          rewind_pending_ = j < draft.size();
+          const double us = us_since(ts);
+          policy.record_verify(us, static_cast<int64_t>(decided.size()));
+          decode_.record(decided.size(), 0, 0, us);
+          ++verify_steps_;
+          drafted_tokens_ += draft.size();
+          accepted_draft_tokens_ += j;
+          timing.set_drafted_tokens(timing.drafted_tokens() + static_cast<uint32_t>(draft.size()));
+          timing.set_accepted_draft_tokens(timing.accepted_draft_tokens() + static_cast<uint32_t>(j));
+          continue;
+        }
         out = feed(&context.back(), 1, false, context);
-        decode_.record(1, 0, 0, us_since(ts));
+        const double us = us_since(ts);
+        if (speculate) policy.record_decode(us);
+        decode_.record(1, 0, 0, us);
+        decided.assign(1, sample_one(out));
       }
       generate::GenerateChunk last;
       last.set_finish(finish);
@@ -341,6 +394,9 @@ class Coordinator final : public generate::Coordinator::Service {
     std::span<const float> logits;
     int32_t token = -1;
     int32_t nonfinite = -1;   // check_on_worker_: StepReply::nonfinite of the last step
+    // A verify window (token_only_, logit_rows > 1): every row's greedy token and first
+    // non-finite logit, in the exchange's StepReply.
+    std::span<const int32_t> row_tokens, row_nonfinite;
   };
 
   // Runs n tokens (after the cached ones, or from scratch when reset) and returns the last row's
@@ -359,11 +415,38 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset) {
+  // A verify window: `window` (the last sampled token, then the draft) as one step with every
+  // row's greedy token. `context` ends with window[0]; a failed step replays the context before
+  // it from a reset, then the window.
+  StepOutput verify(const std::vector<int32_t>& window, const std::vector<int32_t>& context) {
+    const int64_t n = static_cast<int64_t>(window.size());
+    for (int attempt = 0;; ++attempt) {
+      try {
+        if (attempt > 0) {
+          ++reissued_;
+          run_steps(context.data(), static_cast<int64_t>(context.size()) - 1, true);
+        }
+        return run_steps(window.data(), n, false, n);
+      } catch (const std::exception& e) {
+        if (attempt >= o_.step_retries) throw;
+        std::cerr << "coordinator: step failed (" << e.what() << "); re-issuing from a reset\n";
+      }
+    }
+  }
+
+  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_).
+  StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset, int64_t logit_rows = 1) {
     std::byte* base = exchange_.data();
     const int64_t V = model_.hp.n_vocab;
     const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
-    if (reset) position_ = 0;
+    if (logit_rows > 1 && (!token_only_ || n > o_.max_tokens || logit_rows > n ||
+                           logit_rows > static_cast<int64_t>(group::kMaxTokenRows)))
+      throw std::logic_error("coordinator: a verify window of " + std::to_string(n) + " rows with " +
+                             std::to_string(logit_rows) + " logit rows is not a step it can issue");
+    if (reset) {
+      position_ = 0;
+      rewind_pending_ = false;
+    }
     int32_t token = -1;
     for (int64_t at = 0; at < n; at += o_.max_tokens) {
       const int64_t m = std::min<int64_t>(o_.max_tokens, n - at);
@@ -371,8 +454,9 @@ class Coordinator final : public generate::Coordinator::Service {
       auto* hdr = xl_.region("step").at<group::StepHeader>(base);
       hdr->step_seq = ++step_seq_;
       hdr->n_tokens = static_cast<uint32_t>(m);
-      hdr->logit_rows = 1;
+      hdr->logit_rows = static_cast<uint32_t>(logit_rows);
       hdr->reset = reset && at == 0;
+      hdr->rewind = rewind_pending_ && !hdr->reset ? 1 : 0;
       hdr->first_position = static_cast<uint32_t>(position_);
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
@@ -383,6 +467,7 @@ class Coordinator final : public generate::Coordinator::Service {
           throw std::runtime_error(std::string("gpu_worker: ") + e.what());
         }
         position_ += m;
+        rewind_pending_ = false;
         continue;
       }
       envelope_.Clear();
@@ -390,7 +475,7 @@ class Coordinator final : public generate::Coordinator::Service {
       envelope_.set_seq(step_seq_);
       jobs::LayerStep& s = *envelope_.mutable_layer_step();
       s.set_step_seq(step_seq_);
-      s.set_kind(m > 1 ? jobs::STEP_PREFILL : jobs::STEP_DECODE);
+      s.set_kind(logit_rows > 1 ? jobs::STEP_VERIFY : m > 1 ? jobs::STEP_PREFILL : jobs::STEP_DECODE);
       s.set_layer(0);
       s.set_n_tokens(static_cast<uint32_t>(m));
       s.set_first_position(static_cast<uint32_t>(position_));
@@ -408,19 +493,26 @@ class Coordinator final : public generate::Coordinator::Service {
       if (reply_.status() != jobs::JOB_OK) throw std::runtime_error("gpu_worker: " + reply_.error());
       token = xl_.region("step_reply").at<const group::StepReply>(base)->token;
       position_ += m;
+      rewind_pending_ = false;
     }
     if (token_only_) {
-      if (token < 0 || token >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(token) + " is outside the vocabulary");
       // Both step channels leave the reply in the exchange; the last step's is the last row's.
-      const int32_t nonfinite = check_on_worker_ ? xl_.region("step_reply").at<const group::StepReply>(base)->nonfinite : -1;
-      return {{}, token, nonfinite};
+      const group::StepReply& reply = *xl_.region("step_reply").at<const group::StepReply>(base);
+      const std::span<const int32_t> rows(reply.row_tokens, static_cast<size_t>(logit_rows));
+      for (const int32_t t : rows)
+        if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(t) + " is outside the vocabulary");
+      if (token != rows.back())
+        throw std::runtime_error("gpu_worker: the step's token " + std::to_string(token) + " is not its last row's " +
+                                 std::to_string(rows.back()));
+      const int32_t nonfinite = check_on_worker_ ? reply.nonfinite : -1;
+      return {{}, token, nonfinite, rows, {reply.row_nonfinite, static_cast<size_t>(logit_rows)}};
     }
     const float* logits = xl_.region("logits").at<const float>(base);
     if (logits_dump_.is_open()) {
       logits_dump_.write(reinterpret_cast<const char*>(logits), static_cast<std::streamsize>(V * sizeof(float)));
       logits_dump_.flush();
     }
-    return {{logits, static_cast<size_t>(V)}, -1};
+    return {{logits, static_cast<size_t>(V)}, -1, -1, {}, {}};
   }
 
   // A step's whole round trip, a long prefill chunk included.
@@ -454,6 +546,12 @@ class Coordinator final : public generate::Coordinator::Service {
   std::mutex session_mu_;
   uint64_t step_seq_ = 0;
   int64_t position_ = 0;
+  // The previous verify step rejected drafts: the gpu_worker caches positions past position_,
+  // which the next step drops (StepHeader::rewind).
+  bool rewind_pending_ = false;
+  bool can_rewind_ = false;          // the model has no recurrent layer (speculation possible)
+  int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
+  std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};
   std::ofstream logits_dump_;
 };
@@ -503,6 +601,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--step-spin-us", o.step_spin_us, "how long the wait for a step's answer spins before it sleeps")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--speculate-draft", o.speculate_draft,
+                 "tokens a prompt-lookup draft proposes at most, for requests that ask for speculation (0: never draft)")
+      ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
+  app.add_option("--speculate-ngram", o.speculate_ngram, "longest context suffix a draft is looked up by")
+      ->check(CLI::Range(1, 64));
   app.add_flag("--greedy-on-host", o.greedy_on_host,
                "greedy decode copies the logits and takes their argmax here (default: the gpu_worker returns the token)");
   app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")

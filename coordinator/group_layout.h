@@ -70,7 +70,14 @@ struct StepHeader {
   // 1 (with greedy_token): also report the last row's first non-finite logit in
   // StepReply::nonfinite (SamplingParams::check_logits without the logits crossing).
   std::uint32_t check_finite;
+  // 1: the gpu_worker first drops the cached positions from first_position on (the draft tokens
+  // the previous verify step rejected; Backend::rewind). 0: first_position must be what is cached.
+  std::uint32_t rewind;
 };
+
+// Rows of one step whose greedy tokens the gpu_worker returns (StepReply::row_tokens): a verify
+// window is the last token plus at most kMaxTokenRows - 1 drafted ones.
+inline constexpr std::size_t kMaxTokenRows = 16;
 
 // Written by the gpu_worker once a step is done (both step channels), before it rings the step
 // done doorbell (doorbell channel) or replies over ZeroMQ.
@@ -82,6 +89,10 @@ struct StepReply {
   // StepHeader::check_finite: the last row's first non-finite logit as index * 2 + 1 for a NaN,
   // index * 2 for an infinity; -1 when finite or not asked. Written by the step before `ok`.
   std::int32_t nonfinite;
+  // StepHeader::greedy_token with logit_rows R <= kMaxTokenRows: every row's argmax and (with
+  // check_finite) first non-finite logit, rows in order; `token` / `nonfinite` repeat row R - 1.
+  std::int32_t row_tokens[kMaxTokenRows];
+  std::int32_t row_nonfinite[kMaxTokenRows];
   std::uint32_t error_bytes;    // of `error`, at most kStepErrorBytes
   char error[kStepErrorBytes];
 };

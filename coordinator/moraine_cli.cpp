@@ -31,6 +31,7 @@ struct GenerateArgs {
   float temp = 0.0f, top_p = 1.0f;
   uint32_t top_k = 0;
   uint64_t seed = 0;
+  bool speculate = false;   // prompt-lookup drafts, verified: the same tokens as greedy (temp 0)
 };
 
 int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
@@ -57,6 +58,7 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
   req.mutable_sampling()->set_top_p(a.top_p);
   req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(a.n));
   req.mutable_sampling()->set_seed(a.seed);
+  req.set_speculate(a.speculate);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
   generate::GenerateChunk chunk;
@@ -87,6 +89,8 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
     j["prompt_tokens"] = timing.prompt_tokens();
     j["prefill_us"] = timing.prefill_us();
     j["decode_us"] = timing.decode_us();
+    j["drafted_tokens"] = timing.drafted_tokens();
+    j["accepted_draft_tokens"] = timing.accepted_draft_tokens();
     std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << std::endl;
@@ -213,6 +217,8 @@ int main(int argc, char** argv) {
   gen->add_option("--top-k", ga.top_k, "keep the k most likely tokens (0 = off)");
   gen->add_option("--top-p", ga.top_p, "keep the smallest set of tokens with this much probability (1 = off)");
   gen->add_option("--seed", ga.seed, "sampling seed");
+  gen->add_flag("--speculate", ga.speculate,
+                "greedy only: draft tokens from the context (prompt lookup) and verify several per step; same output");
   gen->add_flag("--json", json, "print ids and timings as JSON");
   CLI::App* stats = app.add_subcommand("stats", "per-stage counters of every process");
   stats->add_option("--socket-dir", dir, "group socket directory");

@@ -76,6 +76,13 @@ class Backend {
   virtual ~Backend() = default;
   virtual void reset() = 0;   // forget the cached sequence
   virtual int64_t n_past() const = 0;
+  // Speculation (StepHeader::rewind): drop the cached positions from n_past on, the draft tokens
+  // a verify step rejected. Only backends and models that can (attention caches are overwritten
+  // in place; a recurrent state cannot be taken back); else rewind throws std::logic_error.
+  virtual bool can_rewind() const { return false; }
+  virtual void rewind(int64_t n_past) {
+    throw std::logic_error("this backend cannot rewind its cache to " + std::to_string(n_past) + " positions");
+  }
   // Host memory the backend will copy to and from at every step (the exchange segment): a device
   // backend pins it once so those copies are direct DMA. Optional.
   virtual void pin_host_memory(void* p, size_t bytes) { (void)p, (void)bytes; }
@@ -122,11 +129,12 @@ class Backend {
   virtual int64_t n_layer() const = 0;
 
   // Greedy decode (StepHeader::greedy_token): while `token` is set, every call that produces a
-  // step's logits (logits, step_whole, handoff_finish) also puts the argmax of the last logits
-  // row (sampling::argmax's rule) in *token, and a backend that computes it where the logits are
-  // may leave the logits rows unwritten: the CUDA backend copies the id, not the 607 KB row.
-  // nullptr: logits only, as always. nonfinite (with token): also the last row's first non-finite
-  // logit, coded as StepReply::nonfinite (-1: none).
+  // step's logits (logits, step_whole, handoff_finish) of R rows also puts the argmax of each
+  // logits row (sampling::argmax's rule) in token[0 .. R) (at most kMaxTokenRows rows), and a
+  // backend that computes it where the logits are may leave the logits rows unwritten: the CUDA
+  // backend copies the ids, not the 607 KB rows. nullptr: logits only, as always. nonfinite (with
+  // token): also each row's first non-finite logit in nonfinite[0 .. R), coded as
+  // StepReply::nonfinite (-1: none).
   void set_token_output(int32_t* token, int32_t* nonfinite = nullptr) {
     token_out_ = token;
     nonfinite_out_ = token != nullptr ? nonfinite : nullptr;

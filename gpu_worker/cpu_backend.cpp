@@ -128,14 +128,20 @@ class CpuBackend final : public Backend {
     // Greedy decode's token on the host, from the logits the coordinator would have read: the
     // same bits, the same rule, so the group tests cover the token-only protocol.
     const int64_t V = m_.hp.n_vocab;
-    if (token_out_ != nullptr) *token_out_ = sampling::argmax({out + (rows - 1) * V, static_cast<size_t>(V)});
-    if (nonfinite_out_ != nullptr) {
-      const float* last = out + (rows - 1) * V;
-      *nonfinite_out_ = -1;
-      for (int64_t i = 0; i < V && *nonfinite_out_ < 0; ++i)
-        if (!std::isfinite(last[i])) *nonfinite_out_ = static_cast<int32_t>(2 * i + (std::isnan(last[i]) ? 1 : 0));
+    if (token_out_ != nullptr && rows > static_cast<int64_t>(group::kMaxTokenRows))
+      throw std::invalid_argument("CPU backend: greedy tokens of " + std::to_string(rows) + " rows, at most " +
+                                  std::to_string(group::kMaxTokenRows));
+    for (int64_t r = 0; r < rows && token_out_ != nullptr; ++r) {
+      const float* row = out + r * V;
+      token_out_[r] = sampling::argmax({row, static_cast<size_t>(V)});
+      if (nonfinite_out_ == nullptr) continue;
+      nonfinite_out_[r] = -1;
+      for (int64_t i = 0; i < V && nonfinite_out_[r] < 0; ++i)
+        if (!std::isfinite(row[i])) nonfinite_out_[r] = static_cast<int32_t>(2 * i + (std::isnan(row[i]) ? 1 : 0));
     }
   }
+  bool can_rewind() const override { return exec_.can_rewind(); }
+  void rewind(int64_t n_past) override { exec_.rewind(n_past); }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the
   // step's layers in order and waits on a condition variable where the CUDA graph waits on a flag

@@ -390,24 +390,28 @@ void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
 
 void CudaBackend::finish_step(int64_t rows, float* out) {
   const int64_t V = m_.hp.n_vocab;
+  constexpr int64_t kRows = static_cast<int64_t>(group::kMaxTokenRows);
   if (token_out_ != nullptr) {
-    // Greedy decode: the last row's argmax on the device, written straight into pinned host
-    // memory (mapped under unified addressing), instead of the row's 607 KB copy (30B vocabulary)
-    // and the coordinator's scan of it. Set up at the first such step.
+    // Greedy decode: each row's argmax on the device, written straight into pinned host memory
+    // (mapped under unified addressing), instead of the rows' 607 KB copies (30B vocabulary) and
+    // the coordinator's scan of them. Set up at the first such step.
+    if (rows > kRows)
+      throw std::invalid_argument("CUDA backend: greedy tokens of " + std::to_string(rows) + " rows, at most " +
+                                  std::to_string(kRows));
     if (token_pinned_.size() == 0) {
-      argmax_scratch_ = DeviceBuffer<uint8_t>(cuda::argmax_scratch_bytes(1));
+      argmax_scratch_ = DeviceBuffer<uint8_t>(cuda::argmax_scratch_bytes(kRows));
       CUDA_CHECK(cudaMemsetAsync(argmax_scratch_.get(), 0, argmax_scratch_.bytes(), stream_));   // in order on stream_
-      token_pinned_ = PinnedBuffer<int32_t>(2);   // the token, the first non-finite logit
+      token_pinned_ = PinnedBuffer<int32_t>(2 * kRows);   // the tokens, then the first non-finite logits
       CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&token_dev_), token_pinned_.get(), 0));
     }
-    cuda::argmax_rows(logits_.get() + (rows - 1) * V, 1, V, token_dev_, argmax_scratch_.get(), stream_,
-                      nonfinite_out_ != nullptr ? token_dev_ + 1 : nullptr);
+    cuda::argmax_rows(logits_.get(), rows, V, token_dev_, argmax_scratch_.get(), stream_,
+                      nonfinite_out_ != nullptr ? token_dev_ + kRows : nullptr);
   } else {
     copy_to_host(out, logits_.get(), static_cast<size_t>(rows * V) * sizeof(float));
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (token_out_ != nullptr) *token_out_ = token_pinned_[0];
-  if (nonfinite_out_ != nullptr) *nonfinite_out_ = token_pinned_[1];
+  if (token_out_ != nullptr) std::copy_n(token_pinned_.get(), rows, token_out_);
+  if (nonfinite_out_ != nullptr) std::copy_n(token_pinned_.get() + kRows, rows, nonfinite_out_);
   for (const PendingChosen& p : pending_chosen_) std::copy_n(p.from, p.count, p.to);
   pending_chosen_.clear();
 }

@@ -12,6 +12,7 @@
 //   cuda_backend_matmul.cu   matmuls: batched matvec or cuBLAS, the activation quantization
 // capture_into is a template (layer_begin and handoff_begin capture too), so it stays here.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>
@@ -118,6 +119,18 @@ class CudaBackend final : public Backend {
   void log_device_memory(const char* stage) const;
   void reset() override;
   int64_t n_past() const override { return n_past_; }
+  // Attention caches are written at their positions each step: dropping positions is moving
+  // n_past back (the next step overwrites them). Not with a DeltaNet layer's running state.
+  bool can_rewind() const override {
+    return std::none_of(m_.layers.begin(), m_.layers.end(), [](const auto& L) { return L.recurrent; });
+  }
+  void rewind(int64_t n_past) override {
+    if (!can_rewind() || n_past < 0 || n_past > n_past_)
+      throw std::logic_error("CUDA backend: cannot rewind to " + std::to_string(n_past) + " of " +
+                             std::to_string(n_past_) + " cached positions" +
+                             (can_rewind() ? "" : " (the model has recurrent layers)"));
+    n_past_ = n_past;
+  }
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override;
   void embed(const int32_t* tokens, int64_t n) override;

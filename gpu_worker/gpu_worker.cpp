@@ -5,7 +5,7 @@
 // the layer (doorbells by default, ZeroMQ ExpertJobList with the manifest's zmq_handoff), their
 // outputs summed with the shared expert. Experts the placement plan put in VRAM are computed here,
 // by the backend, while the cpu workers compute theirs. Logits go to the exchange segment's logits
-// rows, or for greedy decode (StepHeader::greedy_token) only the last row's argmax to StepReply.
+// rows, or for greedy decode (StepHeader::greedy_token) only each row's argmax to StepReply.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
@@ -156,17 +156,32 @@ class StepRunner {
     if (n < 1 || n > man_.max_tokens)
       throw std::runtime_error("step header: " + std::to_string(n) + " tokens, expected 1.." + std::to_string(man_.max_tokens));
     if (hdr->logit_rows == 0 || hdr->logit_rows > n) throw std::runtime_error("step header: logit_rows out of [1, n_tokens]");
-    int32_t token = -1;
-    // The first non-finite logit goes straight into the step's reply (StepHeader::check_finite);
-    // write_step_reply leaves that field alone.
-    int32_t& nonfinite = xl_.region("step_reply").at<group::StepReply>(base)->nonfinite;
-    nonfinite = -1;
-    backend_->set_token_output(hdr->greedy_token ? &token : nullptr, hdr->check_finite ? &nonfinite : nullptr);
+    if (hdr->greedy_token && hdr->logit_rows > group::kMaxTokenRows)
+      throw std::runtime_error("step header: greedy tokens of " + std::to_string(hdr->logit_rows) + " rows, at most " +
+                               std::to_string(group::kMaxTokenRows));
+    // Every row's token and first non-finite logit go straight into the step's reply
+    // (StepHeader::greedy_token, check_finite); write_step_reply leaves those fields alone.
+    group::StepReply& reply = *xl_.region("step_reply").at<group::StepReply>(base);
+    std::fill_n(reply.row_tokens, group::kMaxTokenRows, -1);
+    std::fill_n(reply.row_nonfinite, group::kMaxTokenRows, -1);
+    reply.nonfinite = -1;
+    backend_->set_token_output(hdr->greedy_token ? reply.row_tokens : nullptr,
+                               hdr->check_finite ? reply.row_nonfinite : nullptr);
+    const auto last_row = [&] {
+      reply.nonfinite = reply.row_nonfinite[hdr->logit_rows - 1];
+      return hdr->greedy_token ? reply.row_tokens[hdr->logit_rows - 1] : -1;
+    };
     if (hdr->reset) {
       backend_->reset();
       broken_ = false;
     }
     if (broken_) throw std::runtime_error("an earlier step failed half-way; the coordinator must reset the sequence");
+    if (hdr->rewind && !hdr->reset && hdr->first_position < backend_->n_past()) {
+      if (!backend_->can_rewind())
+        throw std::runtime_error("step " + std::to_string(seq) + " drops cached positions from " +
+                                 std::to_string(hdr->first_position) + " on, but this backend and model cannot");
+      backend_->rewind(hdr->first_position);
+    }
     if (hdr->first_position != backend_->n_past()) {
       throw std::runtime_error("step starts at position " + std::to_string(hdr->first_position) + " but " +
                                std::to_string(backend_->n_past()) + " positions are cached");
@@ -186,7 +201,7 @@ class StepRunner {
     if (all_on_device_) {   // no cpu worker takes part: the backend may replay a captured step
       backend_->step_whole(tokens, n, hdr->logit_rows, logits, step_chosen_.data(), man_.max_tokens * k);
       finish_step(n, t0);
-      return token;
+      return last_row();
     }
     // The whole step in one launch when the backend can: the device waits on flags in host
     // memory at each layer with cpu-worker experts while this thread hands the layers over.
@@ -207,7 +222,7 @@ class StepRunner {
         throw;
       }
       finish_step(n, t0);
-      return token;
+      return last_row();
     }
     backend_->embed(tokens, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
@@ -224,7 +239,7 @@ class StepRunner {
     backend_->advance(n);
     backend_->logits(hdr->logit_rows, logits);
     finish_step(n, t0);
-    return token;
+    return last_row();
   }
 
  private:

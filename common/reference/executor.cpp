@@ -26,6 +26,26 @@ void ReferenceExecutor::reset() {
   n_past_ = 0;
 }
 
+bool ReferenceExecutor::can_rewind() const {
+  for (const auto& L : m_.layers)
+    if (L.recurrent) return false;
+  return true;
+}
+
+void ReferenceExecutor::rewind(int64_t n_past) {
+  if (!can_rewind()) throw std::logic_error("reference executor: cannot rewind a model with recurrent (DeltaNet) layers");
+  if (n_past < 0 || n_past > n_past_)
+    throw std::logic_error("reference executor: rewind to " + std::to_string(n_past) + " positions, but " +
+                           std::to_string(n_past_) + " are cached");
+  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
+  for (LayerState& S : state_) {
+    if (S.k_cache.empty()) continue;
+    S.k_cache.resize(static_cast<size_t>(n_past * kv_dim));
+    S.v_cache.resize(static_cast<size_t>(n_past * kv_dim));
+  }
+  n_past_ = n_past;
+}
+
 void ReferenceExecutor::embed(std::span<const int32_t> tokens, float* x) const {
   const model::HParams& hp = m_.hp;
   const int64_t d = hp.n_embd;

@@ -58,6 +58,11 @@ class ReferenceExecutor {
   model::KvType kv_type() const { return kv_type_; }
 
   void reset();  // forget every cached token
+  // Speculation's rejected tokens: keep only positions 0 .. n_past - 1 of the caches. Only models
+  // without recurrent layers (a DeltaNet state cannot be taken back). Throws std::logic_error
+  // when the model has one or n_past is more than is cached.
+  void rewind(int64_t n_past);
+  bool can_rewind() const;
   int64_t n_past() const { return n_past_; }
   const model::Model& model() const { return m_; }
   int64_t n_vocab() const { return m_.hp.n_vocab; }

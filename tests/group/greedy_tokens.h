@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "tests/group/group_harness.h"
@@ -27,6 +28,39 @@ inline void expect_worker_greedy_tokens(const GroupOptions& o, const std::vector
   ASSERT_TRUE(checked.error.empty()) << checked.error;
   EXPECT_EQ(checked.ids, want);
   EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
+  g.stop();
+}
+
+// Speculative decode (GenerateRequest::speculate) in the group `o` describes: `tokens` greedy
+// tokens from `prompt`, plainly and with check_logits, must be `want` (the reference's greedy
+// tokens) both times. drafts: the model can rewind its cache, so the coordinator must have
+// verified drafted windows (a prompt whose suffixes recur gives drafts at once) and accepted
+// some (the assertion that the accept path ran; `want` must continue a repetition for that);
+// else it must have verified none. Stops the group.
+inline void expect_speculative_tokens(const GroupOptions& o, const std::vector<int32_t>& prompt,
+                                      const std::vector<int32_t>& want, int tokens, bool drafts) {
+  Group g(o);
+  for (const bool check : {false, true}) {
+    const Generation gen = generate(g.socket_dir(), prompt, tokens, check, /*speculate=*/true);
+    ASSERT_TRUE(gen.error.empty()) << gen.error;
+    EXPECT_EQ(gen.ids, want) << (check ? "with" : "without") << " check_logits";
+  }
+  const uint64_t verified = coordinator_counter(g.socket_dir(), "verify_steps");
+  const uint64_t drafted = coordinator_counter(g.socket_dir(), "drafted_tokens");
+  const uint64_t accepted = coordinator_counter(g.socket_dir(), "accepted_draft_tokens");
+  std::printf("speculation: %llu verify steps, %llu of %llu drafted tokens accepted\n",
+              static_cast<unsigned long long>(verified), static_cast<unsigned long long>(accepted),
+              static_cast<unsigned long long>(drafted));
+  if (drafts) {
+    EXPECT_GT(verified, 0u);
+    EXPECT_GE(drafted, verified);
+    EXPECT_GT(accepted, 0u);
+    // Every token is the gpu_worker's greedy token: one-token steps' and verified windows'.
+    EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
+  } else {
+    EXPECT_EQ(verified, 0u);
+    EXPECT_EQ(drafted, 0u);
+  }
   g.stop();
 }
 

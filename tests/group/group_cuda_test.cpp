@@ -174,5 +174,32 @@ INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
                                            Case{"qwen3moe_odd", "f32", Experts::kHalf}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
+// Speculative decode on the device: verify windows of up to 5 rows (the decode kernels' multi-row
+// path), their greedy tokens from the argmax kernel, rejected drafts dropped by moving n_past
+// back; the tokens are still the reference's, through the captured step and the hand-off.
+class GroupCudaSpeculation : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupCudaSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const Case& c = GetParam();
+  constexpr int kTokens = 32;
+  const auto [dir, model, golden, unused] = golden_case(c.model, c.weights, "spec", 1, c.kv);
+  std::vector<int32_t> prompt = golden;
+  prompt.insert(prompt.end(), golden.begin(), golden.end());
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens, c.kv);
+  GroupOptions o;
+  o.model = model;
+  o.backend = "cuda";
+  o.vram = c.experts == Experts::kVram ? "1099511627776" : half_the_experts(model);
+  ASSERT_NO_FATAL_FAILURE(expect_speculative_tokens(o, prompt, ref.ids, kTokens, /*drafts=*/true));
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaSpeculation,
+                         ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
+                                           Case{"qwen3moe_odd", "f32", Experts::kHalf}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+
 }  // namespace
 }  // namespace moraine::group_test

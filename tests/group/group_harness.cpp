@@ -147,13 +147,15 @@ Group::~Group() {
   if (o_.socket_dir.empty() && !::testing::Test::HasFailure()) fs::remove_all(dir_);
 }
 
-Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits) {
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits,
+                    bool speculate) {
   auto stub = generate::Coordinator::NewStub(
       grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
   for (int32_t id : prompt) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
   req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(n));
   req.mutable_sampling()->set_check_logits(check_logits);
+  req.set_speculate(speculate);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(180));
   auto reader = stub->Generate(&ctx, req);

@@ -74,8 +74,10 @@ struct Generation {
   int status_code = 0;     // grpc::StatusCode
 };
 // Greedy (temperature 0); check_logits: SamplingParams::check_logits (the coordinator then reads
-// every sampled row's logits instead of taking the gpu_worker's token).
-Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits = false);
+// every sampled row's logits instead of taking the gpu_worker's token); speculate:
+// GenerateRequest::speculate (prompt-lookup drafts verified by the gpu_worker's greedy tokens).
+Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits = false,
+                    bool speculate = false);
 
 // Greedy tokens and each sampled row's logits from the in-process reference executor.
 struct ReferenceRun {

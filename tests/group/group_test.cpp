@@ -74,6 +74,29 @@ TEST_P(GroupGreedyTokens, TheGpuWorkerPicksTheReferenceTokens) {
   fs::remove_all(dir);
 }
 
+// Speculative decode: prompt-lookup drafts verified as windows give the reference's greedy tokens
+// (the CPU backend's rows are the reference's bits), with drafts accepted and rejected on the
+// way (rejected ones are dropped from the cache: StepHeader::rewind); over both step channels.
+// The prompt is the golden prompt twice, so its suffixes recur from the first step. A model with
+// DeltaNet layers cannot drop positions: the coordinator then drafts nothing, same tokens.
+class GroupSpeculation : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
+  const Case& c = GetParam();
+  constexpr int kTokens = 32;
+  const auto [dir, model, golden, unused] = golden_case(c.model, c.weights, "spec", 1);
+  std::vector<int32_t> prompt = golden;
+  prompt.insert(prompt.end(), golden.begin(), golden.end());
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+  GroupOptions o;
+  o.model = model;
+  o.handoff = c.handoff;
+  o.extra_args = {"--coordinator-arg=--step-channel=" + c.step_channel};
+  const bool drafts = c.model.rfind("qwen3moe", 0) == 0;
+  ASSERT_NO_FATAL_FAILURE(expect_speculative_tokens(o, prompt, ref.ids, kTokens, drafts));
+  fs::remove_all(dir);
+}
+
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (const char* m : {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"}) v.push_back({m, "f32", "doorbell"});
@@ -98,6 +121,11 @@ std::vector<Case> greedy_cases() {
 INSTANTIATE_TEST_SUITE_P(Golden, GroupMatchesReference, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 INSTANTIATE_TEST_SUITE_P(Golden, GroupGreedyTokens, ::testing::ValuesIn(greedy_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Golden, GroupSpeculation,
+                         ::testing::Values(Case{"qwen3moe_odd", "f32", "doorbell"},
+                                           Case{"qwen3moe_k256", "kmix", "doorbell", "zmq"},
+                                           Case{"qwen3next_odd", "f32", "doorbell"}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
 }  // namespace

@@ -115,6 +115,41 @@ TEST_P(ExecutorConsistency, DecodeAfterPrefillEqualsFreshPrefill) {
   EXPECT_TRUE(bit_equal(inc.forward(tokens, true), all));
 }
 
+// Speculation's rejected drafts: after a window of 4 tokens and a rewind that keeps 2 of them,
+// the next tokens' logits are a fresh prefill's of the kept sequence (attention caches only; a
+// model with DeltaNet layers refuses, and keeps its state).
+TEST_P(ExecutorConsistency, RewindDropsRejectedPositions) {
+  const Variant var = variants()[GetParam()];
+  SCOPED_TRACE(var.name);
+  SyntheticModel sm(var.spec);
+  TempFile f(var.name);
+  sm.write(f.path);
+  const model::Model m = model::Model::load(f.path);
+  const auto prefix = random_tokens(var.spec.seed + 11, 6, m.hp.n_vocab);
+  const auto rejected = random_tokens(var.spec.seed + 12, 4, m.hp.n_vocab);
+  const auto next = random_tokens(var.spec.seed + 13, 3, m.hp.n_vocab);
+  ReferenceExecutor ex(m, {2});
+  ex.forward(prefix, false);
+  ex.forward(rejected, true);
+  ASSERT_EQ(ex.n_past(), 10);
+  if (!ex.can_rewind()) {
+    EXPECT_EQ(var.spec.arch, "qwen3next");
+    EXPECT_THROW(ex.rewind(8), std::logic_error);
+    EXPECT_EQ(ex.n_past(), 10);
+    return;
+  }
+  EXPECT_THROW(ex.rewind(11), std::logic_error);   // more than is cached
+  ex.rewind(8);   // prefix + the first 2 window tokens stay
+  EXPECT_EQ(ex.n_past(), 8);
+  const std::vector<float> got = ex.forward(next, true);
+  std::vector<int32_t> kept = prefix;
+  kept.insert(kept.end(), rejected.begin(), rejected.begin() + 2);
+  kept.insert(kept.end(), next.begin(), next.end());
+  ReferenceExecutor fresh(m, {2});
+  const std::vector<float> all = fresh.forward(kept, true);
+  EXPECT_TRUE(bit_equal(got, std::vector<float>(all.end() - 3 * m.hp.n_vocab, all.end())));
+}
+
 TEST_P(ExecutorConsistency, ThreadCountDoesNotChangeResults) {
   const Variant var = variants()[GetParam()];
   SCOPED_TRACE(var.name);

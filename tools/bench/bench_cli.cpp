@@ -101,6 +101,9 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
   app.add_flag("--check-logits,!--no-check-logits", o.check_logits,
                "group: the coordinator checks every sampled row's logits finite (default; off: the gpu_worker returns "
                "the greedy token and the logits stay on the device)");
+  app.add_flag("--speculate", o.speculate,
+               "group: decode with prompt-lookup drafts verified several tokens a step (same tokens as greedy; the "
+               "report gives drafted and accepted counts)");
   app.add_option("--supervisor-arg", o.supervisor_args,
                  "group: an extra argument for `moraine-supervisor start` (repeat; e.g. --supervisor-arg=--reserve-cores=2)")
       ->allow_extra_args(false);

@@ -32,6 +32,9 @@ struct EngineStats {
   // Device memory in use after a step, the most the gpu_worker saw since the group started (the
   // driver's figure for the whole device); 0 without a device. Printed beside the --vram budget.
   uint64_t device_used_bytes = 0;
+  // Speculation over the last run (the group's coordinator with --speculate): verify steps,
+  // tokens drafted and accepted. Zero without it.
+  uint64_t verify_steps = 0, drafted_tokens = 0, accepted_draft_tokens = 0;
 };
 
 class BenchEngine {

@@ -145,6 +145,16 @@ void GroupEngine::reset() {
     }
   }
   counts_at_reset_ = expert_counts();
+  speculation_at_reset_ = speculation_counts();
+}
+
+std::array<uint64_t, 3> GroupEngine::speculation_counts() const {
+  try {
+    const control::StatsReply c = stats_of(socket_dir_, group::kCoordinatorInstance, false);
+    return {counter(c, "verify_steps"), counter(c, "drafted_tokens"), counter(c, "accepted_draft_tokens")};
+  } catch (const std::exception& e) {
+    throw BenchFault(std::string("speculation counters: ") + e.what() + " (the coordinator died or is restarting)");
+  }
 }
 
 std::array<uint64_t, 4> GroupEngine::expert_counts() const {
@@ -181,6 +191,7 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
   sp.set_max_tokens(static_cast<uint32_t>(n));
   sp.set_ignore_eos(true);
   sp.set_check_logits(o_.check_logits);
+  req.set_speculate(o_.speculate);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
   Generated g;
@@ -241,6 +252,10 @@ EngineStats GroupEngine::stats() const {
   s.budgets_applied = true;
   s.census = census_note_;
   s.device_used_bytes = device_used;
+  const std::array<uint64_t, 3> spec = speculation_counts();
+  s.verify_steps = spec[0] - speculation_at_reset_[0];
+  s.drafted_tokens = spec[1] - speculation_at_reset_[1];
+  s.accepted_draft_tokens = spec[2] - speculation_at_reset_[2];
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

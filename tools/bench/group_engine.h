@@ -37,6 +37,7 @@ struct GroupEngineOptions {
   std::string socket_dir;
   std::vector<std::string> supervisor_args;   // appended to the supervisor's start arguments
   bool check_logits = true;                    // SamplingParams::check_logits of every request
+  bool speculate = false;                      // GenerateRequest::speculate of every request
 };
 
 class GroupEngine final : public BenchEngine {
@@ -71,6 +72,8 @@ class GroupEngine final : public BenchEngine {
   std::array<uint64_t, 4> expert_counts() const;
   GroupEngineOptions o_;
   std::array<uint64_t, 4> counts_at_reset_{};
+  std::array<uint64_t, 3> speculation_counts() const;   // the coordinator's verify_steps, drafted, accepted
+  std::array<uint64_t, 3> speculation_at_reset_{};
   std::unique_ptr<model::Model> model_;
   ModelReadBytes bytes_;
   std::string socket_dir_;

@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
       g.bin_dir = o.bin_dir;
       g.supervisor_args = o.supervisor_args;
       g.check_logits = o.check_logits;
+      g.speculate = o.speculate;
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
       g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));

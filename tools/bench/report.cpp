@@ -60,6 +60,9 @@ nlohmann::json report_json(const BenchReport& r) {
       {"ram", {{"bytes_per_s", opt_number(r.ram_beside_pcie.bytes_per_s)}, {"note", r.ram_beside_pcie.note}}},
       {"pcie", {{"bytes_per_s", opt_number(r.pcie_beside_ram.bytes_per_s)}, {"note", r.pcie_beside_ram.note}}}};
   j["census"] = r.stats.census;
+  j["speculation"] = {{"verify_steps", r.stats.verify_steps},
+                      {"drafted_tokens", r.stats.drafted_tokens},
+                      {"accepted_draft_tokens", r.stats.accepted_draft_tokens}};
   return j;
 }
 
@@ -74,6 +77,9 @@ void print_table(const BenchReport& r, std::ostream& out) {
     out << "; device memory in use (measured, most after a step): " << gib(static_cast<double>(r.stats.device_used_bytes));
   out << "\n";
   if (!r.stats.census.empty()) out << "census: " << r.stats.census << "\n";
+  if (r.stats.verify_steps > 0)
+    out << "speculation (last run): " << r.stats.verify_steps << " verify steps, " << r.stats.accepted_draft_tokens
+        << " of " << r.stats.drafted_tokens << " drafted tokens accepted\n";
   out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
