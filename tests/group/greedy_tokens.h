@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/group/group_harness.h"
@@ -29,6 +31,23 @@ inline void expect_worker_greedy_tokens(const GroupOptions& o, const std::vector
   EXPECT_EQ(checked.ids, want);
   EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
   g.stop();
+}
+
+// A prompt whose greedy continuation repeats itself, so that prompt-lookup drafts are accepted
+// and, where the loop breaks, rejected: the pair (a, b) eight times. Random tiny models rarely
+// repeat their output otherwise (the golden prompt's 32 greedy tokens hold no draft a lookup
+// would get right). Found by simulating the drafter over the reference's greedy tokens for
+// prompts (t, t + 97) x 8, every 13th t: qwen3moe_odd (f32) with (754, 851) gives
+// 206 132 47 143 47 143 ... 47 143 361 687 194 699 47 143 361 687 ..., 17 acceptable drafts of 31;
+// qwen3moe_k256 with the kmix weights and (104, 201) gives 108 226 22 x 7, then 246 86 191 561 502 135
+// ..., 16 of 31. Other models: the pair (1, 2) (the tests that use it expect no drafts there).
+inline std::vector<int32_t> repeating_prompt(const std::string& model) {
+  const std::pair<int32_t, int32_t> ab = model == "qwen3moe_odd"    ? std::pair{754, 851}
+                                         : model == "qwen3moe_k256" ? std::pair{104, 201}
+                                                                     : std::pair{1, 2};
+  std::vector<int32_t> p;
+  for (int i = 0; i < 8; ++i) p.insert(p.end(), {ab.first, ab.second});
+  return p;
 }
 
 // Speculative decode (GenerateRequest::speculate) in the group `o` describes: `tokens` greedy

@@ -185,8 +185,7 @@ TEST_P(GroupCudaSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
   const Case& c = GetParam();
   constexpr int kTokens = 32;
   const auto [dir, model, golden, unused] = golden_case(c.model, c.weights, "spec", 1, c.kv);
-  std::vector<int32_t> prompt = golden;
-  prompt.insert(prompt.end(), golden.begin(), golden.end());
+  const std::vector<int32_t> prompt = repeating_prompt(c.model);
   const ReferenceRun ref = reference_greedy(model, prompt, kTokens, c.kv);
   GroupOptions o;
   o.model = model;

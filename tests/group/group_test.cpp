@@ -77,16 +77,15 @@ TEST_P(GroupGreedyTokens, TheGpuWorkerPicksTheReferenceTokens) {
 // Speculative decode: prompt-lookup drafts verified as windows give the reference's greedy tokens
 // (the CPU backend's rows are the reference's bits), with drafts accepted and rejected on the
 // way (rejected ones are dropped from the cache: StepHeader::rewind); over both step channels.
-// The prompt is the golden prompt twice, so its suffixes recur from the first step. A model with
-// DeltaNet layers cannot drop positions: the coordinator then drafts nothing, same tokens.
+// The prompt's continuation loops (repeating_prompt). A model with DeltaNet layers cannot drop
+// positions: the coordinator then drafts nothing, same tokens.
 class GroupSpeculation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
   const Case& c = GetParam();
   constexpr int kTokens = 32;
   const auto [dir, model, golden, unused] = golden_case(c.model, c.weights, "spec", 1);
-  std::vector<int32_t> prompt = golden;
-  prompt.insert(prompt.end(), golden.begin(), golden.end());
+  const std::vector<int32_t> prompt = repeating_prompt(c.model);
   const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
   GroupOptions o;
   o.model = model;
