@@ -526,51 +526,34 @@ void launch(ExpertTiles shape, const void* weights, int64_t slot_stride, int64_t
   }
 }
 
-template <GemmInput T, int BM, int BN, int WM, int WN>
-void launch_q4k_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
-                      const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+// The fused kernels by weight type (q6_k or q4_k decoded in the tile loads) and tile shape.
+template <GemmInput T, bool kQ6, int BM, int BN, int WM, int WN>
+void launch_fused_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                        const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
-  launch_with_smem(expert_gemm_q4k_kernel<T, BM, BN, WM, WN>, q4k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream,
-                   reinterpret_cast<const uint8_t* const*>(weight_of), static_cast<int>(rows), static_cast<int>(cols),
-                   static_cast<const uint16_t*>(x), tiles, y, ldy);
-}
-
-template <GemmInput T, int BM, int BN, int WM, int WN>
-void launch_q6k_shape(const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
-                      const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>((rows + BM - 1) / BM));
-  launch_with_smem(expert_gemm_q6k_kernel<T, BM, BN, WM, WN>, q6k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream,
-                   reinterpret_cast<const uint8_t* const*>(weight_of), static_cast<int>(rows), static_cast<int>(cols),
-                   static_cast<const uint16_t*>(x), tiles, y, ldy);
-}
-
-template <GemmInput T>
-void launch_q6k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
-                const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
-  switch (shape) {
-    case ExpertTiles::Wide:
-      return launch_q6k_shape<T, 128, 128, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-    case ExpertTiles::Large:
-      return launch_q6k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-    case ExpertTiles::Small:
-      return launch_q6k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-    case ExpertTiles::Tall:
-      return launch_q6k_shape<T, 128, 32, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  const auto* w = reinterpret_cast<const uint8_t* const*>(weight_of);
+  const auto* xh = static_cast<const uint16_t*>(x);
+  if constexpr (kQ6) {
+    launch_with_smem(expert_gemm_q6k_kernel<T, BM, BN, WM, WN>, q6k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream, w,
+                     static_cast<int>(rows), static_cast<int>(cols), xh, tiles, y, ldy);
+  } else {
+    launch_with_smem(expert_gemm_q4k_kernel<T, BM, BN, WM, WN>, q4k_smem_bytes<BM, BN>(), grid, WM * WN * 32, stream, w,
+                     static_cast<int>(rows), static_cast<int>(cols), xh, tiles, y, ldy);
   }
 }
 
-template <GemmInput T>
-void launch_q4k(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
-                const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
+template <GemmInput T, bool kQ6>
+void launch_fused(ExpertTiles shape, const void* const* weight_of, int64_t rows, int64_t cols, const void* x,
+                  const ExpertGemmTile* tiles, int n_tiles, float* y, int64_t ldy, cudaStream_t stream) {
   switch (shape) {
     case ExpertTiles::Wide:
-      return launch_q4k_shape<T, 128, 128, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+      return launch_fused_shape<T, kQ6, 128, 128, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
     case ExpertTiles::Large:
-      return launch_q4k_shape<T, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+      return launch_fused_shape<T, kQ6, 128, 64, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
     case ExpertTiles::Small:
-      return launch_q4k_shape<T, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+      return launch_fused_shape<T, kQ6, 64, 32, 2, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
     case ExpertTiles::Tall:
-      return launch_q4k_shape<T, 128, 32, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+      return launch_fused_shape<T, kQ6, 128, 32, 4, 2>(weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
   }
 }
 
@@ -650,12 +633,12 @@ void expert_gemm_fused(TensorType weight, GemmInput type, ExpertTiles shape, con
     throw std::invalid_argument("expert_gemm_fused: null pointer, or x not 16-byte aligned" + shape_text);
   const bool bf16 = type == GemmInput::BF16;
   if (weight == TensorType::Q6_K) {
-    if (bf16) launch_q6k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-    else launch_q6k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    if (bf16) launch_fused<GemmInput::BF16, true>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+    else launch_fused<GemmInput::F16, true>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
     return;
   }
-  if (bf16) launch_q4k<GemmInput::BF16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
-  else launch_q4k<GemmInput::F16>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  if (bf16) launch_fused<GemmInput::BF16, false>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
+  else launch_fused<GemmInput::F16, false>(shape, weight_of, rows, cols, x, tiles, n_tiles, y, ldy, stream);
 }
 
 }  // namespace moraine::cuda

@@ -260,23 +260,26 @@ void check_fused_equals_expanded(TensorType weight_type, const char* what, const
 }
 
 // Uneven groups, partial row tile (200 rows), ldy > rows, weights quantized from random values.
-TEST(ExpertGemm, FusedQ4KEqualsExpandedPathBitForBit) {
-  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  constexpr TensorType kType = TensorType::Q4_K;
-  constexpr int64_t kRows = 200, kCols = 512, kLdy = 203;
+void check_fused_on_quantized_values(TensorType type, int64_t cols, unsigned seed) {
+  constexpr int64_t kRows = 200, kLdy = 203;
   const std::vector<int64_t> counts = {5, 0, 1, 17, 130, 64, 33};
   int64_t x_rows = 0;
   const std::vector<Group> groups = lay_out(counts, 2, &x_rows);
-  std::mt19937 rng(3001);
-  const size_t rb = row_bytes(kType, kCols);
+  std::mt19937 rng(seed);
+  const size_t rb = row_bytes(type, cols);
   std::vector<std::vector<uint8_t>> mats;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(kRows * kCols));
+    const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(kRows * cols));
     std::vector<uint8_t> bytes(rb * kRows);
-    for (int64_t r = 0; r < kRows; ++r) quantize_row(kType, src.data() + r * kCols, bytes.data() + r * rb, kCols);
+    for (int64_t r = 0; r < kRows; ++r) quantize_row(type, src.data() + r * cols, bytes.data() + r * rb, cols);
     mats.push_back(std::move(bytes));
   }
-  check_fused_equals_expanded(kType, "quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
+  check_fused_equals_expanded(type, "quantized", mats, kRows, cols, kLdy, groups, x_rows, true, rng);
+}
+
+TEST(ExpertGemm, FusedQ4KEqualsExpandedPathBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check_fused_on_quantized_values(TensorType::Q4_K, 512, 3001);
 }
 
 // Q4_K blocks of random BYTES: every 6-bit scale and min, and fp16 d / dmin of random sign over
@@ -314,26 +317,11 @@ TEST(ExpertGemm, FusedQ4KEqualsExpandedPathOnRandomBlocks) {
 }
 
 // Q6_K, quantized from random values: 768 columns make 630-byte rows, so rows and super-blocks
-// sit at every even offset mod 16 (the kernel fetches aligned windows around them); 200 rows
-// leave a partial row tile.
+// sit at every even offset mod 16 (the kernel fetches aligned windows around them).
 TEST(ExpertGemm, FusedQ6KEqualsExpandedPathBitForBit) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  constexpr TensorType kType = TensorType::Q6_K;
-  constexpr int64_t kRows = 200, kCols = 768, kLdy = 203;
-  const std::vector<int64_t> counts = {5, 0, 1, 17, 130, 64, 33};
-  int64_t x_rows = 0;
-  const std::vector<Group> groups = lay_out(counts, 2, &x_rows);
-  std::mt19937 rng(3003);
-  const size_t rb = row_bytes(kType, kCols);
-  ASSERT_NE(rb % 16, 0u);
-  std::vector<std::vector<uint8_t>> mats;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(kRows * kCols));
-    std::vector<uint8_t> bytes(rb * kRows);
-    for (int64_t r = 0; r < kRows; ++r) quantize_row(kType, src.data() + r * kCols, bytes.data() + r * rb, kCols);
-    mats.push_back(std::move(bytes));
-  }
-  check_fused_equals_expanded(kType, "quantized", mats, kRows, kCols, kLdy, groups, x_rows, true, rng);
+  ASSERT_NE(row_bytes(TensorType::Q6_K, 768) % 16, 0u);
+  check_fused_on_quantized_values(TensorType::Q6_K, 768, 3003);
 }
 
 // Q6_K blocks of random BYTES: every quant, every int8 scale (-128..127), fp16 d of random sign
