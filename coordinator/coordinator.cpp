@@ -128,7 +128,7 @@ class Coordinator final : public generate::Coordinator::Service {
         sample_(control.add_stage("sample")), stream_write_(control.add_stage("stream_write")),
         gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)), bells_(exchange_.data(), xl_) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
-    can_rewind_ = std::none_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
+    recurrent_ = std::any_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
     context_positions_ = group::planned_context(model_, o.ctx);
     try {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
@@ -221,8 +221,8 @@ class Coordinator final : public generate::Coordinator::Service {
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
     // Speculation (GenerateRequest::speculate): prompt-lookup drafts verified by greedy tokens,
-    // so only where the gpu_worker returns them and the cache can drop rejected positions.
-    const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0 && can_rewind_;
+    // so only where the gpu_worker returns them.
+    const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0;
     group::DraftPolicy policy;
     try {
       auto t0 = Clock::now();
@@ -274,19 +274,23 @@ class Coordinator final : public generate::Coordinator::Service {
           finish = generate::FINISH_CANCELLED;
           break;
         }
+        // The tokens not cached yet: the last one, or after a rejected window on a model with
+        // recurrent layers, the window's accepted tokens again (its state went back to before it).
+        const int64_t pending = static_cast<int64_t>(context.size()) - position_;
         // A window emits up to draft + 1 tokens: no more than are left to generate, and no
         // position past the cache that a one-token step would not have needed.
         group::LookupOptions lo{o_.speculate_draft, o_.speculate_ngram, 1};
         lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(max_new - i) - 1,
-                                                           context_positions_ - position_ - 1, o_.max_tokens - 1}));
+                                                           context_positions_ - static_cast<int64_t>(context.size()),
+                                                           o_.max_tokens - pending}));
         std::vector<int32_t> draft;
         if (speculate && lo.max_draft > 0) draft = group::lookup_draft(context, lo);
         const auto ts = Clock::now();
         if (!draft.empty() && policy.should_verify()) {
-          std::vector<int32_t> window{context.back()};
+          std::vector<int32_t> window(context.begin() + position_, context.end());
           window.insert(window.end(), draft.begin(), draft.end());
           const int64_t at = position_;
-          const StepOutput v = verify(window, context);
+          const StepOutput v = verify(window, static_cast<int64_t>(draft.size()) + 1, context);
           const size_t j = group::accepted_prefix(draft, v.row_tokens);
           if (sp.check_logits()) {   // the rows whose tokens are used
             for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
@@ -294,8 +298,10 @@ class Coordinator final : public generate::Coordinator::Service {
           decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
           decided.push_back(v.row_tokens[j]);
           greedy_worker_tokens_ += decided.size();
-          position_ = at + 1 + static_cast<int64_t>(j);   // the last token and the accepted drafts
           rewind_pending_ = j < draft.size();
+          // Cached now: the pending tokens and the accepted drafts; with recurrent layers after a
+          // rejection, nothing of the window (the snapshot before it comes back).
+          if (rewind_pending_) position_ = recurrent_ ? at : at + pending + static_cast<int64_t>(j);
           const double us = us_since(ts);
           policy.record_verify(us, static_cast<int64_t>(decided.size()));
           decode_.record(decided.size(), 0, 0, us);
@@ -306,7 +312,7 @@ class Coordinator final : public generate::Coordinator::Service {
           timing.set_accepted_draft_tokens(timing.accepted_draft_tokens() + static_cast<uint32_t>(j));
           continue;
         }
-        out = feed(&context.back(), 1, false, context);
+        out = feed(context.data() + position_, pending, false, context);
         const double us = us_since(ts);
         if (speculate) policy.record_decode(us);
         decode_.record(1, 0, 0, us);
@@ -415,18 +421,21 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  // A verify window: `window` (the last sampled token, then the draft) as one step with every
-  // row's greedy token. `context` ends with window[0]; a failed step replays the context before
-  // it from a reset, then the window.
-  StepOutput verify(const std::vector<int32_t>& window, const std::vector<int32_t>& context) {
+  // A verify window: `window` (the tokens not cached yet, then the draft) as one step, with the
+  // greedy token of each of its last `rows` rows (the last pending token's and the drafts'); on a
+  // model with recurrent layers the gpu_worker first saves their state (StepHeader::snapshot).
+  // `context` ends with the pending tokens; a failed step replays the context before them from a
+  // reset, then the window.
+  StepOutput verify(const std::vector<int32_t>& window, int64_t rows, const std::vector<int32_t>& context) {
     const int64_t n = static_cast<int64_t>(window.size());
+    const int64_t before = position_;
     for (int attempt = 0;; ++attempt) {
       try {
         if (attempt > 0) {
           ++reissued_;
-          run_steps(context.data(), static_cast<int64_t>(context.size()) - 1, true);
+          run_steps(context.data(), before, true);
         }
-        return run_steps(window.data(), n, false, n);
+        return run_steps(window.data(), n, false, rows, recurrent_);
       } catch (const std::exception& e) {
         if (attempt >= o_.step_retries) throw;
         std::cerr << "coordinator: step failed (" << e.what() << "); re-issuing from a reset\n";
@@ -434,8 +443,9 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_).
-  StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset, int64_t logit_rows = 1) {
+  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_);
+  // snapshot: StepHeader::snapshot of the (one) step.
+  StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset, int64_t logit_rows = 1, bool snapshot = false) {
     std::byte* base = exchange_.data();
     const int64_t V = model_.hp.n_vocab;
     const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
@@ -457,6 +467,7 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->logit_rows = static_cast<uint32_t>(logit_rows);
       hdr->reset = reset && at == 0;
       hdr->rewind = rewind_pending_ && !hdr->reset ? 1 : 0;
+      hdr->snapshot = snapshot ? 1 : 0;
       hdr->first_position = static_cast<uint32_t>(position_);
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
@@ -549,7 +560,7 @@ class Coordinator final : public generate::Coordinator::Service {
   // The previous verify step rejected drafts: the gpu_worker caches positions past position_,
   // which the next step drops (StepHeader::rewind).
   bool rewind_pending_ = false;
-  bool can_rewind_ = false;          // the model has no recurrent layer (speculation possible)
+  bool recurrent_ = false;           // the model has recurrent layers: rewinds go to a snapshot
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};

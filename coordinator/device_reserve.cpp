@@ -15,9 +15,10 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
   o.max_context = std::max<std::int64_t>(context, o.max_tokens);   // as gpu_worker.cpp sizes the cache
   o.gemm_prefill_rows = gpu_worker::BackendOptions{}.gemm_prefill_rows;   // the gpu_worker runs the default
   for (const model::LayerWeights& L : layers) {
-    if (L.recurrent)
+    if (L.recurrent) {
       o.recurrent = true;
-    else
+      ++o.recurrent_layers;
+    } else
       o.q_rows = std::max(o.q_rows, L.attn.q.n_rows);
     // Which layers moe_fused takes (formats and shapes its kernels accept, kernels/cuda) and which
     // of them hold experts on the device (placement, decided after this reserve) are not known

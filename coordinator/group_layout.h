@@ -73,6 +73,9 @@ struct StepHeader {
   // 1: the gpu_worker first drops the cached positions from first_position on (the draft tokens
   // the previous verify step rejected; Backend::rewind). 0: first_position must be what is cached.
   std::uint32_t rewind;
+  // 1: the gpu_worker saves the recurrent (DeltaNet) state before the step (Backend::snapshot): a
+  // verify step on a model with recurrent layers, which a rejection rewinds to first_position.
+  std::uint32_t snapshot;
 };
 
 // Rows of one step whose greedy tokens the gpu_worker returns (StepReply::row_tokens): a verify

@@ -77,9 +77,12 @@ class Backend {
   virtual void reset() = 0;   // forget the cached sequence
   virtual int64_t n_past() const = 0;
   // Speculation (StepHeader::rewind): drop the cached positions from n_past on, the draft tokens
-  // a verify step rejected. Only backends and models that can (attention caches are overwritten
-  // in place; a recurrent state cannot be taken back); else rewind throws std::logic_error.
+  // a verify step rejected. Attention caches are overwritten in place, so any n_past will do; a
+  // recurrent (DeltaNet) state cannot be taken back token by token, so a model with one rewinds
+  // only to the position of its last snapshot() (StepHeader::snapshot, before a verify step),
+  // whose saved states come back. A backend that cannot throws std::logic_error.
   virtual bool can_rewind() const { return false; }
+  virtual void snapshot() { throw std::logic_error("this backend cannot snapshot its recurrent state"); }
   virtual void rewind(int64_t n_past) {
     throw std::logic_error("this backend cannot rewind its cache to " + std::to_string(n_past) + " positions");
   }

@@ -140,7 +140,8 @@ class CpuBackend final : public Backend {
         if (!std::isfinite(row[i])) nonfinite_out_[r] = static_cast<int32_t>(2 * i + (std::isnan(row[i]) ? 1 : 0));
     }
   }
-  bool can_rewind() const override { return exec_.can_rewind(); }
+  bool can_rewind() const override { return true; }
+  void snapshot() override { exec_.snapshot(); }
   void rewind(int64_t n_past) override { exec_.rewind(n_past); }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the

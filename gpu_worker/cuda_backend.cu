@@ -74,6 +74,7 @@ void CudaBackend::reset() {
   zero_states();
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   n_past_ = 0;
+  snapshot_pos_ = -1;
 }
 
 bool CudaBackend::layer_on_device(int64_t il) const {
@@ -273,9 +274,10 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
   o.gemm_prefill_rows = gemm_prefill_rows_;
   for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
     const DevLayer& L = layers_[il];
-    if (L.recurrent)
+    if (L.recurrent) {
       o.recurrent = true;
-    else
+      ++o.recurrent_layers;
+    } else
       o.q_rows = std::max(o.q_rows, m_.layers[il].attn.q.n_rows);
     if (L.fused) o.fused_down_types.push_back(L.down.type);
     o.expert_matvec = o.expert_matvec || (L.resident > 0 && !L.fused);

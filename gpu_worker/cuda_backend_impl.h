@@ -120,17 +120,11 @@ class CudaBackend final : public Backend {
   void reset() override;
   int64_t n_past() const override { return n_past_; }
   // Attention caches are written at their positions each step: dropping positions is moving
-  // n_past back (the next step overwrites them). Not with a DeltaNet layer's running state.
-  bool can_rewind() const override {
-    return std::none_of(m_.layers.begin(), m_.layers.end(), [](const auto& L) { return L.recurrent; });
-  }
-  void rewind(int64_t n_past) override {
-    if (!can_rewind() || n_past < 0 || n_past > n_past_)
-      throw std::logic_error("CUDA backend: cannot rewind to " + std::to_string(n_past) + " of " +
-                             std::to_string(n_past_) + " cached positions" +
-                             (can_rewind() ? "" : " (the model has recurrent layers)"));
-    n_past_ = n_past;
-  }
+  // n_past back (the next step overwrites them). DeltaNet layers' states are copied into
+  // delta_snapshot_ by snapshot() and back by a rewind to that position (cuda_backend_layers.cu).
+  bool can_rewind() const override { return true; }
+  void snapshot() override;
+  void rewind(int64_t n_past) override;
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override;
   void embed(const int32_t* tokens, int64_t n) override;
@@ -275,6 +269,7 @@ class CudaBackend final : public Backend {
   cuda::DeltaNetShape delta_shape() const;
   void upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D);
   void zero_states();
+  void copy_states(bool save);   // the recurrent states to (save) or from delta_snapshot_
   void delta_net_block(DevLayer& L, int64_t n);
   cuda::AttentionShape attention_shape() const;
   void attention_block(DevLayer& L, int64_t n);
@@ -305,6 +300,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
   std::vector<cuda::ExpertRows> gemm_groups_;
   int64_t n_past_ = 0, step_n_ = 0;
+  int64_t snapshot_pos_ = -1;   // the position of delta_snapshot_'s states (-1: none since reset)
   cudaStream_t stream_ = nullptr;
   cudaEvent_t routed_ = nullptr;   // layer_begin: routing and h copied to the host
   cudaStream_t copy_stream_ = nullptr;   // expert copies of the adaptive VRAM tier
@@ -338,6 +334,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer<float> expert_in_, expert_g_, expert_u_, expert_out_;
   DeviceBuffer<float> shared_g_, shared_u_, shared_out_, shared_logit_, logits_;
   DeviceBuffer<float> mixed_, z_, ba_, core_, delta_ws_;  // Gated DeltaNet scratch
+  DeviceBuffer<float> delta_snapshot_;   // the recurrent layers' conv and ssm states, in layer order
   DeviceBuffer<uint8_t> fused_ws_;
   PinnedBuffer<int32_t> tok_pinned_, pos_pinned_, alt_pinned_, idx_pinned_;
   PinnedBuffer<int32_t> chosen_pinned_;   // [layer][max_tokens * k]: routing of layer_whole layers

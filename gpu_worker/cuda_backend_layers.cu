@@ -26,6 +26,43 @@ void CudaBackend::zero_states() {
   }
 }
 
+// Every recurrent layer's two states to or from their places in delta_snapshot_, on stream_
+// (in order with the steps around them).
+void CudaBackend::copy_states(bool save) {
+  float* at = delta_snapshot_.get();
+  const bool conv = delta_shape().conv_kernel > 1;   // else conv_state is a 1-float placeholder
+  for (DevLayer& L : layers_) {
+    if (!L.recurrent) continue;
+    for (DeviceBuffer<float>* state : {&L.conv_state, &L.ssm_state}) {
+      if (state == &L.conv_state && !conv) continue;
+      if (at + state->size() > delta_snapshot_.get() + delta_snapshot_.size())
+        throw std::logic_error("CUDA backend: the recurrent states outgrow their snapshot buffer");
+      CUDA_CHECK(cudaMemcpyAsync(save ? at : state->get(), save ? state->get() : at, state->bytes(),
+                                 cudaMemcpyDeviceToDevice, stream_));
+      at += state->size();
+    }
+  }
+}
+
+void CudaBackend::snapshot() {
+  use_device();
+  copy_states(true);
+  snapshot_pos_ = n_past_;
+}
+
+void CudaBackend::rewind(int64_t n_past) {
+  use_device();
+  const bool recurrent = delta_snapshot_.size() > 0;
+  if (n_past < 0 || n_past > n_past_ || (recurrent && n_past != snapshot_pos_))
+    throw std::logic_error("CUDA backend: cannot rewind to " + std::to_string(n_past) + " of " +
+                           std::to_string(n_past_) + " cached positions" +
+                           (recurrent ? " (recurrent layers: only to the snapshot, " +
+                                            (snapshot_pos_ < 0 ? std::string("none taken") : "at " + std::to_string(snapshot_pos_)) + ")"
+                                      : std::string()));
+  if (recurrent) copy_states(false);
+  n_past_ = n_past;
+}
+
 // Gated DeltaNet over the normalised rows in h_, its output added to x_: the projections as
 // matvecs, the conv / gates / recurrence / gated norm by delta_net_mix, then the out projection.
 void CudaBackend::delta_net_block(DevLayer& L, int64_t n) {

@@ -280,6 +280,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   ba_ = DeviceBuffer<float>(s.count<float>("delta_ba"));
   core_ = DeviceBuffer<float>(s.count<float>("delta_core"));
   delta_ws_ = DeviceBuffer<float>(s.count<float>("delta_ws"));
+  delta_snapshot_ = DeviceBuffer<float>(s.count<float>("delta_snapshot"));
   handoff_seq_dev_ = DeviceBuffer<uint64_t>(s.count<uint64_t>("handoff_seq"));
   handoff_error_ = DeviceBuffer<int32_t>(s.count<int32_t>("handoff_error"));
   CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));

@@ -30,6 +30,7 @@ struct CudaStepScratchOptions {
   int64_t gemm_prefill_rows = 0;    // BackendOptions::gemm_prefill_rows: PrefillGemm when in 1..max_tokens
   int64_t q_rows = 0;               // rows of the widest q projection (gated q: 2 x n_head x head_dim); 0: none
   bool recurrent = false;           // some layer is a Gated DeltaNet layer
+  int64_t recurrent_layers = 0;     // how many (their states' snapshot for speculation)
   bool expert_matvec = false;       // some layer's resident experts take the batched matvec path
   std::vector<TensorType> fused_down_types;   // the down format of each layer that goes through moe_fused
   // The hand-off's taken expert (Backend::handoff_take_expert): bytes of the largest arena slot
@@ -185,6 +186,10 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
     s.add("delta_ba", T * 2 * static_cast<uint64_t>(ds.n_v_heads) * f);
     s.add("delta_core", T * static_cast<uint64_t>(ds.value_dim()) * f);
     s.add("delta_ws", static_cast<uint64_t>(cuda::delta_net_mix_workspace_floats(ds, o.max_tokens)) * f);
+    // Backend::snapshot: every recurrent layer's conv and ssm state, taken before a verify step
+    // (80B shape: 36 layers, ~76 MB).
+    s.add("delta_snapshot",
+          static_cast<uint64_t>(o.recurrent_layers * (ds.conv_state_floats() + ds.ssm_state_floats())) * f);
   }
   s.add("handoff_seq", sizeof(uint64_t));
   s.add("handoff_error", i32);

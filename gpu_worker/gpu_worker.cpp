@@ -186,6 +186,12 @@ class StepRunner {
       throw std::runtime_error("step starts at position " + std::to_string(hdr->first_position) + " but " +
                                std::to_string(backend_->n_past()) + " positions are cached");
     }
+    if (hdr->snapshot) {
+      if (!backend_->can_rewind())
+        throw std::runtime_error("step " + std::to_string(seq) + " asks for a snapshot of the recurrent state, but this "
+                                 "backend cannot rewind");
+      backend_->snapshot();
+    }
     for (const auto& [il, e] : backend_->landed_swaps()) {   // between steps: no worker is computing
       resident_[il * m_.hp.n_expert + e] = 1;
       ++experts_swapped_in_;

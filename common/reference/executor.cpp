@@ -24,22 +24,40 @@ void ReferenceExecutor::reset() {
     state_[il].ssm_state.assign(hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim, 0.0f);
   }
   n_past_ = 0;
+  snapshot_pos_ = -1;
 }
 
-bool ReferenceExecutor::can_rewind() const {
+bool ReferenceExecutor::has_recurrent() const {
   for (const auto& L : m_.layers)
-    if (L.recurrent) return false;
-  return true;
+    if (L.recurrent) return true;
+  return false;
+}
+
+void ReferenceExecutor::snapshot() {
+  snapshot_.assign(state_.size(), LayerState{});
+  for (size_t il = 0; il < state_.size(); ++il) {
+    snapshot_[il].conv_state = state_[il].conv_state;
+    snapshot_[il].ssm_state = state_[il].ssm_state;
+  }
+  snapshot_pos_ = n_past_;
 }
 
 void ReferenceExecutor::rewind(int64_t n_past) {
-  if (!can_rewind()) throw std::logic_error("reference executor: cannot rewind a model with recurrent (DeltaNet) layers");
   if (n_past < 0 || n_past > n_past_)
     throw std::logic_error("reference executor: rewind to " + std::to_string(n_past) + " positions, but " +
                            std::to_string(n_past_) + " are cached");
+  if (has_recurrent() && n_past != snapshot_pos_)
+    throw std::logic_error("reference executor: a model with recurrent (DeltaNet) layers rewinds only to its snapshot (" +
+                           (snapshot_pos_ < 0 ? std::string("none taken") : "at " + std::to_string(snapshot_pos_)) +
+                           "), not to " + std::to_string(n_past));
   const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
-  for (LayerState& S : state_) {
-    if (S.k_cache.empty()) continue;
+  for (size_t il = 0; il < state_.size(); ++il) {
+    LayerState& S = state_[il];
+    if (m_.layers[il].recurrent) {
+      S.conv_state = snapshot_[il].conv_state;
+      S.ssm_state = snapshot_[il].ssm_state;
+      continue;
+    }
     S.k_cache.resize(static_cast<size_t>(n_past * kv_dim));
     S.v_cache.resize(static_cast<size_t>(n_past * kv_dim));
   }

@@ -58,11 +58,14 @@ class ReferenceExecutor {
   model::KvType kv_type() const { return kv_type_; }
 
   void reset();  // forget every cached token
-  // Speculation's rejected tokens: keep only positions 0 .. n_past - 1 of the caches. Only models
-  // without recurrent layers (a DeltaNet state cannot be taken back). Throws std::logic_error
-  // when the model has one or n_past is more than is cached.
+  // Speculation's rejected tokens: keep only positions 0 .. n_past - 1 of the caches. A DeltaNet
+  // layer's state cannot be taken back token by token: a model with one rewinds only to the
+  // position of its last snapshot() (the recurrent states saved there come back; the attention
+  // caches are cut). Throws std::logic_error when n_past is more than is cached, or, with
+  // recurrent layers, is not the snapshot's position.
+  void snapshot();
   void rewind(int64_t n_past);
-  bool can_rewind() const;
+  bool has_recurrent() const;
   int64_t n_past() const { return n_past_; }
   const model::Model& model() const { return m_; }
   int64_t n_vocab() const { return m_.hp.n_vocab; }
@@ -88,6 +91,8 @@ class ReferenceExecutor {
   uint64_t kv_perturb_seed_;
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
+  std::vector<LayerState> snapshot_;   // recurrent states at snapshot_pos_ (-1: none since reset)
+  int64_t snapshot_pos_ = -1;
 };
 
 }  // namespace moraine::reference

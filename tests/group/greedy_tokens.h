@@ -34,30 +34,32 @@ inline void expect_worker_greedy_tokens(const GroupOptions& o, const std::vector
 }
 
 // A prompt whose greedy continuation repeats itself, so that prompt-lookup drafts are accepted
-// and, where the loop breaks, rejected: the pair (a, b) eight times. Random tiny models rarely
-// repeat their output otherwise (the golden prompt's 32 greedy tokens hold no draft a lookup
-// would get right). Found by simulating the drafter over the reference's greedy tokens for
-// prompts (t, t + 97) x 8, every 13th t: qwen3moe_odd (f32) with (754, 851) gives
-// 206 132 47 143 47 143 ... 47 143 361 687 194 699 47 143 361 687 ..., 17 acceptable drafts of 31;
-// qwen3moe_k256 with the kmix weights and (104, 201) gives 108 226 22 x 7, then 246 86 191 561 502 135
-// ..., 16 of 31. Other models: the pair (1, 2) (the tests that use it expect no drafts there).
+// and, where the loop breaks, rejected: a unit of one or two tokens eight times. Random tiny
+// models rarely repeat their output otherwise (the golden prompt's 32 greedy tokens hold no draft
+// a lookup would get right). Found by simulating the drafter over the reference's greedy tokens
+// (F32 cache) for prompts (t) x 8 and (t, t + 97) x 8, every 13th t:
+// - qwen3moe_odd (f32), (754, 851): 206 132 47 143 47 143 ... 47 143 361 687 194 699 47 143 ...,
+//   17 acceptable drafts of 31;
+// - qwen3moe_k256 (kmix weights), (104, 201): 108 226 22 x 7, then 246 86 191 561 502 ..., 16 of 31;
+// - qwen3next_k256 (kmix weights), (442): ... 562 3 13 499 240 464 173 562 3 13 499 240 ..., 5 of 31.
+// Other models: (1, 2) (the tests that use it there expect no drafts).
 inline std::vector<int32_t> repeating_prompt(const std::string& model) {
-  const std::pair<int32_t, int32_t> ab = model == "qwen3moe_odd"    ? std::pair{754, 851}
-                                         : model == "qwen3moe_k256" ? std::pair{104, 201}
-                                                                     : std::pair{1, 2};
+  const std::vector<int32_t> unit = model == "qwen3moe_odd"     ? std::vector<int32_t>{754, 851}
+                                    : model == "qwen3moe_k256"  ? std::vector<int32_t>{104, 201}
+                                    : model == "qwen3next_k256" ? std::vector<int32_t>{442}
+                                                                : std::vector<int32_t>{1, 2};
   std::vector<int32_t> p;
-  for (int i = 0; i < 8; ++i) p.insert(p.end(), {ab.first, ab.second});
+  for (int i = 0; i < 8; ++i) p.insert(p.end(), unit.begin(), unit.end());
   return p;
 }
 
 // Speculative decode (GenerateRequest::speculate) in the group `o` describes: `tokens` greedy
 // tokens from `prompt`, plainly and with check_logits, must be `want` (the reference's greedy
-// tokens) both times. drafts: the model can rewind its cache, so the coordinator must have
-// verified drafted windows (a prompt whose suffixes recur gives drafts at once) and accepted
-// some (the assertion that the accept path ran; `want` must continue a repetition for that);
-// else it must have verified none. Stops the group.
+// tokens) both times; the coordinator must have verified drafted windows (a prompt whose
+// suffixes recur gives drafts at once) and accepted some (the assertion that the accept path
+// ran: `want` must continue a repetition, repeating_prompt). Stops the group.
 inline void expect_speculative_tokens(const GroupOptions& o, const std::vector<int32_t>& prompt,
-                                      const std::vector<int32_t>& want, int tokens, bool drafts) {
+                                      const std::vector<int32_t>& want, int tokens) {
   Group g(o);
   for (const bool check : {false, true}) {
     const Generation gen = generate(g.socket_dir(), prompt, tokens, check, /*speculate=*/true);
@@ -70,16 +72,11 @@ inline void expect_speculative_tokens(const GroupOptions& o, const std::vector<i
   std::printf("speculation: %llu verify steps, %llu of %llu drafted tokens accepted\n",
               static_cast<unsigned long long>(verified), static_cast<unsigned long long>(accepted),
               static_cast<unsigned long long>(drafted));
-  if (drafts) {
-    EXPECT_GT(verified, 0u);
-    EXPECT_GE(drafted, verified);
-    EXPECT_GT(accepted, 0u);
-    // Every token is the gpu_worker's greedy token: one-token steps' and verified windows'.
-    EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
-  } else {
-    EXPECT_EQ(verified, 0u);
-    EXPECT_EQ(drafted, 0u);
-  }
+  EXPECT_GT(verified, 0u);
+  EXPECT_GE(drafted, verified);
+  EXPECT_GT(accepted, 0u);
+  // Every token is the gpu_worker's greedy token: one-token steps' and verified windows'.
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
   g.stop();
 }
 

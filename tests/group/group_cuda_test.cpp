@@ -176,7 +176,8 @@ INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
 
 // Speculative decode on the device: verify windows of up to 5 rows (the decode kernels' multi-row
 // path), their greedy tokens from the argmax kernel, rejected drafts dropped by moving n_past
-// back; the tokens are still the reference's, through the captured step and the hand-off.
+// back (qwen3next: the DeltaNet states copied back from the snapshot taken before the window);
+// the tokens are still the reference's, through the captured step and the hand-off.
 class GroupCudaSpeculation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GroupCudaSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
@@ -191,13 +192,14 @@ TEST_P(GroupCudaSpeculation, VerifiedDraftsGiveTheReferenceTokens) {
   o.model = model;
   o.backend = "cuda";
   o.vram = c.experts == Experts::kVram ? "1099511627776" : half_the_experts(model);
-  ASSERT_NO_FATAL_FAILURE(expect_speculative_tokens(o, prompt, ref.ids, kTokens, /*drafts=*/true));
+  ASSERT_NO_FATAL_FAILURE(expect_speculative_tokens(o, prompt, ref.ids, kTokens));
   fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaSpeculation,
                          ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
-                                           Case{"qwen3moe_odd", "f32", Experts::kHalf}),
+                                           Case{"qwen3moe_odd", "f32", Experts::kHalf},
+                                           Case{"qwen3next_k256", "kmix", Experts::kHalf}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
 }  // namespace

@@ -115,9 +115,10 @@ TEST_P(ExecutorConsistency, DecodeAfterPrefillEqualsFreshPrefill) {
   EXPECT_TRUE(bit_equal(inc.forward(tokens, true), all));
 }
 
-// Speculation's rejected drafts: after a window of 4 tokens and a rewind that keeps 2 of them,
-// the next tokens' logits are a fresh prefill's of the kept sequence (attention caches only; a
-// model with DeltaNet layers refuses, and keeps its state).
+// Speculation's rejected drafts: a window of 4 tokens after a snapshot, then a rewind. Attention
+// caches drop positions anywhere: keep 2 of the window, and the next tokens' logits are a fresh
+// prefill's of the kept sequence. A model with DeltaNet layers rewinds only to the snapshot (its
+// state comes back; anywhere else throws and keeps the state): then the kept tokens go in again.
 TEST_P(ExecutorConsistency, RewindDropsRejectedPositions) {
   const Variant var = variants()[GetParam()];
   SCOPED_TRACE(var.name);
@@ -128,26 +129,35 @@ TEST_P(ExecutorConsistency, RewindDropsRejectedPositions) {
   const auto prefix = random_tokens(var.spec.seed + 11, 6, m.hp.n_vocab);
   const auto rejected = random_tokens(var.spec.seed + 12, 4, m.hp.n_vocab);
   const auto next = random_tokens(var.spec.seed + 13, 3, m.hp.n_vocab);
-  ReferenceExecutor ex(m, {2});
-  ex.forward(prefix, false);
-  ex.forward(rejected, true);
-  ASSERT_EQ(ex.n_past(), 10);
-  if (!ex.can_rewind()) {
-    EXPECT_EQ(var.spec.arch, "qwen3next");
-    EXPECT_THROW(ex.rewind(8), std::logic_error);
-    EXPECT_EQ(ex.n_past(), 10);
-    return;
-  }
-  EXPECT_THROW(ex.rewind(11), std::logic_error);   // more than is cached
-  ex.rewind(8);   // prefix + the first 2 window tokens stay
-  EXPECT_EQ(ex.n_past(), 8);
-  const std::vector<float> got = ex.forward(next, true);
   std::vector<int32_t> kept = prefix;
   kept.insert(kept.end(), rejected.begin(), rejected.begin() + 2);
   kept.insert(kept.end(), next.begin(), next.end());
   ReferenceExecutor fresh(m, {2});
   const std::vector<float> all = fresh.forward(kept, true);
-  EXPECT_TRUE(bit_equal(got, std::vector<float>(all.end() - 3 * m.hp.n_vocab, all.end())));
+  const int64_t V = m.hp.n_vocab;
+
+  ReferenceExecutor ex(m, {2});
+  EXPECT_THROW(ex.rewind(1), std::logic_error);   // nothing cached
+  ex.forward(prefix, false);
+  ex.snapshot();
+  ex.forward(rejected, true);
+  ASSERT_EQ(ex.n_past(), 10);
+  EXPECT_THROW(ex.rewind(11), std::logic_error);   // more than is cached
+  EXPECT_EQ(ex.has_recurrent(), var.spec.arch == "qwen3next");
+  std::vector<float> got;
+  if (!ex.has_recurrent()) {
+    ex.rewind(8);   // prefix + the first 2 window tokens stay
+    EXPECT_EQ(ex.n_past(), 8);
+    got = ex.forward(next, true);
+  } else {
+    EXPECT_THROW(ex.rewind(8), std::logic_error);   // not the snapshot's position
+    EXPECT_EQ(ex.n_past(), 10);
+    ex.rewind(6);
+    EXPECT_EQ(ex.n_past(), 6);
+    std::vector<float> again = ex.forward(std::span(kept).subspan(6), true);
+    got.assign(again.end() - 3 * V, again.end());
+  }
+  EXPECT_TRUE(bit_equal(got, std::vector<float>(all.end() - 3 * V, all.end())));
 }
 
 TEST_P(ExecutorConsistency, ThreadCountDoesNotChangeResults) {
