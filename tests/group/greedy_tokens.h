@@ -41,12 +41,13 @@ inline void expect_worker_greedy_tokens(const GroupOptions& o, const std::vector
 // - qwen3moe_odd (f32), (754, 851): 206 132 47 143 47 143 ... 47 143 361 687 194 699 47 143 ...,
 //   17 acceptable drafts of 31;
 // - qwen3moe_k256 (kmix weights), (104, 201): 108 226 22 x 7, then 246 86 191 561 502 ..., 16 of 31;
-// - qwen3next_k256 (kmix weights), (442): ... 562 3 13 499 240 464 173 562 3 13 499 240 ..., 5 of 31.
+// - qwen3next_k256 (kmix weights), (299): 449 86 319 409 449 420 ... 562 3 13 499 240 464 173 562
+//   3 13 499 240, one draft rejected (449 -> 420, the DeltaNet snapshot restored) and 4 accepted.
 // Other models: (1, 2) (the tests that use it there expect no drafts).
 inline std::vector<int32_t> repeating_prompt(const std::string& model) {
   const std::vector<int32_t> unit = model == "qwen3moe_odd"     ? std::vector<int32_t>{754, 851}
                                     : model == "qwen3moe_k256"  ? std::vector<int32_t>{104, 201}
-                                    : model == "qwen3next_k256" ? std::vector<int32_t>{442}
+                                    : model == "qwen3next_k256" ? std::vector<int32_t>{299}
                                                                 : std::vector<int32_t>{1, 2};
   std::vector<int32_t> p;
   for (int i = 0; i < 8; ++i) p.insert(p.end(), unit.begin(), unit.end());
@@ -55,9 +56,9 @@ inline std::vector<int32_t> repeating_prompt(const std::string& model) {
 
 // Speculative decode (GenerateRequest::speculate) in the group `o` describes: `tokens` greedy
 // tokens from `prompt`, plainly and with check_logits, must be `want` (the reference's greedy
-// tokens) both times; the coordinator must have verified drafted windows (a prompt whose
-// suffixes recur gives drafts at once) and accepted some (the assertion that the accept path
-// ran: `want` must continue a repetition, repeating_prompt). Stops the group.
+// tokens) both times; the coordinator must have verified drafted windows, accepted some drafts
+// and rejected some (the assertions that both paths ran: `want` must repeat itself and break the
+// repetition, repeating_prompt). Stops the group.
 inline void expect_speculative_tokens(const GroupOptions& o, const std::vector<int32_t>& prompt,
                                       const std::vector<int32_t>& want, int tokens) {
   Group g(o);
@@ -75,6 +76,7 @@ inline void expect_speculative_tokens(const GroupOptions& o, const std::vector<i
   EXPECT_GT(verified, 0u);
   EXPECT_GE(drafted, verified);
   EXPECT_GT(accepted, 0u);
+  EXPECT_GT(drafted, accepted);   // a rejection: the cache rewound (DeltaNet: the snapshot restored)
   // Every token is the gpu_worker's greedy token: one-token steps' and verified windows'.
   EXPECT_EQ(coordinator_counter(g.socket_dir(), "greedy_worker_tokens"), static_cast<uint64_t>(2 * tokens));
   g.stop();
