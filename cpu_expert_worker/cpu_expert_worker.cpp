@@ -13,9 +13,11 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <iostream>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -30,6 +32,7 @@
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
+#include "cpu_expert_worker/next_layer_guess.h"
 
 namespace {
 
@@ -42,11 +45,14 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kFetchDeadline = std::chrono::seconds(60);
 constexpr auto kFetchAttempt = std::chrono::seconds(10);
 
+// What the idle pool prefetches between two requests (--ffn-prefetch-next-layer, --ffn-prefetch-guess).
+enum class PrefetchGuess { kOff, kLastToken, kRouter };
+
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool prefetch_next_layer)
-      : man_(man), index_(index), prefetch_next_layer_(prefetch_next_layer), model_(model::Model::load(man.model_path)),
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch)
+      : man_(man), index_(index), prefetch_(prefetch), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
@@ -73,11 +79,17 @@ class ExpertWorker {
     ffn_.reserve(static_cast<int>(max_slots), hp.n_embd, hp.n_ff_exp, static_cast<int>(hp.n_expert));
     fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
     fast_jobs_.reserve(static_cast<size_t>(hp.n_expert));
-    if (prefetch_next_layer_) {
+    if (prefetch_ != PrefetchGuess::kOff) {
       last_fast_.resize(static_cast<size_t>(hp.n_layer));
       for (auto& v : last_fast_) v.reserve(static_cast<size_t>(hp.n_expert));
+      last_experts_.resize(static_cast<size_t>(hp.n_layer));
+      for (auto& v : last_experts_) v.reserve(static_cast<size_t>(hp.n_expert));
       prefetch_ptrs_.reserve(static_cast<size_t>(hp.n_expert));
+      guessed_weights_.reserve(static_cast<size_t>(hp.n_expert));
+      guessed_.reserve(static_cast<size_t>(hp.n_expert));
+      guess_experts_.reserve(static_cast<size_t>(hp.n_expert));
     }
+    if (prefetch_ == PrefetchGuess::kRouter && hp.n_layer > 1) guess_ = std::make_unique<cpu_worker::NextLayerGuess>(model_);
     scratch_.reserve(man.max_tokens, hp.n_ff_exp);
     rows_.reserve(static_cast<size_t>(max_slots));
     work_.reserve(static_cast<size_t>(hp.n_expert));
@@ -147,6 +159,8 @@ class ExpertWorker {
       work_.push_back({static_cast<int32_t>(e), static_cast<int32_t>(rows_.size()), m, out + int64_t{plan_exp_.start[e]} * d});
       for (int32_t j = 0; j < m; ++j) rows_.push_back(static_cast<int32_t>(plan_exp_.slot_of[plan_exp_.start[e] + j] / k));
     }
+    score_prefetch(il);
+    const uint32_t n_tokens = r->n_tokens;
     try {
       run_work(r->layer, xl_.region("hidden").at<const float>(exchange_.data()), seq);
     } catch (const std::exception& e) {
@@ -159,21 +173,49 @@ class ExpertWorker {
     done->ring(seq);
     last_answer_ = Clock::now();
     stage.record(r->n_tokens, work_.size(), work_bytes(il), us_since(t0));
-    prefetch_next_layer(il, req, seq);
+    prefetch_next_layer(il, n_tokens, req, seq);
     return true;
   }
 
   // --ffn-prefetch-next-layer: while the GPU runs the rest of layer il and the next layer's
   // mixer (~41 us per layer at 12G, session 9), each pool thread pulls into its L2 the rows it
-  // would compute of the experts this worker computed for layer il + 1 at the previous token
-  // (routing repeats from token to token: moraine-synth builds that locality in, as real
-  // routers have it). Ends as soon as the next request rings (polled every 1 KB per thread).
-  void prefetch_next_layer(int64_t il, const shm::Doorbell* req, uint64_t answered) {
-    if (!prefetch_next_layer_) return;
-    const std::vector<cpu::ExpertWeights>& ws = last_fast_[static_cast<size_t>((il + 1) % model_.hp.n_layer)];
-    if (ws.empty()) return;
+  // would compute of the experts this worker is likely to compute for layer il + 1. Which ones
+  // (--ffn-prefetch-guess): `router`, layer il + 1's router applied to layer il's input
+  // (next_layer_guess.h; 74% right on the 30B synth shape), best guess first; `last-token`, the
+  // experts it computed for layer il + 1 at the previous token (routing repeats from token to
+  // token: moraine-synth builds that locality in, as real routers have it). After the last
+  // layer the next request is layer 0 of the next token: both take the last-token list there.
+  // Ends as soon as the next request rings (polled every 1 KB per thread).
+  void prefetch_next_layer(int64_t il, uint32_t n_tokens, const shm::Doorbell* req, uint64_t answered) {
+    guessed_.clear();
+    guess_layer_ = -1;
+    if (prefetch_ == PrefetchGuess::kOff) return;
+    const int64_t next = (il + 1) % model_.hp.n_layer;
     prefetch_ptrs_.clear();
-    for (const cpu::ExpertWeights& w : ws) prefetch_ptrs_.push_back(&w);
+    if (prefetch_ == PrefetchGuess::kRouter && next > 0 && n_tokens <= kMaxGuessRows) {
+      // The request's rows of `hidden` are read after the answer: the gpu_worker writes the next
+      // layer's rows only once it has routed that layer (tens of us later), and a row it had
+      // begun to overwrite would only spoil the guess.
+      guess_experts_.clear();
+      guess_->guess(il, xl_.region("hidden").at<const float>(exchange_.data()), n_tokens, fast_pool_, guess_experts_);
+      guessed_weights_.clear();
+      for (const int32_t e : guess_experts_) {
+        if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(next, e)) continue;
+        const group::Tier tier = plan_.at(next, e);
+        if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
+        const std::array<model::Matrix, 3> t = tier == group::Tier::kRam ? bind(next, e, al_.ram_slot(next, e)) : mapped(next, e);
+        if (!production_kernel_for(t)) continue;
+        guessed_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
+        guessed_.push_back(e);
+      }
+      for (const cpu::ExpertWeights& w : guessed_weights_) prefetch_ptrs_.push_back(&w);
+    } else {
+      const std::vector<cpu::ExpertWeights>& ws = last_fast_[static_cast<size_t>(next)];
+      for (const cpu::ExpertWeights& w : ws) prefetch_ptrs_.push_back(&w);
+      guessed_.assign(last_experts_[static_cast<size_t>(next)].begin(), last_experts_[static_cast<size_t>(next)].end());
+    }
+    guess_layer_ = next;
+    if (prefetch_ptrs_.empty()) return;
     struct Until {
       const shm::Doorbell* req;
       uint64_t answered;
@@ -182,6 +224,17 @@ class ExpertWorker {
       const auto* u = static_cast<const Until*>(c);
       return u->req->load() > u->answered;
     }, &until);
+  }
+
+  // Counts how many of the experts prefetched for layer il this request computes here
+  // (Stats: prefetch_guessed, prefetch_guessed_right, prefetch_needed).
+  void score_prefetch(int64_t il) {
+    if (guess_layer_ != il) return;
+    uint64_t right = 0;
+    for (const Work& w : work_) right += std::find(guessed_.begin(), guessed_.end(), w.expert) != guessed_.end() ? 1 : 0;
+    prefetch_guessed_ += guessed_.size();
+    prefetch_right_ += right;
+    prefetch_needed_ += work_.size();
   }
 
   // ZeroMQ path: one validated ExpertJobList.
@@ -220,6 +273,11 @@ class ExpertWorker {
     c["doorbell_sleeps"] = bell_sleeps_.load();
     c["pool_sleeps"] = fast_pool_.sleeps();
     c["spin_cut_short"] = cpu::spins_cut_short();
+    // --ffn-prefetch-next-layer: experts prefetched before a layer's request, how many of them
+    // it asked this worker for, and how many it asked for in all (at the layers guessed for).
+    c["prefetch_guessed"] = prefetch_guessed_.load();
+    c["prefetch_guessed_right"] = prefetch_right_.load();
+    c["prefetch_needed"] = prefetch_needed_.load();
   }
 
  private:
@@ -254,7 +312,14 @@ class ExpertWorker {
     finish_compute();
     // What the next token's prefetch_next_layer reads for this layer (RAM / mapped experts: their
     // rows stay where they are; staged FILE experts' slots are reused).
-    if (prefetch_next_layer_) last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
+    if (prefetch_ != PrefetchGuess::kOff) {
+      last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
+      std::vector<int32_t>& ids = last_experts_[static_cast<size_t>(il)];
+      ids.clear();
+      for (const Work& w : work_) {
+        if (plan_.at(il, w.expert) != group::Tier::kFile) ids.push_back(w.expert);
+      }
+    }
     batch_.clear();
     for (const Work& w : work_) {
       if (plan_.at(il, w.expert) != group::Tier::kFile) continue;
@@ -372,8 +437,17 @@ class ExpertWorker {
 
   group::GroupManifest man_;
   int index_;
-  const bool prefetch_next_layer_;
-  std::vector<std::vector<cpu::ExpertWeights>> last_fast_;  // [layer] the RAM experts last computed (prefetch_next_layer_)
+  const PrefetchGuess prefetch_;
+  // Guesses a request for layer n_tokens rows at most (decode, short verify windows): a longer
+  // one is a prefill step, whose calls are long and whose idle gaps are not the point.
+  static constexpr uint32_t kMaxGuessRows = 4;
+  std::vector<std::vector<cpu::ExpertWeights>> last_fast_;  // [layer] the RAM experts last computed (prefetch_)
+  std::vector<std::vector<int32_t>> last_experts_;          // [layer] their ids
+  std::unique_ptr<cpu_worker::NextLayerGuess> guess_;       // --ffn-prefetch-guess router
+  std::vector<int32_t> guess_experts_;                      // the router guess, before filtering
+  std::vector<cpu::ExpertWeights> guessed_weights_;
+  std::vector<int32_t> guessed_;                            // experts prefetched for guess_layer_
+  int64_t guess_layer_ = -1;
   std::vector<const cpu::ExpertWeights*> prefetch_ptrs_;
   model::Model model_;   // shapes and types; the expert bytes used are the arena's
   shm::ShmSegment exchange_, arena_;
@@ -404,11 +478,12 @@ class ExpertWorker {
   jobs::JobEnvelope envelope_;
   jobs::JobReply io_reply_;
   uint64_t io_seq_ = 0;
+  std::atomic<uint64_t> prefetch_guessed_{0}, prefetch_right_{0}, prefetch_needed_{0};
   std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0}, bell_sleeps_{0};
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, bool prefetch_next_layer) {
+        bool exclusive_cpus, PrefetchGuess prefetch) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -446,7 +521,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch_next_layer);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -531,8 +606,14 @@ int main(int argc, char** argv) {
   // the whole group's decode: --no-ffn-prefetch-next-layer turns it off.
   bool prefetch_next_layer = true;
   app.add_flag("--ffn-prefetch-next-layer,!--no-ffn-prefetch-next-layer", prefetch_next_layer,
-               "after answering layer L, pull into the pool threads' L2 the experts computed for layer L+1 at the previous token, "
-               "until the next request rings (routing locality; default on)");
+               "after answering layer L, pull into the pool threads' L2 the experts it guesses layer L+1 will ask for, "
+               "until the next request rings (default on)");
+  std::string prefetch_guess = "router";
+  app.add_option("--ffn-prefetch-guess", prefetch_guess,
+                 "how --ffn-prefetch-next-layer guesses: router (layer L+1's router on layer L's input) or last-token "
+                 "(the experts of layer L+1 at the previous token)")
+      ->check(CLI::IsMember({"router", "last-token"}))
+      ->capture_default_str();
   app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
   {
@@ -548,7 +629,10 @@ int main(int argc, char** argv) {
     moraine::cpu::set_matvec_prefetch(pf);
   }
   try {
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch_next_layer);
+    const PrefetchGuess prefetch = !prefetch_next_layer          ? PrefetchGuess::kOff
+                                   : prefetch_guess == "router" ? PrefetchGuess::kRouter
+                                                                : PrefetchGuess::kLastToken;
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;
