@@ -131,7 +131,9 @@ TEST_F(GuessFixture, SeveralRowsGiveTheUnionRowZeroFirst) {
   for (int t = 0; t < 3; ++t) {
     std::vector<int32_t> one;
     guess.guess(1, h.data() + t * d, 1, pool, one);
-    if (t == 0) EXPECT_TRUE(std::equal(one.begin(), one.end(), all.begin()));
+    if (t == 0) {
+      EXPECT_TRUE(std::equal(one.begin(), one.end(), all.begin()));
+    }
     for (int32_t e : one) {
       EXPECT_NE(std::find(all.begin(), all.end(), e), all.end());
       if (std::find(each.begin(), each.end(), e) == each.end()) each.push_back(e);
