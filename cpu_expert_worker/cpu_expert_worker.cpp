@@ -78,6 +78,7 @@ class ExpertWorker {
     xg_.resize(static_cast<size_t>(max_slots * hp.n_embd));
     ffn_.reserve(static_cast<int>(max_slots), hp.n_embd, hp.n_ff_exp, static_cast<int>(hp.n_expert));
     fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
+    fast_ids_.reserve(static_cast<size_t>(hp.n_expert));
     fast_jobs_.reserve(static_cast<size_t>(hp.n_expert));
     if (prefetch_ != PrefetchGuess::kOff) {
       last_fast_.resize(static_cast<size_t>(hp.n_layer));
@@ -314,11 +315,7 @@ class ExpertWorker {
     // rows stay where they are; staged FILE experts' slots are reused).
     if (prefetch_ != PrefetchGuess::kOff) {
       last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
-      std::vector<int32_t>& ids = last_experts_[static_cast<size_t>(il)];
-      ids.clear();
-      for (const Work& w : work_) {
-        if (plan_.at(il, w.expert) != group::Tier::kFile) ids.push_back(w.expert);
-      }
+      last_experts_[static_cast<size_t>(il)].assign(fast_ids_.begin(), fast_ids_.end());
     }
     batch_.clear();
     for (const Work& w : work_) {
@@ -408,6 +405,7 @@ class ExpertWorker {
 
   void begin_compute() {
     fast_weights_.clear();
+    fast_ids_.clear();
     fast_jobs_.clear();
     fast_x_ = nullptr;
     fast_rows_ = 0;
@@ -425,6 +423,7 @@ class ExpertWorker {
     }
     // fast_weights_ has capacity n_expert (reserved), so the pointers jobs hold stay valid.
     fast_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
+    fast_ids_.push_back(w.expert);
     fast_jobs_.push_back({&fast_weights_.back(), rows, w.m, w.y});
     fast_x_ = hidden;
     for (int32_t j = 0; j < w.m; ++j) fast_rows_ = std::max(fast_rows_, rows[j] + 1);
@@ -461,6 +460,7 @@ class ExpertWorker {
   Clock::time_point last_answer_{};       // when the doorbell path last answered (the poll window starts there)
   cpu::MoeFfn ffn_;
   std::vector<cpu::ExpertWeights> fast_weights_;
+  std::vector<int32_t> fast_ids_;   // their experts
   std::vector<cpu::MoeFfn::RowsJob> fast_jobs_;
   const float* fast_x_ = nullptr;  // the pass's activation rows (fast_jobs_ index them)
   int32_t fast_rows_ = 0;          // rows of fast_x_ the jobs reach

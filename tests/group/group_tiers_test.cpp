@@ -138,6 +138,7 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   const nlohmann::json all = nlohmann::json::parse(out);
   std::set<std::string> seen;
   uint64_t experts_ram = 0, experts_file = 0, file_bytes = 0, experts_vram = 0, experts_taken = 0;
+  uint64_t guessed = 0, guessed_right = 0, needed = 0;
   for (const auto& p : all) {
     const std::string inst = p["instance"].get<std::string>();
     seen.insert(inst);
@@ -157,6 +158,9 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
       experts_ram += cn.at("experts_ram").get<uint64_t>();
       experts_file += cn.at("experts_file").get<uint64_t>();
       file_bytes += cn.at("file_bytes_fetched").get<uint64_t>();
+      guessed += cn.at("prefetch_guessed").get<uint64_t>();
+      guessed_right += cn.at("prefetch_guessed_right").get<uint64_t>();
+      needed += cn.at("prefetch_needed").get<uint64_t>();
     } else if (p["role"] == "ROLE_GPU_WORKER") {
       experts_vram += cn.at("experts_vram").get<uint64_t>();
       experts_taken += cn.at("experts_device_taken").get<uint64_t>();
@@ -195,6 +199,14 @@ TEST_P(GroupTiers, ThreeTiersMatchReferenceAndEveryStageCounts) {
   if (c.device_takes_from == 1) {
     EXPECT_GT(experts_taken, 0u);
   }
+  // On the doorbell path the idle pools prefetched their guesses of the next layer's quantized
+  // experts (the default router guess) at decode; right ones are a part of both what was guessed
+  // and what was asked for. (Float experts go to the reference kernel: nothing to prefetch.)
+  if (c.handoff == "doorbell" && c.weights != "f32") {
+    EXPECT_GT(guessed, 0u);
+  }
+  EXPECT_LE(guessed_right, guessed);
+  EXPECT_LE(guessed_right, needed);
   // The table form shows the placement.
   std::tie(rc, out) = run_command(shell_quote(cli.string()) + " stats --socket-dir " + shell_quote(g.socket_dir()));
   ASSERT_EQ(rc, 0) << out;
