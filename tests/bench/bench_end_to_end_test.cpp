@@ -130,6 +130,13 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   const nlohmann::json& reads = j.at("expert_reads");
   EXPECT_EQ(reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>(), (6 + 1) * n_layer * k) << reads.dump();
   EXPECT_EQ(reads.at("vram").get<int64_t>(), 0) << reads.dump();
+  // The workers' idle-time prefetch (their default router guess) over the same run: it guessed,
+  // and what it got right is part of what the layers asked the workers for.
+  const nlohmann::json& pf = j.at("cpu_prefetch");
+  EXPECT_GT(pf.at("guessed").get<int64_t>(), 0) << pf.dump();
+  EXPECT_LE(pf.at("guessed_right").get<int64_t>(), pf.at("guessed").get<int64_t>()) << pf.dump();
+  EXPECT_LE(pf.at("guessed_right").get<int64_t>(), pf.at("needed").get<int64_t>()) << pf.dump();
+  EXPECT_LE(pf.at("needed").get<int64_t>(), reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>()) << pf.dump();
 }
 
 // The census warm-up: a first run records which experts the routing uses, the group restarts

@@ -35,6 +35,10 @@ struct EngineStats {
   // Speculation over the last run (the group's coordinator with --speculate): verify steps,
   // tokens drafted and accepted. Zero without it.
   uint64_t verify_steps = 0, drafted_tokens = 0, accepted_draft_tokens = 0;
+  // The cpu workers' idle-time prefetch over the last run (cpu_expert_worker
+  // --ffn-prefetch-next-layer): experts prefetched before a layer's request, how many of them the
+  // request asked for, and how many it asked for in all. Zero without cpu workers.
+  uint64_t prefetch_guessed = 0, prefetch_guessed_right = 0, prefetch_needed = 0;
 };
 
 class BenchEngine {

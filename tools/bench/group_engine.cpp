@@ -157,8 +157,8 @@ std::array<uint64_t, 3> GroupEngine::speculation_counts() const {
   }
 }
 
-std::array<uint64_t, 4> GroupEngine::expert_counts() const {
-  std::array<uint64_t, 4> c{};
+std::array<uint64_t, 7> GroupEngine::expert_counts() const {
+  std::array<uint64_t, 7> c{};
   try {
     const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
     c[0] = counter(g, "experts_vram");
@@ -167,6 +167,9 @@ std::array<uint64_t, 4> GroupEngine::expert_counts() const {
       const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
       c[1] += counter(r, "experts_ram");
       c[2] += counter(r, "experts_file");
+      c[4] += counter(r, "prefetch_guessed");
+      c[5] += counter(r, "prefetch_guessed_right");
+      c[6] += counter(r, "prefetch_needed");
     }
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
@@ -240,8 +243,8 @@ EngineStats GroupEngine::stats() const {
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
   }
-  const std::array<uint64_t, 4> now = expert_counts();
-  for (int t = 0; t < 4; ++t) {
+  const std::array<uint64_t, 7> now = expert_counts();
+  for (size_t t = 0; t < now.size(); ++t) {
     if (now[t] < counts_at_reset_[t]) throw BenchFault("hit rates: a worker's expert counter went back (restarted?)");
   }
   const double vram = static_cast<double>(now[0] - counts_at_reset_[0]);
@@ -256,6 +259,9 @@ EngineStats GroupEngine::stats() const {
   s.verify_steps = spec[0] - speculation_at_reset_[0];
   s.drafted_tokens = spec[1] - speculation_at_reset_[1];
   s.accepted_draft_tokens = spec[2] - speculation_at_reset_[2];
+  s.prefetch_guessed = now[4] - counts_at_reset_[4];
+  s.prefetch_guessed_right = now[5] - counts_at_reset_[5];
+  s.prefetch_needed = now[6] - counts_at_reset_[6];
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

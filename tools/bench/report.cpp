@@ -63,6 +63,9 @@ nlohmann::json report_json(const BenchReport& r) {
   j["speculation"] = {{"verify_steps", r.stats.verify_steps},
                       {"drafted_tokens", r.stats.drafted_tokens},
                       {"accepted_draft_tokens", r.stats.accepted_draft_tokens}};
+  j["cpu_prefetch"] = {{"guessed", r.stats.prefetch_guessed},
+                       {"guessed_right", r.stats.prefetch_guessed_right},
+                       {"needed", r.stats.prefetch_needed}};
   return j;
 }
 
@@ -80,6 +83,9 @@ void print_table(const BenchReport& r, std::ostream& out) {
   if (r.stats.verify_steps > 0)
     out << "speculation (last run): " << r.stats.verify_steps << " verify steps, " << r.stats.accepted_draft_tokens
         << " of " << r.stats.drafted_tokens << " drafted tokens accepted\n";
+  if (r.stats.prefetch_guessed > 0)
+    out << "cpu prefetch (last run): " << r.stats.prefetch_guessed_right << " of " << r.stats.prefetch_guessed
+        << " experts prefetched were asked for; " << r.stats.prefetch_needed << " asked for at those layers\n";
   out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
