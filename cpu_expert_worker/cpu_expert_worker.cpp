@@ -614,6 +614,11 @@ int main(int argc, char** argv) {
                  "(the experts of layer L+1 at the previous token)")
       ->check(CLI::IsMember({"router", "last-token"}))
       ->capture_default_str();
+  int ffn_slice_per_expert = -1;
+  app.add_option("--ffn-slice-per-expert", ffn_slice_per_expert,
+                 "1: each expert thread computes its share of every expert (rows independent of the layer's other experts, so a "
+                 "prefetched guess lands in the L2 that reads it); 0: its share of all experts' rows end to end")
+      ->check(CLI::Range(0, 1));
   app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
   {
@@ -627,6 +632,9 @@ int main(int argc, char** argv) {
     if (ffn_prefetch_runs_l2 >= 0) pf.runs_l2_bytes = static_cast<size_t>(ffn_prefetch_runs_l2);
     if (ffn_prefetch_next >= 0) pf.next_call = ffn_prefetch_next;
     moraine::cpu::set_matvec_prefetch(pf);
+    moraine::cpu::FfnSliceOptions slices = moraine::cpu::ffn_slice_options();
+    if (ffn_slice_per_expert >= 0) slices.per_expert = ffn_slice_per_expert == 1;
+    moraine::cpu::set_ffn_slice_options(slices);
   }
   try {
     const PrefetchGuess prefetch = !prefetch_next_layer          ? PrefetchGuess::kOff

@@ -146,6 +146,7 @@ std::atomic<bool> g_wait_prefetch{FfnSliceOptions{}.wait_prefetch};
 std::atomic<int> g_slice_split{FfnSliceOptions{}.split};
 std::atomic<bool> g_gate_up_first{FfnSliceOptions{}.gate_up_first};
 std::atomic<bool> g_balanced_accumulating{FfnSliceOptions{}.accumulating};
+std::atomic<bool> g_per_expert_slices{FfnSliceOptions{}.per_expert};
 
 void set_ffn_slice_options(FfnSliceOptions o) {
   g_balanced.store(o.balanced, std::memory_order_relaxed);
@@ -153,10 +154,12 @@ void set_ffn_slice_options(FfnSliceOptions o) {
   g_slice_split.store(std::clamp(o.split, 1, kMaxSliceSplit), std::memory_order_relaxed);
   g_gate_up_first.store(o.gate_up_first, std::memory_order_relaxed);
   g_balanced_accumulating.store(o.accumulating, std::memory_order_relaxed);
+  g_per_expert_slices.store(o.per_expert, std::memory_order_relaxed);
 }
 FfnSliceOptions ffn_slice_options() {
   return {g_balanced.load(std::memory_order_relaxed), g_wait_prefetch.load(std::memory_order_relaxed), g_slice_split.load(std::memory_order_relaxed),
-          g_gate_up_first.load(std::memory_order_relaxed), g_balanced_accumulating.load(std::memory_order_relaxed)};
+          g_gate_up_first.load(std::memory_order_relaxed), g_balanced_accumulating.load(std::memory_order_relaxed),
+          g_per_expert_slices.load(std::memory_order_relaxed)};
 }
 
 std::atomic<int> g_stream_runs{FfnStreamOptions{}.runs};
@@ -348,7 +351,8 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
   bool reuse = false;
   if (balanced) {
     plan_key_next_.clear();
-    for (const int64_t v : {int64_t{n_slices}, x_jobs, int64_t{slice_opt.split}, int64_t{slice_opt.gate_up_first}, int64_t{stream_opt.down_early}, hidden})
+    for (const int64_t v : {int64_t{n_slices}, x_jobs, int64_t{slice_opt.split}, int64_t{slice_opt.gate_up_first}, int64_t{stream_opt.down_early}, hidden,
+                            int64_t{slice_opt.per_expert}})
       plan_key_next_.push_back(v);
     for (int32_t e : active_) {
       plan_key_next_.push_back(e);
@@ -407,6 +411,18 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     // Each share cut into `split` jobs (FfnSliceOptions::split).
     const int64_t split = slice_opt.split;
     auto emit_share = [&](int down, int64_t units, int w) {
+      if (slice_opt.per_expert) {
+        const int64_t pieces = std::max<int64_t>(1, split / static_cast<int64_t>(active_.size()));
+        for (int32_t e : active_) {
+          const int64_t rows = down ? hidden : experts[static_cast<size_t>(e)].weights->ffn;
+          const int64_t n = units_of(rows), u0 = n * w / n_slices, u1 = n * (w + 1) / n_slices;
+          for (int64_t k = 0; k < pieces; ++k) {
+            const int64_t a = u0 + (u1 - u0) * k / pieces, b = u0 + (u1 - u0) * (k + 1) / pieces;
+            if (a < b) spans_.push_back({e, down, a * kUnit, std::min(b * kUnit, rows), -1});
+          }
+        }
+        return;
+      }
       const int64_t u0 = units * w / n_slices, u1 = units * (w + 1) / n_slices;
       for (int64_t k = 0; k < split; ++k) emit(down, u0 + (u1 - u0) * k / split, u0 + (u1 - u0) * (k + 1) / split);
     };

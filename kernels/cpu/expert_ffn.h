@@ -233,12 +233,21 @@ FfnSchedule ffn_schedule();
 // arithmetic) ran at the kernel's speed on both lists (kernel / pattern 91-105%): the fixed
 // chunks' loss was their access pattern (each thread hopping between 32-row chunks of
 // different experts), not the arithmetic.
+// per_expert: the balanced list gives thread w the w-th share of EACH expert's rows (per phase)
+// instead of the w-th share of all experts' rows laid end to end. Then which rows of an expert a
+// thread reads does not depend on the other experts of the call, so what prefetch_experts pulled
+// into a thread's L2 for a guessed set is read by that same thread when the call's set differs
+// from the guess (the cpu_expert_worker's next-layer guess is ~84% right per expert, so its set is
+// rarely exactly right; laid end to end, one expert more or less moves every later row to
+// another thread, whose loads then go to the other core's L2). The share of an expert is cut
+// into split / experts jobs (at least one).
 struct FfnSliceOptions {
   bool balanced = true;
   bool wait_prefetch = true;
   int split = 4;
   bool gate_up_first = true;
   bool accumulating = true;
+  bool per_expert = false;
 };
 void set_ffn_slice_options(FfnSliceOptions o);
 FfnSliceOptions ffn_slice_options();

@@ -517,7 +517,8 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
   // split > 1: several jobs per thread and phase, the idle threads taking others' last ones.
   // gate_up_first: every gate/up job before any down job, the idle threads helping in between.
   const cpu::FfnSliceOptions variants[] = {{true, false, 1, false}, {false, true, 1, false}, {true, true, 1, false}, {true, true, 3, false},
-                                           {true, false, 8, false}, {true, true, 1, true}, {true, true, 4, true}};
+                                           {true, false, 8, false}, {true, true, 1, true}, {true, true, 4, true},
+                                           {true, true, 4, true, true, true}, {true, false, 1, false, true, true}};
   for (int n_exp = 1; n_exp <= 3; ++n_exp) {
     for (int m : {1, 3}) {
       const auto want = run_with(waits, {false, false, 1, false}, n_exp, m);
@@ -527,7 +528,7 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
       for (cpu::ThreadPool* pool : {&waits, &joined}) {
         for (const cpu::FfnSliceOptions& o : variants) {
           EXPECT_EQ(run_with(*pool, o, n_exp, m), want) << n_exp << " experts, " << m << " rows, balanced " << o.balanced << ", wait prefetch "
-                                                         << o.wait_prefetch << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", caller joins "
+                                                         << o.wait_prefetch << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", per expert " << o.per_expert << ", caller joins "
                                                          << pool->caller_joins();
         }
       }
@@ -591,7 +592,7 @@ TEST(MoeFfn, BalancedAccumulatingKeepsResultsBitwise) {
       for (int64_t down_rows : {int64_t{128}, int64_t{7}, int64_t{4096}}) {
         for (const cpu::FfnSliceOptions& o : variants) {
           EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want)
-              << n_tok << " tokens, down chunks " << down_rows << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", caller joins "
+              << n_tok << " tokens, down chunks " << down_rows << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", per expert " << o.per_expert << ", caller joins "
               << pool->caller_joins();
           // The same list again (reused spans and chunk counts).
           EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want) << "reused list, " << n_tok << " tokens, down chunks " << down_rows;

@@ -231,15 +231,19 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
     else ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
   };
   // --gap-prefetch: during the gap before call l, MoeFfn::prefetch_experts of call l's experts (1: the
-  // guess from routing locality was right) or of call l + n_layers / 2's (2: wrong), stopped
+  // guess from routing locality was right), of call l + n_layers / 2's (2: wrong) or of call l's
+  // but its first expert (3: one missed, so the call's list is not the guessed one), stopped
   // when the gap ends; worker form only.
-  std::vector<const cpu::ExpertWeights*> guess(static_cast<size_t>(n_per_call));
+  std::vector<const cpu::ExpertWeights*> guess;
+  guess.reserve(static_cast<size_t>(n_per_call));
   auto gap = [&](int64_t l) {
     const auto end = Clock::now() + std::chrono::microseconds(gap_us);
     if (gap_prefetch > 0 && worker_form) {
-      const int64_t g = gap_prefetch == 1 ? l : (l + n_layers / 2) % n_layers;
-      for (int k = 0; k < n_per_call; ++k) guess[static_cast<size_t>(k)] = &set.experts[static_cast<size_t>(g * n_per_call + k)];
-      ffn.prefetch_experts(guess, n_tok, pool, [](const void* c) { return Clock::now() >= *static_cast<const Clock::time_point*>(c); }, &end);
+      const int64_t g = gap_prefetch == 2 ? (l + n_layers / 2) % n_layers : l;
+      const int first = gap_prefetch == 3 ? 1 : 0;
+      guess.clear();
+      for (int k = first; k < n_per_call; ++k) guess.push_back(&set.experts[static_cast<size_t>(g * n_per_call + k)]);
+      if (!guess.empty()) ffn.prefetch_experts(guess, n_tok, pool, [](const void* c) { return Clock::now() >= *static_cast<const Clock::time_point*>(c); }, &end);
     }
     std::this_thread::sleep_until(end);
   };
@@ -624,6 +628,9 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "of slower threads (default: the library's)")->check(CLI::Range(1, 8));
   cpu->add_option("--balanced-accumulate", opt.balanced_accumulate, "1: the balanced slices also for the accumulating form (run(): the "
                   "table without --worker-form), each thread one run of rows per phase; 0: fixed chunks (default: the library's)")->check(CLI::Range(0, 1));
+  cpu->add_option("--slice-per-expert", opt.slice_per_expert, "1: balanced slices give each thread its share of every expert "
+                  "(rows independent of the call's other experts); 0: its share of all experts' rows end to end (default: the library's)")
+      ->check(CLI::Range(0, 1));
   cpu->add_option("--gate-up-first", opt.gate_up_first, "1: balanced slices in two phases, every gate/up job (threads done early "
                   "taking the last ones of slower threads) before any down job; 0: each thread its gate/up then its down share "
                   "(default: the library's)")->check(CLI::Range(0, 1));
@@ -644,7 +651,8 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   cpu->add_option("--prefetch-runs-l2", opt.prefetch_runs_l2, "each run's prefetcht1 (L2) stream distance in bytes, ramped (0: none; "
                   "set: the expert FFN walks every job through the runs path; default: the library's)")->check(CLI::Range(0, 1 << 24));
   cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
-                  "next call's experts (1: a right guess) or of other experts (2: a wrong guess) until the gap ends; 0: none")->check(CLI::Range(0, 2));
+                  "next call's experts (1: a right guess), of other experts (2: a wrong guess) or of the next call's but its first (3: one "
+                  "missed) until the gap ends; 0: none")->check(CLI::Range(0, 3));
   cpu->add_option("--pattern-probe", opt.pattern_rounds, "per format and row: this many interleaved rounds of the kernel, the pattern "
                   "probe (the same calls reading their weight lines without arithmetic; also with the tiles' prefetcht0 stream) and the "
                   "plain read of the call's bytes in one contiguous span per thread, then their medians (0: the usual table)")->check(CLI::Range(0, 50));
@@ -694,6 +702,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   if (opt.slice_split > 0) slice_opt.split = opt.slice_split;
   if (opt.gate_up_first >= 0) slice_opt.gate_up_first = opt.gate_up_first == 1;
   if (opt.balanced_accumulate >= 0) slice_opt.accumulating = opt.balanced_accumulate == 1;
+  if (opt.slice_per_expert >= 0) slice_opt.per_expert = opt.slice_per_expert == 1;
   cpu::set_ffn_slice_options(slice_opt);
   if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
   const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
@@ -733,15 +742,18 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
                 pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
                 cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d (accumulating %d) split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
+    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d (accumulating %d, per expert %d) split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
                 "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
                 static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0, slice_opt.accumulating ? 1 : 0,
-                slice_opt.split, slice_opt.gate_up_first ? 1 : 0, slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
+                slice_opt.per_expert ? 1 : 0, slice_opt.split, slice_opt.gate_up_first ? 1 : 0, slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
                 prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
                 prefetch.spread ? (" spread " + std::to_string(prefetch.spread_l1_bytes) + " B").c_str() : "",
                 static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
                 opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
-    if (opt.gap_prefetch > 0) std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1 ? "the next call's experts (right guess)" : "other experts (wrong guess)");
+    if (opt.gap_prefetch > 0)
+      std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1   ? "the next call's experts (right guess)"
+                                        : opt.gap_prefetch == 2 ? "other experts (wrong guess)"
+                                                                : "the next call's experts but its first (one missed)");
     std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
                 stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
                 prefetch.runs_l2_bytes);
@@ -828,6 +840,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
                                 {"experts_per_call", opt.experts_per_call},
                                 {"worker_form", opt.worker_form},
                                 {"balanced_slices", slice_opt.balanced},
+                                {"slice_per_expert", slice_opt.per_expert},
                                 {"wait_prefetch", slice_opt.wait_prefetch},
                                 {"slice_split", slice_opt.split},
                                 {"gate_up_first", slice_opt.gate_up_first},

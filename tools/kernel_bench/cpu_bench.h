@@ -46,6 +46,7 @@ struct CpuBenchOptions {
   int wait_prefetch = -1;     // 0/1: cpu::FfnSliceOptions::wait_prefetch; -1: the library default
   int slice_split = 0;        // >0: cpu::FfnSliceOptions::split (jobs per thread and phase); 0: the library default
   int balanced_accumulate = -1;  // 0/1: cpu::FfnSliceOptions::accumulating (balanced slices for run()'s accumulating form); -1: the library default
+  int slice_per_expert = -1;  // 0/1: cpu::FfnSliceOptions::per_expert; -1: the library default
   int gate_up_first = -1;     // 0/1: cpu::FfnSliceOptions::gate_up_first (the balanced list in two phases); -1: the library default
   int stream_runs = 0;        // >0: cpu::FfnStreamOptions::runs (each matrix's rows of a job as that many side-by-side runs); 0: the library default
   int down_runs = -1;         // >=0: cpu::FfnStreamOptions::down_runs (down jobs' runs; 0: as --runs); -1: the library default
@@ -54,7 +55,7 @@ struct CpuBenchOptions {
   int down_early_bytes = -1;  // bytes of each down job pulled early (0: all); -1: the library default
   int prefetch_runs_l2 = -1;  // bytes: cpu::MatvecPrefetch::runs_l2_bytes (each run's prefetcht1 stream; 0: none); -1: the library default
   int prefetch_runs_l1 = -1;  // bytes: cpu::MatvecPrefetch::runs_l1_bytes (each run's prefetcht0 distance; 0: spread / runs); -1: the library default
-  int gap_prefetch = 0;       // 1/2: MoeFfn::prefetch_experts of the next call's (right guess) / other (wrong guess) experts in each gap
+  int gap_prefetch = 0;       // 1/2/3: MoeFfn::prefetch_experts of the next call's (right guess) / other (wrong guess) experts / the next call's but its first, in each gap
   std::string matvec_math;    // compute / read-only / read-only-pf (cpu::MatvecMath) for the table's calls; empty: compute
   int pattern_rounds = 0;     // >0: per row, this many interleaved rounds of kernel / pattern probe (cpu::MatvecMath) / plain probe
   bool phase_trace = false;   // with gap_us > 0: per-worker phase times of every call (cpu::FfnPhaseTrace), medians printed
