@@ -614,11 +614,20 @@ int main(int argc, char** argv) {
                  "(the experts of layer L+1 at the previous token)")
       ->check(CLI::IsMember({"router", "last-token"}))
       ->capture_default_str();
-  int ffn_slice_per_expert = -1;
+  // On by default, measured on the H200 host (session 13 run L, 30B Zipf 0, 12G, moraine-bench -p 64
+  // -n 64 -r 3, two interleaved rounds, tok/s): router guess with per-expert slices 190.4 / 177.7,
+  // without prefetch 167.2 / 167.6; router guess with the end-to-end slices 170.3 / 157.2, without
+  // 165.1 / 160.4. The kernel bench (Q4_K, worker form, gap 40 us, p50 us at 1 / 2 / 3 experts,
+  // two rounds) with a guess that missed the call's first expert: 30.2 / 38.5 / 45.5 and 30.2 /
+  // 43.4 / 46.9 per expert against 32.6 / 49.8 / 72.5 and 28.6 / 39.5 / 57.4 end to end; with no
+  // prefetch the two are level (29.6-30.1 / 45.1-47.9 / 66.1-69.4 against 29.3-32.2 / 48.1-54.7 /
+  // 65.2-70.2).
+  int ffn_slice_per_expert = 1;
   app.add_option("--ffn-slice-per-expert", ffn_slice_per_expert,
                  "1: each expert thread computes its share of every expert (rows independent of the layer's other experts, so a "
                  "prefetched guess lands in the L2 that reads it); 0: its share of all experts' rows end to end")
-      ->check(CLI::Range(0, 1));
+      ->check(CLI::Range(0, 1))
+      ->capture_default_str();
   app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
   {
@@ -633,7 +642,7 @@ int main(int argc, char** argv) {
     if (ffn_prefetch_next >= 0) pf.next_call = ffn_prefetch_next;
     moraine::cpu::set_matvec_prefetch(pf);
     moraine::cpu::FfnSliceOptions slices = moraine::cpu::ffn_slice_options();
-    if (ffn_slice_per_expert >= 0) slices.per_expert = ffn_slice_per_expert == 1;
+    slices.per_expert = ffn_slice_per_expert == 1;
     moraine::cpu::set_ffn_slice_options(slices);
   }
   try {
