@@ -602,8 +602,11 @@ int main(int argc, char** argv) {
   // On by default, measured with the kernel bench's --gap-prefetch (H200 host, 15 threads, gap 40
   // us, p50 us at 1 / 2 / 4 experts, session 9 run C): a right guess Q4_K 36.9 / 58.8 / 104.5 ->
   // 27.0 / 42.7 / 79.5, Q8_0 58.4 / 101.7 / 180.2 -> 37.8 / 74.6 / 153.5, MXFP4 37.8 / 59.4 / 96.3
-  // -> 29.8 / 46.6 / 84.9; a wrong one costs nothing (35.5 / 52.6 / 88.5 Q4_K). Not yet measured in
-  // the whole group's decode: --no-ffn-prefetch-next-layer turns it off.
+  // -> 29.8 / 46.6 / 84.9; a wrong one costs nothing (35.5 / 52.6 / 88.5 Q4_K). In the whole group
+  // (session 13 runs L and M, 30B Zipf 0, 12G, moraine-bench tok/s, interleaved): with the router
+  // guess and per-expert slices 190.4 / 177.7 / 181.7 / 204.6, off 167.2 / 167.6 / 177.9 / 172.0;
+  // the previous token's experts (--ffn-prefetch-guess last-token, 16% right) gave nothing
+  // measurable (run K: 159.5 / 162.8 / 146.6 against 174.8 / 166.1 / 170.4 off).
   bool prefetch_next_layer = true;
   app.add_flag("--ffn-prefetch-next-layer,!--no-ffn-prefetch-next-layer", prefetch_next_layer,
                "after answering layer L, pull into the pool threads' L2 the experts it guesses layer L+1 will ask for, "
