@@ -221,10 +221,12 @@ class ExpertWorker {
       const shm::Doorbell* req;
       uint64_t answered;
     } until{req, answered};
-    ffn_.prefetch_experts(prefetch_ptrs_, 1, fast_pool_, [](const void* c) {
+    ++prefetch_runs_;
+    const bool whole = ffn_.prefetch_experts(prefetch_ptrs_, 1, fast_pool_, [](const void* c) {
       const auto* u = static_cast<const Until*>(c);
       return u->req->load() > u->answered;
     }, &until);
+    if (!whole) ++prefetch_cut_;
   }
 
   // Counts how many of the experts prefetched for layer il this request computes here
@@ -279,6 +281,10 @@ class ExpertWorker {
     c["prefetch_guessed"] = prefetch_guessed_.load();
     c["prefetch_guessed_right"] = prefetch_right_.load();
     c["prefetch_needed"] = prefetch_needed_.load();
+    // Prefetches started, and how many of them the next request stopped before every thread
+    // had pulled all its rows (the GPU's part between two layers was shorter than the pull).
+    c["prefetch_runs"] = prefetch_runs_.load();
+    c["prefetch_cut_short"] = prefetch_cut_.load();
   }
 
  private:
@@ -478,7 +484,7 @@ class ExpertWorker {
   jobs::JobEnvelope envelope_;
   jobs::JobReply io_reply_;
   uint64_t io_seq_ = 0;
-  std::atomic<uint64_t> prefetch_guessed_{0}, prefetch_right_{0}, prefetch_needed_{0};
+  std::atomic<uint64_t> prefetch_guessed_{0}, prefetch_right_{0}, prefetch_needed_{0}, prefetch_runs_{0}, prefetch_cut_{0};
   std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0}, bell_sleeps_{0};
 };
 

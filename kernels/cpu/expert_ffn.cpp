@@ -690,7 +690,10 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       if (i != worker) return;
       auto pull = [&](const uint8_t* p, size_t bytes) {
         for (size_t off = 0; off < bytes; off += 64) {
-          if ((off & 1023) == 0 && pf.stop && pf.stop(pf.ctx)) return false;
+          if ((off & 1023) == 0 && pf.stop && pf.stop(pf.ctx)) {
+            prefetch_cut_.store(true, std::memory_order_relaxed);
+            return false;
+          }
 #if defined(__x86_64__) || defined(__i386__)
           _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 #endif
@@ -803,9 +806,9 @@ void MoeFfn::run_expert(const ExpertWeights& w, const float* x, int m, float* y,
   run_layer(std::span<const ExpertAssignment>(&a, 1), nullptr, m, w.hidden, pool);
 }
 
-void MoeFfn::prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx),
+bool MoeFfn::prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx),
                               const void* ctx) {
-  if (experts.empty() || m <= 0) return;
+  if (experts.empty() || m <= 0) return true;
   int64_t hidden = 0, max_ffn = 0;
   for (size_t j = 0; j < experts.size(); ++j) {
     const ExpertWeights* w = experts[j];
@@ -831,7 +834,9 @@ void MoeFfn::prefetch_experts(std::span<const ExpertWeights* const> experts, int
     const Prefetch*& p;
     ~Reset() { p = nullptr; }
   } reset{prefetch_};
+  prefetch_cut_.store(false, std::memory_order_relaxed);
   run_layer(job_assign_, nullptr, m, hidden, pool);
+  return !prefetch_cut_.load(std::memory_order_relaxed);
 }
 
 namespace {

@@ -104,7 +104,8 @@ class MoeFfn {
   // at 1 / 2 / 4 experts): the next call's experts (a right guess) Q4_K 36.9 / 58.8 / 104.5 ->
   // 27.0 / 42.7 / 79.5, Q8_0 58.4 / 101.7 / 180.2 -> 37.8 / 74.6 / 153.5; other experts (a wrong
   // guess) 35.5 / 52.6 / 88.5 and 56.2 / 92.4 / 161.8: no loss.
-  void prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx) = nullptr,
+  // Returns false when stop() ended it before every thread had pulled all its rows.
+  bool prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx) = nullptr,
                         const void* ctx = nullptr);
 
   // Grows the scratch for up to `max_tokens` tokens through `max_experts` experts of this shape,
@@ -163,6 +164,7 @@ class MoeFfn {
     const void* ctx = nullptr;
   };
   const Prefetch* prefetch_ = nullptr;
+  std::atomic<bool> prefetch_cut_{false};   // a thread's prefetch was stopped before its last row
   std::vector<int64_t> prefetch_ends_;
   float prefetch_sink_ = 0.0f;  // the outputs' stand-in (never written)
 };

@@ -137,6 +137,8 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   EXPECT_LE(pf.at("guessed_right").get<int64_t>(), pf.at("guessed").get<int64_t>()) << pf.dump();
   EXPECT_LE(pf.at("guessed_right").get<int64_t>(), pf.at("needed").get<int64_t>()) << pf.dump();
   EXPECT_LE(pf.at("needed").get<int64_t>(), reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>()) << pf.dump();
+  EXPECT_GT(pf.at("runs").get<int64_t>(), 0) << pf.dump();
+  EXPECT_LE(pf.at("cut_short").get<int64_t>(), pf.at("runs").get<int64_t>()) << pf.dump();
 }
 
 // The census warm-up: a first run records which experts the routing uses, the group restarts

@@ -695,7 +695,7 @@ TEST(MoeFfn, StreamOptionsKeepResultsBitwise) {
 // prefetch_experts (the worker's idle-time prefetch of a layer's previous experts) computes and
 // writes nothing: the calls after it are bitwise those without it, with the caller joining the
 // pool or not, whether it ran to the end or its stop callback ended it at once (and the callback
-// is polled); experts of another hidden size are refused with a message naming the expert.
+// is polled, and the call says it was cut short); experts of another hidden size are refused with a message naming the expert.
 TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
   cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
   const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
@@ -727,10 +727,11 @@ TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
       for (int round = 0; round < 2; ++round) {
         polls = 0;
         if (stop_at_once) {
-          ffn.prefetch_experts(ws, kRows, *pool, [](const void* c) { ++*static_cast<int*>(const_cast<void*>(c)); return true; }, &polls);
+          EXPECT_FALSE(ffn.prefetch_experts(ws, kRows, *pool, [](const void* c) { ++*static_cast<int*>(const_cast<void*>(c)); return true; }, &polls))
+              << "a prefetch stopped at once said it pulled every row";
           EXPECT_GT(polls, 0) << "the stop callback was never polled";
         } else {
-          ffn.prefetch_experts(ws, kRows, *pool);
+          EXPECT_TRUE(ffn.prefetch_experts(ws, kRows, *pool)) << "a prefetch without a stop said it was cut short";
         }
         EXPECT_EQ(call(ffn, *pool), want) << "after a prefetch, stop at once " << stop_at_once << ", round " << round << ", caller joins "
                                           << pool->caller_joins();

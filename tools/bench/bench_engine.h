@@ -37,8 +37,9 @@ struct EngineStats {
   uint64_t verify_steps = 0, drafted_tokens = 0, accepted_draft_tokens = 0;
   // The cpu workers' idle-time prefetch over the last run (cpu_expert_worker
   // --ffn-prefetch-next-layer): experts prefetched before a layer's request, how many of them the
-  // request asked for, and how many it asked for in all. Zero without cpu workers.
-  uint64_t prefetch_guessed = 0, prefetch_guessed_right = 0, prefetch_needed = 0;
+  // request asked for, and how many it asked for in all; prefetches started, and how many of them
+  // the next request cut short. Zero without cpu workers.
+  uint64_t prefetch_guessed = 0, prefetch_guessed_right = 0, prefetch_needed = 0, prefetch_runs = 0, prefetch_cut_short = 0;
 };
 
 class BenchEngine {

@@ -157,8 +157,8 @@ std::array<uint64_t, 3> GroupEngine::speculation_counts() const {
   }
 }
 
-std::array<uint64_t, 7> GroupEngine::expert_counts() const {
-  std::array<uint64_t, 7> c{};
+std::array<uint64_t, 9> GroupEngine::expert_counts() const {
+  std::array<uint64_t, 9> c{};
   try {
     const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
     c[0] = counter(g, "experts_vram");
@@ -170,6 +170,8 @@ std::array<uint64_t, 7> GroupEngine::expert_counts() const {
       c[4] += counter(r, "prefetch_guessed");
       c[5] += counter(r, "prefetch_guessed_right");
       c[6] += counter(r, "prefetch_needed");
+      c[7] += counter(r, "prefetch_runs");
+      c[8] += counter(r, "prefetch_cut_short");
     }
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
@@ -243,7 +245,7 @@ EngineStats GroupEngine::stats() const {
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
   }
-  const std::array<uint64_t, 7> now = expert_counts();
+  const std::array<uint64_t, 9> now = expert_counts();
   for (size_t t = 0; t < now.size(); ++t) {
     if (now[t] < counts_at_reset_[t]) throw BenchFault("hit rates: a worker's expert counter went back (restarted?)");
   }
@@ -262,6 +264,8 @@ EngineStats GroupEngine::stats() const {
   s.prefetch_guessed = now[4] - counts_at_reset_[4];
   s.prefetch_guessed_right = now[5] - counts_at_reset_[5];
   s.prefetch_needed = now[6] - counts_at_reset_[6];
+  s.prefetch_runs = now[7] - counts_at_reset_[7];
+  s.prefetch_cut_short = now[8] - counts_at_reset_[8];
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

@@ -68,11 +68,11 @@ class GroupEngine final : public BenchEngine {
   void start(bool record_census);
   // Experts computed per tier since the process started (vram, ram, file, taken by the device
   // over PCIe: gpu_worker --device-takes-from), then the cpu workers' prefetch counters
-  // (guessed, guessed right, needed): the workers' counters are not zeroed by Stats' reset, so
-  // reset() keeps a snapshot and stats() reports the difference.
-  std::array<uint64_t, 7> expert_counts() const;
+  // (guessed, guessed right, needed, prefetches, cut short): the workers' counters are not zeroed
+  // by Stats' reset, so reset() keeps a snapshot and stats() reports the difference.
+  std::array<uint64_t, 9> expert_counts() const;
   GroupEngineOptions o_;
-  std::array<uint64_t, 7> counts_at_reset_{};
+  std::array<uint64_t, 9> counts_at_reset_{};
   std::array<uint64_t, 3> speculation_counts() const;   // the coordinator's verify_steps, drafted, accepted
   std::array<uint64_t, 3> speculation_at_reset_{};
   std::unique_ptr<model::Model> model_;

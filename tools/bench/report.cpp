@@ -65,7 +65,9 @@ nlohmann::json report_json(const BenchReport& r) {
                       {"accepted_draft_tokens", r.stats.accepted_draft_tokens}};
   j["cpu_prefetch"] = {{"guessed", r.stats.prefetch_guessed},
                        {"guessed_right", r.stats.prefetch_guessed_right},
-                       {"needed", r.stats.prefetch_needed}};
+                       {"needed", r.stats.prefetch_needed},
+                       {"runs", r.stats.prefetch_runs},
+                       {"cut_short", r.stats.prefetch_cut_short}};
   return j;
 }
 
@@ -85,7 +87,8 @@ void print_table(const BenchReport& r, std::ostream& out) {
         << " of " << r.stats.drafted_tokens << " drafted tokens accepted\n";
   if (r.stats.prefetch_guessed > 0)
     out << "cpu prefetch (last run): " << r.stats.prefetch_guessed_right << " of " << r.stats.prefetch_guessed
-        << " experts prefetched were asked for; " << r.stats.prefetch_needed << " asked for at those layers\n";
+        << " experts prefetched were asked for; " << r.stats.prefetch_needed << " asked for at those layers; "
+        << r.stats.prefetch_cut_short << " of " << r.stats.prefetch_runs << " prefetches cut short by the next request\n";
   out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
