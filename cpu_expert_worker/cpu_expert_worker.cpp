@@ -90,7 +90,15 @@ class ExpertWorker {
       guessed_.reserve(static_cast<size_t>(hp.n_expert));
       guess_experts_.reserve(static_cast<size_t>(hp.n_expert));
     }
-    if (prefetch_ == PrefetchGuess::kRouter && hp.n_layer > 1) guess_ = std::make_unique<cpu_worker::NextLayerGuess>(model_);
+    if (prefetch_ == PrefetchGuess::kRouter && hp.n_layer > 1) {
+      // A model the fold does not fit (a layer without a router of n_expert rows) keeps the
+      // last-token guess rather than losing the worker.
+      try {
+        guess_ = std::make_unique<cpu_worker::NextLayerGuess>(model_);
+      } catch (const std::exception& e) {
+        std::cerr << "cpu_expert_worker " << index_ << ": " << e.what() << "; prefetching the last token's experts instead\n";
+      }
+    }
     scratch_.reserve(man.max_tokens, hp.n_ff_exp);
     rows_.reserve(static_cast<size_t>(max_slots));
     work_.reserve(static_cast<size_t>(hp.n_expert));
@@ -182,7 +190,8 @@ class ExpertWorker {
   // mixer (~41 us per layer at 12G, session 9), each pool thread pulls into its L2 the rows it
   // would compute of the experts this worker is likely to compute for layer il + 1. Which ones
   // (--ffn-prefetch-guess): `router`, layer il + 1's router applied to layer il's input
-  // (next_layer_guess.h; 74% right on the 30B synth shape), best guess first; `last-token`, the
+  // (next_layer_guess.h; 84% right in the 12G group on the 30B synth shape, session 13 run K),
+  // best guess first; `last-token` (16% there), the
   // experts it computed for layer il + 1 at the previous token (routing repeats from token to
   // token: moraine-synth builds that locality in, as real routers have it). After the last
   // layer the next request is layer 0 of the next token: both take the last-token list there.
@@ -193,7 +202,7 @@ class ExpertWorker {
     if (prefetch_ == PrefetchGuess::kOff) return;
     const int64_t next = (il + 1) % model_.hp.n_layer;
     prefetch_ptrs_.clear();
-    if (prefetch_ == PrefetchGuess::kRouter && next > 0 && n_tokens <= kMaxGuessRows) {
+    if (prefetch_ == PrefetchGuess::kRouter && guess_ && next > 0 && n_tokens <= kMaxGuessRows) {
       // The request's rows of `hidden` are read after the answer: the gpu_worker writes the next
       // layer's rows only once it has routed that layer (tens of us later), and a row it had
       // begun to overwrite would only spoil the guess.
