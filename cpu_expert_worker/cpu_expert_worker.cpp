@@ -213,9 +213,9 @@ class ExpertWorker {
         if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(next, e)) continue;
         const group::Tier tier = plan_.at(next, e);
         if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
-        const std::array<model::Matrix, 3> t = tier == group::Tier::kRam ? bind(next, e, al_.ram_slot(next, e)) : mapped(next, e);
+        const std::array<model::Matrix, 3> t = in_memory(next, e, tier);
         if (!production_kernel_for(t)) continue;
-        guessed_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
+        guessed_weights_.push_back(expert_weights(t));
         guessed_.push_back(e);
       }
       for (const cpu::ExpertWeights& w : guessed_weights_) prefetch_ptrs_.push_back(&w);
@@ -319,10 +319,7 @@ class ExpertWorker {
     for (const Work& w : work_) {
       const group::Tier tier = plan_.at(il, w.expert);
       if (tier == group::Tier::kFile) continue;
-      // A VRAM-tier expert the gpu_worker swapped out has no arena slot: its rows are read from
-      // the model's own mapping (the page cache holds them since the upload read them).
-      add_compute(tier == group::Tier::kRam ? bind(il, w.expert, al_.ram_slot(il, w.expert)) : mapped(il, w.expert), w,
-                  hidden);
+      add_compute(in_memory(il, w.expert, tier), w, hidden);
       ++experts_ram_;
     }
     finish_compute();
@@ -403,6 +400,15 @@ class ExpertWorker {
   std::array<model::Matrix, 3> bind(int64_t il, int64_t e, const group::ArenaLayout::ExpertSlot& slot) const {
     return group::ArenaLayout::bind(model_, il, e, slot, arena_.data());
   }
+  // A RAM-tier expert's arena slot, or (a VRAM-tier expert the gpu_worker swapped out has no
+  // arena slot) its rows in the model's own mapping: the page cache holds them since the upload
+  // read them. Not for FILE-tier experts (staged on demand).
+  std::array<model::Matrix, 3> in_memory(int64_t il, int64_t e, group::Tier tier) const {
+    return tier == group::Tier::kRam ? bind(il, e, al_.ram_slot(il, e)) : mapped(il, e);
+  }
+  static cpu::ExpertWeights expert_weights(const std::array<model::Matrix, 3>& t) {
+    return {t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows};
+  }
 
   // Quantized experts go to the production kernels (kernels/cpu/expert_ffn.h), all of one pass
   // in one run_experts call (one pool job list per pass instead of two per expert: 8 Q4_K
@@ -437,7 +443,7 @@ class ExpertWorker {
       return;
     }
     // fast_weights_ has capacity n_expert (reserved), so the pointers jobs hold stay valid.
-    fast_weights_.push_back({t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows});
+    fast_weights_.push_back(expert_weights(t));
     fast_ids_.push_back(w.expert);
     fast_jobs_.push_back({&fast_weights_.back(), rows, w.m, w.y});
     fast_x_ = hidden;
