@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <stdexcept>
+#include <utility>
 
 #include "coordinator/census.h"
 #include "coordinator/group_layout.h"
@@ -144,7 +145,7 @@ void GroupEngine::reset() {
       throw BenchFault(fault_);
     }
   }
-  counts_at_reset_ = expert_counts();
+  counts_at_reset_ = worker_counts();
   speculation_at_reset_ = speculation_counts();
 }
 
@@ -157,21 +158,21 @@ std::array<uint64_t, 3> GroupEngine::speculation_counts() const {
   }
 }
 
-std::array<uint64_t, 9> GroupEngine::expert_counts() const {
-  std::array<uint64_t, 9> c{};
+GroupEngine::WorkerCounts GroupEngine::worker_counts() const {
+  // Summed over the cpu workers.
+  static constexpr std::pair<WorkerCount, const char*> kCpuWorker[] = {
+      {kExpertsRam, "experts_ram"},           {kExpertsFile, "experts_file"},
+      {kPrefetchGuessed, "prefetch_guessed"}, {kPrefetchGuessedRight, "prefetch_guessed_right"},
+      {kPrefetchNeeded, "prefetch_needed"},   {kPrefetchRuns, "prefetch_runs"},
+      {kPrefetchCutShort, "prefetch_cut_short"}};
+  WorkerCounts c{};
   try {
     const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
-    c[0] = counter(g, "experts_vram");
-    c[3] = counter(g, "experts_device_taken");   // RAM-tier experts the device copied in and computed
+    c[kExpertsVram] = counter(g, "experts_vram");
+    c[kExpertsTaken] = counter(g, "experts_device_taken");   // RAM-tier experts the device copied in and computed
     for (int i = 0; i < o_.cpu_workers; ++i) {
       const control::StatsReply r = stats_of(socket_dir_, group::cpu_worker_instance(i), false);
-      c[1] += counter(r, "experts_ram");
-      c[2] += counter(r, "experts_file");
-      c[4] += counter(r, "prefetch_guessed");
-      c[5] += counter(r, "prefetch_guessed_right");
-      c[6] += counter(r, "prefetch_needed");
-      c[7] += counter(r, "prefetch_runs");
-      c[8] += counter(r, "prefetch_cut_short");
+      for (const auto& [at, name] : kCpuWorker) c[at] += counter(r, name);
     }
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
@@ -245,14 +246,16 @@ EngineStats GroupEngine::stats() const {
   } catch (const std::exception& e) {
     throw BenchFault(std::string("hit rates: ") + e.what() + " (a process of the group died or is restarting)");
   }
-  const std::array<uint64_t, 9> now = expert_counts();
+  const WorkerCounts now = worker_counts();
+  WorkerCounts d{};   // over the last run
   for (size_t t = 0; t < now.size(); ++t) {
     if (now[t] < counts_at_reset_[t]) throw BenchFault("hit rates: a worker's expert counter went back (restarted?)");
+    d[t] = now[t] - counts_at_reset_[t];
   }
-  const double vram = static_cast<double>(now[0] - counts_at_reset_[0]);
-  const double ram = static_cast<double>(now[1] - counts_at_reset_[1]);
-  const double file = static_cast<double>(now[2] - counts_at_reset_[2]);
-  const double taken = static_cast<double>(now[3] - counts_at_reset_[3]);
+  const double vram = static_cast<double>(d[kExpertsVram]);
+  const double ram = static_cast<double>(d[kExpertsRam]);
+  const double file = static_cast<double>(d[kExpertsFile]);
+  const double taken = static_cast<double>(d[kExpertsTaken]);
   EngineStats s;
   s.budgets_applied = true;
   s.census = census_note_;
@@ -261,11 +264,11 @@ EngineStats GroupEngine::stats() const {
   s.verify_steps = spec[0] - speculation_at_reset_[0];
   s.drafted_tokens = spec[1] - speculation_at_reset_[1];
   s.accepted_draft_tokens = spec[2] - speculation_at_reset_[2];
-  s.prefetch_guessed = now[4] - counts_at_reset_[4];
-  s.prefetch_guessed_right = now[5] - counts_at_reset_[5];
-  s.prefetch_needed = now[6] - counts_at_reset_[6];
-  s.prefetch_runs = now[7] - counts_at_reset_[7];
-  s.prefetch_cut_short = now[8] - counts_at_reset_[8];
+  s.prefetch_guessed = d[kPrefetchGuessed];
+  s.prefetch_guessed_right = d[kPrefetchGuessedRight];
+  s.prefetch_needed = d[kPrefetchNeeded];
+  s.prefetch_runs = d[kPrefetchRuns];
+  s.prefetch_cut_short = d[kPrefetchCutShort];
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
@@ -279,10 +282,10 @@ EngineStats GroupEngine::stats() const {
     // backend computes them from RAM).
     const int taken_tier = static_cast<int>(on_gpu ? Tier::Pcie : Tier::Ram);
     s.hit_rate[taken_tier] += taken / total;
-    s.expert_reads[taken_tier] += now[3] - counts_at_reset_[3];
-    s.expert_reads[vram_tier] += now[0] - counts_at_reset_[0];
-    s.expert_reads[static_cast<int>(Tier::Ram)] += now[1] - counts_at_reset_[1];
-    s.expert_reads[static_cast<int>(Tier::Disk)] += now[2] - counts_at_reset_[2];
+    s.expert_reads[taken_tier] += d[kExpertsTaken];
+    s.expert_reads[vram_tier] += d[kExpertsVram];
+    s.expert_reads[static_cast<int>(Tier::Ram)] += d[kExpertsRam];
+    s.expert_reads[static_cast<int>(Tier::Disk)] += d[kExpertsFile];
     for (int t = 0; t < kTierCount; ++t) s.bytes_per_token[t] += bytes_.experts * s.hit_rate[t];
   }
   return s;

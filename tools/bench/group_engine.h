@@ -66,13 +66,19 @@ class GroupEngine final : public BenchEngine {
 
  private:
   void start(bool record_census);
-  // Experts computed per tier since the process started (vram, ram, file, taken by the device
-  // over PCIe: gpu_worker --device-takes-from), then the cpu workers' prefetch counters
-  // (guessed, guessed right, needed, prefetches, cut short): the workers' counters are not zeroed
-  // by Stats' reset, so reset() keeps a snapshot and stats() reports the difference.
-  std::array<uint64_t, 9> expert_counts() const;
+  // The workers' counters since their processes started: experts computed per tier (taken: by
+  // the device over PCIe, gpu_worker --device-takes-from), then the cpu workers' prefetch
+  // counters. They are not zeroed by Stats' reset, so reset() keeps a snapshot and stats()
+  // reports the difference.
+  enum WorkerCount : size_t {
+    kExpertsVram, kExpertsRam, kExpertsFile, kExpertsTaken,
+    kPrefetchGuessed, kPrefetchGuessedRight, kPrefetchNeeded, kPrefetchRuns, kPrefetchCutShort,
+    kWorkerCounts
+  };
+  using WorkerCounts = std::array<uint64_t, kWorkerCounts>;
+  WorkerCounts worker_counts() const;
   GroupEngineOptions o_;
-  std::array<uint64_t, 9> counts_at_reset_{};
+  WorkerCounts counts_at_reset_{};
   std::array<uint64_t, 3> speculation_counts() const;   // the coordinator's verify_steps, drafted, accepted
   std::array<uint64_t, 3> speculation_at_reset_{};
   std::unique_ptr<model::Model> model_;
