@@ -27,6 +27,11 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
     if (L.moe.down) {
       o.fused_down_types.push_back(L.moe.down.all.type);
       o.expert_matvec = true;
+      // Long steps' staged experts when the gpu_worker's default stages (BackendOptions::stage_experts),
+      // whenever some expert may be off the device, as the taken expert below.
+      o.stage_expert_bytes = std::max<std::uint64_t>(
+          o.stage_expert_bytes, static_cast<std::uint64_t>(std::max(0, gpu_worker::BackendOptions{}.stage_experts)) *
+                                    ArenaLayout::slot_bytes(L.moe));
       // The taken expert's buffers when the gpu_worker's default takes experts
       // (BackendOptions::take_expert_from; off by default: `--device-takes-from N` then holds
       // ~3 MB beyond this reserve for the 30B shape, which its over-budget line reports), whenever

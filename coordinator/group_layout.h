@@ -109,6 +109,9 @@ struct ExpertRequest {
   // arena slot over PCIe while the workers compute the rest; gpu_worker --device-takes-from), or
   // -1: the workers skip it as they skip resident ones.
   std::int32_t device_expert;
+  // 1: the gpu_worker computes every RAM-tier expert of this layer itself (a long step's
+  // Backend::stage_experts); the workers compute only their FILE-tier ones.
+  std::uint32_t device_stages_ram;
 };
 
 // Segment ids announced for job validation (ShmRef.segment_id).

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -67,6 +68,34 @@ struct BackendOptions {
   // measures how much the two share on a host), and the worker's call does not shrink by a whole
   // expert's time. Kept for hosts whose DRAM outruns their cores.
   int take_expert_from = 0;
+  // Long steps (prefill: at least gemm_prefill_rows rows, CUDA): the device computes the RAM-tier
+  // experts a layer uses itself, their arena slots copied in over PCIe in rounds of this many
+  // experts through a buffer of as many slots (stage_experts, Backend::stage_supported), instead
+  // of the cpu workers computing them for every row; 0: never (no buffer, the arena not pinned).
+  // Why: at 12G uniform routing the workers took ~13 ms a layer for a 512-row step, while a
+  // layer's ~45 RAM-tier experts (~120 MB at the 30B shape) cross the bus in ~2.4 ms. Measured
+  // (H200 host, session 14 runs U and V, 30B, --vram 12G --ram 32G, census warm, 8 slots: ~21 MB
+  // of VRAM): pp512 / pp8192 Zipf 0 661 / 646 -> 2375 / 2257 tok/s (llama.cpp --n-cpu-moe 22 in
+  // the same run 509 / 516), Zipf 1 2408 / 2289 (531 / 504). Off by default for now: the gpu_worker
+  // then pins the whole arena (cudaHostRegister), and 12G decode read 141.7 and 167.5 tok/s with it
+  // against 148.7 and 183.8 without (runs U and W), each pair back to back with staging first, where
+  // run order alone moved one configuration by 14% (run R): not resolved. Turn it on with
+  // `--prefill-stage-experts 8` (the coordinator's reserve then lacks the buffer's ~21 MB, which the
+  // gpu_worker's over-budget line reports).
+  int stage_experts = 0;
+  // ... from steps of this many rows (the gpu_worker's choice): at uniform routing a layer's step
+  // uses ~45 RAM-tier experts from ~100 rows on (~2.4 ms over the bus at the 30B shape), while the
+  // workers take ~25 us a row (run T's 12G prefill: 13 ms a layer for a 512-row step), so below
+  // ~100 rows the workers are quicker.
+  int stage_min_rows = 128;
+};
+
+// A RAM-tier expert a long step's device computes (Backend::stage_experts): its gate / up / down
+// rows in host memory (GGUF layout; an arena slot, coordinator/group_layout.h, or the model's
+// own mapping).
+struct StagedExpert {
+  int32_t expert = -1;
+  std::array<model::Matrix, 3> parts;
 };
 
 inline constexpr int64_t kDefaultContext = 8192;
@@ -194,6 +223,20 @@ class Backend {
   virtual void handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) {
     (void)il, (void)e, (void)parts;
     throw std::logic_error("this backend takes no expert off the cpu workers (handoff_can_take is false)");
+  }
+
+  // Long steps: whether this backend computes, for layer il of a step of n rows, the off-device
+  // experts the host names with stage_experts (BackendOptions::stage_experts). Between layer_begin(il) and
+  // layer_end(il) the host then names layer il's experts it wants computed here (each with rows
+  // in the plan, none on the device): layer_end computes their slots as its own (their rows in
+  // host_rows are not read), and the cpu workers must skip them. Calls name distinct experts of
+  // one layer and add to the list; layer_end clears it. std::logic_error where stage_supported(il,
+  // n) is false or an expert is on the device or named twice; std::invalid_argument for parts
+  // that are not the layer's expert shape.
+  virtual bool stage_supported(int64_t il, int64_t n) const { return (void)il, (void)n, false; }
+  virtual void stage_experts(int64_t il, std::span<const StagedExpert> experts) {
+    (void)il, (void)experts;
+    throw std::logic_error("this backend computes no off-device experts (stage_supported is false)");
   }
 
  private:

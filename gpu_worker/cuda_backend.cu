@@ -160,8 +160,13 @@ void CudaBackend::layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan
     throw std::invalid_argument("layer_end: the plan covers " +
                                 std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
                                 std::to_string(nk));
-  if (!L.fused || gemm_experts(L, n)) enqueue_matvec_experts(il, n, plan);
+  if (!L.fused || gemm_experts(L, n) || staged_layer_ == il) enqueue_matvec_experts(il, n, plan);
   const auto [lo, hi] = fill_alt_rows(il, plan);
+  if (staged_layer_ == il) {   // their rows are in dev_slots_ now (stream order); the list is spent
+    for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
+    staged_list_.clear();
+    staged_layer_ = -1;
+  }
   if (hi < 0) {
     enqueue_combine(il, n, false);
     return;
@@ -215,7 +220,7 @@ std::pair<int32_t, int32_t> CudaBackend::fill_alt_rows(int64_t il, const group::
   std::fill(alt, alt + nk, -1);
   int32_t lo = INT32_MAX, hi = -1;
   for (int64_t e = 0; e < m_.hp.n_expert; ++e) {
-    if (plan.count(e) == 0 || L.slab_of[e] >= 0 || e == device_expert) continue;
+    if (plan.count(e) == 0 || L.slab_of[e] >= 0 || e == device_expert || (staged_layer_ == il && staged_[e])) continue;
     for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
       const int32_t slot = plan.slot_of[r];
       if (slot < 0 || slot >= nk)
@@ -285,6 +290,9 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
       o.take_expert_bytes = std::max<uint64_t>(o.take_expert_bytes, group::ArenaLayout::slot_bytes(m_.layers[il].moe));
       o.take_down_types.push_back(m_.layers[il].moe.down.all.type);
     }
+    if (stage_slots_ > 0 && m_.layers[il].moe.down && L.resident < m_.hp.n_expert)
+      o.stage_expert_bytes = std::max<uint64_t>(o.stage_expert_bytes, static_cast<uint64_t>(stage_slots_) *
+                                                                           group::ArenaLayout::slot_bytes(m_.layers[il].moe));
     o.take_layouts = static_cast<int64_t>(take_layouts_.size());
   }
   return o;
@@ -303,6 +311,11 @@ void CudaBackend::setup_experts() {
   // expert, from the host's plan, instead of moe_fused's 16-token groups).
   if (cuda_scratch_prefill_gemm(scratch_options())) {
     gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, cuda_scratch_prefill_gemm_limits(hp, scratch_options()));
+  }
+  if (scratch_.has("stage_experts")) {
+    stage_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("stage_experts"));
+    stage_slot_bytes_ = stage_.size() / static_cast<size_t>(stage_slots_);
+    staged_.assign(static_cast<size_t>(hp.n_expert), 0);
   }
   if (scratch_.has("take_expert")) {
     take_expert_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_expert"));
@@ -388,6 +401,10 @@ void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
   pos_pinned_[0] = static_cast<int32_t>(n_past_);
   step_n_ = n;
   pending_chosen_.clear();
+  // A step that failed between stage_experts and layer_end leaves its list: not this step's.
+  for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
+  staged_list_.clear();
+  staged_layer_ = -1;
 }
 
 void CudaBackend::finish_step(int64_t rows, float* out) {

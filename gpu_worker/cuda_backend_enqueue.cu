@@ -6,6 +6,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/embed_rows.h"
+#include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
 #include "kernels/cuda/quantize_activations_llama.h"
@@ -158,6 +159,8 @@ void CudaBackend::fused_experts(const cuda::MoeLayerWeights& w, int64_t il, int6
 
 // The resident experts of a layer moe_fused does not take: rows gathered per expert on the
 // device from the host's plan, the batched matvec over slab ids, outputs scattered to slots.
+// A long step's staged experts (stage_experts) follow the resident ones' rows in the same
+// gather and scatter, through the PrefillGemm from their copies (enqueue_staged_experts).
 void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan) {
   const model::HParams& hp = m_.hp;
   const DevLayer& L = layers_[il];
@@ -166,18 +169,24 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
   int32_t* slab = token + slots;
   int32_t* slot = slab + slots;
   int64_t rows = 0;
-  for (int64_t e = 0; e < hp.n_expert; ++e) {
-    if (L.slab_of[e] < 0) continue;
+  const auto add_rows = [&](int64_t e, int32_t slab_id) {
     for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
       if (plan.slot_of[r] < 0 || plan.slot_of[r] >= slots || rows >= slots)
         throw std::invalid_argument("layer_end: the plan names slot " + std::to_string(plan.slot_of[r]) +
                                     " outside the step's " + std::to_string(slots));
       token[rows] = plan.slot_of[r] / static_cast<int32_t>(k);
-      slab[rows] = L.slab_of[e];
+      slab[rows] = slab_id;
       slot[rows] = plan.slot_of[r];
       ++rows;
     }
-  }
+  };
+  // (moe_fused took the resident experts in layer_begin when the layer is fused and the step short)
+  if (!L.fused || gemm_experts(L, n))
+    for (int64_t e = 0; e < hp.n_expert; ++e)
+      if (L.slab_of[e] >= 0) add_rows(e, L.slab_of[e]);
+  const int64_t resident_rows = rows;
+  if (staged_layer_ == il)
+    for (const StagedExpert& x : staged_list_) add_rows(x.expert, -1);
   if (rows == 0) return;
   int32_t* dev = expert_idx_.get();
   const size_t S = static_cast<size_t>(max_tokens_ * k);
@@ -185,12 +194,14 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
   CUDA_CHECK(cudaMemcpyAsync(dev + S, slab, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaMemcpyAsync(dev + 2 * S, slot, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   cuda::gather_rows(h_.get(), dev, expert_in_.get(), rows, d, stream_);
-  if (gemm_experts(L, n)) {   // one GEMM per expert over its rows (they are contiguous, by expert)
+  if (resident_rows == 0) {
+    // only staged experts
+  } else if (gemm_experts(L, n)) {   // one GEMM per expert over its rows (they are contiguous, by expert)
     std::vector<cuda::ExpertRows>& g = gemm_groups_;
     g.clear();
-    for (int64_t r = 0; r < rows;) {
+    for (int64_t r = 0; r < resident_rows;) {
       int64_t end = r;
-      while (end < rows && slab[end] == slab[r]) ++end;
+      while (end < resident_rows && slab[end] == slab[r]) ++end;
       g.push_back({nullptr, r, end - r});
       r = end;
     }
@@ -201,15 +212,96 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
     // up reuses the 16-bit X that gate's call rounded (same expert_in_ rows): one rounding a layer.
     run(L.gate, expert_in_.get(), expert_g_.get(), false);
     run(L.up, expert_in_.get(), expert_u_.get(), true);
-    cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
+    cuda::swiglu(expert_g_.get(), expert_u_.get(), resident_rows * ff, stream_);
     run(L.down, expert_g_.get(), expert_out_.get(), false);
   } else {
-    expert_matmul(L.gate, expert_in_.get(), rows, dev + S, expert_g_.get());
-    expert_matmul(L.up, expert_in_.get(), rows, dev + S, expert_u_.get());
-    cuda::swiglu(expert_g_.get(), expert_u_.get(), rows * ff, stream_);
-    expert_matmul(L.down, expert_g_.get(), rows, dev + S, expert_out_.get());
+    expert_matmul(L.gate, expert_in_.get(), resident_rows, dev + S, expert_g_.get());
+    expert_matmul(L.up, expert_in_.get(), resident_rows, dev + S, expert_u_.get());
+    cuda::swiglu(expert_g_.get(), expert_u_.get(), resident_rows * ff, stream_);
+    expert_matmul(L.down, expert_g_.get(), resident_rows, dev + S, expert_out_.get());
   }
+  if (rows > resident_rows) enqueue_staged_experts(il, plan, resident_rows);
   cuda::scatter_rows(expert_out_.get(), dev + 2 * S, dev_slots_.get(), rows, d, stream_);
+}
+
+void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& plan, int64_t first_row) {
+  const model::MoeWeights& W = m_.layers[il].moe;
+  const int64_t ff = m_.hp.n_ff_exp;
+  const std::array<size_t, 3> off = group::ArenaLayout::part_offsets(W);
+  const model::ExpertTensor* parts[3] = {&W.gate, &W.up, &W.down};
+  std::vector<cuda::ExpertRows>& g = gemm_groups_;
+  int64_t r = first_row;
+  for (size_t first = 0; first < staged_list_.size(); first += static_cast<size_t>(stage_slots_)) {
+    const size_t last = std::min(staged_list_.size(), first + static_cast<size_t>(stage_slots_));
+    const int64_t round_first = r;
+    g.clear();
+    for (size_t j = first; j < last; ++j) {
+      const StagedExpert& x = staged_list_[j];
+      uint8_t* to = stage_.get() + (j - first) * stage_slot_bytes_;
+      const std::array<model::Matrix, 3>& p = x.parts;
+      const size_t down_bytes = static_cast<size_t>(p[2].n_rows) * p[2].row_bytes;
+      if (p[1].data == p[0].data + off[1] && p[2].data == p[0].data + off[2]) {   // an arena slot: one copy
+        CUDA_CHECK(cudaMemcpyAsync(to, p[0].data, off[2] + down_bytes, cudaMemcpyHostToDevice, stream_));
+      } else {
+        for (size_t w = 0; w < 3; ++w)
+          CUDA_CHECK(cudaMemcpyAsync(to + off[w], p[w].data, static_cast<size_t>(p[w].n_rows) * p[w].row_bytes,
+                                     cudaMemcpyHostToDevice, stream_));
+      }
+      const int64_t count = plan.count(x.expert);
+      g.push_back({to, r, count});
+      r += count;
+    }
+    // The round's gate, up and down from its copies (the next round's copies wait behind them on
+    // the stream); up reuses the 16-bit X that gate rounded.
+    const auto run = [&](int w, const float* x, float* y, bool reuse_input) {
+      for (size_t j = 0; j < g.size(); ++j) g[j].weight = stage_.get() + j * stage_slot_bytes_ + off[static_cast<size_t>(w)];
+      gemm_->matmul_experts(parts[w]->all.type, g, parts[w]->rows_per_expert, parts[w]->all.n_cols, x, y, 1, 0, reuse_input);
+    };
+    run(0, expert_in_.get(), expert_g_.get(), false);
+    run(1, expert_in_.get(), expert_u_.get(), true);
+    cuda::swiglu(expert_g_.get() + round_first * ff, expert_u_.get() + round_first * ff, (r - round_first) * ff, stream_);
+    run(2, expert_g_.get(), expert_out_.get(), false);
+  }
+}
+
+bool CudaBackend::stage_supported(int64_t il, int64_t n) const {
+  if (stage_.size() == 0 || gemm_ == nullptr || n < gemm_prefill_rows_ || il < 0 || il >= m_.hp.n_layer) return false;
+  const model::MoeWeights& W = m_.layers[il].moe;
+  if (!W.down || group::ArenaLayout::slot_bytes(W) > stage_slot_bytes_) return false;
+  for (const model::ExpertTensor* t : {&W.gate, &W.up, &W.down})
+    if (!cuda::matvec_supported(t->all.type) || !cuda::prefill_gemm_supported(t->all.type) || t->all.n_cols % 32 != 0)
+      return false;   // use_gemm's rule: the resident experts of such a layer take the matvec too
+  return true;
+}
+
+void CudaBackend::stage_experts(int64_t il, std::span<const StagedExpert> experts) {
+  check_layer(il);
+  if (!stage_supported(il, step_n_))
+    throw std::logic_error("CUDA backend: stage_experts for layer " + std::to_string(il) + " of a " + std::to_string(step_n_) +
+                           "-row step, where stage_supported says no");
+  if (staged_layer_ >= 0 && staged_layer_ != il)
+    throw std::logic_error("CUDA backend: layer " + std::to_string(staged_layer_) + "'s staged experts were not computed");
+  const model::MoeWeights& W = m_.layers[il].moe;
+  const model::ExpertTensor* want[3] = {&W.gate, &W.up, &W.down};
+  const DevLayer& L = layers_[il];
+  for (const StagedExpert& x : experts) {
+    const int32_t e = x.expert;
+    if (e < 0 || e >= m_.hp.n_expert || L.slab_of[e] >= 0 || staged_[static_cast<size_t>(e)])
+      throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " expert " + std::to_string(e) +
+                             " is on the device, outside the layer or staged twice");
+    for (size_t w = 0; w < 3; ++w) {
+      const model::Matrix& p = x.parts[w];
+      if (p.data == nullptr || p.type != want[w]->all.type || p.n_rows != want[w]->rows_per_expert ||
+          p.n_cols != want[w]->all.n_cols || p.row_bytes != want[w]->all.row_bytes)
+        throw std::invalid_argument("CUDA backend: staged expert " + std::to_string(e) + " of layer " + std::to_string(il) +
+                                    ": part " + std::to_string(w) + " is not the layer's expert shape");
+    }
+  }
+  for (const StagedExpert& x : experts) {
+    staged_[static_cast<size_t>(x.expert)] = 1;
+    staged_list_.push_back(x);
+  }
+  staged_layer_ = il;
 }
 
 void CudaBackend::enqueue_shared(int64_t il, int64_t n) {

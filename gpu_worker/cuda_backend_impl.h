@@ -158,6 +158,11 @@ class CudaBackend final : public Backend {
   bool handoff_can_take(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) const override;
   void handoff_take_expert(int64_t il, int32_t e, const std::array<model::Matrix, 3>& parts) override;
 
+  // ---- long steps' staged experts (backend.h) ----
+
+  bool stage_supported(int64_t il, int64_t n) const override;
+  void stage_experts(int64_t il, std::span<const StagedExpert> experts) override;
+
  private:
   static constexpr std::chrono::seconds kHandoffTimeout{60};
 
@@ -257,6 +262,9 @@ class CudaBackend final : public Backend {
   void fused_experts(const cuda::MoeLayerWeights& w, int64_t il, int64_t n, bool into_residual,
                      DeviceBuffer<uint8_t>& workspace, cudaStream_t stream);
   void enqueue_matvec_experts(int64_t il, int64_t n, const group::ExpertPlan& plan);
+  // The staged experts' rows [first_row, ...) of expert_in_ (staged_list_ order, each expert's
+  // rows contiguous) through the PrefillGemm, stage_slots_ experts a round.
+  void enqueue_staged_experts(int64_t il, const group::ExpertPlan& plan, int64_t first_row);
   void enqueue_shared(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
   // The head over `rows` rows of the step starting at row `first` (default: the step's last
@@ -294,6 +302,7 @@ class CudaBackend final : public Backend {
   const bool handoff_zero_copy_;
   const bool prefill_attention_tc_;   // BackendOptions::prefill_attention_tensor_cores
   const int take_expert_from_;        // BackendOptions::take_expert_from
+  const int stage_slots_;             // BackendOptions::stage_experts (0 without off-device experts)
   const int64_t max_context_;
   const bool kv_f16_;   // the KV cache holds IEEE halves (BackendOptions::kv_type)
   int64_t logits_rows_ = 1;   // rows logits_ holds
@@ -371,6 +380,15 @@ class CudaBackend final : public Backend {
   DeviceBuffer<cuda::MoeExpertSlot> take_tables_;
   int64_t take_layer_ = -1;
   int32_t take_e_ = -1;
+  // Long steps' staged experts (stage_experts): the host's list for layer staged_layer_ (-1:
+  // none), staged_[e] marking them, and stage_ holding stage_slots_ experts at a time, each at
+  // ArenaLayout::part_offsets of its layer in slots of stage_slot_bytes_. layer_end copies a round
+  // in on the stream and runs it through the PrefillGemm before the next round's copy.
+  std::vector<StagedExpert> staged_list_;
+  std::vector<uint8_t> staged_;
+  int64_t staged_layer_ = -1;
+  DeviceBuffer<uint8_t> stage_;
+  size_t stage_slot_bytes_ = 0;
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
   std::vector<char*> pinned_dev_;   // [range]: its device address (nullptr: not mapped)

@@ -147,6 +147,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
       gemm_prefill_rows_(o.gemm_prefill_rows), handoff_zero_copy_(o.handoff_zero_copy),
       prefill_attention_tc_(o.prefill_attention_tensor_cores), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
+      stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
       kv_f16_(o.kv_type == model::KvType::F16) {
   const model::HParams& hp = m.hp;

@@ -41,6 +41,9 @@ struct CudaStepScratchOptions {
   // Distinct arena part layouts (ArenaLayout::part_offsets) among those layers: a slot table per
   // (layout, expert) naming only that expert, so a take passes a table instead of writing one.
   int64_t take_layouts = 0;
+  // Long steps' staged experts (Backend::stage_experts): BackendOptions::stage_experts slots of
+  // the largest arena slot (0: none); listed only with the PrefillGemm, which runs them.
+  uint64_t stage_expert_bytes = 0;
 };
 
 // The workspace of expanded weights the backend gives its PrefillGemm: PrefillGemmLimits'
@@ -220,6 +223,9 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
     s.add("gemm_cublas_workspace", g.cublas_bytes);
     s.add("gemm_tile_tables", g.table_bytes());
   }
+  // ... the staged experts' slots (after the PrefillGemm's buffers: the backend allocates them
+  // after constructing it) ...
+  if (gemm && o.stage_expert_bytes > 0) s.add("stage_experts", o.stage_expert_bytes);
   // ... and the per-expert path's gather / scatter rows, for any layer not fused or long steps.
   if (gemm || o.expert_matvec) {
     s.add("expert_in", S * d * f);

@@ -79,17 +79,21 @@ class StepRunner {
     }
     all_on_device_ = backend_->all_on_device();
     // The RAM tier, pinned, for the experts the device takes over from the cpu workers
-    // (handoff_take_expert copies them from here over PCIe).
-    if (o.take_expert_from > 0 && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
+    // (handoff_take_expert and long steps' stage_experts copy them from here over PCIe).
+    if ((o.take_expert_from > 0 || o.stage_experts > 0) && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
       const auto t0 = Clock::now();
       arena_.emplace(shm::ShmSegment::open(man.arena_locator));
       al_.emplace(group::ArenaLayout::build(m, placement_));
       if (arena_->data_bytes() < al_->total_bytes) throw std::runtime_error("arena segment is smaller than this model's layout");
       backend_->pin_host_memory(arena_->data(), arena_->data_bytes());
       take_from_ = o.take_expert_from;
+      stage_ = o.stage_experts > 0;
+      stage_min_rows_ = o.stage_min_rows;
       std::cerr << "gpu_worker: the RAM tier (" << (arena_->data_bytes() >> 20) << " MiB) mapped for the device in "
-                << static_cast<int64_t>(us_since(t0) / 1000) << " ms; it takes one expert of a layer where a cpu worker "
-                << "has at least " << take_from_ << "\n";
+                << static_cast<int64_t>(us_since(t0) / 1000) << " ms; "
+                << (take_from_ > 0 ? "it takes one expert of a layer where a cpu worker has at least " + std::to_string(take_from_) + "; "
+                                   : std::string())
+                << (stage_ ? "long steps compute the RAM tier's experts on the device" : "") << "\n";
     }
     resident_ = xl_.region("resident").at<uint8_t>(exchange_.data());
     for (int64_t il = 0; il < m.hp.n_layer; ++il)
@@ -118,6 +122,7 @@ class StepRunner {
   uint64_t experts_vram() const { return experts_vram_.load(); }
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
   uint64_t experts_taken() const { return experts_taken_.load(); }
+  uint64_t experts_staged() const { return experts_staged_.load(); }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
   // The most seen after a step, or now if more (Stats reads it after a run's last step).
   uint64_t device_used_peak() const { return std::max(device_used_peak_.load(), backend_->device_bytes_in_use()); }
@@ -258,6 +263,7 @@ class StepRunner {
     plan_.build(chosen, nk, m_.hp.n_expert);
     const auto th = Clock::now();
     device_expert_ = may_take ? expert_to_take(il) : -1;
+    stages_ram_ = !may_take && stage_ram_experts(il, n);
     if (man_.zmq_handoff) {
       handoff_zmq(step_seq, il, n);
     } else if (mark_busy_workers(il, chosen, nk)) {
@@ -330,11 +336,31 @@ class StepRunner {
     bool any = false;
     for (int64_t i = 0; i < nk; ++i) {
       const int32_t e = chosen[i];
-      if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e] || e == device_expert_) continue;
+      if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e] || e == device_expert_ ||
+          (stages_ram_ && al_->ram_index[static_cast<size_t>(il * m_.hp.n_expert + e)] >= 0))
+        continue;
       worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
       any = true;
     }
     return any;
+  }
+
+  // A long step's layer il: every RAM-tier expert it uses that is not on the device now goes to
+  // the device (Backend::stage_experts: copied in over PCIe and run by its GEMM), and the cpu
+  // workers skip them (ExpertRequest::device_stages_ram); FILE-tier experts stay with the
+  // workers. Returns whether any was staged.
+  bool stage_ram_experts(int64_t il, int64_t n) {
+    staged_.clear();
+    if (!stage_ || n < stage_min_rows_ || !backend_->stage_supported(il, n)) return false;
+    const int64_t E = m_.hp.n_expert;
+    for (int64_t e = 0; e < E; ++e) {
+      if (plan_.count(e) == 0 || resident_[il * E + e] || al_->ram_index[static_cast<size_t>(il * E + e)] < 0) continue;
+      staged_.push_back({static_cast<int32_t>(e), group::ArenaLayout::bind(m_, il, e, al_->ram_slot(il, e), arena_->data())});
+    }
+    if (staged_.empty()) return false;
+    backend_->stage_experts(il, staged_);
+    experts_staged_ += staged_.size();
+    return true;
   }
 
   // The expert of layer il the device computes itself this time (Backend::handoff_take_expert),
@@ -402,6 +428,7 @@ class StepRunner {
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
     req->device_expert = device_expert_;
+    req->device_stages_ram = stages_ram_ ? 1 : 0;
     for (int w = 0; w < man_.n_cpu_workers; ++w)
       if (worker_busy_[w]) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
   }
@@ -501,11 +528,16 @@ class StepRunner {
   std::optional<shm::ShmSegment> arena_;
   std::optional<group::ArenaLayout> al_;
   int take_from_ = 0;   // BackendOptions::take_expert_from, 0 without the arena
+  bool stage_ = false;  // BackendOptions::stage_experts > 0 with the arena mapped
+  int64_t stage_min_rows_ = 0;   // BackendOptions::stage_min_rows
+  bool stages_ram_ = false;   // this layer's RAM-tier experts are the device's (stage_ram_experts)
+  std::vector<gpu_worker::StagedExpert> staged_;
   int32_t device_expert_ = -1;   // this layer's taken expert (ExpertRequest::device_expert)
   std::array<model::Matrix, 3> take_parts_{};   // its rows in the arena
   std::vector<int> worker_misses_;
   std::vector<int32_t> worker_ram_expert_;
   std::atomic<uint64_t> experts_taken_{0};
+  std::atomic<uint64_t> experts_staged_{0};
   std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
   Clock::time_point device_used_sampled_{};     // when it was last read
@@ -537,6 +569,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     (*r.mutable_counters())["experts_swapped_in"] = runner.experts_swapped_in();
     // Experts the device computed from the RAM tier instead of a cpu worker (--device-takes-from).
     (*r.mutable_counters())["experts_device_taken"] = runner.experts_taken();
+    (*r.mutable_counters())["experts_device_staged"] = runner.experts_staged();
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
     // What the --vram budget is checked against (moraine-bench prints it beside the budget).
     (*r.mutable_counters())["device_used_bytes"] = runner.device_used_peak();
@@ -615,6 +648,14 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-tensor-core-prefill-attention", base.prefill_attention_tensor_cores,
                "cuda: long prefill steps over an F16 KV cache take the F32 tiled attention kernel instead of the "
                "tensor-core one (A/B)");
+  app.add_option("--prefill-stage-experts", base.stage_experts,
+                 "cuda: long steps (prefill) compute the RAM tier's experts on the device, copied in over PCIe this many at a "
+                 "time (0: the cpu workers compute them; 8: ~3.5x the 12G prefill at the 30B shape, backend.h)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  app.add_option("--prefill-stage-min-rows", base.stage_min_rows, "cuda: ... from steps of this many rows")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--device-takes-from", base.take_expert_from,
                  "at a hand-off layer where a cpu worker has at least this many experts to compute, the device copies "
                  "one of them from the RAM tier over PCIe and computes it itself (0: never, the default: slower on the "

@@ -583,6 +583,73 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
   }
 }
 
+// Long steps' staged experts (Backend::stage_experts): a backend holding the even experts of
+// each layer computes the odd ones of an 80-row prefill from host memory (the model's mapping,
+// copied in a few at a time) through the same GEMM as its resident ones, so its logits are the
+// bits of a backend holding every expert (whose long steps take that GEMM for all of them). Short
+// steps are not staged, and a resident or twice-named expert is refused.
+TEST_P(CudaBackendGolden, LongStepStagedExpertsGiveTheDevicesBits) {
+  const Case& c = GetParam();
+  const model::HParams& hp = model_->hp;
+  const int64_t n = 80, k = hp.n_expert_used;
+  std::vector<int32_t> tokens;
+  while (tokens.size() < static_cast<size_t>(n)) tokens.insert(tokens.end(), prompt_.begin(), prompt_.end());
+  tokens.resize(static_cast<size_t>(n));
+  std::vector<std::vector<int32_t>> even(static_cast<size_t>(hp.n_layer));
+  for (auto& l : even)
+    for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
+  gpu_worker::BackendOptions o;
+  o.kv_type = c.kv;
+  o.max_tokens = kMaxTokens;
+  o.max_context = 256;
+  o.stage_experts = 3;   // rounds of 3: several per layer
+  auto all = gpu_worker::make_cuda_backend(*model_, o);
+  o.all_experts = false;
+  o.device_experts = even;
+  auto half = gpu_worker::make_cuda_backend(*model_, o);
+  // Only experts the PrefillGemm takes are staged (quantized types with rows of whole 32-column
+  // blocks: F32 experts and the odd shapes' stay with the cpu workers).
+  bool gemm_experts = true;
+  for (const model::ExpertTensor* t : {&model_->layers[0].moe.gate, &model_->layers[0].moe.up, &model_->layers[0].moe.down})
+    gemm_experts = gemm_experts && cuda::matvec_supported(t->all.type) && cuda::prefill_gemm_supported(t->all.type) &&
+                   t->all.n_cols % 32 == 0;
+  half->embed(tokens.data(), n);
+  if (!gemm_experts) {
+    EXPECT_FALSE(half->stage_supported(0, n));
+    return;
+  }
+  const std::vector<float> want = run_step(*all, *model_, tokens, true);
+  std::vector<int32_t> chosen(static_cast<size_t>(n * k));
+  std::vector<float> weight(static_cast<size_t>(n * k)), h(static_cast<size_t>(n * hp.n_embd));
+  size_t staged_total = 0;
+  for (int64_t il = 0; il < hp.n_layer; ++il) {
+    EXPECT_FALSE(half->stage_supported(il, 1)) << "a one-row step is not staged";
+    ASSERT_TRUE(half->stage_supported(il, n)) << "layer " << il;
+    half->layer_begin(il, n, chosen.data(), weight.data(), h.data());
+    const group::ExpertPlan plan = plan_of(chosen, hp.n_expert);
+    std::vector<gpu_worker::StagedExpert> staged;
+    const model::MoeWeights& W = model_->layers[static_cast<size_t>(il)].moe;
+    for (int32_t e = 1; e < hp.n_expert; e += 2)
+      if (plan.count(e) > 0) staged.push_back({e, {W.gate.expert(e), W.up.expert(e), W.down.expert(e)}});
+    ASSERT_FALSE(staged.empty()) << "layer " << il << " routed no row to an odd expert";
+    const gpu_worker::StagedExpert resident{0, {W.gate.expert(0), W.up.expert(0), W.down.expert(0)}};
+    EXPECT_THROW(half->stage_experts(il, std::span(&resident, 1)), std::logic_error);
+    // Named in two calls (the list grows), then one of them again: refused.
+    half->stage_experts(il, std::span(staged).first(1));
+    half->stage_experts(il, std::span(staged).subspan(1));
+    EXPECT_THROW(half->stage_experts(il, std::span(staged).first(1)), std::logic_error);
+    staged_total += staged.size();
+    half->layer_end(il, n, plan, nullptr);   // no host rows: every slot is the device's
+  }
+  half->advance(n);
+  std::vector<float> got(want.size(), NAN);
+  half->logits(n, got.data());
+  const Gap g = gap(got, want);
+  std::printf("[ %s ] %zu staged experts over %lld layers; 80-row prefill vs every expert on the device: %.3g of max\n",
+              c.name().c_str(), staged_total, static_cast<long long>(hp.n_layer), g.max_diff / g.max_ref);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+}
+
 // A captured step replays the same kernels: step_whole (graph) and layer by layer give the same
 // bits, step after step (positions come from device memory, so one graph serves them all).
 TEST_P(CudaBackendGolden, GraphStepEqualsLayerByLayer) {

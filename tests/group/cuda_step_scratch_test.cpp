@@ -256,6 +256,38 @@ TEST(CudaStepScratch, FamilyBuffers) {
   EXPECT_EQ(m.bytes("qg"), static_cast<uint64_t>(T * (moe->hp.n_head + 2 * moe->hp.n_head_kv) * moe->hp.head_dim) * 4);
 }
 
+// Long steps' staged experts (BackendOptions::stage_experts): the buffer of that many of the
+// largest arena slots is listed whenever the PrefillGemm exists (steps of gemm_prefill_rows rows
+// fit), nothing below that; the coordinator's reserve holds it when the gpu_worker's default
+// stages.
+TEST(CudaStepScratch, StagedExpertSlots) {
+  constexpr int kSlots = 8;
+  for (const char* name : kShapes) {
+    auto sm = shape_model(name, {TensorType::Q4_K, TensorType::Q6_K});
+    const model::HParams& hp = sm->hp;
+    uint64_t largest = 0;
+    for (model::LayerWeights& L : sm->layers) {   // the expert tensors' shapes, as TakenExpertBuffers
+      for (model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
+        const bool down = t == &L.moe.down;
+        if (!down) t->all.type = TensorType::Q4_K;
+        t->all.info = &sm->info;
+        t->rows_per_expert = down ? hp.n_embd : hp.n_ff_exp;
+        t->all.row_bytes = row_bytes(t->all.type, down ? hp.n_ff_exp : hp.n_embd);
+      }
+      largest = std::max<uint64_t>(largest, group::ArenaLayout::slot_bytes(L.moe));
+    }
+    ASSERT_GT(largest, 0u) << name;
+    const int64_t gemm_rows = gpu_worker::BackendOptions{}.gemm_prefill_rows;
+    CudaStepScratchOptions o = cuda_reserve_scratch_options(sm->layers, gemm_rows, 4096);
+    EXPECT_EQ(o.stage_expert_bytes, static_cast<uint64_t>(gpu_worker::BackendOptions{}.stage_experts) * largest) << name;
+    o.stage_expert_bytes = kSlots * largest;
+    EXPECT_EQ(cuda_step_scratch(hp, o).bytes("stage_experts"), kSlots * largest) << name;
+    CudaStepScratchOptions small = cuda_reserve_scratch_options(sm->layers, gemm_rows - 1, 4096);
+    small.stage_expert_bytes = kSlots * largest;
+    EXPECT_FALSE(cuda_step_scratch(hp, small).has("stage_experts")) << name;
+  }
+}
+
 // The hand-off's taken expert (gpu_worker --device-takes-from, off by default): its copy (one
 // arena slot, ArenaLayout::slot_bytes, plus the 16 bytes moe_fused may read past it), a slot
 // table per (part layout, expert) and moe_fused's workspace; the coordinator's reserve holds them
