@@ -256,6 +256,24 @@ TEST(CudaStepScratch, FamilyBuffers) {
   EXPECT_EQ(m.bytes("qg"), static_cast<uint64_t>(T * (moe->hp.n_head + 2 * moe->hp.n_head_kv) * moe->hp.head_dim) * 4);
 }
 
+// Gives every layer's expert tensors their shapes (gate and up Q4_K, down as shape_model made it)
+// and returns the largest arena slot (group::ArenaLayout::slot_bytes) among them.
+uint64_t shape_experts(ShapeModel& sm) {
+  const model::HParams& hp = sm.hp;
+  uint64_t largest = 0;
+  for (model::LayerWeights& L : sm.layers) {
+    for (model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
+      const bool down = t == &L.moe.down;
+      if (!down) t->all.type = TensorType::Q4_K;
+      t->all.info = &sm.info;
+      t->rows_per_expert = down ? hp.n_embd : hp.n_ff_exp;
+      t->all.row_bytes = row_bytes(t->all.type, down ? hp.n_ff_exp : hp.n_embd);
+    }
+    largest = std::max<uint64_t>(largest, group::ArenaLayout::slot_bytes(L.moe));
+  }
+  return largest;
+}
+
 // Long steps' staged experts (BackendOptions::stage_experts): the buffer of that many of the
 // largest arena slots is listed whenever the PrefillGemm exists (steps of gemm_prefill_rows rows
 // fit), nothing below that; the coordinator's reserve holds it when the gpu_worker's default
@@ -265,17 +283,7 @@ TEST(CudaStepScratch, StagedExpertSlots) {
   for (const char* name : kShapes) {
     auto sm = shape_model(name, {TensorType::Q4_K, TensorType::Q6_K});
     const model::HParams& hp = sm->hp;
-    uint64_t largest = 0;
-    for (model::LayerWeights& L : sm->layers) {   // the expert tensors' shapes, as TakenExpertBuffers
-      for (model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
-        const bool down = t == &L.moe.down;
-        if (!down) t->all.type = TensorType::Q4_K;
-        t->all.info = &sm->info;
-        t->rows_per_expert = down ? hp.n_embd : hp.n_ff_exp;
-        t->all.row_bytes = row_bytes(t->all.type, down ? hp.n_ff_exp : hp.n_embd);
-      }
-      largest = std::max<uint64_t>(largest, group::ArenaLayout::slot_bytes(L.moe));
-    }
+    const uint64_t largest = shape_experts(*sm);
     ASSERT_GT(largest, 0u) << name;
     const int64_t gemm_rows = gpu_worker::BackendOptions{}.gemm_prefill_rows;
     CudaStepScratchOptions o = cuda_reserve_scratch_options(sm->layers, gemm_rows, 4096);
@@ -296,17 +304,7 @@ TEST(CudaStepScratch, TakenExpertBuffers) {
   for (const char* name : kShapes) {
     auto sm = shape_model(name, {TensorType::Q4_K, TensorType::Q6_K});
     const model::HParams& hp = sm->hp;
-    uint64_t largest = 0;
-    for (model::LayerWeights& L : sm->layers) {
-      for (model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
-        const bool down = t == &L.moe.down;
-        if (!down) t->all.type = TensorType::Q4_K;
-        t->all.info = &sm->info;
-        t->rows_per_expert = down ? hp.n_embd : hp.n_ff_exp;
-        t->all.row_bytes = row_bytes(t->all.type, down ? hp.n_ff_exp : hp.n_embd);
-      }
-      largest = std::max<uint64_t>(largest, group::ArenaLayout::slot_bytes(L.moe));
-    }
+    const uint64_t largest = shape_experts(*sm);
     CudaStepScratchOptions o = cuda_reserve_scratch_options(sm->layers, 16, 4096);
     const CudaStepScratch off = cuda_step_scratch(hp, o);
     EXPECT_EQ(o.take_expert_bytes > 0, gpu_worker::BackendOptions{}.take_expert_from > 0) << name;
