@@ -751,6 +751,85 @@ TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
   cpu::set_ffn_schedule(schedule0);
 }
 
+// Thread w's rows under per-expert slices: the threads' shares tile every matrix, in order, in
+// runs of 4 rows (the last share ends at the matrix's end).
+TEST(MoeFfn, PullSlicesTileEveryMatrix) {
+  for (const int64_t rows : {int64_t{5}, int64_t{13}, int64_t{256}, int64_t{768}, int64_t{2048}}) {
+    for (const int threads : {1, 2, 3, 15, 16}) {
+      int64_t at = 0;
+      for (int w = 0; w < threads; ++w) {
+        int64_t r0 = -1, r1 = -1;
+        cpu::MoeFfn::pull_slice(rows, w, threads, r0, r1);
+        EXPECT_EQ(r0, at) << rows << " rows, " << threads << " threads, share " << w;
+        EXPECT_GE(r1, r0);
+        if (r1 < rows) {
+          EXPECT_EQ(r1 % 4, 0) << rows << " rows, share " << w << " ends inside a run of 4";
+        }
+        at = r1;
+      }
+      EXPECT_EQ(at, rows) << rows << " rows over " << threads << " threads";
+    }
+  }
+}
+
+// pull_during_next_call: the call's threads pull the named experts' rows while they compute; it
+// must change no bit of the call's results, pull no more than those experts' bytes, skip an
+// expert of another shape, and be used up by the one call.
+TEST(MoeFfn, PullDuringCallChangesNoResult) {
+  cpu::ThreadPool pool(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
+  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
+  const cpu::FfnSliceOptions slices0 = cpu::ffn_slice_options();
+  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  cpu::FfnSliceOptions per_expert = slices0;
+  per_expert.per_expert = true;
+  cpu::set_ffn_slice_options(per_expert);
+  std::vector<Expert> experts;
+  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9800));
+  experts.push_back(make_expert(TensorType::Q8_0, TensorType::Q4_K, 9810));
+  std::vector<Expert> next;
+  for (uint32_t i = 0; i < 3; ++i) next.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9900 + 10 * i));
+  Expert other = make_expert(TensorType::Q4_K, TensorType::Q4_K, 9990);
+  other.w.hidden = kHidden / 2;
+  uint64_t next_bytes = 0;
+  for (const Expert& e : next) next_bytes += e.gate.q.size() + e.up.q.size() + e.down.q.size();
+  std::vector<float> x(kHidden);
+  const std::vector<float> r = test::random_row(test::kAllDists[1], kHidden, 977);
+  std::copy(r.begin(), r.end(), x.begin());
+  const int32_t rows[] = {0};
+  auto call = [&](cpu::MoeFfn& ffn) {
+    std::vector<std::vector<float>> ys(experts.size(), std::vector<float>(static_cast<size_t>(kHidden), NAN));
+    std::vector<cpu::MoeFfn::RowsJob> jobs;
+    for (size_t i = 0; i < experts.size(); ++i) jobs.push_back({&experts[i].w, rows, 1, ys[i].data()});
+    ffn.run_experts(jobs, x.data(), 1, pool);
+    return ys;
+  };
+  cpu::MoeFfn plain;
+  const auto want = call(plain);
+  const std::vector<const cpu::ExpertWeights*> pull{&next[0].w, &other.w, &next[1].w, &next[2].w};
+  cpu::MoeFfn ffn;
+  uint64_t most = 0;
+  for (int round = 0; round < 3; ++round) {
+    ffn.pull_during_next_call(pull);
+    EXPECT_EQ(call(ffn), want) << "round " << round;
+    EXPECT_LE(ffn.last_pull_bytes(), next_bytes) << "pulled more than the named experts hold";
+    most = std::max(most, ffn.last_pull_bytes());
+    EXPECT_EQ(call(ffn), want) << "the call after round " << round;
+    EXPECT_EQ(ffn.last_pull_bytes(), 0u) << "the pull outlived the call it was set for";
+  }
+  // Each slice's owner runs its first job itself, so a pool of two or more threads pulls.
+  if (pool.size() > 1) {
+    EXPECT_GT(most, 0u) << "no call pulled anything";
+  }
+  cpu::FfnSliceOptions end_to_end = slices0;
+  end_to_end.per_expert = false;
+  cpu::set_ffn_slice_options(end_to_end);
+  ffn.pull_during_next_call(pull);
+  EXPECT_EQ(call(ffn), want);
+  EXPECT_EQ(ffn.last_pull_bytes(), 0u) << "end-to-end slices do not say which thread reads which rows";
+  cpu::set_ffn_slice_options(slices0);
+  cpu::set_ffn_schedule(schedule0);
+}
+
 TEST(MoeFfn, RejectsBadShapesAndTokens) {
   cpu::ThreadPool pool(std::vector<int>{cpu::allowed_cpus().front()});
   Expert e = make_expert(TensorType::Q4_K, TensorType::Q4_K, 1);
