@@ -162,11 +162,7 @@ void CudaBackend::layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan
                                 std::to_string(nk));
   if (!L.fused || gemm_experts(L, n) || staged_layer_ == il) enqueue_matvec_experts(il, n, plan);
   const auto [lo, hi] = fill_alt_rows(il, plan);
-  if (staged_layer_ == il) {   // their rows are in dev_slots_ now (stream order); the list is spent
-    for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
-    staged_list_.clear();
-    staged_layer_ = -1;
-  }
+  if (staged_layer_ == il) clear_staged();   // their rows are in dev_slots_ now (stream order): the list is spent
   if (hi < 0) {
     enqueue_combine(il, n, false);
     return;
@@ -401,10 +397,7 @@ void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
   pos_pinned_[0] = static_cast<int32_t>(n_past_);
   step_n_ = n;
   pending_chosen_.clear();
-  // A step that failed between stage_experts and layer_end leaves its list: not this step's.
-  for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
-  staged_list_.clear();
-  staged_layer_ = -1;
+  clear_staged();   // a step that failed between stage_experts and layer_end leaves its list: not this step's
 }
 
 void CudaBackend::finish_step(int64_t rows, float* out) {

@@ -387,6 +387,11 @@ class CudaBackend final : public Backend {
   std::vector<StagedExpert> staged_list_;
   std::vector<uint8_t> staged_;
   int64_t staged_layer_ = -1;
+  void clear_staged() {  // the list spent (layer_end) or left by a failed step (begin_step)
+    for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
+    staged_list_.clear();
+    staged_layer_ = -1;
+  }
   DeviceBuffer<uint8_t> stage_;
   size_t stage_slot_bytes_ = 0;
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
