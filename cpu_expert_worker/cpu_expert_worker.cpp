@@ -51,7 +51,7 @@ enum class PrefetchGuess { kOff, kLastToken, kRouter };
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch, bool pull_in_call)
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch, double pull_in_call)
       : man_(man), index_(index), prefetch_(prefetch), pull_in_call_(pull_in_call), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
@@ -173,8 +173,8 @@ class ExpertWorker {
     score_prefetch(il);
     const uint32_t n_tokens = r->n_tokens;
     // --ffn-prefetch-in-call: the next layer's guess now, its rows pulled while this call computes.
-    const bool guessed_now = pull_in_call_ && guess_next_layer(il, n_tokens);
-    if (guessed_now) ffn_.pull_during_next_call(prefetch_ptrs_);
+    const bool guessed_now = pull_in_call_ > 0.0 && guess_next_layer(il, n_tokens);
+    if (guessed_now) ffn_.pull_during_next_call(prefetch_ptrs_, pull_in_call_);
     try {
       run_work(r->layer, xl_.region("hidden").at<const float>(exchange_.data()), seq);
       ffn_.pull_during_next_call({});  // not left to a later call when this one had no RAM-tier experts
@@ -481,7 +481,7 @@ class ExpertWorker {
   group::GroupManifest man_;
   int index_;
   const PrefetchGuess prefetch_;
-  const bool pull_in_call_;  // --ffn-prefetch-in-call
+  const double pull_in_call_;  // --ffn-prefetch-in-call: the share of the guess's rows the call pulls (0: none)
   // Guesses a request for layer n_tokens rows at most (decode, short verify windows): a longer
   // one is a prefill step, whose calls are long and whose idle gaps are not the point.
   static constexpr uint32_t kMaxGuessRows = 4;
@@ -528,7 +528,7 @@ class ExpertWorker {
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, PrefetchGuess prefetch, bool pull_in_call) {
+        bool exclusive_cpus, PrefetchGuess prefetch, double pull_in_call) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -679,10 +679,13 @@ int main(int argc, char** argv) {
   // Session 15: the window after the answer pulled about half a layer's rows (session 13 run O:
   // 82% of the prefetches cut short by the next request); the kernel bench's right guess with the
   // whole rows pulled took 13-20 us off a 3-4 expert call (session 14 run S).
-  bool prefetch_in_call = true;
-  app.add_flag("--ffn-prefetch-in-call,!--no-ffn-prefetch-in-call", prefetch_in_call,
-               "with the router guess: guess layer L+1 at layer L's request and have the expert threads pull its rows "
-               "while they compute layer L, not only after the answer (default on)");
+  double prefetch_in_call = 0.5;
+  app.add_option("--ffn-prefetch-in-call", prefetch_in_call,
+                 "with the router guess: guess layer L+1 at layer L's request and have the expert threads pull this share "
+                 "of its rows (the part the gap after the answer would not reach) while they compute layer L (0: only "
+                 "after the answer)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
   {

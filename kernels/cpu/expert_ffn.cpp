@@ -846,8 +846,10 @@ void MoeFfn::pull_slice(int64_t rows, int w, int threads, int64_t& r0, int64_t& 
   r1 = std::max(r0, std::min(n * (w + 1) / threads * kSliceUnit, rows));
 }
 
-void MoeFfn::pull_during_next_call(std::span<const ExpertWeights* const> experts) {
+void MoeFfn::pull_during_next_call(std::span<const ExpertWeights* const> experts, double tail_share) {
   pull_.assign(experts.begin(), experts.end());
+  pull_share_ = std::clamp(tail_share, 0.0, 1.0);
+  if (pull_share_ == 0.0) pull_.clear();
 }
 
 void MoeFfn::assign_pull(int64_t hidden, int n_slices, int64_t x_jobs, int n_phases) {
@@ -863,13 +865,29 @@ void MoeFfn::assign_pull(int64_t hidden, int n_slices, int64_t x_jobs, int n_pha
     const size_t rb = row_bytes(t, n_cols);
     if (r1 > r0) pull_regions_.push_back({static_cast<const uint8_t*>(base) + static_cast<size_t>(r0) * rb, static_cast<size_t>(r1 - r0) * rb});
   };
+  auto usable = [&](const ExpertWeights* pw) { return pw && pw->hidden == hidden && pw->ffn > 0 && pw->gate && pw->up && pw->down; };
   for (int w = 0; w < n_slices; ++w) {
-    const size_t first = pull_regions_.size();
+    size_t first = pull_regions_.size();
+    // prefetch_experts' order: every expert's gate and up rows, then every expert's down rows.
     for (const ExpertWeights* pw : pull_) {
-      if (!pw || pw->hidden != hidden || pw->ffn <= 0 || !pw->gate || !pw->up || !pw->down) continue;
+      if (!usable(pw)) continue;
       add(pw->gate, pw->gate_type, hidden, pw->ffn, w);
       add(pw->up, pw->up_type, hidden, pw->ffn, w);
-      add(pw->down, pw->down_type, pw->ffn, hidden, w);
+    }
+    for (const ExpertWeights* pw : pull_) {
+      if (usable(pw)) add(pw->down, pw->down_type, pw->ffn, hidden, w);
+    }
+    if (pull_share_ < 1.0) {
+      // Drop the front (1 - tail_share) of the slice's bytes, cut at a line.
+      size_t total = 0;
+      for (size_t i = first; i < pull_regions_.size(); ++i) total += pull_regions_[i].bytes;
+      size_t skip = static_cast<size_t>(static_cast<double>(total) * (1.0 - pull_share_)) & ~size_t{63};
+      while (first < pull_regions_.size() && skip >= pull_regions_[first].bytes) skip -= pull_regions_[first++].bytes;
+      if (first < pull_regions_.size() && skip > 0) {
+        PrefetchRegion& rg = pull_regions_[first];
+        rg.p = static_cast<const uint8_t*>(rg.p) + skip;
+        rg.bytes -= skip;
+      }
     }
     const auto n_regions = static_cast<int64_t>(pull_regions_.size() - first);
     // Slice w's jobs in its phases (slice_end_ counts the x jobs at the front of slice 0).

@@ -119,7 +119,13 @@ class MoeFfn {
   // are called, whichever other experts come with them. Only the balanced sliced schedule with
   // FfnSliceOptions::per_expert does it; other schedules ignore it. One-shot: the next call
   // consumes it (whether or not it pulled). The ExpertWeights must stay valid through that call.
-  void pull_during_next_call(std::span<const ExpertWeights* const> experts);
+  // tail_share: only the last this share of each thread's bytes of them, in the order
+  // prefetch_experts walks them (each expert's gate and up rows, then each one's down rows): the
+  // gap's prefetch walks from the front, so the call takes what the gap would not reach. All of
+  // them (1) made the call DRAM-bound and left the gap nothing to do: session 15 run A, kernel
+  // bench, 32 us gap, right guess, p50 us at 2 / 3 / 4 experts 40.8 / 63.0 / 86.3 -> 55.8 /
+  // 79.8 / 114.6.
+  void pull_during_next_call(std::span<const ExpertWeights* const> experts, double tail_share = 1.0);
   // Bytes the last run_experts call's threads issued for it (a helper running another slice's
   // job issues nothing; 0 when nothing was set or the schedule ignored it).
   uint64_t last_pull_bytes() const { return pull_bytes_.load(std::memory_order_relaxed); }
@@ -186,6 +192,7 @@ class MoeFfn {
   };
   const Prefetch* prefetch_ = nullptr;
   std::vector<const ExpertWeights*> pull_;     // pull_during_next_call's experts, until the next call
+  double pull_share_ = 1.0;                    // and its tail_share
   std::vector<PrefetchRegion> pull_regions_;   // this call's: slice w's regions, slice by slice
   bool pull_assigned_ = false;
   std::atomic<uint64_t> pull_bytes_{0};                 // some span's pb0 / pb1 set (cleared before a reused list runs)

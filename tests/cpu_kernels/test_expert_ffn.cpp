@@ -820,6 +820,20 @@ TEST(MoeFfn, PullDuringCallChangesNoResult) {
   if (pool.size() > 1) {
     EXPECT_GT(most, 0u) << "no call pulled anything";
   }
+  // The last half of each thread's bytes only (cut at a line per thread), and none at share 0.
+  uint64_t most_half = 0;
+  for (int round = 0; round < 3; ++round) {
+    ffn.pull_during_next_call(pull, 0.5);
+    EXPECT_EQ(call(ffn), want) << "half, round " << round;
+    EXPECT_LE(ffn.last_pull_bytes(), next_bytes / 2 + 64 * static_cast<uint64_t>(pool.size())) << "pulled more than the tail share";
+    most_half = std::max(most_half, ffn.last_pull_bytes());
+  }
+  if (pool.size() > 1) {
+    EXPECT_GT(most_half, 0u) << "no call pulled the tail share";
+  }
+  ffn.pull_during_next_call(pull, 0.0);
+  EXPECT_EQ(call(ffn), want);
+  EXPECT_EQ(ffn.last_pull_bytes(), 0u) << "share 0 pulled";
   cpu::FfnSliceOptions end_to_end = slices0;
   end_to_end.per_expert = false;
   cpu::set_ffn_slice_options(end_to_end);

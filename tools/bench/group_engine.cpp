@@ -164,7 +164,8 @@ GroupEngine::WorkerCounts GroupEngine::worker_counts() const {
       {kExpertsRam, "experts_ram"},           {kExpertsFile, "experts_file"},
       {kPrefetchGuessed, "prefetch_guessed"}, {kPrefetchGuessedRight, "prefetch_guessed_right"},
       {kPrefetchNeeded, "prefetch_needed"},   {kPrefetchRuns, "prefetch_runs"},
-      {kPrefetchCutShort, "prefetch_cut_short"}};
+      {kPrefetchCutShort, "prefetch_cut_short"}, {kDoorbellSleeps, "doorbell_sleeps"},
+      {kPoolSleeps, "pool_sleeps"},           {kSpinCutShort, "spin_cut_short"}};
   WorkerCounts c{};
   try {
     const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
@@ -269,6 +270,9 @@ EngineStats GroupEngine::stats() const {
   s.prefetch_needed = d[kPrefetchNeeded];
   s.prefetch_runs = d[kPrefetchRuns];
   s.prefetch_cut_short = d[kPrefetchCutShort];
+  s.doorbell_sleeps = d[kDoorbellSleeps];
+  s.pool_sleeps = d[kPoolSleeps];
+  s.spin_cut_short = d[kSpinCutShort];
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

@@ -73,6 +73,7 @@ class GroupEngine final : public BenchEngine {
   enum WorkerCount : size_t {
     kExpertsVram, kExpertsRam, kExpertsFile, kExpertsTaken,
     kPrefetchGuessed, kPrefetchGuessedRight, kPrefetchNeeded, kPrefetchRuns, kPrefetchCutShort,
+    kDoorbellSleeps, kPoolSleeps, kSpinCutShort,
     kWorkerCounts
   };
   using WorkerCounts = std::array<uint64_t, kWorkerCounts>;

@@ -68,6 +68,7 @@ nlohmann::json report_json(const BenchReport& r) {
                        {"needed", r.stats.prefetch_needed},
                        {"runs", r.stats.prefetch_runs},
                        {"cut_short", r.stats.prefetch_cut_short}};
+  j["cpu_sleeps"] = {{"doorbell", r.stats.doorbell_sleeps}, {"pool", r.stats.pool_sleeps}, {"spin_cut_short", r.stats.spin_cut_short}};
   return j;
 }
 
@@ -89,6 +90,9 @@ void print_table(const BenchReport& r, std::ostream& out) {
     out << "cpu prefetch (last run): " << r.stats.prefetch_guessed_right << " of " << r.stats.prefetch_guessed
         << " experts prefetched were asked for; " << r.stats.prefetch_needed << " asked for at those layers; "
         << r.stats.prefetch_cut_short << " of " << r.stats.prefetch_runs << " prefetches cut short by the next request\n";
+  if (r.stats.doorbell_sleeps + r.stats.pool_sleeps + r.stats.spin_cut_short > 0)
+    out << "cpu worker sleeps (last run): doorbell " << r.stats.doorbell_sleeps << ", expert threads " << r.stats.pool_sleeps
+        << ", polls cut short (a CPU looked shared) " << r.stats.spin_cut_short << "\n";
   out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";

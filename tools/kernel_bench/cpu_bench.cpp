@@ -208,7 +208,7 @@ std::string phase_report(const std::vector<CallPhases>& calls) {
 // the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
 // cpu_expert_worker's call) instead of run() accumulating into one y.
 Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
-              bool phase_trace, int gap_prefetch, bool pull_in_call, cpu::ThreadPool& pool) {
+              bool phase_trace, int gap_prefetch, double pull_in_call, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -235,9 +235,9 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   auto layer = [&](int64_t l) {
     // --pull-in-call: the call pulls the next call's guess while it computes (the worker's
     // --ffn-prefetch-in-call).
-    if (pull_in_call && gap_prefetch > 0 && worker_form) {
+    if (pull_in_call > 0.0 && gap_prefetch > 0 && worker_form) {
       guess_for((l + 1) % n_layers);
-      ffn.pull_during_next_call(guess);
+      ffn.pull_during_next_call(guess, pull_in_call);
     }
     for (int k = 0; k < n_per_call; ++k) {
       const cpu::ExpertWeights* w = &set.experts[static_cast<size_t>(l * n_per_call + k)];
@@ -663,8 +663,9 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
                   "next call's experts (1: a right guess), of other experts (2: a wrong guess) or of the next call's but its first (3: one "
                   "missed) until the gap ends; 0: none")->check(CLI::Range(0, 3));
-  cpu->add_flag("--pull-in-call", opt.pull_in_call, "with --gap-prefetch: each call also pulls the next call's guess while it computes "
-                "(MoeFfn::pull_during_next_call, the worker's --ffn-prefetch-in-call)");
+  cpu->add_option("--pull-in-call", opt.pull_in_call, "with --gap-prefetch: each call also pulls this share of the next call's guess "
+                  "(its last part) while it computes (MoeFfn::pull_during_next_call, the worker's --ffn-prefetch-in-call; 0: none)")
+      ->check(CLI::Range(0.0, 1.0));
   cpu->add_option("--pattern-probe", opt.pattern_rounds, "per format and row: this many interleaved rounds of the kernel, the pattern "
                   "probe (the same calls reading their weight lines without arithmetic; also with the tiles' prefetcht0 stream) and the "
                   "plain read of the call's bytes in one contiguous span per thread, then their medians (0: the usual table)")->check(CLI::Range(0, 50));
@@ -766,7 +767,8 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1   ? "the next call's experts (right guess)"
                                         : opt.gap_prefetch == 2 ? "other experts (wrong guess)"
                                                                 : "the next call's experts but its first (one missed)");
-    if (opt.gap_prefetch > 0 && opt.pull_in_call) std::printf("pull in call: each call pulls the next call's guess while it computes\n");
+    if (opt.gap_prefetch > 0 && opt.pull_in_call > 0.0)
+      std::printf("pull in call: each call pulls the last %.2f of the next call's guess while it computes\n", opt.pull_in_call);
     std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
                 stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
                 prefetch.runs_l2_bytes);
