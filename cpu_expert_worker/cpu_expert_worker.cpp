@@ -51,8 +51,8 @@ enum class PrefetchGuess { kOff, kLastToken, kRouter };
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch, double pull_in_call)
-      : man_(man), index_(index), prefetch_(prefetch), pull_in_call_(pull_in_call), model_(model::Model::load(man.model_path)),
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch)
+      : man_(man), index_(index), prefetch_(prefetch), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
@@ -172,14 +172,9 @@ class ExpertWorker {
     }
     score_prefetch(il);
     const uint32_t n_tokens = r->n_tokens;
-    // --ffn-prefetch-in-call: the next layer's guess now, its rows pulled while this call computes.
-    const bool guessed_now = pull_in_call_ > 0.0 && guess_next_layer(il, n_tokens);
-    if (guessed_now) ffn_.pull_during_next_call(prefetch_ptrs_, pull_in_call_);
     try {
       run_work(r->layer, xl_.region("hidden").at<const float>(exchange_.data()), seq);
-      ffn_.pull_during_next_call({});  // not left to a later call when this one had no RAM-tier experts
     } catch (const std::exception& e) {
-      ffn_.pull_during_next_call({});
       // Not answered: the gpu_worker times out and the coordinator re-issues the step; until
       // then the request is retried here (a restarted io_worker may serve it).
       std::cerr << "cpu_expert_worker " << index_ << ": layer " << r->layer << ": " << e.what() << "\n";
@@ -189,34 +184,7 @@ class ExpertWorker {
     done->ring(seq);
     last_answer_ = Clock::now();
     stage.record(r->n_tokens, work_.size(), work_bytes(il), us_since(t0));
-    prefetch_next_layer(il, n_tokens, req, seq, guessed_now);
-    return true;
-  }
-
-  // Layer il + 1's router guess (--ffn-prefetch-guess router) into guessed_ / prefetch_ptrs_
-  // (this worker's RAM-tier experts of it that are not on the device), guess_layer_ = il + 1.
-  // False, with nothing guessed, where the router guess does not apply (last layer, a prefill
-  // step, no router fold).
-  bool guess_next_layer(int64_t il, uint32_t n_tokens) {
-    guessed_.clear();
-    guess_layer_ = -1;
-    prefetch_ptrs_.clear();
-    const int64_t next = (il + 1) % model_.hp.n_layer;
-    if (prefetch_ != PrefetchGuess::kRouter || !guess_ || next == 0 || n_tokens > kMaxGuessRows) return false;
-    guess_experts_.clear();
-    guess_->guess(il, xl_.region("hidden").at<const float>(exchange_.data()), n_tokens, fast_pool_, guess_experts_);
-    guessed_weights_.clear();
-    for (const int32_t e : guess_experts_) {
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(next, e)) continue;
-      const group::Tier tier = plan_.at(next, e);
-      if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
-      const std::array<model::Matrix, 3> t = in_memory(next, e, tier);
-      if (!production_kernel_for(t)) continue;
-      guessed_weights_.push_back(expert_weights(t));
-      guessed_.push_back(e);
-    }
-    for (const cpu::ExpertWeights& w : guessed_weights_) prefetch_ptrs_.push_back(&w);
-    guess_layer_ = next;
+    prefetch_next_layer(il, n_tokens, req, seq);
     return true;
   }
 
@@ -230,24 +198,35 @@ class ExpertWorker {
   // token: moraine-synth builds that locality in, as real routers have it). After the last
   // layer the next request is layer 0 of the next token: both take the last-token list there.
   // Ends as soon as the next request rings (polled every 1 KB per thread).
-  // guessed_at_request: guess_next_layer already ran at this request (--ffn-prefetch-in-call);
-  // the gap then pulls what the call's threads did not (a helper's jobs, lines evicted since).
-  void prefetch_next_layer(int64_t il, uint32_t n_tokens, const shm::Doorbell* req, uint64_t answered, bool guessed_at_request) {
-    if (prefetch_ == PrefetchGuess::kOff) {
-      guessed_.clear();
-      guess_layer_ = -1;
-      return;
-    }
-    // The request's rows of `hidden` are read after the answer here: the gpu_worker writes the
-    // next layer's rows only once it has routed that layer (tens of us later), and a row it had
-    // begun to overwrite would only spoil the guess.
-    if (!guessed_at_request && !guess_next_layer(il, n_tokens)) {
-      const int64_t next = (il + 1) % model_.hp.n_layer;
+  void prefetch_next_layer(int64_t il, uint32_t n_tokens, const shm::Doorbell* req, uint64_t answered) {
+    guessed_.clear();
+    guess_layer_ = -1;
+    if (prefetch_ == PrefetchGuess::kOff) return;
+    const int64_t next = (il + 1) % model_.hp.n_layer;
+    prefetch_ptrs_.clear();
+    if (prefetch_ == PrefetchGuess::kRouter && guess_ && next > 0 && n_tokens <= kMaxGuessRows) {
+      // The request's rows of `hidden` are read after the answer: the gpu_worker writes the next
+      // layer's rows only once it has routed that layer (tens of us later), and a row it had
+      // begun to overwrite would only spoil the guess.
+      guess_experts_.clear();
+      guess_->guess(il, xl_.region("hidden").at<const float>(exchange_.data()), n_tokens, fast_pool_, guess_experts_);
+      guessed_weights_.clear();
+      for (const int32_t e : guess_experts_) {
+        if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(next, e)) continue;
+        const group::Tier tier = plan_.at(next, e);
+        if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
+        const std::array<model::Matrix, 3> t = in_memory(next, e, tier);
+        if (!production_kernel_for(t)) continue;
+        guessed_weights_.push_back(expert_weights(t));
+        guessed_.push_back(e);
+      }
+      for (const cpu::ExpertWeights& w : guessed_weights_) prefetch_ptrs_.push_back(&w);
+    } else {
       const std::vector<cpu::ExpertWeights>& ws = last_fast_[static_cast<size_t>(next)];
       for (const cpu::ExpertWeights& w : ws) prefetch_ptrs_.push_back(&w);
       guessed_.assign(last_experts_[static_cast<size_t>(next)].begin(), last_experts_[static_cast<size_t>(next)].end());
-      guess_layer_ = next;
     }
+    guess_layer_ = next;
     if (prefetch_ptrs_.empty()) return;
     struct Until {
       const shm::Doorbell* req;
@@ -481,7 +460,6 @@ class ExpertWorker {
   group::GroupManifest man_;
   int index_;
   const PrefetchGuess prefetch_;
-  const double pull_in_call_;  // --ffn-prefetch-in-call: the share of the guess's rows the call pulls (0: none)
   // Guesses a request for layer n_tokens rows at most (decode, short verify windows): a longer
   // one is a prefill step, whose calls are long and whose idle gaps are not the point.
   static constexpr uint32_t kMaxGuessRows = 4;
@@ -528,7 +506,7 @@ class ExpertWorker {
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, PrefetchGuess prefetch, double pull_in_call) {
+        bool exclusive_cpus, PrefetchGuess prefetch) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -566,7 +544,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch, pull_in_call);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -652,6 +630,13 @@ int main(int argc, char** argv) {
   // guess and per-expert slices 190.4 / 177.7 / 181.7 / 204.6, off 167.2 / 167.6 / 177.9 / 172.0;
   // the previous token's experts (--ffn-prefetch-guess last-token, 16% right) gave nothing
   // measurable (run K: 159.5 / 162.8 / 146.6 against 174.8 / 166.1 / 170.4 off).
+  // Tried and dropped (session 15): guessing at layer L's request and pulling the guess's rows
+  // during layer L's call too (prefetcht1 spread over each thread's jobs, all of its rows or the
+  // last 30-70%) lost everywhere. Kernel bench (worker form, 32 us gap, right guess, p50 us at 2 /
+  // 3 / 4 experts): none 40.8 / 63.0 / 86.3, all 55.8 / 79.8 / 114.6 (run A); none 48.4 / 76.5 /
+  // 104.1, last 30% 54.4 / 82.1 / 116.6 (run B). 12G group, interleaved, tok/s: last half 41.4 /
+  // 108.8 / 128.9 against none 154.9 / 152.0 / 157.1 (run B). The call's threads are limited by
+  // their outstanding L2 misses; the extra lines take those from the call's own rows.
   bool prefetch_next_layer = true;
   app.add_flag("--ffn-prefetch-next-layer,!--no-ffn-prefetch-next-layer", prefetch_next_layer,
                "after answering layer L, pull into the pool threads' L2 the experts it guesses layer L+1 will ask for, "
@@ -676,16 +661,6 @@ int main(int argc, char** argv) {
                  "prefetched guess lands in the L2 that reads it); 0: its share of all experts' rows end to end")
       ->check(CLI::Range(0, 1))
       ->capture_default_str();
-  // Session 15: the window after the answer pulled about half a layer's rows (session 13 run O:
-  // 82% of the prefetches cut short by the next request); the kernel bench's right guess with the
-  // whole rows pulled took 13-20 us off a 3-4 expert call (session 14 run S).
-  double prefetch_in_call = 0.5;
-  app.add_option("--ffn-prefetch-in-call", prefetch_in_call,
-                 "with the router guess: guess layer L+1 at layer L's request and have the expert threads pull this share "
-                 "of its rows (the part the gap after the answer would not reach) while they compute layer L (0: only "
-                 "after the answer)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->capture_default_str();
   app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
   CLI11_PARSE(app, argc, argv);
   {
@@ -707,7 +682,7 @@ int main(int argc, char** argv) {
     const PrefetchGuess prefetch = !prefetch_next_layer          ? PrefetchGuess::kOff
                                    : prefetch_guess == "router" ? PrefetchGuess::kRouter
                                                                 : PrefetchGuess::kLastToken;
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch, prefetch_in_call);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;

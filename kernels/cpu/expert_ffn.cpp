@@ -55,11 +55,6 @@ constexpr int kMaxStreamRuns = 8;
 // Down jobs one gate/up job pulls toward L2 at most (FfnStreamOptions::down_early; a share is
 // `split` jobs plus one per expert boundary).
 constexpr int kMaxEarlyRegions = 8;
-// pull_during_next_call regions one job issues at most (a slice's regions are dealt over its
-// jobs: 3 per pulled expert over 2 x split jobs or more).
-constexpr int kMaxPullRegions = 16;
-// Balanced slices cut rows in runs of this many (Q8_0 / MXFP4 tiles start at a job's first row).
-constexpr int64_t kSliceUnit = 4;
 
 // Splits the regions r[0, n) at half their bytes (a line boundary): r[0, n) keeps the first half,
 // second[0, n_second) gets the rest (at most n regions).
@@ -219,15 +214,6 @@ void MoeFfn::run(std::span<const ExpertAssignment> experts, const float* x, floa
 }
 
 void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum, int n_tokens, int64_t hidden, ThreadPool& pool) {
-  // pull_during_next_call: consumed by this call (whether or not its schedule pulls).
-  struct ConsumePull {
-    std::vector<const ExpertWeights*>& pull;
-    bool on;
-    ~ConsumePull() {
-      if (on) pull.clear();
-    }
-  } consume_pull{pull_, prefetch_ == nullptr};
-  if (!prefetch_) pull_bytes_.store(0, std::memory_order_relaxed);
   FfnPhaseTrace* const trace = prefetch_ ? nullptr : g_phase_trace.load(std::memory_order_relaxed);
   if (trace) {
     trace->workers.assign(static_cast<size_t>(pool.size()), FfnWorkerPhases{});
@@ -402,7 +388,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     // 4 keep every row in the same tile position as the fixed chunks, so results are bitwise the
     // same). Thread w's share of the rows of a phase is units [U w / T, U (w + 1) / T), cut where
     // an expert ends.
-    constexpr int64_t kUnit = kSliceUnit;
+    constexpr int64_t kUnit = 4;
     slice_end_.resize(static_cast<size_t>(n_slices));
     auto units_of = [&](int64_t rows) { return (rows + kUnit - 1) / kUnit; };
     int64_t gu_units = 0, dn_units = 0;
@@ -429,9 +415,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
         const int64_t pieces = std::max<int64_t>(1, split / static_cast<int64_t>(active_.size()));
         for (int32_t e : active_) {
           const int64_t rows = down ? hidden : experts[static_cast<size_t>(e)].weights->ffn;
-          int64_t r0 = 0, r1 = 0;
-          pull_slice(rows, w, n_slices, r0, r1);
-          const int64_t u0 = r0 / kUnit, u1 = units_of(r1);
+          const int64_t n = units_of(rows), u0 = n * w / n_slices, u1 = n * (w + 1) / n_slices;
           for (int64_t k = 0; k < pieces; ++k) {
             const int64_t a = u0 + (u1 - u0) * k / pieces, b = u0 + (u1 - u0) * (k + 1) / pieces;
             if (a < b) spans_.push_back({e, down, a * kUnit, std::min(b * kUnit, rows), -1});
@@ -497,7 +481,6 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     }
     for (int64_t c = 0; c < down_chunks; ++c) chunk_left_[c].store(chunk_spans_[static_cast<size_t>(c)], std::memory_order_relaxed);
   }
-  if (balanced && !prefetch_) assign_pull(hidden, n_slices, x_jobs, slice_opt.gate_up_first ? 2 : 1);
   // Gate/up jobs per expert (no other thread runs yet: plain loads and stores, no locked adds).
   for (const Span& sp : spans_) {
     if (!sp.down) remaining_[sp.expert].store(remaining_[sp.expert].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
@@ -523,19 +506,6 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     return static_cast<const uint8_t*>(sp.down ? w.down : w.gate) + static_cast<size_t>(sp.r0) * rb;
   };
 
-  // The pull_during_next_call regions job `sp` issues when `worker` runs it (its slice's owner
-  // only: a helper's L2 is not where they will be read) into out[0, kMaxPullRegions).
-  auto pull_of = [&](const Span& sp, int worker, PrefetchRegion* out) {
-    if (sp.slice != worker || sp.pb1 <= sp.pb0) return 0;
-    int n = 0;
-    uint64_t bytes = 0;
-    for (int64_t i = sp.pb0; i < sp.pb1 && n < kMaxPullRegions; ++i) {
-      out[n] = pull_regions_[static_cast<size_t>(i)];
-      bytes += out[n++].bytes;
-    }
-    pull_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    return n;
-  };
   const int64_t n_jobs = x_jobs + static_cast<int64_t>(spans_.size());
   auto run_job = [&](int64_t job, int worker, FfnWorkerPhases* ph) {
     if (job < x_jobs) {
@@ -567,8 +537,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
       // rows into the thread's next job.
       // FfnStreamOptions: this slice's down rows toward L2 (only on the thread that owns the
       // slice: a helper's L2 is not where they will be read).
-      // pull_during_next_call: the next call's rows this job's slice owner pulls, after those.
-      PrefetchRegion early[kMaxEarlyRegions + kMaxPullRegions];
+      PrefetchRegion early[kMaxEarlyRegions];
       int n_early = 0;
       if (stream_opt.down_early && sp.slice == worker) {
         for (int64_t d = sp.bg0; d < sp.bg1 && n_early < kMaxEarlyRegions; ++d) {
@@ -578,7 +547,6 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
           early[n_early++] = {dp, bytes};
         }
       }
-      n_early += pull_of(sp, worker, early + n_early);
       // FfnStreamOptions::gate_up_together (2: Q4_K only, the type it was measured faster for).
       const bool together = w.gate_type == w.up_type &&
                             (stream_opt.gate_up_together == 1 || (stream_opt.gate_up_together == 2 && w.gate_type == TensorType::Q4_K));
@@ -600,7 +568,7 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
         } else {
           // The gate rows' next-call hint: the up rows of this job; the up rows': the next job.
           // The early down lines: the first half over the gate rows, the rest over the up rows.
-          PrefetchRegion second[kMaxEarlyRegions + kMaxPullRegions];
+          PrefetchRegion second[kMaxEarlyRegions];
           int n_second = 0;
           split_regions(early, n_early, second, n_second);
           const size_t up_rb = row_bytes(w.up_type, hidden);
@@ -656,13 +624,11 @@ void MoeFfn::run_layer(std::span<const ExpertAssignment> experts, float* y_accum
     // Down rows through matvec_tokens, or as FfnStreamOptions::runs runs side by side.
     auto down_rows_into = [&](float* y) {
       const int k = stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs;
-      PrefetchRegion pull[kMaxPullRegions];
-      const int n_pull = pull_of(sp, worker, pull);
-      if (k > 1 || runs_l2 || n_pull > 0) {
+      if (k > 1 || runs_l2) {
         MatvecRun runs[kMaxStreamRuns];
         const int n = cut_runs(w.down, r0, r1, y, k, runs);
         matvec_tokens_runs(w.down_type, w.ffn, runs, n, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, hidden,
-                           {pull, n_pull, after, after_bytes});
+                           {nullptr, 0, after, after_bytes});
         return;
       }
       matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq_.data() + p.q_offset, p.q_row_bytes, nullptr, a.n_tok, y, hidden, after, after_bytes);
@@ -838,79 +804,6 @@ void MoeFfn::run_expert(const ExpertWeights& w, const float* x, int m, float* y,
   out_.assign(1, y);
   const ExpertAssignment a{&w, iota_.data(), ones_.data(), m};
   run_layer(std::span<const ExpertAssignment>(&a, 1), nullptr, m, w.hidden, pool);
-}
-
-void MoeFfn::pull_slice(int64_t rows, int w, int threads, int64_t& r0, int64_t& r1) {
-  const int64_t n = (rows + kSliceUnit - 1) / kSliceUnit;
-  r0 = n * w / threads * kSliceUnit;
-  r1 = std::max(r0, std::min(n * (w + 1) / threads * kSliceUnit, rows));
-}
-
-void MoeFfn::pull_during_next_call(std::span<const ExpertWeights* const> experts, double tail_share) {
-  pull_.assign(experts.begin(), experts.end());
-  pull_share_ = std::clamp(tail_share, 0.0, 1.0);
-  if (pull_share_ == 0.0) pull_.clear();
-}
-
-void MoeFfn::assign_pull(int64_t hidden, int n_slices, int64_t x_jobs, int n_phases) {
-  if (pull_assigned_) {
-    for (Span& sp : spans_) sp.pb0 = sp.pb1 = 0;
-    pull_assigned_ = false;
-  }
-  if (pull_.empty() || !ffn_slice_options().per_expert) return;
-  pull_regions_.clear();
-  auto add = [&](const void* base, TensorType t, int64_t n_cols, int64_t rows, int w) {
-    int64_t r0 = 0, r1 = 0;
-    pull_slice(rows, w, n_slices, r0, r1);
-    const size_t rb = row_bytes(t, n_cols);
-    if (r1 > r0) pull_regions_.push_back({static_cast<const uint8_t*>(base) + static_cast<size_t>(r0) * rb, static_cast<size_t>(r1 - r0) * rb});
-  };
-  auto usable = [&](const ExpertWeights* pw) { return pw && pw->hidden == hidden && pw->ffn > 0 && pw->gate && pw->up && pw->down; };
-  for (int w = 0; w < n_slices; ++w) {
-    size_t first = pull_regions_.size();
-    // prefetch_experts' order: every expert's gate and up rows, then every expert's down rows.
-    for (const ExpertWeights* pw : pull_) {
-      if (!usable(pw)) continue;
-      add(pw->gate, pw->gate_type, hidden, pw->ffn, w);
-      add(pw->up, pw->up_type, hidden, pw->ffn, w);
-    }
-    for (const ExpertWeights* pw : pull_) {
-      if (usable(pw)) add(pw->down, pw->down_type, pw->ffn, hidden, w);
-    }
-    if (pull_share_ < 1.0) {
-      // Drop the front (1 - tail_share) of the slice's bytes, cut at a line.
-      size_t total = 0;
-      for (size_t i = first; i < pull_regions_.size(); ++i) total += pull_regions_[i].bytes;
-      size_t skip = static_cast<size_t>(static_cast<double>(total) * (1.0 - pull_share_)) & ~size_t{63};
-      while (first < pull_regions_.size() && skip >= pull_regions_[first].bytes) skip -= pull_regions_[first++].bytes;
-      if (first < pull_regions_.size() && skip > 0) {
-        PrefetchRegion& rg = pull_regions_[first];
-        rg.p = static_cast<const uint8_t*>(rg.p) + skip;
-        rg.bytes -= skip;
-      }
-    }
-    const auto n_regions = static_cast<int64_t>(pull_regions_.size() - first);
-    // Slice w's jobs in its phases (slice_end_ counts the x jobs at the front of slice 0).
-    int64_t n_jobs = 0;
-    int64_t lo[2] = {}, hi[2] = {};
-    for (int p = 0; p < n_phases; ++p) {
-      const int idx = p * n_slices + w;
-      lo[p] = std::max<int64_t>(idx == 0 ? 0 : slice_end_[static_cast<size_t>(idx - 1)] - x_jobs, 0);
-      hi[p] = slice_end_[static_cast<size_t>(idx)] - x_jobs;
-      n_jobs += std::max<int64_t>(hi[p] - lo[p], 0);
-    }
-    if (n_jobs == 0) continue;  // an empty share: the gap's prefetch (prefetch_experts) still pulls its rows
-    int64_t k = 0;
-    for (int p = 0; p < n_phases; ++p) {
-      for (int64_t j = lo[p]; j < hi[p]; ++j, ++k) {
-        Span& sp = spans_[static_cast<size_t>(j)];
-        sp.slice = w;
-        sp.pb0 = static_cast<int64_t>(first) + n_regions * k / n_jobs;
-        sp.pb1 = static_cast<int64_t>(first) + n_regions * (k + 1) / n_jobs;
-      }
-    }
-  }
-  pull_assigned_ = true;
 }
 
 bool MoeFfn::prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx),

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "common/formats/tensor_type.h"
-#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace moraine::cpu {
@@ -109,31 +108,6 @@ class MoeFfn {
   bool prefetch_experts(std::span<const ExpertWeights* const> experts, int m, ThreadPool& pool, bool (*stop)(const void* ctx) = nullptr,
                         const void* ctx = nullptr);
 
-  // The experts the caller expects its NEXT call to compute (the cpu_expert_worker's guess of
-  // layer il + 1, made at layer il's request: cpu_expert_worker/next_layer_guess.h). The next
-  // run_experts call then has each pool thread pull toward its L2 (prefetcht1) the rows it would
-  // compute of these experts, spread over its own jobs of that call, so the next layer's rows
-  // stream in while this one computes and not only in the idle gap between two calls (~37 us
-  // at 12G, which pulled about half of a layer's rows: session 13 run O). The rows are thread
-  // w's per-expert balanced slices at this pool size (pull_slice()), the ones it reads when they
-  // are called, whichever other experts come with them. Only the balanced sliced schedule with
-  // FfnSliceOptions::per_expert does it; other schedules ignore it. One-shot: the next call
-  // consumes it (whether or not it pulled). The ExpertWeights must stay valid through that call.
-  // tail_share: only the last this share of each thread's bytes of them, in the order
-  // prefetch_experts walks them (each expert's gate and up rows, then each one's down rows): the
-  // gap's prefetch walks from the front, so the call takes what the gap would not reach. All of
-  // them (1) made the call DRAM-bound and left the gap nothing to do: session 15 run A, kernel
-  // bench, 32 us gap, right guess, p50 us at 2 / 3 / 4 experts 40.8 / 63.0 / 86.3 -> 55.8 /
-  // 79.8 / 114.6.
-  void pull_during_next_call(std::span<const ExpertWeights* const> experts, double tail_share = 1.0);
-  // Bytes the last run_experts call's threads issued for it (a helper running another slice's
-  // job issues nothing; 0 when nothing was set or the schedule ignored it).
-  uint64_t last_pull_bytes() const { return pull_bytes_.load(std::memory_order_relaxed); }
-
-  // Thread w's rows of one matrix of `rows` rows under per-expert balanced slices at `threads`
-  // threads: [r0, r1) (runs of 4 rows; empty when the share is).
-  static void pull_slice(int64_t rows, int w, int threads, int64_t& r0, int64_t& r1);
-
   // Grows the scratch for up to `max_tokens` tokens through `max_experts` experts of this shape,
   // so that later runs within it allocate nothing (call once at start-up).
   void reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_experts = 1);
@@ -181,7 +155,6 @@ class MoeFfn {
     int64_t r0 = 0, r1 = 0, next = -1;
     int32_t slice = -1;
     int64_t bg0 = 0, bg1 = 0;
-    int64_t pb0 = 0, pb1 = 0;  // pull_during_next_call: this job's regions pull_regions_[pb0, pb1) (its slice's owner pulls them)
   };
   std::vector<Span> spans_;
   std::vector<int64_t> plan_key_, plan_key_next_;  // what the balanced spans_ / slice_end_ were built for
@@ -191,13 +164,6 @@ class MoeFfn {
     const void* ctx = nullptr;
   };
   const Prefetch* prefetch_ = nullptr;
-  std::vector<const ExpertWeights*> pull_;     // pull_during_next_call's experts, until the next call
-  double pull_share_ = 1.0;                    // and its tail_share
-  std::vector<PrefetchRegion> pull_regions_;   // this call's: slice w's regions, slice by slice
-  bool pull_assigned_ = false;
-  std::atomic<uint64_t> pull_bytes_{0};                 // some span's pb0 / pb1 set (cleared before a reused list runs)
-  // Lays pull_'s rows out per slice and deals each slice's regions over its jobs (spans_ built).
-  void assign_pull(int64_t hidden, int n_slices, int64_t x_jobs, int n_phases);
   std::atomic<bool> prefetch_cut_{false};   // a thread's prefetch was stopped before its last row
   std::vector<int64_t> prefetch_ends_;
   float prefetch_sink_ = 0.0f;  // the outputs' stand-in (never written)

@@ -42,8 +42,9 @@ struct EngineStats {
   uint64_t prefetch_guessed = 0, prefetch_guessed_right = 0, prefetch_needed = 0, prefetch_runs = 0, prefetch_cut_short = 0;
   // The cpu workers' sleeps over the last run: the doorbell thread's futex waits before a request,
   // the expert threads' between job lists, and polls cut short because a CPU looked shared. While
-  // tokens are generated all three should stay near zero; many mean wake-ups on the chain (a
-  // noisy host: session 15 run A's 12G decode moved 20-109 tok/s between back-to-back runs).
+  // tokens are generated all three should stay near zero; many mean wake-ups on the chain
+  // (session 15 run B, 12G decode: a slowed worker at 41 tok/s showed 3421 expert-thread sleeps,
+  // the normal runs at 152-157 tok/s 60-101).
   uint64_t doorbell_sleeps = 0, pool_sleeps = 0, spin_cut_short = 0;
 };
 

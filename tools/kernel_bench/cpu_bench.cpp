@@ -208,7 +208,7 @@ std::string phase_report(const std::vector<CallPhases>& calls) {
 // the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
 // cpu_expert_worker's call) instead of run() accumulating into one y.
 Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
-              bool phase_trace, int gap_prefetch, double pull_in_call, cpu::ThreadPool& pool) {
+              bool phase_trace, int gap_prefetch, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -221,24 +221,7 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   std::vector<cpu::MoeFfn::RowsJob> jobs(static_cast<size_t>(n_per_call));
   std::vector<float> y_own(static_cast<size_t>(n_per_call) * x.size());
   cpu::MoeFfn ffn;
-  // --gap-prefetch's guess of call l: call l's experts (1: the guess from routing locality was
-  // right), call l + n_layers / 2's (2: wrong) or call l's but its first expert (3: one missed,
-  // so the call's list is not the guessed one).
-  std::vector<const cpu::ExpertWeights*> guess;
-  guess.reserve(static_cast<size_t>(n_per_call));
-  auto guess_for = [&](int64_t l) {
-    const int64_t g = gap_prefetch == 2 ? (l + n_layers / 2) % n_layers : l;
-    const int first = gap_prefetch == 3 ? 1 : 0;
-    guess.clear();
-    for (int k = first; k < n_per_call; ++k) guess.push_back(&set.experts[static_cast<size_t>(g * n_per_call + k)]);
-  };
   auto layer = [&](int64_t l) {
-    // --pull-in-call: the call pulls the next call's guess while it computes (the worker's
-    // --ffn-prefetch-in-call).
-    if (pull_in_call > 0.0 && gap_prefetch > 0 && worker_form) {
-      guess_for((l + 1) % n_layers);
-      ffn.pull_during_next_call(guess, pull_in_call);
-    }
     for (int k = 0; k < n_per_call; ++k) {
       const cpu::ExpertWeights* w = &set.experts[static_cast<size_t>(l * n_per_call + k)];
       assign[static_cast<size_t>(k)] = {w, tokens.data(), route.data(), n_tok};
@@ -247,12 +230,19 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
     if (worker_form) ffn.run_experts(std::span<const cpu::MoeFfn::RowsJob>(jobs), x.data(), n_tok, pool);
     else ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
   };
-  // --gap-prefetch: during the gap before call l, MoeFfn::prefetch_experts of its guess, stopped
+  // --gap-prefetch: during the gap before call l, MoeFfn::prefetch_experts of call l's experts (1: the
+  // guess from routing locality was right), of call l + n_layers / 2's (2: wrong) or of call l's
+  // but its first expert (3: one missed, so the call's list is not the guessed one), stopped
   // when the gap ends; worker form only.
+  std::vector<const cpu::ExpertWeights*> guess;
+  guess.reserve(static_cast<size_t>(n_per_call));
   auto gap = [&](int64_t l) {
     const auto end = Clock::now() + std::chrono::microseconds(gap_us);
     if (gap_prefetch > 0 && worker_form) {
-      guess_for(l);
+      const int64_t g = gap_prefetch == 2 ? (l + n_layers / 2) % n_layers : l;
+      const int first = gap_prefetch == 3 ? 1 : 0;
+      guess.clear();
+      for (int k = first; k < n_per_call; ++k) guess.push_back(&set.experts[static_cast<size_t>(g * n_per_call + k)]);
       if (!guess.empty()) ffn.prefetch_experts(guess, n_tok, pool, [](const void* c) { return Clock::now() >= *static_cast<const Clock::time_point*>(c); }, &end);
     }
     std::this_thread::sleep_until(end);
@@ -417,7 +407,7 @@ std::string pattern_rounds(const ExpertSet& set, TensorType t, int n_tok, int n_
         p = measure_plain_calls(set, n_per_call, opt.min_seconds, opt.gap_us, i == 4, pool);
       } else {
         cpu::set_matvec_math(i == 0 ? cpu::MatvecMath::Compute : i == 1 ? cpu::MatvecMath::ReadOnly : cpu::MatvecMath::ReadOnlyPrefetch);
-        p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, false, opt.gap_prefetch, opt.pull_in_call, pool);
+        p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, false, opt.gap_prefetch, pool);
         cpu::set_matvec_math(cpu::MatvecMath::Compute);
       }
       g[i] = p.gbps;
@@ -663,9 +653,6 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
                   "next call's experts (1: a right guess), of other experts (2: a wrong guess) or of the next call's but its first (3: one "
                   "missed) until the gap ends; 0: none")->check(CLI::Range(0, 3));
-  cpu->add_option("--pull-in-call", opt.pull_in_call, "with --gap-prefetch: each call also pulls this share of the next call's guess "
-                  "(its last part) while it computes (MoeFfn::pull_during_next_call, the worker's --ffn-prefetch-in-call; 0: none)")
-      ->check(CLI::Range(0.0, 1.0));
   cpu->add_option("--pattern-probe", opt.pattern_rounds, "per format and row: this many interleaved rounds of the kernel, the pattern "
                   "probe (the same calls reading their weight lines without arithmetic; also with the tiles' prefetcht0 stream) and the "
                   "plain read of the call's bytes in one contiguous span per thread, then their medians (0: the usual table)")->check(CLI::Range(0, 50));
@@ -767,8 +754,6 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1   ? "the next call's experts (right guess)"
                                         : opt.gap_prefetch == 2 ? "other experts (wrong guess)"
                                                                 : "the next call's experts but its first (one missed)");
-    if (opt.gap_prefetch > 0 && opt.pull_in_call > 0.0)
-      std::printf("pull in call: each call pulls the last %.2f of the next call's guess while it computes\n", opt.pull_in_call);
     std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
                 stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
                 prefetch.runs_l2_bytes);
@@ -822,7 +807,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       if (!opt.json) std::printf("%-7s %8d %14zu", std::string(type_name(t)).c_str(), n_per_call, set.expert_bytes);
       for (size_t ti = 0; ti < opt.tokens.size(); ++ti) {
         const int n_tok = opt.tokens[ti];
-        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, opt.gap_prefetch, opt.pull_in_call, pool);
+        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, opt.gap_prefetch, pool);
         const double us_per_call = 1e6 * p.seconds / static_cast<double>(p.layers);
         const auto [ceiling, all] = ceilings[ti];
         if (!opt.json) {

@@ -55,7 +55,6 @@ struct CpuBenchOptions {
   int down_early_bytes = -1;  // bytes of each down job pulled early (0: all); -1: the library default
   int prefetch_runs_l2 = -1;  // bytes: cpu::MatvecPrefetch::runs_l2_bytes (each run's prefetcht1 stream; 0: none); -1: the library default
   int prefetch_runs_l1 = -1;  // bytes: cpu::MatvecPrefetch::runs_l1_bytes (each run's prefetcht0 distance; 0: spread / runs); -1: the library default
-  double pull_in_call = 0.0;  // with gap_prefetch: each call pulls the next call's guess while it computes (MoeFfn::pull_during_next_call)
   int gap_prefetch = 0;       // 1/2/3: MoeFfn::prefetch_experts of the next call's (right guess) / other (wrong guess) experts / the next call's but its first, in each gap
   std::string matvec_math;    // compute / read-only / read-only-pf (cpu::MatvecMath) for the table's calls; empty: compute
   int pattern_rounds = 0;     // >0: per row, this many interleaved rounds of kernel / pattern probe (cpu::MatvecMath) / plain probe
