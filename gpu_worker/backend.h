@@ -76,13 +76,13 @@ struct BackendOptions {
   // layer's ~45 RAM-tier experts (~120 MB at the 30B shape) cross the bus in ~2.4 ms. Measured
   // (H200 host, session 14 runs U and V, 30B, --vram 12G --ram 32G, census warm, 8 slots: ~21 MB
   // of VRAM): pp512 / pp8192 Zipf 0 661 / 646 -> 2375 / 2257 tok/s (llama.cpp --n-cpu-moe 22 in
-  // the same run 509 / 516), Zipf 1 2408 / 2289 (531 / 504). Off by default for now: the gpu_worker
-  // then pins the whole arena (cudaHostRegister), and 12G decode read 141.7 and 167.5 tok/s with it
-  // against 148.7 and 183.8 without (runs U and W), each pair back to back with staging first, where
-  // run order alone moved one configuration by 14% (run R): not resolved. Turn it on with
-  // `--prefill-stage-experts 8` (the coordinator's reserve then lacks the buffer's ~21 MB, which the
-  // gpu_worker's over-budget line reports).
-  int stage_experts = 0;
+  // the same run 509 / 516), Zipf 1 2408 / 2289 (531 / 504). On by default since session 15: the
+  // gpu_worker then pins the whole arena (cudaHostRegister), which session 14 suspected of slowing
+  // the 12G decode (runs U and W, each pair back to back, staging first); interleaved three times
+  // (session 15 run C, moraine-bench -p 512 -n 64 -r 3, 30B Zipf 0, census warm) decode read 181.8
+  // / 169.2 / 167.6 tok/s staging against 157.2 / 164.6 / 175.7 not, pp512 2656-2658 against
+  // 918-1008. The coordinator's reserve holds the buffer (~21 MB at the 30B shape).
+  int stage_experts = 8;
   // ... from steps of this many rows (the gpu_worker's choice): at uniform routing a layer's step
   // uses ~45 RAM-tier experts from ~100 rows on (~2.4 ms over the bus at the 30B shape), while the
   // workers take ~25 us a row (run T's 12G prefill: 13 ms a layer for a 512-row step), so below

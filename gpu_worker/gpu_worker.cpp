@@ -80,7 +80,8 @@ class StepRunner {
     all_on_device_ = backend_->all_on_device();
     // The RAM tier, pinned, for the experts the device takes over from the cpu workers
     // (handoff_take_expert and long steps' stage_experts copy them from here over PCIe).
-    if ((o.take_expert_from > 0 || o.stage_experts > 0) && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
+    if ((o.take_expert_from > 0 || o.stage_experts > 0) && backend_kind == "cuda" && !all_on_device_ && !man.zmq_handoff &&
+        !man.arena_locator.empty()) {
       const auto t0 = Clock::now();
       arena_.emplace(shm::ShmSegment::open(man.arena_locator));
       al_.emplace(group::ArenaLayout::build(m, placement_));
