@@ -80,15 +80,16 @@ class StepRunner {
     all_on_device_ = backend_->all_on_device();
     // The RAM tier, pinned, for the experts the device takes over from the cpu workers
     // (handoff_take_expert and long steps' stage_experts copy them from here over PCIe).
-    if ((o.take_expert_from > 0 || o.stage_experts > 0) && backend_kind == "cuda" && !all_on_device_ && !man.zmq_handoff &&
-        !man.arena_locator.empty()) {
+    // (Staging is the CUDA backend's alone; taking an expert, the CPU backend's too.)
+    const bool stage = o.stage_experts > 0 && backend_kind == "cuda";
+    if ((o.take_expert_from > 0 || stage) && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
       const auto t0 = Clock::now();
       arena_.emplace(shm::ShmSegment::open(man.arena_locator));
       al_.emplace(group::ArenaLayout::build(m, placement_));
       if (arena_->data_bytes() < al_->total_bytes) throw std::runtime_error("arena segment is smaller than this model's layout");
       backend_->pin_host_memory(arena_->data(), arena_->data_bytes());
       take_from_ = o.take_expert_from;
-      stage_ = o.stage_experts > 0;
+      stage_ = stage;
       stage_min_rows_ = o.stage_min_rows;
       std::cerr << "gpu_worker: the RAM tier (" << (arena_->data_bytes() >> 20) << " MiB) mapped for the device in "
                 << static_cast<int64_t>(us_since(t0) / 1000) << " ms; "
