@@ -139,6 +139,19 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   EXPECT_LE(pf.at("needed").get<int64_t>(), reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>()) << pf.dump();
   EXPECT_GT(pf.at("runs").get<int64_t>(), 0) << pf.dump();
   EXPECT_LE(pf.at("cut_short").get<int64_t>(), pf.at("runs").get<int64_t>()) << pf.dump();
+  // The hand-off chain of the same run: in each layer of the 7 steps the gpu_worker waited for
+  // the backend's routing (the CPU backend hands off in-graph too) and then for the workers,
+  // timing both; the busiest worker timed its own calls (at most one per hand-off).
+  const nlohmann::json& chain = j.at("handoff_chain");
+  const nlohmann::json& call = chain.at("expert_cpu");
+  EXPECT_GT(call.at("samples").get<int64_t>(), 0) << chain.dump();
+  EXPECT_LE(call.at("samples").get<int64_t>(), (6 + 1) * n_layer) << chain.dump();
+  for (const char* stage : {"routed_wait", "expert_handoff", "expert_cpu"}) {
+    const nlohmann::json& c = chain.at(stage);
+    if (stage != std::string("expert_cpu")) EXPECT_EQ(c.at("samples").get<int64_t>(), (6 + 1) * n_layer) << stage << chain.dump();
+    EXPECT_GT(c.at("p50_us").get<double>(), 0.0) << stage << chain.dump();
+    EXPECT_GE(c.at("p90_us").get<double>(), c.at("p50_us").get<double>()) << stage << chain.dump();
+  }
 }
 
 // The census warm-up: a first run records which experts the routing uses, the group restarts

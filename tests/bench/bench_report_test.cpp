@@ -178,6 +178,9 @@ TEST(BenchReport, JsonParsesAndCarriesEveryField) {
       EXPECT_GT(c.at("bytes_per_s").get<double>(), 1e8) << tier;
     }
   }
+  for (const char* stage : {"routed_wait", "expert_handoff", "expert_cpu"}) {   // an engine without a group
+    EXPECT_EQ(j.at("handoff_chain").at(stage).at("samples"), 0) << stage;
+  }
   EXPECT_EQ(j.at("bytes_per_token").at("ram"), kRamBytesPerToken);
   EXPECT_EQ(j.at("hit_rate").at("ram"), 1.0);
   // The file is under one O_DIRECT request: disk says why it has no number.

@@ -43,9 +43,21 @@ struct EngineStats {
   // The cpu workers' sleeps over the last run: the doorbell thread's futex waits before a request,
   // the expert threads' between job lists, and polls cut short because a CPU looked shared. While
   // tokens are generated all three should stay near zero; many mean wake-ups on the chain
-  // (session 15 run B, 12G decode: a slowed worker at 41 tok/s showed 3421 expert-thread sleeps,
-  // the normal runs at 152-157 tok/s 60-101).
+  // (session 15 runs B and C, 12G decode: a slowed worker at 41 tok/s showed 3421 expert-thread
+  // sleeps, the normal runs at 152-182 tok/s 24-256).
   uint64_t doorbell_sleeps = 0, pool_sleeps = 0, spin_cut_short = 0;
+  // The hand-off chain of the last run, per layer whose experts the cpu workers share (a decode
+  // run's steps are all one token): the gpu_worker's wait for the device to publish the layer's
+  // routing (what the device does between two hand-offs: fetching and combining the rows, the
+  // next layer's norm, attention and router, the publish), its wait for the cpu workers (ring to
+  // answer), and the slowest cpu worker's call itself (request seen to answer rung). p50 / p90
+  // over each stage's last 4096 samples (StageRecorder's window); samples 0 where the stage did
+  // not run (everything on the device, the reference engine).
+  struct ChainStage {
+    double p50_us = 0, p90_us = 0;
+    uint64_t samples = 0;
+  };
+  ChainStage routed_wait, expert_handoff, expert_cpu;
 };
 
 class BenchEngine {

@@ -43,6 +43,17 @@ uint64_t counter(const control::StatsReply& r, const char* name) {
   return it == r.counters().end() ? 0 : it->second;
 }
 
+EngineStats::ChainStage chain_stage(const control::StatsReply& r, const char* name) {
+  EngineStats::ChainStage c;
+  for (const control::StageStats& s : r.stages()) {
+    if (s.name() != name) continue;
+    c.samples = s.latency().samples();
+    c.p50_us = s.latency().p50_us();
+    c.p90_us = s.latency().p90_us();
+  }
+  return c;
+}
+
 }  // namespace
 
 std::string default_group_bin_dir() {
@@ -237,8 +248,16 @@ EngineStats GroupEngine::stats() const {
   // H200, 12G Z1 -p 8192: the counts since start, prefill steps included, said 59% VRAM hits
   // where the decode had 87%). A process that restarted since lost its counters: no hit rate.
   uint64_t device_used = 0;
+  EngineStats::ChainStage routed_wait, expert_handoff, expert_cpu;
   try {
-    device_used = counter(stats_of(socket_dir_, group::kGpuWorkerInstance, false), "device_used_bytes");
+    const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
+    device_used = counter(g, "device_used_bytes");
+    routed_wait = chain_stage(g, "routed_wait");
+    expert_handoff = chain_stage(g, "expert_handoff");
+    for (int i = 0; i < o_.cpu_workers; ++i) {   // the hand-off waits for the slowest worker
+      const EngineStats::ChainStage w = chain_stage(stats_of(socket_dir_, group::cpu_worker_instance(i), false), "expert_cpu");
+      if (w.p50_us >= expert_cpu.p50_us) expert_cpu = w;
+    }
     if (const uint64_t r = counter(stats_of(socket_dir_, group::kSupervisorInstance, false), "restarts")) {
       throw BenchFault("hit rates: " + std::to_string(r) + " worker restart(s) since the group started");
     }
@@ -273,6 +292,9 @@ EngineStats GroupEngine::stats() const {
   s.doorbell_sleeps = d[kDoorbellSleeps];
   s.pool_sleeps = d[kPoolSleeps];
   s.spin_cut_short = d[kSpinCutShort];
+  s.routed_wait = routed_wait;
+  s.expert_handoff = expert_handoff;
+  s.expert_cpu = expert_cpu;
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.

@@ -69,6 +69,12 @@ nlohmann::json report_json(const BenchReport& r) {
                        {"runs", r.stats.prefetch_runs},
                        {"cut_short", r.stats.prefetch_cut_short}};
   j["cpu_sleeps"] = {{"doorbell", r.stats.doorbell_sleeps}, {"pool", r.stats.pool_sleeps}, {"spin_cut_short", r.stats.spin_cut_short}};
+  auto chain = [](const EngineStats::ChainStage& c) {
+    return nlohmann::json{{"p50_us", c.p50_us}, {"p90_us", c.p90_us}, {"samples", c.samples}};
+  };
+  j["handoff_chain"] = {{"routed_wait", chain(r.stats.routed_wait)},
+                        {"expert_handoff", chain(r.stats.expert_handoff)},
+                        {"expert_cpu", chain(r.stats.expert_cpu)}};
   return j;
 }
 
@@ -93,6 +99,15 @@ void print_table(const BenchReport& r, std::ostream& out) {
   if (r.stats.doorbell_sleeps + r.stats.pool_sleeps + r.stats.spin_cut_short > 0)
     out << "cpu worker sleeps (last run): doorbell " << r.stats.doorbell_sleeps << ", expert threads " << r.stats.pool_sleeps
         << ", polls cut short (a CPU looked shared) " << r.stats.spin_cut_short << "\n";
+  if (r.stats.expert_handoff.samples > 0) {
+    char chain[256];
+    std::snprintf(chain, sizeof chain,
+                  "hand-off chain per layer (last run, p50 / p90 us): device to routing %.1f / %.1f, cpu workers %.1f / %.1f "
+                  "(their call itself %.1f / %.1f)\n",
+                  r.stats.routed_wait.p50_us, r.stats.routed_wait.p90_us, r.stats.expert_handoff.p50_us,
+                  r.stats.expert_handoff.p90_us, r.stats.expert_cpu.p50_us, r.stats.expert_cpu.p90_us);
+    out << chain;
+  }
   out << "\n";
 
   out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
