@@ -78,16 +78,24 @@ struct OrderBound {
   }
 };
 
+// `gap(seed)`: the reference's gap to itself, relative as LogitGap::rel(), with ExecutorOptions::
+// dot_order = seed against its own order (how a caller measures it: the whole array, or the
+// largest over positions).
+inline OrderBound quantized_bound(const std::function<double(reference::DotOrderSeed)>& gap,
+                                  int orders = kOrderSeeds) {
+  OrderBound b;
+  b.orders = orders;
+  for (int s = 1; s <= orders; ++s) b.self_gap = std::max(b.self_gap, gap(s));
+  b.bound = std::max(kQuantizedFloor, kOrderFactor * b.self_gap);
+  return b;
+}
+
 // `want`: the reference's logits in its own order; `run(seed)`: the same logits (same tokens,
 // same rows) with ExecutorOptions::dot_order = seed.
 inline OrderBound quantized_bound(const std::vector<float>& want,
                                   const std::function<std::vector<float>(reference::DotOrderSeed)>& run,
                                   int orders = kOrderSeeds) {
-  OrderBound b;
-  b.orders = orders;
-  for (int s = 1; s <= orders; ++s) b.self_gap = std::max(b.self_gap, logit_gap(run(s), want).rel());
-  b.bound = std::max(kQuantizedFloor, kOrderFactor * b.self_gap);
-  return b;
+  return quantized_bound([&](reference::DotOrderSeed s) { return logit_gap(run(s), want).rel(); }, orders);
 }
 
 // F32 files keep kFloatBound; quantized ones get quantized_bound (computed only for them). An

@@ -332,22 +332,26 @@ TEST_P(LlamaOracle, LogitsAgreeAtEveryPosition) {
   ASSERT_EQ(theirs.size(), ours.size()) << "llama.cpp returned " << theirs.size() << " logits, want " << P * V;
   for (float x : theirs) ASSERT_TRUE(std::isfinite(x)) << "llama.cpp returned a missing or non-finite logit";
 
-  // Per position: max |a - b| over the vocabulary, relative to max |b|.
-  auto position_gap = [&](const std::vector<float>& a, const std::vector<float>& b, int64_t t, double& diff, double& ref) {
-    diff = 0, ref = 0;
+  // Per position: max |a - b| over the vocabulary, and max |b|; rel() the one relative to the other.
+  struct PositionGap {
+    double diff = 0, ref = 0;
+    double rel() const { return diff / ref; }
+  };
+  auto position_gap = [&](const std::vector<float>& a, const std::vector<float>& b, int64_t t) {
+    PositionGap g;
     for (int64_t v = 0; v < V; ++v) {
-      diff = std::max(diff, std::fabs(double(a[t * V + v]) - b[t * V + v]));
-      ref = std::max(ref, std::fabs(double(b[t * V + v])));
+      g.diff = std::max(g.diff, std::fabs(double(a[t * V + v]) - b[t * V + v]));
+      g.ref = std::max(g.ref, std::fabs(double(b[t * V + v])));
     }
-    return diff / ref;
+    return g;
   };
   double worst_rel = 0;
   int64_t worst_pos = 0;
-  std::vector<double> rel(static_cast<size_t>(P)), diff(rel.size()), ref(rel.size());
+  std::vector<PositionGap> gaps(static_cast<size_t>(P));
   for (int64_t t = 0; t < P; ++t) {
     const auto i = static_cast<size_t>(t);
-    rel[i] = position_gap(ours, theirs, t, diff[i], ref[i]);
-    if (rel[i] > worst_rel) worst_rel = rel[i], worst_pos = t;
+    gaps[i] = position_gap(ours, theirs, t);
+    if (gaps[i].rel() > worst_rel) worst_rel = gaps[i].rel(), worst_pos = t;
   }
   // F32: the bound this test always had (measured <= 1.5e-6). Quantized: llama.cpp computes the
   // same arithmetic in its own float order, and its CPU variant is chosen by the host's ISA (on
@@ -359,22 +363,20 @@ TEST_P(LlamaOracle, LogitsAgreeAtEveryPosition) {
   // position like the gap itself (the 32 forwards only run when some position passes 1e-3).
   double logit_bound = c.weights == "f32" ? test_support::kFloatBound : test_support::kQuantizedFloor;
   if (c.weights != "f32" && worst_rel > logit_bound) {
-    double self_gap = 0;
-    for (int s = 1; s <= test_support::kOrderSeeds; ++s) {
+    const test_support::OrderBound self = test_support::quantized_bound([&](reference::DotOrderSeed s) {
       reference::ReferenceExecutor other(m, test_support::in_order(s));
       const std::vector<float> other_order = other.forward(ids, true);
-      for (int64_t t = 0; t < P; ++t) {
-        double d = 0, r = 0;
-        self_gap = std::max(self_gap, position_gap(other_order, ours, t, d, r));
-      }
-    }
-    logit_bound = std::max(test_support::kQuantizedFloor, test_support::kOrderFactor * self_gap);
+      double g = 0;
+      for (int64_t t = 0; t < P; ++t) g = std::max(g, position_gap(other_order, ours, t).rel());
+      return g;
+    });
+    logit_bound = self.bound;
     std::printf("[ %-15s %-4s ] the reference's own gap over %d float orders %.3g: bound %.3g\n", c.model.c_str(), c.weights.c_str(),
-                test_support::kOrderSeeds, self_gap, logit_bound);
+                self.orders, self.self_gap, logit_bound);
   }
   for (int64_t t = 0; t < P; ++t) {
     const auto i = static_cast<size_t>(t);
-    EXPECT_LE(rel[i], logit_bound) << "position " << t << ": max |diff| " << diff[i] << ", max |logit| " << ref[i];
+    EXPECT_LE(gaps[i].rel(), logit_bound) << "position " << t << ": max |diff| " << gaps[i].diff << ", max |logit| " << gaps[i].ref;
   }
 
   const std::vector<float> hf = read_transformers_logits(c.model, static_cast<size_t>(P * V));
