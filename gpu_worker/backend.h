@@ -234,6 +234,10 @@ class Backend {
   // n) is false or an expert is on the device or named twice; std::invalid_argument for parts
   // that are not the layer's expert shape.
   virtual bool stage_supported(int64_t il, int64_t n) const { return (void)il, (void)n, false; }
+  // Whether this backend stages at all (stage_supported can say yes for some step): the gpu_worker
+  // maps and pins the RAM tier (the arena) for staging only for a backend that copies its experts
+  // in from there.
+  virtual bool stages_experts() const { return false; }
   virtual void stage_experts(int64_t il, std::span<const StagedExpert> experts) {
     (void)il, (void)experts;
     throw std::logic_error("this backend computes no off-device experts (stage_supported is false)");

@@ -161,6 +161,7 @@ class CudaBackend final : public Backend {
   // ---- long steps' staged experts (backend.h) ----
 
   bool stage_supported(int64_t il, int64_t n) const override;
+  bool stages_experts() const override { return true; }
   void stage_experts(int64_t il, std::span<const StagedExpert> experts) override;
 
  private:

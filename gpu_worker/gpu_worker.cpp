@@ -80,8 +80,8 @@ class StepRunner {
     all_on_device_ = backend_->all_on_device();
     // The RAM tier, pinned, for the experts the device takes over from the cpu workers
     // (handoff_take_expert and long steps' stage_experts copy them from here over PCIe).
-    // (Staging is the CUDA backend's alone; taking an expert, the CPU backend's too.)
-    const bool stage = o.stage_experts > 0 && backend_kind == "cuda";
+    // (Staging only where the backend stages, Backend::stages_experts; taking an expert, any backend.)
+    const bool stage = o.stage_experts > 0 && backend_->stages_experts();
     if ((o.take_expert_from > 0 || stage) && !all_on_device_ && !man.zmq_handoff && !man.arena_locator.empty()) {
       const auto t0 = Clock::now();
       arena_.emplace(shm::ShmSegment::open(man.arena_locator));
