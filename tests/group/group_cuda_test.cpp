@@ -4,7 +4,10 @@
 // (tests/cuda/cuda_backend_golden_test.cpp: 1e-4 of max |logit| for F32; quantized, the
 // reference's float-order bound of tests/reference/float_order_bound.h on the same rows), both
 // with every expert on the cpu_expert_workers, with every expert in the VRAM tier, and with a VRAM
-// budget that holds half of them (both sides compute in every step). Skips without a CUDA device.
+// budget that holds half of them (both sides compute in every step), and with a 72-token prompt
+// whose first 64-row step stages the RAM tier's experts on the device. A token may differ only
+// where the reference itself is at a near tie (its margin inside the bound); the rows compare up
+// to there. Skips without a CUDA device.
 // The group's default KV cache with --backend cuda is F16 (coordinator --kv-type): the reference
 // then runs with the same F16 cache and the bound counts the rounding as an edge (float_order_
 // bound.h bound_for's f16_kv); one case passes --kv-type=f32 and keeps the F32 reference and bound.
@@ -39,17 +42,41 @@ struct Case {
   Experts experts;
   std::vector<std::string> gpu_worker_args = {};   // e.g. --no-pdl
   model::KvType kv = model::KvType::F16;           // the supervisor's --kv-type (F16: its default)
+  int prompt_tokens = 0;   // > 0: the golden prompt repeated to this many tokens (a step of the group's 64 rows first)
   std::string name() const {
     return model + "_" + weights +
            (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts") +
-           args_suffix() + (kv == model::KvType::F32 ? "_f32kv" : "");
+           args_suffix() + (kv == model::KvType::F32 ? "_f32kv" : "") + (prompt_tokens > 0 ? "_long_prompt" : "");
   }
   std::string args_suffix() const {
     std::string out;
-    for (const std::string& a : gpu_worker_args) out += a == "--no-pdl" ? "_no_pdl" : a.starts_with("--device-takes-from") ? "_device_takes" : "_args";
+    for (const std::string& a : gpu_worker_args)
+      out += a == "--no-pdl"                               ? "_no_pdl"
+             : a.starts_with("--device-takes-from")        ? "_device_takes"
+             : a.starts_with("--prefill-stage-min-rows")   ? "_stages"
+                                                           : "_args";
     return out;
   }
 };
+
+// The golden prompt repeated to n tokens.
+std::vector<int32_t> repeated(const std::vector<int32_t>& prompt, int n) {
+  std::vector<int32_t> out;
+  while (static_cast<int>(out.size()) < n) out.push_back(prompt[out.size() % prompt.size()]);
+  return out;
+}
+
+// A counter the gpu_worker reports (`moraine stats --json`).
+uint64_t gpu_worker_counter(const std::string& socket_dir, const char* name) {
+  const fs::path cli = fs::path(MORAINE_BUILD_DIR) / "coordinator" / "moraine";
+  const auto [rc, out] = run_command(shell_quote(cli.string()) + " stats --json --socket-dir " + shell_quote(socket_dir));
+  EXPECT_EQ(rc, 0) << out;
+  if (rc != 0) return 0;
+  uint64_t n = 0;
+  for (const auto& p : nlohmann::json::parse(out))
+    if (p["role"] == "ROLE_GPU_WORKER") n += p.value("counters", nlohmann::json::object()).value(name, uint64_t{0});
+  return n;
+}
 
 // A VRAM budget of the dense part (less the embedding table, kept in host memory), the KV cache,
 // the device's context and scratch (charged by the coordinator for the supervisor's default
@@ -72,7 +99,9 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
   const Case& c = GetParam();
   constexpr int kTokens = 12;
-  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "model", kTokens, c.kv);
+  const auto [dir, model, golden_prompt, golden_ref] = golden_case(c.model, c.weights, "model", kTokens, c.kv);
+  const std::vector<int32_t> prompt = c.prompt_tokens > 0 ? repeated(golden_prompt, c.prompt_tokens) : golden_prompt;
+  const ReferenceRun ref = c.prompt_tokens > 0 ? reference_greedy(model, prompt, kTokens, c.kv) : golden_ref;
 
   GroupOptions o;
   o.model = model;
@@ -91,15 +120,9 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   }
   const Generation gen = generate(g.socket_dir(), prompt, kTokens);
   ASSERT_TRUE(gen.error.empty()) << gen.error;
-  EXPECT_EQ(gen.ids, ref.ids);
-
+  ASSERT_EQ(gen.ids.size(), ref.ids.size());
   const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
   ASSERT_FALSE(::testing::Test::HasFailure());
-  double max_ref = 0, max_diff = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    max_ref = std::max(max_ref, std::fabs(double(ref.logits[i])));
-    max_diff = std::max(max_diff, std::isfinite(got[i]) ? std::fabs(double(got[i]) - ref.logits[i]) : INFINITY);
-  }
   // The same rows (the reference's tokens) in other float orders of the reference's dots.
   const model::Model m = model::Model::load(model);
   // Named references: not every C++20 compiler lets a lambda capture structured bindings.
@@ -108,17 +131,35 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   const test_support::OrderBound b = test_support::bound_for(c.weights != "f32", ref.logits, [&](reference::DotOrderSeed s) {
     return test_support::generation_logits(m, s, fed_prompt, fed.ids, c.kv);
   }, c.kv == model::KvType::F16);
-  std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f (%.3g of max), %s\n", c.name().c_str(), max_diff, max_ref,
-              max_diff / max_ref, b.describe().c_str());
+  // Rows up to the first token that differs were fed the same tokens on both sides: their logits
+  // compare (all of them when the tokens agree). A differing token is a failure unless the
+  // reference's own margin between its pick and ours is inside the bound, i.e. the reference in
+  // another valid float order could pick either (a near tie; qwen3next_k256 at 72 prompt tokens,
+  // row 4: margin 0.006 where its own orders move logits by 0.07, with staging, without it and
+  // with every expert in VRAM alike, session 16 run I); the rows after it are fed other tokens.
+  const size_t vocab = ref.logits.size() / ref.ids.size();
+  size_t same = 0;
+  while (same < ref.ids.size() && gen.ids[same] == ref.ids[same]) ++same;
+  const size_t rows = std::min(same + 1, ref.ids.size());
+  double max_ref = 0, max_diff = 0;
+  for (size_t i = 0; i < ref.logits.size(); ++i) max_ref = std::max(max_ref, std::fabs(double(ref.logits[i])));
+  for (size_t i = 0; i < rows * vocab; ++i)
+    max_diff = std::max(max_diff, std::isfinite(got[i]) ? std::fabs(double(got[i]) - ref.logits[i]) : INFINITY);
+  std::printf("[ %s ] max |diff| %.3g of max |logit| %.4f (%.3g of max) over %zu rows, %s\n", c.name().c_str(), max_diff,
+              max_ref, max_diff / max_ref, rows, b.describe().c_str());
+  if (same < ref.ids.size()) {
+    const float* row = ref.logits.data() + same * vocab;
+    const double margin = double(row[ref.ids[same]]) - row[gen.ids[same]];
+    std::printf("[ %s ] token %zu: %d where the reference picks %d, its margin %.3g (%.3g of max)\n", c.name().c_str(), same,
+                gen.ids[same], ref.ids[same], margin, margin / max_ref);
+    EXPECT_LE(margin, b.bound * max_ref) << "token " << same << " differs where the reference's pick is not a near tie";
+  }
   EXPECT_LE(max_diff, b.bound * max_ref);
   if (c.args_suffix().find("_device_takes") != std::string::npos) {   // the device did take experts
-    const fs::path cli = fs::path(MORAINE_BUILD_DIR) / "coordinator" / "moraine";
-    const auto [rc, out] = run_command(shell_quote(cli.string()) + " stats --json --socket-dir " + shell_quote(g.socket_dir()));
-    ASSERT_EQ(rc, 0) << out;
-    uint64_t taken = 0;
-    for (const auto& p : nlohmann::json::parse(out))
-      if (p["role"] == "ROLE_GPU_WORKER") taken += p.value("counters", nlohmann::json::object()).value("experts_device_taken", uint64_t{0});
-    EXPECT_GT(taken, 0u) << out;
+    EXPECT_GT(gpu_worker_counter(g.socket_dir(), "experts_device_taken"), 0u);
+  }
+  if (c.args_suffix().find("_stages") != std::string::npos) {   // the long step's RAM-tier experts ran on the device
+    EXPECT_GT(gpu_worker_counter(g.socket_dir(), "experts_device_staged"), 0u);
   }
   g.stop();
   fs::remove_all(dir);
@@ -142,6 +183,12 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   v.push_back({"qwen3next_k256", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   v.push_back({"qwen3moe_k256", "f32", Experts::kVram, {}, model::KvType::F32});   // --kv-type=f32
+  // A prompt of 72 tokens: its first step of 64 rows stages the RAM tier's experts on the device
+  // (--prefill-stage-experts, on by default, from --prefill-stage-min-rows rows; the PrefillGemm
+  // takes steps of 64 rows or more) while the cpu workers skip them; the decode steps after it
+  // hand off as usual.
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  v.push_back({"qwen3next_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   return v;
 }
 
