@@ -116,7 +116,12 @@ struct MatvecPrefetch {
   // most two steps' lines per step (no burst at a run's start); the expert FFN takes the runs
   // path whenever it is set. H200 host, Q4_K, 15 threads, p50 us at 1 / 2 / 4 / 8 experts (run
   // B, 2 rounds): 16 KB 37.2 / 61.5 / 108.1 / 199.7, 32 KB with 2 KB prefetcht0 37.7 / 63.0 /
-  // 115.5 / 208.1, against 39.4 / 62.4 / 113.0 / 210.4 without: within the noise, so off.
+  // 115.5 / 208.1, against 39.4 / 62.4 / 113.0 / 210.4 without: within the noise, so off. With
+  // the 12G group's short gap (37 us, so the gap prefetch is cut short and the call's later rows
+  // are cold; session 16 run L, --gap-us 37 --gap-prefetch 1 --cpus 1-15, p50 us at 3 / 4 experts,
+  // two rounds): none 64.0 / 84.3 and 66.1 / 88.4, 16 KB 84.6 / 110.8 and 70.6 / 93.3, 64 KB 77.5 /
+  // 105.7 and 77.9 / 102.2, 256 KB 76.6 / 105.1 and 74.9 / 102.8; in the 12G group (interleaved)
+  // 158.5 / 162.8 tok/s without, 153.3 / 136.6 at 64 KB, 131.9 / 148.5 at 256 KB: still off.
   size_t runs_l2_bytes = 0;
 };
 void set_matvec_prefetch(MatvecPrefetch p);
