@@ -109,9 +109,10 @@ struct ExpertRequest {
   // arena slot over PCIe while the workers compute the rest; gpu_worker --device-takes-from), or
   // -1: the workers skip it as they skip resident ones.
   std::int32_t device_expert;
-  // 1: the gpu_worker computes every RAM-tier expert of this layer itself (a long step's
-  // Backend::stage_experts); the workers compute only their FILE-tier ones.
-  std::uint32_t device_stages_ram;
+  // n > 0: the gpu_worker computes every RAM-tier expert of this layer with at least n rows in
+  // the step itself (a long step's Backend::stage_experts); the workers compute the other
+  // RAM-tier ones and their FILE-tier ones. 0: none staged.
+  std::uint32_t device_stages_from_rows;
 };
 
 // Segment ids announced for job validation (ShmRef.segment_id).

@@ -88,6 +88,16 @@ struct BackendOptions {
   // workers take ~25 us a row (run T's 12G prefill: 13 ms a layer for a 512-row step), so below
   // ~100 rows the workers are quicker.
   int stage_min_rows = 128;
+  // ... this share of a layer's RAM-tier experts, those with the most rows in the step first
+  // (the gpu_worker's choice; ties at the last one's row count staged too): the cpu workers
+  // compute the others at the same time (the device's part is queued before they start,
+  // Backend::experts_planned). 1: all of them. Why a share: the 80B at 12G holds 78.5% of its
+  // experts in RAM and a 512-row step took as long staged (445 tok/s) as on the workers (435;
+  // session 16 run K), so the two side by side might approach twice either. Measured (run M, one
+  // host): 30B pp512 at 12G 2668 tok/s with all staged, 1887 at 0.75, 1395 at 0.5 (there the
+  // device does a layer's RAM experts in ~2.4 ms against the workers' ~13 ms: the workers' share
+  // sets the time); the 80B not measured yet (the run ran out of device time). Hence 1.
+  double stage_share = 1.0;
 };
 
 // A RAM-tier expert a long step's device computes (Backend::stage_experts): its gate / up / down
@@ -133,6 +143,11 @@ class Backend {
   // weight [n][k] hold the routing, and h_out [n][n_embd] (nullable) the MoE input the cpu
   // workers read. The device's own experts of the layer may already be running.
   virtual void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) = 0;
+  // Optional, between layer_begin(il) and layer_end(il) with the plan layer_end will get, once the
+  // host has it and before the cpu workers start: the device's own work that needs the plan (a
+  // long step's resident experts through the GEMM, its staged experts) is queued now, so it runs
+  // while the workers compute theirs. Without the call layer_end queues it.
+  virtual void experts_planned(int64_t il, int64_t n, const group::ExpertPlan& plan) { (void)il, (void)n, (void)plan; }
   // Finishes layer il: adds to the residual the route-weighted expert outputs in top-k order
   // (the device's own; for a slot whose expert is not on this device, packed row
   // plan.row_of[slot] of host_rows, as the cpu workers wrote it) and the shared expert.

@@ -151,6 +151,18 @@ void CudaBackend::layer_begin(int64_t il, int64_t n, int32_t* chosen, float* wei
   CUDA_CHECK(cudaEventSynchronize(routed_));
 }
 
+// layer_begin synchronised on the routing, so the previous layer's index copies (idx_pinned_)
+// have run before enqueue_matvec_experts writes it again.
+void CudaBackend::experts_planned(int64_t il, int64_t n, const group::ExpertPlan& plan) {
+  use_device();
+  check_step(il, n);
+  const DevLayer& L = layers_[il];
+  if (!L.fused || gemm_experts(L, n) || staged_layer_ == il) {
+    enqueue_matvec_experts(il, n, plan);
+    experts_queued_layer_ = il;
+  }
+}
+
 void CudaBackend::layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) {
   use_device();
   check_step(il, n);
@@ -160,7 +172,8 @@ void CudaBackend::layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan
     throw std::invalid_argument("layer_end: the plan covers " +
                                 std::to_string(plan.start.empty() ? 0 : plan.start.back()) + " slots, the step has " +
                                 std::to_string(nk));
-  if (!L.fused || gemm_experts(L, n) || staged_layer_ == il) enqueue_matvec_experts(il, n, plan);
+  if (experts_queued_layer_ != il && (!L.fused || gemm_experts(L, n) || staged_layer_ == il)) enqueue_matvec_experts(il, n, plan);
+  experts_queued_layer_ = -1;
   const auto [lo, hi] = fill_alt_rows(il, plan);
   if (staged_layer_ == il) clear_staged();   // their rows are in dev_slots_ now (stream order): the list is spent
   if (hi < 0) {

@@ -130,6 +130,7 @@ class CudaBackend final : public Backend {
   void embed(const int32_t* tokens, int64_t n) override;
   void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) override;
   void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override;
+  void experts_planned(int64_t il, int64_t n, const group::ExpertPlan& plan) override;
   void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override;
 
   void advance(int64_t n) override { n_past_ += n; }
@@ -388,10 +389,12 @@ class CudaBackend final : public Backend {
   std::vector<StagedExpert> staged_list_;
   std::vector<uint8_t> staged_;
   int64_t staged_layer_ = -1;
+  int64_t experts_queued_layer_ = -1;   // experts_planned queued this layer's plan-dependent experts
   void clear_staged() {  // the list spent (layer_end) or left by a failed step (begin_step)
     for (const StagedExpert& x : staged_list_) staged_[static_cast<size_t>(x.expert)] = 0;
     staged_list_.clear();
     staged_layer_ = -1;
+    experts_queued_layer_ = -1;
   }
   DeviceBuffer<uint8_t> stage_;
   size_t stage_slot_bytes_ = 0;

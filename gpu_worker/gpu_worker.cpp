@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <optional>
 
@@ -91,6 +93,8 @@ class StepRunner {
       take_from_ = o.take_expert_from;
       stage_ = stage;
       stage_min_rows_ = o.stage_min_rows;
+      stage_share_ = o.stage_share;
+      stage_rows_.reserve(static_cast<size_t>(m.hp.n_expert));
       std::cerr << "gpu_worker: the RAM tier (" << (arena_->data_bytes() >> 20) << " MiB) mapped for the device in "
                 << static_cast<int64_t>(us_since(t0) / 1000) << " ms; "
                 << (take_from_ > 0 ? "it takes one expert of a layer where a cpu worker has at least " + std::to_string(take_from_) + "; "
@@ -265,7 +269,11 @@ class StepRunner {
     plan_.build(chosen, nk, m_.hp.n_expert);
     const auto th = Clock::now();
     device_expert_ = may_take ? expert_to_take(il) : -1;
-    stages_ram_ = !may_take && stage_ram_experts(il, n);
+    stage_from_rows_ = may_take ? 0 : stage_ram_experts(il, n);
+    // Outside the in-graph hand-off (may_take) the step goes through layer_begin / layer_end: the
+    // device's plan-dependent experts (a long step's GEMM over its resident and staged experts)
+    // start now, beside the workers, instead of at layer_end after them.
+    if (!may_take) backend_->experts_planned(il, n, plan_);
     if (man_.zmq_handoff) {
       handoff_zmq(step_seq, il, n);
     } else if (mark_busy_workers(il, chosen, nk)) {
@@ -339,7 +347,7 @@ class StepRunner {
     for (int64_t i = 0; i < nk; ++i) {
       const int32_t e = chosen[i];
       if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e] || e == device_expert_ ||
-          (stages_ram_ && al_->ram_index[static_cast<size_t>(il * m_.hp.n_expert + e)] >= 0))
+          staged_here(il, e))
         continue;
       worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
       any = true;
@@ -347,23 +355,39 @@ class StepRunner {
     return any;
   }
 
-  // A long step's layer il: every RAM-tier expert it uses that is not on the device now goes to
-  // the device (Backend::stage_experts: copied in over PCIe and run by its GEMM), and the cpu
-  // workers skip them (ExpertRequest::device_stages_ram); FILE-tier experts stay with the
-  // workers. Returns whether any was staged.
-  bool stage_ram_experts(int64_t il, int64_t n) {
+  // A long step's layer il: the RAM-tier experts it uses that are not on the device now go to
+  // the device (Backend::stage_experts: copied in over PCIe and run by its GEMM), those with the
+  // most rows first, BackendOptions::stage_share of them (ties at the last one's row count go
+  // too); the cpu workers compute the others meanwhile and skip the staged ones
+  // (ExpertRequest::device_stages_from_rows: the same rule on the same routing). FILE-tier
+  // experts stay with the workers. Returns the row count from which experts were staged (0: none).
+  int32_t stage_ram_experts(int64_t il, int64_t n) {
     staged_.clear();
-    if (!stage_ || n < stage_min_rows_ || !backend_->stage_supported(il, n)) return false;
+    if (!stage_ || stage_share_ <= 0 || n < stage_min_rows_ || !backend_->stage_supported(il, n)) return 0;
     const int64_t E = m_.hp.n_expert;
+    stage_rows_.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (plan_.count(e) > 0 && !resident_[il * E + e] && al_->ram_index[static_cast<size_t>(il * E + e)] >= 0)
+        stage_rows_.push_back(plan_.count(e));
+    if (stage_rows_.empty()) return 0;
+    const size_t take = std::clamp<size_t>(static_cast<size_t>(std::ceil(stage_share_ * static_cast<double>(stage_rows_.size()))), 1,
+                                           stage_rows_.size());
+    std::nth_element(stage_rows_.begin(), stage_rows_.begin() + static_cast<std::ptrdiff_t>(take - 1), stage_rows_.end(), std::greater<>());
+    const int32_t from_rows = stage_rows_[take - 1];
     for (int64_t e = 0; e < E; ++e) {
-      if (plan_.count(e) == 0 || resident_[il * E + e] || al_->ram_index[static_cast<size_t>(il * E + e)] < 0) continue;
+      if (!staged_rule(il, e, from_rows)) continue;
       staged_.push_back({static_cast<int32_t>(e), group::ArenaLayout::bind(m_, il, e, al_->ram_slot(il, e), arena_->data())});
     }
-    if (staged_.empty()) return false;
     backend_->stage_experts(il, staged_);
     experts_staged_ += staged_.size();
-    return true;
+    return from_rows;
   }
+  // Whether the step's expert e of layer il is staged by stage_ram_experts' rule at from_rows.
+  bool staged_rule(int64_t il, int64_t e, int32_t from_rows) const {
+    const int64_t E = m_.hp.n_expert;
+    return from_rows > 0 && plan_.count(e) >= from_rows && !resident_[il * E + e] && al_->ram_index[static_cast<size_t>(il * E + e)] >= 0;
+  }
+  bool staged_here(int64_t il, int64_t e) const { return staged_rule(il, e, stage_from_rows_); }
 
   // The expert of layer il the device computes itself this time (Backend::handoff_take_expert),
   // or -1: one RAM-tier expert of the cpu worker with the most experts to compute (plan_), when
@@ -430,7 +454,7 @@ class StepRunner {
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
     req->device_expert = device_expert_;
-    req->device_stages_ram = stages_ram_ ? 1 : 0;
+    req->device_stages_from_rows = static_cast<uint32_t>(stage_from_rows_);
     for (int w = 0; w < man_.n_cpu_workers; ++w)
       if (worker_busy_[w]) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
   }
@@ -532,8 +556,10 @@ class StepRunner {
   int take_from_ = 0;   // BackendOptions::take_expert_from, 0 without the arena
   bool stage_ = false;  // BackendOptions::stage_experts > 0 with the arena mapped
   int64_t stage_min_rows_ = 0;   // BackendOptions::stage_min_rows
-  bool stages_ram_ = false;   // this layer's RAM-tier experts are the device's (stage_ram_experts)
+  int32_t stage_from_rows_ = 0;   // this layer's RAM-tier experts with this many rows are the device's (stage_ram_experts; 0: none)
   std::vector<gpu_worker::StagedExpert> staged_;
+  std::vector<int32_t> stage_rows_;   // stage_ram_experts' row counts (reserved: no allocation per layer)
+  double stage_share_ = 1.0;          // BackendOptions::stage_share
   int32_t device_expert_ = -1;   // this layer's taken expert (ExpertRequest::device_expert)
   std::array<model::Matrix, 3> take_parts_{};   // its rows in the arena
   std::vector<int> worker_misses_;
@@ -657,6 +683,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--prefill-stage-min-rows", base.stage_min_rows, "cuda: ... from steps of this many rows")
       ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--prefill-stage-share", base.stage_share,
+                 "cuda: ... this share of a layer's RAM-tier experts, those with the most rows (the cpu workers compute the "
+                 "rest at the same time; 1: all)")
+      ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--device-takes-from", base.take_expert_from,
                  "at a hand-off layer where a cpu worker has at least this many experts to compute, the device copies "

@@ -54,6 +54,7 @@ struct Case {
       out += a == "--no-pdl"                               ? "_no_pdl"
              : a.starts_with("--device-takes-from")        ? "_device_takes"
              : a.starts_with("--prefill-stage-min-rows")   ? "_stages"
+             : a.starts_with("--prefill-stage-share")      ? "_share"
                                                            : "_args";
     return out;
   }
@@ -189,6 +190,10 @@ std::vector<Case> cases() {
   // hand off as usual.
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   v.push_back({"qwen3next_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  // ... half of them (the most rows first) on the device, the other half by the cpu workers in
+  // the same layer call.
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64", "--prefill-stage-share=0.5"},
+               model::KvType::F16, 72});
   return v;
 }
 
