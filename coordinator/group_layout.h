@@ -115,6 +115,12 @@ struct ExpertRequest {
   std::uint32_t device_stages_from_rows;
 };
 
+// ExpertRequest::device_stages_from_rows' rule, one place for both sides (the gpu_worker stages by
+// it, the cpu workers skip by it): a RAM-tier expert with `rows` rows in the step is the device's.
+inline bool device_stages(std::uint32_t from_rows, bool ram_tier, std::int32_t rows) {
+  return from_rows > 0 && ram_tier && rows >= static_cast<std::int32_t>(from_rows);
+}
+
 // Segment ids announced for job validation (ShmRef.segment_id).
 inline constexpr std::uint32_t kExchangeSegmentId = 1;
 inline constexpr std::uint32_t kArenaSegmentId = 2;   // the expert arena the io_worker fills

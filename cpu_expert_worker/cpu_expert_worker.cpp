@@ -157,14 +157,12 @@ class ExpertWorker {
     work_.clear();
     rows_.clear();
     const int32_t device_expert = r->device_expert;
-    const int32_t stages_from_rows = static_cast<int32_t>(r->device_stages_from_rows);
     for (int64_t e = 0; e < model_.hp.n_expert; ++e) {
       // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while running),
       // and so is the one it took over for this request (ExpertRequest::device_expert), and every
       // RAM-tier one with enough rows when it stages them (a long step: ExpertRequest::device_stages_from_rows).
       if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e) ||
-          e == device_expert ||
-          (stages_from_rows > 0 && plan_.at(il, e) == group::Tier::kRam && plan_exp_.count(e) >= stages_from_rows)) {
+          e == device_expert || group::device_stages(r->device_stages_from_rows, plan_.at(il, e) == group::Tier::kRam, plan_exp_.count(e))) {
         continue;
       }
       const int32_t m = plan_exp_.count(e);

@@ -367,8 +367,7 @@ class StepRunner {
     const int64_t E = m_.hp.n_expert;
     stage_rows_.clear();
     for (int64_t e = 0; e < E; ++e)
-      if (plan_.count(e) > 0 && !resident_[il * E + e] && al_->ram_index[static_cast<size_t>(il * E + e)] >= 0)
-        stage_rows_.push_back(plan_.count(e));
+      if (staged_rule(il, e, 1)) stage_rows_.push_back(plan_.count(e));   // every candidate
     if (stage_rows_.empty()) return 0;
     const size_t take = std::clamp<size_t>(static_cast<size_t>(std::ceil(stage_share_ * static_cast<double>(stage_rows_.size()))), 1,
                                            stage_rows_.size());
@@ -382,10 +381,12 @@ class StepRunner {
     experts_staged_ += staged_.size();
     return from_rows;
   }
-  // Whether the step's expert e of layer il is staged by stage_ram_experts' rule at from_rows.
+  // Whether the step's expert e of layer il is staged at from_rows: group::device_stages, the rule
+  // the cpu workers skip by, for an expert not on the device now (those they skip anyway).
   bool staged_rule(int64_t il, int64_t e, int32_t from_rows) const {
     const int64_t E = m_.hp.n_expert;
-    return from_rows > 0 && plan_.count(e) >= from_rows && !resident_[il * E + e] && al_->ram_index[static_cast<size_t>(il * E + e)] >= 0;
+    return !resident_[il * E + e] &&
+           group::device_stages(static_cast<uint32_t>(from_rows), al_->ram_index[static_cast<size_t>(il * E + e)] >= 0, plan_.count(e));
   }
   bool staged_here(int64_t il, int64_t e) const { return staged_rule(il, e, stage_from_rows_); }
 
