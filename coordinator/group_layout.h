@@ -117,8 +117,10 @@ struct ExpertRequest {
 
 // ExpertRequest::device_stages_from_rows' rule, one place for both sides (the gpu_worker stages by
 // it, the cpu workers skip by it): a RAM-tier expert with `rows` rows in the step is the device's.
-inline bool device_stages(std::uint32_t from_rows, bool ram_tier, std::int32_t rows) {
-  return from_rows > 0 && ram_tier && rows >= static_cast<std::int32_t>(from_rows);
+// It reads the placement's tier, which every process has whatever its backend and options (the
+// arena layout exists only where the arena is mapped).
+inline bool device_stages(std::uint32_t from_rows, Tier tier, std::int32_t rows) {
+  return from_rows > 0 && tier == Tier::kRam && rows >= static_cast<std::int32_t>(from_rows);
 }
 
 // Segment ids announced for job validation (ShmRef.segment_id).

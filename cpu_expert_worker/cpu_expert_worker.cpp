@@ -162,7 +162,7 @@ class ExpertWorker {
       // and so is the one it took over for this request (ExpertRequest::device_expert), and every
       // RAM-tier one with enough rows when it stages them (a long step: ExpertRequest::device_stages_from_rows).
       if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e) ||
-          e == device_expert || group::device_stages(r->device_stages_from_rows, plan_.at(il, e) == group::Tier::kRam, plan_exp_.count(e))) {
+          e == device_expert || group::device_stages(r->device_stages_from_rows, plan_.at(il, e), plan_exp_.count(e))) {
         continue;
       }
       const int32_t m = plan_exp_.count(e);

@@ -386,7 +386,7 @@ class StepRunner {
   bool staged_rule(int64_t il, int64_t e, int32_t from_rows) const {
     const int64_t E = m_.hp.n_expert;
     return !resident_[il * E + e] &&
-           group::device_stages(static_cast<uint32_t>(from_rows), al_->ram_index[static_cast<size_t>(il * E + e)] >= 0, plan_.count(e));
+           group::device_stages(static_cast<uint32_t>(from_rows), placement_.at(il, e), plan_.count(e));
   }
   bool staged_here(int64_t il, int64_t e) const { return staged_rule(il, e, stage_from_rows_); }
 
@@ -403,7 +403,7 @@ class StepRunner {
       if (plan_.count(e) == 0 || resident_[il * E + e]) continue;
       const size_t w = static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers));
       ++worker_misses_[w];
-      if (al_->ram_index[static_cast<size_t>(il * E + e)] >= 0) worker_ram_expert_[w] = static_cast<int32_t>(e);
+      if (placement_.at(il, e) == group::Tier::kRam) worker_ram_expert_[w] = static_cast<int32_t>(e);
     }
     size_t best = 0;
     for (size_t w = 1; w < worker_misses_.size(); ++w)
