@@ -4,6 +4,7 @@
 // each generated token: row i predicts token i + 1); --json prints ids and timings instead.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -95,7 +96,13 @@ int run(const Options& o) {
     if (stop) break;
   }
   const double decode_s = seconds_since(t1);
-  if (stream) std::cout << dec->flush() << std::endl;
+  const double prefill_tok_s = prefill_s > 0 ? static_cast<double>(prompt.size()) / prefill_s : 0.0;
+  const double decode_tok_s = decode_s > 0 ? decode_steps / decode_s : 0.0;
+  if (!o.json) {   // the timings on stderr, as llama.cpp's tools print theirs: stdout stays the text
+    if (stream) std::cout << dec->flush() << std::endl;
+    std::fprintf(stderr, "moraine-run: prompt %zu tokens at %.1f tok/s, %zu generated at %.1f tok/s (CPU reference executor, %d threads)\n",
+                 prompt.size(), prefill_tok_s, generated.size(), decode_tok_s, static_cast<int>(exec.n_threads()));
+  }
 
   if (keep_logits) {
     moraine::reference::write_npy_f32(o.logits_out, all_logits.data(),
@@ -110,8 +117,8 @@ int run(const Options& o) {
     j["n_generated"] = generated.size();
     j["prefill_s"] = prefill_s;
     j["decode_s"] = decode_s;
-    j["prefill_tok_s"] = prefill_s > 0 ? static_cast<double>(prompt.size()) / prefill_s : 0.0;
-    j["decode_tok_s"] = decode_s > 0 ? decode_steps / decode_s : 0.0;
+    j["prefill_tok_s"] = prefill_tok_s;
+    j["decode_tok_s"] = decode_tok_s;
     j["threads"] = exec.n_threads();
     // replace: generated text may end inside a UTF-8 character.
     std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

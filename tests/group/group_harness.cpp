@@ -100,9 +100,13 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
                    // 64-row steps (the default is 512): the golden prompts (up to 80 tokens) then
                    // prefill in two steps, so the group tests cover a prefill split across steps.
                    "--max-tokens", "64"};
-  if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
-  if (!o_.write_census) lo.start_args.push_back("--no-census");
-  if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
+  if (o_.supervisor_defaults) {
+    lo.start_args = {"-m", o_.model, "--cpu-workers", std::to_string(o_.cpu_workers), "--bin-dir", (kBuild / "coordinator").string()};
+  } else {
+    if (!o_.census.empty()) lo.start_args.insert(lo.start_args.end(), {"--census", o_.census});
+    if (!o_.write_census) lo.start_args.push_back("--no-census");
+    if (!o_.logits_dump.empty()) lo.start_args.insert(lo.start_args.end(), {"--logits-dump", o_.logits_dump});
+  }
   lo.start_args.insert(lo.start_args.end(), o_.extra_args.begin(), o_.extra_args.end());
   try {
     launched_ = std::make_unique<group::LaunchedGroup>(lo);

@@ -49,6 +49,10 @@ struct GroupOptions {
   bool write_census = false;
   std::string backend = "cpu";  // the gpu_worker's --backend: cpu or cuda
   std::vector<std::string> extra_args;  // appended to `moraine-supervisor start`
+  // Start the group as deploy/demo and the README do: `start -m MODEL --cpu-workers N
+  // --socket-dir DIR --bin-dir BIN` and nothing else (every other field above is then ignored
+  // but extra_args), so every option is the supervisor's own default.
+  bool supervisor_defaults = false;
 };
 
 class Group {
