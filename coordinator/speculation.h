@@ -1,7 +1,7 @@
-// Speculative decoding's host side (DESIGN.md "Speculation"): a drafter that proposes the tokens
-// that followed an earlier occurrence of the context's last n-gram (prompt lookup: code, quoted
-// text and loops repeat), the acceptance rule of a greedy verify window, and the measured-cost
-// policy that decides whether drafting pays on this model and host.
+// Speculative decoding's host side (docs/design.md "Speculation"): a drafter that proposes the
+// tokens that followed an earlier occurrence of the context's last n-gram (prompt lookup: code,
+// quoted text and loops repeat), the acceptance rule of a greedy verify window, and the
+// measured-cost policy that decides whether drafting pays on this model and host.
 //
 // A verify step runs the last sampled token and the draft d[0..k) as one step of k + 1 rows and
 // returns each row's greedy token g[0..k]. g[i] is what greedy decode would pick after d[i-1]

@@ -1,6 +1,6 @@
 #pragma once
-// Sequence-number doorbell for the per-layer hand-off between processes (DESIGN.md "Processes":
-// the decode step crosses between GPU and CPU twice per layer, so the hop must cost little).
+// Sequence-number doorbell for the per-layer hand-off between processes (docs/design.md "How they
+// talk": the decode step crosses between GPU and CPU twice per layer, so the hop must cost little).
 // One cache line per channel in a shared-memory segment. The producer stores a larger sequence
 // number and issues FUTEX_WAKE only when a waiter has gone to sleep; the waiter spins for a short
 // budget (the other side usually answers within microseconds), then sleeps in FUTEX_WAIT on the
