@@ -1,7 +1,8 @@
 // The Control service every process of the group serves on its Unix socket (proto/control.proto):
 // Health reports the serving state, Stats the per-stage counters a process records with
-// StageRecorder, Shutdown asks the process's main loop to stop. Configure/Load/Drain are left
-// UNIMPLEMENTED: a process takes its configuration from the group manifest at start.
+// StageRecorder, Drain stops admitting work and answers once what was admitted is done, Shutdown
+// asks the process's main loop to stop. Configure/Load are left UNIMPLEMENTED: a process takes
+// its configuration from its flags and the group manifest at start.
 #pragma once
 #include <array>
 #include <atomic>

@@ -53,7 +53,8 @@ struct Options {
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
   // 512 rows a step, llama.cpp's default ubatch: prefill in 64-row steps (the old default) gave the
-  // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace).
+  // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
+  // docs/perf-log.md#session-9-what-moved).
   int cpu_workers = 2, max_tokens = 512, step_retries = 2;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
   std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default

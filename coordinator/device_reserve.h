@@ -1,7 +1,8 @@
 // The device memory a CUDA gpu_worker holds beside the weights and the KV cache: the CUDA context
 // and the step's scratch. Placement charges it against --vram, so that the budget bounds what the
 // process really uses on the card (what nvidia-smi shows, what llama.cpp's --n-cpu-moe rows are
-// held to). Before it was charged, a 30B-A3B group at --vram 12G used 13.5 GiB (H200, session 6).
+// held to). Before it was charged, a 30B-A3B group at --vram 12G used 13.5 GiB (H200, session 6;
+// docs/perf-log.md#session-6-what-changed).
 #pragma once
 #include <cstdint>
 #include <span>

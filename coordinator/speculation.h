@@ -1,17 +1,17 @@
-// Speculative decoding's host side (DESIGN.md "Speculation"): a drafter that proposes the tokens
-// that followed an earlier occurrence of the context's last n-gram (prompt lookup: code, quoted
-// text and loops repeat), the acceptance rule of a greedy verify window, and the measured-cost
-// policy that decides whether drafting pays on this model and host.
+// Speculative decoding's host side (docs/design.md "Speculation"): a drafter that proposes the
+// tokens that followed an earlier occurrence of the context's last n-gram (prompt lookup: code,
+// quoted text and loops repeat), the acceptance rule of a greedy verify window, and the
+// measured-cost policy that decides whether drafting pays on this model and host.
 //
 // A verify step runs the last sampled token and the draft d[0..k) as one step of k + 1 rows and
 // returns each row's greedy token g[0..k]. g[i] is what greedy decode would pick after d[i-1]
 // (after the last token for i = 0), so the output is d[0..j) then g[j], where j is the number of
 // leading drafts with d[i] == g[i]: the same tokens greedy decode gives, one step for up to k + 1
 // of them. What the step costs over a one-token step is mostly the extra experts the window
-// routes to (uniform routing: up to k + 1 times the expert bytes; H200, 30B shape all in VRAM,
-// session 12 run H: steps of 1 / 2 / 3 / 5 / 8 tokens 2.20 / 2.95 / 4.34 / 5.71 / 7.92 ms), so it
-// pays only where drafts are accepted: the policy compares the measured time per emitted token
-// of both kinds of step.
+// routes to (uniform routing: up to k + 1 times the expert bytes; H200, 30B shape all in VRAM:
+// steps of 1 / 2 / 3 / 5 / 8 tokens 2.20 / 2.95 / 4.34 / 5.71 / 7.92 ms,
+// docs/perf-log.md#session-12-verify-window-cost), so it pays only where drafts are accepted: the
+// policy compares the measured time per emitted token of both kinds of step.
 #pragma once
 #include <cstdint>
 #include <span>

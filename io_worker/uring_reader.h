@@ -26,11 +26,9 @@ class IoError : public std::runtime_error {
 };
 
 struct UringReaderOptions {
-  // Defaults from moraine-io-bench on the dev box's virtual disk (O_DIRECT, cold, 1.5 MiB ranges,
-  // batches shaped like ReadJobLists): 3 ranges a batch, depth 4/16/64 = 1.15/1.40/1.49 GB/s;
-  // 24 a batch 1.68/1.75/1.47. Depth 64 pays off only with hundreds of ranges queued at once
-  // (1.70 vs 1.36 GB/s) and costs 4x the bounce memory. Chunks of 512 KiB-4 MiB were within
-  // the disk's run-to-run noise (+-25%) for job-sized batches; 256 KiB was clearly slower.
+  // Defaults from moraine-io-bench: for job-sized batches depth 16 reads within 6% of depth 64
+  // (or faster) with a quarter of the bounce memory; 1 MiB chunks sit in the flat 512 KiB-4 MiB
+  // range (docs/perf-log.md#io-uring-defaults).
   unsigned queue_depth = 16;            // reads in flight at most
   std::size_t chunk_bytes = 1 << 20;    // largest single read (rounded up to 4 KiB)
   bool direct = true;                   // try O_DIRECT (falls back to buffered per file)

@@ -1,5 +1,6 @@
 // moraine-handoff-bench: round-trip hop latency between two processes for the two hand-off
-// paths DESIGN.md "Processes" weighs against each other, and what they cost a decode step.
+// paths docs/design.md "How they talk" weighs against each other, and what they cost a decode
+// step.
 //   zmq-jobs    : JobClient -> JobServer (REQ/REP over ipc://) with a decode-step expert job list,
 //                 i.e. the real descriptor path incl. encode, decode and range validation
 //   zmq-pair    : raw ZeroMQ PAIR over ipc:// with the same bytes (the socket alone)

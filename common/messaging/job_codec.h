@@ -7,10 +7,8 @@
 // chunk), which a fixed struct could only carry with a second hand-rolled layout and its own
 // bounds checks; the parser already rejects malformed and truncated input (a length prefix that
 // runs past the end fails), the schema is shared with the gRPC control plane, and fields can be
-// added without breaking an older peer. Measured by moraine-handoff-bench ("codec" line):
-// encode + decode + validate of a decode-step list (top-8, 129 bytes) is 0.76 us p50 on the dev
-// box and 1.4 us on the H200 host, against a ZeroMQ ipc round trip of 56-58 us (REQ/REP through
-// this codec) vs 49-55 us (raw PAIR, same bytes): the codec is ~2% of a socket hop. The per-layer
+// added without breaking an older peer. It costs ~2% of a socket hop (0.76-1.4 us for a decode
+// step's list against a 49-58 us ZeroMQ round trip; docs/perf-log.md#job-codec-cost). The per-layer
 // hot path, where the hop itself matters, is the shared-memory doorbell (common/shm/doorbell.h).
 #include <cstddef>
 #include <cstdint>

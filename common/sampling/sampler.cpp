@@ -8,12 +8,12 @@
 namespace moraine::sampling {
 
 // Two passes instead of one loop: the loop `if (logits[i] > logits[best]) best = i` carries a load
-// whose address depends on the previous iteration's result, ~12 cycles per logit: on the H200
-// machine the coordinator's sample stage took 598 us per token over a 151,936-word vocabulary,
-// 17% of an all-in-VRAM decode step. Here the maximum comes from 16 independent lanes (one
-// vector max instruction per 16 logits: `v > m ? v : m` is exactly x86's maxps), then the first
-// index holding it. Same answer as the one loop: a NaN never wins (nor does anything against
-// a NaN at index 0, which then stays the answer), ties go to the lowest index.
+// whose address depends on the previous iteration's result (598 us per token over 151,936
+// logits, 17% of an all-in-VRAM step; docs/perf-log.md#session-7-sampler). Here the maximum
+// comes from 16 independent lanes (one vector max instruction per 16 logits: `v > m ? v : m` is
+// exactly x86's maxps), then the first index holding it. Same answer as the one loop: a NaN never
+// wins (nor does anything against a NaN at index 0, which then stays the answer), ties go to the
+// lowest index.
 int32_t argmax(std::span<const float> logits) {
   if (logits.empty()) throw std::invalid_argument("argmax: empty logits");
   constexpr size_t kLanes = 16;
@@ -43,12 +43,10 @@ Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {
 // The kept tokens, most likely first (ties: lower id), with their unnormalised weights
 // exp((logit - max) / T) and the normaliser the top-p cut measures mass against.
 //
-// Without top-k this sorted the whole vocabulary for every token: 20-22 ms per token over
-// 151,936 logits at temperature 0.8, with or without top-p (`moraine-kernel-bench sampling`, 2-core
-// dev box), a 50 tok/s ceiling on sampled generation. Now top-k sorts only its k; top-p sorts the
-// tokens above a weight threshold once they hold the mass (peaked logits: 20 ms -> 0.44 ms; flat
-// random logits need nearly all of them, 10 ms); no cut sorts nothing (sample() draws in id order,
-// distribution() still lists every token sorted); weights in float exp (0.88 -> 0.69 ms).
+// Sorting only what a cut needs: a full sort of the vocabulary per token took 20-22 ms, a 50 tok/s
+// ceiling (docs/perf-log.md#session-7-sampler). Top-k sorts its k; top-p sorts the tokens above a
+// weight threshold once they hold the mass; no cut sorts nothing (sample() draws in id order,
+// distribution() still lists every token sorted).
 Sampler::Kept Sampler::kept(std::span<const float> logits, bool sorted_all) const {
   const size_t V = logits.size();
   auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };

@@ -1,18 +1,14 @@
 #pragma once
-// Sequence-number doorbell for the per-layer hand-off between processes (DESIGN.md "Processes":
-// the decode step crosses between GPU and CPU twice per layer, so the hop must cost little).
+// Sequence-number doorbell for the per-layer hand-off between processes (docs/design.md "How they
+// talk": the decode step crosses between GPU and CPU twice per layer, so the hop must cost little).
 // One cache line per channel in a shared-memory segment. The producer stores a larger sequence
 // number and issues FUTEX_WAKE only when a waiter has gone to sleep; the waiter spins for a short
 // budget (the other side usually answers within microseconds), then sleeps in FUTEX_WAIT on the
 // low 32 bits of the sequence number. Waits are always bounded: a dead producer is a timeout.
 //
-// Measured round trips between two processes (moraine-handoff-bench, 50k iterations, H200 host,
-// 16 cores, pinned): spin-then-futex 0.29 us p50 / 0.38 us p99; futex only 9.4 / 14.9 us;
-// ZeroMQ ipc 31-33 / 50 us pinned, 49-56 / 66-81 us unpinned. 48 layers x 2 hops of a 10 ms
-// decode step: doorbell 0.1%, futex-only 4.5%, ZeroMQ 15-27% (p50). The default 20 us spin covers
-// the worker's answer in the common case; the futex is the fallback for long expert batches, where
-// spinning would waste a core the CPU expert pool needs. On an oversubscribed box (the 2-core dev
-// machine under a parallel build) futex-only p99 reached 4 ms: the sleeper waits for a CPU.
+// Why: a spin-then-futex round trip is 0.29 us p50 against 31-56 us for ZeroMQ ipc (0.1% vs 15-27%
+// of a 10 ms decode step at 96 hops); the futex saves the core during long expert batches
+// (docs/perf-log.md#doorbell-round-trips).
 #include <atomic>
 #include <chrono>
 #include <cstdint>

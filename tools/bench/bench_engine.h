@@ -44,7 +44,7 @@ struct EngineStats {
   // the expert threads' between job lists, and polls cut short because a CPU looked shared. While
   // tokens are generated all three should stay near zero; many mean wake-ups on the chain
   // (session 15 runs B and C, 12G decode: a slowed worker at 41 tok/s showed 3421 expert-thread
-  // sleeps, the normal runs at 152-182 tok/s 24-256).
+  // sleeps, the normal runs at 152-182 tok/s 24-256; docs/perf-log.md#session-15-cpu-sleeps).
   uint64_t doorbell_sleeps = 0, pool_sleeps = 0, spin_cut_short = 0;
   // The hand-off chain of the last run, per layer whose experts the cpu workers share (a decode
   // run's steps are all one token): the gpu_worker's wait for the device to publish the layer's
