@@ -5,9 +5,9 @@
 // stats asks every process found in the socket directory (coordinator, gpu_worker-*,
 // cpu_expert_worker-*) over gRPC and prints one table per process, a row per stage.
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <iomanip>
-#include <cstdio>
 #include <iostream>
 #include <sstream>
 
@@ -32,6 +32,7 @@ struct GenerateArgs {
   uint32_t top_k = 0;
   uint64_t seed = 0;
   bool speculate = false;   // prompt-lookup drafts, verified: the same tokens as greedy (temp 0)
+  bool ignore_eos = false;  // generate all n tokens, past end-of-generation tokens too
 };
 
 int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
@@ -58,6 +59,7 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
   req.mutable_sampling()->set_top_p(a.top_p);
   req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(a.n));
   req.mutable_sampling()->set_seed(a.seed);
+  req.mutable_sampling()->set_ignore_eos(a.ignore_eos);
   req.set_speculate(a.speculate);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
@@ -94,6 +96,12 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
     std::cout << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << std::endl;
+    // The timings on stderr, as llama.cpp's tools print theirs: stdout stays the text.
+    const double prefill_s = static_cast<double>(timing.prefill_us()) * 1e-6, decode_s = static_cast<double>(timing.decode_us()) * 1e-6;
+    const size_t decoded = ids.empty() ? 0 : ids.size() - 1;   // the first token comes with the prefill
+    std::fprintf(stderr, "moraine generate: prompt %u tokens at %.1f tok/s, %zu generated at %.1f tok/s (%s)\n",
+                 timing.prompt_tokens(), prefill_s > 0 ? timing.prompt_tokens() / prefill_s : 0.0, ids.size(),
+                 decode_s > 0 ? static_cast<double>(decoded) / decode_s : 0.0, finish.c_str());
   }
   return error.empty() ? 0 : 1;
 }
@@ -217,6 +225,7 @@ int main(int argc, char** argv) {
   gen->add_option("--top-k", ga.top_k, "keep the k most likely tokens (0 = off)");
   gen->add_option("--top-p", ga.top_p, "keep the smallest set of tokens with this much probability (1 = off)");
   gen->add_option("--seed", ga.seed, "sampling seed");
+  gen->add_flag("--ignore-eos", ga.ignore_eos, "generate all -n tokens, past end-of-generation tokens too");
   gen->add_flag("--speculate", ga.speculate,
                 "greedy only: draft tokens from the context (prompt lookup) and verify several per step; same output");
   gen->add_flag("--json", json, "print ids and timings as JSON");

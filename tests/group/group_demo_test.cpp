@@ -40,13 +40,15 @@ std::string make_demo_model(const std::string& dir) {
 }
 
 TEST(DemoGroup, SupervisorDefaultsGiveTheReferenceTokens) {
-  constexpr int kTokens = 16;   // deploy/demo's `moraine generate -n 16`
+  constexpr int kTokens = 16;   // deploy/demo's `moraine generate -n 16 --temp 0 --ignore-eos`
   const std::string dir = temp_dir("demo");
   const std::string model = make_demo_model(dir);
   const model::Model m = model::Model::load(model);
   const std::vector<int32_t> prompt = tokenizer::Tokenizer::from_gguf(m.file).encode(kDemoPrompt);
   ASSERT_GT(prompt.size(), 4u);
-  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);   // the CPU backend's KV type: F32
+  // The CPU backend's KV type (F32); deploy/demo generates past end-of-generation tokens.
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens, model::KvType::F32, /*ignore_eos=*/true);
+  ASSERT_EQ(ref.ids.size(), static_cast<size_t>(kTokens));
 
   GroupOptions o;
   o.model = model;
@@ -54,7 +56,7 @@ TEST(DemoGroup, SupervisorDefaultsGiveTheReferenceTokens) {
   Group g(o);
   const auto [rc, out] = run_command(shell_quote((kBuild / "coordinator" / "moraine").string()) + " generate --socket-dir " +
                                          shell_quote(g.socket_dir()) + " -p " + shell_quote(kDemoPrompt) + " -n " +
-                                         std::to_string(kTokens) + " --temp 0 --json",
+                                         std::to_string(kTokens) + " --temp 0 --ignore-eos --json",
                                      /*merge_stderr=*/false);
   ASSERT_EQ(rc, 0) << out;
   const nlohmann::json j = nlohmann::json::parse(out);

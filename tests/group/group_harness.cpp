@@ -186,7 +186,7 @@ GoldenCase golden_case(const std::string& name, const std::string& weights, cons
 }
 
 ReferenceRun reference_greedy(const std::string& model_path, const std::vector<int32_t>& prompt, int n,
-                              model::KvType kv) {
+                              model::KvType kv, bool ignore_eos) {
   const model::Model m = model::Model::load(model_path);
   reference::ExecutorOptions opt{1};
   opt.kv_type = kv;
@@ -203,7 +203,7 @@ ReferenceRun reference_greedy(const std::string& model_path, const std::vector<i
     r.logits.insert(r.logits.end(), logits.begin(), logits.end());
     const int32_t id = sampling::argmax(logits);
     r.ids.push_back(id);
-    if (i + 1 == n || (tok && tok->is_end_of_generation(id))) break;   // as the coordinator stops
+    if (i + 1 == n || (!ignore_eos && tok && tok->is_end_of_generation(id))) break;   // as the coordinator stops
     const int32_t one[1] = {id};
     logits = exec.forward(one, false);
   }

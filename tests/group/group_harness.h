@@ -89,8 +89,9 @@ struct ReferenceRun {
   std::vector<float> logits;   // [n][n_vocab]
 };
 // kv: the reference's KV cache type (the CUDA backend's default is F16).
+// ignore_eos: all n tokens, as GenerateRequest's ignore_eos (else it stops where the coordinator does).
 ReferenceRun reference_greedy(const std::string& model, const std::vector<int32_t>& prompt, int n,
-                              model::KvType kv = model::KvType::F32);
+                              model::KvType kv = model::KvType::F32, bool ignore_eos = false);
 
 // A golden model converted with golden_quant_args(weights) into a fresh temp_dir(tag), its
 // prompt, and the reference's greedy run of n tokens on it: what every group-vs-reference test
