@@ -24,8 +24,8 @@
 #include "common/messaging/job_channel.h"
 #include "common/model/model.h"
 #include "common/reference/moe_parts.h"
+#include "kernels/cpu/cpu_kernel_tuning.h"
 #include "kernels/cpu/expert_ffn.h"
-#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/thread_pool.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
@@ -45,20 +45,17 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kFetchDeadline = std::chrono::seconds(60);
 constexpr auto kFetchAttempt = std::chrono::seconds(10);
 
-// What the idle pool prefetches between two requests (--ffn-prefetch-next-layer, --ffn-prefetch-guess).
-enum class PrefetchGuess { kOff, kLastToken, kRouter };
-
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, PrefetchGuess prefetch)
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool prefetch, const cpu::CpuKernelTuning& tuning)
       : man_(man), index_(index), prefetch_(prefetch), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
         plan_(group::PlacementPlan::read(man.placement_path, group::model_sizes(model_, 0))),
         al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus, {spin_us, true, !exclusive_cpus}),
-        spin_(std::chrono::microseconds(std::max(0, spin_us))), watch_sharing_(!exclusive_cpus),
+        spin_(std::chrono::microseconds(std::max(0, spin_us))), watch_sharing_(!exclusive_cpus), ffn_(tuning),
         io_endpoint_(group::jobs_endpoint(socket_dir, group::kIoWorkerInstance)) {
     const model::HParams& hp = model_.hp;
     if (index_ < 0 || index_ >= man.n_cpu_workers) {
@@ -80,7 +77,7 @@ class ExpertWorker {
     fast_weights_.reserve(static_cast<size_t>(hp.n_expert));
     fast_ids_.reserve(static_cast<size_t>(hp.n_expert));
     fast_jobs_.reserve(static_cast<size_t>(hp.n_expert));
-    if (prefetch_ != PrefetchGuess::kOff) {
+    if (prefetch_) {
       last_fast_.resize(static_cast<size_t>(hp.n_layer));
       for (auto& v : last_fast_) v.reserve(static_cast<size_t>(hp.n_expert));
       last_experts_.resize(static_cast<size_t>(hp.n_layer));
@@ -90,7 +87,7 @@ class ExpertWorker {
       guessed_.reserve(static_cast<size_t>(hp.n_expert));
       guess_experts_.reserve(static_cast<size_t>(hp.n_expert));
     }
-    if (prefetch_ == PrefetchGuess::kRouter && hp.n_layer > 1) {
+    if (prefetch_ && hp.n_layer > 1) {
       // A model the fold does not fit (a layer without a router of n_expert rows) keeps the
       // last-token guess rather than losing the worker.
       try {
@@ -188,22 +185,21 @@ class ExpertWorker {
   }
 
   // --ffn-prefetch-next-layer: while the GPU runs the rest of layer il and the next layer's
-  // mixer (~41 us per layer at 12G, session 9), each pool thread pulls into its L2 the rows it
-  // would compute of the experts this worker is likely to compute for layer il + 1. Which ones
-  // (--ffn-prefetch-guess): `router`, layer il + 1's router applied to layer il's input
-  // (next_layer_guess.h; 84% right in the 12G group on the 30B synth shape, session 13 run K),
-  // best guess first; `last-token` (16% there), the
-  // experts it computed for layer il + 1 at the previous token (routing repeats from token to
-  // token: moraine-synth builds that locality in, as real routers have it). After the last
-  // layer the next request is layer 0 of the next token: both take the last-token list there.
+  // mixer (~41 us per layer at 12G), each pool thread pulls into its L2 the rows it would
+  // compute of the experts this worker is likely to compute for layer il + 1: layer il + 1's
+  // router applied to layer il's input (next_layer_guess.h; 84% right in the 12G group on the 30B
+  // synth shape), best guess first. Where that guess cannot be made (after the last layer, the
+  // next request is layer 0 of the next token; longer requests; a model the fold does not fit)
+  // it takes the experts it computed for layer il + 1 at the previous token (16% right: as the
+  // only guess it gave nothing, docs/perf-log.md, "--ffn-prefetch-guess last-token").
   // Ends as soon as the next request rings (polled every 1 KB per thread).
   void prefetch_next_layer(int64_t il, uint32_t n_tokens, const shm::Doorbell* req, uint64_t answered) {
     guessed_.clear();
     guess_layer_ = -1;
-    if (prefetch_ == PrefetchGuess::kOff) return;
+    if (!prefetch_) return;
     const int64_t next = (il + 1) % model_.hp.n_layer;
     prefetch_ptrs_.clear();
-    if (prefetch_ == PrefetchGuess::kRouter && guess_ && next > 0 && n_tokens <= kMaxGuessRows) {
+    if (guess_ && next > 0 && n_tokens <= kMaxGuessRows) {
       // The request's rows of `hidden` are read after the answer: the gpu_worker writes the next
       // layer's rows only once it has routed that layer (tens of us later), and a row it had
       // begun to overwrite would only spoil the guess.
@@ -326,7 +322,7 @@ class ExpertWorker {
     finish_compute();
     // What the next token's prefetch_next_layer reads for this layer (RAM / mapped experts: their
     // rows stay where they are; staged FILE experts' slots are reused).
-    if (prefetch_ != PrefetchGuess::kOff) {
+    if (prefetch_) {
       last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
       last_experts_[static_cast<size_t>(il)].assign(fast_ids_.begin(), fast_ids_.end());
     }
@@ -458,13 +454,13 @@ class ExpertWorker {
 
   group::GroupManifest man_;
   int index_;
-  const PrefetchGuess prefetch_;
+  const bool prefetch_;  // --ffn-prefetch-next-layer
   // Guesses a request for layer n_tokens rows at most (decode, short verify windows): a longer
   // one is a prefill step, whose calls are long and whose idle gaps are not the point.
   static constexpr uint32_t kMaxGuessRows = 4;
   std::vector<std::vector<cpu::ExpertWeights>> last_fast_;  // [layer] the RAM experts last computed (prefetch_)
   std::vector<std::vector<int32_t>> last_experts_;          // [layer] their ids
-  std::unique_ptr<cpu_worker::NextLayerGuess> guess_;       // --ffn-prefetch-guess router
+  std::unique_ptr<cpu_worker::NextLayerGuess> guess_;       // the router guess (nullptr: the last-token list)
   std::vector<int32_t> guess_experts_;                      // the router guess, before filtering
   std::vector<cpu::ExpertWeights> guessed_weights_;
   std::vector<int32_t> guessed_;                            // experts prefetched for guess_layer_
@@ -505,7 +501,7 @@ class ExpertWorker {
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, PrefetchGuess prefetch) {
+        bool exclusive_cpus, bool prefetch, const cpu::CpuKernelTuning& tuning) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -543,7 +539,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch, tuning);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -593,95 +589,37 @@ int main(int argc, char** argv) {
   // The default is what the supervisor runs (it passes no --spin-us); why 2 ms: kDecodeSpinUs.
   int spin_us = moraine::cpu::kDecodeSpinUs;
   app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();
-  app.add_option("--index", index, "worker index in the group (0-based)");
-  app.add_option("--cpus", cpus, "cores to pin to, e.g. 0-3,8");
-  app.add_option("--numa-node", numa_node, "NUMA node whose cores and memory to use");
-  app.add_option("--threads", threads, "expert threads (default: the --cpus count, else all)");
+  app.add_option("--index", index, "this worker's index in the group, 0-based (default 0; the supervisor passes it)");
+  app.add_option("--cpus", cpus, "cores to pin the expert threads to, e.g. 0-3,8 (default: every CPU this process may run on)");
+  app.add_option("--numa-node", numa_node, "NUMA node whose cores and memory to use (default: none, the OS's placement)");
+  app.add_option("--threads", threads, "expert threads, one per CPU from the first (default: the --cpus count, else every CPU allowed)");
   app.add_option("--spin-us", spin_us,
                  "microseconds the request doorbell and the expert threads keep polling after a layer before they sleep "
                  "(default 2000: covers the gap between layers while tokens are generated; 0: sleep at once)")
       ->check(CLI::Range(0, 1000000));
-  // Off by default, measured: in a VM a sleeping thread's wake-up (an IPI to a halted vCPU)
-  // counts as run delay, so a few sleeps make a CPU look shared and the next polls are cut
-  // short (the H200 machine's 12G decode, control plane pinned: 3582 polls cut short and 3852
-  // pool sleeps in 126 tokens, nothing else on the pool CPUs). With --exclusive-cpus: 0 and 84,
-  // but decode was no faster (12G Zipf 1 123.5 vs 128.8 tok/s, expert_cpu p50 116 vs 102 us:
-  // likely fifteen spinning vCPUs cost their SMT siblings or the host; not isolated).
+  // Off by default: with it the polls stop being cut short in a VM, but 12G decode on the H200
+  // host was no faster (123.5 vs 128.8 tok/s; docs/perf-log.md, "--exclusive-cpus").
   bool exclusive_cpus = false;
   app.add_flag("--exclusive-cpus,!--shared-cpus", exclusive_cpus,
                "the --cpus are this worker's alone: poll the whole --spin-us window even when a CPU looks shared "
-               "(default --shared-cpus: such a poll sleeps early)");
-  // How each expert thread streams its rows (kernels/cpu: FfnStreamOptions, MatvecPrefetch), for
-  // A/B runs of the whole group; -1 keeps the library default (the kernel bench's same flags
-  // measured them: --runs, --down-runs, --gate-up-together, --down-early, --prefetch-runs-l2, --prefetch-next).
-  int ffn_runs = -1, ffn_down_runs = -1, ffn_gate_up_together = -1, ffn_down_early = -1, ffn_prefetch_runs_l2 = -1, ffn_prefetch_next = -1;
-  app.add_option("--ffn-runs", ffn_runs, "each expert matrix's rows of a job walked as this many side-by-side runs (1..8)")->check(CLI::Range(1, 8));
-  app.add_option("--ffn-down-runs", ffn_down_runs, "down jobs' rows as this many side-by-side runs (0: as --ffn-runs)")->check(CLI::Range(0, 8));
-  app.add_option("--ffn-gate-up-together", ffn_gate_up_together,
-                 "a gate/up job walks its gate and up rows side by side: 0 never, 1 always, 2 Q4_K only (the default)")->check(CLI::Range(0, 2));
-  app.add_option("--ffn-down-early", ffn_down_early, "1: each thread pulls its down rows toward L2 during its gate/up rows")->check(CLI::Range(0, 1));
-  app.add_option("--ffn-prefetch-runs-l2", ffn_prefetch_runs_l2, "bytes of prefetcht1 stream ahead of each run (0: none)")->check(CLI::Range(0, 1 << 24));
-  // On by default, measured with the kernel bench's --gap-prefetch (H200 host, 15 threads, gap 40
-  // us, p50 us at 1 / 2 / 4 experts, session 9 run C): a right guess Q4_K 36.9 / 58.8 / 104.5 ->
-  // 27.0 / 42.7 / 79.5, Q8_0 58.4 / 101.7 / 180.2 -> 37.8 / 74.6 / 153.5, MXFP4 37.8 / 59.4 / 96.3
-  // -> 29.8 / 46.6 / 84.9; a wrong one costs nothing (35.5 / 52.6 / 88.5 Q4_K). In the whole group
-  // (session 13 runs L and M, 30B Zipf 0, 12G, moraine-bench tok/s, interleaved): with the router
-  // guess and per-expert slices 190.4 / 177.7 / 181.7 / 204.6, off 167.2 / 167.6 / 177.9 / 172.0;
-  // the previous token's experts (--ffn-prefetch-guess last-token, 16% right) gave nothing
-  // measurable (run K: 159.5 / 162.8 / 146.6 against 174.8 / 166.1 / 170.4 off).
-  // Tried and dropped (session 15): guessing at layer L's request and pulling the guess's rows
-  // during layer L's call too (prefetcht1 spread over each thread's jobs, all of its rows or the
-  // last 30-70%) lost everywhere. Kernel bench (worker form, 32 us gap, right guess, p50 us at 2 /
-  // 3 / 4 experts): none 40.8 / 63.0 / 86.3, all 55.8 / 79.8 / 114.6 (run A); none 48.4 / 76.5 /
-  // 104.1, last 30% 54.4 / 82.1 / 116.6 (run B). 12G group, interleaved, tok/s: last half 41.4 /
-  // 108.8 / 128.9 against none 154.9 / 152.0 / 157.1 (run B). The call's threads are limited by
-  // their outstanding L2 misses; the extra lines take those from the call's own rows.
+               "(default --shared-cpus: such a poll sleeps early, so another task on the CPU is not starved)");
+  // On by default: 12G decode on the H200 host 190 vs 167 tok/s (docs/perf-log.md, "prefetch_experts").
   bool prefetch_next_layer = true;
   app.add_flag("--ffn-prefetch-next-layer,!--no-ffn-prefetch-next-layer", prefetch_next_layer,
-               "after answering layer L, pull into the pool threads' L2 the experts it guesses layer L+1 will ask for, "
-               "until the next request rings (default on)");
-  std::string prefetch_guess = "router";
-  app.add_option("--ffn-prefetch-guess", prefetch_guess,
-                 "how --ffn-prefetch-next-layer guesses: router (layer L+1's router on layer L's input) or last-token "
-                 "(the experts of layer L+1 at the previous token)")
-      ->check(CLI::IsMember({"router", "last-token"}))
-      ->capture_default_str();
-  // On by default, measured on the H200 host (session 13 run L, 30B Zipf 0, 12G, moraine-bench -p 64
-  // -n 64 -r 3, two interleaved rounds, tok/s): router guess with per-expert slices 190.4 / 177.7,
-  // without prefetch 167.2 / 167.6; router guess with the end-to-end slices 170.3 / 157.2, without
-  // 165.1 / 160.4. The kernel bench (Q4_K, worker form, gap 40 us, p50 us at 1 / 2 / 3 experts,
-  // two rounds) with a guess that missed the call's first expert: 30.2 / 38.5 / 45.5 and 30.2 /
-  // 43.4 / 46.9 per expert against 32.6 / 49.8 / 72.5 and 28.6 / 39.5 / 57.4 end to end; with no
-  // prefetch the two are level (29.6-30.1 / 45.1-47.9 / 66.1-69.4 against 29.3-32.2 / 48.1-54.7 /
-  // 65.2-70.2).
-  int ffn_slice_per_expert = 1;
-  app.add_option("--ffn-slice-per-expert", ffn_slice_per_expert,
-                 "1: each expert thread computes its share of every expert (rows independent of the layer's other experts, so a "
-                 "prefetched guess lands in the L2 that reads it); 0: its share of all experts' rows end to end")
-      ->check(CLI::Range(0, 1))
-      ->capture_default_str();
-  app.add_option("--ffn-prefetch-next", ffn_prefetch_next, "next-job prefetch hints: 0 ignored, 1 followed, 2 their start into L2")->check(CLI::Range(0, 2));
+               "after answering layer L, pull into the expert threads' L2 the experts layer L+1's router guesses this worker "
+               "will compute, until the next request rings (default on: the threads are idle then; off leaves the memory "
+               "bandwidth of that gap to other work)");
+  moraine::cpu::CpuKernelTuning tuning;
+  // Each thread computes its share of every expert, so that a prefetched guess lands in the L2
+  // that reads it (docs/perf-log.md, "FfnSliceOptions::per_expert").
+  tuning.slices.per_expert = true;
+  app.add_option("--amx-min-tokens", tuning.matvec.amx_min_tokens,
+                 "rows of a request from which the expert matrices go through the AMX tiles on CPUs with AMX (default 32: "
+                 "below it the VNNI tiles were faster on the one AMX host measured)")
+      ->check(CLI::Range(1, 1 << 20));
   CLI11_PARSE(app, argc, argv);
-  {
-    moraine::cpu::FfnStreamOptions so = moraine::cpu::ffn_stream_options();
-    if (ffn_runs > 0) so.runs = ffn_runs;
-    if (ffn_down_runs >= 0) so.down_runs = ffn_down_runs;
-    if (ffn_gate_up_together >= 0) so.gate_up_together = ffn_gate_up_together;
-    if (ffn_down_early >= 0) so.down_early = ffn_down_early == 1;
-    moraine::cpu::set_ffn_stream_options(so);
-    moraine::cpu::MatvecPrefetch pf = moraine::cpu::matvec_prefetch();
-    if (ffn_prefetch_runs_l2 >= 0) pf.runs_l2_bytes = static_cast<size_t>(ffn_prefetch_runs_l2);
-    if (ffn_prefetch_next >= 0) pf.next_call = ffn_prefetch_next;
-    moraine::cpu::set_matvec_prefetch(pf);
-    moraine::cpu::FfnSliceOptions slices = moraine::cpu::ffn_slice_options();
-    slices.per_expert = ffn_slice_per_expert == 1;
-    moraine::cpu::set_ffn_slice_options(slices);
-  }
   try {
-    const PrefetchGuess prefetch = !prefetch_next_layer          ? PrefetchGuess::kOff
-                                   : prefetch_guess == "router" ? PrefetchGuess::kRouter
-                                                                : PrefetchGuess::kLastToken;
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch_next_layer, tuning);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;

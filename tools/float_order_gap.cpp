@@ -29,7 +29,6 @@
 #include "common/reference/moe_parts.h"
 #include "common/reference/ops.h"
 #include "common/sampling/sampler.h"
-#include "kernels/cpu/vec_dot.h"
 
 namespace {
 
@@ -249,13 +248,11 @@ int main(int argc, char** argv) {
   std::string path, prompt_path;
   int rows = 80, decode = 12, seeds = 8;
   bool detail = false;
-  std::string isa;
   app.add_option("model", path, "GGUF")->required();
   app.add_option("--prompt", prompt_path, "tokens.json of the golden model ({\"ids\": [...]})")->required();
   app.add_option("--rows", rows, "prefill rows (the prompt repeated)");
   app.add_option("--decode", decode, "greedy tokens of the decode run (0: none)");
   app.add_option("--seeds", seeds, "other orders to try (seeds 1..N)");
-  app.add_option("--isa", isa, "also: the kernels' own order with the dispatch capped at this tier (scalar, avx2, ...)");
   app.add_flag("--detail", detail, "replay the worst seed layer by layer with code and routing counts");
   std::string kv = "f32";
   app.add_option("--kv-type", kv, "the reference's KV cache (f16: a seed also rounds near-edge K/V either way)")
@@ -290,16 +287,6 @@ int main(int argc, char** argv) {
                 static_cast<long long>(worst.worst / V));
     for (double g : pre) std::printf(" %.3g", g);
     std::printf("\n");
-    if (!isa.empty()) {   // another tier's kernels: an order the project ships, not one drawn here
-      const auto cap = cpu::parse_isa(isa);
-      if (!cap) throw std::invalid_argument("--isa: unknown tier " + isa);
-      const cpu::CpuIsa hw = cpu::hardware_cpu_isa();
-      cpu::set_max_cpu_isa(*cap);
-      const Gap g = gap(ReferenceExecutor(m, opts(0)).forward(tokens, true), want);
-      cpu::set_max_cpu_isa(hw);
-      std::printf("prefill %d rows: the %s kernels against the %s ones: %.3g (row %lld)\n", rows, isa.c_str(),
-                  std::string(cpu::isa_name(hw)).c_str(), g.rel(), static_cast<long long>(g.worst / V));
-    }
     if (detail) {
       Stepper a(m, opts(0)), b(m, opts(worst_seed));
       const auto [la, lb] = lockstep(a, b, tokens, true, worst.worst / V, true);

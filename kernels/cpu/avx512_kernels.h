@@ -1,5 +1,5 @@
 // AVX-512 kernels (internal). Each group lives in its own .cpp compiled with AVX-512 flags;
-// nothing here may be called unless detect_cpu_isa() reports the tier named in the comment.
+// nothing here may be called unless hardware_cpu_isa() reports the tier named in the comment.
 #pragma once
 #include <xmmintrin.h>
 
@@ -57,15 +57,13 @@ void mxfp4_rows4(int64_t n, const void* w, size_t row_stride, const void* const*
 inline constexpr size_t kPackedGroupBytes = 256;  // four blocks
 constexpr size_t groups4_packed_act_bytes(int64_t n) { return static_cast<size_t>((n / 32 + 3) / 4) * kPackedGroupBytes; }
 void pack_mxfp4_acts(int64_t n, const void* act, void* dst);
-// row_by_row: the four rows one after the other (each row's bytes read in order) instead of
-// side by side; the same instructions but for the activation loads, the same results.
 // prefetch (or nullptr): prefetcht0 the prefetch_bytes from there, spread over the steps
-// (prefetch_part; 4-row tiles only, not row_by_row).
+// (prefetch_part).
 void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                        bool row_by_row, const void* prefetch = nullptr, size_t prefetch_bytes = 0);
+                        const void* prefetch = nullptr, size_t prefetch_bytes = 0);
 void pack_q8_0_acts(int64_t n, const void* act, void* dst);
 void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                       bool row_by_row, const void* prefetch = nullptr, size_t prefetch_bytes = 0);
+                       const void* prefetch = nullptr, size_t prefetch_bytes = 0);
 
 // Tier Avx512Vnni plus GFNI: matvec_avx512_q4k.cpp. Q4_K against Q8_K activation rows repacked
 // once per matvec_tokens call (pack_q4_k_acts: q4_k_packed_act_bytes(n) bytes, 64-byte aligned);

@@ -57,6 +57,7 @@ void run(benchmark::State& state, TensorType t, moraine::cpu::VecDotFn fn) {
 
 int main(int argc, char** argv) {
   using moraine::cpu::CpuIsa;
+  CpuIsa cap = CpuIsa::Amx;
   // --isa NAME caps the tiers registered (the rest of argv goes to Google Benchmark).
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "moraine-vec-dot-bench: --isa %s: expected scalar, avx2, avx512, avx512vnni or amx\n", value.c_str());
       return 2;
     }
-    moraine::cpu::set_max_cpu_isa(*isa);
+    cap = *isa;
     const int consumed = arg == "--isa" ? 2 : 1;
     for (int j = i; j + consumed < argc; ++j) argv[j] = argv[j + consumed];
     argc -= consumed;
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
                               TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K};
   for (TensorType t : types) {
     for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni}) {
+      if (static_cast<int>(isa) > static_cast<int>(cap)) continue;
       moraine::cpu::VecDotFn fn = moraine::cpu::vec_dot_fn(t, isa);
       // Float kernels are registered under Avx512 only; the VNNI tier returns the same ones.
       if (!fn || (isa == CpuIsa::Avx512Vnni && fn == moraine::cpu::vec_dot_fn(t, CpuIsa::Avx512))) continue;

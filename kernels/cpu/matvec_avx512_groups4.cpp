@@ -245,37 +245,32 @@ namespace {
 // Four rows against packed activations, token groups as by_token_groups cuts them; Tile is
 // q8_0_group_tile or mxfp4_group_tile (as a generic lambda over <rows, tokens>).
 // The spread prefetch (pf) goes with the first token group's tile (the others re-read the rows
-// from L1), and only with the four rows side by side.
+// from L1).
 template <class Tile>
 void rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
-                  int64_t y_stride, bool row_by_row, const void* prefetch, size_t prefetch_bytes, Tile tile) {
+                  int64_t y_stride, const void* prefetch, size_t prefetch_bytes, Tile tile) {
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* const* a = reinterpret_cast<const PackedGroup* const*>(packed);
   const int64_t nb = n / kQK;
-  const auto* pf = row_by_row ? nullptr : static_cast<const uint8_t*>(prefetch);
+  const auto* pf = static_cast<const uint8_t*>(prefetch);
   by_token_groups(a, n_tok, y, y_stride, [&]<int T>(const PackedGroup* const* at, float* yt) {
-    if (row_by_row) {
-      for (int r = 0; r < 4; ++r)
-        tile.template operator()<1, T>(nb, wb + static_cast<size_t>(r) * row_stride, row_stride, at, yt + r, y_stride, nullptr, 0);
-    } else {
-      tile.template operator()<4, T>(nb, wb, row_stride, at, yt, y_stride, pf, prefetch_bytes);
-      pf = nullptr;
-    }
+    tile.template operator()<4, T>(nb, wb, row_stride, at, yt, y_stride, pf, prefetch_bytes);
+    pf = nullptr;
   });
 }
 
 }  // namespace
 
 void q8_0_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y, int64_t y_stride,
-                       bool row_by_row, const void* prefetch, size_t prefetch_bytes) {
-  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
+                       const void* prefetch, size_t prefetch_bytes) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
     q8_0_group_tile<R, T>(args...);
   });
 }
 
 void mxfp4_rows4_packed(int64_t n, const void* w, size_t row_stride, const void* const* packed, int n_tok, float* y,
-                        int64_t y_stride, bool row_by_row, const void* prefetch, size_t prefetch_bytes) {
-  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, row_by_row, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
+                        int64_t y_stride, const void* prefetch, size_t prefetch_bytes) {
+  rows4_packed(n, w, row_stride, packed, n_tok, y, y_stride, prefetch, prefetch_bytes, []<int R, int T>(auto... args) {
     mxfp4_group_tile<R, T>(args...);
   });
 }

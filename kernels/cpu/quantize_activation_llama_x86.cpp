@@ -57,17 +57,17 @@ void copy_ggml_zero_scale_sign_q8_k(const float* x, void* dst, int64_t n) {
 
 }  // namespace
 
-void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n) {
+void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa) {
   if (act_type == TensorType::Q8_K) {
-    quantize_activation_row(act_type, x, dst, n);
+    quantize_activation_row(act_type, x, dst, n, max_isa);
     return copy_ggml_zero_scale_sign_q8_k(x, dst, n);
   }
-  if (act_type != TensorType::Q8_0) return quantize_activation_row(act_type, x, dst, n);
+  if (act_type != TensorType::Q8_0) return quantize_activation_row(act_type, x, dst, n, max_isa);
   if (n % kQK != 0) {
     throw std::invalid_argument("quantize_activation_row_llama_x86: q8_0 row of " + std::to_string(n) +
                                 " elements is not a multiple of 32");
   }
-  if (static_cast<int>(detect_cpu_isa()) >= static_cast<int>(CpuIsa::Avx512)) {
+  if (static_cast<int>(capped_isa(max_isa)) >= static_cast<int>(CpuIsa::Avx512)) {
     return avx512::quantize_q8_0_llama_x86(x, dst, n);
   }
   quantize_q8_0_llama_x86_scalar(x, dst, n);

@@ -8,8 +8,8 @@
 
 namespace moraine::cpu {
 
-// Reads every byte of [p, p + bytes) once with the widest loads the CPU has (ignoring the ISA
-// cap: this measures memory, not kernels) and returns a value depending on all of them, so
+// Reads every byte of [p, p + bytes) once with the widest loads the CPU has (whatever tier the
+// kernels are capped at: this measures memory) and returns a value depending on all of them, so
 // the reads cannot be optimized away. bytes must be a multiple of 64.
 uint64_t stream_read(const void* p, size_t bytes);
 

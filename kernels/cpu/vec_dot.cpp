@@ -5,7 +5,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -101,9 +100,6 @@ VecDotFn avx512_fn(TensorType t, bool vnni) {
   }
 }
 
-// The cap set by set_max_cpu_isa; starts at the top tier (no cap).
-std::atomic<CpuIsa> g_max_isa{CpuIsa::Amx};
-
 CpuIsa cpu_isa_hardware() {
   static const CpuIsa isa = detect_uncached();
   return isa;
@@ -111,14 +107,12 @@ CpuIsa cpu_isa_hardware() {
 
 }  // namespace
 
-CpuIsa detect_cpu_isa() {
-  const CpuIsa hw = cpu_isa_hardware(), cap = g_max_isa.load(std::memory_order_relaxed);
-  return static_cast<int>(cap) < static_cast<int>(hw) ? cap : hw;
-}
-
 CpuIsa hardware_cpu_isa() { return cpu_isa_hardware(); }
 
-void set_max_cpu_isa(CpuIsa cap) { g_max_isa.store(cap, std::memory_order_relaxed); }
+CpuIsa capped_isa(CpuIsa max_isa) {
+  const CpuIsa hw = cpu_isa_hardware();
+  return static_cast<int>(max_isa) < static_cast<int>(hw) ? max_isa : hw;
+}
 
 std::optional<CpuIsa> parse_isa(std::string_view name) {
   for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni, CpuIsa::Amx}) {
@@ -154,7 +148,7 @@ VecDotFn kernel_for(TensorType weight, CpuIsa isa) {
 }
 
 // Best kernel per type id for every possible cap, resolved once (type ids are < 64); the
-// current cap picks the row, so set_max_cpu_isa takes effect on the next call.
+// caller's cap picks the row.
 struct DispatchTable {
   static constexpr int kTiers = static_cast<int>(CpuIsa::Amx) + 1;
   VecDotFn fn[kTiers][64] = {};
@@ -174,15 +168,12 @@ struct DispatchTable {
 
 }  // namespace
 
-VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa) {
-  if (static_cast<int>(isa) > static_cast<int>(detect_cpu_isa())) return nullptr;  // above the CPU or the cap
-  return kernel_for(weight, isa);
-}
+VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa) { return kernel_for(weight, isa); }  // nullptr above the CPU's tier
 
-VecDotFn best_vec_dot_fn(TensorType weight) {
+VecDotFn best_vec_dot_fn(TensorType weight, CpuIsa max_isa) {
   static const DispatchTable table;
   const auto id = static_cast<uint32_t>(weight);
-  return id < 64 ? table.fn[static_cast<int>(detect_cpu_isa())][id] : nullptr;
+  return id < 64 ? table.fn[static_cast<int>(capped_isa(max_isa))][id] : nullptr;
 }
 
 float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_row) {
@@ -191,8 +182,8 @@ float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_r
   return fn(n, w_row, act_row);
 }
 
-void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n) {
-  const bool avx512 = static_cast<int>(detect_cpu_isa()) >= static_cast<int>(CpuIsa::Avx512);
+void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa) {
+  const bool avx512 = static_cast<int>(capped_isa(max_isa)) >= static_cast<int>(CpuIsa::Avx512);
   if (avx512 && act_type == TensorType::Q8_0 && n % kQK == 0) return avx512::quantize_q8_0(x, dst, n);
   if (avx512 && act_type == TensorType::Q8_K && n % kQK_K == 0) return avx512::quantize_q8_k(x, dst, n);
   switch (act_type) {

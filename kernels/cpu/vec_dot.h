@@ -17,41 +17,40 @@ namespace moraine::cpu {
 // prefill matmul (matvec.h) and uses the Avx512Vnni kernels for everything else.
 enum class CpuIsa { Scalar, Avx2, Avx512, Avx512Vnni, Amx };
 
-// Best tier this CPU supports, capped by set_max_cpu_isa. Every dispatch below uses it.
-// (Detection asks the kernel for AMX tile-data permission once, arch_prctl; it is per process.)
-CpuIsa detect_cpu_isa();
-CpuIsa hardware_cpu_isa();  // what the CPU supports, ignoring the cap (cached)
-// Caps the tier the dispatchers pick (A/B runs, testing the fallbacks: the benches' --isa flag).
-// Process-wide; takes effect on the next call. A cap above the hardware's tier is no cap.
-void set_max_cpu_isa(CpuIsa cap);
+// Best tier this CPU supports (detected once; detection asks the kernel for AMX tile-data
+// permission, arch_prctl, which is per process).
+CpuIsa hardware_cpu_isa();
+// The tier the dispatchers below use with a cap: the lower of `max_isa` and the hardware's.
+// A cap below the hardware's tests the fallback tiers (the default, Amx, is no cap).
+CpuIsa capped_isa(CpuIsa max_isa);
 std::string_view isa_name(CpuIsa isa);
 std::optional<CpuIsa> parse_isa(std::string_view name);  // the names isa_name gives
 
 using VecDotFn = float (*)(int64_t n, const void* w_row, const void* act_row);
 
-// nullptr when `isa` has no kernel for `weight` or the CPU cannot run that tier's kernels.
-// CpuIsa::Scalar always has one for every computable weight type.
+// The kernel of exactly tier `isa`: nullptr when that tier has no kernel for `weight` or the
+// CPU cannot run it. CpuIsa::Scalar always has one for every computable weight type.
 VecDotFn vec_dot_fn(TensorType weight, CpuIsa isa);
 
-// The kernel vec_dot would call now (best tier up to the cap, falling back tier by tier);
-// nullptr for types without any kernel.
-VecDotFn best_vec_dot_fn(TensorType weight);
+// The best kernel up to capped_isa(max_isa), falling back tier by tier; nullptr for types
+// without any kernel.
+VecDotFn best_vec_dot_fn(TensorType weight, CpuIsa max_isa = CpuIsa::Amx);
 
 // Best available kernel. n must be a multiple of the weight's block size (not checked here:
 // this is the hot path; vec_dot_reference checks).
 float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_row);
 
 // Quantizes (or converts) one activation row to `act_type` (Q8_0, Q8_K, F32, F16 or BF16).
-// Bit-identical to moraine::quantize_row, using AVX-512 when the CPU has it. Non-finite inputs
-// are not checked here (hot path); quantize_row rejects them.
-void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n);
+// Bit-identical to moraine::quantize_row, using AVX-512 when capped_isa(max_isa) has it.
+// Non-finite inputs are not checked here (hot path); quantize_row rejects them.
+void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa = CpuIsa::Amx);
 
 // What llama.cpp's CPU backend computes for activations at run time on x86 (its AVX/AVX2/AVX-512
 // builds, the ones node-llama-cpp loads here), so the reference executor's logits on quantized
 // files can match llama.cpp's. Differs from quantize_activation_row only for q8_0: scale
 // 127/amax (not 1/(amax/127)) and round half to even (not half away from zero); q8_K (up to the
 // sign of a zero scale) and the float types are as quantize_activation_row. Weights keep the
-// reference rule (quantize_row).
-void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n);
+// reference rule (quantize_row). max_isa as for quantize_activation_row (the results are the same).
+void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa = CpuIsa::Amx);
 
 }  // namespace moraine::cpu

@@ -181,7 +181,6 @@ constexpr FormatPair kPairs[] = {{TensorType::Q4_K, TensorType::Q4_K}, {TensorTy
                                  {TensorType::MXFP4, TensorType::MXFP4}, {TensorType::Q4_K, TensorType::Q6_K}};
 
 TEST(ExpertFfn, MatchesFloatReferenceAndReferencePipeline) {
-  test::IsaCapGuard guard;
   cpu::ThreadPool pool(cpu::allowed_cpus());
   for (const FormatPair& fp : kPairs) {
     const Expert e = make_expert(fp.gate_up, fp.down, 17 * static_cast<uint32_t>(fp.gate_up) + static_cast<uint32_t>(fp.down));
@@ -195,9 +194,10 @@ TEST(ExpertFfn, MatchesFloatReferenceAndReferencePipeline) {
         rw[static_cast<size_t>(t)] = 0.1f + 0.05f * static_cast<float>(t % 7);
       }
       for (cpu::CpuIsa isa : test::available_tiers()) {
-        cpu::set_max_cpu_isa(isa);
+        cpu::CpuKernelTuning tu;
+        tu.matvec.max_isa = isa;
         std::vector<float> y = y0;
-        cpu::expert_ffn(e.w, x.data(), n_tok, rw.data(), y.data(), pool);
+        cpu::expert_ffn(e.w, x.data(), n_tok, rw.data(), y.data(), pool, tu);
         const std::string where = std::string(type_name(fp.gate_up)) + "/" + std::string(type_name(fp.down)) + " " +
                                   std::string(cpu::isa_name(isa)) + " n_tok " + std::to_string(n_tok);
         double sum_tol = 0, sum_sq = 0;
@@ -239,7 +239,6 @@ model::Matrix as_matrix(const Mat& m) {
 
 // The worker's call against the function it replaces, reference::swiglu_expert, on every tier.
 TEST(MoeFfn, RunExpertEqualsReferenceSwigluExpert) {
-  test::IsaCapGuard guard;
   cpu::ThreadPool pool(cpu::allowed_cpus());
   reference::ThreadPool ref_pool(2, 0);
   reference::ExpertScratch scratch;
@@ -266,7 +265,9 @@ TEST(MoeFfn, RunExpertEqualsReferenceSwigluExpert) {
       std::vector<float> want(x.size(), NAN);
       reference::swiglu_expert(as_matrix(e.gate), as_matrix(e.up), as_matrix(e.down), x.data(), m, want.data(), scratch, ref_pool);
       for (cpu::CpuIsa isa : test::available_tiers()) {
-        cpu::set_max_cpu_isa(isa);
+        cpu::CpuKernelTuning tu;
+        tu.matvec.max_isa = isa;
+        ffn.set_tuning(tu);
         std::vector<float> y(x.size(), NAN);  // overwritten, not accumulated
         ffn.run_expert(e.w, x.data(), m, y.data(), pool);
         const std::string where = std::string(type_name(fp.gate_up)) + "/" + std::string(type_name(fp.down)) + " " +
@@ -292,8 +293,8 @@ TEST(MoeFfn, RunExpertEqualsReferenceSwigluExpert) {
 }
 
 // A layer of experts with overlapping token subsets equals the experts applied one by one, and
-// does not depend on the number of threads, the schedule or the caller joining the pool as the
-// worker does (bitwise: fixed summation order).
+// does not depend on the number of threads or the caller joining the pool as the worker does
+// (bitwise: fixed summation order).
 TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
   const std::vector<int> cpus = cpu::allowed_cpus();
   cpu::ThreadPool big(cpus), one(std::vector<int>{cpus.front()});
@@ -324,18 +325,11 @@ TEST(MoeFfn, LayerEqualsSumOfExpertsForAnyPoolSize) {
                       static_cast<int>(toks[static_cast<size_t>(i)].size())});
   }
   cpu::MoeFfn ffn;
-  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f), y_sliced(x.size(), 0.0f),
-      y_joined(x.size(), 0.0f);
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Shared);
+  std::vector<float> y_big(x.size(), 0.0f), y_one(x.size(), 0.0f), y_seq(x.size(), 0.0f), y_joined(x.size(), 0.0f);
   ffn.run(assign, x.data(), y_big.data(), kTokens, kHidden, big);
   ffn.run(assign, x.data(), y_one.data(), kTokens, kHidden, one);
   EXPECT_EQ(y_big, y_one) << "the result depends on the thread count";
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
-  ffn.run(assign, x.data(), y_sliced.data(), kTokens, kHidden, big);
   ffn.run(assign, x.data(), y_joined.data(), kTokens, kHidden, joined);
-  cpu::set_ffn_schedule(schedule0);
-  EXPECT_EQ(y_big, y_sliced) << "the result depends on the schedule";
   EXPECT_EQ(y_big, y_joined) << "the result depends on the caller joining the pool";
   // Expert by expert, each token on its own: same per-element sums in the same expert order.
   for (int i = 0; i < 4; ++i) {
@@ -385,8 +379,7 @@ TEST(MoeFfn, RunExpertsEqualsRunExpertPerExpert) {
 
 // The worker's form: rows named by index in one activation block (repeated across experts, out
 // of order, one row no expert reads, one expert without rows) equal the ExpertJob form on the
-// same rows gathered, bitwise, on a pool of any size and on the sliced schedule; bad row
-// indices are refused.
+// same rows gathered, bitwise, on a pool of any size; bad row indices are refused.
 TEST(MoeFfn, RunExpertsOnRowIndicesEqualsGatheredRows) {
   const std::vector<int> cpus = cpu::allowed_cpus();
   cpu::ThreadPool big(cpus), one(std::vector<int>{cpus.front()});
@@ -417,12 +410,8 @@ TEST(MoeFfn, RunExpertsOnRowIndicesEqualsGatheredRows) {
     one_jobs.push_back({&experts[i].w, rows[i].data(), m, got_one[i].data()});
   }
   cpu::MoeFfn a, b;
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Shared);
-  a.run_experts(gather_jobs, big);
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
+  a.run_experts(gather_jobs, one);
   b.run_experts(big_jobs, x.data(), kRows, big);
-  cpu::set_ffn_schedule(schedule0);
   b.run_experts(one_jobs, x.data(), kRows, one);
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(got_big[i], want[i]) << "expert " << i;
@@ -439,12 +428,11 @@ TEST(MoeFfn, RunExpertsOnRowIndicesEqualsGatheredRows) {
   EXPECT_THROW(b.run_experts(std::span(&no_rows, 1), x.data(), kRows, big), std::invalid_argument);
 }
 
-// The benches' tuning knobs (job sizes, prefetch distances) move work between jobs and lines
-// into caches earlier; they must not change a single bit of the result.
-TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
+// The prefetch distances move lines into caches earlier; they must not change a single bit of
+// the result, for an expert of its own and for a layer accumulating two experts into shared
+// token rows (the down chunks' reduction).
+TEST(MoeFfn, ResultDoesNotDependOnPrefetch) {
   cpu::ThreadPool pool(cpu::allowed_cpus());
-  const cpu::FfnJobRows rows0 = cpu::ffn_job_rows();
-  const cpu::MatvecPrefetch pf0 = cpu::matvec_prefetch();
   const Expert e = make_expert(TensorType::Q4_K, TensorType::Q6_K, 555);
   constexpr int kTok = 5;
   std::vector<float> x(kTok * kHidden);
@@ -455,46 +443,36 @@ TEST(MoeFfn, ResultDoesNotDependOnJobRowsOrPrefetch) {
   cpu::MoeFfn ffn;
   std::vector<float> want(x.size());
   ffn.run_expert(e.w, x.data(), kTok, want.data(), pool);
-  // And a layer accumulating two experts into shared token rows (the down chunks' reduction).
   const Expert e2 = make_expert(TensorType::Q6_K, TensorType::Q5_K, 556);
   const int32_t toks_a[] = {4, 0, 2, 1}, toks_b[] = {1, 3, 4};
   const float rw_a[] = {0.5f, 0.25f, 0.75f, 0.125f}, rw_b[] = {0.3f, 0.6f, 0.9f};
   const cpu::ExpertAssignment layer[] = {{&e.w, toks_a, rw_a, 4}, {&e2.w, toks_b, rw_b, 3}};
   std::vector<float> want_layer(x.size(), 0.5f);
   ffn.run(layer, x.data(), want_layer.data(), kTok, kHidden, pool);
-  const cpu::FfnJobRows job_variants[] = {{1, 1}, {7, 13}, {kFfn, kHidden}, {1000, 5000}};
-  const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 64, false, 0, true, 128}, {1 << 16, 1 << 16}, {4096, 0, false, 0, true, 2048}};
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  for (int i = 0; i < 4; ++i) {
-    cpu::set_ffn_job_rows(job_variants[i]);
-    cpu::set_matvec_prefetch(pf_variants[i]);
-    cpu::set_ffn_schedule(i % 2 ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
+  const cpu::MatvecPrefetch pf_variants[] = {{0, 0}, {64, 128}, {1 << 16, 1 << 16}, {4096, 2048}};
+  for (const cpu::MatvecPrefetch& pf : pf_variants) {
+    cpu::CpuKernelTuning tu;
+    tu.matvec.prefetch = pf;
+    ffn.set_tuning(tu);
     std::vector<float> y(x.size(), NAN);
     ffn.run_expert(e.w, x.data(), kTok, y.data(), pool);
-    EXPECT_EQ(y, want) << "job rows " << job_variants[i].gate_up << "/" << job_variants[i].down << ", prefetch " << pf_variants[i].l1_bytes << "/"
-                       << pf_variants[i].l2_bytes << (pf_variants[i].spread ? " spread" : "");
+    EXPECT_EQ(y, want) << "prefetch " << pf.l1_bytes << "/" << pf.spread_l1_bytes;
     std::vector<float> y_layer(x.size(), 0.5f);
     ffn.run(layer, x.data(), y_layer.data(), kTok, kHidden, pool);
-    EXPECT_EQ(y_layer, want_layer) << "layer, job rows " << job_variants[i].gate_up << "/" << job_variants[i].down;
+    EXPECT_EQ(y_layer, want_layer) << "layer, prefetch " << pf.l1_bytes << "/" << pf.spread_l1_bytes;
   }
-  cpu::set_ffn_job_rows(rows0);
-  cpu::set_matvec_prefetch(pf0);
-  cpu::set_ffn_schedule(schedule0);
 }
 
-// The latency options of the sliced schedule (balanced slices: one run of rows per thread and
-// phase, cut at multiples of 4 rows wherever the thread count puts them, mid-expert included;
-// the down jobs' prefetch while they wait; shares cut into several jobs that idle threads take
-// from the back) change which thread computes a row, never a bit of
-// it: Q8_0 / MXFP4 tiles start at multiples of 4 rows either way. 1 to 3 experts of 1 and 3
-// rows, as the worker gets them at a 12 GB budget, on a pool the caller joins (its slice then
-// starts with the activation rows' quantization, which the other slices wait for) and one it
-// does not.
-TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
+// The slices (each thread's share of a phase, cut at multiples of 4 rows wherever the thread
+// count puts them, mid-expert included, into several jobs that idle threads take from the back;
+// end to end or per expert) change which thread computes a row, never a bit of it: Q8_0 / MXFP4
+// tiles start at multiples of 4 rows either way. 1 to 3 experts of 1 and 3 rows, as the worker
+// gets them at a 12 GB budget, against one thread with one job per expert and phase, on a pool
+// the caller joins (its slice then starts with the activation rows' quantization, which the
+// other slices wait for) and one it does not.
+TEST(MoeFfn, SlicesKeepResultsBitwise) {
+  cpu::ThreadPool one(std::vector<int>{cpu::allowed_cpus().front()});
   cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  const cpu::FfnSliceOptions opt0 = cpu::ffn_slice_options();
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
   const TensorType types[] = {TensorType::Q8_0, TensorType::MXFP4, TensorType::Q4_K};
   std::vector<Expert> experts;
   for (int i = 0; i < 3; ++i) experts.push_back(make_expert(types[i], types[(i + 1) % 3], 8100 + 17 * static_cast<uint32_t>(i)));
@@ -505,50 +483,42 @@ TEST(MoeFfn, BalancedSlicesAndWaitPrefetchKeepResultsBitwise) {
     std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
   }
   const int32_t one_row[] = {1}, three_rows[] = {2, 0, 1};
-  auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnSliceOptions o, int n_exp, int m) {
-    cpu::set_ffn_slice_options(o);
+  auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnSlices o, int n_exp, int m) {
     std::vector<std::vector<float>> ys(static_cast<size_t>(n_exp), std::vector<float>(static_cast<size_t>(m * kHidden), NAN));
     std::vector<cpu::MoeFfn::RowsJob> jobs;
     for (int i = 0; i < n_exp; ++i) jobs.push_back({&experts[static_cast<size_t>(i)].w, m == 1 ? one_row : three_rows, m, ys[static_cast<size_t>(i)].data()});
-    cpu::MoeFfn ffn;
+    cpu::CpuKernelTuning tu;
+    tu.slices = o;
+    cpu::MoeFfn ffn(tu);
     ffn.run_experts(jobs, x.data(), kRows, pool);
     return ys;
   };
-  // split > 1: several jobs per thread and phase, the idle threads taking others' last ones.
-  // gate_up_first: every gate/up job before any down job, the idle threads helping in between.
-  const cpu::FfnSliceOptions variants[] = {{true, false, 1, false}, {false, true, 1, false}, {true, true, 1, false}, {true, true, 3, false},
-                                           {true, false, 8, false}, {true, true, 1, true}, {true, true, 4, true},
-                                           {true, true, 4, true, true, true}, {true, false, 1, false, true, true}};
+  const cpu::FfnSlices variants[] = {{1, false}, {3, false}, {4, false}, {8, false}, {1, true}, {4, true}, {8, true}};
   for (int n_exp = 1; n_exp <= 3; ++n_exp) {
     for (int m : {1, 3}) {
-      const auto want = run_with(waits, {false, false, 1, false}, n_exp, m);
+      const auto want = run_with(one, {1, false}, n_exp, m);
       double norm = 0;
       for (float v : want.back()) norm += std::fabs(v);
       EXPECT_GT(norm, 1.0);
       for (cpu::ThreadPool* pool : {&waits, &joined}) {
-        for (const cpu::FfnSliceOptions& o : variants) {
-          EXPECT_EQ(run_with(*pool, o, n_exp, m), want) << n_exp << " experts, " << m << " rows, balanced " << o.balanced << ", wait prefetch "
-                                                         << o.wait_prefetch << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", per expert " << o.per_expert << ", caller joins "
-                                                         << pool->caller_joins();
+        for (const cpu::FfnSlices& o : variants) {
+          EXPECT_EQ(run_with(*pool, o, n_exp, m), want) << n_exp << " experts, " << m << " rows, split " << o.split << ", per expert " << o.per_expert
+                                                         << ", caller joins " << pool->caller_joins();
         }
       }
     }
   }
-  cpu::set_ffn_slice_options(opt0);
-  cpu::set_ffn_schedule(schedule0);
 }
 
-// FfnSliceOptions::accumulating: run()'s accumulating experts on the balanced list, whose down
-// spans start and end wherever the thread shares fall (several down chunks per span, or part of
-// one), leave every bit of y_accum as the fixed chunks do: each element's partials are added in
-// expert order by whichever span finishes its chunk last. Overlapping token subsets (an expert
-// with none among them), 1, 9 and 40 tokens, down chunks of 128 / 7 / 4096 rows, several jobs per
-// thread and phase or one, one phase or two, caller joining or not.
-TEST(MoeFfn, BalancedAccumulatingKeepsResultsBitwise) {
+// run()'s accumulating experts, whose down spans start and end wherever the thread shares fall
+// (several sum chunks per span, or part of one): every bit of y_accum is the experts' one by one
+// (each element's partials are added in expert order by whichever span finishes its chunk last).
+// Overlapping token subsets (an expert with none among them), 1, 9 and 40 tokens, several jobs
+// per thread and phase or one, end to end or per expert, caller joining or not, and the same list
+// reused.
+TEST(MoeFfn, AccumulatingKeepsResultsBitwise) {
+  cpu::ThreadPool one(std::vector<int>{cpu::allowed_cpus().front()});
   cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  const cpu::FfnSliceOptions opt0 = cpu::ffn_slice_options();
-  const cpu::FfnJobRows rows0 = cpu::ffn_job_rows();
   const TensorType types[] = {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K};
   std::vector<Expert> experts;
   for (int i = 0; i < 4; ++i) experts.push_back(make_expert(types[i], types[(i + 2) % 4], 9100 + 31 * static_cast<uint32_t>(i)));
@@ -574,122 +544,28 @@ TEST(MoeFfn, BalancedAccumulatingKeepsResultsBitwise) {
       assign.push_back({&experts[static_cast<size_t>(i)].w, toks[static_cast<size_t>(i)].data(), rws[static_cast<size_t>(i)].data(),
                         static_cast<int>(toks[static_cast<size_t>(i)].size())});
     }
-    cpu::MoeFfn ffn;
-    auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnSchedule sched, cpu::FfnSliceOptions o, int64_t down_rows) {
-      cpu::set_ffn_schedule(sched);
-      cpu::set_ffn_slice_options(o);
-      cpu::set_ffn_job_rows({32, down_rows});
-      std::vector<float> y(x.size(), 0.25f);
-      ffn.run(assign, x.data(), y.data(), n_tok, kHidden, pool);
-      return y;
-    };
-    const std::vector<float> want = run_with(waits, cpu::FfnSchedule::Shared, {}, 128);
+    // The experts one by one, in list order, on one thread.
+    std::vector<float> want(x.size(), 0.25f);
+    cpu::MoeFfn single;
+    for (const cpu::ExpertAssignment& a : assign) single.run(std::span(&a, 1), x.data(), want.data(), n_tok, kHidden, one);
     double moved = 0;
     for (float v : want) moved += std::fabs(v - 0.25f);
     EXPECT_GT(moved, 1.0) << "the layer must add something";
-    const cpu::FfnSliceOptions variants[] = {{true, true, 4, true, true}, {true, false, 1, false, true}, {true, true, 3, false, true}, {true, true, 8, true, true}};
-    for (cpu::ThreadPool* pool : {&waits, &joined}) {
-      for (int64_t down_rows : {int64_t{128}, int64_t{7}, int64_t{4096}}) {
-        for (const cpu::FfnSliceOptions& o : variants) {
-          EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want)
-              << n_tok << " tokens, down chunks " << down_rows << ", split " << o.split << ", gate/up first " << o.gate_up_first << ", per expert " << o.per_expert << ", caller joins "
-              << pool->caller_joins();
-          // The same list again (reused spans and chunk counts).
-          EXPECT_EQ(run_with(*pool, cpu::FfnSchedule::Sliced, o, down_rows), want) << "reused list, " << n_tok << " tokens, down chunks " << down_rows;
+    const cpu::FfnSlices variants[] = {{4, false}, {1, false}, {3, false}, {8, false}, {4, true}, {1, true}};
+    for (cpu::ThreadPool* pool : {&waits, &joined, &one}) {
+      for (const cpu::FfnSlices& o : variants) {
+        cpu::CpuKernelTuning tu;
+        tu.slices = o;
+        cpu::MoeFfn ffn(tu);
+        for (int round = 0; round < 2; ++round) {  // the second call reuses the list and its chunk counts
+          std::vector<float> y(x.size(), 0.25f);
+          ffn.run(assign, x.data(), y.data(), n_tok, kHidden, *pool);
+          EXPECT_EQ(y, want) << n_tok << " tokens, split " << o.split << ", per expert " << o.per_expert << ", round " << round
+                             << ", caller joins " << pool->caller_joins() << ", threads " << pool->size();
         }
       }
     }
   }
-  cpu::set_ffn_job_rows(rows0);
-  cpu::set_ffn_slice_options(opt0);
-  cpu::set_ffn_schedule(schedule0);
-}
-
-// FfnStreamOptions (a job's rows as several runs side by side, the down jobs' their own count,
-// gate and up rows together, each thread's down rows pulled toward L2 during its gate/up jobs,
-// whole or only their first bytes)
-// leave the worker form's results bitwise as they are without them, on one and several jobs per
-// thread and phase, with the caller joining the pool and not, with per-run L2 streams
-// (MatvecPrefetch::runs_l2_bytes); and the Q4_K / Q6_K expert stays
-// bitwise reference::swiglu_expert's.
-TEST(MoeFfn, StreamOptionsKeepResultsBitwise) {
-  cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  const cpu::FfnSliceOptions slice0 = cpu::ffn_slice_options();
-  const cpu::FfnStreamOptions stream0 = cpu::ffn_stream_options();
-  const cpu::MatvecPrefetch pf0 = cpu::matvec_prefetch();
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
-  std::vector<Expert> experts;
-  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9100));
-  experts.push_back(make_expert(TensorType::Q8_0, TensorType::MXFP4, 9200));
-  experts.push_back(make_expert(TensorType::MXFP4, TensorType::Q4_K, 9300));
-  experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q8_0, 9400));
-  constexpr int kRows = 3;
-  std::vector<float> x(kRows * kHidden);
-  for (int t = 0; t < kRows; ++t) {
-    const std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 900 + static_cast<uint32_t>(t));
-    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
-  }
-  const int32_t one_row[] = {1}, three_rows[] = {2, 0, 1};
-  cpu::MoeFfn ffn;
-  auto run_with = [&](cpu::ThreadPool& pool, cpu::FfnStreamOptions o, int n_exp, int m) {
-    cpu::set_ffn_stream_options(o);
-    std::vector<std::vector<float>> ys(static_cast<size_t>(n_exp), std::vector<float>(static_cast<size_t>(m * kHidden), NAN));
-    std::vector<cpu::MoeFfn::RowsJob> jobs;
-    for (int i = 0; i < n_exp; ++i) jobs.push_back({&experts[static_cast<size_t>(i)].w, m == 1 ? one_row : three_rows, m, ys[static_cast<size_t>(i)].data()});
-    ffn.run_experts(jobs, x.data(), kRows, pool);
-    return ys;
-  };
-  // The first expert on row 1 through the reference path.
-  reference::ThreadPool ref_pool(2, 0);
-  reference::ExpertScratch scratch;
-  scratch.reserve(1, kFfn);
-  std::vector<float> ref(kHidden, NAN);
-  reference::swiglu_expert(as_matrix(experts[0].gate), as_matrix(experts[0].up), as_matrix(experts[0].down), x.data() + kHidden, 1, ref.data(),
-                           scratch, ref_pool);
-  const cpu::FfnStreamOptions variants[] = {{2, false, false, 0}, {3, true, false, 0},   {8, false, false, 0},      {1, true, false, 0},
-                                            {1, false, true, 0},  {1, false, true, 512}, {4, true, true, 0},        {2, false, true, 4096},
-                                            {1, true, true, 4096, 2}, {3, false, false, 0, 1}, {1, false, false, 0, 5},
-                                            {1, 2, false, 0, 0},      {2, 2, true, 4096, 2}};  // 2: Q4_K only (the default)
-  int checked = 0;
-  for (const cpu::FfnSliceOptions& so : {cpu::FfnSliceOptions{true, true, 4, true}, cpu::FfnSliceOptions{true, true, 1, true},
-                                          cpu::FfnSliceOptions{true, true, 2, false}}) {
-    cpu::set_ffn_slice_options(so);
-    for (int n_exp = 1; n_exp <= 4; ++n_exp) {
-      for (int m : {1, 3}) {
-        const auto want = run_with(waits, {1, 0, false, 0, 0}, n_exp, m);  // one stream per matrix, nothing early
-        double norm = 0;
-        for (float v : want.back()) norm += std::fabs(v);
-        EXPECT_GT(norm, 1.0);
-        for (cpu::ThreadPool* pool : {&waits, &joined}) {
-          for (size_t vi = 0; vi <= std::size(variants); ++vi) {
-            // The last variant: the default options (Q4_K gate/up together) with per-run L2 streams
-            // (every job on the runs path).
-            const bool l2 = vi == std::size(variants);
-            const cpu::FfnStreamOptions o = l2 ? cpu::FfnStreamOptions{} : variants[vi];
-            cpu::MatvecPrefetch pf = pf0;
-            pf.runs_l2_bytes = l2 ? 32768 : 0;
-            pf.next_call = l2 ? 1 : vi % 3;  // next-call hints followed / into L2 on the runs path too
-            cpu::set_matvec_prefetch(pf);
-            const auto got = run_with(*pool, o, n_exp, m);
-            cpu::set_matvec_prefetch(pf0);
-            EXPECT_EQ(got, want) << n_exp << " experts, " << m << " rows, runs l2 " << l2 << ", runs " << o.runs << ", down runs " << o.down_runs << ", gate/up together " << o.gate_up_together
-                                 << ", down early " << o.down_early << " (" << o.down_early_bytes << " B), split " << so.split << ", gate/up first "
-                                 << so.gate_up_first << ", caller joins " << pool->caller_joins();
-            if (m == 1) {
-              ASSERT_EQ(got[0], ref) << "Q4_K/Q6_K expert against reference::swiglu_expert, runs " << o.runs << ", together " << o.gate_up_together
-                                     << ", down early " << o.down_early;
-            }
-            ++checked;
-          }
-        }
-      }
-    }
-  }
-  EXPECT_GT(checked, 0);
-  cpu::set_ffn_stream_options(stream0);
-  cpu::set_ffn_slice_options(slice0);
-  cpu::set_ffn_schedule(schedule0);
 }
 
 // prefetch_experts (the worker's idle-time prefetch of a layer's previous experts) computes and
@@ -698,8 +574,6 @@ TEST(MoeFfn, StreamOptionsKeepResultsBitwise) {
 // is polled, and the call says it was cut short); experts of another hidden size are refused with a message naming the expert.
 TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
   cpu::ThreadPool waits(cpu::allowed_cpus()), joined(cpu::allowed_cpus(), {cpu::kDecodeSpinUs, true});
-  const cpu::FfnSchedule schedule0 = cpu::ffn_schedule();
-  cpu::set_ffn_schedule(cpu::FfnSchedule::Sliced);
   std::vector<Expert> experts;
   experts.push_back(make_expert(TensorType::Q4_K, TensorType::Q6_K, 9500));
   experts.push_back(make_expert(TensorType::Q8_0, TensorType::MXFP4, 9600));
@@ -748,7 +622,6 @@ TEST(MoeFfn, PrefetchExpertsChangesNoResult) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("expert 1"), std::string::npos) << e.what();
   }
-  cpu::set_ffn_schedule(schedule0);
 }
 
 TEST(MoeFfn, RejectsBadShapesAndTokens) {

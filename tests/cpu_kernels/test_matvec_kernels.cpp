@@ -1,4 +1,4 @@
-// Every multi-token kernel path (each tier the CPU has, chosen through set_max_cpu_isa) against
+// Every multi-token kernel path (each tier the CPU has, chosen through MatvecTuning::max_isa) against
 // the scalar reference dot, for every expert format, every batch size 1..16 and a prefill size,
 // odd row counts. K-quant kernels keep exact integer sums and the reference's float order, so
 // they must match bitwise; the Q8_0/MXFP4 SIMD kernels sum block terms per lane instead of in
@@ -67,7 +67,6 @@ void check_dot(const Matrix& m, int64_t r, const uint8_t* act_row, const std::ve
 }
 
 TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
-  test::IsaCapGuard guard;
   constexpr int64_t kCols = 512, kRows = 37;  // two super-blocks; an odd row count
   constexpr int kMaxTok = 72;  // 1..16 (decode, verify window) and 72 (prefill; > 64: two token chunks of the tiles)
   int checked = 0, amx_checked = 0;
@@ -82,20 +81,21 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
     // Tokens gathered out of order, as an expert's routed subset is.
     std::vector<int32_t> tok(kMaxTok);
     for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 7 + 3) % kMaxTok;
-    // Each tier, and on the VNNI tiers both the newer tiles (matvec_tiles) and the older ones.
+    // Each tier, and on the VNNI tiers both the newer tiles (MatvecTiles) and the older ones.
     for (int tiles = 0; tiles < 2; ++tiles)
     for (cpu::CpuIsa isa : test::available_tiers()) {
       if (tiles == 1 && isa < cpu::CpuIsa::Avx512Vnni) continue;
-      cpu::set_matvec_tiles({tiles == 0, tiles == 0, tiles == 0, true});
-      cpu::set_max_cpu_isa(isa);
+      cpu::MatvecTuning tu;
+      tu.tiles = {tiles == 0, tiles == 0, tiles == 0};
+      tu.max_isa = isa;
       std::vector<int> batches;
       for (int n = 1; n <= 16; ++n) batches.push_back(n);
       batches.push_back(kMaxTok);
       for (int n_tok : batches) {
-        if (cpu::matvec_uses_amx(t, n_tok)) ++amx_checked;
+        if (cpu::matvec_uses_amx(t, n_tok, tu)) ++amx_checked;
         std::vector<float> y(static_cast<size_t>(n_tok * kRows), NAN);
         // Rows [3, 36): a slice not starting at 0, of odd length.
-        cpu::matvec_tokens(t, kCols, m.q.data(), 3, kRows, acts.data(), arb, tok.data(), n_tok, y.data(), kRows);
+        cpu::matvec_tokens(t, kCols, m.q.data(), 3, kRows, acts.data(), arb, tok.data(), n_tok, y.data(), kRows, tu);
         for (int i = 0; i < n_tok; ++i) {
           const size_t ti = static_cast<size_t>(tok[static_cast<size_t>(i)]);
           for (int64_t r = 3; r < kRows; ++r) {
@@ -104,7 +104,7 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
                                       " row " + std::to_string(r) + " token " + std::to_string(ti);
             // The AMX prefill path is exact for every format it takes (integer tile sums, the
             // reference's float expression per block in block order).
-            const bool exact = exact_kernels(t) || isa == cpu::CpuIsa::Scalar || cpu::matvec_uses_amx(t, n_tok);
+            const bool exact = exact_kernels(t) || isa == cpu::CpuIsa::Scalar || cpu::matvec_uses_amx(t, n_tok, tu);
             ASSERT_NO_FATAL_FAILURE(
                 check_dot(m, r, acts.data() + ti * arb, a_deq, ti, exact, y[static_cast<size_t>(i * kRows + r)], where));
             ++checked;
@@ -123,33 +123,30 @@ TEST(MatvecTokens, EqualsScalarReferenceEveryTierFormatAndBatch) {
 }
 
 // The cap picks the tier: capped at scalar, the dispatched kernel is the reference kernel, and
-// the AVX2 tier serves Q4_K, Q8_0 and MXFP4 when the CPU has it.
+// the AVX2 tier serves Q4_K, Q8_0 and MXFP4 when the CPU has it; no cap is the CPU's own tier.
 TEST(IsaCap, SelectsTheTierAndFallsBack) {
-  test::IsaCapGuard guard;
+  EXPECT_EQ(cpu::capped_isa(cpu::CpuIsa::Scalar), cpu::CpuIsa::Scalar);
+  EXPECT_EQ(cpu::capped_isa(cpu::CpuIsa::Amx), cpu::hardware_cpu_isa());
   for (TensorType t : kExpertFormats) {
-    cpu::set_max_cpu_isa(cpu::CpuIsa::Scalar);
-    EXPECT_EQ(cpu::detect_cpu_isa(), cpu::CpuIsa::Scalar);
-    EXPECT_EQ(cpu::best_vec_dot_fn(t), cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
-    EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2), nullptr) << "a tier above the cap has no kernel";
+    EXPECT_EQ(cpu::best_vec_dot_fn(t, cpu::CpuIsa::Scalar), cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
+    EXPECT_EQ(cpu::best_vec_dot_fn(t), cpu::best_vec_dot_fn(t, cpu::hardware_cpu_isa())) << type_name(t);
     if (cpu::hardware_cpu_isa() >= cpu::CpuIsa::Avx2) {
-      cpu::set_max_cpu_isa(cpu::CpuIsa::Avx2);
       const bool has_avx2 = t == TensorType::Q4_K || t == TensorType::Q8_0 || t == TensorType::MXFP4;
       EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) != nullptr, has_avx2) << type_name(t);
-      EXPECT_EQ(cpu::best_vec_dot_fn(t), has_avx2 ? cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) : cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
+      EXPECT_EQ(cpu::best_vec_dot_fn(t, cpu::CpuIsa::Avx2), has_avx2 ? cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) : cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar))
+          << type_name(t);
+    } else {
+      EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2), nullptr) << "a tier above the CPU's has no kernel";
     }
   }
-  cpu::set_max_cpu_isa(cpu::CpuIsa::Amx);
-  EXPECT_EQ(cpu::detect_cpu_isa(), cpu::hardware_cpu_isa());
   EXPECT_EQ(cpu::parse_isa("avx2"), cpu::CpuIsa::Avx2);
   EXPECT_EQ(cpu::parse_isa("sse9"), std::nullopt);
 }
 
 // Q8_0 / MXFP4 rows of any block count (the tiles step over two or four blocks and must take
-// a last partial step), with each of their tiles (matvec_tiles: the VBMI four-block tiles
-// when the CPU has VBMI, rows side by side and row by row; the block-pair tiles), against the
-// reference within the bound.
+// a last partial step), with each of their tiles (MatvecTiles: the VBMI four-block tiles when
+// the CPU has VBMI; the block-pair tiles), against the reference within the bound.
 TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
-  test::IsaCapGuard guard;
   constexpr int64_t kRows = 11;
   constexpr int kMaxTok = 6;
   int checked = 0;
@@ -162,15 +159,16 @@ TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
       const size_t arb = acts_m.rb;
       const std::vector<uint8_t>& acts = acts_m.q;
       const std::vector<float>& a_deq = acts_m.deq;
-      for (int tiles = 0; tiles < 3; ++tiles) {
-        const bool vbmi = tiles < 2;
-        cpu::set_matvec_tiles({vbmi, vbmi, vbmi, true, tiles == 1});
+      for (int tiles = 0; tiles < 2; ++tiles) {
+        const bool vbmi = tiles == 0;
         for (cpu::CpuIsa isa : test::available_tiers()) {
-          cpu::set_max_cpu_isa(isa);
+          cpu::MatvecTuning tu;
+          tu.tiles = {vbmi, vbmi, vbmi};
+          tu.max_isa = isa;
           for (int n_tok = 1; n_tok <= kMaxTok; ++n_tok) {
             std::vector<float> y(static_cast<size_t>(n_tok * kRows), NAN);
             // Rows [1, 11): two tiles of four and two rows through the per-row kernel.
-            cpu::matvec_tokens(t, cols, m.q.data(), 1, kRows, acts.data(), arb, nullptr, n_tok, y.data(), kRows);
+            cpu::matvec_tokens(t, cols, m.q.data(), 1, kRows, acts.data(), arb, nullptr, n_tok, y.data(), kRows, tu);
             for (int i = 0; i < n_tok; ++i) {
               for (int64_t r = 1; r < kRows; ++r) {
                 const std::string where = std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)) + " cols " +
@@ -190,15 +188,12 @@ TEST(MatvecTokens, LegacyFormatsAnyBlockCountEveryTile) {
   EXPECT_GT(checked, 0);
 }
 
-// The next-call prefetch hint (followed, with short and long distances) and the spread prefetch
-// (the packed tiles' lines issued block by block inside the tile) leave every result bitwise as
-// it is without them.
-TEST(MatvecTokens, NextCallHintChangesNothing) {
-  const cpu::MatvecPrefetch saved = cpu::matvec_prefetch();
+// The prefetch distances (none, short and long, the packed tiles' spread stream near and far)
+// leave every result bitwise as it is without any software prefetch.
+TEST(MatvecTokens, PrefetchDistancesChangeNothing) {
   constexpr int64_t kCols = 512, kRows = 21;
   for (TensorType t : kExpertFormats) {
     const Matrix m = random_matrix(t, kRows, kCols, 31 + static_cast<uint32_t>(t));
-    const Matrix other = random_matrix(t, 3, kCols, 77);
     const TensorType at = dot_activation_type(t);
     const size_t arb = row_bytes(at, kCols);
     std::vector<uint8_t> acts(arb * 3);
@@ -207,38 +202,36 @@ TEST(MatvecTokens, NextCallHintChangesNothing) {
       quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
     }
     for (int n_tok = 1; n_tok <= 3; ++n_tok) {
-      cpu::set_matvec_prefetch({4096, 0, false, 0, false});
-      std::vector<float> plain(static_cast<size_t>(n_tok * kRows)), hinted(plain.size());
-      cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, plain.data(), kRows);
-      for (const cpu::MatvecPrefetch pf : {cpu::MatvecPrefetch{4096, 0, false, 1}, cpu::MatvecPrefetch{256, 65536, true, 1},
-                                           cpu::MatvecPrefetch{4096, 16384, false, 2}, cpu::MatvecPrefetch{256, 0, false, 0, true, 256},
-                                           cpu::MatvecPrefetch{1024, 4096, false, 1, true, 512}, cpu::MatvecPrefetch{4096, 0, true, 0, true, 1024}}) {
-        cpu::set_matvec_prefetch(pf);
-        std::fill(hinted.begin(), hinted.end(), 0.0f);
-        cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, hinted.data(), kRows, other.q.data(), other.q.size());
-        for (size_t i = 0; i < plain.size(); ++i) ASSERT_EQ(plain[i], hinted[i]) << type_name(t) << " n_tok " << n_tok << " at " << i;
+      cpu::MatvecTuning none;
+      none.prefetch = {0, 8192};
+      std::vector<float> plain(static_cast<size_t>(n_tok * kRows)), prefetched(plain.size());
+      cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, plain.data(), kRows, none);
+      for (const cpu::MatvecPrefetch pf : {cpu::MatvecPrefetch{}, cpu::MatvecPrefetch{256, 256}, cpu::MatvecPrefetch{1024, 512},
+                                           cpu::MatvecPrefetch{4096, 1024}, cpu::MatvecPrefetch{64, 65536}, cpu::MatvecPrefetch{65536, 64}}) {
+        cpu::MatvecTuning tu;
+        tu.prefetch = pf;
+        std::fill(prefetched.begin(), prefetched.end(), 0.0f);
+        cpu::matvec_tokens(t, kCols, m.q.data(), 2, kRows, acts.data(), arb, nullptr, n_tok, prefetched.data(), kRows, tu);
+        for (size_t i = 0; i < plain.size(); ++i) {
+          ASSERT_EQ(plain[i], prefetched[i]) << type_name(t) << " n_tok " << n_tok << " prefetch " << pf.l1_bytes << "/" << pf.spread_l1_bytes << " at " << i;
+        }
       }
     }
   }
-  cpu::set_matvec_prefetch(saved);
 }
 
-// matvec_tokens_runs (several runs walked side by side, with background lines pulled toward L2):
-// every run's results are bitwise matvec_tokens' on that run alone and meet the scalar
-// reference's contract (exact for the k-quants), with the runs interleaved (the spread prefetch,
-// short and long per-run distances, per-run L2 streams, the next-call hint) and taken one after the other (spread off, older tiles, every
+// matvec_tokens_runs (several runs walked side by side): every run's results are bitwise
+// matvec_tokens' on that run alone and meet the scalar reference's contract (exact for the
+// k-quants), with the runs interleaved (the spread prefetch at the default, a short and a long
+// per-run distance) and taken one after the other (no software prefetch, older tiles, every
 // tier); rows outside the runs stay untouched.
 TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
-  test::IsaCapGuard guard;
-  const cpu::MatvecPrefetch saved_pf = cpu::matvec_prefetch();
-  const cpu::MatvecTiles saved_tiles = cpu::matvec_tiles();
   constexpr int64_t kCols = 512, kRows = 45;
   constexpr int kMaxTok = 5;
   int checked = 0;
   for (TensorType t : kExpertFormats) {
     const Matrix gate = random_matrix(t, kRows, kCols, 300 + static_cast<uint32_t>(t));
     const Matrix up = random_matrix(t, kRows, kCols, 600 + static_cast<uint32_t>(t));
-    const Matrix far = random_matrix(t, 8, kCols, 900 + static_cast<uint32_t>(t));  // the background lines
     const TensorType at = dot_activation_type(t);
     // The kMaxTok activation rows the dot kernels take (quantized) and their exact values.
     const Matrix acts_m = random_matrix(at, kMaxTok, kCols, 1200);
@@ -247,29 +240,25 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
     const std::vector<float>& a_deq = acts_m.deq;
     std::vector<int32_t> tok(kMaxTok);
     for (int i = 0; i < kMaxTok; ++i) tok[static_cast<size_t>(i)] = (i * 3 + 1) % kMaxTok;
-    const cpu::PrefetchRegion bg[2] = {{far.q.data(), far.q.size()}, {gate.q.data() + 100, 3000}};
-    for (int variant = 0; variant < 6; ++variant) {
-      cpu::MatvecPrefetch pf = saved_pf;
-      pf.spread = variant != 3;
-      pf.runs_l1_bytes = variant == 1 ? 256 : variant == 2 ? 65536 : 0;
-      pf.runs_l2_bytes = variant == 5 ? 16384 : variant == 2 ? 1024 : 0;
-      pf.next_call = variant % 3;  // the next-call hint ignored, followed, or its start into L2
-      cpu::set_matvec_prefetch(pf);
-      const bool older = variant == 4;
-      cpu::set_matvec_tiles({!older, !older, !older, true});
+    for (int variant = 0; variant < 5; ++variant) {
       for (cpu::CpuIsa isa : test::available_tiers()) {
-        cpu::set_max_cpu_isa(isa);
+        cpu::MatvecTuning tu;
+        tu.max_isa = isa;
+        if (variant == 1) tu.prefetch.spread_l1_bytes = 256;      // each run 2 KB ahead (the floor)
+        if (variant == 2) tu.prefetch.spread_l1_bytes = 1 << 20;  // each run far ahead
+        if (variant == 3) tu.prefetch.l1_bytes = 0;               // no software prefetch: one run after the other
+        if (variant == 4) tu.tiles = {false, false, false};        // the older tiles: one run after the other
         for (int n_tok = 1; n_tok <= kMaxTok; ++n_tok) {
           std::vector<float> gy(static_cast<size_t>(n_tok * kRows), NAN), uy(gy.size(), NAN);
           // Runs of 13 (a partial last tile), 0, 45, 13, 8 and 1 rows; gate rows 0 and 44 outside.
           const cpu::MatvecRun runs[] = {{gate.q.data(), 1, 14, gy.data()}, {up.q.data(), 5, 5, uy.data()}, {up.q.data(), 0, kRows, uy.data()},
                                          {gate.q.data(), 14, 27, gy.data()}, {gate.q.data(), 27, 35, gy.data()}, {gate.q.data(), 43, 44, gy.data()},
                                          {gate.q.data(), 35, 43, gy.data()}};
-          cpu::matvec_tokens_runs(t, kCols, runs, 7, acts.data(), arb, tok.data(), n_tok, kRows, {bg, 2, far.q.data(), far.q.size()});
+          cpu::matvec_tokens_runs(t, kCols, runs, 7, acts.data(), arb, tok.data(), n_tok, kRows, tu);
           for (const cpu::MatvecRun& run : runs) {
             const Matrix& m = run.y == gy.data() ? gate : up;
             std::vector<float> alone(gy.size(), NAN);
-            cpu::matvec_tokens(t, kCols, m.q.data(), run.row_begin, run.row_end, acts.data(), arb, tok.data(), n_tok, alone.data(), kRows);
+            cpu::matvec_tokens(t, kCols, m.q.data(), run.row_begin, run.row_end, acts.data(), arb, tok.data(), n_tok, alone.data(), kRows, tu);
             for (int i = 0; i < n_tok; ++i) {
               const size_t ti = static_cast<size_t>(tok[static_cast<size_t>(i)]);
               for (int64_t r = run.row_begin; r < run.row_end; ++r) {
@@ -292,59 +281,18 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
       }
     }
   }
-  cpu::set_matvec_prefetch(saved_pf);
-  cpu::set_matvec_tiles(saved_tiles);
   EXPECT_GT(checked, 0);
   // More runs than it takes: a clear error, not an overrun.
   std::vector<uint8_t> w(row_bytes(TensorType::Q8_0, 32) * 4), a(row_bytes(TensorType::Q8_0, 32));
   std::vector<float> y(4);
   const std::vector<cpu::MatvecRun> many(17, cpu::MatvecRun{w.data(), 0, 4, y.data()});
-  EXPECT_THROW(cpu::matvec_tokens_runs(TensorType::Q8_0, 32, many.data(), 17, a.data(), a.size(), nullptr, 1, 4), std::invalid_argument);
-}
-
-// The pattern probe's modes (cpu::MatvecMath, the kernel bench's --pattern-probe): matvec_tokens
-// and matvec_tokens_runs write zeros to exactly their rows (and tokens), leave every other y
-// element alone, and once the mode is back to Compute the results are the kernels' again, bitwise.
-TEST(MatvecTokens, ReadOnlyModesZeroTheirRowsOnlyAndComputeReturns) {
-  constexpr int64_t kCols = 512, kRows = 23, kStride = 30;
-  constexpr int kTok = 3;
-  for (TensorType t : {TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, TensorType::Q6_K}) {
-    const Matrix m = random_matrix(t, kRows, kCols, 900 + static_cast<uint32_t>(t));
-    const TensorType at = dot_activation_type(t);
-    const size_t arb = row_bytes(at, kCols);
-    std::vector<uint8_t> acts(arb * kTok);
-    for (int i = 0; i < kTok; ++i) {
-      const std::vector<float> x = test::random_row(test::kAllDists[i % 3], kCols, 950 + static_cast<uint32_t>(i));
-      quantize_row(at, x.data(), acts.data() + static_cast<size_t>(i) * arb, kCols);
-    }
-    std::vector<float> want(static_cast<size_t>(kTok * kStride), -7.0f);
-    cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, want.data(), kStride);
-    for (const cpu::MatvecMath mode : {cpu::MatvecMath::ReadOnly, cpu::MatvecMath::ReadOnlyPrefetch}) {
-      cpu::set_matvec_math(mode);
-      std::vector<float> y(want.size(), -7.0f), yr(want.size(), -7.0f);
-      cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, y.data(), kStride);
-      const cpu::MatvecRun runs[] = {{m.q.data(), 3, 10, yr.data()}, {m.q.data(), 14, 21, yr.data()}};
-      cpu::matvec_tokens_runs(t, kCols, runs, 2, acts.data(), arb, nullptr, kTok, kStride);
-      cpu::set_matvec_math(cpu::MatvecMath::Compute);
-      for (int i = 0; i < kTok; ++i) {
-        for (int64_t r = 0; r < kStride; ++r) {
-          const size_t k = static_cast<size_t>(i * kStride + r);
-          ASSERT_EQ(y[k], r >= 3 && r < 21 ? 0.0f : -7.0f) << type_name(t) << " token " << i << " row " << r;
-          ASSERT_EQ(yr[k], (r >= 3 && r < 10) || (r >= 14 && r < 21) ? 0.0f : -7.0f) << type_name(t) << " runs, token " << i << " row " << r;
-        }
-      }
-    }
-    std::vector<float> again(want.size(), -7.0f);
-    cpu::matvec_tokens(t, kCols, m.q.data(), 3, 21, acts.data(), arb, nullptr, kTok, again.data(), kStride);
-    EXPECT_EQ(again, want) << type_name(t);
-    EXPECT_NE(want[5], 0.0f) << type_name(t);
-  }
+  EXPECT_THROW(cpu::matvec_tokens_runs(TensorType::Q8_0, 32, many.data(), 17, a.data(), a.size(), nullptr, 1, 4, {}), std::invalid_argument);
 }
 
 TEST(MatvecTokens, RejectsTypesWithoutKernel) {
   std::vector<uint8_t> w(64), a(64);
   float y = 0.0f;
-  EXPECT_THROW(cpu::matvec_tokens(TensorType::Q4_1, 32, w.data(), 0, 1, a.data(), 34, nullptr, 1, &y, 1), std::invalid_argument);
+  EXPECT_THROW(cpu::matvec_tokens(TensorType::Q4_1, 32, w.data(), 0, 1, a.data(), 34, nullptr, 1, &y, 1, {}), std::invalid_argument);
 }
 
 }  // namespace

@@ -1,19 +1,11 @@
-// Runs a test body once per kernel tier this CPU has, capping the dispatch with
-// set_max_cpu_isa, and restores the cap (and the default tiles) afterwards (also when an assertion returns early).
+// The kernel tiers this CPU has, for tests that run their body once per tier (the tier goes into
+// the tuning they pass: cpu::MatvecTuning::max_isa).
 #pragma once
 #include <vector>
 
-#include "kernels/cpu/matvec.h"
 #include "kernels/cpu/vec_dot.h"
 
 namespace moraine::test {
-
-struct IsaCapGuard {
-  ~IsaCapGuard() {
-    cpu::set_max_cpu_isa(cpu::CpuIsa::Amx);
-    cpu::set_matvec_tiles({});  // the tests that switch tiles (matvec_tiles) leave the defaults
-  }
-};
 
 inline std::vector<cpu::CpuIsa> available_tiers() {
   std::vector<cpu::CpuIsa> tiers;

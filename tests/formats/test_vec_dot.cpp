@@ -116,7 +116,7 @@ TEST(VecDotReference, WithinQuantizationErrorOfFloatDot) {
 // (with FMA) instead of one running sum in block order; both are within the recursive-sum bound
 // (count of additions) * u * magnitude of the exact value, so they differ by at most twice that.
 TEST(VecDotAvx512, MatchesScalarReference) {
-  const cpu::CpuIsa isa = cpu::detect_cpu_isa();
+  const cpu::CpuIsa isa = cpu::hardware_cpu_isa();
   if (isa < cpu::CpuIsa::Avx512) GTEST_SKIP() << "CPU lacks AVX-512 (" << cpu::isa_name(isa) << ")";
   int checked = 0;
   for_each_case([&](const Case& c) {
@@ -143,7 +143,7 @@ TEST(VecDotDispatch, NoKernelForUnsupportedTypesOrUnavailableTiers) {
   EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_1, cpu::CpuIsa::Scalar), nullptr);
   EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q8_K, cpu::CpuIsa::Scalar), nullptr) << "Q8_K is an activation type";
   EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q6_K, cpu::CpuIsa::Avx2), nullptr) << "the AVX2 tier has only Q4_K, Q8_0, MXFP4";
-  if (cpu::detect_cpu_isa() < cpu::CpuIsa::Avx512Vnni) {
+  if (cpu::hardware_cpu_isa() < cpu::CpuIsa::Avx512Vnni) {
     EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_K, cpu::CpuIsa::Avx512Vnni), nullptr) << "tier above the CPU's";
   }
   EXPECT_THROW(cpu::vec_dot(TensorType::Q4_1, 32, nullptr, nullptr), std::invalid_argument);

@@ -287,9 +287,6 @@ TEST(ActivationQuantizers, BitIdenticalToLlamaCppOnThisCpu) {
   std::printf("llama.cpp CPU backend here: %s\n", ggml.name.c_str());
   const int64_t n = 4096;
   int64_t rows_where_reference_differs = 0;
-  struct RestoreIsa {
-    ~RestoreIsa() { cpu::set_max_cpu_isa(cpu::hardware_cpu_isa()); }
-  } restore;
   for (const std::vector<float>& x : quantizer_probe_rows(n)) {
     for (TensorType t : {TensorType::Q8_0, TensorType::Q8_K}) {
       std::vector<uint8_t> theirs(row_bytes(t, n)), reference(theirs.size());
@@ -297,9 +294,8 @@ TEST(ActivationQuantizers, BitIdenticalToLlamaCppOnThisCpu) {
       // The best kernel this CPU has, and the scalar fallback other CPUs use.
       for (cpu::CpuIsa isa : {cpu::hardware_cpu_isa(), cpu::CpuIsa::Scalar}) {
         SCOPED_TRACE(std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)));
-        cpu::set_max_cpu_isa(isa);
         std::vector<uint8_t> ours(theirs.size());
-        cpu::quantize_activation_row_llama_x86(t, x.data(), ours.data(), n);
+        cpu::quantize_activation_row_llama_x86(t, x.data(), ours.data(), n, isa);
         ASSERT_EQ(ours, theirs) << "first differing byte "
                                 << (std::mismatch(ours.begin(), ours.end(), theirs.begin()).first - ours.begin());
       }

@@ -208,7 +208,7 @@ std::string phase_report(const std::vector<CallPhases>& calls) {
 // the calls count. worker_form: MoeFfn::run_experts with each expert writing its own rows (the
 // cpu_expert_worker's call) instead of run() accumulating into one y.
 Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, bool worker_form, double min_seconds, int gap_us,
-              bool phase_trace, int gap_prefetch, cpu::ThreadPool& pool) {
+              bool phase_trace, int gap_prefetch, const cpu::CpuKernelTuning& tuning, cpu::ThreadPool& pool) {
   const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -220,7 +220,7 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   std::vector<cpu::ExpertAssignment> assign(static_cast<size_t>(n_per_call));
   std::vector<cpu::MoeFfn::RowsJob> jobs(static_cast<size_t>(n_per_call));
   std::vector<float> y_own(static_cast<size_t>(n_per_call) * x.size());
-  cpu::MoeFfn ffn;
+  cpu::MoeFfn ffn(tuning);
   auto layer = [&](int64_t l) {
     for (int k = 0; k < n_per_call; ++k) {
       const cpu::ExpertWeights* w = &set.experts[static_cast<size_t>(l * n_per_call + k)];
@@ -255,7 +255,7 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   std::vector<double> call_us;
   cpu::FfnPhaseTrace trace;
   std::vector<CallPhases> phases;
-  if (phase_trace) cpu::set_ffn_phase_trace(&trace);
+  if (phase_trace) ffn.set_phase_trace(&trace);
   do {
     if (gap_us > 0) {
       for (int64_t l = 0; l < n_layers; ++l) {
@@ -274,7 +274,6 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
     s = std::chrono::duration<double>(Clock::now() - t0).count();
   } while (s < min_seconds);
   if (gap_us > 0) s = busy;
-  cpu::set_ffn_phase_trace(nullptr);
   Point p;
   if (!call_us.empty()) {
     std::sort(call_us.begin(), call_us.end());
@@ -291,142 +290,6 @@ Point measure(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, boo
   return p;
 }
 
-// The plain probe in the layer call's form: each call reads its n_per_call experts' bytes (one
-// contiguous range of the set) as pool.size() equal contiguous spans, one job each, after the
-// same gap as measure()'s calls (none: back to back). What a call would cost if its bytes came
-// at the streaming rate, with the same wake-up, hand-over and join.
-// two_phases: the FFN's dependency instead: every expert's gate+up bytes (one span per thread
-// of their concatenation), a barrier (each thread's second job waits for all first ones), then
-// every expert's down bytes likewise (ThreadPool::run_sliced_phases, as the balanced list).
-Point measure_plain_calls(const ExpertSet& set, int n_per_call, double min_seconds, int gap_us, bool two_phases, cpu::ThreadPool& pool) {
-  const int64_t n_layers = static_cast<int64_t>(set.experts.size()) / n_per_call;
-  const size_t call_bytes = set.expert_bytes * static_cast<size_t>(n_per_call);
-  const int n = pool.size();
-  const size_t span = ((call_bytes + static_cast<size_t>(n) - 1) / static_cast<size_t>(n) + 63) & ~size_t{63};
-  const auto* base = static_cast<const uint8_t*>(set.memory.data());
-  std::vector<uint64_t> sink(static_cast<size_t>(n) * 8, 0);
-  // Two phases: per phase, its bytes of each expert [from, to) (gate+up: the expert's start up to down).
-  const size_t down_at = static_cast<size_t>(static_cast<const uint8_t*>(set.experts.front().down) - static_cast<const uint8_t*>(set.experts.front().gate));
-  std::vector<int64_t> ends(2 * static_cast<size_t>(n));
-  for (int k = 0; k < 2 * n; ++k) ends[static_cast<size_t>(k)] = k + 1;
-  alignas(64) std::atomic<int> first_done{0};
-  auto read_part = [&](const uint8_t* p, size_t from, size_t to, int64_t part, int w) {  // part of n of every expert's [from, to)
-    const size_t each = to - from, total = each * static_cast<size_t>(n_per_call);
-    const size_t a = (total * static_cast<size_t>(part) / static_cast<size_t>(n)) & ~size_t{63};
-    const size_t b = part + 1 == n ? total : (total * static_cast<size_t>(part + 1) / static_cast<size_t>(n)) & ~size_t{63};
-    for (size_t o = a; o < b;) {
-      const size_t e = o / each, in = o % each, len = std::min(b - o, each - in);
-      sink[static_cast<size_t>(w) * 8] ^= cpu::stream_read(p + e * set.expert_bytes + from + in, len & ~size_t{63});
-      o += len;
-    }
-  };
-  auto call = [&](int64_t l) {
-    const uint8_t* p = base + static_cast<size_t>(l) * call_bytes;
-    if (two_phases) {
-      first_done.store(0, std::memory_order_relaxed);
-      pool.run_sliced_phases(ends.data(), 2, [&](int64_t j, int w) {
-        if (j < n) {
-          read_part(p, 0, down_at, j, w);
-          first_done.fetch_add(1, std::memory_order_release);
-          return;
-        }
-        while (first_done.load(std::memory_order_acquire) < n) {
-        }
-        read_part(p, down_at, set.expert_bytes, j - n, w);
-      });
-      return;
-    }
-    pool.run(n, [&](int64_t j, int w) {
-      const size_t off = static_cast<size_t>(j) * span;
-      if (off < call_bytes) sink[static_cast<size_t>(w) * 8] ^= cpu::stream_read(p + off, std::min(span, call_bytes - off) & ~size_t{63});
-    });
-  };
-  call(n_layers - 1);
-  std::vector<double> call_us;
-  double busy = 0.0;
-  int64_t done = 0;
-  const auto t0 = Clock::now();
-  do {
-    for (int64_t l = 0; l < n_layers; ++l) {
-      if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
-      const auto c0 = Clock::now();
-      call(l);
-      const double c = std::chrono::duration<double>(Clock::now() - c0).count();
-      busy += c;
-      call_us.push_back(1e6 * c);
-    }
-    done += n_layers;
-  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_seconds);
-  uint64_t all = 0;
-  for (uint64_t v : sink) all ^= v;
-  asm volatile("" : : "r"(all));
-  Point p;
-  std::sort(call_us.begin(), call_us.end());
-  if (gap_us > 0) {  // as measure(): percentiles of calls timed alone only
-    p.p50_us = call_us[call_us.size() / 2];
-    p.p90_us = call_us[call_us.size() * 9 / 10];
-  }
-  p.layers = done;
-  p.seconds = busy;
-  p.gbps = static_cast<double>(done) * static_cast<double>(call_bytes) / busy / 1e9;
-  return p;
-}
-
-// --pattern-probe: `rounds` interleaved rounds of [the kernel, the pattern probe (the same FFN
-// call with matvec reading its lines only: cpu::MatvecMath::ReadOnly), the same with the tiles'
-// prefetcht0 stream (ReadOnlyPrefetch), the plain probe in the call's form, the same in the
-// FFN's two phases], so the shared host's drift hits all alike. probe -> pattern: the access
-// pattern and the call's synchronisation (probe2ph: the gate/up -> down barrier's share of it);
-// pattern -> kernel: the arithmetic's stall on memory. One line per round and a median line;
-// returns the median line. Session 10 run B (H200 host, medians of 3 rounds): the worker's call
-// (15 threads, gap 130 us), p50 us at 1 expert, kernel / pattern / probe / probe2ph: Q4_K 32.2 /
-// 30.6 / 28.7 / 31.0, Q8_0 52.9 / 47.7 / 41.6 / 42.6, MXFP4 34.5 / 28.1 / 22.9 / 23.8 (Q4_K: the
-// call's own fixed costs, in the probe too; Q8_0 / MXFP4: the arithmetic's 5-6 us as well);
-// 8 experts accumulating back to back (16 threads): kernel / pattern 91-105%, and the pattern
-// with the tiles' prefetcht0 stream 10-18% above the kernel on the balanced list.
-std::string pattern_rounds(const ExpertSet& set, TensorType t, int n_tok, int n_per_call, const CpuBenchOptions& opt, cpu::ThreadPool& pool) {
-  constexpr int kKinds = 5;
-  const char* names[kKinds] = {"kernel", "pattern", "pattern+pf", "probe", "probe2ph"};
-  std::vector<double> gbps[kKinds], p50[kKinds];
-  const std::string head = std::string(type_name(t)) + " " + std::to_string(n_per_call) + " exp " + std::to_string(n_tok) + " tok";
-  auto line = [&](const char* tag, const double* g, const double* u) {
-    char buf[768];
-    int k = std::snprintf(buf, sizeof buf, "pattern %-22s %-6s", head.c_str(), tag);
-    for (int i = 0; i < kKinds; ++i) k += std::snprintf(buf + k, sizeof buf - static_cast<size_t>(k), " | %s %6.1f GB/s p50 %6.1f us", names[i], g[i], u[i]);
-    // Shares of the probe's rate, from the mean GB/s and (calls timed alone) from the p50 call times.
-    std::snprintf(buf + k, sizeof buf - static_cast<size_t>(k),
-                  " || GB/s kernel/probe %5.1f%% pattern/probe %5.1f%% kernel/pattern %5.1f%% | p50 %5.1f%% %5.1f%% %5.1f%%\n", 100.0 * g[0] / g[3],
-                  100.0 * g[1] / g[3], 100.0 * g[0] / g[1], 100.0 * u[3] / u[0], 100.0 * u[3] / u[1], 100.0 * u[1] / u[0]);
-    return std::string(buf);
-  };
-  for (int r = 0; r < opt.pattern_rounds; ++r) {
-    double g[kKinds], u[kKinds];
-    for (int i = 0; i < kKinds; ++i) {
-      Point p;
-      if (i >= 3) {
-        p = measure_plain_calls(set, n_per_call, opt.min_seconds, opt.gap_us, i == 4, pool);
-      } else {
-        cpu::set_matvec_math(i == 0 ? cpu::MatvecMath::Compute : i == 1 ? cpu::MatvecMath::ReadOnly : cpu::MatvecMath::ReadOnlyPrefetch);
-        p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, false, opt.gap_prefetch, pool);
-        cpu::set_matvec_math(cpu::MatvecMath::Compute);
-      }
-      g[i] = p.gbps;
-      u[i] = p.p50_us > 0 ? p.p50_us : 1e6 * p.seconds / static_cast<double>(p.layers);
-      gbps[i].push_back(g[i]);
-      p50[i].push_back(u[i]);
-    }
-    const std::string round = "r" + std::to_string(r + 1);
-    std::fputs(line(round.c_str(), g, u).c_str(), stdout);
-    std::fflush(stdout);
-  }
-  double gm[kKinds], um[kKinds];
-  for (int i = 0; i < kKinds; ++i) {
-    gm[i] = median_of(gbps[i]);
-    um[i] = median_of(p50[i]);
-  }
-  return line("median", gm, um);
-}
-
 // The kernels' compute ceiling: GB/s of one worker running matvec_tokens over the first
 // expert's gate rows [0, kCeilingRows) (at most a few hundred KB: L2-resident after the first
 // pass), per CPU second of that worker. Times the thread count, it says whether the cores could
@@ -434,7 +297,7 @@ std::string pattern_rounds(const ExpertSet& set, TensorType t, int n_tok, int n_
 // figure, the time goes to memory behaviour or the pool, not to the kernels.
 constexpr int64_t kCeilingRows = 256;
 
-double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, cpu::ThreadPool& pool) {
+double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_seconds, const cpu::MatvecTuning& mt, cpu::ThreadPool& pool) {
   const cpu::ExpertWeights& w = set.experts.front();
   const TensorType at = dot_activation_type(t);
   const size_t arb = row_bytes(at, kHidden);
@@ -455,12 +318,12 @@ double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_se
       clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
       return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
     };
-    cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows);  // into L2
+    cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows, mt);  // into L2
     const double t0 = cpu_now();
     int64_t reps = 0;
     double s = 0.0;
     do {
-      cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows);
+      cpu::matvec_tokens(t, kHidden, w.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, y.data(), kCeilingRows, mt);
       ++reps;
       s = cpu_now() - t0;
     } while (s < min_seconds);
@@ -472,7 +335,7 @@ double core_ceiling(const ExpertSet& set, TensorType t, int n_tok, double min_se
 // The same L2-resident matvec on every worker at once, for `seconds` of wall time: GB/s of all
 // of them together. Against [core L2] x threads it shows what running every CPU costs each one
 // (SMT siblings sharing a core, an all-core clock): the kernels' real compute ceiling.
-double all_cores_ceiling(const ExpertSet& set, TensorType t, int n_tok, double seconds, cpu::ThreadPool& pool) {
+double all_cores_ceiling(const ExpertSet& set, TensorType t, int n_tok, double seconds, const cpu::MatvecTuning& mt, cpu::ThreadPool& pool) {
   const TensorType at = dot_activation_type(t);
   const size_t arb = row_bytes(at, kHidden);
   std::vector<uint8_t> acts(arb * static_cast<size_t>(n_tok), 0);
@@ -488,7 +351,7 @@ double all_cores_ceiling(const ExpertSet& set, TensorType t, int n_tok, double s
     const cpu::ExpertWeights& ew = set.experts[static_cast<size_t>(job) % set.experts.size()];
     float* out = y[static_cast<size_t>(w)].data();
     do {
-      cpu::matvec_tokens(t, kHidden, ew.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, out, kCeilingRows);
+      cpu::matvec_tokens(t, kHidden, ew.gate, 0, kCeilingRows, acts.data(), arb, nullptr, n_tok, out, kCeilingRows, mt);
       ++reps[static_cast<size_t>(job) * 8];
     } while (Clock::now() < until);
   });
@@ -501,7 +364,7 @@ double all_cores_ceiling(const ExpertSet& set, TensorType t, int n_tok, double s
 // The first CPU's kernel rate with each other CPU running the same kernel beside it, as a share
 // of its rate alone. A hypervisor may show SMT siblings as separate cores; a sibling halves the
 // rate (~0.5-0.65), a separate core leaves it (~0.95-1).
-std::vector<double> smt_probe(const ExpertSet& set, TensorType t, const std::vector<int>& cpus) {
+std::vector<double> smt_probe(const ExpertSet& set, TensorType t, const std::vector<int>& cpus, const cpu::MatvecTuning& mt) {
   const TensorType at = dot_activation_type(t);
   const size_t arb = row_bytes(at, kHidden);
   std::vector<uint8_t> acts(arb, 0);
@@ -518,7 +381,7 @@ std::vector<double> smt_probe(const ExpertSet& set, TensorType t, const std::vec
     const auto t0 = Clock::now();
     int64_t reps = 0;
     while (!stop.load(std::memory_order_relaxed)) {
-      cpu::matvec_tokens(t, kHidden, set.experts.front().gate, 0, kCeilingRows, acts.data(), arb, nullptr, 1, y.data(), kCeilingRows);
+      cpu::matvec_tokens(t, kHidden, set.experts.front().gate, 0, kCeilingRows, acts.data(), arb, nullptr, 1, y.data(), kCeilingRows, mt);
       ++reps;
     }
     if (rate) *rate = static_cast<double>(reps) / std::chrono::duration<double>(Clock::now() - t0).count();
@@ -578,21 +441,10 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
   cpu->add_option("--tokens", opt.tokens, "tokens per layer call")->delimiter(',')->check(CLI::Range(1, 4096));
   cpu->add_option("--amx-min-tokens", opt.amx_min_tokens, "token count from which matvec takes the AMX path (AMX CPUs; default 32)")
       ->check(CLI::Range(1, 4096));
-  cpu->add_option("--prefetch-l1", opt.prefetch_l1, "matvec prefetcht0 distance in bytes (0: off; default: the library's)")
-      ->check(CLI::Range(0, 1 << 20));
-  cpu->add_option("--prefetch-l2", opt.prefetch_l2, "matvec prefetcht1 distance in bytes (0: off; default: the library's)")
-      ->check(CLI::Range(0, 1 << 20));
-  cpu->add_option("--prefetch-past-end", opt.prefetch_past_end, "1: matvec prefetches past a job's last row into the next rows; 0: not "
-                  "(default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--prefetch-spread", opt.prefetch_spread, "1: the packed tiles (Q4_K, Q8_0, MXFP4) issue the prefetcht0 lines of "
-                  "a 4-row step block by block as they compute; 0: all before the step (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--prefetch-spread-l1", opt.prefetch_spread_l1, "the spread prefetch's prefetcht0 distance in bytes (default: the "
+  cpu->add_option("--prefetch-l1", opt.prefetch_l1, "matvec prefetcht0 distance in bytes (0: no software prefetch; default: the "
+                  "library's)")->check(CLI::Range(0, 1 << 20));
+  cpu->add_option("--prefetch-spread-l1", opt.prefetch_spread_l1, "the packed tiles' spread prefetcht0 distance in bytes (default: the "
                   "library's)")->check(CLI::Range(64, 1 << 20));
-  cpu->add_option("--prefetch-next", opt.prefetch_next, "the expert FFN's next-call prefetch hints (sliced schedule): 0 ignored; "
-                  "1 matvec's streams run on into the next call's region; 2 its first lines into L2 at the call's start "
-                  "(default: the library's)")->check(CLI::Range(0, 2));
-  cpu->add_option("--gate-up-rows", opt.gate_up_rows, "rows of one expert per gate+up job (default: the library's)")->check(CLI::Range(1, 1 << 16));
-  cpu->add_option("--down-rows", opt.down_rows, "output rows per down job (default: the library's)")->check(CLI::Range(1, 1 << 16));
   cpu->add_option("--probe-chunk-kib", opt.probe_chunk_kib, "also measure the DRAM read in chunks of this many KiB (0: not)")
       ->check(CLI::Range(0, 1 << 20));
   cpu->add_option("--tile-mxfp4", opt.tile_mxfp4, "1: MXFP4 through the VBMI four-block tile (where the CPU has VBMI); 0: the "
@@ -601,12 +453,6 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "GFNI); 0: the older tile (default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_option("--tile-q8-0", opt.tile_q8_0, "1: Q8_0 through the VBMI four-block tile (where the CPU has VBMI); 0: the "
                   "block-pair tile (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--tile-rows4", opt.tile_rows4, "0: no register tiles, every row through the per-row kernel (default: the "
-                  "library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--tile-row-by-row", opt.tile_row_by_row, "1: the MXFP4 / Q8_0 four-block tiles take their four rows one after "
-                  "the other; 0: side by side (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--schedule", opt.schedule, "how the layer's jobs reach the threads (default: the library's)")
-      ->check(CLI::IsMember({"shared", "sliced"}));
   // Huge pages by default: the expert arena asks for 2 MiB pages too (common/shm/page_backing.h).
   cpu->add_flag("--huge-pages,!--small-pages", opt.huge_pages,
                 "back the expert set and the DRAM probe with transparent huge pages (madvise; the default) or small pages");
@@ -620,92 +466,72 @@ void add_cpu_subcommand(CLI::App& app, CpuBenchOptions& opt) {
                   "top-k; the 12 GB worker gets 1-3), e.g. 1,2,3,8")->delimiter(',')->check(CLI::Range(1, kMaxExpertsPerCall));
   cpu->add_flag("--worker-form,!--accumulate-form", opt.worker_form, "call run_experts with each expert writing its own rows, as "
                 "the cpu_expert_worker does (default: run(), accumulating into one y)");
-  cpu->add_option("--balanced-slices", opt.balanced_slices, "1: the sliced schedule gives each thread one equal run of each phase's "
-                  "rows (worker form only); 0: fixed job rows (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--wait-prefetch", opt.wait_prefetch, "1: a down job waiting for its expert prefetches its rows into L2 meanwhile; "
-                  "0: it only spins (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--slice-split", opt.slice_split, "balanced slices: jobs per thread and phase; idle threads take the last ones "
-                  "of slower threads (default: the library's)")->check(CLI::Range(1, 8));
-  cpu->add_option("--balanced-accumulate", opt.balanced_accumulate, "1: the balanced slices also for the accumulating form (run(): the "
-                  "table without --worker-form), each thread one run of rows per phase; 0: fixed chunks (default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--slice-per-expert", opt.slice_per_expert, "1: balanced slices give each thread its share of every expert "
-                  "(rows independent of the call's other experts); 0: its share of all experts' rows end to end (default: the library's)")
+  cpu->add_option("--slice-split", opt.slice_split, "jobs per thread and phase; idle threads take the last ones of slower threads "
+                  "(default: the library's)")->check(CLI::Range(1, 8));
+  cpu->add_option("--slice-per-expert", opt.slice_per_expert, "1: each thread gets its share of every expert (rows independent of the "
+                  "call's other experts, as the cpu_expert_worker runs it); 0: its share of all experts' rows end to end (default: the library's)")
       ->check(CLI::Range(0, 1));
-  cpu->add_option("--gate-up-first", opt.gate_up_first, "1: balanced slices in two phases, every gate/up job (threads done early "
-                  "taking the last ones of slower threads) before any down job; 0: each thread its gate/up then its down share "
-                  "(default: the library's)")->check(CLI::Range(0, 1));
   cpu->add_flag("--phase-trace", opt.phase_trace, "with --gap-us: print where each row's calls spend their time (per-worker phase "
                 "times from the call's start, medians over the calls; a few clock reads per job)");
-  cpu->add_option("--runs", opt.stream_runs, "each matrix's rows of a job walked as this many side-by-side runs (more streams per thread; "
-                  "default: the library's)")->check(CLI::Range(1, 8));
-  cpu->add_option("--down-runs", opt.down_runs, "down jobs' rows as this many side-by-side runs (0: as --runs; default: the library's)")
-      ->check(CLI::Range(0, 8));
-  cpu->add_option("--gate-up-together", opt.gate_up_together, "1: a gate/up job walks its gate and up rows side by side; 0: one after "
-                  "the other; 2: side by side for Q4_K only (default: the library's)")->check(CLI::Range(0, 2));
-  cpu->add_option("--down-early", opt.down_early, "1: each thread pulls its down rows toward L2 (prefetcht1) during its gate/up jobs "
-                  "(balanced two-phase lists; default: the library's)")->check(CLI::Range(0, 1));
-  cpu->add_option("--down-early-bytes", opt.down_early_bytes, "with --down-early: only the first this many bytes of each down job "
-                  "(0: all; default: the library's)")->check(CLI::Range(0, 1 << 30));
-  cpu->add_option("--prefetch-runs-l1", opt.prefetch_runs_l1, "each run's prefetcht0 distance in bytes with --runs / --gate-up-together "
-                  "/ --down-early (0: the spread distance / runs; default: the library's)")->check(CLI::Range(0, 1 << 24));
-  cpu->add_option("--prefetch-runs-l2", opt.prefetch_runs_l2, "each run's prefetcht1 (L2) stream distance in bytes, ramped (0: none; "
-                  "set: the expert FFN walks every job through the runs path; default: the library's)")->check(CLI::Range(0, 1 << 24));
   cpu->add_option("--gap-prefetch", opt.gap_prefetch, "with --gap-us and --worker-form: during each gap, MoeFfn::prefetch_experts of the "
                   "next call's experts (1: a right guess), of other experts (2: a wrong guess) or of the next call's but its first (3: one "
                   "missed) until the gap ends; 0: none")->check(CLI::Range(0, 3));
-  cpu->add_option("--pattern-probe", opt.pattern_rounds, "per format and row: this many interleaved rounds of the kernel, the pattern "
-                  "probe (the same calls reading their weight lines without arithmetic; also with the tiles' prefetcht0 stream) and the "
-                  "plain read of the call's bytes in one contiguous span per thread, then their medians (0: the usual table)")->check(CLI::Range(0, 50));
-  cpu->add_option("--matvec-math", opt.matvec_math, "the table's calls with matvec computing (compute, the default) or only reading "
-                  "their weight lines (read-only; read-only-pf: with the tiles' prefetcht0 stream): e.g. --phase-trace of the pattern "
-                  "probe")->check(CLI::IsMember({"compute", "read-only", "read-only-pf"}));
   cpu->add_option("--min-seconds", opt.min_seconds, "minimum time per measurement")->check(CLI::Range(0.0, 60.0));
 }
 
+namespace {
+
+// The kernels' tuning the options ask for (the library's defaults where they leave it).
+cpu::CpuKernelTuning tuning_of(const CpuBenchOptions& opt) {
+  cpu::CpuKernelTuning tu;
+  if (!opt.isa.empty()) tu.matvec.max_isa = *cpu::parse_isa(opt.isa);
+  if (opt.amx_min_tokens > 0) tu.matvec.amx_min_tokens = opt.amx_min_tokens;
+  if (opt.prefetch_l1 >= 0) tu.matvec.prefetch.l1_bytes = static_cast<size_t>(opt.prefetch_l1);
+  if (opt.prefetch_spread_l1 > 0) tu.matvec.prefetch.spread_l1_bytes = static_cast<size_t>(opt.prefetch_spread_l1);
+  if (opt.tile_mxfp4 >= 0) tu.matvec.tiles.mxfp4_vbmi = opt.tile_mxfp4 == 1;
+  if (opt.tile_q4k >= 0) tu.matvec.tiles.q4_k_gfni = opt.tile_q4k == 1;
+  if (opt.tile_q8_0 >= 0) tu.matvec.tiles.q8_0_vbmi = opt.tile_q8_0 == 1;
+  if (opt.slice_split > 0) tu.slices.split = opt.slice_split;
+  if (opt.slice_per_expert >= 0) tu.slices.per_expert = opt.slice_per_expert == 1;
+  return tu;
+}
+
+// The table's header lines: the machine, the tuning and the probes.
+void print_header(const CpuBenchOptions& opt, const cpu::CpuKernelTuning& tu, const cpu::ThreadPool& pool, const std::vector<int>& cpus, int node,
+                  double dram, double dram_chunked, std::pair<double, double> list_us, int list_gap_us) {
+  std::string experts_list;
+  for (int n : opt.experts_per_call) experts_list += (experts_list.empty() ? "" : ",") + std::to_string(n);
+  const cpu::MatvecTuning& mt = tu.matvec;
+  std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
+              pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::capped_isa(mt.max_isa))).c_str(), opt.set_mib,
+              mt.amx_min_tokens);
+  std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); slices split %d per expert %d; prefetch l1 %zu B, "
+              "spread %zu B; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d\n",
+              static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating",
+              tu.slices.split, tu.slices.per_expert ? 1 : 0, mt.prefetch.l1_bytes, mt.prefetch.spread_l1_bytes, pool.spin_us(),
+              opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", mt.tiles.mxfp4_vbmi ? 1 : 0,
+              mt.tiles.q4_k_gfni ? 1 : 0, mt.tiles.q8_0_vbmi ? 1 : 0);
+  if (opt.gap_prefetch > 0)
+    std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1   ? "the next call's experts (right guess)"
+                                      : opt.gap_prefetch == 2 ? "other experts (wrong guess)"
+                                                              : "the next call's experts but its first (one missed)");
+  std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
+  if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
+  std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
+              list_gap_us);
+  std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second; {all}: every worker at once, GB/s "
+              "together (the compute ceiling)\n\n",
+              static_cast<long long>(kCeilingRows));
+  std::printf("%-7s %8s %14s", "format", "exp/call", "bytes/expert");
+  for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) us/call [core L2] {all}", t);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+}  // namespace
+
 int run_cpu_bench(const CpuBenchOptions& opt) {
-  if (opt.pattern_rounds > 0 && opt.json) throw std::invalid_argument("--pattern-probe prints its rounds as lines: not with --json");
-  if (!opt.isa.empty()) cpu::set_max_cpu_isa(*cpu::parse_isa(opt.isa));
-  if (opt.amx_min_tokens > 0) cpu::set_amx_min_tokens(opt.amx_min_tokens);
-  cpu::MatvecPrefetch prefetch = cpu::matvec_prefetch();
-  if (opt.prefetch_l1 >= 0) prefetch.l1_bytes = static_cast<size_t>(opt.prefetch_l1);
-  if (opt.prefetch_l2 >= 0) prefetch.l2_bytes = static_cast<size_t>(opt.prefetch_l2);
-  if (opt.prefetch_past_end >= 0) prefetch.past_end = opt.prefetch_past_end == 1;
-  if (opt.prefetch_next >= 0) prefetch.next_call = opt.prefetch_next;
-  if (opt.prefetch_spread >= 0) prefetch.spread = opt.prefetch_spread == 1;
-  if (opt.prefetch_spread_l1 > 0) prefetch.spread_l1_bytes = static_cast<size_t>(opt.prefetch_spread_l1);
-  if (opt.prefetch_runs_l1 >= 0) prefetch.runs_l1_bytes = static_cast<size_t>(opt.prefetch_runs_l1);
-  if (opt.prefetch_runs_l2 >= 0) prefetch.runs_l2_bytes = static_cast<size_t>(opt.prefetch_runs_l2);
-  cpu::set_matvec_prefetch(prefetch);
-  if (opt.matvec_math == "read-only") cpu::set_matvec_math(cpu::MatvecMath::ReadOnly);
-  if (opt.matvec_math == "read-only-pf") cpu::set_matvec_math(cpu::MatvecMath::ReadOnlyPrefetch);
-  cpu::FfnStreamOptions stream_opt = cpu::ffn_stream_options();
-  if (opt.stream_runs > 0) stream_opt.runs = opt.stream_runs;
-  if (opt.gate_up_together >= 0) stream_opt.gate_up_together = opt.gate_up_together;
-  if (opt.down_runs >= 0) stream_opt.down_runs = opt.down_runs;
-  if (opt.down_early >= 0) stream_opt.down_early = opt.down_early == 1;
-  if (opt.down_early_bytes >= 0) stream_opt.down_early_bytes = static_cast<size_t>(opt.down_early_bytes);
-  cpu::set_ffn_stream_options(stream_opt);
-  cpu::MatvecTiles tiles = cpu::matvec_tiles();
-  if (opt.tile_mxfp4 >= 0) tiles.mxfp4_vbmi = opt.tile_mxfp4 == 1;
-  if (opt.tile_q4k >= 0) tiles.q4_k_gfni = opt.tile_q4k == 1;
-  if (opt.tile_q8_0 >= 0) tiles.q8_0_vbmi = opt.tile_q8_0 == 1;
-  if (opt.tile_rows4 >= 0) tiles.rows4 = opt.tile_rows4 == 1;
-  if (opt.tile_row_by_row >= 0) tiles.row_by_row = opt.tile_row_by_row == 1;
-  cpu::set_matvec_tiles(tiles);
-  cpu::FfnJobRows job_rows = cpu::ffn_job_rows();
-  if (opt.gate_up_rows > 0) job_rows.gate_up = opt.gate_up_rows;
-  if (opt.down_rows > 0) job_rows.down = opt.down_rows;
-  cpu::set_ffn_job_rows(job_rows);
-  cpu::FfnSliceOptions slice_opt = cpu::ffn_slice_options();
-  if (opt.balanced_slices >= 0) slice_opt.balanced = opt.balanced_slices == 1;
-  if (opt.wait_prefetch >= 0) slice_opt.wait_prefetch = opt.wait_prefetch == 1;
-  if (opt.slice_split > 0) slice_opt.split = opt.slice_split;
-  if (opt.gate_up_first >= 0) slice_opt.gate_up_first = opt.gate_up_first == 1;
-  if (opt.balanced_accumulate >= 0) slice_opt.accumulating = opt.balanced_accumulate == 1;
-  if (opt.slice_per_expert >= 0) slice_opt.per_expert = opt.slice_per_expert == 1;
-  cpu::set_ffn_slice_options(slice_opt);
-  if (!opt.schedule.empty()) cpu::set_ffn_schedule(opt.schedule == "sliced" ? cpu::FfnSchedule::Sliced : cpu::FfnSchedule::Shared);
-  const char* schedule = cpu::ffn_schedule() == cpu::FfnSchedule::Sliced ? "sliced" : "shared";
+  const cpu::CpuKernelTuning tuning = tuning_of(opt);
   std::vector<int> cpus = opt.cpus.empty() ? cpu::physical_core_cpus() : cpu::parse_cpu_list(opt.cpus);
   if (opt.cpus.empty() && opt.threads > 0) {
     if (opt.threads > static_cast<int>(cpus.size())) {
@@ -736,40 +562,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
   const int list_gap_us = opt.gap_us > 0 ? opt.gap_us : 250;
   const std::pair<double, double> list_us = list_overhead_us(pool, list_gap_us);
   std::vector<double> smt;
-  std::string experts_list;
-  for (int n : opt.experts_per_call) experts_list += (experts_list.empty() ? "" : ",") + std::to_string(n);
-  if (!opt.json) {
-    std::printf("moraine-kernel-bench cpu: %d threads on CPUs %s (node %d), isa %s, expert set %d MiB per format, AMX from %d tokens\n",
-                pool.size(), cpu::format_cpu_list(cpus).c_str(), node, std::string(cpu::isa_name(cpu::detect_cpu_isa())).c_str(), opt.set_mib,
-                cpu::amx_min_tokens());
-    std::printf("shape: hidden %lld, ffn %lld, %s experts per layer call (gate+up+down fused, %s); balanced slices %d (accumulating %d, per expert %d) split %d gate/up first %d, wait prefetch %d; prefetch l1 %zu l2 %zu B%s%s%s; job rows %lld/%lld; "
-                "schedule %s; spin %d us; caller %s; gap %d us; huge pages %s; tiles mxfp4-vbmi %d q4k-gfni %d q8_0-vbmi %d rows4 %d row-by-row %d\n",
-                static_cast<long long>(kHidden), static_cast<long long>(kFfn), experts_list.c_str(), opt.worker_form ? "worker form" : "accumulating", slice_opt.balanced ? 1 : 0, slice_opt.accumulating ? 1 : 0,
-                slice_opt.per_expert ? 1 : 0, slice_opt.split, slice_opt.gate_up_first ? 1 : 0, slice_opt.wait_prefetch ? 1 : 0, prefetch.l1_bytes, prefetch.l2_bytes,
-                prefetch.past_end ? " past job end" : "", prefetch.next_call == 1 ? " into the next call" : prefetch.next_call == 2 ? " next call's start early" : "",
-                prefetch.spread ? (" spread " + std::to_string(prefetch.spread_l1_bytes) + " B").c_str() : "",
-                static_cast<long long>(job_rows.gate_up), static_cast<long long>(job_rows.down), schedule, pool.spin_us(),
-                opt.caller_joins ? "joins" : "waits", opt.gap_us, opt.huge_pages ? "asked (madvise)" : "no", tiles.mxfp4_vbmi ? 1 : 0, tiles.q4_k_gfni ? 1 : 0, tiles.q8_0_vbmi ? 1 : 0, tiles.rows4 ? 1 : 0, tiles.row_by_row ? 1 : 0);
-    if (opt.gap_prefetch > 0)
-      std::printf("gap prefetch: %s\n", opt.gap_prefetch == 1   ? "the next call's experts (right guess)"
-                                        : opt.gap_prefetch == 2 ? "other experts (wrong guess)"
-                                                                : "the next call's experts but its first (one missed)");
-    std::printf("streams: runs %d (down %d), gate/up together %d, down early %d (%zu B per down job, 0: all), runs' prefetcht0 %zu B (0: spread / runs), prefetcht1 %zu B\n",
-                stream_opt.runs, stream_opt.down_runs > 0 ? stream_opt.down_runs : stream_opt.runs, stream_opt.gate_up_together, stream_opt.down_early ? 1 : 0, stream_opt.down_early_bytes, prefetch.runs_l1_bytes,
-                prefetch.runs_l2_bytes);
-    if (cpu::matvec_math() != cpu::MatvecMath::Compute) std::printf("matvec math: %s (no arithmetic: the pattern probe)\n", opt.matvec_math.c_str());
-    std::printf("DRAM read bandwidth (streaming, same threads): %.1f GB/s\n", dram);
-    if (opt.probe_chunk_kib > 0) std::printf("DRAM read in %d KiB chunks (an expert job's stream length): %.1f GB/s\n", opt.probe_chunk_kib, dram_chunked);
-    std::printf("pool list of %d empty jobs: %.1f us back to back, %.1f us after %d us idle\n", pool.size(), list_us.first, list_us.second,
-                list_gap_us);
-    std::printf("[core L2]: one worker's matvec GB/s on %lld L2-resident rows per CPU second; {all}: every worker at once, GB/s "
-                "together (the compute ceiling)\n\n",
-                static_cast<long long>(kCeilingRows));
-    std::printf("%-7s %8s %14s", "format", "exp/call", "bytes/expert");
-    for (int t : opt.tokens) std::printf("   %3d tok GB/s (share) us/call [core L2] {all}", t);
-    std::printf("\n");
-    std::fflush(stdout);
-  }
+  if (!opt.json) print_header(opt, tuning, pool, cpus, node, dram, dram_chunked, list_us, list_gap_us);
   nlohmann::json rows = nlohmann::json::array();
   for (TensorType t : types) {
     const size_t huge_before = anon_huge_bytes();
@@ -779,7 +572,7 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     const double huge_share = static_cast<double>(anon_huge_bytes() - std::min(anon_huge_bytes(), huge_before)) /
                               static_cast<double>(set.memory.size());
     if (opt.smt_probe && t == types.front()) {
-      smt = smt_probe(set, t, cpus);
+      smt = smt_probe(set, t, cpus, tuning.matvec);
       if (!opt.json) {
         std::printf("smt probe (%s, CPU %d's kernel rate beside each CPU, share of alone):", std::string(type_name(t)).c_str(), cpus.front());
         for (size_t j = 0; j < smt.size(); ++j) std::printf(" %d:%.2f", cpus[j + 1], smt[j]);
@@ -788,26 +581,17 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
       }
     }
     // The ceilings do not depend on the experts per call: measured once per token count.
-    if (opt.pattern_rounds > 0) {
-      std::string medians;
-      for (int n_per_call : opt.experts_per_call) {
-        for (int n_tok : opt.tokens) medians += pattern_rounds(set, t, n_tok, n_per_call, opt, pool);
-      }
-      std::fputs(medians.c_str(), stdout);
-      std::fflush(stdout);
-      continue;
-    }
     std::vector<std::pair<double, double>> ceilings;
     for (int n_tok : opt.tokens) {
-      ceilings.emplace_back(core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool),
-                            all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), pool));
+      ceilings.emplace_back(core_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), tuning.matvec, pool),
+                            all_cores_ceiling(set, t, n_tok, std::min(opt.min_seconds, 0.1), tuning.matvec, pool));
     }
     std::string phase_lines;
     for (int n_per_call : opt.experts_per_call) {
       if (!opt.json) std::printf("%-7s %8d %14zu", std::string(type_name(t)).c_str(), n_per_call, set.expert_bytes);
       for (size_t ti = 0; ti < opt.tokens.size(); ++ti) {
         const int n_tok = opt.tokens[ti];
-        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, opt.gap_prefetch, pool);
+        const Point p = measure(set, t, n_tok, n_per_call, opt.worker_form, opt.min_seconds, opt.gap_us, opt.phase_trace, opt.gap_prefetch, tuning, pool);
         const double us_per_call = 1e6 * p.seconds / static_cast<double>(p.layers);
         const auto [ceiling, all] = ceilings[ti];
         if (!opt.json) {
@@ -831,44 +615,24 @@ int run_cpu_bench(const CpuBenchOptions& opt) {
     }
   }
   if (opt.json) {
+    const cpu::MatvecTuning& mt = tuning.matvec;
     const nlohmann::json out = {{"threads", pool.size()},
                                 {"cpus", cpu::format_cpu_list(cpus)},
                                 {"numa_node", node},
-                                {"isa", std::string(cpu::isa_name(cpu::detect_cpu_isa()))},
+                                {"isa", std::string(cpu::isa_name(cpu::capped_isa(mt.max_isa)))},
                                 {"hidden", kHidden},
                                 {"ffn", kFfn},
                                 {"experts_per_call", opt.experts_per_call},
                                 {"worker_form", opt.worker_form},
-                                {"balanced_slices", slice_opt.balanced},
-                                {"slice_per_expert", slice_opt.per_expert},
-                                {"wait_prefetch", slice_opt.wait_prefetch},
-                                {"slice_split", slice_opt.split},
-                                {"gate_up_first", slice_opt.gate_up_first},
-                                {"balanced_accumulating", slice_opt.accumulating},
-                                {"matvec_math", opt.matvec_math.empty() ? std::string("compute") : opt.matvec_math},
-                                {"stream_runs", stream_opt.runs},
-                                {"gate_up_together", stream_opt.gate_up_together},
-                                {"down_runs", stream_opt.down_runs},
-                                {"down_early", stream_opt.down_early},
-                                {"down_early_bytes", stream_opt.down_early_bytes},
-                                {"prefetch_runs_l1", prefetch.runs_l1_bytes},
-                                {"prefetch_runs_l2", prefetch.runs_l2_bytes},
+                                {"slice_per_expert", tuning.slices.per_expert},
+                                {"slice_split", tuning.slices.split},
                                 {"set_mib", opt.set_mib},
-                                {"amx_min_tokens", cpu::amx_min_tokens()},
-                                {"prefetch_l1", prefetch.l1_bytes},
-                                {"prefetch_l2", prefetch.l2_bytes},
-                                {"prefetch_past_end", prefetch.past_end},
-                                {"prefetch_next_call", prefetch.next_call},
-                                {"prefetch_spread", prefetch.spread},
-                                {"prefetch_spread_l1", prefetch.spread_l1_bytes},
-                                {"gate_up_rows", job_rows.gate_up},
-                                {"down_rows", job_rows.down},
-                                {"schedule", schedule},
-                                {"tile_mxfp4_vbmi", tiles.mxfp4_vbmi},
-                                {"tile_q4k_gfni", tiles.q4_k_gfni},
-                                {"tile_q8_0_vbmi", tiles.q8_0_vbmi},
-                                {"tile_rows4", tiles.rows4},
-                                {"tile_row_by_row", tiles.row_by_row},
+                                {"amx_min_tokens", mt.amx_min_tokens},
+                                {"prefetch_l1", mt.prefetch.l1_bytes},
+                                {"prefetch_spread_l1", mt.prefetch.spread_l1_bytes},
+                                {"tile_mxfp4_vbmi", mt.tiles.mxfp4_vbmi},
+                                {"tile_q4k_gfni", mt.tiles.q4_k_gfni},
+                                {"tile_q8_0_vbmi", mt.tiles.q8_0_vbmi},
                                 {"spin_us", pool.spin_us()},
                                 {"caller_joins", opt.caller_joins},
                                 {"gap_us", opt.gap_us},
