@@ -37,23 +37,14 @@ struct BackendOptions {
   bool all_experts = true;
   std::vector<std::vector<int32_t>> device_experts;
   // Steps of at least this many rows take the tiled prefill attention (CUDA; not bit-identical
-  // to decode); 0: never (every row through the split-KV kernel, as decode).
+  // to decode); 0: never (every row through the split-KV kernel, as decode). Over an F16 KV cache
+  // the tensor-core kernel (attention_prefill_tc.h) where it takes the shape, else (F32 caches,
+  // other head sizes) the F32 tiled kernel (attention_prefill.h).
   int64_t tiled_prefill_rows = 64;
-  // Those steps over an F16 KV cache take the tensor-core kernel (attention_prefill_tc.h: q and P
-  // split into two halves each, within the same first-order bound as the F32 kernel) where it takes
-  // the shape; false: the F32 tiled kernel (A/B).
-  bool prefill_attention_tensor_cores = true;
   // Steps of at least this many rows multiply quantized weights through cuBLAS (BF16 inputs, F32
   // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
   // 0: never. Within BF16 rounding of the matvec path, not equal to it.
   int64_t gemm_prefill_rows = 64;
-  // The in-graph hand-off (CUDA): the device writes the routing into the host's mapped memory and
-  // reads the cpu workers' rows back itself; false: memcpy nodes around the flag kernels (the
-  // fallback when the memory is not mapped; tests compare the two).
-  bool handoff_zero_copy = true;
-  // CUDA: kernels launched with programmatic dependent launch where the device has it
-  // (kernels/cuda/launch.h; a process-wide switch, set by the backend's constructor).
-  bool programmatic_launch = true;
   // The hand-off (gpu_worker): at a layer where one cpu worker has at least this many experts to
   // compute, the device copies one of them in from the RAM tier over PCIe and computes it itself
   // (handoff_take_expert), beside the worker's share; 0: never (then the CUDA backend allocates

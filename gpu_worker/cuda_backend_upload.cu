@@ -145,8 +145,7 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
 
 CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
-      gemm_prefill_rows_(o.gemm_prefill_rows), handoff_zero_copy_(o.handoff_zero_copy),
-      prefill_attention_tc_(o.prefill_attention_tensor_cores), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
+      gemm_prefill_rows_(o.gemm_prefill_rows), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
       stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
       kv_f16_(o.kv_type == model::KvType::F16) {
@@ -154,7 +153,6 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));
-  cuda::set_programmatic_launch(o.programmatic_launch);
   if (max_tokens_ <= 0 || max_tokens_ > 65535 || max_context_ < max_tokens_ || max_context_ > INT32_MAX)
     throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens_) + " must be in 1..65535 and "
                              "at most the context (" + std::to_string(max_context_) + ")");

@@ -671,12 +671,6 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--device", base.device, "GPU index (cuda backend)");
   app.add_option("--threads", base.threads, "CPU backend threads (default: all)");
-  app.add_flag("!--handoff-copies", base.handoff_zero_copy,
-               "cuda: move the in-graph hand-off's routing and rows with memcpy nodes instead of the device's own "
-               "reads and writes of the mapped exchange (A/B and fallback)");
-  app.add_flag("!--no-tensor-core-prefill-attention", base.prefill_attention_tensor_cores,
-               "cuda: long prefill steps over an F16 KV cache take the F32 tiled attention kernel instead of the "
-               "tensor-core one (A/B)");
   app.add_option("--prefill-stage-experts", base.stage_experts,
                  "cuda: long steps (prefill) compute the RAM tier's experts on the device, copied in over PCIe this many at a "
                  "time (0: the cpu workers compute them; 8: ~3.5x the 12G prefill at the 30B shape, backend.h)")
@@ -695,8 +689,6 @@ int main(int argc, char** argv) {
                  "one of them from the RAM tier over PCIe and computes it itself (0: never, the default: slower on the "
                  "H200 host, whose DRAM the cores already saturate; see BackendOptions::take_expert_from)")
       ->check(CLI::NonNegativeNumber);
-  app.add_flag("!--no-pdl", base.programmatic_launch,
-               "cuda: launch the kernels without programmatic dependent launch (A/B)");
   // No spin by default: the control plane shares its reserved core (supervisor --reserve-cores),
   // so a gpu_worker spinning for the next step takes the CPU the coordinator needs to sample it.
   // Dev box, CPU backend, every expert on it, decode p50 minus layer_chain p50 (coordinator

@@ -20,15 +20,6 @@
 
 namespace moraine::cuda {
 
-// flag = *seq_dev, visible to the host once every earlier operation of the stream finished.
-void signal_host(uint64_t* flag, const uint64_t* seq_dev, cudaStream_t stream = nullptr);
-
-// Returns (lets the stream go on) once *flag >= *seq_dev. After timeout_ns without that, sets
-// *error_dev = 1 and returns anyway: a graph cannot throw, and a host that died must not leave
-// the GPU spinning forever; the caller checks error_dev after the step.
-void wait_host(const uint64_t* flag, const uint64_t* seq_dev, uint64_t timeout_ns, int32_t* error_dev,
-               cudaStream_t stream = nullptr);
-
 // One span of bytes between device memory and mapped host memory (the device-side address of
 // host memory registered or allocated mapped: cudaHostGetDevicePointer). bytes: a multiple of 4,
 // both addresses 4-byte aligned.
@@ -40,8 +31,8 @@ struct HostSpan {
 inline constexpr int kMaxHostSpans = 3;
 
 // The spans (device -> mapped host memory) written by the device itself, then flag = *seq_dev
-// raised once they are visible to the host: one launch where signal_host needs a memcpy node per
-// span before it (each a few us in a graph, serialized with the kernels).
+// raised once they are visible to the host: one launch where a flag kernel needed a memcpy node
+// per span before it (each a few us in a graph, serialized with the kernels).
 void publish_to_host(const HostSpan* spans, int n_spans, uint64_t* flag, const uint64_t* seq_dev,
                      cudaStream_t stream = nullptr);
 

@@ -1,10 +1,11 @@
 // `moraine-kernel-bench cuda --mixer-only`: the small kernels of a decode layer's attention and
 // router at Qwen3-30B-A3B shapes (hidden 2048, 32/4 heads of 128, 128 experts top 8), each old
 // (mixer_bench_baseline.cu: the versions before this change) against new (the public functions
-// in kernels/cuda/), from CUDA graphs of many launches replayed, with the PDL attribute off for
-// both, then new with it on. Weight matrices cycle through enough distinct copies that every
-// read comes from HBM, as in decode (48 layers of weights do not fit the 60 MB L2).
-// --mixer-ncu instead launches each kernel a few times plainly, for
+// in kernels/cuda/), from CUDA graphs of many launches replayed, without PDL for both (the
+// graphs' programmatic edges made full: plain_graph.h), then new with it. Weight matrices cycle
+// through enough distinct copies that every read comes from HBM, as in decode (48 layers of
+// weights do not fit the 60 MB L2).
+// --mixer-ncu instead launches each kernel a few times plainly (one graph of full edges), for
 // `ncu --metrics gpu__time_duration.sum` (the per-kernel numbers of issue #5).
 #include "tools/kernel_bench/mixer_bench.h"
 
@@ -22,13 +23,13 @@
 #include "common/formats/tensor_type.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/qk_norm_rope_store.h"
 #include "kernels/cuda/router.h"
 #include "tools/kernel_bench/cuda_timing.h"
 #include "tools/kernel_bench/mixer_bench_baseline.h"
+#include "tools/kernel_bench/plain_graph.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -59,14 +60,16 @@ DeviceBuffer<uint8_t> make_pool(TensorType t, int64_t rows, int64_t n, int copie
 
 int copies_for(size_t bytes) { return static_cast<int>(std::max<size_t>(4, (512u << 20) / bytes + 1)); }
 
-// Microseconds per launch of fn(i, stream) from a graph of `per_graph` launches (i = 0..), replayed.
-double graph_us(const std::function<void(int, cudaStream_t)>& fn, int per_graph, double min_ms) {
+// Microseconds per launch of fn(i, stream) from a graph of `per_graph` launches (i = 0..), replayed;
+// with the PDL edges as captured (pdl) or made full.
+double graph_us(const std::function<void(int, cudaStream_t)>& fn, int per_graph, double min_ms, bool pdl) {
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < per_graph; ++i) fn(i, s);
   CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  if (!pdl) make_edges_full(g);
   cudaGraphExec_t ge;
   CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
   const double ms = ms_per_call([&](int) { CUDA_CHECK(cudaGraphLaunch(ge, nullptr)); }, min_ms);
@@ -296,16 +299,16 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     rows.push_back(r);
   }
 
-  if (ncu_mode) {  // plain launches for ncu: 3 of each, old then new (other copies), PDL off
-    cuda::set_programmatic_launch(false);
+  if (ncu_mode) {  // plain launches for ncu: 3 of each, old then new (other copies), without PDL
     for (size_t k = 0; k < rows.size(); ++k) {
       std::printf("mixer ncu row %zu: %s\n", k, rows[k].name.c_str());
-      for (int i = 0; i < 3; ++i) rows[k].old_fn(i, nullptr);
-      for (int i = 3; i < 6; ++i) rows[k].new_fn(i, nullptr);
+      run_plain([&](cudaStream_t s) {
+        for (int i = 0; i < 3; ++i) rows[k].old_fn(i, s);
+        for (int i = 3; i < 6; ++i) rows[k].new_fn(i, s);
+      });
     }
     CUDA_CHECK(cudaDeviceSynchronize());
     std::printf("mixer ncu mode: %zu kernels x 3 launches, old then new\n", rows.size());
-    cuda::set_programmatic_launch(true);
     return;
   }
 
@@ -313,16 +316,14 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     std::printf("\n%-26s %9s %9s %9s %8s %8s %8s  %s\n", "mixer kernel (graph)", "old us", "new us", "new+pdl", "old GB/s",
                 "new GB/s", "speedup", "old vs new output");
   for (const Row& r : rows) {
-    cuda::set_programmatic_launch(false);
     r.old_fn(0, nullptr);
     r.new_fn(0, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     const std::string cmp = r.compare();
     constexpr int kPerGraph = 128;  // router: 128 distinct MB per replay, more than the L2
-    const double t_old = graph_us(r.old_fn, kPerGraph, min_ms);
-    const double t_new = graph_us(r.new_fn, kPerGraph, min_ms);
-    cuda::set_programmatic_launch(true);
-    const double t_pdl = graph_us(r.new_fn, kPerGraph, min_ms);
+    const double t_old = graph_us(r.old_fn, kPerGraph, min_ms, false);
+    const double t_new = graph_us(r.new_fn, kPerGraph, min_ms, false);
+    const double t_pdl = graph_us(r.new_fn, kPerGraph, min_ms, true);
     if (json != nullptr) {
       (*json)["mixer"][r.name] = {{"old_us", t_old}, {"new_us", t_new}, {"new_pdl_us", t_pdl}, {"bytes", r.bytes},
                                   {"compare", cmp}};
@@ -331,7 +332,6 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
                   r.bytes / t_old * 1e-3, r.bytes / t_new * 1e-3, t_old / t_new, cmp.c_str());
     }
   }
-  cuda::set_programmatic_launch(true);
   run_mixer_chain_bench(min_ms, json);
 }
 

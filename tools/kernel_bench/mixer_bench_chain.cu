@@ -32,7 +32,6 @@
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -210,7 +209,6 @@ void run_mixer_chain_bench(double min_ms, nlohmann::json* json) {
   if (json == nullptr)
     std::printf("\ndecode layer chain, 48 layers in one graph, 1 token (us per layer; best of 3 replays of >= %.0f ms)\n",
                 min_ms);
-  cuda::set_programmatic_launch(true);
   for (const int32_t position : {int32_t{0}, int32_t{600}}) {
     Chain chain(position);
     std::vector<Graph*> graphs;

@@ -19,6 +19,7 @@
 #include "tools/kernel_bench/cuda_timing.h"
 #include "tools/kernel_bench/decode_chain_buffers.h"
 #include "tools/kernel_bench/decode_chain_shape.h"
+#include "tools/kernel_bench/plain_graph.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -30,7 +31,6 @@
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -108,9 +108,9 @@ struct Chain : DecodeChainBuffers {
   }
 };
 
-// Milliseconds per replay of the whole chain captured with the PDL switch as given.
+// Milliseconds per replay of the whole chain captured as production launches it (pdl) or with
+// its programmatic edges made full (plain_graph.h: the graph without PDL).
 double graph_ms(Chain& chain, bool pdl, bool weights_first, double min_ms) {
-  cuda::set_programmatic_launch(pdl);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -118,12 +118,12 @@ double graph_ms(Chain& chain, bool pdl, bool weights_first, double min_ms) {
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   chain.enqueue(stream, weights_first);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  if (!pdl) make_edges_full(graph);
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   const double ms = ms_per_call([&](int) { CUDA_CHECK(cudaGraphLaunch(exec, nullptr)); }, min_ms);
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
-  cuda::set_programmatic_launch(true);
   return ms;
 }
 
