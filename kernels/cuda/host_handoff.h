@@ -44,11 +44,9 @@ void publish_to_host(const HostSpan* spans, int n_spans, uint64_t* flag, const u
 // [n_expert]), a step whose chosen experts are all on the device writes map_dev = -1 without
 // waiting for the host (which has nothing to send for it). A timeout sets *error_dev = 1 and
 // copies nothing (the step is void).
-// Why: the copy of the whole [nk][row_floats] block it replaces (64 KB per decode row in 4-byte
-// reads, then the map) ended well after the host's flag on every hand-off layer, though ~92% of
-// the slots never cross at 12G with Zipf-1 routing. Qwen3-30B shape, 12G, H200 (session 9 runs
-// A / B0, same census): host's routed_wait p50 53.9 -> 41.1 us per layer, decode p50 5177 -> 3831
-// us per token (193 -> 261 tok/s).
+// Why: the copy of the whole [nk][row_floats] block it replaces ended well after the host's flag
+// on every hand-off layer, though ~92% of the slots never cross at 12G with Zipf-1 routing
+// (Qwen3-30B shape, 12G: decode 193 -> 261 tok/s; docs/perf-log.md).
 struct ExpertRowFetch {
   const uint64_t* flag = nullptr;
   const uint64_t* seq_dev = nullptr;

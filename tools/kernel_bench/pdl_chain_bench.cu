@@ -11,10 +11,8 @@
 // ~1 us per edge, ~9-11 us of the layer's time. A third variant lets the two matvecs start their
 // weight loads before the wait (MatvecBatch::weights_from_previous_kernel false), which can hide
 // their HBM latency behind the quantize kernel before them as well.
-// Measured on the H200 (2026-11-30, --pdl-only): position 0: 33.82 us per layer without PDL,
-// 31.81 with it, 31.55 with the weights early; position 511: 36.26 / 34.26 / 33.98. About
-// 0.2 us per launch, a fifth of the expectation: in a graph the next node's launch is already
-// prepared, and the wait still has the full completion and memory flush of the previous grid.
+// Measured: 33.82 -> 31.81 us per layer at position 0 (31.55 with the weights early), about 0.2 us
+// per launch, a fifth of the expectation (H200; why, and position 511: docs/perf-log.md).
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/cuda_timing.h"
 #include "tools/kernel_bench/decode_chain_buffers.h"
