@@ -277,6 +277,8 @@ class CudaBackend final : public Backend {
   // ---- layers ----
 
   cuda::DeltaNetShape delta_shape() const;
+  void upload_layer(int64_t il, const std::vector<int32_t>& ids, std::vector<cuda::MoeExpertSlot>& table);
+  void allocate_scratch();
   void upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D);
   void zero_states();
   void copy_states(bool save);   // the recurrent states to (save) or from delta_snapshot_

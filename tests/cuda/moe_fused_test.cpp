@@ -343,14 +343,50 @@ ExpectedSum reference_sum(const Case& c, const HostCase& h, int t, int64_t r) {
   return {want, tol + 2.0 * gamma(c.k + 1) * mag};
 }
 
+// Slot-table mode's device weights: each present expert's three tensors at scattered places of
+// dslabs (reverse expert order, slab bytes apart), as a VRAM cache's slabs would be, and the table.
+void upload_slot_table(const Case& c, const HostCase& host, size_t slab, cuda::DeviceBuffer<uint8_t>& dslabs,
+                       cuda::DeviceBuffer<cuda::MoeExpertSlot>& dtable) {
+  const Kind &gate = host.gate, &up = host.up, &down = host.down;
+  std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(c.n_expert));
+  for (int e = 0; e < c.n_expert; ++e) {
+    if (!host.present[static_cast<size_t>(e)]) continue;
+    uint8_t* base = dslabs.get() + slab * static_cast<size_t>(c.n_expert - 1 - e);
+    const size_t ug = (gate.expert_bytes() + 255) / 256 * 256, uu = (up.expert_bytes() + 255) / 256 * 256;
+    CUDA_CHECK(cudaMemcpy(base, gate.row(e, 0), gate.expert_bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + ug, up.row(e, 0), up.expert_bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + ug + uu, down.row(e, 0), down.expert_bytes(), cudaMemcpyHostToDevice));
+    table[static_cast<size_t>(e)] = {base, base + ug, base + ug + uu};
+  }
+  dtable.upload(table.data(), table.size());
+}
+
+// The slot rows (rows[row_of[i]] for slot i): the reference's within its tolerance for a present
+// expert, untouched (NaN) for an absent one.
+void expect_slot_rows(const Case& c, const HostCase& host, const std::vector<int32_t>& row_of,
+                      const std::vector<float>& rows, const std::string& what) {
+  for (int i = 0; i < c.n_tokens * c.k; ++i) {
+    const float* got = rows.data() + static_cast<size_t>(row_of[static_cast<size_t>(i)]) * static_cast<size_t>(c.n_embd);
+    const bool here = host.present[static_cast<size_t>(host.chosen[static_cast<size_t>(i)])];
+    for (int64_t r = 0; r < c.n_embd; ++r) {
+      if (!here) {
+        ASSERT_TRUE(std::isnan(got[r])) << what << ": slot " << i << " of an absent expert was written";
+        continue;
+      }
+      const SlotRef& s = host.ref[static_cast<size_t>(i)];
+      ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
+          << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
+          << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
+    }
+  }
+}
+
 void run_case(const Case& c) {
   const HostCase host = make_host_case(c);
   const Kind &gate = host.gate, &up = host.up, &down = host.down;
   const std::vector<float>& x = host.x;
   const std::vector<int32_t>& chosen = host.chosen;
   const std::vector<float>& weight = host.weight;
-  const std::vector<bool>& present = host.present;
-  const std::vector<SlotRef>& ref = host.ref;
   std::mt19937 rng = host.rng;
   const int n_slots = c.n_tokens * c.k;
 
@@ -375,17 +411,7 @@ void run_case(const Case& c) {
     w.up = dup.get();
     w.down = ddown.get();
   } else {
-    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(c.n_expert));
-    for (int e = 0; e < c.n_expert; ++e) {
-      if (!present[static_cast<size_t>(e)]) continue;
-      uint8_t* base = dslabs.get() + slab * static_cast<size_t>(c.n_expert - 1 - e);
-      const size_t ug = (gate.expert_bytes() + 255) / 256 * 256, uu = (up.expert_bytes() + 255) / 256 * 256;
-      CUDA_CHECK(cudaMemcpy(base, gate.row(e, 0), gate.expert_bytes(), cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(base + ug, up.row(e, 0), up.expert_bytes(), cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(base + ug + uu, down.row(e, 0), down.expert_bytes(), cudaMemcpyHostToDevice));
-      table[static_cast<size_t>(e)] = {base, base + ug, base + ug + uu};
-    }
-    dtable.upload(table.data(), table.size());
+    upload_slot_table(c, host, slab, dslabs, dtable);
     w.slots = dtable.get();
   }
 
@@ -462,20 +488,8 @@ void run_case(const Case& c) {
       }
     }
     if (!c.slot_table) continue;
-    for (int i = 0; i < n_slots; ++i) {
-      const float* got = rows.data() + static_cast<size_t>(row_of[static_cast<size_t>(i)]) * static_cast<size_t>(c.n_embd);
-      const bool here = present[static_cast<size_t>(chosen[static_cast<size_t>(i)])];
-      for (int64_t r = 0; r < c.n_embd; ++r) {
-        if (!here) {
-          ASSERT_TRUE(std::isnan(got[r])) << what << ": slot " << i << " of an absent expert was written";
-          continue;
-        }
-        const SlotRef& s = ref[static_cast<size_t>(i)];
-        ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
-            << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
-            << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
-      }
-    }
+    expect_slot_rows(c, host, row_of, rows, what);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 
   // MoeOutputs::sum_accumulate, per form: sum starts as random residual values b and

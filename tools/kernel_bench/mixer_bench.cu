@@ -118,12 +118,10 @@ std::string compare_floats(const std::vector<float>& a, const std::vector<float>
   return buf;
 }
 
-}  // namespace
+// The rows' lambdas own their buffers; bufs keeps them all alive until the end as well.
+using Bufs = std::shared_ptr<std::vector<std::shared_ptr<void>>>;
 
-void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
-  std::mt19937 rng(5);
-  std::vector<Row> rows;
-
+void matvec_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   // The Q8_0 matvecs: q|k|v stacked (5120 x 2048) and o (2048 x 4096), 1, 4 and 16 tokens; the
   // LM head (151936 x 2048), 1 token; beside a plain read of the same bytes. Old and new are the
   // same kernel (the staged one; its before/after numbers are in matvec.cu's comment).
@@ -131,8 +129,6 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     const char* what;
     int rows, n;
   };
-  // The rows' lambdas own their buffers; bufs keeps them all alive until the end as well.
-  auto bufs = std::make_shared<std::vector<std::shared_ptr<void>>>();
   for (const Mv mv : {Mv{"q8_0 qkv 5120x2048", 5120, 2048}, Mv{"q8_0 o 2048x4096", 2048, 4096},
                       Mv{"q8_0 lm head 151936x2048", 151936, 2048}}) {
     const size_t mbytes = row_bytes(TensorType::Q8_0, mv.n) * static_cast<size_t>(mv.rows);
@@ -191,7 +187,10 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
       rows.push_back(f);
     }
   }
+}
 
+// The F32 router matvec, 128 x 2048, and the softmax top 8 of 128.
+void router_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   {  // The F32 router matvec, 128 x 2048.
     const int nr = 128, nn = 2048;
     const size_t mbytes = size_t{4} * nr * nn;
@@ -238,7 +237,9 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     };
     rows.push_back(r);
   }
+}
 
+void qk_norm_rope_store_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   for (int tokens : {1, 16}) {  // qk_norm_rope_store, 32/4 heads of 128, position 517
     const int64_t nh = 32, nkv = 4, hd = 128, max_pos = 4096;
     const int64_t qkv_row = (nh + 2 * nkv) * hd;
@@ -298,6 +299,17 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     };
     rows.push_back(r);
   }
+}
+
+}  // namespace
+
+void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
+  std::mt19937 rng(5);
+  std::vector<Row> rows;
+  const Bufs bufs = std::make_shared<std::vector<std::shared_ptr<void>>>();
+  matvec_rows(rng, bufs, rows);
+  router_rows(rng, bufs, rows);
+  qk_norm_rope_store_rows(rng, bufs, rows);
 
   if (ncu_mode) {  // plain launches for ncu: 3 of each, old then new (other copies), without PDL
     for (size_t k = 0; k < rows.size(); ++k) {

@@ -115,6 +115,40 @@ class WeightPool {
   uint8_t* ptr_ = nullptr;
 };
 
+// Milliseconds per call of call(i, stream) for i = 0 .. 63 captured in one CUDA graph, replayed
+// until min_ms of device time (start / stop: events to time with).
+double graph_ms_per_moe_call(const std::function<void(int, cudaStream_t)>& call, double min_ms, cudaEvent_t start,
+                             cudaEvent_t stop) {
+  constexpr int kGraphCalls = 64;
+  cudaStream_t gs = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
+  CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, gs));
+  CUDA_CHECK(cudaStreamSynchronize(gs));
+  int reps = 4;
+  double graph_ms = 0.0;
+  for (;;) {
+    CUDA_CHECK(cudaEventRecord(start, gs));
+    for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
+    CUDA_CHECK(cudaEventRecord(stop, gs));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float f = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+    graph_ms = f;
+    if (graph_ms >= min_ms || reps >= (1 << 16)) break;
+    reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(gs));
+  return graph_ms / (static_cast<double>(reps) * kGraphCalls);
+}
+
 void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib, bool host_weights,
                const std::vector<const Variant*>& variants, const std::function<void(const MoePoint&)>& emit) {
   std::mt19937 rng(5);
@@ -227,34 +261,7 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
 
     // The same calls captured in a CUDA graph, as the backend runs them: no host launch cost, so
     // this is the kernels' own time per layer.
-    constexpr int kGraphCalls = 64;
-    cudaStream_t gs = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
-    CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphLaunch(exec, gs));
-    CUDA_CHECK(cudaStreamSynchronize(gs));
-    int reps = 4;
-    double graph_ms = 0.0;
-    for (;;) {
-      CUDA_CHECK(cudaEventRecord(start, gs));
-      for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
-      CUDA_CHECK(cudaEventRecord(stop, gs));
-      CUDA_CHECK(cudaEventSynchronize(stop));
-      float f = 0.0f;
-      CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
-      graph_ms = f;
-      if (graph_ms >= min_ms || reps >= (1 << 16)) break;
-      reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
-    }
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    CUDA_CHECK(cudaStreamDestroy(gs));
-    const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
+    const double graph_ms_per_call = graph_ms_per_moe_call(call, min_ms, start, stop);
     const bool falls_back = v->form != Form::kTiled && !cuda::moe_fused_staged_applies(w, n, s.k);
     const char* mark = units ? (units_ran.gate_up && units_ran.down ? ""
                                 : units_ran.gate_up                  ? "(tiled down)"
