@@ -186,10 +186,10 @@ void CudaBackend::enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo&
     enqueue_mixer(il, n);
     enqueue_route(il, n);
     const uint64_t timeout_ns = static_cast<uint64_t>(kHandoffTimeout.count()) * 2'000'000'000ull;
-    // Every slot's row comes back: the sizes in a captured graph are fixed (n * k rows of n_embd
-    // floats, 64 KB per token over PCIe). The device writes the routing and h into the host's
-    // memory and reads the rows back itself (handoff_begin checked that the memory is mapped):
-    // two launches where memcpy nodes took five and two flag kernels (docs/perf-log.md).
+    // The device writes the routing and h into the host's memory and, once the host's flag is
+    // up, reads back the rows the host's map names (fetch_expert_rows; handoff_begin checked that
+    // the memory is mapped): two launches where memcpy nodes took five and two flag kernels
+    // (docs/perf-log.md).
     const size_t rows_bytes = static_cast<size_t>(nk * d) * sizeof(float);
     const cuda::HostSpan out[] = {{mapped(io.chosen, nk * sizeof(int32_t)), chosen_of(il, n), nk * sizeof(int32_t)},
                                   {mapped(io.weight, nk * sizeof(float)), weight_.get(), nk * sizeof(float)},
