@@ -3,7 +3,7 @@
 // one wave of CTAs and the work is cut into units of (expert, one dot_rows call's rows) dealt
 // round-robin over the CTAs first, then their warps; every warp stages, dots and counts its own
 // units with no CTA barrier after the start. Same bits as moe_fused (tests/cuda/moe_fused_test).
-// Measured 1-7% faster than the tiled kernels (H200, graph, us per layer at 1 / 8 tokens:
+// Measured 1-10% faster than the tiled kernels (H200, graph, us per layer at 1 / 8 tokens:
 // 30B-A3B Q4_K 23.5 -> 22.1 / 108.6 -> 106.0, Q8_0 with tiled down 37.9 -> 37.6 / 221.6 ->
 // 206.6; docs/perf-log.md), never made the default; the staged form beat both where it runs.
 #pragma once
