@@ -337,7 +337,7 @@ int main(int argc, char** argv) {
                  "an extra argument for every cpu_expert_worker (repeat; e.g. --cpu-worker-arg=--spin-us=500)")
       ->allow_extra_args(false);
   st->add_option("--gpu-worker-arg", o.gpu_worker_args,
-                 "an extra argument for the gpu_worker (repeat; e.g. --gpu-worker-arg=--handoff-copies)")
+                 "an extra argument for the gpu_worker (repeat; e.g. --gpu-worker-arg=--device-takes-from=3)")
       ->allow_extra_args(false);
   st->add_option("--coordinator-arg", o.coordinator_args,
                  "an extra argument for the coordinator (repeat; e.g. --coordinator-arg=--step-channel=zmq)")

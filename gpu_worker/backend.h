@@ -37,66 +37,38 @@ struct BackendOptions {
   bool all_experts = true;
   std::vector<std::vector<int32_t>> device_experts;
   // Steps of at least this many rows take the tiled prefill attention (CUDA; not bit-identical
-  // to decode); 0: never (every row through the split-KV kernel, as decode).
+  // to decode); 0: never (every row through the split-KV kernel, as decode). Over an F16 KV cache
+  // the tensor-core kernel (attention_prefill_tc.h) where it takes the shape, else (F32 caches,
+  // other head sizes) the F32 tiled kernel (attention_prefill.h).
   int64_t tiled_prefill_rows = 64;
-  // Those steps over an F16 KV cache take the tensor-core kernel (attention_prefill_tc.h: q and P
-  // split into two halves each, within the same first-order bound as the F32 kernel) where it takes
-  // the shape; false: the F32 tiled kernel (A/B).
-  bool prefill_attention_tensor_cores = true;
   // Steps of at least this many rows multiply quantized weights through cuBLAS (BF16 inputs, F32
   // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
   // 0: never. Within BF16 rounding of the matvec path, not equal to it.
   int64_t gemm_prefill_rows = 64;
-  // The in-graph hand-off (CUDA): the device writes the routing into the host's mapped memory and
-  // reads the cpu workers' rows back itself; false: memcpy nodes around the flag kernels (the
-  // fallback when the memory is not mapped; tests compare the two).
-  bool handoff_zero_copy = true;
-  // CUDA: kernels launched with programmatic dependent launch where the device has it
-  // (kernels/cuda/launch.h; a process-wide switch, set by the backend's constructor).
-  bool programmatic_launch = true;
   // The hand-off (gpu_worker): at a layer where one cpu worker has at least this many experts to
   // compute, the device copies one of them in from the RAM tier over PCIe and computes it itself
   // (handoff_take_expert), beside the worker's share; 0: never (then the CUDA backend allocates
-  // no buffer for it). The arithmetic that proposed it: a worker's call takes ~32 us for one
-  // expert and ~21 us more for each further one (Qwen3-30B shape, Q4_K, 16 cores, session 10),
-  // the device's copy of one 2.65 MB expert ~48 us at 55 GB/s plus its kernel, so from 3 experts
-  // on the copy would end before the worker's share: ~+20% at 12G uniform. Measured (H200 host,
-  // 30B Zipf 0, --vram 12G --ram 32G, census warm, moraine-bench -p 64 -n 64 -r 3, runs A2 and B
-  // of session 11): off 161.5 / 153.4 / 162.2 / 169.1 tok/s, from 3: 137.9 / 137.2 / 143.2 /
-  // 161.0, from 4: 179.6 / 158.6. Slower, so off by default: the bus's copy reads the same DRAM
-  // the 16 cores already stream at ~124 GB/s (moraine-bench's "ram and pcie at once" line
-  // measures how much the two share on a host), and the worker's call does not shrink by a whole
-  // expert's time. Kept for hosts whose DRAM outruns their cores.
+  // no buffer for it). Off by default: slower on the H200 host, whose 16 cores already stream
+  // its DRAM (30B, 12G, from 3 experts on: 137.9-161.0 tok/s against 153.4-169.1 off; the runs
+  // in docs/perf-log.md). For hosts whose DRAM outruns their cores.
   int take_expert_from = 0;
   // Long steps (prefill: at least gemm_prefill_rows rows, CUDA): the device computes the RAM-tier
   // experts a layer uses itself, their arena slots copied in over PCIe in rounds of this many
   // experts through a buffer of as many slots (stage_experts, Backend::stage_supported), instead
   // of the cpu workers computing them for every row; 0: never (no buffer, the arena not pinned).
-  // Why: at 12G uniform routing the workers took ~13 ms a layer for a 512-row step, while a
-  // layer's ~45 RAM-tier experts (~120 MB at the 30B shape) cross the bus in ~2.4 ms. Measured
-  // (H200 host, session 14 runs U and V, 30B, --vram 12G --ram 32G, census warm, 8 slots: ~21 MB
-  // of VRAM): pp512 / pp8192 Zipf 0 661 / 646 -> 2375 / 2257 tok/s (llama.cpp --n-cpu-moe 22 in
-  // the same run 509 / 516), Zipf 1 2408 / 2289 (531 / 504). On by default since session 15: the
-  // gpu_worker then pins the whole arena (cudaHostRegister), which session 14 suspected of slowing
-  // the 12G decode (runs U and W, each pair back to back, staging first); interleaved three times
-  // (session 15 run C, moraine-bench -p 512 -n 64 -r 3, 30B Zipf 0, census warm) decode read 181.8
-  // / 169.2 / 167.6 tok/s staging against 157.2 / 164.6 / 175.7 not, pp512 2656-2658 against
-  // 918-1008. The coordinator's reserve holds the buffer (~21 MB at the 30B shape).
+  // Why: a layer's ~45 RAM-tier experts cross the bus in ~2.4 ms where the workers took ~13 ms
+  // for a 512-row step (30B, 12G: pp512 661 -> 2375 tok/s, decode unchanged; docs/perf-log.md).
+  // The coordinator's reserve holds the buffer (~21 MB at the 30B shape).
   int stage_experts = 8;
-  // ... from steps of this many rows (the gpu_worker's choice): at uniform routing a layer's step
-  // uses ~45 RAM-tier experts from ~100 rows on (~2.4 ms over the bus at the 30B shape), while the
-  // workers take ~25 us a row (run T's 12G prefill: 13 ms a layer for a 512-row step), so below
-  // ~100 rows the workers are quicker.
+  // ... from steps of this many rows (the gpu_worker's choice): a step uses ~45 RAM-tier experts
+  // from ~100 rows on (~2.4 ms over the bus at the 30B shape) while the workers take ~25 us a
+  // row, so below ~100 rows the workers are quicker.
   int stage_min_rows = 128;
   // ... this share of a layer's RAM-tier experts, those with the most rows in the step first
   // (the gpu_worker's choice; ties at the last one's row count staged too): the cpu workers
   // compute the others at the same time (the device's part is queued before they start,
-  // Backend::experts_planned). 1: all of them. Why a share: the 80B at 12G holds 78.5% of its
-  // experts in RAM and a 512-row step took as long staged (445 tok/s) as on the workers (435;
-  // session 16 run K), so the two side by side might approach twice either. Measured (run M, one
-  // host): 30B pp512 at 12G 2668 tok/s with all staged, 1887 at 0.75, 1395 at 0.5 (there the
-  // device does a layer's RAM experts in ~2.4 ms against the workers' ~13 ms: the workers' share
-  // sets the time); the 80B not measured yet (the run ran out of device time). Hence 1.
+  // Backend::experts_planned). 1: all of them, since the workers' share sets the time where the
+  // device is faster (30B pp512 at 12G: 2668 tok/s all staged, 1887 at 0.75; docs/perf-log.md).
   double stage_share = 1.0;
 };
 

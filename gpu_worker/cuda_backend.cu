@@ -373,12 +373,8 @@ cuda::MoeLayerWeights CudaBackend::fused_weights(int64_t il) const {
   w.n_ff = m_.hp.n_ff_exp;
   w.n_expert = m_.hp.n_expert;
   w.slots = slot_table_.get() + il * slot_stride();
-  // dot_rows: 26.3 / 119.6 us per 30B-shape Q4_K layer at 1 / 8 tokens where the per-row
-  // dots (kStaged) took 29.8 / 167.3 (moraine-kernel-bench cuda --moe-only, H200, 2026-11-29).
-  w.dots = cuda::MoeLayerWeights::Dots::kRows;
-  // The best form: the staged one (moe_staged.cu, same bits) where it measured faster; its
-  // planner (moe_staged_plan, with the numbers) declines the rest and the default kernels run.
-  w.tuning.staged = cuda::MoeLayerWeights::Tuning::Staged::kWhereFaster;
+  // The form (MoeLayerWeights::Form): kBest, the default, the staged kernels where they measured
+  // faster and the tiled ones elsewhere.
   return w;
 }
 

@@ -29,6 +29,10 @@ bool CudaBackend::handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_
   for (const auto& [p, bytes] : ranges)
     if (!pinned(p, bytes))
       throw std::invalid_argument("CUDA backend: handoff_begin's host buffers must lie in memory given to pin_host_memory");
+  // The device reads and writes them itself (registered memory is mapped with unified addressing,
+  // which every 64-bit CUDA 13 platform has); where it is not, the step goes layer by layer.
+  for (const auto& [p, bytes] : ranges)
+    if (mapped(p, bytes) == nullptr || alt_pinned_dev_ == nullptr) return false;
   begin_step(tokens, n);
   std::vector<char>& whole = handoff_whole_;   // reused: no allocation per step
   whole.resize(static_cast<size_t>(hp.n_layer));
@@ -171,11 +175,6 @@ void CudaBackend::enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo&
   const uint64_t* seq = handoff_seq_dev_.get();
   uint64_t* routed = handoff_flags_dev_;
   uint64_t* ready = routed + hp.n_layer;
-  // Zero-copy when every host buffer is mapped (registered memory is, with unified addressing)
-  // and BackendOptions::handoff_zero_copy is on.
-  const bool zero_copy = handoff_zero_copy_ && alt_pinned_dev_ != nullptr && mapped(io.chosen, nk * sizeof(int32_t)) &&
-                         mapped(io.weight, nk * sizeof(float)) && mapped(io.h, n * d * sizeof(float)) &&
-                         mapped(io.host_rows, static_cast<size_t>(nk * d) * sizeof(float));
   CUDA_CHECK(cudaMemcpyAsync(handoff_seq_dev_.get(), handoff_seq_pinned_.get(), sizeof(uint64_t),
                              cudaMemcpyHostToDevice, stream_));
   enqueue_embed(n);
@@ -187,46 +186,34 @@ void CudaBackend::enqueue_handoff_step(int64_t n, int64_t rows, const HandoffIo&
     enqueue_mixer(il, n);
     enqueue_route(il, n);
     const uint64_t timeout_ns = static_cast<uint64_t>(kHandoffTimeout.count()) * 2'000'000'000ull;
-    // Every slot's row and the whole map come back: the sizes in a captured graph are fixed (n * k
-    // rows of n_embd floats, 64 KB per token over PCIe).
-    const size_t rows_bytes = static_cast<size_t>(nk * d) * sizeof(float), map_bytes = static_cast<size_t>(nk) * sizeof(int32_t);
-    if (zero_copy) {
-      // The device writes the routing and h into the host's memory and reads the rows back itself:
-      // two launches where the copies took five memcpy nodes and two flag kernels.
-      const cuda::HostSpan out[] = {{mapped(io.chosen, nk * sizeof(int32_t)), chosen_of(il, n), nk * sizeof(int32_t)},
-                                    {mapped(io.weight, nk * sizeof(float)), weight_.get(), nk * sizeof(float)},
-                                    {mapped(io.h, n * d * sizeof(float)), h_.get(), n * d * sizeof(float)}};
-      cuda::publish_to_host(out, 3, routed + il, seq, stream_);
-      if (layers_[il].fused) enqueue_fused_experts(il, n);
-      enqueue_shared(il, n);
-      cuda::ExpertRowFetch f;
-      f.flag = ready + il;
-      f.seq_dev = seq;
-      f.timeout_ns = timeout_ns;
-      f.error_dev = handoff_error_.get();
-      f.map_host = alt_pinned_dev_;
-      f.rows_host = static_cast<const float*>(mapped(io.host_rows, rows_bytes));
-      f.map_dev = alt_row_.get();
-      f.rows_dev = cpu_rows_.get();
-      f.nk = static_cast<int>(nk);
-      f.row_floats = static_cast<int>(d);
-      if (layers_[il].fused) {   // the device's own slots are known: skip the wait when the host has none
-        f.chosen = chosen_of(il, n);
-        f.slots = slot_table_.get() + il * slot_stride();
-        f.n_expert = static_cast<int>(hp.n_expert);
-      }
-      cuda::fetch_expert_rows(f, stream_);
-    } else {
-      copy_to_host(io.chosen, chosen_of(il, n), nk * sizeof(int32_t));
-      copy_to_host(io.weight, weight_.get(), nk * sizeof(float));
-      copy_to_host(io.h, h_.get(), n * d * sizeof(float));
-      cuda::signal_host(routed + il, seq, stream_);
-      if (layers_[il].fused) enqueue_fused_experts(il, n);
-      enqueue_shared(il, n);
-      cuda::wait_host(ready + il, seq, timeout_ns, handoff_error_.get(), stream_);
-      CUDA_CHECK(cudaMemcpyAsync(cpu_rows_.get(), io.host_rows, rows_bytes, cudaMemcpyHostToDevice, stream_));
-      CUDA_CHECK(cudaMemcpyAsync(alt_row_.get(), alt_pinned_.get(), map_bytes, cudaMemcpyHostToDevice, stream_));
+    // The device writes the routing and h into the host's memory and, once the host's flag is
+    // up, reads back the rows the host's map names (fetch_expert_rows; handoff_begin checked that
+    // the memory is mapped): two launches where memcpy nodes took five and two flag kernels
+    // (docs/perf-log.md).
+    const size_t rows_bytes = static_cast<size_t>(nk * d) * sizeof(float);
+    const cuda::HostSpan out[] = {{mapped(io.chosen, nk * sizeof(int32_t)), chosen_of(il, n), nk * sizeof(int32_t)},
+                                  {mapped(io.weight, nk * sizeof(float)), weight_.get(), nk * sizeof(float)},
+                                  {mapped(io.h, n * d * sizeof(float)), h_.get(), n * d * sizeof(float)}};
+    cuda::publish_to_host(out, 3, routed + il, seq, stream_);
+    if (layers_[il].fused) enqueue_fused_experts(il, n);
+    enqueue_shared(il, n);
+    cuda::ExpertRowFetch f;
+    f.flag = ready + il;
+    f.seq_dev = seq;
+    f.timeout_ns = timeout_ns;
+    f.error_dev = handoff_error_.get();
+    f.map_host = alt_pinned_dev_;
+    f.rows_host = static_cast<const float*>(mapped(io.host_rows, rows_bytes));
+    f.map_dev = alt_row_.get();
+    f.rows_dev = cpu_rows_.get();
+    f.nk = static_cast<int>(nk);
+    f.row_floats = static_cast<int>(d);
+    if (layers_[il].fused) {   // the device's own slots are known: skip the wait when the host has none
+      f.chosen = chosen_of(il, n);
+      f.slots = slot_table_.get() + il * slot_stride();
+      f.n_expert = static_cast<int>(hp.n_expert);
     }
+    cuda::fetch_expert_rows(f, stream_);
     enqueue_combine(il, n, true);
   }
   copy_to_host(chosen_pinned_.get(), chosen_.get(), static_cast<size_t>(hp.n_layer * nk) * sizeof(int32_t));

@@ -277,6 +277,8 @@ class CudaBackend final : public Backend {
   // ---- layers ----
 
   cuda::DeltaNetShape delta_shape() const;
+  void upload_layer(int64_t il, const std::vector<int32_t>& ids, std::vector<cuda::MoeExpertSlot>& table);
+  void allocate_scratch();
   void upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D);
   void zero_states();
   void copy_states(bool save);   // the recurrent states to (save) or from delta_snapshot_
@@ -301,8 +303,6 @@ class CudaBackend final : public Backend {
   const model::Model& m_;
   const int device_;
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
-  const bool handoff_zero_copy_;
-  const bool prefill_attention_tc_;   // BackendOptions::prefill_attention_tensor_cores
   const int take_expert_from_;        // BackendOptions::take_expert_from
   const int stage_slots_;             // BackendOptions::stage_experts (0 without off-device experts)
   const int64_t max_context_;

@@ -202,7 +202,7 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
                       attn_scratch_.get(), scratch, stream_);
     } else {
       if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, __half>) {
-        if (prefill_attention_tc_ && cuda::attention_prefill_tc_supports(shape, kc, vc)) {
+        if (cuda::attention_prefill_tc_supports(shape, kc, vc)) {  // else the F32 kernel below
           cuda::attention_prefill_tc(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
                                      stream_);
           return;

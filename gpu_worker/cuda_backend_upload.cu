@@ -145,8 +145,7 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
 
 CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
-      gemm_prefill_rows_(o.gemm_prefill_rows), handoff_zero_copy_(o.handoff_zero_copy),
-      prefill_attention_tc_(o.prefill_attention_tensor_cores), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
+      gemm_prefill_rows_(o.gemm_prefill_rows), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
       stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
       kv_f16_(o.kv_type == model::KvType::F16) {
@@ -154,7 +153,6 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));
-  cuda::set_programmatic_launch(o.programmatic_launch);
   if (max_tokens_ <= 0 || max_tokens_ > 65535 || max_context_ < max_tokens_ || max_context_ > INT32_MAX)
     throw std::runtime_error("CUDA backend: max_tokens " + std::to_string(max_tokens_) + " must be in 1..65535 and "
                              "at most the context (" + std::to_string(max_context_) + ")");
@@ -177,60 +175,12 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
   log_device_memory("context");
-  const int64_t kv_dim = hp.n_head_kv * hp.head_dim;
 
   std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
   for (int64_t e = 0; e < hp.n_expert; ++e) all[e] = static_cast<int32_t>(e);
   std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(hp.n_layer * slot_stride()));
   layers_.resize(static_cast<size_t>(hp.n_layer));
-  for (int64_t il = 0; il < hp.n_layer; ++il) {
-    const model::LayerWeights& L = m.layers[il];
-    DevLayer& D = layers_[il];
-    D.attn_norm = upload_vector(weights_arena_, L.attn_norm);
-    D.ffn_norm = upload_vector(weights_arena_, L.ffn_norm);
-    D.router = upload_matrix(weights_arena_, L.moe.router);
-    const std::vector<int32_t>& ids = o.all_experts ? all : o.device_experts[il];
-    D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (ids[i] < 0 || ids[i] >= hp.n_expert || (i > 0 && ids[i] <= ids[i - 1]))
-        throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + "'s device experts must be "
-                                    "ascending ids in [0, " + std::to_string(hp.n_expert) + ")");
-      D.slab_of[ids[i]] = static_cast<int32_t>(i);
-    }
-    D.resident = static_cast<int64_t>(ids.size());
-    upload_expert_slabs(weights_arena_, L.moe, ids, D);
-    for (size_t i = 0; i < ids.size(); ++i)
-      table[il * slot_stride() + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
-    if (L.moe.shared_up) {
-      D.shared_gate = upload_matrix(weights_arena_, L.moe.shared_gate);
-      D.shared_up = upload_matrix(weights_arena_, L.moe.shared_up);
-      D.shared_down = upload_matrix(weights_arena_, L.moe.shared_down);
-      D.shared_router = upload_vector(weights_arena_, L.moe.shared_router);
-    }
-    if (L.recurrent) {
-      upload_delta_net(L.delta, D);
-      continue;
-    }
-    D.q_norm = upload_vector(weights_arena_, L.attn.q_norm);
-    D.k_norm = upload_vector(weights_arena_, L.attn.k_norm);
-    D.attn_qkv = upload_stacked(weights_arena_, {&L.attn.q, &L.attn.k, &L.attn.v});
-    if (!D.attn_qkv) {
-      D.q = upload_matrix(weights_arena_, L.attn.q);
-      D.k = upload_matrix(weights_arena_, L.attn.k);
-      D.v = upload_matrix(weights_arena_, L.attn.v);
-    }
-    D.q_rows = L.attn.q.n_rows;
-    D.o = upload_matrix(weights_arena_, L.attn.o);
-    D.q_has_gate = L.attn.q_has_gate;
-    const size_t cache_elems = static_cast<size_t>(max_context_ * kv_dim);
-    if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
-      D.k_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
-      D.v_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
-    } else {
-      D.k_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
-      D.v_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
-    }
-  }
+  for (int64_t il = 0; il < hp.n_layer; ++il) upload_layer(il, o.all_experts ? all : o.device_experts[il], table);
   slot_table_ = DeviceBuffer<cuda::MoeExpertSlot>(table.size(), weights_arena_);
   slot_table_.upload(table.data(), table.size());
   output_norm_ = upload_vector(weights_arena_, m.output_norm);
@@ -241,11 +191,87 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   }
 
   log_device_memory("weights");
-  // The step scratch: every buffer with the bytes gpu_worker/cuda_step_scratch.h lists (the
-  // coordinator charges that same list against --vram), in the list's order.
+  // The step scratch (the expert path decides which buffers it has).
   choose_expert_paths();
   scratch_ = cuda_step_scratch(hp, scratch_options());
   const uint64_t live_before_scratch = cuda::device_buffer_live_bytes().load();
+  allocate_scratch();
+  setup_experts();
+  scratch_allocated_bytes_ = cuda::device_buffer_live_bytes().load() - live_before_scratch;
+  log_device_memory("scratch");
+  const size_t T = static_cast<size_t>(max_tokens_);
+  const size_t slots = T * static_cast<size_t>(hp.n_expert_used);
+  tok_pinned_ = PinnedBuffer<int32_t>(T);
+  pos_pinned_ = PinnedBuffer<int32_t>(1);
+  alt_pinned_ = PinnedBuffer<int32_t>(slots);
+  idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
+  chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+  handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
+  std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&alt_pinned_dev_), alt_pinned_.get(), 0));
+  handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
+  setup_swaps(o.all_experts);
+  zero_states();
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  log_device_memory("setup");
+}
+
+// Layer il's weights (its device experts `ids`, ascending, into slabs and their slot-table
+// entries in `table`) and, for an attention layer, its KV cache.
+void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std::vector<cuda::MoeExpertSlot>& table) {
+  const model::HParams& hp = m_.hp;
+  const int64_t kv_dim = hp.n_head_kv * hp.head_dim;
+  const model::LayerWeights& L = m_.layers[il];
+  DevLayer& D = layers_[il];
+  D.attn_norm = upload_vector(weights_arena_, L.attn_norm);
+  D.ffn_norm = upload_vector(weights_arena_, L.ffn_norm);
+  D.router = upload_matrix(weights_arena_, L.moe.router);
+  D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= hp.n_expert || (i > 0 && ids[i] <= ids[i - 1]))
+      throw std::invalid_argument("CUDA backend: layer " + std::to_string(il) + "'s device experts must be "
+                                  "ascending ids in [0, " + std::to_string(hp.n_expert) + ")");
+    D.slab_of[ids[i]] = static_cast<int32_t>(i);
+  }
+  D.resident = static_cast<int64_t>(ids.size());
+  upload_expert_slabs(weights_arena_, L.moe, ids, D);
+  for (size_t i = 0; i < ids.size(); ++i)
+    table[il * slot_stride() + ids[i]] = {D.gate.matrix(i), D.up.matrix(i), D.down.matrix(i)};
+  if (L.moe.shared_up) {
+    D.shared_gate = upload_matrix(weights_arena_, L.moe.shared_gate);
+    D.shared_up = upload_matrix(weights_arena_, L.moe.shared_up);
+    D.shared_down = upload_matrix(weights_arena_, L.moe.shared_down);
+    D.shared_router = upload_vector(weights_arena_, L.moe.shared_router);
+  }
+  if (L.recurrent) {
+    upload_delta_net(L.delta, D);
+    return;
+  }
+  D.q_norm = upload_vector(weights_arena_, L.attn.q_norm);
+  D.k_norm = upload_vector(weights_arena_, L.attn.k_norm);
+  D.attn_qkv = upload_stacked(weights_arena_, {&L.attn.q, &L.attn.k, &L.attn.v});
+  if (!D.attn_qkv) {
+    D.q = upload_matrix(weights_arena_, L.attn.q);
+    D.k = upload_matrix(weights_arena_, L.attn.k);
+    D.v = upload_matrix(weights_arena_, L.attn.v);
+  }
+  D.q_rows = L.attn.q.n_rows;
+  D.o = upload_matrix(weights_arena_, L.attn.o);
+  D.q_has_gate = L.attn.q_has_gate;
+  const size_t cache_elems = static_cast<size_t>(max_context_ * kv_dim);
+  if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
+    D.k_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
+    D.v_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
+  } else {
+    D.k_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
+    D.v_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
+  }
+}
+
+// The step scratch: every buffer of scratch_ (cuda_step_scratch.h's list, the bytes the
+// coordinator charges against --vram), in the list's order.
+void CudaBackend::allocate_scratch() {
   const CudaStepScratch& s = scratch_;
   x_ = DeviceBuffer<float>(s.count<float>("x"));
   h_ = DeviceBuffer<float>(s.count<float>("h"));
@@ -285,25 +311,6 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   handoff_seq_dev_ = DeviceBuffer<uint64_t>(s.count<uint64_t>("handoff_seq"));
   handoff_error_ = DeviceBuffer<int32_t>(s.count<int32_t>("handoff_error"));
   CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
-  setup_experts();
-  scratch_allocated_bytes_ = cuda::device_buffer_live_bytes().load() - live_before_scratch;
-  log_device_memory("scratch");
-  const size_t T = static_cast<size_t>(max_tokens_);
-  const size_t slots = T * static_cast<size_t>(hp.n_expert_used);
-  tok_pinned_ = PinnedBuffer<int32_t>(T);
-  pos_pinned_ = PinnedBuffer<int32_t>(1);
-  alt_pinned_ = PinnedBuffer<int32_t>(slots);
-  idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
-  chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
-  handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
-  std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
-  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));
-  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&alt_pinned_dev_), alt_pinned_.get(), 0));
-  handoff_seq_pinned_ = PinnedBuffer<uint64_t>(1);
-  setup_swaps(o.all_experts);
-  zero_states();
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  log_device_memory("setup");
 }
 
 void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D) {

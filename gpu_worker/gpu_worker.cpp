@@ -667,27 +667,25 @@ int main(int argc, char** argv) {
   CLI::App app{"moraine-gpu-worker: dense layers, KV cache, routers; routed experts handed to cpu workers"};
   std::string socket_dir, backend = "cpu";
   moraine::gpu_worker::BackendOptions base;
+  // Every flag: what, its default, why (the measurements behind the defaults: backend.h,
+  // docs/perf-log.md).
   app.add_option("--socket-dir", socket_dir, "group socket directory (holds group.json)")->required();
-  app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--device", base.device, "GPU index (cuda backend)");
-  app.add_option("--threads", base.threads, "CPU backend threads (default: all)");
-  app.add_flag("!--handoff-copies", base.handoff_zero_copy,
-               "cuda: move the in-graph hand-off's routing and rows with memcpy nodes instead of the device's own "
-               "reads and writes of the mapped exchange (A/B and fallback)");
-  app.add_flag("!--no-tensor-core-prefill-attention", base.prefill_attention_tensor_cores,
-               "cuda: long prefill steps over an F16 KV cache take the F32 tiled attention kernel instead of the "
-               "tensor-core one (A/B)");
+  app.add_option("--backend", backend, "cpu or cuda (default cpu: the reference kernels, for machines without a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", base.device, "cuda: GPU index")->capture_default_str();
+  app.add_option("--threads", base.threads, "cpu backend: threads (default 0: all cores)");
   app.add_option("--prefill-stage-experts", base.stage_experts,
                  "cuda: long steps (prefill) compute the RAM tier's experts on the device, copied in over PCIe this many at a "
                  "time (0: the cpu workers compute them; 8: ~3.5x the 12G prefill at the 30B shape, backend.h)")
       ->check(CLI::Range(0, 256))
       ->capture_default_str();
-  app.add_option("--prefill-stage-min-rows", base.stage_min_rows, "cuda: ... from steps of this many rows")
+  app.add_option("--prefill-stage-min-rows", base.stage_min_rows,
+                 "cuda: ... from steps of this many rows (below ~100 rows the cpu workers are quicker)")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--prefill-stage-share", base.stage_share,
                  "cuda: ... this share of a layer's RAM-tier experts, those with the most rows (the cpu workers compute the "
-                 "rest at the same time; 1: all)")
+                 "rest at the same time; 1: all, since the device was the faster side at the 30B shape)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--device-takes-from", base.take_expert_from,
@@ -695,22 +693,24 @@ int main(int argc, char** argv) {
                  "one of them from the RAM tier over PCIe and computes it itself (0: never, the default: slower on the "
                  "H200 host, whose DRAM the cores already saturate; see BackendOptions::take_expert_from)")
       ->check(CLI::NonNegativeNumber);
-  app.add_flag("!--no-pdl", base.programmatic_launch,
-               "cuda: launch the kernels without programmatic dependent launch (A/B)");
   // No spin by default: the control plane shares its reserved core (supervisor --reserve-cores),
-  // so a gpu_worker spinning for the next step takes the CPU the coordinator needs to sample it.
-  // Dev box, CPU backend, every expert on it, decode p50 minus layer_chain p50 (coordinator
-  // spinning 20 us): 33-47 us without a spin here, 39-53 us spinning 200 us.
+  // so a gpu_worker spinning for the next step takes the CPU the coordinator needs to sample it
+  // (dev box, CPU backend: 33-47 us of step overhead without a spin, 39-53 spinning 200 us).
   int step_spin_us = 0;
   app.add_option("--step-spin-us", step_spin_us,
-                 "how long the step doorbell wait spins before it sleeps (microseconds)")
-      ->check(CLI::NonNegativeNumber);
+                 "how long the step doorbell wait spins before it sleeps, in microseconds (0: no spin, so the coordinator "
+                 "keeps the core it shares with the control plane)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   std::string kernel_trace;
   uint64_t kernel_trace_rows = 2'000'000;
   app.add_option("--kernel-trace", kernel_trace,
                  "cuda: write every kernel, memcpy and memset with its device start and end (ns) to this CSV "
-                 "(CUPTI, loaded only then; bench/kernel-trace-summary reads it)");
-  app.add_option("--kernel-trace-rows", kernel_trace_rows, "most rows --kernel-trace writes")->check(CLI::PositiveNumber);
+                 "(default: none; CUPTI, loaded only then; bench/kernel-trace-summary reads it)");
+  app.add_option("--kernel-trace-rows", kernel_trace_rows,
+                 "most rows --kernel-trace writes (bounds the trace's memory and file)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
 #ifdef MORAINE_HAVE_CUDA

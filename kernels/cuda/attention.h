@@ -11,11 +11,8 @@
 // such group, not once per query head (GQA sharing). When that grid would leave SMs idle (short
 // contexts: few chunks) the queries are split over more CTAs, down to one per CTA. Each query's
 // arithmetic is exactly that of a CTA of its own (attention_unshared below, the kernel before the
-// sharing), so every split gives the same bits. Measured on H200, Qwen3-30B shape, one row:
-// 32K context 169 us shared vs 226 us unshared; at 512 / 4096 positions both are latency-bound
-// (unshared 67 / 69 us: each CTA walks its chunk with dependent global loads), and the shared
-// kernel then measured 98 / 125 us because a one-query CTA still ran eight xor trees per
-// position; that waste is removed since, unmeasured. The cut
+// sharing), so every split gives the same bits (H200, Qwen3-30B shape, one row at 32K context:
+// 169 us shared against 226 unshared; docs/perf-log.md). The cut
 // depends only on the number of positions a query sees, never on n or on n_past alone, so a token
 // gets bit-identical output whether it is decoded alone or inside a batch of rows, through
 // `attention` or through the graph-safe `attention_at`. (The tiled prefill kernel,

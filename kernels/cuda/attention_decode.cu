@@ -300,6 +300,111 @@ __device__ __forceinline__ void norm_rope_head(const float* xh, const float* w, 
   for (int i = n_rot + lane; i < hd; i += 32) put(i, __fmul_rn(__fmul_rn(xh[i], inv), w[i]));
 }
 
+// decode_split_kernel's fused q/k work (kFusedQk), after the RoPE table and the raw q, k, v are in
+// shared memory: the launch gives a fused CTA a warp more than the group's heads (up to 16
+// warps): warp j normalises and rotates q head j in place in qs (and j + warps, ...), the last
+// warp of the CTA holding the new position makes its k and v (into the cache, into k_new / v_new
+// and into the ring rows of p0 when its tile was already issued). Everything written here is read
+// after the tile loop's first barrier.
+template <int DPL, class KV>
+__device__ __forceinline__ void fused_new_kv_and_q(const DecodeArgs<KV> a, float* qs, const float* qn_s,
+                                                   const float* kn_s, const float* kraw_s, const float* vraw_s,
+                                                   const float* table, KV* k_new, KV* v_new, KV* new_k_row,
+                                                   KV* new_v_row, int64_t p0, int kvh, bool holds_new, int warp,
+                                                   int lane) {
+  constexpr int hd = DPL * 32;
+  const int warps = static_cast<int>(blockDim.x / 32);
+  if (holds_new && warp == warps - 1) {
+    KV* kc = a.k_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
+    KV* vc = a.v_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
+    norm_rope_head(kraw_s, kn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) {
+      put_kv(kc + i, x);
+      put_kv(k_new + i, x);
+      if (new_k_row != nullptr) put_kv(new_k_row + i, x);
+    });
+    for (int i = lane; i < hd; i += 32) {
+      const float x = vraw_s[i];
+      put_kv(vc + i, x);
+      put_kv(v_new + i, x);
+      if (new_v_row != nullptr) put_kv(new_v_row + i, x);
+    }
+  }
+  for (int j = warp; j < a.group; j += warps) {
+    float* qj = qs + j * hd;
+    norm_rope_head(qj, qn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) { qj[i] = x; });
+  }
+}
+
+// One tile of a split for a warp's HPW heads (decode_split_kernel): lane p scores position p
+// against each head's q (4 interleaved fma chains over head_dim), the online softmax takes the
+// tile's max and sum, and every lane adds its output dims of the live positions' V rows.
+template <int DPL, int HPW, class KV>
+__device__ __forceinline__ void decode_tile(const float* qs, const KV* ks, const KV* vs, int live, float scale,
+                                            int warp, int lane, float (&m)[HPW], float (&l)[HPW],
+                                            float (&acc)[HPW][DPL]) {
+  constexpr int hd = DPL * 32, kRowK = hd + KvSmem<KV>::kPad;
+  float vx[DPL];
+  float sc[HPW];
+#pragma unroll
+  for (int j = 0; j < HPW; ++j) sc[j] = -INFINITY;
+  if (lane < live) {
+    const KV* kr = ks + lane * kRowK;
+    float d[HPW][4];
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
+    // Group i of four dims: the four chains take q's and K's dims 4i .. 4i + 3.
+    auto step = [&](int i, const float4 y) {
+#pragma unroll
+      for (int j = 0; j < HPW; ++j) {
+        const float4 x = reinterpret_cast<const float4*>(qs + (warp * HPW + j) * hd)[i];
+        d[j][0] = fmaf(x.x, y.x, d[j][0]);
+        d[j][1] = fmaf(x.y, y.y, d[j][1]);
+        d[j][2] = fmaf(x.z, y.z, d[j][2]);
+        d[j][3] = fmaf(x.w, y.w, d[j][3]);
+      }
+    };
+    if constexpr (sizeof(KV) == 4) {
+#pragma unroll
+      for (int i = 0; i < hd / 4; ++i) step(i, k_quad(kr, i));
+    } else {
+#pragma unroll
+      for (int m8 = 0; m8 < hd / 8; ++m8) {
+        float4 lo, hi;
+        k_octet(kr, m8, lo, hi);
+        step(2 * m8, lo);
+        step(2 * m8 + 1, hi);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) sc[j] = ((d[j][0] + d[j][1]) + (d[j][2] + d[j][3])) * scale;
+  }
+  float w[HPW];
+#pragma unroll
+  for (int j = 0; j < HPW; ++j) {
+    const float m_new = fmaxf(m[j], warp_max(sc[j]));
+    const float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
+    w[j] = lane < live ? expf(sc[j] - m_new) : 0.0f;
+    l[j] = l[j] * corr + warp_sum(w[j]);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
+    m[j] = m_new;
+  }
+#pragma unroll 4
+  for (int p = 0; p < live; ++p) {
+    if constexpr (sizeof(KV) == 4) {
+      LaneDims<DPL>::load(vs + p * hd, lane, vx, false);
+    } else {
+      LaneDims<DPL>::load(vs + p * hd, lane, vx);
+    }
+#pragma unroll
+    for (int j = 0; j < HPW; ++j) {
+      const float wp = __shfl_sync(kFull, w[j], p);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[j][i] = fmaf(wp, vx[i], acc[j][i]);
+    }
+  }
+}
+
 // One CTA per (row, split slot, kv head), row fastest so the rows of a step reading the same
 // positions run side by side (the second row finds the K/V tiles in L2). Warp w serves query heads
 // w * HPW .. w * HPW + HPW - 1 of the kv head's group (HPW = 2: each K and V float read from
@@ -416,33 +521,11 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     rope_table(table, freq, a.n_rot, p0);
     cp_async_wait<0>();   // with the first tiles, issued before the wait (landed by now, mostly)
     __syncthreads();      // the table and every thread's copies
-    // The launch gives a fused CTA a warp more than the group's heads (up to 16 warps): warp j
-    // normalises and rotates q head j in place in qs (and j + warps, ...), the last warp makes
-    // the new k and v. Everything written here is read after the loop's first barrier: the
-    // tiles' warps, and issue() copying k_new / v_new for a tile issued in the loop.
-    const int warps = static_cast<int>(blockDim.x / 32);
-    if (holds_new && warp == warps - 1) {
-      KV* kc = a.k_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
-      KV* vc = a.v_store + p0 * a.kv_stride + static_cast<int64_t>(kvh) * hd;
-      norm_rope_head(kraw_s, kn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) {
-        put_kv(kc + i, x);
-        put_kv(k_new + i, x);
-        if (new_k_row != nullptr) put_kv(new_k_row + i, x);
-      });
-      for (int i = lane; i < hd; i += 32) {
-        const float x = vraw_s[i];
-        put_kv(vc + i, x);
-        put_kv(v_new + i, x);
-        if (new_v_row != nullptr) put_kv(new_v_row + i, x);
-      }
-    }
+    fused_new_kv_and_q<DPL>(a, qs, qn_s, kn_s, kraw_s, vraw_s, table, k_new, v_new, new_k_row, new_v_row, p0, kvh,
+                            holds_new, warp, lane);
     new_made = holds_new;
-    for (int j = warp; j < a.group; j += warps) {
-      float* qj = qs + j * hd;
-      norm_rope_head(qj, qn_s, table, hd, a.n_rot, a.eps, lane, [&](int i, float x) { qj[i] = x; });
-    }
   }
-  float m[HPW], l[HPW], acc[HPW][DPL], vx[DPL];
+  float m[HPW], l[HPW], acc[HPW][DPL];
 #pragma unroll
   for (int j = 0; j < HPW; ++j) {
     m[j] = -INFINITY;
@@ -460,65 +543,7 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     const KV* ks = ring + (k % STAGES) * kStage;
     const KV* vs = ks + kTile * kRowK;
     const int live = static_cast<int>(seen - t * kTile < kTile ? seen - t * kTile : kTile);
-    float sc[HPW];
-#pragma unroll
-    for (int j = 0; j < HPW; ++j) sc[j] = -INFINITY;
-    if (lane < live) {
-      const KV* kr = ks + lane * kRowK;
-      float d[HPW][4];
-#pragma unroll
-      for (int j = 0; j < HPW; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.0f;
-      // Group i of four dims: the four chains take q's and K's dims 4i .. 4i + 3.
-      auto step = [&](int i, const float4 y) {
-#pragma unroll
-        for (int j = 0; j < HPW; ++j) {
-          const float4 x = reinterpret_cast<const float4*>(qs + (warp * HPW + j) * hd)[i];
-          d[j][0] = fmaf(x.x, y.x, d[j][0]);
-          d[j][1] = fmaf(x.y, y.y, d[j][1]);
-          d[j][2] = fmaf(x.z, y.z, d[j][2]);
-          d[j][3] = fmaf(x.w, y.w, d[j][3]);
-        }
-      };
-      if constexpr (sizeof(KV) == 4) {
-#pragma unroll
-        for (int i = 0; i < hd / 4; ++i) step(i, k_quad(kr, i));
-      } else {
-#pragma unroll
-        for (int m8 = 0; m8 < hd / 8; ++m8) {
-          float4 lo, hi;
-          k_octet(kr, m8, lo, hi);
-          step(2 * m8, lo);
-          step(2 * m8 + 1, hi);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < HPW; ++j) sc[j] = ((d[j][0] + d[j][1]) + (d[j][2] + d[j][3])) * a.scale;
-    }
-    float w[HPW];
-#pragma unroll
-    for (int j = 0; j < HPW; ++j) {
-      const float m_new = fmaxf(m[j], warp_max(sc[j]));
-      const float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
-      w[j] = lane < live ? expf(sc[j] - m_new) : 0.0f;
-      l[j] = l[j] * corr + warp_sum(w[j]);
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
-      m[j] = m_new;
-    }
-#pragma unroll 4
-    for (int p = 0; p < live; ++p) {
-      if constexpr (sizeof(KV) == 4) {
-        LaneDims<DPL>::load(vs + p * hd, lane, vx, false);
-      } else {
-        LaneDims<DPL>::load(vs + p * hd, lane, vx);
-      }
-#pragma unroll
-      for (int j = 0; j < HPW; ++j) {
-        const float wp = __shfl_sync(kFull, w[j], p);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[j][i] = fmaf(wp, vx[i], acc[j][i]);
-      }
-    }
+    decode_tile<DPL, HPW>(qs, ks, vs, live, a.scale, warp, lane, m, l, acc);
   }
   if (warp < compute_warps) {
 #pragma unroll

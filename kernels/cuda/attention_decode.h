@@ -2,10 +2,9 @@
 // kernel's threshold), graph-safe: causal softmax attention (GQA, optional sigmoid gate) as
 // attention.h, with the position read from device memory.
 //
-// Why a third kernel: on the H200 the split-KV kernels of attention.h take 66-165 us per layer
-// at 512-4096 positions for the Qwen3-30B shape (moraine-kernel-bench cuda --backend-only,
-// 2026-11-29), 48 layers of which made 6.7 ms of a 7.2 ms decode step; the K/V bytes are 2-17 MB
-// (a few us of HBM). Their CTAs walk positions through dependent global loads.
+// Why a third kernel: the split-KV kernels of attention.h took 66-165 us per layer at 512-4096
+// positions for the Qwen3-30B shape on the H200 (6.7 ms of a 7.2 ms decode step) for 2-17 MB of
+// K/V: their CTAs walk positions through dependent global loads.
 //
 // Design: a row seeing P positions (T = ceil(P / 32) tiles) is cut into
 // attention_decode_splits(P) splits of whole tiles; one CTA per (row, split, kv head), warps of
@@ -19,20 +18,10 @@
 // alone or inside a step of any length served by this kernel. It is NOT bit-identical to
 // attention.h's kernels (other order of additions).
 //
-// Measured on the H200 (2026-11-30, 32 query / 4 kv heads of 128, us per call on a stream, K/V
-// cycled above L2; one sweep of 18 variants, this kernel combines the best): the previous design
-// (one CTA per kv head and 128-position chunk serving all rows, warp per head, plain loads, merge
-// kernel) took 26.5 / 32.0 / 137.9 for 1 row at 512 / 4096 / 32768 positions and 275 / 287 /
-// 1292 for 16 rows; the variants kept here 8.5 / 17.9 / 60.1 and 20-23 / 107 / 644.
-// What decided the choices:
-//  - splits: 32 at most up to 128 tiles (4096 positions: 17.9 us, against 19.3 with 64 and 27.5
-//    with 128, the merge reading more records), 64 above (32768: 60.1 us against 81.9 with 32);
-//  - two heads per warp (each K/V float read from shared memory serves both): 32768 positions
-//    60.1 us against 70.8, 16 rows 644 against 857;
-//  - programmatic dependent launch: 512 positions 8.4 us against 10.5;
-//  - merge folded into the split kernel (the last CTA of a row and kv head, found by a counter,
-//    merges the group's heads): slower, 12.3 / 34.6 us at 512 / 4096 against 8.9 / 19.3: one CTA
-//    then reads all of a kv head's records, the merge kernel spreads them over n * n_head CTAs.
+// Chosen from a sweep of 18 variants (H200, 32 query / 4 kv heads of 128, one row: 8.5 / 17.9 /
+// 60.1 us at 512 / 4096 / 32768 positions, the previous design 26.5 / 32.0 / 137.9; the sweep and
+// what decided each choice: docs/perf-log.md): at most 32 splits up to 128 tiles, 64 above; two
+// heads per warp; programmatic dependent launch; the merge in a kernel of its own.
 //
 // Memory contract (device pointers, floats): q [n][n_head][head_dim] (the call's rows); row r of
 // the call is the step's row row_offset + r, at position *pos_dev + row_offset + r, and sees

@@ -72,6 +72,86 @@ __device__ __forceinline__ void split_pair(float x0, float x1, unsigned& hi, uns
   lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
+// Q scaled by a power of two 2^e (exact) that puts the tile's max |q| in [2^14, 2^15), then split
+// into halves: q_hi never overflows, and the split's absolute part (where q_lo falls in half's
+// subnormal range: 2^-25, or 2^-14 should the tensor cores flush subnormal inputs) is at most
+// 2^-14 2^-e <= 2^-28 max|q| in q's units. e is clamped to
+// [-113, 126] so 2^e and 2^-e are normal floats (the -113 end takes any finite q; the 126 end
+// only changes max|q| < 2^-111). Scores are multiplied back by 2^-e. Rows past the last query
+// are zeros: finite scores, never written.
+// Returns 2^-e. warp_max: kWarps floats of shared memory.
+template <int HD>
+__device__ __forceinline__ float stage_q_split(const float* __restrict__ q, int64_t n_head, int64_t group, int64_t q0,
+                                               int64_t total, int64_t g, __half* qhi, __half* qlo, float* warp_max) {
+  constexpr int kStride = TcTile<HD>::kStride;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  auto q_at = [&](int i) {
+    const int qq = i / HD, d = i % HD;
+    const int64_t gq = q0 + qq;
+    return gq < total ? q[((gq / group) * n_head + g * group + gq % group) * HD + d] : 0.0f;
+  };
+  float qmax = 0.0f;
+  for (int i = tid; i < kQueries * HD; i += kThreads) qmax = fmaxf(qmax, fabsf(q_at(i)));
+  for (int off = 16; off > 0; off /= 2) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
+  if (lane == 0) warp_max[warp] = qmax;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) qmax = fmaxf(qmax, warp_max[w]);
+  int qexp = 0;
+  frexpf(qmax, &qexp);  // qmax in [2^(qexp-1), 2^qexp); 0 gives 0
+  const int e = max(-113, min(126, 15 - qexp));
+  const float q_up = __int_as_float((127 + e) << 23);
+  for (int i = tid; i < kQueries * HD; i += kThreads) {
+    const int qq = i / HD, d = i % HD;
+    split(q_at(i) * q_up, qhi[qq * kStride + d], qlo[qq * kStride + d]);
+  }
+  return __int_as_float((127 - e) << 23);
+}
+
+// The online softmax of one KV tile on a warp's S fragments (c0, c1 are row quad_row, c2, c3
+// row quad_row + 8): positions at or past the row's limit masked, the scores scaled back by q_down
+// (2^-e first: exact) and then by scale, m and l carried on, corr the factor for the rows'
+// earlier O; s becomes P.
+template <int kNt>
+__device__ __forceinline__ void online_softmax(float (&s)[kNt][4], int64_t kb, int quad_col, const int64_t (&limit)[2],
+                                               float q_down, float scale, float (&m)[2], float (&l)[2],
+                                               float (&corr)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < kNt; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int r = c / 2;
+      const int64_t pos = kb + j * 8 + 2 * quad_col + (c & 1);
+      s[j][c] = pos < limit[r] ? s[j][c] * q_down * scale : -INFINITY;
+      mx[r] = fmaxf(mx[r], s[j][c]);
+    }
+  float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    // Finite: the first tile holds position 0, visible to every row.
+    const float mn = fmaxf(m[r], mx[r]);
+    corr[r] = expf(m[r] - mn);  // 0 on the first tile (m = -inf)
+    m[r] = mn;
+  }
+#pragma unroll
+  for (int j = 0; j < kNt; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float p = expf(s[j][c] - m[c / 2]);  // 0 for a masked position
+      ps[c / 2] += p;
+      s[j][c] = p;
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 1);
+    ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 2);
+    l[r] = l[r] * corr[r] + ps[r];
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_prefill_tc_kernel(const float* __restrict__ q, const __half* __restrict__ kc,
@@ -109,34 +189,8 @@ __global__ void __launch_bounds__(kThreads)
   };
   stage(0, 0);
 
-  // Q scaled by a power of two 2^e (exact) that puts the tile's max |q| in [2^14, 2^15), then split
-  // into halves: q_hi never overflows, and the split's absolute part (where q_lo falls in half's
-  // subnormal range: 2^-25, or 2^-14 should the tensor cores flush subnormal inputs) is at most
-  // 2^-14 2^-e <= 2^-28 max|q| in q's units. e is clamped to
-  // [-113, 126] so 2^e and 2^-e are normal floats (the -113 end takes any finite q; the 126 end
-  // only changes max|q| < 2^-111). Scores are multiplied back by 2^-e. Rows past the last query
-  // are zeros: finite scores, never written.
-  auto q_at = [&](int i) {
-    const int qq = i / HD, d = i % HD;
-    const int64_t gq = q0 + qq;
-    return gq < total ? q[((gq / group) * n_head + g * group + gq % group) * HD + d] : 0.0f;
-  };
   __shared__ float warp_max[kWarps];
-  float qmax = 0.0f;
-  for (int i = tid; i < kQueries * HD; i += kThreads) qmax = fmaxf(qmax, fabsf(q_at(i)));
-  for (int off = 16; off > 0; off /= 2) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
-  if (lane == 0) warp_max[warp] = qmax;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) qmax = fmaxf(qmax, warp_max[w]);
-  int qexp = 0;
-  frexpf(qmax, &qexp);  // qmax in [2^(qexp-1), 2^qexp); 0 gives 0
-  const int e = max(-113, min(126, 15 - qexp));
-  const float q_up = __int_as_float((127 + e) << 23), q_down = __int_as_float((127 - e) << 23);
-  for (int i = tid; i < kQueries * HD; i += kThreads) {
-    const int qq = i / HD, d = i % HD;
-    split(q_at(i) * q_up, qhi[qq * kStride + d], qlo[qq * kStride + d]);
-  }
+  const float q_down = stage_q_split<HD>(q, n_head, group, q0, total, g, qhi, qlo, warp_max);
 
   // This lane's two rows (quad_row and quad_row + 8 of the warp's 16): positions visible to each.
   // A row past the last query sees every staged position, so its max stays finite.
@@ -194,41 +248,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
 
-    // Online softmax on the fragments: c0, c1 are row quad_row, c2, c3 row quad_row + 8.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kNt; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int r = c / 2;
-        const int64_t pos = kb + j * 8 + 2 * quad_col + (c & 1);
-        s[j][c] = pos < limit[r] ? s[j][c] * q_down * scale : -INFINITY;  // 2^-e first: exact
-        mx[r] = fmaxf(mx[r], s[j][c]);
-      }
-    float corr[2], ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      // Finite: the first tile holds position 0, visible to every row.
-      const float mn = fmaxf(m[r], mx[r]);
-      corr[r] = expf(m[r] - mn);  // 0 on the first tile (m = -inf)
-      m[r] = mn;
-    }
-#pragma unroll
-    for (int j = 0; j < kNt; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float p = expf(s[j][c] - m[c / 2]);  // 0 for a masked position
-        ps[c / 2] += p;
-        s[j][c] = p;
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 1);
-      ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 2);
-      l[r] = l[r] * corr[r] + ps[r];
-    }
+    // Online softmax on the fragments: s becomes P (0 at masked positions), m and l move on.
+    float corr[2];
+    online_softmax<kNt>(s, kb, quad_col, limit, q_down, scale, m, l, corr);
 
     // P 2^15 as hi and lo A fragments: k step kk covers positions 16 kk .. 16 kk + 15 = S tiles 2kk, 2kk+1.
     unsigned ph[kBc / 16][4], pl[kBc / 16][4];

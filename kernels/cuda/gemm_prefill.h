@@ -3,13 +3,11 @@
 // a slab of its rows, when it is larger than the workspace) is expanded to BF16 (or F16, see
 // GemmInput) in a reusable device workspace, X is rounded to the same type, and cublasGemmEx
 // multiplies them with F32 accumulation into F32 Y. Why: the matvec kernels (matvec.h) decode
-// every weight block once per token row; at pp512 on the Qwen3-30B shape that path ran 299 tok/s
-// on the H200 where llama.cpp reaches 6200 (issue #5). Measured with this path (H200, q4_k,
-// moraine-kernel-bench cuda --gemm-only; plain cublasGemmEx BF16 peak 882 TFLOP/s): attn_q
-// 4096 x 2048 at n = 512 takes 33 us (260 TFLOP/s; expansion 14 us, cuBLAS alone 15 us), at
-// n = 8192 236 us (583 TFLOP/s, 66% of peak). A MoE layer's experts (matmul_experts) go through
-// the grouped kernel of expert_gemm.h instead: one launch for all experts of a workspace chunk,
-// or with weights decoded in the kernel, one launch for the layer (ExpertPath).
+// every weight block once per token row: pp512 at the Qwen3-30B shape ran 299 tok/s that way
+// where llama.cpp reaches 6200 (issue #5); attn_q 4096 x 2048 at n = 8192 takes 236 us here (66%
+// of the BF16 peak; docs/perf-log.md). A MoE layer's experts (matmul_experts) go through the
+// grouped kernel of expert_gemm.h instead: one launch for all experts of a workspace chunk, or
+// with weights decoded in the kernel, one launch for the layer (ExpertPath).
 //
 // Accuracy: each product sees x and w rounded once to the 16-bit type (relative error at most
 // u = 2^-8 for BF16, 2^-11 for F16), summed in float: |Y - X W^T| <= ((1+u)^2 - 1 + gamma) *
@@ -79,16 +77,12 @@ class PrefillGemm {
   // groups' counts must sum to at most max_tokens (true of disjoint groups). Returns the rows
   // computed. The experts run in chunks of as many whole matrices as fit the weight workspace:
   // per chunk one dequantize_weights launch and one expert_gemm launch (expert_gemm.h) over all
-  // of the chunk's groups.
-  // Measured before the grouped kernel (H200, q4_k, 128 experts, moraine-kernel-bench cuda
-  // --gemm-only): one cublasGemmEx per expert cost about 12 us per expert whatever its rows up
-  // to 512, the matvec about 0.46 us per row for 768 x 2048 and 0.75 us for 2048 x 768.
+  // of the chunk's groups (one cublasGemmEx per expert cost ~12 us each whatever its rows).
   //
   // reuse_input: X is the previous matmul_experts call's x, unchanged (same pointer and cols,
   // its contents the caller's promise), so the 16-bit copy that call made is used again instead
-  // of rounding X anew: the gate and up products of a MoE layer share their X, which was rounded
-  // twice per layer (8 x 512 rows x 2048 cols: ~15 us of ~400 at pp512 on Qwen3-30B-A3B, session
-  // 10's estimate). Same bits as rounding again. Throws std::invalid_argument when the previous
+  // of rounding X anew: the gate and up products of a MoE layer share their X (~15 us of ~400 per
+  // layer at pp512 on Qwen3-30B-A3B, estimated). Same bits as rounding again. Throws std::invalid_argument when the previous
   // call was not matmul_experts on this x and cols, or covered fewer rows, or rounded nothing.
   int64_t matmul_experts(TensorType weight, std::span<const ExpertRows> experts, int64_t rows, int64_t cols,
                          const float* x, float* y, int64_t min_rows = 1, int64_t ldy = 0, bool reuse_input = false);
@@ -96,22 +90,15 @@ class PrefillGemm {
   // How matmul_experts multiplies. Expanded: per chunk, dequantize_weights into the workspace
   // and one expert_gemm launch. Fused: one expert_gemm_fused launch for the whole layer, weights
   // decoded in the kernel (q4_k or q6_k with 16-byte aligned matrices; other calls take the
-  // Expanded path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert (the
-  // previous path; cublasGemmGroupedBatchedEx is no option: cuBLAS 13.1 refuses it for BF16 in /
-  // F32 out with NOT_SUPPORTED on the H200). Auto (default): Fused where it applies; else
-  // Expanded up to kExpandedMaxMeanRows rows per group on average, CublasLoop above (cuBLAS's
-  // GEMM beat ours on long groups before the Wide tiles, and the loop's per-call cost is
-  // amortized there). Measured (H200, q4_k, 128 experts, moraine-kernel-bench cuda --gemm-only,
-  // us per 128 matrices of 768 x 2048, loop / expanded / fused): session 10 run B pp512 (32 rows
-  // each) 2005 / 640 / 137, pp8192 (512 each) 1988 / 1728 / 1084, 2048 x 768 pp8192 2055 /
-  // 1494 / 1004 (the loop's time varies between runs: session 9 run G had 1159 at pp512, 1664
-  // and 1315 at pp8192); before the Wide tiles and the cheaper decode (run G) fused was 179 at
-  // pp512 and 1526 at pp8192; 128 x R rows, expanded vs loop (run G): R = 64 695 vs 1212.
+  // Expanded path); same bits as Expanded. CublasLoop: expand, then one cublasGemmEx per expert.
+  // Auto (the default; a forced path is for the test and the bench): Fused where it applies;
+  // else Expanded up to kExpandedMaxMeanRows rows per group on average, CublasLoop above (the
+  // loop's per-call cost is amortized there). q4_k, 128 x (768 x 2048) at pp512, us loop /
+  // expanded / fused: 2005 / 640 / 137 (docs/perf-log.md has the runs).
   enum class ExpertPath : uint8_t { Auto, Expanded, Fused, CublasLoop };
   static constexpr int64_t kExpandedMaxMeanRows = 256;
-  // Auto takes fused q6_k only up to this many rows per group on average. H200, session 11 run G,
-  // q6_k down 128 x (2048 x 768) uniform, us expanded / fused: pp512 (32 rows each) 492.5 / 198.7,
-  // pp8192 (512 each) 1490 / 1633; the straight lines through those cross at ~354 rows.
+  // Auto takes fused q6_k only up to this many rows per group on average: where the expanded and
+  // fused times of a q6_k down 128 x (2048 x 768) cross (~354 rows; docs/perf-log.md).
   static constexpr int64_t kQ6FusedMaxMeanRows = 352;
   void set_expert_path(ExpertPath p) { path_ = p; }
   ExpertPath expert_path() const { return path_; }

@@ -20,15 +20,6 @@
 
 namespace moraine::cuda {
 
-// flag = *seq_dev, visible to the host once every earlier operation of the stream finished.
-void signal_host(uint64_t* flag, const uint64_t* seq_dev, cudaStream_t stream = nullptr);
-
-// Returns (lets the stream go on) once *flag >= *seq_dev. After timeout_ns without that, sets
-// *error_dev = 1 and returns anyway: a graph cannot throw, and a host that died must not leave
-// the GPU spinning forever; the caller checks error_dev after the step.
-void wait_host(const uint64_t* flag, const uint64_t* seq_dev, uint64_t timeout_ns, int32_t* error_dev,
-               cudaStream_t stream = nullptr);
-
 // One span of bytes between device memory and mapped host memory (the device-side address of
 // host memory registered or allocated mapped: cudaHostGetDevicePointer). bytes: a multiple of 4,
 // both addresses 4-byte aligned.
@@ -40,8 +31,8 @@ struct HostSpan {
 inline constexpr int kMaxHostSpans = 3;
 
 // The spans (device -> mapped host memory) written by the device itself, then flag = *seq_dev
-// raised once they are visible to the host: one launch where signal_host needs a memcpy node per
-// span before it (each a few us in a graph, serialized with the kernels).
+// raised once they are visible to the host: one launch where a flag kernel needed a memcpy node
+// per span before it (each a few us in a graph, serialized with the kernels).
 void publish_to_host(const HostSpan* spans, int n_spans, uint64_t* flag, const uint64_t* seq_dev,
                      cudaStream_t stream = nullptr);
 
@@ -53,11 +44,9 @@ void publish_to_host(const HostSpan* spans, int n_spans, uint64_t* flag, const u
 // [n_expert]), a step whose chosen experts are all on the device writes map_dev = -1 without
 // waiting for the host (which has nothing to send for it). A timeout sets *error_dev = 1 and
 // copies nothing (the step is void).
-// Why: the copy of the whole [nk][row_floats] block it replaces (64 KB per decode row in 4-byte
-// reads, then the map) ended well after the host's flag on every hand-off layer, though ~92% of
-// the slots never cross at 12G with Zipf-1 routing. Qwen3-30B shape, 12G, H200 (session 9 runs
-// A / B0, same census): host's routed_wait p50 53.9 -> 41.1 us per layer, decode p50 5177 -> 3831
-// us per token (193 -> 261 tok/s).
+// Why: the copy of the whole [nk][row_floats] block it replaces ended well after the host's flag
+// on every hand-off layer, though ~92% of the slots never cross at 12G with Zipf-1 routing
+// (Qwen3-30B shape, 12G: decode 193 -> 261 tok/s; docs/perf-log.md).
 struct ExpertRowFetch {
   const uint64_t* flag = nullptr;
   const uint64_t* seq_dev = nullptr;

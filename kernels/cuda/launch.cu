@@ -9,14 +9,7 @@ namespace {
 // Per device ordinal: 0 not asked yet, 1 no PDL, 2 PDL. Devices past the table are asked on every
 // launch (no machine we know has 64 GPUs).
 constexpr int kMaxDevices = 64;
-std::atomic<int8_t> g_capable[kMaxDevices];
-
-// The switch (a function-local static: constant-initialised before any launch of any translation
-// unit).
-std::atomic<bool>& pdl_switch() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+std::atomic<int8_t> capability_cache[kMaxDevices];
 
 bool ask_device(int device) {
   int major = 0;
@@ -26,19 +19,16 @@ bool ask_device(int device) {
 
 }  // namespace
 
-bool programmatic_launch_enabled() {
-  if (!pdl_switch().load(std::memory_order_relaxed)) return false;
+bool programmatic_launch_supported() {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   if (device < 0 || device >= kMaxDevices) return ask_device(device);
-  int8_t c = g_capable[device].load(std::memory_order_relaxed);
+  int8_t c = capability_cache[device].load(std::memory_order_relaxed);
   if (c == 0) {
     c = ask_device(device) ? 2 : 1;
-    g_capable[device].store(c, std::memory_order_relaxed);
+    capability_cache[device].store(c, std::memory_order_relaxed);
   }
   return c == 2;
 }
-
-void set_programmatic_launch(bool on) { pdl_switch().store(on, std::memory_order_relaxed); }
 
 }  // namespace moraine::cuda

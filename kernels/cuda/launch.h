@@ -14,9 +14,10 @@
 // waits for this grid's completion): it only decides how early the next launch starts.
 // Memcpy, memset, host-function and event nodes keep full dependencies in a stream and in a
 // captured graph; the relaxation is between two kernels only (tests/cuda/pdl_chain_test.cpp
-// checks the captured edges and the bits). Measured on the H200: ~0.2 us saved per dependent
-// launch in a graph (a 30B decode layer's 11 small kernels: 33.8 -> 31.8 us; kernel bench
-// --pdl-only).
+// checks the captured edges and the bits).
+// Always on where the device has it: a 30B decode layer's 11 small kernels 33.8 -> 31.8 us on the
+// H200 (docs/perf-log.md). Tests and benches that compare with plain launches turn a captured
+// graph's programmatic edges into full ones (tools/kernel_bench/plain_graph.h).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,18 +27,12 @@
 
 namespace moraine::cuda {
 
-// Whether launch_kernel puts the PDL attribute on launches for the current device: the device's
-// compute capability is 9.0 or more (queried once per device, then cached) and the process-wide
-// switch is on.
-bool programmatic_launch_enabled();
-
-// The process-wide switch (default on; moraine-gpu-worker --no-pdl turns it off). Launches made
-// (and graphs captured) after the call follow it; a captured graph keeps the attribute it was
-// captured with. For tests and benches that compare both.
-void set_programmatic_launch(bool on);
+// Whether the current device takes the PDL attribute: compute capability 9.0 or more (a
+// detection, queried once per device, then cached).
+bool programmatic_launch_supported();
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when
-// programmatic_launch_enabled(), checked.
+// programmatic_launch_supported(), checked.
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args&&... args) {
@@ -50,7 +45,7 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic_launch_enabled() ? 1 : 0;
+  cfg.numAttrs = programmatic_launch_supported() ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -1,9 +1,10 @@
-// Device code of the fused MoE kernels shared by moe_fused.cu (the tiled and warp-unit kernels)
-// and moe_staged.cu (the staged form, MoeLayerWeights::Tuning::staged): the call's parameters,
-// the routing scans, the padded activation layout, the cp.async row staging, the per-row and
-// several-rows dots, the warp quantizer of h and kernel 1's per-unit h rows. One copy, so every
-// form adds the same per-block float terms in the same order for a given row length (the staged
-// form's output is bit-identical to the default's because it calls exactly these).
+// Device code of the fused MoE kernels shared by moe_fused.cu (the tiled kernels), moe_staged.cu
+// (the staged form, MoeLayerWeights::Form) and the kernel bench's warp-unit form
+// (tools/kernel_bench/moe_fused_units.cu): the call's parameters, the routing scans, the padded
+// activation layout, the cp.async row staging, the per-row and several-rows dots, the warp
+// quantizer of h and kernel 1's per-unit h rows. One copy, so every form adds the same per-block
+// float terms in the same order for a given row length (the forms' outputs are bit-identical
+// because they call exactly these).
 #pragma once
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
@@ -21,15 +22,11 @@ namespace moraine::cuda::moe_detail {
 using namespace matvec_detail;
 
 // Everything the fused MoE kernels need of one call, by value (kernel parameter space): the tiled
-// and warp-unit kernels (moe_fused.cu) read all of it; the staged kernels (moe_staged.cuh's
-// StagedParams adds their own fields after these) the formats, sizes, weights, routing, x,
-// outputs, h and layouts. moe_fused.cu's fill_moe_params sets what follows from the weights.
-// The field order is the one the tiled and warp-unit kernels had before the staged form shared the
-// struct, which keeps their machine code byte for byte: the parameter layout alone changes how
-// ptxas schedules a kernel, and a first version of this sharing (the shared fields first, same
-// registers and spills) made the default form 0.2-0.35 us slower per layer at 2 tokens (H200,
-// moraine-kernel-bench cuda --moe-only, graph, 2026-11-30, two runs each: 30B-A3B Q4_K 38.5 ->
-// 38.75, Q8_0 70.75 -> 71.1, Qwen3-Next Q4_K 35.5 -> 35.8).
+// kernels (moe_fused.cu) read all of it; the staged kernels (moe_staged.cuh's StagedParams adds
+// their own fields after these) the formats, sizes, weights, routing, x, outputs, h and layouts.
+// moe_fused.cu's fill_moe_params sets what follows from the weights. Keep the field order: the
+// parameter layout alone changes how ptxas schedules a kernel (0.2-0.35 us per layer when the
+// staged form first shared the struct; docs/perf-log.md).
 struct MoeParams {
   int gate_type, up_type, down_type;  // TensorType values
   bool x_gate_q8k, x_up_q8k, h_q8k;   // activation formats: Q8_K (true) or Q8_0
@@ -57,14 +54,6 @@ struct MoeParams {
   // shared-memory layout (padded bytes per token of x for gate / up, 16-byte words per staged row:
   // moe_fused.cu's act_stride, seg_words)
   int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
-  bool dots_by_rows;  // dot_rows (default) or dot_staged per row (MoeLayerWeights::dots)
-  // Down kernel form: the per-row-tile kernel (moe_down_tile_kernel) quantizes h itself, so
-  // kernel 1 then only writes the F32 h (no counters).
-  bool k1_quantizes_h;
-  int tile_rows_d;  // moe_down_tile_kernel: n_embd rows per CTA
-  int stages_a;     // kernel 1 row buffers (1 or 2)
-  int stages_b;     // moe_down_units_kernel row buffers per warp (1 or 2)
-  bool vec_loads;   // Q4_K / Q8_0 dots with 16-byte activation loads (MoeLayerWeights::Tuning)
 };
 
 // Whether expert e is on this GPU (ids outside 0..n_expert-1 count as absent).
@@ -202,54 +191,55 @@ __device__ __forceinline__ int q8_0_block_isum_vec(const uint8_t* wb, const Bloc
 // dot(row, act) over nblocks blocks, both in shared memory: lanes take block parts round-robin
 // (the matvec's per-block terms), the warp's result in every lane.
 template <class F>
-__device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_t* act, int lane, bool vec) {
+__device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_t* act, int lane) {
   if constexpr (std::is_same_v<F, FormatQ8_0>) {  // one part per block: one block per lane
-    if (vec) {
-      float acc = 0.0f;
-      for (int b = lane; b < nblocks; b += 32) {
-        const uint8_t* wb = row + b * F::kBlockBytes;
-        acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
-      }
-      for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      return acc;
+    float acc = 0.0f;
+    for (int b = lane; b < nblocks; b += 32) {
+      const uint8_t* wb = row + b * F::kBlockBytes;
+      acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
     }
-  }
-  const int units = nblocks * F::kParts;
-  float acc = 0.0f;
-  for (int u0 = 0; u0 < units; u0 += 32) {
-    const int u = u0 + lane;
-    const bool valid = u < units;
-    const int b = u / F::kParts, part = u % F::kParts;
-    int isum = 0, msum = 0;
-    if (valid) F::part(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part, isum, msum);
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+  } else {
+    const int units = nblocks * F::kParts;
+    float acc = 0.0f;
+    for (int u0 = 0; u0 < units; u0 += 32) {
+      const int u = u0 + lane;
+      const bool valid = u < units;
+      const int b = u / F::kParts, part = u % F::kParts;
+      int isum = 0, msum = 0;
+      if (valid) F::part(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part, isum, msum);
 #pragma unroll
-    for (int off = 1; off < F::kParts; off *= 2) {
-      isum += __shfl_xor_sync(0xffffffffu, isum, off);
-      msum += __shfl_xor_sync(0xffffffffu, msum, off);
+      for (int off = 1; off < F::kParts; off *= 2) {
+        isum += __shfl_xor_sync(0xffffffffu, isum, off);
+        msum += __shfl_xor_sync(0xffffffffu, msum, off);
+      }
+      if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), isum, msum);
     }
-    if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), isum, msum);
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
   }
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  return acc;
 }
 
-// Runtime format switch (warp-uniform): one kernel serves every format and mix of formats.
-inline __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane, bool vec) {
+// Runtime format switch (warp-uniform): one kernel serves every format and mix of formats. The
+// fallback of gate_up_unit_h (and of the tiled kernel 1) where a gate/up pair does not fit one
+// dot_rows call: gate and up of different formats, or rows of more than 16 blocks.
+inline __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
-      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane, vec);
+      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane);
     case TensorType::MXFP4:
-      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane, vec);
+      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane);
     case TensorType::Q2_K:
-      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane, vec);
+      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane);
     case TensorType::Q3_K:
-      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane, vec);
+      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane);
     case TensorType::Q4_K:
-      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane, vec);
+      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane);
     case TensorType::Q5_K:
-      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane, vec);
+      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
     case TensorType::Q6_K:
-      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane, vec);
+      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
@@ -318,9 +308,11 @@ __device__ __forceinline__ void q4k_block_sums_vec(const uint8_t* wb, const Bloc
 }
 
 // kBlocks > 0: nblocks is that constant (the per-shape kernels: the lane split and its divisions
-// then fold away at compile time).
-template <class F, int kBlocks = 0, class RowOf, class ActOf>
-__device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblocks, int lane, bool vec) {
+// then fold away at compile time). kAligned: every row starts 16-byte aligned (FixedRows'
+// kRowsAligned), so Q4_K takes its 16-byte form without a run-time check (which cost the
+// per-shape staged down kernel a register spill).
+template <class F, int kBlocks = 0, bool kAligned = false, class RowOf, class ActOf>
+__device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblocks, int lane) {
   if constexpr (kBlocks > 0) nblocks = kBlocks;
   const int lanes = lanes_per_row(nblocks);
   const int r = lane / lanes;
@@ -328,56 +320,58 @@ __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblo
   if (r < nrows) {
     const uint8_t* row = row_of(r);
     const uint8_t* act = act_of(r);
-    // Q4_K rows are whole 16-byte words (the contract aligns them); Q8_0's weight reads are unaligned anyway.
-    vec = vec && (std::is_same_v<F, FormatQ8_0> || (reinterpret_cast<uintptr_t>(row) & 15) == 0);
+    // The 16-byte forms: Q8_0 always (its weight reads are unaligned anyway), Q4_K where the rows
+    // are whole 16-byte words (the contract aligns them).
+    const bool aligned = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
     for (int b = lane % lanes; b < nblocks; b += lanes) {
       const uint8_t* wb = row + b * F::kBlockBytes;
-      int isum = 0, msum = 0;
-      if constexpr (std::is_same_v<F, FormatQ45_K<false>>) {
-        if (vec) {
-          q4k_block_sums_vec(wb, act_block<BlockQ8_K>(act, b), isum, msum);
-          acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
-          continue;
-        }
-      }
       if constexpr (std::is_same_v<F, FormatQ8_0>) {
-        if (vec) {
-          acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
-          continue;
+        acc += F::term(wb, act_block<BlockQ8_0>(act, b), q8_0_block_isum_vec(wb, act_block<BlockQ8_0>(act, b)), 0);
+      } else if constexpr (std::is_same_v<F, FormatQ45_K<false>> && kAligned) {
+        int isum = 0, msum = 0;
+        q4k_block_sums_vec(wb, act_block<BlockQ8_K>(act, b), isum, msum);
+        acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
+      } else {
+        int isum = 0, msum = 0;
+        if constexpr (std::is_same_v<F, FormatQ45_K<false>>) {
+          if (aligned) {
+            q4k_block_sums_vec(wb, act_block<BlockQ8_K>(act, b), isum, msum);
+            acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
+            continue;
+          }
         }
-      }
 #pragma unroll
-      for (int part = 0; part < F::kParts; ++part) {
-        int is = 0, ms = 0;
-        F::part(wb, act_block<typename F::Act>(act, b), part, is, ms);
-        isum += is;
-        msum += ms;
+        for (int part = 0; part < F::kParts; ++part) {
+          int is = 0, ms = 0;
+          F::part(wb, act_block<typename F::Act>(act, b), part, is, ms);
+          isum += is;
+          msum += ms;
+        }
+        acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
       }
-      acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
     }
   }
   for (int off = lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
 }
 
-// vec: the Q4_K dot's 16-byte loads (q4k_block_sums_vec; Params::vec_q4k).
 template <class RowOf, class ActOf>
-__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane, bool vec) {
+__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
-      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane, vec);
+      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane);
     case TensorType::MXFP4:
-      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane, vec);
+      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane);
     case TensorType::Q2_K:
-      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
+      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::Q3_K:
-      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
+      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::Q4_K:
-      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane, vec);
+      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::Q5_K:
-      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane, vec);
+      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::Q6_K:
-      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane, vec);
+      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
@@ -417,13 +411,12 @@ __host__ __device__ constexpr bool fixed_rows_aligned() {
 // ncu "no instruction" 2.0 of 12.5 cycles per issued instruction in kernel 1) and no divisions
 // by the run-time lane split.
 template <class Shape, class RowOf, class ActOf>
-__device__ __forceinline__ float dot_rows_as(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane,
-                                             bool vec) {
+__device__ __forceinline__ float dot_rows_as(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   if constexpr (std::is_void_v<Shape>) {
-    return dot_rows(type, row_of, act_of, nrows, n, lane, vec);
+    return dot_rows(type, row_of, act_of, nrows, n, lane);
   } else {
-    return dot_rows_format<typename Shape::Format, Shape::kRowBlocks>(row_of, act_of, nrows, Shape::kRowBlocks, lane,
-                                                                      vec);
+    return dot_rows_format<typename Shape::Format, Shape::kRowBlocks, Shape::kRowsAligned>(row_of, act_of, nrows,
+                                                                                          Shape::kRowBlocks, lane);
   }
 }
 
@@ -443,8 +436,7 @@ inline __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t
   }
 }
 
-// The down kernels that own a slice of output rows (moe_fused.cu's moe_down_tile_kernel, the
-// staged down kernel): rows row_base .. row_base + rows_here - 1 of every leader's down matrix
+// The staged down kernel, which owns a slice of output rows: rows row_base .. row_base + rows_here - 1 of every leader's down matrix
 // put in flight with cp.async into stage [leader d][R][down_seg_words], warp w taking rows w,
 // w + kWarps, ... of every leader. The caller commits the group. Why by leader, then row: one
 // (leader, row) pair per step with a division each took a third of the staged down kernel's
@@ -480,7 +472,8 @@ __device__ __forceinline__ void quantize_x(const MoeParams& p, uint8_t* xg, uint
 // One warp's unit of kernel 1 for one slot: h[slot][row0 + j] = silu(gate_j . x_t) * (up_j . x_t)
 // for the n_pairs gate/up row pairs staged at `stage` (gate row j at j * pair_words, up row j
 // after it, pair_words = gate_seg_words + up_seg_words; g_base / u_base: the expert's tensors, for
-// the rows' alignment), t the slot's token. The warp-unit and the staged kernel 1 both call this.
+// the rows' alignment), t the slot's token. The staged kernel 1 and the bench's warp-unit kernel 1
+// call this.
 // How it dots (every kernel 1 alike, so the same bits): with by_rows, gate row j and up row j in
 // adjacent groups of `lanes` lanes of one dot_rows call, `pairs` pairs a call (the kernels set
 // lanes = lanes_per_row(blocks of a gate row), pairs = 32 / lanes / 2, and by_rows where the
@@ -516,7 +509,7 @@ __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, in
       }
     };
     const uint8_t* xt = xg + t * p.xg_stride;
-    const float v = dot_rows_as<Shape>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane, p.vec_loads);
+    const float v = dot_rows_as<Shape>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
     const float uv = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
     const int c = lane / lanes;
     // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
@@ -528,8 +521,8 @@ __device__ __forceinline__ void gate_up_unit_h(const MoeParams& p, int lanes, in
       const int64_t row = row0 + j;
       const uint8_t* gate_row = staged(stage + j * pair_words, g_base + row * p.gate_row_bytes);
       const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
-      const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane, p.vec_loads);
-      const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane, p.vec_loads);
+      const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
+      const float uv = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
       if (lane == 0) h_row[j] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), uv);
     }
   }

@@ -1,4 +1,4 @@
-// Staged decode form of the fused MoE (MoeLayerWeights::Tuning::staged; contract in moe_fused.h,
+// Staged decode form of the fused MoE (MoeLayerWeights::Form; contract in moe_fused.h,
 // launcher declared in moe_staged.cuh). Two launches, no counters, no atomics, no second pass:
 //  1. moe_staged_gate_up_kernel: one CTA per SM (one wave). The (chosen expert, gate/up row
 //     pair) work is cut into units of one dot_rows call's pairs; CTA c takes the c-th equal
@@ -11,15 +11,15 @@
 //     fetches those rows of every chosen expert's down matrix BEFORE waiting for kernel 1 (its
 //     CTAs sit beside kernel 1's on every SM: one CTA of each kernel fits in an SM's registers
 //     and shared memory, which the launcher checks), then waits, quantizes every slot's h into
-//     shared memory (the same warp quantizer as the default path: the same bytes), and one warp
+//     shared memory (the same warp quantizer as the tiled kernels: the same bytes), and one warp
 //     per output row dots every slot's row and adds the weighted sums in top-k order.
-// Why: the default path's time is per-warp dependent chains (cumoe3, moe_fused.h Tuning: halving
-// the warps per SM costs ~3.5 us whatever else changes): rows, dot, h store, fence, atomic,
-// quantize; then h copy, dot, y store, fence, atomic, sums. Here a warp's only chain is its
-// rows' arrival, and the down rows arrive while kernel 1 runs.
+// Why: the tiled kernels' time is per-warp dependent chains (halving the warps per SM cost ~3.5 us
+// whatever else changed): rows, dot, h store, fence, atomic, quantize; then h copy, dot, y store,
+// fence, atomic, sums. Here a warp's only chain is its rows' arrival, and the down rows arrive
+// while kernel 1 runs.
 // Bits: the same dot functions (moe_fused_dots.cuh) with the same row lengths, the same h
 // expression, the same quantizer and the same sum order (acc = 0, then acc + w_s * y_s for
-// s = 0..k-1 over present slots) as the default kernels, so the output is bit-identical
+// s = 0..k-1 over present slots) as the tiled kernels, so the output is bit-identical
 // (tests/cuda/moe_fused_test.cpp checks it).
 #include <cuda_pipeline.h>
 
@@ -32,7 +32,6 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_fused_dots.cuh"
 #include "kernels/cuda/moe_staged.cuh"
-#include "kernels/cuda/mma_ptx.cuh"
 
 namespace moraine::cuda::moe_detail {
 namespace {
@@ -63,72 +62,6 @@ __device__ __forceinline__ void wait_groups_pending(int pending) {
     default: __pipeline_wait_prior(7); break;
   }
 }
-
-}  // namespace
-
-// Outside the anonymous namespace: below sm_90 these bodies are empty and some are never called,
-// which nvcc reports (#177) for internal functions only.
-// Bulk copies (cp.async.bulk, the Tensor Memory Accelerator's plain form, sm_90+) completing on
-// shared-memory mbarriers (StagedParams::bulk): one instruction per row instead of one 16-byte
-// copy per lane and word. Below sm_90 these compile to nothing (the host never asks for them there).
-using ptx::smem_addr;
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-// The barrier's current phase completes once `bytes` more have landed (and its one arrival).
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-
-// Waits until the phase with this parity (0, 1, 0, ... per reuse) has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned done = 0;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(smem_addr(bar)), "r"(parity)
-                 : "memory");
-  } while (!done);
-#endif
-}
-
-// The words stage_row_async would copy (the row's enclosing aligned 16-byte words), as one bulk
-// copy counted on bar: the same shared-memory contents, so staged() finds the row as before.
-__device__ __forceinline__ void bulk_stage_row(const uint8_t* row, int64_t row_bytes, uint4* dst, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row);
-  const uintptr_t first = start & ~uintptr_t{15};
-  const unsigned bytes = static_cast<unsigned>((start + row_bytes - first + 15) / 16 * 16);
-  mbar_expect(bar, bytes);
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_addr(dst)), "l"(first), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-#endif
-}
-
-// Orders this thread's earlier generic-proxy accesses of shared memory before later bulk copies
-// into it (a ring buffer being refilled).
-__device__ __forceinline__ void fence_proxy_async() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-namespace {
 
 // Gate activation block u of x (blocks of every token in turn, as quantize_x deals them): the
 // values quantize_block loads for it, 8 per lane for Q8_K, 1 (v[0]) for Q8_0.
@@ -212,7 +145,6 @@ template <class FG>
 __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const StagedParams p) {
   extern __shared__ uint4 smem[];
   __shared__ StagedRouting rt;
-  __shared__ uint64_t bars[kSWarps][kStagedMaxDepth];  // bulk copies: one per warp and ring slot
   wait_for_prior_grids();  // launch.h's contract (a no-op unless launched programmatically)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // This warp's first block of x, loaded before anything else: loaded after the rows' copies it
@@ -273,24 +205,6 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
       const uint8_t* g = expert_tensor(p, 0, e);
       const uint8_t* u = expert_tensor(p, 1, e);
       uint4* stage = ring + in.slot * unit_words;
-      if (p.bulk) {  // lane c copies row c: gate j = c / 2 (c even) or up j (c odd)
-        uint64_t* bar = &bars[warp][in.slot];
-        if (lane < 2 * p.unit_pairs) {
-          fence_proxy_async();  // this warp's reads of a refilled slot came before (__syncwarp)
-          const int j = lane / 2;
-          const int64_t row = row0 + j;
-          if (lane % 2 == 0) {
-            bulk_stage_row(g + row * p.gate_row_bytes, p.gate_row_bytes, stage + j * pair_words, bar);
-          } else {
-            bulk_stage_row(u + row * p.up_row_bytes, p.up_row_bytes, stage + j * pair_words + p.gate_seg_words, bar);
-          }
-        }
-        __syncwarp();  // every expect_tx before the phase's one arrival
-        if (lane == 0) mbar_arrive(bar);
-        advance(in);
-        ++issued;
-        return;
-      }
       if constexpr (fixed_rows_aligned<FG>()) {
         // The unit's gate rows are one contiguous run of the expert's gate matrix (rows row0..),
         // its up rows another: copied as two runs into the unit's buffer, gate rows then up rows
@@ -315,27 +229,19 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
       advance(in);
     }
     ++issued;
-    if (!p.bulk) __pipeline_commit();
+    __pipeline_commit();
   };
-  if (p.bulk) {
-    if (lane < depth) mbar_init(&bars[warp][lane]);
-    __syncwarp();
-  }
   for (int m = 0; m < depth; ++m) issue();
   allow_dependent_grids();  // the down kernel's CTAs may start fetching their rows now
   staged_quantize_x(p, xg, xu, same_x, warp, lane, x_first);
   __syncthreads();  // x published; from here on every warp runs on its own
-  // The default kernels' choice of dot (gate_up_unit_h).
+  // The tiled kernels' choice of dot (gate_up_unit_h).
   const int lanes =
       lanes_per_row(std::is_void_v<FG> ? p.n_embd / format_block_elems(p.gate_type) : FixedBlocks<FG>::value);
   const int pairs = 32 / lanes / 2;
   const bool by_rows = p.gate_type == p.up_type && pairs >= 1;
   for (int m = 0; m < mine; ++m) {
-    if (p.bulk) {
-      mbar_wait(&bars[warp][out.slot], static_cast<unsigned>(m / depth) & 1u);
-    } else {
-      wait_groups_pending(depth - 1);  // unit m's group (groups committed so far: depth + m)
-    }
+    wait_groups_pending(depth - 1);  // unit m's group (groups committed so far: depth + m)
     __syncwarp();
     const int e = leader_expert(out.q);
     const int row0 = out.r * p.unit_pairs;
@@ -419,9 +325,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
   __shared__ int16_t present_pos[kStagedMaxSlots];   // by slot: its present index, -1 when absent
   __shared__ uint8_t misalign[kStagedMaxSlots];      // by leader index: down tensor address mod 16
   __shared__ float weight[kStagedMaxSlots];
-  __shared__ uint64_t rows_bar;  // bulk copies: every staged row
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (p.bulk && threadIdx.x == 0) mbar_init(&rows_bar);  // published by find_leaders' barriers
   const int R = p.rows_per_cta;
   const int row_base = blockIdx.x * R;
   const int rows_here = min(R, p.n_embd - row_base);
@@ -434,14 +338,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
   // this launch only after its own wait for them, so they are read before this kernel's wait
   // (moe_fused.cu's down kernels rely on the same): the rows can fly while kernel 1 runs.
   const int n_leaders = find_leaders<kSWarps>(p, rt);
-  if (p.bulk) {  // one thread per row
-    for (int u = threadIdx.x; u < n_leaders * rows_here; u += kSThreads) {
-      const int d = u / rows_here, j = u % rows_here;
-      const uint8_t* w = expert_tensor(p, 2, rt.chosen[rt.leader[d]]);
-      bulk_stage_row(w + static_cast<int64_t>(row_base + j) * p.down_row_bytes, p.down_row_bytes,
-                     stage + (d * R + j) * p.down_seg_words, &rows_bar);
-    }
-  } else if constexpr (fixed_rows_aligned<FD>()) {
+  if constexpr (fixed_rows_aligned<FD>()) {
     // The slice's rows of a leader are one contiguous run of its down matrix: copied as such, the
     // CTA's threads over each run in turn, unpadded ([leader][R][row words]; row_of below). Why:
     // stage_down_slice's per-row copies took 21% of this kernel's instructions (ncu SASS counts,
@@ -478,20 +375,13 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
     slot_leader[i] = leader_index[first];
   }
 
-  // (cta_compact's barriers: every row's expect_tx is in before the one arrival.)
-  if (p.bulk && threadIdx.x == 0) mbar_arrive(&rows_bar);
-
   wait_for_prior_grids();  // kernel 1's h (and everything before it) complete and visible
   if (i < p.n_slots) weight[i] = p.weight[i];
   staged_quantize_h(p, present_list, n_present, act, warp, lane);
-  if (p.bulk) {
-    mbar_wait(&rows_bar, 0);
-  } else {
-    __pipeline_wait_prior(0);
-  }
+  __pipeline_wait_prior(0);
   __syncthreads();
 
-  // One warp per output row: every present slot's dot (the default's dot_rows with the same row
+  // One warp per output row: every present slot's dot (the tiled kernels' dot_rows with the same row
   // length, rows of several experts in one call), then the weighted sum in top-k order.
   const int lanes =
       lanes_per_row(std::is_void_v<FD> ? p.n_ff / format_block_elems(p.down_type) : FixedBlocks<FD>::value);
@@ -511,7 +401,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_down_kernel(const Sta
         }
       };
       auto act_of = [&](int c) { return act + (q0 + c) * p.hq_stride; };
-      const float v = dot_rows_as<FD>(p.down_type, row_of, act_of, nr, p.n_ff, lane, p.vec_loads);
+      const float v = dot_rows_as<FD>(p.down_type, row_of, act_of, nr, p.n_ff, lane);
       const int c = lane / lanes;
       if (lane % lanes == 0 && c < nr) {
         y[q0 + c] = v;
@@ -554,7 +444,6 @@ struct StagedKernels {
 StagedKernels staged_kernels(const StagedParams& p) {
   const auto t = [](int v) { return static_cast<TensorType>(v); };
   StagedKernels k{moe_staged_gate_up_kernel<void>, moe_staged_down_kernel<void>};
-  if (p.bulk) return k;  // bulk copies stage rows in padded segments, which the per-shape kernels do not read
   if (t(p.gate_type) == TensorType::Q4_K && p.up_type == p.gate_type && p.n_embd == 8 * kQK_K)
     k.gate_up = moe_staged_gate_up_kernel<Q4KRows8>;
   const int down_blocks = p.n_ff % kQK_K == 0 ? p.n_ff / kQK_K : 0;
@@ -609,12 +498,8 @@ StagedSmem staged_smem(const StagedParams& p) {
 bool moe_staged_plan(StagedParams& p) {
   if (p.n_tokens < 1 || p.n_tokens > kStagedMaxTokens || p.n_slots > kStagedMaxSlots) return false;
   if (int64_t{p.n_slots} * p.n_ff >= INT32_MAX) return false;  // kernel 1's unit ids are ints
-  // Where this form is slower than the default kernels: Q8_0 experts. H200,
-  // moraine-kernel-bench cuda --moe-only, graph, us per layer, default -> staged (2026-11-30 run
-  // B, per-lane cp.async): Q8_0 at 1 token 38.1 -> 39.8 (Qwen3-30B-A3B) and 34.6 -> 34.7
-  // (Qwen3-Next), against Q4_K 23.4 -> 20.8 / 38.4 -> 35.0 at 1 / 2 tokens (30B-A3B) and
-  // 24.7 -> 20.3 / 35.3 -> 32.2 (Next). Decided by the gate format, as gpu_worker's cuda_backend
-  // did before.
+  // Where this form is slower than the tiled kernels: Q8_0 experts (decided by the gate format;
+  // 30B-A3B at one token 38.1 -> 39.8 us per layer on the H200, docs/perf-log.md).
   if (p.only_where_faster && static_cast<TensorType>(p.gate_type) == TensorType::Q8_0) return false;
   const StagedDevice dev = staged_device();
   constexpr int64_t kReserve = 1024;  // the per-CTA shared memory the driver keeps
@@ -638,7 +523,7 @@ bool moe_staged_plan(StagedParams& p) {
   const int64_t per_warp = (per_cta + kSWarps - 1) / kSWarps;
   const int64_t unit_bytes = int64_t{p.unit_pairs} * (p.gate_seg_words + p.up_seg_words) * 16;
   const int64_t x_bytes = staged_smem(p).a;  // warp_slots 0: the activations only
-  const int64_t beside_b = p.k1_whole_sm ? dev.smem_per_sm : dev.smem_per_sm - kReserve - dev.static_b - smem_b;
+  const int64_t beside_b = dev.smem_per_sm - kReserve - dev.static_b - smem_b;
   const int64_t room = std::min<int64_t>(beside_b - kReserve - dev.static_a, dev.smem_optin - dev.static_a) - x_bytes;
   const int64_t slots = std::min<int64_t>({per_warp, room / (int64_t{kSWarps} * unit_bytes), kStagedMaxDepth});
   if (slots < 1) return false;
@@ -646,7 +531,7 @@ bool moe_staged_plan(StagedParams& p) {
   return true;
 }
 
-bool moe_staged_launch(StagedParams p, bool pdl_down, bool pdl_gate_up, cudaStream_t stream) {
+bool moe_staged_launch(StagedParams p, bool pdl_down, cudaStream_t stream) {
   if (!moe_staged_plan(p)) return false;
   const StagedDevice dev = staged_device();
   const StagedSmem smem = staged_smem(p);
@@ -663,7 +548,7 @@ bool moe_staged_launch(StagedParams p, bool pdl_down, bool pdl_gate_up, cudaStre
   cfg.attrs = attr;
   cfg.gridDim = dim3(static_cast<unsigned>(dev.sms));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_a);
-  cfg.numAttrs = pdl_gate_up ? 1 : 0;
+  cfg.numAttrs = 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern.gate_up, p));
   cfg.gridDim = dim3(static_cast<unsigned>((p.n_embd + p.rows_per_cta - 1) / p.rows_per_cta));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_b);

@@ -29,10 +29,10 @@
 //    logged values are now within 0.1x to 0.2x of this one.
 //  - weighted sum: sum_s |w_s| tol_s (1 + 2u) + 2 gamma(k + 1) sum_s |w_s y_s|.
 // A wrong row, block, expert, token or weight moves results by the size of the values, orders of
-// magnitude above these bounds. Every case runs each form of the kernels (MoeLayerWeights::dots
-// and ::tuning: the tiled and the warp-unit kernels, both tiled down kernels, 16-byte or generic
-// loads, kernel 1's smallest and largest row tiles, one or two units in flight per warp): the
-// bounds do not depend on the form, since every form adds the same per-block terms.
+// magnitude above these bounds. Every case runs each form of the kernels (MoeLayerWeights::Form:
+// the tiled kernels, the staged form, the one the backend picks, and the kernel bench's warp-unit
+// kernels, tools/kernel_bench/moe_fused_units.h): the bounds do not depend on the form, since
+// every form adds the same per-block terms.
 // Cost: the host side (quantizing the weights, the scalar reference) runs on every core, and
 // only the experts the routing reads get weights of their own (make_kind).
 #include <gtest/gtest.h>
@@ -58,6 +58,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/moe_fused.h"
 #include "tests/cuda/cuda_test_support.h"
+#include "tools/kernel_bench/moe_fused_units.h"
 
 namespace moraine {
 namespace {
@@ -342,14 +343,50 @@ ExpectedSum reference_sum(const Case& c, const HostCase& h, int t, int64_t r) {
   return {want, tol + 2.0 * gamma(c.k + 1) * mag};
 }
 
+// Slot-table mode's device weights: each present expert's three tensors at scattered places of
+// dslabs (reverse expert order, slab bytes apart), as a VRAM cache's slabs would be, and the table.
+void upload_slot_table(const Case& c, const HostCase& host, size_t slab, cuda::DeviceBuffer<uint8_t>& dslabs,
+                       cuda::DeviceBuffer<cuda::MoeExpertSlot>& dtable) {
+  const Kind &gate = host.gate, &up = host.up, &down = host.down;
+  std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(c.n_expert));
+  for (int e = 0; e < c.n_expert; ++e) {
+    if (!host.present[static_cast<size_t>(e)]) continue;
+    uint8_t* base = dslabs.get() + slab * static_cast<size_t>(c.n_expert - 1 - e);
+    const size_t ug = (gate.expert_bytes() + 255) / 256 * 256, uu = (up.expert_bytes() + 255) / 256 * 256;
+    CUDA_CHECK(cudaMemcpy(base, gate.row(e, 0), gate.expert_bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + ug, up.row(e, 0), up.expert_bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(base + ug + uu, down.row(e, 0), down.expert_bytes(), cudaMemcpyHostToDevice));
+    table[static_cast<size_t>(e)] = {base, base + ug, base + ug + uu};
+  }
+  dtable.upload(table.data(), table.size());
+}
+
+// The slot rows (rows[row_of[i]] for slot i): the reference's within its tolerance for a present
+// expert, untouched (NaN) for an absent one.
+void expect_slot_rows(const Case& c, const HostCase& host, const std::vector<int32_t>& row_of,
+                      const std::vector<float>& rows, const std::string& what) {
+  for (int i = 0; i < c.n_tokens * c.k; ++i) {
+    const float* got = rows.data() + static_cast<size_t>(row_of[static_cast<size_t>(i)]) * static_cast<size_t>(c.n_embd);
+    const bool here = host.present[static_cast<size_t>(host.chosen[static_cast<size_t>(i)])];
+    for (int64_t r = 0; r < c.n_embd; ++r) {
+      if (!here) {
+        ASSERT_TRUE(std::isnan(got[r])) << what << ": slot " << i << " of an absent expert was written";
+        continue;
+      }
+      const SlotRef& s = host.ref[static_cast<size_t>(i)];
+      ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
+          << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
+          << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
+    }
+  }
+}
+
 void run_case(const Case& c) {
   const HostCase host = make_host_case(c);
   const Kind &gate = host.gate, &up = host.up, &down = host.down;
   const std::vector<float>& x = host.x;
   const std::vector<int32_t>& chosen = host.chosen;
   const std::vector<float>& weight = host.weight;
-  const std::vector<bool>& present = host.present;
-  const std::vector<SlotRef>& ref = host.ref;
   std::mt19937 rng = host.rng;
   const int n_slots = c.n_tokens * c.k;
 
@@ -374,17 +411,7 @@ void run_case(const Case& c) {
     w.up = dup.get();
     w.down = ddown.get();
   } else {
-    std::vector<cuda::MoeExpertSlot> table(static_cast<size_t>(c.n_expert));
-    for (int e = 0; e < c.n_expert; ++e) {
-      if (!present[static_cast<size_t>(e)]) continue;
-      uint8_t* base = dslabs.get() + slab * static_cast<size_t>(c.n_expert - 1 - e);
-      const size_t ug = (gate.expert_bytes() + 255) / 256 * 256, uu = (up.expert_bytes() + 255) / 256 * 256;
-      CUDA_CHECK(cudaMemcpy(base, gate.row(e, 0), gate.expert_bytes(), cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(base + ug, up.row(e, 0), up.expert_bytes(), cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(base + ug + uu, down.row(e, 0), down.expert_bytes(), cudaMemcpyHostToDevice));
-      table[static_cast<size_t>(e)] = {base, base + ug, base + ug + uu};
-    }
-    dtable.upload(table.data(), table.size());
+    upload_slot_table(c, host, slab, dslabs, dtable);
     w.slots = dtable.get();
   }
 
@@ -417,80 +444,32 @@ void run_case(const Case& c) {
     out.slot_row_of = drow_of.get();
   }
 
-  // Twice per form (MoeLayerWeights::dots and the down kernel's form, with kernel 1's smallest
-  // and largest row tiles): each second call checks that the first left the workspace's counters
-  // zeroed. The per-row-tile form falls back to per-expert where its rows do not fit.
-  using Down = cuda::MoeLayerWeights::Tuning::Down;
-  using Dots = cuda::MoeLayerWeights::Dots;
-  using Staged = cuda::MoeLayerWeights::Tuning::Staged;
-  struct Form {
+  // Twice per form: each second call checks that the first left the workspace's counters zeroed.
+  using Form = cuda::MoeLayerWeights::Form;
+  struct FormCase {
     const char* name;
-    Dots dots;
-    cuda::MoeLayerWeights::Tuning tuning;
+    Form form;
+    bool units;  // the kernel bench's warp-unit kernels (moe_fused_units.h)
   };
-  // The tiled kernels whatever the defaults are (Tuning's warp-unit switches off).
-  auto tiled = [](cuda::MoeLayerWeights::Tuning t) {
-    t.gate_up_warp_units = false;
-    t.down_warp_units = false;
-    return t;
-  };
-  const Form forms[] = {
-      {"dot_rows, defaults", Dots::kRows, {}},
-      {"dot_rows, tiled, down per expert, two gate/up row buffers", Dots::kRows,
-       tiled({.gate_up_stages = 2, .down = Down::kPerExpert})},
-      {"dot_rows without 16-byte loads, tiled, down per row tile", Dots::kRows,
-       tiled({.down = Down::kPerRowTile, .vector_loads = false})},
-      {"dot_rows, tiled, down per row tile, 1 gate/up row per warp, a CTA per expert", Dots::kRows,
-       tiled({.gate_up_rows_per_warp = 1, .gate_up_cta_per_expert = true, .down = Down::kPerRowTile, .down_tile_rows = 8})},
-      {"dot_rows, tiled, down per row tile, 8 gate/up rows per warp", Dots::kRows,
-       tiled({.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile, .down_tile_rows = 32})},
-      {"staged dots without 16-byte loads, tiled, down per expert", Dots::kStaged,
-       tiled({.down = Down::kPerExpert, .vector_loads = false})},
-      {"staged dots, tiled, down per row tile", Dots::kStaged, tiled({.down = Down::kPerRowTile})},
-      {"dot_rows, warp units in both kernels, both launched programmatically", Dots::kRows,
-       {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true}},
-      {"dot_rows, warp units of 1 gate/up pair, two units in flight per warp in both kernels, one CTA per SM",
-       Dots::kRows,
-       {.gate_up_rows_per_warp = 1,
-        .gate_up_stages = 2,
-        .gate_up_warp_units = true,
-        .down_warp_units = true,
-        .down_stages = 2,
-        .units_ctas_per_sm = 1}},
-      {"dot_rows, warp-unit gate/up, tiled down per row tile", Dots::kRows,
-       {.down = Down::kPerRowTile, .gate_up_warp_units = true, .down_warp_units = false}},
-      {"dot_rows, tiled gate/up, warp-unit down", Dots::kRows, {.gate_up_warp_units = false, .down_warp_units = true}},
-      {"dot_rows, warp units in both kernels, h quantized by the down kernel", Dots::kRows,
-       {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}},
-      {"dot_rows, tiled gate/up, warp-unit down quantizing h, two units in flight", Dots::kRows,
-       {.gate_up_warp_units = false, .down_warp_units = true, .down_stages = 2, .down_quantizes_h = true}},
-      {"staged dots without 16-byte loads, warp units in both kernels", Dots::kStaged,
-       {.vector_loads = false, .gate_up_warp_units = true, .down_warp_units = true}},
-      {"dot_rows, the staged form (moe_staged.cu; the defaults past 4 tokens)", Dots::kRows,
-       {.staged = Staged::kWhereFits}},
-      {"dot_rows without 16-byte loads, the staged form", Dots::kRows,
-       {.vector_loads = false, .staged = Staged::kWhereFits}},
-      {"dot_rows, the staged form, kernel 1 with a whole SM", Dots::kRows,
-       {.staged = Staged::kWhereFits, .staged_k1_whole_sm = true}},
-      {"dot_rows, the staged form with bulk copies", Dots::kRows,
-       {.staged = Staged::kWhereFits, .staged_bulk_copies = true}},
-      {"dot_rows, the staged form with bulk copies, kernel 1 with a whole SM, both launched programmatically",
-       Dots::kRows,
-       {.gate_up_programmatic_launch = true,
-        .staged = Staged::kWhereFits,
-        .staged_k1_whole_sm = true,
-        .staged_bulk_copies = true}}};
-  for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
-    const Form& form = forms[call / 2];
-    w.dots = form.dots;
-    w.tuning = form.tuning;
-    if (c.plain_launches) {
-      w.tuning.programmatic_launch = false;
-      w.tuning.gate_up_programmatic_launch = false;
+  const FormCase forms[] = {{"the best form (the backend's)", Form::kBest, false},
+                            {"the tiled kernels", Form::kTiled, false},
+                            {"the staged form where it fits", Form::kStaged, false},
+                            {"the bench's warp-unit kernels", Form::kTiled, true}};
+  // The form the case asks for: moe_fused, or the bench's warp units.
+  auto call_form = [&](const FormCase& form) {
+    w.form = form.form;
+    w.programmatic_launch = !c.plain_launches;
+    if (form.units) {
+      kernel_bench::moe_fused_units(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    } else {
+      cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
     }
+  };
+  for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
+    const FormCase& form = forms[call / 2];
     dsum.fill_bytes(0xff);
     dslot_rows.fill_bytes(0xff);
-    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    call_form(form);
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> sum(dsum.size()), rows(dslot_rows.size());
     dsum.download(sum.data(), sum.size());
@@ -509,48 +488,19 @@ void run_case(const Case& c) {
       }
     }
     if (!c.slot_table) continue;
-    for (int i = 0; i < n_slots; ++i) {
-      const float* got = rows.data() + static_cast<size_t>(row_of[static_cast<size_t>(i)]) * static_cast<size_t>(c.n_embd);
-      const bool here = present[static_cast<size_t>(chosen[static_cast<size_t>(i)])];
-      for (int64_t r = 0; r < c.n_embd; ++r) {
-        if (!here) {
-          ASSERT_TRUE(std::isnan(got[r])) << what << ": slot " << i << " of an absent expert was written";
-          continue;
-        }
-        const SlotRef& s = ref[static_cast<size_t>(i)];
-        ASSERT_TRUE(std::fabs(static_cast<double>(got[r]) - s.y[static_cast<size_t>(r)]) <= s.tol[static_cast<size_t>(r)])
-            << what << ": slot " << i << " row " << r << ": got " << got[r] << ", reference "
-            << s.y[static_cast<size_t>(r)] << ", tolerance " << s.tol[static_cast<size_t>(r)];
-      }
-    }
+    expect_slot_rows(c, host, row_of, rows, what);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 
-  // MoeOutputs::sum_accumulate, per down-kernel form: sum starts as random residual values b and
+  // MoeOutputs::sum_accumulate, per form: sum starts as random residual values b and
   // must become fl(b + a), a the weighted sum: |got - (b + want)| <= tol + u |b + a|, with
   // |a - want| <= tol, so u (|b + want| + tol) bounds the addition's rounding.
   std::vector<float> base(dsum.size());
   for (float& v : base) v = std::normal_distribution<float>(0.0f, 4.0f)(rng);
-  struct SumForm {
-    const char* name;
-    cuda::MoeLayerWeights::Tuning tuning;
-  };
-  const SumForm sum_forms[] = {{"tiled, row tile", tiled({.down = Down::kPerRowTile})},
-                               {"tiled, per expert", tiled({.down = Down::kPerExpert})},
-                               {"warp units", {.gate_up_warp_units = true, .down_warp_units = true}},
-                               {"warp units, h quantized by the down kernel",
-                                {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}},
-                               {"staged", {.staged = Staged::kWhereFits}},
-                               {"staged, bulk copies", {.staged = Staged::kWhereFits, .staged_bulk_copies = true}}};
-  for (const SumForm& form : sum_forms) {
-    w.dots = Dots::kRows;
-    w.tuning = form.tuning;
-    if (c.plain_launches) {
-      w.tuning.programmatic_launch = false;
-      w.tuning.gate_up_programmatic_launch = false;
-    }
+  for (const FormCase& form : forms) {
     out.sum_accumulate = true;
     dsum.upload(base.data(), base.size());
-    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes);
+    call_form(form);
     CUDA_CHECK(cudaDeviceSynchronize());
     out.sum_accumulate = false;
     std::vector<float> sum(dsum.size());
@@ -633,12 +583,12 @@ TEST(CudaMoeFusedMixed, PlainLaunchesMatchReference) {
   run_case({TensorType::Q8_0, TensorType::Q8_0, TensorType::Q8_0, 2, 9, 3, 512, 256, false, 52, true});
 }
 
-// The staged form (Tuning::staged, moe_staged.cu) against the default kernels on the same inputs:
+// The staged form (MoeLayerWeights::Form, moe_staged.cu) against the tiled kernels on the same inputs:
 // equal bits, since it adds the same per-block terms in the same order per row, forms h with the
 // same expression, quantizes it with the same warp quantizer and adds the slots in top-k order.
 // At the model shapes it is made for (Qwen3-30B-A3B, and Qwen3-Next's 512 experts top-10 with a
 // 512-row FFN), 1, 2 and 4 tokens (where it runs: at one token it must; past its shared memory it
-// falls back to the default kernels); the sum, the accumulated sum and the slot rows, every
+// falls back to the tiled kernels); the sum, the accumulated sum and the slot rows, every
 // output NaN-poisoned first and checked written. Weights: each (expert, row) a random pick among
 // 64 quantized random rows (quantizing every chosen expert's 1.5M weights per matrix would cost
 // the host about a minute per case); a kernel reading a wrong row or expert gets another row's
@@ -711,17 +661,17 @@ void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool mu
   w.up = dup.get();
   w.down = ddown.get();
   const std::string what = std::string(s.name) + " " + std::string(type_name(s.type)) + " n=" + std::to_string(n_tokens);
-  using Staged = cuda::MoeLayerWeights::Tuning::Staged;
-  w.tuning.staged = Staged::kWhereFits;
+  using Form = cuda::MoeLayerWeights::Form;
+  w.form = Form::kStaged;
   const bool applies = cuda::moe_fused_staged_applies(w, n_tokens, s.k);
   if (must_apply) {
     ASSERT_TRUE(applies) << what << ": the staged form must run at this shape";
   }
   // What the backend asks for: the planner declines where the form measured slower (Q8_0
-  // experts, moe_staged_plan) and takes the rest wherever it fits; off means off.
-  w.tuning.staged = Staged::kWhereFaster;
+  // experts, moe_staged_plan) and takes the rest wherever it fits; tiled means tiled.
+  w.form = Form::kBest;
   EXPECT_EQ(cuda::moe_fused_staged_applies(w, n_tokens, s.k), applies && s.type != TensorType::Q8_0) << what;
-  w.tuning.staged = Staged::kOff;
+  w.form = Form::kTiled;
   EXPECT_FALSE(cuda::moe_fused_staged_applies(w, n_tokens, s.k)) << what;
   cuda::DeviceBuffer<float> dx(x.size()), dweight(weight.size()), dsum(x.size());
   cuda::DeviceBuffer<float> dslot_rows(static_cast<size_t>(n_slots) * static_cast<size_t>(s.n_embd));
@@ -740,9 +690,8 @@ void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool mu
   routing.weight = dweight.get();
 
   // Outputs of one form: sum, slot rows, then the sum accumulated onto `base`.
-  auto run = [&](const cuda::MoeLayerWeights::Tuning& tuning, std::vector<float>& sum, std::vector<float>& rows,
-                 std::vector<float>& acc) {
-    w.tuning = tuning;
+  auto run = [&](Form f, std::vector<float>& sum, std::vector<float>& rows, std::vector<float>& acc) {
+    w.form = f;
     cuda::MoeOutputs out;
     out.sum = dsum.get();
     out.slot_rows = dslot_rows.get();
@@ -765,33 +714,29 @@ void expect_staged_bits(const BitsShape& s, int n_tokens, uint32_t seed, bool mu
     dsum.download(acc.data(), acc.size());
   };
   std::vector<float> sum0, rows0, acc0, sum1, rows1, acc1;
-  run({}, sum0, rows0, acc0);
+  run(Form::kTiled, sum0, rows0, acc0);
   std::string form;
   auto same_bits = [&](const char* name, const std::vector<float>& a, const std::vector<float>& b) {
     for (size_t i = 0; i < a.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(a[i])) << what << " " << name << "[" << i << "]: the default left " << a[i];
+      ASSERT_TRUE(std::isfinite(a[i])) << what << " " << name << "[" << i << "]: the tiled kernels left " << a[i];
       uint32_t ua, ub;
       std::memcpy(&ua, &a[i], 4);
       std::memcpy(&ub, &b[i], 4);
       ASSERT_EQ(ua, ub) << what << " (" << form << (applies ? "" : ", falls back") << ") " << name << "[" << i
-                        << "]: default " << a[i] << ", staged " << b[i];
+                        << "]: tiled " << a[i] << ", " << form << " " << b[i];
     }
   };
-  // Kernel 1 beside the down kernel's CTAs or with a whole SM (other ring depths); rows by
-  // per-lane cp.async or by bulk copies.
-  for (const bool whole_sm : {false, true}) {
-    for (const bool bulk : {false, true}) {
-      form = std::string("staged") + (whole_sm ? ", kernel 1 with a whole SM" : "") + (bulk ? ", bulk copies" : "");
-      run({.staged = Staged::kWhereFits, .staged_k1_whole_sm = whole_sm, .staged_bulk_copies = bulk}, sum1, rows1,
-          acc1);
-      same_bits("sum", sum0, sum1);
-      same_bits("slot rows", rows0, rows1);
-      same_bits("accumulated sum", acc0, acc1);
-    }
+  // The staged form wherever it fits, and the backend's choice.
+  for (const Form f : {Form::kStaged, Form::kBest}) {
+    form = f == Form::kStaged ? "staged" : "best";
+    run(f, sum1, rows1, acc1);
+    same_bits("sum", sum0, sum1);
+    same_bits("slot rows", rows0, rows1);
+    same_bits("accumulated sum", acc0, acc1);
   }
 }
 
-TEST(CudaMoeFusedStaged, SameBitsAsDefaultAtModelShapes) {
+TEST(CudaMoeFusedStaged, SameBitsAsTiledAtModelShapes) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   const BitsShape shapes[] = {{"qwen3-30b-a3b", TensorType::Q4_K, 2048, 768, 128, 8},
                               {"qwen3-30b-a3b", TensorType::Q8_0, 2048, 768, 128, 8},

@@ -10,7 +10,8 @@
 // The same work runs four ways from the same start: kernel by kernel with a stream
 // synchronisation after each (no overlap possible: the per-kernel results the kernels' own tests
 // check against their host references), on the stream with PDL, and as a captured graph replayed
-// without and with PDL. All four must agree bit for bit, step after step: first with the position
+// with PDL and with its programmatic edges made full (tools/kernel_bench/plain_graph.h: the graph
+// without PDL). All four must agree bit for bit, step after step: first with the position
 // advancing (synchronised steps, the attention reading a growing cache), then with back-to-back
 // replays at one position (no host synchronisation between graphs).
 #include <gtest/gtest.h>
@@ -29,7 +30,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/embed_rows.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -41,6 +41,7 @@
 #include "kernels/cuda/row_gather.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tools/kernel_bench/decode_chain_buffers.h"
+#include "tools/kernel_bench/plain_graph.h"
 
 namespace moraine {
 namespace {
@@ -261,7 +262,8 @@ class DecodeChain : kernel_bench::DecodeChainBuffers {
   PinnedBuffer<float> rows_pinned_;
 };
 
-enum class Mode { kKernelByKernel, kStream, kGraph };
+// kGraphWithoutPdl: the graph of kGraph with its programmatic edges made full.
+enum class Mode { kKernelByKernel, kStream, kGraph, kGraphWithoutPdl };
 
 struct RunResult {
   std::vector<std::vector<float>> states;  // after each synchronised step, then after the back-to-back replays
@@ -291,8 +293,7 @@ int64_t count_programmatic_edges(cudaGraph_t graph, int64_t* off_kernels) {
   return count;
 }
 
-RunResult run_chain(Mode mode, bool pdl, uint32_t seed) {
-  cuda::set_programmatic_launch(pdl);
+RunResult run_chain(Mode mode, uint32_t seed) {
   DecodeChain chain(seed);
   std::mt19937 rng(seed + 1);
   std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
@@ -302,17 +303,19 @@ RunResult run_chain(Mode mode, bool pdl, uint32_t seed) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   RunResult out;
   cudaGraphExec_t exec = nullptr;
-  if (mode == Mode::kGraph) {
+  const bool graph_mode = mode == Mode::kGraph || mode == Mode::kGraphWithoutPdl;
+  if (graph_mode) {
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     chain.enqueue(s, [] {});
     CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    if (mode == Mode::kGraphWithoutPdl) kernel_bench::make_edges_full(graph);
     out.programmatic_edges = count_programmatic_edges(graph, &out.programmatic_edges_off_kernels);
     CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
   }
   auto step = [&] {
-    if (mode == Mode::kGraph) {
+    if (graph_mode) {
       CUDA_CHECK(cudaGraphLaunch(exec, s));
     } else if (mode == Mode::kKernelByKernel) {
       chain.enqueue(s, [&] { CUDA_CHECK(cudaStreamSynchronize(s)); });
@@ -332,7 +335,6 @@ RunResult run_chain(Mode mode, bool pdl, uint32_t seed) {
   out.states.push_back(chain.state());
   if (exec != nullptr) CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(s));
-  cuda::set_programmatic_launch(true);
   return out;
 }
 
@@ -362,7 +364,7 @@ bool device_has_pdl() {
 TEST(CudaPdlChain, GraphsAndStreamWithAndWithoutPdlEqualKernelByKernel) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   constexpr uint32_t kSeed = 20261130;
-  const RunResult ref = run_chain(Mode::kKernelByKernel, false, kSeed);
+  const RunResult ref = run_chain(Mode::kKernelByKernel, kSeed);
 
   // The reference does something: finite, nonzero x and logits that change from step to step.
   const std::vector<float>& last = ref.states[kAdvancingSteps - 1];
@@ -374,15 +376,15 @@ TEST(CudaPdlChain, GraphsAndStreamWithAndWithoutPdlEqualKernelByKernel) {
   EXPECT_GT(x_abs, 0.0);
   EXPECT_NE(std::memcmp(ref.states[0].data(), ref.states[1].data(), (kEmbd + kVocab) * sizeof(float)), 0);
 
-  const RunResult stream_pdl = run_chain(Mode::kStream, true, kSeed);
-  const RunResult graph_plain = run_chain(Mode::kGraph, false, kSeed);
-  const RunResult graph_pdl = run_chain(Mode::kGraph, true, kSeed);
+  const RunResult stream_pdl = run_chain(Mode::kStream, kSeed);
+  const RunResult graph_plain = run_chain(Mode::kGraphWithoutPdl, kSeed);
+  const RunResult graph_pdl = run_chain(Mode::kGraph, kSeed);
   expect_same_states(ref, stream_pdl, "stream with PDL");
   expect_same_states(ref, graph_plain, "graph without PDL");
   expect_same_states(ref, graph_pdl, "graph with PDL");
 
   // The attribute reached the graph as kernel-to-kernel programmatic edges (and only there), and
-  // the switch really turns it off.
+  // the plain graph really has none.
   EXPECT_EQ(graph_plain.programmatic_edges, 0);
   if (device_has_pdl()) {
     EXPECT_GT(graph_pdl.programmatic_edges, kLayers * 8) << "the PDL graph has few programmatic edges";

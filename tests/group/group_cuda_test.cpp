@@ -40,7 +40,7 @@ struct Case {
   std::string model;
   std::string weights;  // "f32", "q8_0", "kmix"
   Experts experts;
-  std::vector<std::string> gpu_worker_args = {};   // e.g. --no-pdl
+  std::vector<std::string> gpu_worker_args = {};   // e.g. --device-takes-from=1
   model::KvType kv = model::KvType::F16;           // the supervisor's --kv-type (F16: its default)
   int prompt_tokens = 0;   // > 0: the golden prompt repeated to this many tokens (a step of the group's 64 rows first)
   std::string name() const {
@@ -51,8 +51,7 @@ struct Case {
   std::string args_suffix() const {
     std::string out;
     for (const std::string& a : gpu_worker_args)
-      out += a == "--no-pdl"                               ? "_no_pdl"
-             : a.starts_with("--device-takes-from")        ? "_device_takes"
+      out += a.starts_with("--device-takes-from")          ? "_device_takes"
              : a.starts_with("--prefill-stage-min-rows")   ? "_stages"
              : a.starts_with("--prefill-stage-share")      ? "_share"
                                                            : "_args";
@@ -173,7 +172,6 @@ std::vector<Case> cases() {
   // orders on these 12 rows is 0.045 (a near-tied top-k choice flips; float_order_bound.h).
   v.push_back({"qwen3moe_odd", "q8_0", Experts::kCpu});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kVram});
-  v.push_back({"qwen3moe_k256", "kmix", Experts::kVram, {"--no-pdl"}});
   v.push_back({"qwen3next_k256", "kmix", Experts::kVram});
   v.push_back({"qwen3next_odd", "f32", Experts::kVram});
   // A VRAM budget smaller than the model: the device's experts and the cpu workers' in one step.

@@ -79,15 +79,23 @@ struct Line {
   const char* unit;  // "GB/s" or "TFLOP/s"
 };
 
-}  // namespace
+// The Qwen3-30B-A3B shapes every section uses.
+constexpr int64_t kD = 2048, kHeads = 32, kKvHeads = 4, kHeadDim = 128, kFf = 768, kExperts = 128, kTopK = 8;
+// One row of the table: kernel, shape, milliseconds per call, bytes or FLOPs per call, unit.
+using AddRow = std::function<void(std::string, std::string, double, double, const char*)>;
 
-void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* json) {
-  std::vector<Line> lines;
-  auto add = [&](std::string k, std::string s, double ms, double amount, const char* unit) {
-    lines.push_back({std::move(k), std::move(s), ms * 1e3, amount / (ms * 1e-3) / (unit[0] == 'G' ? 1e9 : 1e12), unit});
-  };
-  const int64_t d = 2048, n_head = 32, n_kv = 4, hd = 128, ff = 768, n_expert = 128, k = 8;
+cuda::AttentionShape bench_attention_shape() {
+  cuda::AttentionShape s;
+  s.n_head = kHeads;
+  s.n_head_kv = kKvHeads;
+  s.head_dim = kHeadDim;
+  s.kv_stride = kKvHeads * kHeadDim;
+  s.scale = 0.088f;
+  return s;
+}
 
+void fused_decode_rows(double min_ms, const AddRow& add) {
+  const int64_t d = kD, n_head = kHeads, n_kv = kKvHeads, hd = kHeadDim, n_expert = kExperts, k = kTopK;
   // Fused decode-step kernels against the unfused sequences they replace (bit-identical outputs:
   // tests/cuda/{rms_norm_quantize,qk_norm_rope_store,matvec_accumulate,router_fused}_test.cpp), per stream
   // launch and per call inside a captured graph (the backend's decode step).
@@ -210,7 +218,10 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       });
     }
   }
+}
 
+void small_kernel_rows(double min_ms, const AddRow& add) {
+  const int64_t d = kD, n_head = kHeads, hd = kHeadDim, ff = kFf, n_expert = kExperts, k = kTopK;
   // Float-weight matvec, one token, a 2048 x 2048 matrix from a set well above L2.
   for (TensorType t : {TensorType::F32, TensorType::F16, TensorType::BF16}) {
     const size_t mat = row_bytes(t, d) * d;
@@ -288,18 +299,16 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       add("embed_rows q8_0", "151936x2048, " + tok, ms, double(n * (rb + d * 4)), "GB/s");
     }
   }
+}
 
+void attention_decode_rows(double min_ms, const AddRow& add) {
+  const int64_t n_head = kHeads, n_kv = kKvHeads, hd = kHeadDim;
+  const cuda::AttentionShape s = bench_attention_shape();
   // Attention: decode over a long cache (bytes of K and V read), prefill from empty (FLOPs).
   // Decode cycles over copies of the cache well above the 60 MB L2 (as a real step finds it after
   // the other layers ran), for the kernel before GQA sharing (each K/V row read once per query
   // head), the shared one, and the graph-safe one (grid sized for the capacity, here the live
   // length, and for a 32K capacity at a shorter live length: the cost of the fixed grid).
-  cuda::AttentionShape s;
-  s.n_head = n_head;
-  s.n_head_kv = n_kv;
-  s.head_dim = hd;
-  s.kv_stride = n_kv * hd;
-  s.scale = 0.088f;
   for (int64_t ctx : {int64_t{512}, int64_t{4096}, int64_t{32768}}) {
     const int64_t kv = ctx * n_kv * hd, cap = 32768;
     const int64_t copies = std::max<int64_t>(2, (int64_t{512} << 20) / (2 * kv * 4));
@@ -387,6 +396,11 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       add("attention_at (cap 32768)", shape + " (L2-warm)", ms, bytes, "GB/s");
     }
   }
+}
+
+void attention_prefill_rows(double min_ms, const AddRow& add) {
+  const int64_t n_head = kHeads, n_kv = kKvHeads, hd = kHeadDim;
+  const cuda::AttentionShape s = bench_attention_shape();
   // Prefill from empty: causal, query t sees t + 1 positions; 4 FLOPs per (position, dim) for
   // q.k and p.v. The per-row split-KV path (the decode kernel over the rows) only at 512: at
   // 8192 it takes seconds per call.
@@ -421,6 +435,19 @@ void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* 
       add("attention_prefill_tc F16 KV", shape, ms_tc, flops, "TFLOP/s");
     }
   }
+}
+
+}  // namespace
+
+void run_backend_kernels_bench(double min_ms, double read_gbps, nlohmann::json* json) {
+  std::vector<Line> lines;
+  const AddRow add = [&](std::string k, std::string s, double ms, double amount, const char* unit) {
+    lines.push_back({std::move(k), std::move(s), ms * 1e3, amount / (ms * 1e-3) / (unit[0] == 'G' ? 1e9 : 1e12), unit});
+  };
+  fused_decode_rows(min_ms, add);
+  small_kernel_rows(min_ms, add);
+  attention_decode_rows(min_ms, add);
+  attention_prefill_rows(min_ms, add);
 
   if (json != nullptr) {
     for (const Line& l : lines)

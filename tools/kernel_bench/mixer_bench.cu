@@ -1,10 +1,11 @@
 // `moraine-kernel-bench cuda --mixer-only`: the small kernels of a decode layer's attention and
 // router at Qwen3-30B-A3B shapes (hidden 2048, 32/4 heads of 128, 128 experts top 8), each old
 // (mixer_bench_baseline.cu: the versions before this change) against new (the public functions
-// in kernels/cuda/), from CUDA graphs of many launches replayed, with the PDL attribute off for
-// both, then new with it on. Weight matrices cycle through enough distinct copies that every
-// read comes from HBM, as in decode (48 layers of weights do not fit the 60 MB L2).
-// --mixer-ncu instead launches each kernel a few times plainly, for
+// in kernels/cuda/), from CUDA graphs of many launches replayed, without PDL for both (the
+// graphs' programmatic edges made full: plain_graph.h), then new with it. Weight matrices cycle
+// through enough distinct copies that every read comes from HBM, as in decode (48 layers of
+// weights do not fit the 60 MB L2).
+// --mixer-ncu instead launches each kernel a few times plainly (one graph of full edges), for
 // `ncu --metrics gpu__time_duration.sum` (the per-kernel numbers of issue #5).
 #include "tools/kernel_bench/mixer_bench.h"
 
@@ -22,13 +23,13 @@
 #include "common/formats/tensor_type.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/qk_norm_rope_store.h"
 #include "kernels/cuda/router.h"
 #include "tools/kernel_bench/cuda_timing.h"
 #include "tools/kernel_bench/mixer_bench_baseline.h"
+#include "tools/kernel_bench/plain_graph.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -59,14 +60,16 @@ DeviceBuffer<uint8_t> make_pool(TensorType t, int64_t rows, int64_t n, int copie
 
 int copies_for(size_t bytes) { return static_cast<int>(std::max<size_t>(4, (512u << 20) / bytes + 1)); }
 
-// Microseconds per launch of fn(i, stream) from a graph of `per_graph` launches (i = 0..), replayed.
-double graph_us(const std::function<void(int, cudaStream_t)>& fn, int per_graph, double min_ms) {
+// Microseconds per launch of fn(i, stream) from a graph of `per_graph` launches (i = 0..), replayed;
+// with the PDL edges as captured (pdl) or made full.
+double graph_us(const std::function<void(int, cudaStream_t)>& fn, int per_graph, double min_ms, bool pdl) {
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < per_graph; ++i) fn(i, s);
   CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  if (!pdl) make_edges_full(g);
   cudaGraphExec_t ge;
   CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
   const double ms = ms_per_call([&](int) { CUDA_CHECK(cudaGraphLaunch(ge, nullptr)); }, min_ms);
@@ -115,12 +118,10 @@ std::string compare_floats(const std::vector<float>& a, const std::vector<float>
   return buf;
 }
 
-}  // namespace
+// The rows' lambdas own their buffers; bufs keeps them all alive until the end as well.
+using Bufs = std::shared_ptr<std::vector<std::shared_ptr<void>>>;
 
-void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
-  std::mt19937 rng(5);
-  std::vector<Row> rows;
-
+void matvec_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   // The Q8_0 matvecs: q|k|v stacked (5120 x 2048) and o (2048 x 4096), 1, 4 and 16 tokens; the
   // LM head (151936 x 2048), 1 token; beside a plain read of the same bytes. Old and new are the
   // same kernel (the staged one; its before/after numbers are in matvec.cu's comment).
@@ -128,8 +129,6 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     const char* what;
     int rows, n;
   };
-  // The rows' lambdas own their buffers; bufs keeps them all alive until the end as well.
-  auto bufs = std::make_shared<std::vector<std::shared_ptr<void>>>();
   for (const Mv mv : {Mv{"q8_0 qkv 5120x2048", 5120, 2048}, Mv{"q8_0 o 2048x4096", 2048, 4096},
                       Mv{"q8_0 lm head 151936x2048", 151936, 2048}}) {
     const size_t mbytes = row_bytes(TensorType::Q8_0, mv.n) * static_cast<size_t>(mv.rows);
@@ -188,7 +187,10 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
       rows.push_back(f);
     }
   }
+}
 
+// The F32 router matvec, 128 x 2048, and the softmax top 8 of 128.
+void router_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   {  // The F32 router matvec, 128 x 2048.
     const int nr = 128, nn = 2048;
     const size_t mbytes = size_t{4} * nr * nn;
@@ -235,7 +237,9 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     };
     rows.push_back(r);
   }
+}
 
+void qk_norm_rope_store_rows(std::mt19937& rng, const Bufs& bufs, std::vector<Row>& rows) {
   for (int tokens : {1, 16}) {  // qk_norm_rope_store, 32/4 heads of 128, position 517
     const int64_t nh = 32, nkv = 4, hd = 128, max_pos = 4096;
     const int64_t qkv_row = (nh + 2 * nkv) * hd;
@@ -295,17 +299,28 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     };
     rows.push_back(r);
   }
+}
 
-  if (ncu_mode) {  // plain launches for ncu: 3 of each, old then new (other copies), PDL off
-    cuda::set_programmatic_launch(false);
+}  // namespace
+
+void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
+  std::mt19937 rng(5);
+  std::vector<Row> rows;
+  const Bufs bufs = std::make_shared<std::vector<std::shared_ptr<void>>>();
+  matvec_rows(rng, bufs, rows);
+  router_rows(rng, bufs, rows);
+  qk_norm_rope_store_rows(rng, bufs, rows);
+
+  if (ncu_mode) {  // plain launches for ncu: 3 of each, old then new (other copies), without PDL
     for (size_t k = 0; k < rows.size(); ++k) {
       std::printf("mixer ncu row %zu: %s\n", k, rows[k].name.c_str());
-      for (int i = 0; i < 3; ++i) rows[k].old_fn(i, nullptr);
-      for (int i = 3; i < 6; ++i) rows[k].new_fn(i, nullptr);
+      run_plain([&](cudaStream_t s) {
+        for (int i = 0; i < 3; ++i) rows[k].old_fn(i, s);
+        for (int i = 3; i < 6; ++i) rows[k].new_fn(i, s);
+      });
     }
     CUDA_CHECK(cudaDeviceSynchronize());
     std::printf("mixer ncu mode: %zu kernels x 3 launches, old then new\n", rows.size());
-    cuda::set_programmatic_launch(true);
     return;
   }
 
@@ -313,16 +328,14 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
     std::printf("\n%-26s %9s %9s %9s %8s %8s %8s  %s\n", "mixer kernel (graph)", "old us", "new us", "new+pdl", "old GB/s",
                 "new GB/s", "speedup", "old vs new output");
   for (const Row& r : rows) {
-    cuda::set_programmatic_launch(false);
     r.old_fn(0, nullptr);
     r.new_fn(0, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     const std::string cmp = r.compare();
     constexpr int kPerGraph = 128;  // router: 128 distinct MB per replay, more than the L2
-    const double t_old = graph_us(r.old_fn, kPerGraph, min_ms);
-    const double t_new = graph_us(r.new_fn, kPerGraph, min_ms);
-    cuda::set_programmatic_launch(true);
-    const double t_pdl = graph_us(r.new_fn, kPerGraph, min_ms);
+    const double t_old = graph_us(r.old_fn, kPerGraph, min_ms, false);
+    const double t_new = graph_us(r.new_fn, kPerGraph, min_ms, false);
+    const double t_pdl = graph_us(r.new_fn, kPerGraph, min_ms, true);
     if (json != nullptr) {
       (*json)["mixer"][r.name] = {{"old_us", t_old}, {"new_us", t_new}, {"new_pdl_us", t_pdl}, {"bytes", r.bytes},
                                   {"compare", cmp}};
@@ -331,7 +344,6 @@ void run_mixer_bench(double min_ms, bool ncu_mode, nlohmann::json* json) {
                   r.bytes / t_old * 1e-3, r.bytes / t_new * 1e-3, t_old / t_new, cmp.c_str());
     }
   }
-  cuda::set_programmatic_launch(true);
   run_mixer_chain_bench(min_ms, json);
 }
 

@@ -14,11 +14,7 @@
 // from q | k | v to its output, the FFN norm and routing; the second launch rewrites the same
 // values): their difference to the row without is that step's cost in the chain, launch edges
 // and waits included, which a kernel's own duration does not show under PDL.
-// Measured on the H200 (2026-11-30, mixfuse run C), us per layer at positions 0 / 600:
-//   unfused 28.45 / 31.34; norm_q -2.03 / -2.05, attn_q -1.14 / -0.87, ffn_route -1.22 / -1.24,
-//   qk_attn -1.69 / -0.54; all fused 22.26 / 26.73 (-6.20 / -4.61), bits the same throughout.
-//   Step costs, unfused -> fused: norm 3.3 -> 1.5 / 0.9, attention 7.8 -> 5.2 / 10.4 -> 8.0,
-//   FFN norm + routing 6.3 -> 4.9 / 4.7.
+// All fused: 28.45 -> 22.26 us per layer at position 0 on the H200 (the rows: docs/perf-log.md).
 #include "tools/kernel_bench/mixer_bench.h"
 
 #include <algorithm>
@@ -32,7 +28,6 @@
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -210,7 +205,6 @@ void run_mixer_chain_bench(double min_ms, nlohmann::json* json) {
   if (json == nullptr)
     std::printf("\ndecode layer chain, 48 layers in one graph, 1 token (us per layer; best of 3 replays of >= %.0f ms)\n",
                 min_ms);
-  cuda::set_programmatic_launch(true);
   for (const int32_t position : {int32_t{0}, int32_t{600}}) {
     Chain chain(position);
     std::vector<Graph*> graphs;

@@ -4,9 +4,9 @@
 // Weights are a few quantized template rows replicated on the device (the kernel's speed does
 // not depend on the values). Bytes per call count each distinct expert chosen in the step once
 // (gate + up + down), which is what the kernel reads.
-// Variants (MoeLayerWeights::dots and ::tuning) are timed on the same weights and routings; by
-// default the default form (auto), the tiled kernels with the per-expert down kernel (expert) and
-// the warp-unit kernels (units); "sform" is moe_staged.cu's form (Tuning::staged).
+// Variants are timed on the same weights and routings: by default the form moe_fused picks
+// (best, what the CUDA backend runs), the tiled kernels (its fallback) and the bench's warp-unit
+// form (moe_fused_units.h); "sform" is the staged form wherever it fits (moe_staged.cu).
 // Which variants, token counts and shape: MoeBenchSelection (moraine-kernel-bench cuda
 // --moe-variants all|NAME,... --moe-tokens 1,4,8 --moe-select SHAPE,FORMAT); --moe-host-weights
 // puts the experts in mapped pinned host memory (read over PCIe).
@@ -28,6 +28,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/moe_fused.h"
+#include "tools/kernel_bench/moe_fused_units.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -42,91 +43,16 @@ struct MoeShape {
 
 struct Variant {
   const char* name;
-  cuda::MoeLayerWeights::Dots dots;
-  cuda::MoeLayerWeights::Tuning tuning;
-  // The tiled kernels whatever Tuning's defaults are (the warp-unit switches and kernel 1's
-  // programmatic launch off), so the tiled variants keep their meaning when the defaults
-  // change; false for "auto" (the defaults) and the warp-unit variants.
-  bool tiled = true;
+  cuda::MoeLayerWeights::Form form;
+  bool units = false;  // the bench's warp-unit form (moe_fused_units.h) instead of moe_fused
 };
 
-using Down = cuda::MoeLayerWeights::Tuning::Down;
-using Dots = cuda::MoeLayerWeights::Dots;
-using Staged = cuda::MoeLayerWeights::Tuning::Staged;
+using Form = cuda::MoeLayerWeights::Form;
 const Variant kVariants[] = {
-    {"expert", Dots::kRows, {.down = Down::kPerExpert}},
-    {"expert-novec", Dots::kRows, {.down = Down::kPerExpert, .vector_loads = false}},
-    {"staged", Dots::kStaged, {.down = Down::kPerExpert, .vector_loads = false}},
-    {"expert-nopdl", Dots::kRows, {.down = Down::kPerExpert, .programmatic_launch = false}},
-    {"expert-k1r4", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerExpert}},
-    {"expert-k1e", Dots::kRows, {.gate_up_cta_per_expert = true, .down = Down::kPerExpert}},
-    {"expert-k1s2", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerExpert}},
-    {"expert-k1r1s2", Dots::kRows, {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerExpert}},
-    {"auto", Dots::kRows, {}, false},
-    {"tile-novec", Dots::kRows, {.down = Down::kPerRowTile, .vector_loads = false}},
-    {"tile-nopdl", Dots::kRows, {.down = Down::kPerRowTile, .programmatic_launch = false}},
-    {"tile", Dots::kRows, {.down = Down::kPerRowTile}},
-    {"tile-r8", Dots::kRows, {.down = Down::kPerRowTile, .down_tile_rows = 8}},
-    {"tile-r32", Dots::kRows, {.down = Down::kPerRowTile, .down_tile_rows = 32}},
-    {"tile-k1r1", Dots::kRows, {.gate_up_rows_per_warp = 1, .down = Down::kPerRowTile}},
-    {"tile-k1r4", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerRowTile}},
-    {"tile-k1r4-r8", Dots::kRows, {.gate_up_rows_per_warp = 4, .down = Down::kPerRowTile, .down_tile_rows = 8}},
-    {"tile-k1r8", Dots::kRows, {.gate_up_rows_per_warp = 8, .down = Down::kPerRowTile}},
-    {"tile-k1e", Dots::kRows, {.gate_up_cta_per_expert = true, .down = Down::kPerRowTile}},
-    {"tile-k1r1e", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_cta_per_expert = true, .down = Down::kPerRowTile}},
-    {"tile-k1s2", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerRowTile}},
-    {"tile-k1s2-r8", Dots::kRows, {.gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
-    {"tile-k1r1s2-r8", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .down = Down::kPerRowTile, .down_tile_rows = 8}},
-    // Warp-unit kernels (MoeLayerWeights::Tuning::gate_up_warp_units / down_warp_units).
-    {"units", Dots::kRows, {.gate_up_warp_units = true, .down_warp_units = true}, false},
-    {"units-nopdl", Dots::kRows,
-     {.programmatic_launch = false, .gate_up_warp_units = true, .down_warp_units = true}, false},
-    {"units-s2", Dots::kRows,
-     {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true, .down_stages = 2}, false},
-    {"units-k1s2", Dots::kRows, {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true}, false},
-    {"units-p1", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_warp_units = true, .down_warp_units = true}, false},
-    {"units-p1s2", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
-      .down_stages = 2}, false},
-    {"units-k1", Dots::kRows, {.down = Down::kPerExpert, .gate_up_warp_units = true, .down_warp_units = false}, false},
-    {"units-k1-tile", Dots::kRows, {.down = Down::kPerRowTile, .gate_up_warp_units = true, .down_warp_units = false},
-     false},
-    {"units-down", Dots::kRows, {.gate_up_warp_units = false, .down_warp_units = true}, false},
-    {"units-1sm", Dots::kRows,
-     {.gate_up_warp_units = true, .down_warp_units = true, .units_ctas_per_sm = 1}, false},
-    {"units-1sm-p1s2", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
-      .units_ctas_per_sm = 1}, false},
-    {"units-pdl1", Dots::kRows,
-     {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true}, false},
-    {"units-1sm-p1s2-pdl1", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
-      .units_ctas_per_sm = 1, .gate_up_programmatic_launch = true}, false},
-    {"units-dq", Dots::kRows, {.gate_up_warp_units = true, .down_warp_units = true, .down_quantizes_h = true}, false},
-    {"units-dq-pdl1", Dots::kRows,
-     {.gate_up_warp_units = true, .down_warp_units = true, .gate_up_programmatic_launch = true, .down_quantizes_h = true},
-     false},
-    {"units-1sm-p1s2-dq", Dots::kRows,
-     {.gate_up_rows_per_warp = 1, .gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true,
-      .units_ctas_per_sm = 1, .down_quantizes_h = true}, false},
-    {"units-1sm-s2", Dots::kRows,
-     {.gate_up_stages = 2, .gate_up_warp_units = true, .down_warp_units = true, .down_stages = 2,
-      .units_ctas_per_sm = 1}, false},
-    // The staged form (Tuning::staged, moe_staged.cu); rows where it falls back are marked.
-    // ("staged" above is the earlier per-row dot, Dots::kStaged.)
-    {"sform", Dots::kRows, {.staged = Staged::kWhereFits}, false},
-    {"best", Dots::kRows, {.staged = Staged::kWhereFaster}, false},  // what the CUDA backend runs
-    {"sform-nopdl", Dots::kRows, {.programmatic_launch = false, .staged = Staged::kWhereFits}, false},
-    {"sform-pdl1", Dots::kRows, {.gate_up_programmatic_launch = true, .staged = Staged::kWhereFits}, false},
-    {"sform-k1w", Dots::kRows, {.staged = Staged::kWhereFits, .staged_k1_whole_sm = true}, false},
-    {"sform-bulk", Dots::kRows, {.staged = Staged::kWhereFits, .staged_bulk_copies = true}, false},
-    {"sform-bulk-pdl1", Dots::kRows,
-     {.gate_up_programmatic_launch = true, .staged = Staged::kWhereFits, .staged_bulk_copies = true}, false},
-    {"sform-bulk-k1w", Dots::kRows,
-     {.staged = Staged::kWhereFits, .staged_k1_whole_sm = true, .staged_bulk_copies = true}, false},
+    {"best", Form::kBest},      // what the CUDA backend runs
+    {"tiled", Form::kTiled},    // its fallback (Q8_0 experts, more than 4 tokens)
+    {"sform", Form::kStaged},   // the staged form wherever it fits; rows where it falls back are marked
+    {"units", Form::kTiled, true},
 };
 
 // Case-insensitive name match (formats print as q4_k, people type Q4_K).
@@ -188,6 +114,40 @@ class WeightPool {
   uint8_t* host_ = nullptr;
   uint8_t* ptr_ = nullptr;
 };
+
+// Milliseconds per call of call(i, stream) for i = 0 .. 63 captured in one CUDA graph, replayed
+// until min_ms of device time (start / stop: events to time with).
+double graph_ms_per_moe_call(const std::function<void(int, cudaStream_t)>& call, double min_ms, cudaEvent_t start,
+                             cudaEvent_t stop) {
+  constexpr int kGraphCalls = 64;
+  cudaStream_t gs = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
+  CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, gs));
+  CUDA_CHECK(cudaStreamSynchronize(gs));
+  int reps = 4;
+  double graph_ms = 0.0;
+  for (;;) {
+    CUDA_CHECK(cudaEventRecord(start, gs));
+    for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
+    CUDA_CHECK(cudaEventRecord(stop, gs));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float f = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+    graph_ms = f;
+    if (graph_ms >= min_ms || reps >= (1 << 16)) break;
+    reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(gs));
+  return graph_ms / (static_cast<double>(reps) * kGraphCalls);
+}
 
 void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mib, bool host_weights,
                const std::vector<const Variant*>& variants, const std::function<void(const MoePoint&)>& emit) {
@@ -259,6 +219,8 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
   routing.n_tokens = n;
   routing.k = s.k;
 
+  bool units = false;
+  MoeUnitsRan units_ran;
   auto call = [&](int i, cudaStream_t stream) {
     const uint8_t* layer = pool.get() + static_cast<size_t>(i % static_cast<int>(layers)) * layer_bytes;
     w.gate = layer;
@@ -266,7 +228,11 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
     w.down = layer + kind_bytes[0] + kind_bytes[1];
     routing.chosen = dchosen.get() + static_cast<size_t>(i % kRoutings) * slots;
     routing.weight = dweight.get() + static_cast<size_t>(i % kRoutings) * slots;
-    cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes, stream);
+    if (units) {
+      units_ran = moe_fused_units(w, dx.get(), routing, out, ws.get(), ws_bytes, stream);
+    } else {
+      cuda::moe_fused(w, dx.get(), routing, out, ws.get(), ws_bytes, stream);
+    }
   };
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
@@ -275,13 +241,8 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
   const double distinct = distinct_total / kRoutings;
   const double bytes = distinct * static_cast<double>(expert_bytes);
   for (const Variant* v : variants) {
-    w.dots = v->dots;
-    w.tuning = v->tuning;
-    if (v->tiled) {  // exactly the kernels and launches of the default before the warp units
-      w.tuning.gate_up_warp_units = false;
-      w.tuning.down_warp_units = false;
-      w.tuning.gate_up_programmatic_launch = false;
-    }
+    w.form = v->form;
+    units = v->units;
     for (int i = 0; i < 5; ++i) call(i, nullptr);
     int calls = 16;
     double ms = 0.0;
@@ -300,36 +261,15 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
 
     // The same calls captured in a CUDA graph, as the backend runs them: no host launch cost, so
     // this is the kernels' own time per layer.
-    constexpr int kGraphCalls = 64;
-    cudaStream_t gs = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < kGraphCalls; ++i) call(i, gs);
-    CUDA_CHECK(cudaStreamEndCapture(gs, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphLaunch(exec, gs));
-    CUDA_CHECK(cudaStreamSynchronize(gs));
-    int reps = 4;
-    double graph_ms = 0.0;
-    for (;;) {
-      CUDA_CHECK(cudaEventRecord(start, gs));
-      for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, gs));
-      CUDA_CHECK(cudaEventRecord(stop, gs));
-      CUDA_CHECK(cudaEventSynchronize(stop));
-      float f = 0.0f;
-      CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
-      graph_ms = f;
-      if (graph_ms >= min_ms || reps >= (1 << 16)) break;
-      reps = static_cast<int>(std::min<double>(1 << 16, reps * std::max(2.0, 1.2 * min_ms / std::max(graph_ms, 1e-3))));
-    }
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    CUDA_CHECK(cudaStreamDestroy(gs));
-    const double graph_ms_per_call = graph_ms / (static_cast<double>(reps) * kGraphCalls);
-    const bool falls_back = v->tuning.staged != Staged::kOff && !cuda::moe_fused_staged_applies(w, n, s.k);
-    emit({s.name + std::string(" ") + v->name + (falls_back ? "(=auto)" : "") + (host_weights ? " host" : ""), std::string(type_name(t)), n,
+    const double graph_ms_per_call = graph_ms_per_moe_call(call, min_ms, start, stop);
+    const bool falls_back = v->form != Form::kTiled && !cuda::moe_fused_staged_applies(w, n, s.k);
+    const char* mark = units ? (units_ran.gate_up && units_ran.down ? ""
+                                : units_ran.gate_up                  ? "(tiled down)"
+                                : units_ran.down                     ? "(tiled k1)"
+                                                                     : "(=tiled)")
+                             : falls_back && v->form == Form::kStaged ? "(=tiled)"
+                                                                      : "";
+    emit({s.name + std::string(" ") + v->name + mark + (host_weights ? " host" : ""), std::string(type_name(t)), n,
           ms_per_call * 1e3, bytes,
                       bytes / ms_per_call / 1e6, graph_ms_per_call * 1e3, bytes / graph_ms_per_call / 1e6});
   }
@@ -346,7 +286,7 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
   std::vector<const Variant*> variants;
   const std::vector<std::string>& names = select.variants;
   for (const Variant& v : kVariants) {
-    const bool wanted = names.empty() ? v.name == std::string("auto") || v.name == std::string("expert") ||
+    const bool wanted = names.empty() ? v.name == std::string("best") || v.name == std::string("tiled") ||
                                             v.name == std::string("units")
                                       : std::find(names.begin(), names.end(), "all") != names.end() ||
                                             std::find(names.begin(), names.end(), v.name) != names.end();
@@ -358,18 +298,10 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
   if (json == nullptr) {
     std::printf("\nfused MoE layer (moe_fused: gate+up+SwiGLU, down, weighted sum), read kernel %.0f GB/s\n", read_gbps);
     std::printf("(stream: back-to-back calls from the host; graph: the same calls replayed from a CUDA graph)\n");
-    std::printf("(auto: the form moe_fused picks; staged: the earlier per-row dots, per-expert down kernel;\n"
-                " expert / tile: down kernel per expert / per row tile; -k1rN: N gate/up rows per warp;\n"
-                " -rN: N rows per down CTA; -novec: Q4_K / Q8_0 dots without 16-byte activation loads;\n"
-                " -nopdl: down kernel launched plainly; -k1e: a gate/up CTA per expert;\n"
-                " -k1s2: two gate/up row buffers per CTA; units: the warp-unit kernels, -sN: N units in\n"
-                " flight per warp, -p1: one gate/up pair per unit, -k1 / -down: only that kernel as units,\n"
-                " -1sm: one CTA per SM, leaving room for the down kernel's CTAs beside kernel 1's;\n"
-                " -pdl1: kernel 1 launched programmatically too; -dq: the down kernel quantizes h itself;\n"
-                " sform: the staged form, Tuning::staged (moe_staged.cu: one-wave kernels, all rows in\n"
-                " flight, down rows fetched during kernel 1, no counters), -k1w: its kernel 1 with a\n"
-                " whole SM's shared memory, -bulk: rows by cp.async.bulk, (=auto): it does not fit and\n"
-                " the defaults run; best: the staged form where it measured faster, as the backend runs)\n");
+    std::printf("(best: the form moe_fused picks, as the backend runs it; tiled: the tiled kernels, its fallback;\n"
+                " sform: the staged form (moe_staged.cu) wherever it fits, (=tiled) where it does not;\n"
+                " units: the bench's warp-unit kernels (moe_fused_units.h), (tiled k1) / (tiled down) where one\n"
+                " kernel's units do not fit two CTAs per SM)\n");
     std::printf("%-28s %-6s %6s %14s %14s %12s %10s %8s\n", "shape", "format", "tokens", "stream us/layer",
                 "expert B/call", "graph us/layer", "graph GB/s", "of read");
     std::fflush(stdout);

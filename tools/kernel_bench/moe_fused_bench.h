@@ -11,7 +11,7 @@ namespace moraine::kernel_bench {
 // Which rows to time (moraine-kernel-bench cuda --moe-variants / --moe-tokens / --moe-select): the
 // GPU runs are batched, so one run should measure every candidate. Empty lists: the defaults.
 struct MoeBenchSelection {
-  std::vector<std::string> variants;  // "all" or names of the variant table; default auto, expert, units
+  std::vector<std::string> variants;  // "all" or names of the variant table; default best, tiled, units
   std::vector<int> tokens;            // tokens per call; default 1, 8
   std::vector<std::string> only;      // {shape, format}: one of each (e.g. for a profiler run)
   // The experts in mapped pinned host memory instead of device memory: the kernels then read

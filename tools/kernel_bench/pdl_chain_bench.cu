@@ -11,14 +11,13 @@
 // ~1 us per edge, ~9-11 us of the layer's time. A third variant lets the two matvecs start their
 // weight loads before the wait (MatvecBatch::weights_from_previous_kernel false), which can hide
 // their HBM latency behind the quantize kernel before them as well.
-// Measured on the H200 (2026-11-30, --pdl-only): position 0: 33.82 us per layer without PDL,
-// 31.81 with it, 31.55 with the weights early; position 511: 36.26 / 34.26 / 33.98. About
-// 0.2 us per launch, a fifth of the expectation: in a graph the next node's launch is already
-// prepared, and the wait still has the full completion and memory flush of the previous grid.
+// Measured: 33.82 -> 31.81 us per layer at position 0 (31.55 with the weights early), about 0.2 us
+// per launch, a fifth of the expectation (H200; why, and position 511: docs/perf-log.md).
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/cuda_timing.h"
 #include "tools/kernel_bench/decode_chain_buffers.h"
 #include "tools/kernel_bench/decode_chain_shape.h"
+#include "tools/kernel_bench/plain_graph.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -30,7 +29,6 @@
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "kernels/cuda/moe_combine.h"
@@ -108,9 +106,9 @@ struct Chain : DecodeChainBuffers {
   }
 };
 
-// Milliseconds per replay of the whole chain captured with the PDL switch as given.
+// Milliseconds per replay of the whole chain captured as production launches it (pdl) or with
+// its programmatic edges made full (plain_graph.h: the graph without PDL).
 double graph_ms(Chain& chain, bool pdl, bool weights_first, double min_ms) {
-  cuda::set_programmatic_launch(pdl);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -118,12 +116,12 @@ double graph_ms(Chain& chain, bool pdl, bool weights_first, double min_ms) {
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   chain.enqueue(stream, weights_first);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  if (!pdl) make_edges_full(graph);
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   const double ms = ms_per_call([&](int) { CUDA_CHECK(cudaGraphLaunch(exec, nullptr)); }, min_ms);
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
-  cuda::set_programmatic_launch(true);
   return ms;
 }
 

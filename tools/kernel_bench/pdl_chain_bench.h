@@ -2,7 +2,8 @@
 // the decode step's per-layer chain of small kernels (norm, quantize, q|k|v matvec,
 // qk_norm_rope_store, attention_decode, quantize, o matvec into the residual, norm, router,
 // top-k, combine) at Qwen3-30B-A3B shapes, 48 layers captured in one CUDA graph and replayed,
-// with the PDL attribute off and on: microseconds per layer.
+// with PDL and with the graph's programmatic edges made full (plain_graph.h): microseconds per
+// layer.
 #pragma once
 #include <nlohmann/json.hpp>
 
