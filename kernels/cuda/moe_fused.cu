@@ -84,15 +84,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
   const int h_block = blockIdx.x * tile_rows / h_block_rows;  // a tile lies in one block (host check)
   const int tiles_per_h_block = h_block_rows / tile_rows;
   const int h_blocks = p.n_ff / h_block_rows;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
-
-  // Shared memory: x of every token quantized for gate (and for up when its format differs),
-  // then each warp's staged rows (gate row j at j * pair_words, up row j after it).
-  uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
-  uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
-  const int pair_words = p.gate_seg_words + p.up_seg_words;
-  uint4* const stage = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
-                       warp * p.rows_a * pair_words;
+  const GateUpSmem sm = gate_up_smem(p, smem, warp);
+  const bool same_x = sm.same_x;
+  uint8_t* const xg = sm.xg;
+  uint8_t* const xu = sm.xu;
+  const int pair_words = sm.pair_words;
+  uint4* const stage = sm.stage;
   auto issue_rows = [&](int d) {  // this warp's rows of leader d's expert, in flight
     const int e = st.chosen[st.leader[d]];
     const uint8_t* g = expert_tensor(p, 0, e);

@@ -59,6 +59,27 @@ __device__ __forceinline__ float weighted_sum_of_rows(const MoeParams& p, const 
   return acc;
 }
 
+// Kernel 1's shared memory, as the tiled kernel and the bench's warp-unit kernel both carve it: x
+// of every token quantized for gate (and for up when its format differs), then each warp's
+// staged rows (gate row j at j * pair_words, up row j after it).
+struct GateUpSmem {
+  uint8_t* xg;
+  uint8_t* xu;
+  uint4* stage;     // this warp's rows
+  int pair_words;   // one gate row and one up row, in uint4 words
+  bool same_x;
+};
+__device__ __forceinline__ GateUpSmem gate_up_smem(const MoeParams& p, uint4* smem, int warp) {
+  GateUpSmem m;
+  m.same_x = p.x_gate_q8k == p.x_up_q8k;
+  m.xg = reinterpret_cast<uint8_t*>(smem);
+  m.xu = m.same_x ? m.xg : m.xg + p.n_tokens * p.xg_stride;
+  m.pair_words = p.gate_seg_words + p.up_seg_words;
+  m.stage = reinterpret_cast<uint4*>(m.xg + p.n_tokens * (p.xg_stride + (m.same_x ? 0 : p.xu_stride))) +
+            warp * p.rows_a * m.pair_words;
+  return m;
+}
+
 // Programmatic dependent launch (sm_90+): the down kernel starts while kernel 1 runs, prefetches
 // its rows, and waits for kernel 1's results here.
 __device__ __forceinline__ void wait_for_previous_kernel() {

@@ -34,12 +34,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Mo
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
-  uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
-  uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
-  const int pair_words = p.gate_seg_words + p.up_seg_words;
-  uint4* const stage = reinterpret_cast<uint4*>(xg + p.n_tokens * (p.xg_stride + (same_x ? 0 : p.xu_stride))) +
-                       warp * p.rows_a * pair_words;
+  const GateUpSmem sm = gate_up_smem(p, smem, warp);   // the tiled kernel 1's layout
+  const bool same_x = sm.same_x;
+  uint8_t* const xg = sm.xg;
+  uint8_t* const xu = sm.xu;
+  const int pair_words = sm.pair_words;
+  uint4* const stage = sm.stage;
   const int n_leaders = find_leaders<kWarps>(p, st);
   const int units_per_expert = p.n_ff / p.rows_a;  // rows_a divides the h block, which divides n_ff
   const int n_units = n_leaders * units_per_expert;
