@@ -18,6 +18,8 @@
 
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "common/messaging/job_channel.h"
 #include "common/model/model.h"
 #include "common/sampling/sampler.h"
@@ -389,6 +391,24 @@ class Coordinator final : public generate::Coordinator::Service {
         ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
       } catch (const tokenizer::TokenizerError& e) {
         throw std::invalid_argument(std::string("messages: ") + e.what());
+      }
+    } else if (req.input_case() == generate::GenerateRequest::kChatJson) {
+      if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
+      const nlohmann::json chat = nlohmann::json::parse(req.chat_json(), nullptr, false);
+      if (!chat.is_object() || !chat.contains("messages") || !chat["messages"].is_array() || chat["messages"].empty()) {
+        throw std::invalid_argument("chat_json: an object with a non-empty \"messages\" array is required");
+      }
+      std::vector<tokenizer::ChatMessage> conv;
+      for (const nlohmann::json& m : chat["messages"]) {
+        if (!m.is_object() || !m.value("role", nlohmann::json()).is_string() || !m.value("content", nlohmann::json()).is_string()) {
+          throw std::invalid_argument("chat_json: each message needs a string \"role\" and a string \"content\"");
+        }
+        conv.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), {}});
+      }
+      try {
+        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
+      } catch (const tokenizer::TokenizerError& e) {
+        throw std::invalid_argument(std::string("chat_json: ") + e.what());
       }
     }
     if (ids.empty()) throw std::invalid_argument("the request has no input tokens (prompt or token_ids)");
