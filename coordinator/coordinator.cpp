@@ -136,7 +136,9 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
       if (need <= slots) break;
       if (round == 8) throw std::logic_error("coordinator: the long steps' staging slots did not settle (" + std::to_string(need) + ")");
       slots = need + 1;
-      in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      const uint64_t grown = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      if (o.vram == "dense") in.vram_budget += grown - in.sizes.device_reserve_bytes;   // still exactly the dense part
+      in.sizes.device_reserve_bytes = grown;
       plan = group::plan_placement(in);
     }
   }
