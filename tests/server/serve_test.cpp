@@ -1,0 +1,332 @@
+// `moraine serve` end to end on a small test model (CPU backend): the official openai npm client
+// (openai_client_test.cjs), malformed requests answered with the right status and OpenAI's error
+// JSON, a client that disconnects cancelling its request, a bounded load test (64 clients), and
+// SIGTERM stopping every process and removing the shared memory. One server for the suite.
+#include <httplib.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "coordinator/group_layout.h"
+#include "tests/group/group_harness.h"
+
+namespace moraine::server_test {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using group_test::shell_quote;
+const fs::path kBuild = MORAINE_BUILD_DIR;
+const fs::path kSource = MORAINE_SOURCE_DIR;
+const std::string kKey = "test-key-123";
+
+struct ServeProcess {
+  std::string dir, model, socket_dir, log;
+  pid_t pid = -1;
+  int port = 0;
+  std::string model_id;
+};
+
+ServeProcess* g_serve = nullptr;
+
+int64_t rss_kib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  return -1;
+}
+
+httplib::Client client() {
+  httplib::Client c("127.0.0.1", g_serve->port);
+  c.set_read_timeout(120, 0);
+  c.set_default_headers({{"Authorization", "Bearer " + kKey}});
+  return c;
+}
+
+struct Answer {
+  int status = -1;
+  json body;
+};
+Answer post(const std::string& path, const std::string& body, httplib::Client& c) {
+  const auto r = c.Post(path.c_str(), body, "application/json");
+  if (!r) return {};
+  return {r->status, json::parse(r->body, nullptr, false)};
+}
+Answer post(const std::string& path, const json& body) {
+  httplib::Client c = client();
+  return post(path, body.dump(), c);
+}
+
+json chat(const std::string& content, int max_tokens = 4) {
+  return {{"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", max_tokens}, {"temperature", 0},
+          {"ignore_eos", true}};
+}
+
+// The error's shape: {"error": {"message", "type", "param", "code"}}; param as given (or null).
+void expect_error(const Answer& a, int status, const std::string& param, const std::string& message_part) {
+  EXPECT_EQ(a.status, status) << a.body.dump();
+  ASSERT_TRUE(a.body.is_object() && a.body.contains("error")) << a.body.dump();
+  const json& e = a.body["error"];
+  EXPECT_TRUE(e["message"].is_string());
+  EXPECT_TRUE(e["type"].is_string());
+  EXPECT_TRUE(e.contains("code"));
+  if (param.empty()) {
+    EXPECT_TRUE(e["param"].is_null()) << a.body.dump();
+  } else {
+    EXPECT_EQ(e["param"], param) << a.body.dump();
+  }
+  EXPECT_NE(e["message"].get<std::string>().find(message_part), std::string::npos) << a.body.dump();
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_serve = new ServeProcess;
+    ServeProcess& s = *g_serve;
+    s.dir = group_test::temp_dir("serve");
+    s.model = group_test::convert_golden("qwen3moe_k256", group_test::golden_quant_args("kmix"), s.dir);
+    s.model_id = fs::path(s.model).stem().string();
+    s.socket_dir = s.dir + "/sock";
+    s.log = s.dir + "/serve.log";
+    const std::vector<std::string> args = {
+        (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
+        "--ctx", "256", "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
+        "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
+    s.pid = fork();
+    if (s.pid == 0) {
+      const int fd = ::open(s.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    // Ready when it logs the line a user waits for.
+    const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+    for (int i = 0; i < 1200 && s.port == 0; ++i) {
+      std::ifstream in(s.log);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      std::smatch m;
+      if (std::regex_search(text, m, listening)) s.port = std::stoi(m[1]);
+      if (s.port == 0) {
+        int st = 0;
+        if (waitpid(s.pid, &st, WNOHANG) == s.pid) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+  static void TearDownTestSuite() {
+    if (g_serve && g_serve->pid > 0) {
+      kill(g_serve->pid, SIGKILL);
+      waitpid(g_serve->pid, nullptr, 0);
+    }
+    delete g_serve;
+    g_serve = nullptr;
+  }
+  void SetUp() override {
+    std::ifstream in(g_serve->log);
+    const std::string log((std::istreambuf_iterator<char>(in)), {});
+    ASSERT_GT(g_serve->port, 0) << "moraine serve did not log 'listening on':\n" << log;
+  }
+};
+
+TEST_F(ServeTest, HealthModelsAndMetrics) {
+  httplib::Client open("127.0.0.1", g_serve->port);   // no key: /health and /metrics stay open
+  auto h = open.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  httplib::Client c = client();
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(json::parse(m->body)["data"][0]["id"], g_serve->model_id);
+  ASSERT_EQ(post("/v1/chat/completions", chat("hello")).status, 200);
+  auto met = open.Get("/metrics");
+  ASSERT_TRUE(met);
+  for (const char* want : {"moraine_time_to_first_token_seconds_bucket", "moraine_inter_token_latency_seconds_count",
+                           "moraine_queue_depth", "moraine_prompt_tokens_total", "moraine_completion_tokens_total",
+                           "moraine_prefix_cache_hits_total", "name=\"prefix_cache_hits\"", "moraine_expert_slots_total"})
+    EXPECT_NE(met->body.find(want), std::string::npos) << want << " missing from\n" << met->body;
+}
+
+TEST_F(ServeTest, OfficialOpenAiClient) {
+  const fs::path oracle = kSource / ".cache" / "oracle";
+  ASSERT_TRUE(fs::exists(oracle / "node_modules" / "openai")) << "the openai npm client is missing: run tests/oracle/setup";
+  const auto [rc, out] = group_test::run_command(
+      "node " + shell_quote((kSource / "tests" / "server" / "openai_client_test.cjs").string()) + " " +
+      shell_quote(oracle.string()) + " http://127.0.0.1:" + std::to_string(g_serve->port) + " " +
+      shell_quote(g_serve->model_id) + " " + kKey);
+  std::printf("%s", out.c_str());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("{\"passed\":9}"), std::string::npos) << out;
+}
+
+TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
+  httplib::Client c = client();
+  expect_error(post("/v1/chat/completions", std::string("{\"messages\": ["), c), 400, "", "JSON");
+  expect_error(post("/v1/chat/completions", std::string("[1, 2]"), c), 400, "", "object");
+  expect_error(post("/v1/chat/completions", json::object()), 400, "messages", "required");
+  expect_error(post("/v1/chat/completions", json{{"messages", "hi"}}), 400, "messages", "array");
+  expect_error(post("/v1/chat/completions", json{{"messages", json::array()}}), 400, "messages", "empty");
+  expect_error(post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", 5}}}}}), 400,
+               "messages[0].content", "string");
+  expect_error(post("/v1/chat/completions", json{{"messages", {{{"role", "wizard"}, {"content", "x"}}}}}), 400,
+               "messages[0].role", "wizard");
+  json j = chat("x");
+  j["temperature"] = "hot";
+  expect_error(post("/v1/chat/completions", j), 400, "temperature", "number");
+  j = chat("x");
+  j["max_tokens"] = -1;
+  expect_error(post("/v1/chat/completions", j), 400, "max_tokens", "outside");
+  j = chat("x");
+  j["stop"] = 5;
+  expect_error(post("/v1/chat/completions", j), 400, "stop", "string");
+  j = chat("x");
+  j["n"] = 3;
+  expect_error(post("/v1/chat/completions", j), 400, "n", "n = 1");
+  expect_error(post("/v1/completions", json{{"max_tokens", 2}}), 400, "prompt", "required");
+  j = chat("x");
+  j["model"] = "gpt-unknown";
+  const Answer unknown = post("/v1/chat/completions", j);
+  expect_error(unknown, 404, "model", "gpt-unknown");
+  EXPECT_EQ(unknown.body["error"]["code"], "model_not_found");
+  // Over the context (--ctx 256): max_tokens, then the prompt itself; the message has the numbers.
+  j = chat("x", 1000);
+  const Answer over = post("/v1/chat/completions", j);
+  expect_error(over, 400, "messages", "256");
+  EXPECT_NE(over.body["error"]["message"].get<std::string>().find("1000"), std::string::npos);
+  EXPECT_EQ(over.body["error"]["code"], "context_length_exceeded");
+  std::vector<int> ids(300, 5);
+  const Answer long_prompt = post("/v1/completions", json{{"prompt", ids}, {"max_tokens", 1}});
+  expect_error(long_prompt, 400, "messages", "300");
+  // The same over-context request streamed: still a 400 before any event.
+  j = chat("x", 1000);
+  j["stream"] = true;
+  expect_error(post("/v1/chat/completions", j), 400, "messages", "256");
+  // A body over --max-body (256 KiB).
+  const std::string huge = json{{"messages", {{{"role", "user"}, {"content", std::string(300 * 1024, 'a')}}}}}.dump();
+  expect_error(post("/v1/chat/completions", huge, c), 413, "", "larger");
+  // Authentication.
+  httplib::Client none("127.0.0.1", g_serve->port);
+  const auto r1 = none.Post("/v1/chat/completions", chat("x").dump(), "application/json");
+  ASSERT_TRUE(r1);
+  expect_error({r1->status, json::parse(r1->body, nullptr, false)}, 401, "", "API key");
+  httplib::Client wrong("127.0.0.1", g_serve->port);
+  wrong.set_default_headers({{"Authorization", "Bearer nope"}});
+  const auto r2 = wrong.Get("/v1/models");
+  ASSERT_TRUE(r2);
+  EXPECT_EQ(r2->status, 401);
+  const auto r3 = c.Get("/v1/no-such-endpoint");
+  ASSERT_TRUE(r3);
+  expect_error({r3->status, json::parse(r3->body, nullptr, false)}, 404, "", "no such endpoint");
+  // Still serving.
+  EXPECT_EQ(post("/v1/chat/completions", chat("still there?")).status, 200);
+}
+
+uint64_t metric(const std::string& text, const std::string& name) {
+  const size_t at = text.find(name + " ");
+  return at == std::string::npos ? 0 : std::stoull(text.substr(at + name.size() + 1));
+}
+
+TEST_F(ServeTest, DisconnectCancelsTheRequest) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
+  const uint64_t before = metric(open.Get("/metrics")->body, counter);
+  json j = chat("a long answer please", 200);
+  j["stream"] = true;
+  httplib::Client c = client();
+  int events = 0;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.headers = {{"Authorization", "Bearer " + kKey}, {"Content-Type", "application/json"}};
+  req.body = j.dump();
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++events < 3; };   // hang up early
+  c.send(req);
+  EXPECT_GE(events, 3);
+  uint64_t after = before;
+  for (int i = 0; i < 100 && after == before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = metric(open.Get("/metrics")->body, counter);
+  }
+  EXPECT_EQ(after, before + 1) << "the coordinator did not see the request cancelled";
+  EXPECT_EQ(post("/v1/chat/completions", chat("next")).status, 200);
+}
+
+TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
+  const int64_t rss_before = rss_kib(g_serve->pid);
+  ASSERT_GT(rss_before, 0);
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::map<int, int> statuses;
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 64; ++i) {
+    clients.emplace_back([&, i] {
+      httplib::Client c = client();
+      for (int k = 0; !stop; ++k) {
+        json j = chat("load " + std::to_string(i) + " " + std::to_string(k), 2);
+        j["stream"] = (k + i) % 2 == 0;
+        const auto r = c.Post("/v1/chat/completions", j.dump(), "application/json");
+        std::lock_guard l(mu);
+        ++statuses[r ? r->status : -1];
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(20));
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  const int64_t rss_after = rss_kib(g_serve->pid);
+  int ok = 0;
+  for (const auto& [st, n] : statuses) {
+    std::printf("load: status %d x %d\n", st, n);
+    EXPECT_TRUE(st == 200 || st == 429) << "status " << st << " x " << n;
+    if (st == 200) ok = n;
+  }
+  EXPECT_GT(ok, 64);
+  std::printf("load: server RSS %lld KiB before, %lld KiB after\n", static_cast<long long>(rss_before),
+              static_cast<long long>(rss_after));
+  EXPECT_LT(rss_after, rss_before + 64 * 1024) << "the server's memory grew by more than 64 MiB under load";
+  EXPECT_EQ(post("/v1/chat/completions", chat("after the load")).status, 200);
+}
+
+// Last: SIGTERM drains, stops every process of the group and removes its shared memory.
+TEST_F(ServeTest, ZzSigtermStopsTheGroupAndRemovesSharedMemory) {
+  const std::string prefix = group::group_prefix_for(g_serve->socket_dir);
+  ASSERT_FALSE(group_test::shm_files(prefix).empty()) << "no shared memory of the group to begin with";
+  std::ifstream pid_in(g_serve->socket_dir + "/supervisor.pid");
+  pid_t supervisor = 0;
+  pid_in >> supervisor;
+  ASSERT_GT(supervisor, 0);
+  ASSERT_EQ(kill(g_serve->pid, SIGTERM), 0);
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 600 && done == 0; ++i) {
+    done = waitpid(g_serve->pid, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(done, g_serve->pid) << "moraine serve did not stop within 60 s of SIGTERM";
+  g_serve->pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(group_test::shm_files(prefix).empty());
+  EXPECT_NE(kill(supervisor, 0), 0) << "the supervisor still runs";
+  std::ifstream in(g_serve->log);
+  const std::string log((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(log.find("moraine serve: stopped"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace moraine::server_test
