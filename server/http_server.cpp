@@ -1,6 +1,7 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdio>
@@ -22,6 +23,15 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
+
+// httplib 0.11 listens with a backlog of 5: 64 clients reconnecting after their keep-alive
+// count overflowed it, and the kernel reset connections whose request was already sent (56 of
+// 100k requests failed with a read error in the load test). Linux takes a second listen() on a
+// listening socket as a new backlog.
+class BackloggedServer : public httplib::Server {
+ public:
+  void widen_backlog(int n) { ::listen(svr_sock_, n); }
+};
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -151,7 +161,7 @@ int64_t Admission::waiting() const {
 }
 
 HttpServer::HttpServer(HttpOptions o)
-    : o_(std::move(o)), http_(std::make_unique<httplib::Server>()), admission_(o_.parallel, o_.queue) {
+    : o_(std::move(o)), http_(std::make_unique<BackloggedServer>()), admission_(o_.parallel, o_.queue) {
   if (o_.parallel < 1 || o_.queue < 0) throw std::invalid_argument("--parallel must be >= 1 and --queue >= 0");
   if (o_.model_ids.empty()) throw std::invalid_argument("the server needs a model id");
   // Threads for every admitted and queued request plus some for /health, /metrics and refusals:
@@ -170,11 +180,13 @@ int HttpServer::bind() {
   if (o_.port == 0) {
     const int port = http_->bind_to_any_port(o_.host);
     if (port <= 0) throw std::runtime_error("cannot bind an HTTP port on " + o_.host);
+    static_cast<BackloggedServer&>(*http_).widen_backlog(1024);
     o_.port = port;
     return port;
   }
   if (!http_->bind_to_port(o_.host, o_.port))
     throw std::runtime_error("cannot listen on " + o_.host + ":" + std::to_string(o_.port) + " (in use, or not an address here)");
+  static_cast<BackloggedServer&>(*http_).widen_backlog(1024);
   return o_.port;
 }
 

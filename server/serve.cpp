@@ -71,6 +71,7 @@ ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
   try {
     group_ = std::make_unique<group::LaunchedGroup>(lo);
   } catch (...) {
+    own_socket_dir_ = false;   // kept: the processes' logs say why the group did not start
     stop();
     throw;
   }

@@ -4,6 +4,8 @@
 // cache); one with recurrent DeltaNet layers (qwen3next) only the whole cached sequence.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "tests/group/group_harness.h"
 
 namespace moraine::group_test {
@@ -51,6 +53,9 @@ TEST_P(PrefixCache, FollowUpsMatchAFreshGroup) {
     EXPECT_EQ(again.cached_tokens, c.recurrent ? 0u : 12u);
     EXPECT_EQ(again.ids, b.ids);
     EXPECT_EQ(coordinator_counter(g.socket_dir(), "prefix_cache_hits"), c.recurrent ? 1u : 3u);
+    std::printf("%s: first answer %zu tokens, follow-up %zu tokens with %u cached, partial %zu with %u cached\n", c.model,
+                a.ids.size(), b.ids.size(), b.cached_tokens, part.ids.size(), part.cached_tokens);
+    EXPECT_EQ(a.ids.size(), static_cast<size_t>(n)) << "the first answer ended early: pick another prompt";
     g.stop();
   }
   Group fresh(o);

@@ -19,7 +19,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <grpcpp/grpcpp.h>
+
 #include "coordinator/group_layout.h"
+#include "proto/control.grpc.pb.h"
 #include "tests/group/group_harness.h"
 
 namespace moraine::server_test {
@@ -37,6 +40,7 @@ struct ServeProcess {
   pid_t pid = -1;
   int port = 0;
   std::string model_id;
+  std::vector<int> health_while_loading;   // /health statuses seen before "listening on"
 };
 
 ServeProcess* g_serve = nullptr;
@@ -103,6 +107,8 @@ class ServeTest : public ::testing::Test {
     const std::vector<std::string> args = {
         (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
         "--ctx", "256", "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
+        // 1 running + 20 queued: the client's 16 concurrent requests fit, the load test's 64 do not.
+        "--queue", "20",
         "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
     s.pid = fork();
     if (s.pid == 0) {
@@ -115,13 +121,19 @@ class ServeTest : public ::testing::Test {
       execv(argv[0], argv.data());
       _exit(127);
     }
-    // Ready when it logs the line a user waits for.
+    // Ready when it logs the line a user waits for; before that, /health on the port it loads on.
     const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+    const std::regex loading("http://127\\.0\\.0\\.1:([0-9]+)/health answers 503");
     for (int i = 0; i < 1200 && s.port == 0; ++i) {
       std::ifstream in(s.log);
       const std::string text((std::istreambuf_iterator<char>(in)), {});
       std::smatch m;
-      if (std::regex_search(text, m, listening)) s.port = std::stoi(m[1]);
+      if (std::regex_search(text, m, listening)) {
+        s.port = std::stoi(m[1]);
+      } else if (std::regex_search(text, m, loading)) {
+        httplib::Client c("127.0.0.1", std::stoi(m[1]));
+        if (const auto h = c.Get("/health")) s.health_while_loading.push_back(h->status);
+      }
       if (s.port == 0) {
         int st = 0;
         if (waitpid(s.pid, &st, WNOHANG) == s.pid) break;
@@ -143,6 +155,11 @@ class ServeTest : public ::testing::Test {
     ASSERT_GT(g_serve->port, 0) << "moraine serve did not log 'listening on':\n" << log;
   }
 };
+
+TEST_F(ServeTest, HealthIs503WhileLoading) {
+  ASSERT_FALSE(g_serve->health_while_loading.empty()) << "the group came up before /health could be asked";
+  for (int st : g_serve->health_while_loading) EXPECT_EQ(st, 503);
+}
 
 TEST_F(ServeTest, HealthModelsAndMetrics) {
   httplib::Client open("127.0.0.1", g_serve->port);   // no key: /health and /metrics stay open
@@ -273,6 +290,7 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   std::atomic<bool> stop{false};
   std::mutex mu;
   std::map<int, int> statuses;
+  json refusal;
   std::vector<std::thread> clients;
   for (int i = 0; i < 64; ++i) {
     clients.emplace_back([&, i] {
@@ -281,8 +299,12 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
         json j = chat("load " + std::to_string(i) + " " + std::to_string(k), 2);
         j["stream"] = (k + i) % 2 == 0;
         const auto r = c.Post("/v1/chat/completions", j.dump(), "application/json");
-        std::lock_guard l(mu);
-        ++statuses[r ? r->status : -1];
+        {
+          std::lock_guard l(mu);
+          ++statuses[r ? r->status : -100 - static_cast<int>(r.error())];
+          if (r && r->status == 429 && refusal.is_null()) refusal = json::parse(r->body, nullptr, false);
+        }
+        if (r && r->status == 429) std::this_thread::sleep_for(std::chrono::milliseconds(20));   // a client backs off
       }
     });
   }
@@ -293,14 +315,54 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   int ok = 0;
   for (const auto& [st, n] : statuses) {
     std::printf("load: status %d x %d\n", st, n);
+    // A status of -100 - E: no answer, httplib::Error E.
     EXPECT_TRUE(st == 200 || st == 429) << "status " << st << " x " << n;
     if (st == 200) ok = n;
   }
   EXPECT_GT(ok, 64);
+  // 64 clients against 1 running + 20 queued: some are refused, in OpenAI's shape.
+  EXPECT_GT(statuses[429], 0);
+  if (!refusal.is_null()) {
+    EXPECT_EQ(refusal["error"]["type"], "rate_limit_error") << refusal.dump();
+    EXPECT_NE(refusal["error"]["message"].get<std::string>().find("busy"), std::string::npos) << refusal.dump();
+  }
   std::printf("load: server RSS %lld KiB before, %lld KiB after\n", static_cast<long long>(rss_before),
               static_cast<long long>(rss_after));
   EXPECT_LT(rss_after, rss_before + 64 * 1024) << "the server's memory grew by more than 64 MiB under load";
   EXPECT_EQ(post("/v1/chat/completions", chat("after the load")).status, 200);
+}
+
+pid_t instance_pid(const std::string& instance) {
+  auto stub = control::Control::NewStub(grpc::CreateChannel(group::control_address(g_serve->socket_dir, instance),
+                                                            grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  control::HealthReply reply;
+  return stub->Health(&ctx, {}, &reply).ok() ? static_cast<pid_t>(reply.pid()) : -1;
+}
+
+// A cpu_expert_worker killed while a request decodes: the supervisor restarts it, the
+// coordinator replays the sequence, and the request completes with all its tokens (or, if the
+// worker were not back in time, a 503 that says so); the server keeps serving.
+TEST_F(ServeTest, WorkerLostMidRequest) {
+  const pid_t victim = instance_pid(group::cpu_worker_instance(0));
+  ASSERT_GT(victim, 0);
+  // Frozen first, so that the request's first step waits on it: then it is lost mid-request.
+  ASSERT_EQ(kill(victim, SIGSTOP), 0);
+  Answer a;
+  std::thread req([&] { a = post("/v1/chat/completions", chat("a long answer", 20)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  req.join();
+  if (a.status == 200) {
+    EXPECT_EQ(a.body["usage"]["completion_tokens"], 20) << a.body.dump();
+  } else {
+    expect_error(a, 503, "", "failed during the request");
+  }
+  std::printf("worker lost mid-request: status %d\n", a.status);
+  for (int i = 0; i < 100 && instance_pid(group::cpu_worker_instance(0)) <= 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(post("/v1/chat/completions", chat("after the restart")).status, 200);
 }
 
 // Last: SIGTERM drains, stops every process of the group and removes its shared memory.
