@@ -51,10 +51,11 @@ std::string random_id(const char* prefix) {
 }
 
 // A Generate call's failure as the HTTP status a client can act on.
-ApiError error_of(const grpc::Status& st) {
+// `input`: the request's field the context limit is about (messages or prompt).
+ApiError error_of(const grpc::Status& st, const std::string& input) {
   switch (st.error_code()) {
     case grpc::StatusCode::INVALID_ARGUMENT: return ApiError(400, st.error_message());
-    case grpc::StatusCode::OUT_OF_RANGE: return ApiError(400, st.error_message(), "messages", {}, "context_length_exceeded");
+    case grpc::StatusCode::OUT_OF_RANGE: return ApiError(400, st.error_message(), input, {}, "context_length_exceeded");
     case grpc::StatusCode::UNAVAILABLE:
       return ApiError(503, "the model group is not reachable or is stopping (" + st.error_message() + ")");
     case grpc::StatusCode::CANCELLED: return ApiError(499, "the request was cancelled");
@@ -252,6 +253,7 @@ void HttpServer::routes() {
   const auto generate_route = [this, stub](Endpoint endpoint, const std::string& name) {
     return [this, stub, endpoint, name](const httplib::Request& req, httplib::Response& res) {
       const auto t0 = Clock::now();
+      const std::string input = endpoint == Endpoint::kChat ? "messages" : "prompt";
       const auto answer_error = [&](const ApiError& e) {
         send_error(res, e);
         metrics_.request_done(name, e.status);
@@ -277,7 +279,7 @@ void HttpServer::routes() {
       generate::GenerateChunk first;
       if (!call->reader->Read(&first)) {
         const grpc::Status st = call->finish();
-        return answer_error(st.ok() ? ApiError(503, "the coordinator ended the request without an answer") : error_of(st));
+        return answer_error(st.ok() ? ApiError(503, "the coordinator ended the request without an answer") : error_of(st, input));
       }
       const std::string id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
       const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -296,7 +298,7 @@ void HttpServer::routes() {
           }
         }
         const grpc::Status st = call->finish();
-        if (!st.ok() || !error.empty()) return answer_error(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error)) : error_of(st));
+        if (!st.ok() || !error.empty()) return answer_error(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error), input) : error_of(st, input));
         metrics_.tokens(g.timing.prompt_tokens(), g.timing.generated_tokens(), g.timing.cached_tokens());
         metrics_.request_seconds(seconds_since(t0));
         metrics_.request_done(name, 200);
@@ -305,7 +307,7 @@ void HttpServer::routes() {
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [this, api, call, id, created, t0, name, slot, first = std::move(first)](size_t, httplib::DataSink& sink) mutable {
+          [this, api, call, id, created, t0, name, input, slot, first = std::move(first)](size_t, httplib::DataSink& sink) mutable {
             const auto event = [&](const json& j) {
               const std::string line = "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
               return sink.write(line.data(), line.size());
@@ -338,7 +340,7 @@ void HttpServer::routes() {
             }
             const grpc::Status st = call->finish();
             if (!st.ok() || !error.empty()) {
-              event(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error)).body() : error_of(st).body());
+              event(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error), input).body() : error_of(st, input).body());
               metrics_.request_done(name, 503);
             } else {
               if (api.include_usage) event(stream_usage_json(api, id, created, timing));

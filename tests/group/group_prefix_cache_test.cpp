@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <ostream>
 
 #include "tests/group/group_harness.h"
 
@@ -15,6 +16,8 @@ struct Case {
   const char* model;
   bool recurrent;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.model; }
 
 class PrefixCache : public ::testing::TestWithParam<Case> {};
 

@@ -229,7 +229,7 @@ TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
   EXPECT_EQ(over.body["error"]["code"], "context_length_exceeded");
   std::vector<int> ids(300, 5);
   const Answer long_prompt = post("/v1/completions", json{{"prompt", ids}, {"max_tokens", 1}});
-  expect_error(long_prompt, 400, "messages", "300");
+  expect_error(long_prompt, 400, "prompt", "300");
   // The same over-context request streamed: still a 400 before any event.
   j = chat("x", 1000);
   j["stream"] = true;
