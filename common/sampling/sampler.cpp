@@ -85,13 +85,16 @@ Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {
   if (!(p_.min_p >= 0.0f && p_.min_p <= 1.0f)) throw std::invalid_argument("sampler: min_p must be in [0, 1]");
 }
 
-// The min-p cut of what the other cuts kept: weights are exp((logit - max) / T), so the top
-// token's is 1 and a token's probability ratio to it is its weight.
+// The min-p cut of what the other cuts kept, as llama.cpp's chain applies it (before the
+// temperature): a token stays when its probability at temperature 1 is at least min_p times the
+// top token's, i.e. logit - max >= ln(min_p). The weights are exp((logit - max) / T), so that is
+// w >= min_p^(1/T) (the top token's weight is 1).
 void Sampler::cut_min_p(Kept& k) const {
   if (p_.min_p <= 0.0f) return;
+  const double threshold = std::pow(static_cast<double>(p_.min_p), 1.0 / static_cast<double>(p_.temperature));
   size_t out = 0;
   for (size_t i = 0; i < k.ids.size(); ++i) {
-    if (k.w[i] >= static_cast<double>(p_.min_p)) {
+    if (k.w[i] >= threshold) {
       k.ids[out] = k.ids[i];
       k.w[out] = k.w[i];
       ++out;

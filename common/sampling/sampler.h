@@ -15,7 +15,7 @@ struct SamplerParams {
   int32_t top_k = 0;         // <= 0: no top-k cut
   float top_p = 1.0f;        // >= 1: no nucleus cut
   uint64_t seed = 0;
-  float min_p = 0.0f;        // <= 0: no cut; else drop tokens below min_p * the top token's probability
+  float min_p = 0.0f;        // <= 0: no cut; else drop tokens below min_p * the top token's probability (at temperature 1, as llama.cpp)
 };
 
 // Repetition penalties over the last `last_n` tokens of the history, as llama.cpp's sampler and
@@ -53,7 +53,7 @@ class Sampler {
   // The distribution the sampler draws from, as (token, probability) sorted by probability
   // descending (ties: lower token first): top-k cut, softmax at the temperature, top-p cut
   // (the smallest prefix whose mass reaches top_p), min-p cut (among those, the tokens whose
-  // probability is at least min_p times the top one's), renormalised. Greedy gives one entry.
+  // probability at temperature 1 is at least min_p times the top one's), renormalised. Greedy gives one entry.
   std::vector<std::pair<int32_t, float>> distribution(std::span<const float> logits) const;
 
   int32_t sample(std::span<const float> logits);

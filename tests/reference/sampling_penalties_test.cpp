@@ -22,18 +22,20 @@ std::vector<float> random_logits(uint64_t seed, size_t n) {
   return l;
 }
 
-// Softmax at temperature t, then keep p_i >= min_p * p_max, renormalised.
+// llama.cpp's order: the min-p cut on the softmax at temperature 1 (keep p_i >= min_p * p_max),
+// then the softmax at temperature t over what is kept.
 std::map<int32_t, double> min_p_reference(const std::vector<float>& l, float t, float min_p) {
-  std::vector<double> p(l.size());
-  double z = 0;
-  for (size_t i = 0; i < l.size(); ++i) z += p[i] = std::exp(l[i] / double(t));
-  const double pmax = *std::max_element(p.begin(), p.end()) / z;
+  std::vector<double> p1(l.size());
+  double z1 = 0;
+  for (size_t i = 0; i < l.size(); ++i) z1 += p1[i] = std::exp(double(l[i]));
+  const double pmax = *std::max_element(p1.begin(), p1.end()) / z1;
   std::map<int32_t, double> kept;
   double mass = 0;
   for (size_t i = 0; i < l.size(); ++i) {
-    if (p[i] / z >= min_p * pmax) {
-      kept[static_cast<int32_t>(i)] = p[i] / z;
-      mass += p[i] / z;
+    if (p1[i] / z1 >= min_p * pmax) {
+      const double w = std::exp(l[i] / double(t));
+      kept[static_cast<int32_t>(i)] = w;
+      mass += w;
     }
   }
   for (auto& [id, q] : kept) q /= mass;
@@ -67,14 +69,14 @@ TEST(SamplerMinP, SampledTokensAreAlwaysKept) {
 
 TEST(SamplerMinP, CombinesWithTopK) {
   const std::vector<float> l = random_logits(5, 400);
-  // top-k 10 then min-p 0.3 of the top token's probability (which top-k leaves the largest).
+  // top-k 10 then min-p 0.3 of the top token's probability at temperature 1.
   Sampler s({0.8f, 10, 1.0f, 1, 0.3f});
   const auto got = s.distribution(l);
   std::vector<int32_t> ids(l.size());
   std::iota(ids.begin(), ids.end(), 0);
   std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
   size_t n = 0;
-  for (size_t i = 0; i < 10; ++i) n += std::exp((l[ids[i]] - l[ids[0]]) / 0.8) >= 0.3 ? 1 : 0;
+  for (size_t i = 0; i < 10; ++i) n += std::exp(double(l[ids[i]]) - l[ids[0]]) >= 0.3 ? 1 : 0;
   EXPECT_EQ(got.size(), n);
   EXPECT_GT(n, 0u);
 }
