@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -40,6 +41,21 @@ std::vector<std::string> start_args(const GroupStartOptions& g) {
   return a;
 }
 
+// The last line each process logged: why a group that did not start did not.
+std::string last_log_lines(const std::string& dir) {
+  std::string out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".log" || e.path().stem() == "supervisor") continue;
+    std::ifstream in(e.path());
+    std::string line, last;
+    while (std::getline(in, line))
+      if (!line.empty()) last = line;
+    if (!last.empty()) out += "\n  " + e.path().filename().string() + ": " + last;
+  }
+  return out;
+}
+
 }  // namespace
 
 ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
@@ -70,10 +86,10 @@ ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
   lo.own_process_group = true;
   try {
     group_ = std::make_unique<group::LaunchedGroup>(lo);
-  } catch (...) {
+  } catch (const std::exception& e) {
     own_socket_dir_ = false;   // kept: the processes' logs say why the group did not start
     stop();
-    throw;
+    throw std::runtime_error(e.what() + last_log_lines(o_.group.socket_dir));
   }
   http_->set_ready(true);
 }
