@@ -201,9 +201,8 @@ void HttpServer::drain_and_stop(std::chrono::milliseconds deadline) {
 }
 
 void HttpServer::routes() {
-  auto channel = grpc::CreateChannel(group::control_address(o_.socket_dir, group::kCoordinatorInstance),
-                                     grpc::InsecureChannelCredentials());
-  std::shared_ptr<generate::Coordinator::Stub> stub = generate::Coordinator::NewStub(channel);
+  stub_ = generate::Coordinator::NewStub(grpc::CreateChannel(
+      group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
 
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (o_.api_key.empty() || req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
@@ -250,116 +249,135 @@ void HttpServer::routes() {
   http_->Get("/v1/models", models);
   http_->Get("/models", models);
 
-  const auto generate_route = [this, stub](Endpoint endpoint, const std::string& name) {
-    return [this, stub, endpoint, name](const httplib::Request& req, httplib::Response& res) {
-      const auto t0 = Clock::now();
-      const std::string input = endpoint == Endpoint::kChat ? "messages" : "prompt";
-      const auto answer_error = [&](const ApiError& e) {
-        send_error(res, e);
-        metrics_.request_done(name, e.status);
-      };
-      if (!ready_ || draining_) return answer_error(ApiError(503, draining_ ? "the server is stopping" : "the model is still loading"));
-      ApiRequest api;
-      try {
-        api = parse_request(req.body, endpoint, o_.model_ids);
-      } catch (const ApiError& e) {
-        return answer_error(e);
-      }
-      const Admission::Result admitted = admission_.enter();
-      if (admitted == Admission::Result::kQueueFull) {
-        metrics_.rejected_queue_full();
-        return answer_error(ApiError(429, "the server is busy: " + std::to_string(o_.parallel) + " requests running and " +
-                                              std::to_string(o_.queue) + " queued; retry later"));
-      }
-      if (admitted == Admission::Result::kDraining) return answer_error(ApiError(503, "the server is stopping"));
-      // Released when the request is answered: at the end of this handler, or of the stream.
-      std::shared_ptr<void> slot(nullptr, [this](void*) { admission_.leave(); });
-      auto call = std::make_shared<Call>();
-      call->reader = stub->Generate(&call->ctx, api.generate);
-      generate::GenerateChunk first;
-      if (!call->reader->Read(&first)) {
-        const grpc::Status st = call->finish();
-        return answer_error(st.ok() ? ApiError(503, "the coordinator ended the request without an answer") : error_of(st, input));
-      }
-      const std::string id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
-      const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-      metrics_.first_token(seconds_since(t0));
-      if (!api.stream) {
-        Generated g;
-        generate::GenerateChunk chunk = std::move(first);
-        std::string error;
-        for (bool more = true; more; more = call->reader->Read(&chunk)) {
-          g.text += chunk.text();
-          for (const auto& lp : chunk.logprobs()) g.logprobs.push_back(lp);
-          if (!chunk.error().empty()) error = chunk.error();
-          if (chunk.finish() != generate::FINISH_REASON_UNSPECIFIED) {
-            g.finish = chunk.finish();
-            g.timing = chunk.timing();
-          }
-        }
-        const grpc::Status st = call->finish();
-        if (!st.ok() || !error.empty()) return answer_error(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error), input) : error_of(st, input));
-        metrics_.tokens(g.timing.prompt_tokens(), g.timing.generated_tokens(), g.timing.cached_tokens());
-        metrics_.request_seconds(seconds_since(t0));
-        metrics_.request_done(name, 200);
-        return send_json(res, 200, response_json(api, id, created, g));
-      }
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [this, api, call, id, created, t0, name, input, slot, first = std::move(first)](size_t, httplib::DataSink& sink) mutable {
-            const auto event = [&](const json& j) {
-              const std::string line = "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-              return sink.write(line.data(), line.size());
-            };
-            bool first_event = true, ok = true;
-            generate::GenerateChunk chunk = std::move(first);
-            generate::GenerateTiming timing;
-            std::string error;
-            auto last = Clock::now();
-            for (bool more = true; more && ok; more = call->reader->Read(&chunk)) {
-              if (!chunk.error().empty()) {
-                error = chunk.error();
-                continue;
-              }
-              const std::vector<generate::TokenLogprob> lps(chunk.logprobs().begin(), chunk.logprobs().end());
-              const bool finished = chunk.finish() != generate::FINISH_REASON_UNSPECIFIED;
-              if (finished) timing = chunk.timing();
-              if (!chunk.text().empty() || !lps.empty() || first_event || finished) {
-                if (!first_event) metrics_.inter_token(seconds_since(last));
-                last = Clock::now();
-                ok = event(stream_chunk_json(api, id, created, chunk.text(), lps, first_event, chunk.finish()));
-                first_event = false;
-              }
-            }
-            if (!ok) {
-              call->ctx.TryCancel();   // the client went away: the coordinator stops at its next step
-              call->finish();
-              metrics_.request_done(name, 499);
-              return false;
-            }
-            const grpc::Status st = call->finish();
-            if (!st.ok() || !error.empty()) {
-              event(st.ok() ? error_of(grpc::Status(grpc::StatusCode::INTERNAL, error), input).body() : error_of(st, input).body());
-              metrics_.request_done(name, 503);
-            } else {
-              if (api.include_usage) event(stream_usage_json(api, id, created, timing));
-              metrics_.tokens(timing.prompt_tokens(), timing.generated_tokens(), timing.cached_tokens());
-              metrics_.request_seconds(seconds_since(t0));
-              metrics_.request_done(name, 200);
-            }
-            const std::string done = "data: [DONE]\n\n";
-            sink.write(done.data(), done.size());
-            sink.done();
-            slot.reset();
-            return true;
-          });
-    };
+  http_->Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kChat); });
+  http_->Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kCompletions); });
+  http_->Post("/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kChat); });
+  http_->Post("/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kCompletions); });
+}
+
+// One generation request from the HTTP side: what it asked, its Generate call, its ids.
+struct Exchange {
+  ApiRequest api;
+  std::shared_ptr<Call> call;
+  std::string id, name, input;   // name: the endpoint for metrics; input: messages or prompt
+  int64_t created = 0;
+  Clock::time_point t0;
+  std::shared_ptr<void> slot;   // the admission slot, released when the last copy goes
+};
+
+void HttpServer::generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {
+  auto x = std::make_shared<Exchange>();
+  x->t0 = Clock::now();
+  x->name = endpoint == Endpoint::kChat ? "/v1/chat/completions" : "/v1/completions";
+  x->input = endpoint == Endpoint::kChat ? "messages" : "prompt";
+  const auto answer_error = [&](const ApiError& e) {
+    send_error(res, e);
+    metrics_.request_done(x->name, e.status);
   };
-  http_->Post("/v1/chat/completions", generate_route(Endpoint::kChat, "/v1/chat/completions"));
-  http_->Post("/v1/completions", generate_route(Endpoint::kCompletions, "/v1/completions"));
-  http_->Post("/chat/completions", generate_route(Endpoint::kChat, "/v1/chat/completions"));
-  http_->Post("/completions", generate_route(Endpoint::kCompletions, "/v1/completions"));
+  if (!ready_ || draining_) return answer_error(ApiError(503, draining_ ? "the server is stopping" : "the model is still loading"));
+  try {
+    x->api = parse_request(req.body, endpoint, o_.model_ids);
+  } catch (const ApiError& e) {
+    return answer_error(e);
+  }
+  const Admission::Result admitted = admission_.enter();
+  if (admitted == Admission::Result::kQueueFull) {
+    metrics_.rejected_queue_full();
+    return answer_error(ApiError(429, "the server is busy: " + std::to_string(o_.parallel) + " requests running and " +
+                                          std::to_string(o_.queue) + " queued; retry later"));
+  }
+  if (admitted == Admission::Result::kDraining) return answer_error(ApiError(503, "the server is stopping"));
+  x->slot = std::shared_ptr<void>(nullptr, [this](void*) { admission_.leave(); });
+  x->call = std::make_shared<Call>();
+  x->call->reader = stub_->Generate(&x->call->ctx, x->api.generate);
+  // The first chunk comes after the prefill: an error before it (the context, a bad field the
+  // coordinator found) is still an HTTP status, streaming or not.
+  auto first = std::make_shared<generate::GenerateChunk>();
+  if (!x->call->reader->Read(first.get())) {
+    const grpc::Status st = x->call->finish();
+    return answer_error(st.ok() ? ApiError(503, "the coordinator ended the request without an answer") : error_of(st, x->input));
+  }
+  x->id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
+  x->created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  metrics_.first_token(seconds_since(x->t0));
+  if (!x->api.stream) return answer_whole(*x, *first, res);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider("text/event-stream", [this, x, first](size_t, httplib::DataSink& sink) {
+    const bool ok = stream(*x, *first, sink);
+    x->slot.reset();
+    return ok;
+  });
+}
+
+void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, httplib::Response& res) {
+  Generated g;
+  std::string error;
+  for (bool more = true; more; more = x.call->reader->Read(&chunk)) {
+    g.text += chunk.text();
+    for (const auto& lp : chunk.logprobs()) g.logprobs.push_back(lp);
+    if (!chunk.error().empty()) error = chunk.error();
+    if (chunk.finish() != generate::FINISH_REASON_UNSPECIFIED) {
+      g.finish = chunk.finish();
+      g.timing = chunk.timing();
+    }
+  }
+  const grpc::Status st = x.call->finish();
+  if (!st.ok() || !error.empty()) {
+    const ApiError e = error_of(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, error) : st, x.input);
+    send_error(res, e);
+    metrics_.request_done(x.name, e.status);
+    return;
+  }
+  metrics_.tokens(g.timing.prompt_tokens(), g.timing.generated_tokens(), g.timing.cached_tokens());
+  metrics_.request_seconds(seconds_since(x.t0));
+  metrics_.request_done(x.name, 200);
+  send_json(res, 200, response_json(x.api, x.id, x.created, g));
+}
+
+bool HttpServer::stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink) {
+  const auto event = [&](const json& j) {
+    const std::string line = "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+    return sink.write(line.data(), line.size());
+  };
+  bool first_event = true, ok = true;
+  generate::GenerateTiming timing;
+  std::string error;
+  auto last = Clock::now();
+  for (bool more = true; more && ok; more = x.call->reader->Read(&chunk)) {
+    if (!chunk.error().empty()) {
+      error = chunk.error();
+      continue;
+    }
+    const std::vector<generate::TokenLogprob> lps(chunk.logprobs().begin(), chunk.logprobs().end());
+    const bool finished = chunk.finish() != generate::FINISH_REASON_UNSPECIFIED;
+    if (finished) timing = chunk.timing();
+    if (!chunk.text().empty() || !lps.empty() || first_event || finished) {
+      if (!first_event) metrics_.inter_token(seconds_since(last));
+      last = Clock::now();
+      ok = event(stream_chunk_json(x.api, x.id, x.created, chunk.text(), lps, first_event, chunk.finish()));
+      first_event = false;
+    }
+  }
+  if (!ok) {
+    x.call->ctx.TryCancel();   // the client went away: the coordinator stops at its next step
+    x.call->finish();
+    metrics_.request_done(x.name, 499);
+    return false;
+  }
+  const grpc::Status st = x.call->finish();
+  if (!st.ok() || !error.empty()) {
+    event(error_of(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, error) : st, x.input).body());
+    metrics_.request_done(x.name, 503);
+  } else {
+    if (x.api.include_usage) event(stream_usage_json(x.api, x.id, x.created, timing));
+    metrics_.tokens(timing.prompt_tokens(), timing.generated_tokens(), timing.cached_tokens());
+    metrics_.request_seconds(seconds_since(x.t0));
+    metrics_.request_done(x.name, 200);
+  }
+  const std::string done = "data: [DONE]\n\n";
+  sink.write(done.data(), done.size());
+  sink.done();
+  return true;
 }
 
 }  // namespace moraine::server

@@ -13,10 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "proto/generate.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/openai_api.h"
 
 namespace httplib {
 class Server;
+struct Request;
+struct Response;
+class DataSink;
 }
 
 namespace moraine::server {
@@ -51,6 +56,8 @@ class Admission {
   bool draining_ = false;
 };
 
+struct Exchange;   // one generation request (http_server.cpp)
+
 class HttpServer {
  public:
   explicit HttpServer(HttpOptions o);
@@ -64,7 +71,13 @@ class HttpServer {
 
  private:
   void routes();
+  // POST /v1/chat/completions and /v1/completions: parse, admit, start the Generate call, then
+  // answer whole or stream (the chunk is the call's first).
+  void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, httplib::Response& res);
+  bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
   HttpOptions o_;
+  std::unique_ptr<generate::Coordinator::Stub> stub_;
   std::unique_ptr<httplib::Server> http_;
   std::atomic<bool> ready_{false}, draining_{false};
   Admission admission_;
