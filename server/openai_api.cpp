@@ -34,7 +34,7 @@ std::optional<double> number(const json& body, const char* name, double lo, doub
   if (!v) return std::nullopt;
   if (!v->is_number()) throw bad(name, "expected a number, got " + std::string(v->type_name()));
   const double x = v->get<double>();
-  if (!(x >= lo && x <= hi)) throw bad(name, std::to_string(x) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  if (!(x >= lo && x <= hi)) throw bad(name, v->dump() + " is outside [" + json(lo).dump() + ", " + json(hi).dump() + "]");
   return x;
 }
 
