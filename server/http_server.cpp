@@ -1,6 +1,9 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <chrono>
@@ -83,6 +86,44 @@ struct Call {
       reader->Finish();
     }
   }
+};
+
+// Whether the client of a request still holds its connection, for the requests whose answer is
+// written only at the end (non-streaming): httplib 0.11 gives a handler no socket, so the socket
+// is found once among this process's descriptors by the request's two ends, then polled for the
+// peer's hang-up (POLLRDHUP) between tokens. A streamed request notices a failed write instead.
+class ConnectionWatch {
+ public:
+  explicit ConnectionWatch(const httplib::Request& req) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc/self/fd", ec)) {
+      const int fd = std::atoi(e.path().filename().c_str());
+      sockaddr_storage peer{}, self{};
+      socklen_t pl = sizeof peer, sl = sizeof self;
+      if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &sl) != 0) continue;
+      if (port_of(peer) == req.remote_port && port_of(self) == req.local_port) {
+        fd_ = fd;
+        break;
+      }
+    }
+  }
+  // False once the peer hung up; true while it is there (or its socket was not found).
+  bool open() {
+    if (fd_ < 0 || Clock::now() < next_) return true;
+    next_ = Clock::now() + std::chrono::milliseconds(50);
+    pollfd p{fd_, static_cast<short>(POLLRDHUP), 0};
+    return ::poll(&p, 1, 0) <= 0 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+  }
+
+ private:
+  static int port_of(const sockaddr_storage& a) {
+    if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port);
+    if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
+    return -1;
+  }
+  int fd_ = -1;
+  Clock::time_point next_{};
 };
 
 // The coordinator's counters and the gpu_worker's expert slots by tier, for /metrics.
@@ -300,7 +341,7 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   x->id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
   x->created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   metrics_.first_token(seconds_since(x->t0));
-  if (!x->api.stream) return answer_whole(*x, *first, res);
+  if (!x->api.stream) return answer_whole(*x, *first, req, res);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider("text/event-stream", [this, x, first](size_t, httplib::DataSink& sink) {
     const bool ok = stream(*x, *first, sink);
@@ -309,10 +350,18 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   });
 }
 
-void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, httplib::Response& res) {
+void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, const httplib::Request& req,
+                              httplib::Response& res) {
   Generated g;
   std::string error;
+  ConnectionWatch client(req);
   for (bool more = true; more; more = x.call->reader->Read(&chunk)) {
+    if (!client.open()) {
+      x.call->ctx.TryCancel();   // the client went away: the coordinator stops at its next step
+      x.call->finish();
+      metrics_.request_done(x.name, 499);
+      return;
+    }
     g.text += chunk.text();
     for (const auto& lp : chunk.logprobs()) g.logprobs.push_back(lp);
     if (!chunk.error().empty()) error = chunk.error();

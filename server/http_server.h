@@ -1,9 +1,9 @@
 // The OpenAI-compatible HTTP front end (cpp-httplib) of a running group: /v1/chat/completions,
 // /v1/completions (whole or streamed as server-sent events), /v1/models, /health, /metrics.
 // Each request becomes one Generate call on the coordinator's socket. At most `parallel`
-// requests are admitted at once and `queue` more wait for a slot; beyond that a 429. A streamed
-// request whose client goes away cancels its Generate call (the coordinator stops at its next
-// step).
+// requests are admitted at once and `queue` more wait for a slot; beyond that a 429. A request
+// whose client goes away (streamed or not) cancels its Generate call (the coordinator stops at
+// its next step).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -74,7 +74,7 @@ class HttpServer {
   // POST /v1/chat/completions and /v1/completions: parse, admit, start the Generate call, then
   // answer whole or stream (the chunk is the call's first).
   void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
-  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, httplib::Response& res);
+  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, const httplib::Request& req, httplib::Response& res);
   bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
   HttpOptions o_;
   std::unique_ptr<generate::Coordinator::Stub> stub_;

@@ -254,6 +254,15 @@ TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
   EXPECT_EQ(post("/v1/chat/completions", chat("still there?")).status, 200);
 }
 
+pid_t instance_pid(const std::string& instance) {
+  auto stub = control::Control::NewStub(grpc::CreateChannel(group::control_address(g_serve->socket_dir, instance),
+                                                            grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  control::HealthReply reply;
+  return stub->Health(&ctx, {}, &reply).ok() ? static_cast<pid_t>(reply.pid()) : -1;
+}
+
 uint64_t metric(const std::string& text, const std::string& name) {
   const size_t at = text.find(name + " ");
   return at == std::string::npos ? 0 : std::stoull(text.substr(at + name.size() + 1));
@@ -275,6 +284,29 @@ TEST_F(ServeTest, DisconnectCancelsTheRequest) {
   req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++events < 3; };   // hang up early
   c.send(req);
   EXPECT_GE(events, 3);
+  uint64_t after = before;
+  for (int i = 0; i < 100 && after == before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = metric(open.Get("/metrics")->body, counter);
+  }
+  EXPECT_EQ(after, before + 1) << "the coordinator did not see the request cancelled";
+  EXPECT_EQ(post("/v1/chat/completions", chat("next")).status, 200);
+}
+
+TEST_F(ServeTest, DisconnectCancelsANonStreamingRequest) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
+  const uint64_t before = metric(open.Get("/metrics")->body, counter);
+  // A frozen cpu worker holds the request's first step while the client gives up (0.3 s) and
+  // closes its socket; thawed, the request would run on to 200 tokens unless it is cancelled.
+  const pid_t worker = instance_pid(group::cpu_worker_instance(1));
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);
+  const auto r = c.Post("/v1/chat/completions", chat("a long answer please", 200).dump(), "application/json");
+  kill(worker, SIGCONT);
+  EXPECT_FALSE(r) << "an answer came while a worker was frozen";
   uint64_t after = before;
   for (int i = 0; i < 100 && after == before; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -332,14 +364,6 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   EXPECT_EQ(post("/v1/chat/completions", chat("after the load")).status, 200);
 }
 
-pid_t instance_pid(const std::string& instance) {
-  auto stub = control::Control::NewStub(grpc::CreateChannel(group::control_address(g_serve->socket_dir, instance),
-                                                            grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  control::HealthReply reply;
-  return stub->Health(&ctx, {}, &reply).ok() ? static_cast<pid_t>(reply.pid()) : -1;
-}
 
 // A cpu_expert_worker killed while a request decodes: the supervisor restarts it, the
 // coordinator replays the sequence, and the request completes with all its tokens (or, if the
