@@ -88,6 +88,8 @@ struct Call {
   }
 };
 
+}  // namespace
+
 // Whether the client of a request still holds its connection, for the requests whose answer is
 // written only at the end (non-streaming): httplib 0.11 gives a handler no socket, so the socket
 // is found once among this process's descriptors by the request's two ends, then polled for the
@@ -126,6 +128,8 @@ class ConnectionWatch {
   Clock::time_point next_{};
 };
 
+namespace {
+
 // The coordinator's counters and the gpu_worker's expert slots by tier, for /metrics.
 void append_group_metrics(const std::string& socket_dir, std::string& out) {
   out += "# HELP moraine_group_counter a counter of a group process (moraine stats)\n# TYPE moraine_group_counter counter\n";
@@ -137,7 +141,8 @@ void append_group_metrics(const std::string& socket_dir, std::string& out) {
     auto stub = control::Control::NewStub(
         grpc::CreateChannel(group::control_address(socket_dir, inst), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    // Short: a stuck process must not hold a scrape for long (it is then left out of this one).
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     control::StatsReply r;
     if (!stub->Stats(&ctx, {}, &r).ok()) continue;
     for (const auto& [k, v] : r.counters()) {
@@ -156,7 +161,7 @@ void append_group_metrics(const std::string& socket_dir, std::string& out) {
 
 }  // namespace
 
-Admission::Result Admission::enter() {
+Admission::Result Admission::enter(const std::function<bool()>& wanted) {
   std::unique_lock l(mu_);
   if (draining_) return Result::kDraining;
   if (running_ < parallel_) {
@@ -165,8 +170,18 @@ Admission::Result Admission::enter() {
   }
   if (waiting_ >= queue_) return Result::kQueueFull;
   ++waiting_;
-  cv_.wait(l, [&] { return draining_ || running_ < parallel_; });
+  bool gone = false;
+  while (!cv_.wait_for(l, std::chrono::milliseconds(50), [&] { return draining_ || running_ < parallel_; })) {
+    if (wanted && !wanted()) {
+      gone = true;
+      break;
+    }
+  }
   --waiting_;
+  if (gone) {
+    cv_.notify_all();   // wait_idle may be waiting for the queue to empty
+    return Result::kGone;
+  }
   if (draining_) return Result::kDraining;
   ++running_;
   return Result::kAdmitted;
@@ -321,7 +336,12 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   } catch (const ApiError& e) {
     return answer_error(e);
   }
-  const Admission::Result admitted = admission_.enter();
+  ConnectionWatch client(req);   // a client that leaves while queued leaves the queue
+  const Admission::Result admitted = admission_.enter([&] { return client.open(); });
+  if (admitted == Admission::Result::kGone) {
+    metrics_.request_done(x->name, 499);
+    return;
+  }
   if (admitted == Admission::Result::kQueueFull) {
     metrics_.rejected_queue_full();
     return answer_error(ApiError(429, "the server is busy: " + std::to_string(o_.parallel) + " requests running and " +
@@ -341,7 +361,7 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   x->id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
   x->created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   metrics_.first_token(seconds_since(x->t0));
-  if (!x->api.stream) return answer_whole(*x, *first, req, res);
+  if (!x->api.stream) return answer_whole(*x, *first, client, res);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider("text/event-stream", [this, x, first](size_t, httplib::DataSink& sink) {
     const bool ok = stream(*x, *first, sink);
@@ -350,11 +370,10 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   });
 }
 
-void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, const httplib::Request& req,
+void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, ConnectionWatch& client,
                               httplib::Response& res) {
   Generated g;
   std::string error;
-  ConnectionWatch client(req);
   for (bool more = true; more; more = x.call->reader->Read(&chunk)) {
     if (!client.open()) {
       x.call->ctx.TryCancel();   // the client went away: the coordinator stops at its next step

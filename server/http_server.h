@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,8 +42,9 @@ struct HttpOptions {
 class Admission {
  public:
   Admission(int parallel, int queue) : parallel_(parallel), queue_(queue) {}
-  enum class Result { kAdmitted, kQueueFull, kDraining };
-  Result enter();               // blocks while queued
+  enum class Result { kAdmitted, kQueueFull, kDraining, kGone };
+  // Blocks while queued; `wanted` is asked every 50 ms meanwhile (false: the client left, kGone).
+  Result enter(const std::function<bool()>& wanted = {});
   void leave();
   void drain();                 // refuse new and queued requests
   bool wait_idle(std::chrono::milliseconds deadline);   // until nothing runs
@@ -56,7 +58,8 @@ class Admission {
   bool draining_ = false;
 };
 
-struct Exchange;   // one generation request (http_server.cpp)
+struct Exchange;          // one generation request (http_server.cpp)
+class ConnectionWatch;    // whether its client is still connected (http_server.cpp)
 
 class HttpServer {
  public:
@@ -74,7 +77,7 @@ class HttpServer {
   // POST /v1/chat/completions and /v1/completions: parse, admit, start the Generate call, then
   // answer whole or stream (the chunk is the call's first).
   void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
-  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, const httplib::Request& req, httplib::Response& res);
+  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, ConnectionWatch& client, httplib::Response& res);
   bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
   HttpOptions o_;
   std::unique_ptr<generate::Coordinator::Stub> stub_;

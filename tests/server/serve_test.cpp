@@ -316,6 +316,35 @@ TEST_F(ServeTest, DisconnectCancelsANonStreamingRequest) {
   EXPECT_EQ(post("/v1/chat/completions", chat("next")).status, 200);
 }
 
+// A client that gives up while its request waits in the queue leaves the queue (499, counted),
+// without ever reaching the coordinator.
+TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string gone = "moraine_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"499\"}";
+  const uint64_t gone_before = metric(open.Get("/metrics")->body, gone);
+  const pid_t worker = instance_pid(group::cpu_worker_instance(1));
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);   // the running request waits on it
+  Answer first;
+  std::thread running([&] { first = post("/v1/chat/completions", chat("first in line")); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);
+  const auto r = c.Post("/v1/chat/completions", chat("second in line").dump(), "application/json");
+  EXPECT_FALSE(r);
+  uint64_t gone_after = gone_before;
+  for (int i = 0; i < 40 && gone_after == gone_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gone_after = metric(open.Get("/metrics")->body, gone);
+  }
+  const std::string met = open.Get("/metrics")->body;
+  EXPECT_NE(met.find("moraine_queue_depth 0"), std::string::npos) << met;
+  kill(worker, SIGCONT);
+  running.join();
+  EXPECT_EQ(first.status, 200) << first.body.dump();
+  EXPECT_EQ(gone_after, gone_before + 1) << "the queued request was not dropped when its client left";
+}
+
 TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   const int64_t rss_before = rss_kib(g_serve->pid);
   ASSERT_GT(rss_before, 0);
