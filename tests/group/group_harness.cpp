@@ -166,6 +166,7 @@ Generation generate(const std::string& socket_dir, const std::vector<int32_t>& p
   while (reader->Read(&chunk)) {
     for (uint32_t id : chunk.token_ids()) g.ids.push_back(static_cast<int32_t>(id));
     if (!chunk.error().empty()) g.error = chunk.error();
+    if (chunk.has_timing()) g.cached_tokens = chunk.timing().cached_tokens();
   }
   const grpc::Status st = reader->Finish();
   g.status_code = st.error_code();
