@@ -52,9 +52,10 @@ Value dict_method(const Value& obj, const std::string& name) {
   if (name == "items" || name == "keys" || name == "values") {
     return method(name, [obj, name](CallArgs&) {
       List out;
-      for (const auto& [k, v] : obj.as_dict().items()) {
-        if (name == "items") out.push_back(Value::list({Value(k), v}, true));
-        else out.push_back(name == "keys" ? Value(k) : v);
+      const Dict& d = obj.as_dict();
+      for (size_t i = 0; i < d.size(); ++i) {
+        if (name == "items") out.push_back(Value::list({d.key_at(i), d.items()[i].second}, true));
+        else out.push_back(name == "keys" ? d.key_at(i) : d.items()[i].second);
       }
       return Value::list(std::move(out));
     });
@@ -63,8 +64,8 @@ Value dict_method(const Value& obj, const std::string& name) {
     return method(name, [obj](CallArgs& a) {
       Value k = a.take(0, "key"), d = a.take(1, "default");
       if (d.is_undefined()) d = Value::none();
-      if (!k.is_string()) return d;
-      const Value* v = obj.as_dict().find(k.as_string());
+      if (k.is_undefined() || k.is_list() || k.is_dict() || k.is_function()) return d;
+      const Value* v = obj.as_dict().find_key(k);
       return v ? *v : d;
     });
   }
@@ -95,6 +96,22 @@ Value list_method(const Value& obj, const std::string& name) {
 }
 
 }  // namespace
+
+std::string html_escape(const Value& v) {
+  if (v.is_markup()) return v.as_string();
+  std::string out;
+  for (char c : v.str()) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&#34;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
 
 [[noreturn]] void fail_undefined(const Value& v) {
   throw TemplateError(v.undefined_hint().empty() ? std::string("a value is undefined") : v.undefined_hint());
@@ -226,6 +243,10 @@ Value get_item(const Value& obj, const Value& key) {
     if (v) return *v;
     return obj.is_dict() ? get_attr(obj, key.as_string()) : no_attr(obj, key.as_string());
   }
+  if (obj.is_dict() && (key.is_number() || key.is_none())) {
+    const Value* v = obj.as_dict().find_key(key);
+    return v ? *v : Value::undefined("'dict object' has no attribute " + key.repr());
+  }
   if ((obj.is_list() || obj.is_string()) && (key.is_int() || key.is_bool())) {
     int64_t i = key.as_int();
     if (obj.is_list()) {
@@ -277,7 +298,7 @@ List iterate(const Value& v) {
     case Value::Kind::Map: {
       if (v.is_namespace()) break;
       List keys;
-      for (const auto& kv : v.as_dict().items()) keys.push_back(Value(kv.first));
+      for (size_t i = 0; i < v.as_dict().size(); ++i) keys.push_back(v.as_dict().key_at(i));
       return keys;
     }
     case Value::Kind::String: {
@@ -295,7 +316,10 @@ bool contains(const Value& c, const Value& item) {
     if (!item.is_string()) throw TemplateError("'in <string>' requires string as left operand, not " + item.type_name());
     return c.as_string().find(item.as_string()) != std::string::npos;
   }
-  if (c.is_dict()) return item.is_string() && c.as_dict().find(item.as_string()) != nullptr;
+  if (c.is_dict()) {
+    if (!item.is_string() && !item.is_number() && !item.is_none()) return false;
+    return c.as_dict().find_key(item) != nullptr;
+  }
   if (c.is_list()) return std::any_of(c.as_list().begin(), c.as_list().end(), [&](const Value& x) { return x == item; });
   if (c.is_undefined()) return false;
   throw TemplateError("argument of type '" + c.type_name() + "' is not iterable");
@@ -370,6 +394,9 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (op == ">=") return Value(!a.less(b));
   if (a.is_number() && b.is_number()) return arithmetic(op, a, b);
   if (op == "+") {
+    if (a.is_markup() || b.is_markup()) {
+      if (a.is_string() && b.is_string()) return Value::markup(html_escape(a) + html_escape(b));
+    }
     if (a.is_string() && b.is_string()) return Value(a.as_string() + b.as_string());
     if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple() && !a.is_generator() && !b.is_generator()) {
       List out = a.as_list();

@@ -128,23 +128,12 @@ Value f_title(Renderer&, const Value& v, CallArgs& a) {
 
 Value f_safe(Renderer&, const Value& v, CallArgs& a) {
   a.expect_consumed("safe");
-  return v.is_string() ? v : Value(v.str());
+  return Value::markup(v.str());
 }
 
 Value f_escape(Renderer&, const Value& v, CallArgs& a) {
   a.expect_consumed("escape");
-  std::string out;
-  for (char c : v.str()) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return Value(std::move(out));
+  return Value::markup(html_escape(v));
 }
 
 Value f_replace(Renderer&, const Value& v, CallArgs& a) {
@@ -198,7 +187,7 @@ Value f_items(Renderer&, const Value& v, CallArgs& a) {
   if (v.is_undefined()) return Value::list({});
   if (!v.is_dict()) throw TemplateError("items: can only get item pairs from a mapping, not " + v.type_name());
   List out;
-  for (const auto& [k, x] : v.as_dict().items()) out.push_back(Value::list({Value(k), x}, true));
+  for (size_t i = 0; i < v.as_dict().size(); ++i) out.push_back(Value::list({v.as_dict().key_at(i), v.as_dict().items()[i].second}, true));
   return Value::list(std::move(out));
 }
 
@@ -210,7 +199,7 @@ Value f_dictsort(Renderer&, const Value& v, CallArgs& a) {
   if (!v.is_dict()) throw TemplateError("dictsort: a mapping is required, not " + v.type_name());
   const size_t pos = by.is_string() && by.as_string() == "value" ? 1 : 0;
   List out;
-  for (const auto& [k, x] : v.as_dict().items()) out.push_back(Value::list({Value(k), x}, true));
+  for (size_t i = 0; i < v.as_dict().size(); ++i) out.push_back(Value::list({v.as_dict().key_at(i), v.as_dict().items()[i].second}, true));
   std::stable_sort(out.begin(), out.end(), [&](const Value& l, const Value& r) {
     const Value kl = sort_key(l.as_list()[pos], cs), kr = sort_key(r.as_list()[pos], cs);
     return rev ? kr.less(kl) : kl.less(kr);

@@ -277,8 +277,7 @@ Value Renderer::eval_inner(const Expr& e, const std::shared_ptr<Frame>& f) {
       Dict d;
       for (size_t i = 0; i + 1 < e.items.size(); i += 2) {
         Value k = eval(*e.items[i], f);
-        if (!k.is_string()) throw TemplateError("dict literal keys must be strings here, got " + k.type_name());
-        d.set(k.as_string(), eval(*e.items[i + 1], f));
+        d.set_key(k, eval(*e.items[i + 1], f));
       }
       return Value::dict(std::move(d));
     }

@@ -63,6 +63,8 @@ bool contains(const Value& container, const Value& item);
 List iterate(const Value& v);
 // Fails with the Undefined's message (jinja2's UndefinedError).
 [[noreturn]] void fail_undefined(const Value& v);
+// markupsafe.escape: a Markup string as it is, anything else as str() with & < > " ' escaped.
+std::string html_escape(const Value& v);
 void add_globals(Frame& globals);
 
 }  // namespace moraine::jinja

@@ -29,6 +29,37 @@ void Dict::set(const std::string& key, Value v) {
   items_.emplace_back(key, std::move(v));
 }
 
+namespace {
+
+// The index key of a non-string dict key: Python treats 1, 1.0 and True as one key.
+std::string encode_key(const Value& k) {
+  if (k.is_string()) return k.as_string();
+  if (k.is_none()) return "\x01n";
+  if (k.is_int() || k.is_bool()) return "\x01i" + std::to_string(k.as_int());
+  if (k.is_float()) {
+    const double d = k.as_number();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e18) return "\x01i" + std::to_string(static_cast<int64_t>(d));
+    return "\x01f" + python_float_repr(d);
+  }
+  throw TemplateError("unhashable type: '" + k.type_name() + "'");
+}
+
+}  // namespace
+
+const Value* Dict::find_key(const Value& key) const { return find(encode_key(key)); }
+
+void Dict::set_key(const Value& key, Value v) {
+  const std::string k = encode_key(key);
+  const bool is_new = index_.find(k) == index_.end();
+  set(k, std::move(v));
+  if (is_new && !key.is_string()) other_keys_[items_.size() - 1] = std::make_shared<const Value>(key);
+}
+
+Value Dict::key_at(size_t i) const {
+  auto it = other_keys_.find(i);
+  return it == other_keys_.end() ? Value(items_[i].first) : *it->second;
+}
+
 Value Value::list(List items, bool tuple) {
   Value v;
   v.kind_ = Kind::Array;
@@ -182,11 +213,8 @@ std::string Value::repr() const {
     }
     case Kind::Map: {
       std::string out = namespace_ ? "<Namespace {" : "{";
-      bool first = true;
-      for (const auto& [k, v] : dict_->items()) {
-        out += (first ? "" : ", ") + python_string_repr(k) + ": " + v.repr();
-        first = false;
-      }
+      for (size_t i = 0; i < dict_->size(); ++i)
+        out += (i ? ", " : "") + dict_->key_at(i).repr() + ": " + dict_->items()[i].second.repr();
       return out + (namespace_ ? "}>" : "}");
     }
     case Kind::Callable: return "<function " + fn_->name + ">";
@@ -277,8 +305,16 @@ struct JsonWriter {
       }
       case Value::Kind::Map: {
         if (v.is_namespace()) break;
-        std::vector<const std::pair<std::string, Value>*> items;
-        for (const auto& kv : v.as_dict().items()) items.push_back(&kv);
+        // json.dumps writes a non-string key as its JSON text in quotes (1 -> "1", True -> "true").
+        std::vector<std::pair<std::string, const Value*>> storage;
+        for (size_t i = 0; i < v.as_dict().size(); ++i) {
+          const Value k = v.as_dict().key_at(i);
+          storage.emplace_back(k.is_string() ? k.as_string() : k.is_bool() ? (k.as_bool() ? "true" : "false")
+                                                : k.is_none() ? "null" : k.repr(),
+                               &v.as_dict().items()[i].second);
+        }
+        std::vector<std::pair<std::string, const Value*>*> items;
+        for (auto& kv : storage) items.push_back(&kv);
         if (items.empty()) { out += "{}"; return; }
         if (sort_keys) std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
         out += '{';
@@ -287,7 +323,7 @@ struct JsonWriter {
           newline(level + 1);
           json_string(items[i]->first, out);
           out += key_sep;
-          write(items[i]->second, level + 1);
+          write(*items[i]->second, level + 1);
         }
         newline(level);
         out += '}';

@@ -29,17 +29,23 @@ class Renderer;
 using List = std::vector<Value>;
 
 // An insertion-ordered str -> Value map (Python dicts keep insertion order).
+// Keys are strings; another key (an int, say) is stored under an encoded string beginning with
+// "\x01", and key_at() gives it back as the Value it was.
 class Dict {
  public:
   const Value* find(const std::string& key) const;
   Value* find(const std::string& key);
   void set(const std::string& key, Value v);
+  const Value* find_key(const Value& key) const;
+  void set_key(const Value& key, Value v);
+  Value key_at(size_t i) const;
   size_t size() const { return items_.size(); }
   const std::vector<std::pair<std::string, Value>>& items() const { return items_; }
 
  private:
   std::vector<std::pair<std::string, Value>> items_;
   std::unordered_map<std::string, size_t> index_;
+  std::unordered_map<size_t, std::shared_ptr<const Value>> other_keys_;  // item index -> non-string key
 };
 
 struct Function {
@@ -64,6 +70,14 @@ class Value {
   Value(double d) : kind_(Kind::Float), float_(d) {}
   Value(std::string s) : kind_(Kind::String), str_(std::make_shared<const std::string>(std::move(s))) {}
   Value(const char* s) : Value(std::string(s)) {}
+  // A str that jinja2 treats as safe (Markup, from |safe or |escape): `+` with a plain str
+  // HTML-escapes the plain one.
+  static Value markup(std::string s) {
+    Value v(std::move(s));
+    v.markup_ = true;
+    return v;
+  }
+  bool is_markup() const { return kind_ == Kind::String && markup_; }
   static Value list(List items, bool tuple = false);
   // What map/select/reject return in jinja2: iterable, always true, no len(), no JSON.
   static Value generator(List items);
@@ -114,7 +128,7 @@ class Value {
 
  private:
   Kind kind_ = Kind::Undefined;
-  bool tuple_ = false, namespace_ = false, generator_ = false;
+  bool tuple_ = false, namespace_ = false, generator_ = false, markup_ = false;
   int64_t int_ = 0;
   double float_ = 0;
   std::shared_ptr<const std::string> str_;  // String, or an Undefined's name
