@@ -74,7 +74,8 @@ ojson normalise_messages(const ojson& chat, bool object_arguments) {
 }
 
 // Whether the template reads tool-call arguments as a mapping: with an object it must show the
-// value, and not as Python's repr of a dict (what printing a mapping gives).
+// value, and not as Python's repr of a dict (what printing a mapping gives). When the probe
+// conversation itself is refused either way, a mapping (what Hugging Face templates expect).
 bool probe_object_arguments(const jinja::Template& t) {
   const std::string marker = "moraine_probe_value_7f3a";
   ojson ctx = {
@@ -82,7 +83,7 @@ bool probe_object_arguments(const jinja::Template& t) {
                        {{"role", "user"}, {"content", "Hi"}},
                        {{"role", "assistant"},
                         {"content", ""},
-                        {"tool_calls", ojson::array({{{"id", "call_1"},
+                        {"tool_calls", ojson::array({{{"id", "pr0beCa11"},  // 9 alphanumerics: Mistral's templates insist
                                                       {"type", "function"},
                                                       {"function", {{"name", "probe_tool"}, {"arguments", {{"arg", marker}}}}}}})}},
                    })},
@@ -97,7 +98,14 @@ bool probe_object_arguments(const jinja::Template& t) {
     const std::string out = t.render(ctx);
     return out.find(marker) != std::string::npos && out.find("'arg': '" + marker) == std::string::npos;
   } catch (const std::exception&) {
-    return false;
+  }
+  ojson& args = ctx["messages"][1]["tool_calls"][0]["function"]["arguments"];
+  args = args.dump();
+  try {
+    t.render(ctx);
+    return false;  // strings work where mappings failed
+  } catch (const std::exception&) {
+    return true;
   }
 }
 
