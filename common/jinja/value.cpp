@@ -62,6 +62,8 @@ Value Dict::key_at(size_t i) const {
 
 Value Value::list(List items, bool tuple) {
   Value v;
+  for (const Value& x : items) v.depth_ = std::max(v.depth_, x.depth_ + 1);
+  if (v.depth_ > kMaxValueDepth) throw TemplateError("the value nests deeper than " + std::to_string(kMaxValueDepth) + " levels");
   v.kind_ = Kind::Array;
   v.tuple_ = tuple;
   v.list_ = std::make_shared<List>(std::move(items));
@@ -76,6 +78,8 @@ Value Value::generator(List items) {
 
 Value Value::dict(Dict d, bool is_namespace) {
   Value v;
+  for (const auto& kv : d.items()) v.depth_ = std::max(v.depth_, kv.second.depth_ + 1);
+  if (v.depth_ > kMaxValueDepth) throw TemplateError("the value nests deeper than " + std::to_string(kMaxValueDepth) + " levels");
   v.kind_ = Kind::Map;
   v.namespace_ = is_namespace;
   v.dict_ = std::make_shared<Dict>(std::move(d));
@@ -196,7 +200,11 @@ std::string Value::str() const {
   }
 }
 
-std::string Value::repr() const {
+std::string Value::repr() const { return repr_at(0); }
+
+std::string Value::repr_at(int depth) const {
+  // A namespace may hold itself; Python writes "..." there, we refuse.
+  if (depth > static_cast<int>(kMaxValueDepth)) throw TemplateError("the value nests deeper than " + std::to_string(kMaxValueDepth) + " levels");
   switch (kind_) {
     case Kind::Undefined: return "Undefined";
     case Kind::None: return "None";
@@ -207,14 +215,14 @@ std::string Value::repr() const {
     case Kind::Array: {
       if (generator_) return "<generator object>";
       std::string out = tuple_ ? "(" : "[";
-      for (size_t i = 0; i < list_->size(); ++i) out += (i ? ", " : "") + (*list_)[i].repr();
+      for (size_t i = 0; i < list_->size(); ++i) out += (i ? ", " : "") + (*list_)[i].repr_at(depth + 1);
       if (tuple_ && list_->size() == 1) out += ",";
       return out + (tuple_ ? ")" : "]");
     }
     case Kind::Map: {
       std::string out = namespace_ ? "<Namespace {" : "{";
       for (size_t i = 0; i < dict_->size(); ++i)
-        out += (i ? ", " : "") + dict_->key_at(i).repr() + ": " + dict_->items()[i].second.repr();
+        out += (i ? ", " : "") + dict_->key_at(i).repr() + ": " + dict_->items()[i].second.repr_at(depth + 1);
       return out + (namespace_ ? "}>" : "}");
     }
     case Kind::Callable: return "<function " + fn_->name + ">";
@@ -276,7 +284,7 @@ struct JsonWriter {
   }
 
   void write(const Value& v, int level) {
-    if (level > 512) throw TemplateError("tojson: the value nests deeper than 512 levels");
+    if (level > static_cast<int>(kMaxValueDepth)) throw TemplateError("tojson: the value nests deeper than " + std::to_string(kMaxValueDepth) + " levels");
     switch (v.kind()) {
       case Value::Kind::None: out += "null"; return;
       case Value::Kind::Bool: out += v.as_bool() ? "true" : "false"; return;

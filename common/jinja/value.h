@@ -24,6 +24,10 @@ class TemplateError : public std::runtime_error {
 
 class Value;
 struct CallArgs;
+
+// Lists and dicts nest at most this deep (deeper ones are refused when built), so that writing,
+// comparing and freeing them stays within the stack.
+inline constexpr uint32_t kMaxValueDepth = 1000;
 class Renderer;
 
 using List = std::vector<Value>;
@@ -115,6 +119,7 @@ class Value {
   std::string str() const;
   // Python's repr().
   std::string repr() const;
+  std::string repr_at(int depth) const;
   // Python's json.dumps(value, ensure_ascii=False, indent=indent, separators=..., sort_keys=...),
   // as Hugging Face's tojson filter calls it; indent < 0 means None.
   std::string to_json(int indent = -1, std::string_view item_sep = {}, std::string_view key_sep = {},
@@ -129,6 +134,7 @@ class Value {
  private:
   Kind kind_ = Kind::Undefined;
   bool tuple_ = false, namespace_ = false, generator_ = false, markup_ = false;
+  uint32_t depth_ = 0;  // containers: levels of nesting below, bounded by kMaxValueDepth
   int64_t int_ = 0;
   double float_ = 0;
   std::shared_ptr<const std::string> str_;  // String, or an Undefined's name
