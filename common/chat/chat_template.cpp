@@ -73,9 +73,10 @@ ojson normalise_messages(const ojson& chat, bool object_arguments) {
   return out;
 }
 
-// Whether the template reads tool-call arguments as a mapping: with an object it must show the
-// value, and not as Python's repr of a dict (what printing a mapping gives). When the probe
-// conversation itself is refused either way, a mapping (what Hugging Face templates expect).
+// Whether the template reads tool-call arguments as a mapping: with an object it shows the value,
+// and not as Python's repr of a dict (what printing a mapping gives). Otherwise a string when the
+// string shows; when neither does (the probe is refused, or arguments are not written), a
+// mapping, what Hugging Face templates expect.
 bool probe_object_arguments(const jinja::Template& t) {
   const std::string marker = "moraine_probe_value_7f3a";
   ojson ctx = {
@@ -94,19 +95,18 @@ bool probe_object_arguments(const jinja::Template& t) {
       {"bos_token", ""},
       {"eos_token", ""},
   };
-  try {
-    const std::string out = t.render(ctx);
-    return out.find(marker) != std::string::npos && out.find("'arg': '" + marker) == std::string::npos;
-  } catch (const std::exception&) {
-  }
+  auto shows_marker = [&](const ojson& c, bool as_object) {
+    try {
+      const std::string out = t.render(c);
+      return out.find(marker) != std::string::npos && (!as_object || out.find("'arg': '" + marker) == std::string::npos);
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+  if (shows_marker(ctx, true)) return true;
   ojson& args = ctx["messages"][1]["tool_calls"][0]["function"]["arguments"];
   args = args.dump();
-  try {
-    t.render(ctx);
-    return false;  // strings work where mappings failed
-  } catch (const std::exception&) {
-    return true;
-  }
+  return !shows_marker(ctx, false);
 }
 
 }  // namespace
