@@ -63,6 +63,9 @@ ojson normalise_messages(const ojson& chat, bool object_arguments) {
   for (size_t i = 0; i < msgs.size(); ++i) {
     ojson m = msgs[i];
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) bad(i, "each message needs a string \"role\"");
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "developer" && role != "user" && role != "assistant" && role != "tool")
+      bad(i, "role '" + role + "' is not one of system, developer, user, assistant, tool");
     if (m.contains("content")) m["content"] = flatten_content(m["content"], i);
     if (m.contains("tool_calls")) {
       if (m["tool_calls"].is_null()) m.erase("tool_calls");
