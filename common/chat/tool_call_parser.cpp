@@ -235,4 +235,9 @@ ParsedMessage parse_generated_text(ToolCallFormat format, std::string_view text,
   return p.message();
 }
 
+bool prompt_opens_reasoning(std::string_view p) {
+  while (!p.empty() && is_ws(p.back())) p.remove_suffix(1);
+  return p.size() >= kThinkOpen.size() && p.substr(p.size() - kThinkOpen.size()) == kThinkOpen;
+}
+
 }  // namespace moraine::chat

@@ -84,4 +84,9 @@ class ToolCallParser {
 
 ParsedMessage parse_generated_text(ToolCallFormat format, std::string_view text, bool reasoning_open = false);
 
+// Whether a rendered prompt leaves the model inside a think block ("<think>" and only whitespace
+// after it at the end, as Qwen3.5's generation prompt with thinking on): ToolCallParser's
+// reasoning_open.
+bool prompt_opens_reasoning(std::string_view rendered_prompt);
+
 }  // namespace moraine::chat

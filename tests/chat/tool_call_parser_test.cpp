@@ -62,6 +62,12 @@ TEST(ToolCallParser, QwenReasoningOpenFromThePrompt) {
                          {{"role", "assistant"}, {"content", "Done."}, {"reasoning_content", "step 1\nstep 2"}}, true);
 }
 
+TEST(ToolCallParser, ReasoningOpenFromTheRenderedPrompt) {
+  EXPECT_TRUE(prompt_opens_reasoning("<|im_start|>assistant\n<think>\n"));
+  EXPECT_FALSE(prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_FALSE(prompt_opens_reasoning("<|im_start|>assistant\n"));
+}
+
 TEST(ToolCallParser, QwenBadOrUnterminatedToolCalls) {
   // Not JSON: the block stays content.
   expect_split_invariant(ToolCallFormat::kQwen, "x<tool_call>\nnot json\n</tool_call>",
