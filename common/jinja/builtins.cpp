@@ -332,6 +332,10 @@ namespace {
 }
 
 Value repeat(const Value& seq, int64_t n) {
+  // Bounded like range(): a template asking for more is refused rather than allowed to exhaust memory.
+  const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().size();
+  if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (uint64_t{1} << 28) / unit)
+    throw TemplateError("sequence repetition of more than 2^28 items or bytes");
   if (seq.is_string()) {
     std::string out;
     for (int64_t i = 0; i < n; ++i) out += seq.as_string();

@@ -78,7 +78,7 @@ Renderer::Flow Renderer::exec_node(const Node& n, const std::shared_ptr<Frame>& 
     }
   } catch (const LocatedError&) {
     throw;
-  } catch (const TemplateError& e) {
+  } catch (const std::exception& e) {  // TemplateError, or e.g. std::out_of_range from a number too big
     fail_at(n.line, e.what());
   }
   return Flow::Normal;
@@ -89,7 +89,7 @@ Value Renderer::call_at(const Value& callee, CallArgs& args, int line) {
     return call(callee, args, line);
   } catch (const LocatedError&) {
     throw;
-  } catch (const TemplateError& e) {
+  } catch (const std::exception& e) {  // TemplateError, or e.g. std::out_of_range from a number too big
     fail_at(line, e.what());
   }
 }
@@ -243,7 +243,7 @@ Value Renderer::eval(const Expr& e, const std::shared_ptr<Frame>& f) {
     return eval_inner(e, f);
   } catch (const LocatedError&) {
     throw;
-  } catch (const TemplateError& x) {
+  } catch (const std::exception& x) {
     fail_at(e.line, x.what());
   }
 }

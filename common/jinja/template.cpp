@@ -25,8 +25,15 @@ std::string normalise_source(const std::string& src) {
 
 }  // namespace
 
-Template::Template(const std::string& source)
-    : program_(std::make_shared<const Program>(parse(normalise_source(source), LexOptions{}))) {}
+Template::Template(const std::string& source) {
+  try {
+    program_ = std::make_shared<const Program>(parse(normalise_source(source), LexOptions{}));
+  } catch (const TemplateError&) {
+    throw;
+  } catch (const std::exception& e) {  // e.g. a number std::sto* cannot hold: still the template's fault
+    throw TemplateError(std::string("template: ") + e.what());
+  }
+}
 
 std::string Template::render(const nlohmann::ordered_json& context, const RenderOptions& options) const {
   if (!context.is_object()) throw TemplateError("the template's context must be a JSON object");
@@ -42,7 +49,13 @@ std::string Template::render(const Dict& context, const RenderOptions& options) 
   ctx->parent = globals;
   for (const auto& [k, v] : context.items()) ctx->vars[k] = v;
   Renderer r(ctx, options.now);
-  return r.render(*program_);
+  try {
+    return r.render(*program_);
+  } catch (const TemplateError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw TemplateError(std::string("template: ") + e.what());
+  }
 }
 
 }  // namespace moraine::jinja

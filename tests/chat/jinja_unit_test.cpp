@@ -3,6 +3,8 @@
 // template line, and bounded work on hostile input.
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include "common/jinja/template.h"
 
 namespace {
@@ -123,6 +125,9 @@ TEST(JinjaEngine, DeepNestingIsRefusedNotRecursed) {
                 .find("nests deeper"),
             std::string::npos);
   EXPECT_NE(error_of("{{ range(100000000)|length }}").find("1,000,000"), std::string::npos);
+  EXPECT_NE(error_of("{{ ('x' * 1000000000000)|length }}").find("repetition"), std::string::npos);
+  EXPECT_NE(error_of("{{ '{99999999999999999999999}'.format(1) }}"), "");
+  EXPECT_NE(error_of("{{ x.99999999999999999999999 }}", {{"x", ojson::array()}}), "");
 }
 
 TEST(JinjaEngine, HugeInputRendersInFull) {
@@ -142,6 +147,23 @@ TEST(JinjaEngine, GarbageNeverCrashes) {
   for (size_t n = 0; n <= src.size(); ++n) {
     try {
       Template(src.substr(0, n)).render(ctx);
+    } catch (const TemplateError&) {
+    }
+  }
+  // Random edits (fixed seed): tag pieces inserted, bytes erased or overwritten.
+  std::mt19937 rng(27);
+  const char* pieces[] = {"{%", "%}", "{{", "}}", "{#", "#}", "-", "(", ")", "[", "]", "'", "|", ".", " if ", "endfor", "\n", "**"};
+  for (int it = 0; it < 3000; ++it) {
+    std::string s = src;
+    for (int m = 0; m < 1 + static_cast<int>(rng() % 3); ++m) {
+      const size_t pos = rng() % (s.size() + 1);
+      const unsigned op = rng() % 3;
+      if (op == 0) s.insert(pos, pieces[rng() % (sizeof pieces / sizeof *pieces)]);
+      else if (op == 1) s.erase(pos, rng() % 8);
+      else if (pos < s.size()) s[pos] = static_cast<char>(rng() % 256);
+    }
+    try {
+      Template(s).render(ctx);
     } catch (const TemplateError&) {
     }
   }
