@@ -13,6 +13,8 @@
 // supports_object_arguments), else the JSON string. Other message members (reasoning_content,
 // tool_call_id, name) pass through. The template also sees bos_token, eos_token, tools (null when
 // absent, as transformers passes it) and each chat_template_kwargs member as a variable.
+// Parse requests with nlohmann::ordered_json: the order of an object's keys (tools' schemas)
+// shows in the prompt, as Python dicts keep it.
 #pragma once
 #include <optional>
 #include <string>

@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "common/chat/chat_template.h"
+#include "common/gguf/gguf.h"
+#include "common/tokenizer/tokenizer.h"
 #include "common/jinja/template.h"
 
 namespace {
@@ -170,6 +172,43 @@ TEST(ChatTemplateOracle, OpenAiConversationRendersLikeHuggingFace) {
     EXPECT_TRUE(t.object_arguments()) << cases[i]["template"];
     expect_same(expected[i], [&] { return t.render(requests[i], opt); }, cases[i]["template"].get<std::string>());
   }
+}
+
+// The real templates inside GGUF files (the oracle's Qwen2.5 and Qwen3.5 vocabularies): loaded
+// with from_gguf, BOS/EOS from the vocabulary, every conversation as python3-jinja2 renders it.
+TEST(ChatTemplateOracle, GgufTemplatesRenderLikePythonJinja2) {
+  const ojson convs = conversations();
+  ojson cases = ojson::array();
+  std::vector<std::pair<std::shared_ptr<moraine::chat::ChatTemplate>, ojson>> ours;
+  for (const char* vocab : {"qwen2", "qwen35"}) {
+    const std::string path = kSource + "/.cache/oracle/llama.cpp/models/ggml-vocab-" + std::string(vocab) + ".gguf";
+    ASSERT_TRUE(fs::exists(path)) << path << " missing (run tests/oracle/setup)";
+    const moraine::gguf::GgufFile f = moraine::gguf::GgufFile::open(path);
+    const moraine::tokenizer::Tokenizer tok = moraine::tokenizer::Tokenizer::from_gguf(f);
+    std::string warning;
+    std::optional<moraine::chat::ChatTemplate> t = moraine::chat::ChatTemplate::from_gguf(f, tok, &warning);
+    ASSERT_TRUE(t.has_value()) << path << ": " << warning;
+    auto shared = std::make_shared<moraine::chat::ChatTemplate>(std::move(*t));
+    const std::string src = std::string(MORAINE_BUILD_DIR) + "/tests/chat/gguf-template-" + vocab + ".jinja";
+    std::ofstream(src, std::ios::binary) << shared->source();
+    const std::string bos = tok.bos() ? tok.token_bytes(*tok.bos(), true) : "";
+    const std::string eos = tok.eos() ? tok.token_bytes(*tok.eos(), true) : "";
+    for (auto it = convs.begin(); it != convs.end(); ++it) {
+      ojson ctx = it.value();
+      ctx["bos_token"] = bos;
+      ctx["eos_token"] = eos;
+      cases.push_back({{"template", src}, {"context", ctx}, {"now", kNow}});
+      ojson req = {{"messages", ctx["messages"]}, {"tools", ctx["tools"]}, {"add_generation_prompt", ctx["add_generation_prompt"]}};
+      if (ctx.contains("enable_thinking")) req["chat_template_kwargs"] = {{"enable_thinking", ctx["enable_thinking"]}};
+      ours.emplace_back(shared, req);
+    }
+  }
+  const std::vector<std::string> expected = python_render(cases, "gguf");
+  ASSERT_EQ(expected.size(), cases.size());
+  moraine::jinja::RenderOptions opt;
+  opt.now = kNow;
+  for (size_t i = 0; i < cases.size(); ++i)
+    expect_same(expected[i], [&] { return ours[i].first->render(ours[i].second, opt); }, cases[i]["template"].get<std::string>());
 }
 
 }  // namespace
