@@ -1,5 +1,5 @@
 // Renders a template with a JSON context: jinja_render_tool TEMPLATE CONTEXT_JSON [NOW_EPOCH].
-// Prints the output, or "ERROR: <message>" and exits 2. The oracle test drives it.
+// Prints the output, or "ERROR: <message>" and exits 2: for comparing one template by hand with render_oracle.py.
 #include <fstream>
 #include <iostream>
 #include <sstream>
