@@ -21,12 +21,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/chat/chat_template.h"
 #include "common/messaging/job_channel.h"
 #include "common/model/model.h"
 #include "common/sampling/sampler.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
-#include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/streaming_decoder.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
@@ -169,6 +169,13 @@ class Coordinator final : public generate::Coordinator::Service {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
     } catch (const std::exception& e) {
       std::cerr << "coordinator: no tokenizer (" << e.what() << "); prompts must be token ids\n";
+    }
+    // The GGUF's chat template, parsed once; without one (or one that does not parse) the built-in ChatML.
+    if (tok_) {
+      std::string warning;
+      chat_template_ = chat::ChatTemplate::from_gguf(model_.file, *tok_, &warning);
+      if (!warning.empty()) std::cerr << "coordinator: warning: " << warning << "; using the built-in ChatML\n";
+      else if (!chat_template_) std::cerr << "coordinator: the GGUF has no chat template; using the built-in ChatML\n";
     }
     // The RAM-tier experts, copied once into their compact slots.
     for (int64_t il = 0; il < plan_.n_layer; ++il) {
@@ -436,6 +443,15 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
+  // A conversation (chat/chat_template.h) through the GGUF's template, else the built-in ChatML.
+  std::string render_chat(const nlohmann::ordered_json& chat, const char* field) const {
+    try {
+      return chat_template_ ? chat_template_->render(chat) : chat::render_builtin_chatml(chat);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(std::string(field) + ": " + e.what());
+    }
+  }
+
   std::vector<int32_t> prompt_of(const generate::GenerateRequest& req) const {
     std::vector<int32_t> ids;
     if (req.has_token_ids()) {
@@ -450,36 +466,18 @@ class Coordinator final : public generate::Coordinator::Service {
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
       ids = tok_->encode(req.prompt(), true, false);
     } else if (req.has_messages()) {
-      // The built-in ChatML template (Qwen3's); special tokens in it are parsed as such, the
-      // users' text inside it is not (parse_special applies to the whole rendered string, so a
-      // user typing "<|im_end|>" gets that token, as llama.cpp's server does too).
+      // Special tokens in the rendered text are parsed as such, the users' text inside it too
+      // (parse_special applies to the whole string, as in llama.cpp's server).
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
-      if (req.messages().messages_size() == 0) throw std::invalid_argument("messages: the conversation is empty");
-      std::vector<tokenizer::ChatMessage> conv;
-      for (const generate::ChatMessage& m : req.messages().messages()) conv.push_back({m.role(), m.content(), {}});
-      try {
-        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
-      } catch (const tokenizer::TokenizerError& e) {
-        throw std::invalid_argument(std::string("messages: ") + e.what());
-      }
+      nlohmann::ordered_json chat = {{"messages", nlohmann::ordered_json::array()}};
+      for (const generate::ChatMessage& m : req.messages().messages())
+        chat["messages"].push_back({{"role", m.role()}, {"content", m.content()}});
+      ids = tok_->encode(render_chat(chat, "messages"), false, true);
     } else if (req.input_case() == generate::GenerateRequest::kChatJson) {
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
-      const nlohmann::json chat = nlohmann::json::parse(req.chat_json(), nullptr, false);
-      if (!chat.is_object() || !chat.contains("messages") || !chat["messages"].is_array() || chat["messages"].empty()) {
-        throw std::invalid_argument("chat_json: an object with a non-empty \"messages\" array is required");
-      }
-      std::vector<tokenizer::ChatMessage> conv;
-      for (const nlohmann::json& m : chat["messages"]) {
-        if (!m.is_object() || !m.value("role", nlohmann::json()).is_string() || !m.value("content", nlohmann::json()).is_string()) {
-          throw std::invalid_argument("chat_json: each message needs a string \"role\" and a string \"content\"");
-        }
-        conv.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), {}});
-      }
-      try {
-        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
-      } catch (const tokenizer::TokenizerError& e) {
-        throw std::invalid_argument(std::string("chat_json: ") + e.what());
-      }
+      const nlohmann::ordered_json chat = nlohmann::ordered_json::parse(req.chat_json(), nullptr, false);
+      if (chat.is_discarded()) throw std::invalid_argument("chat_json: not valid JSON");
+      ids = tok_->encode(render_chat(chat, "chat_json"), false, true);
     }
     if (ids.empty()) throw std::invalid_argument("the request has no input tokens (prompt or token_ids)");
     return ids;
@@ -627,6 +625,7 @@ class Coordinator final : public generate::Coordinator::Service {
   std::atomic<uint64_t> in_flight_{0};   // Generate calls inside (or queued for) a session
   model::Model model_;
   std::unique_ptr<tokenizer::Tokenizer> tok_;
+  std::optional<chat::ChatTemplate> chat_template_;  // the GGUF's; none: the built-in ChatML
   std::string prefix_;
   shm::ReclaimResult reclaimed_;
   int long_rows_;   // GroupManifest::long_step_rows
