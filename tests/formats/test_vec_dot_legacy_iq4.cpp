@@ -169,5 +169,33 @@ TEST(QuantizeActivationQ8_1, ReferenceBytesAndTheLlamaX86Rule) {
   EXPECT_GT(differ, 0) << "the two rules differ on ties (the halves row) and in the scale";
 }
 
+// Values beyond what a block's fp16 scale (or Q4_1 / Q5_1's fp16 min) holds: a clear error, not
+// blocks that decode to inf; IQ4_XS's two-level scale holds 1e7 (d ~ 1e7 / 113 / 32).
+TEST(QuantizeRowLegacyIq4, RefusesBlocksBeyondFp16) {
+  std::vector<float> big = test::random_row(Dist::Gaussian, 256, 77);
+  big[3] = 1e7f;
+  for (TensorType t : {TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::TQ1_0, TensorType::TQ2_0}) {
+    std::vector<uint8_t> q(row_bytes(t, 256));
+    try {
+      quantize_row(t, big.data(), q.data(), 256);
+      ADD_FAILURE() << type_name(t) << ": 1e7 must not fit";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos) << e.what();
+    }
+  }
+  // A block spanning more than FLT_MAX: the min-based levels must not turn inf * 0 into NaN codes.
+  std::vector<float> span(32, 0.0f);
+  span[0] = -3e38f, span[1] = 3e38f;
+  for (TensorType t : {TensorType::Q4_1, TensorType::Q5_1}) {
+    std::vector<uint8_t> q(row_bytes(t, 32));
+    EXPECT_THROW(quantize_row(t, span.data(), q.data(), 32), std::invalid_argument) << type_name(t);
+  }
+  std::vector<uint8_t> q(row_bytes(TensorType::IQ4_XS, 256));
+  quantize_row(TensorType::IQ4_XS, big.data(), q.data(), 256);
+  std::vector<float> back(256);
+  dequantize_row(TensorType::IQ4_XS, q.data(), back.data(), 256);
+  EXPECT_NEAR(back[3], 1e7f, 1e6f);
+}
+
 }  // namespace
 }  // namespace moraine
