@@ -5,7 +5,7 @@
 
 namespace moraine {
 
-bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K; }
+bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K && t != TensorType::Q8_1; }
 
 std::string weight_target_names() {
   std::string out;

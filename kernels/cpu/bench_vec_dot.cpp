@@ -78,7 +78,9 @@ int main(int argc, char** argv) {
   }
   const TensorType types[] = {TensorType::F32,  TensorType::F16,  TensorType::BF16, TensorType::Q8_0,
                               TensorType::Q4_0, TensorType::MXFP4, TensorType::Q2_K, TensorType::Q3_K,
-                              TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K};
+                              TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
+                              TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::IQ4_XS,
+                              TensorType::TQ1_0, TensorType::TQ2_0};
   for (TensorType t : types) {
     for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni}) {
       if (static_cast<int>(isa) > static_cast<int>(cap)) continue;
