@@ -3,9 +3,11 @@
 #include <optional>
 #include <stdexcept>
 
+#include "common/formats/quant_iq.h"
+
 namespace moraine {
 
-bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K; }
+bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K && !formats::is_iq_grid_type(t); }
 
 std::string weight_target_names() {
   std::string out;

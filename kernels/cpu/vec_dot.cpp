@@ -13,6 +13,7 @@
 #include "common/formats/quant_formats.h"
 #include "kernels/cpu/avx2_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
+#include "kernels/cpu/iq_kernels.h"
 
 namespace moraine::cpu {
 namespace {
@@ -66,7 +67,7 @@ VecDotFn scalar_fn(TensorType t) {
     case TensorType::Q4_K: return scalar_blocks<BlockQ4_K, BlockQ8_K, dot_q4_k_q8_k, kQK_K>;
     case TensorType::Q5_K: return scalar_blocks<BlockQ5_K, BlockQ8_K, dot_q5_k_q8_k, kQK_K>;
     case TensorType::Q6_K: return scalar_blocks<BlockQ6_K, BlockQ8_K, dot_q6_k_q8_k, kQK_K>;
-    default: return nullptr;
+    default: return iq_scalar_fn(t);
   }
 }
 
@@ -96,7 +97,7 @@ VecDotFn avx512_fn(TensorType t, bool vnni) {
     case TensorType::Q4_K: return avx512::dot_q4_k;
     case TensorType::Q5_K: return avx512::dot_q5_k;
     case TensorType::Q6_K: return avx512::dot_q6_k;
-    default: return nullptr;
+    default: return iq_avx512_vnni_fn(t);
   }
 }
 

@@ -1,0 +1,203 @@
+// AVX-512 VNNI dots of the importance-matrix grid formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+// IQ3_S, IQ1_S, IQ1_M) with Q8_K activations, 64 elements (two 32-element sub-blocks) per step:
+// the step's codebook entries are gathered from the grid tables (8 x 8 bytes, or 16 x 4 for
+// IQ3), the sign bits become a 64-bit byte mask, and vpdpbusd sums the grid magnitudes (unsigned)
+// times the activations separately for the positive and the negative elements, so the integer
+// sums are exact for every int8 activation (negating an activation would wrap at -128). Scales
+// multiply dword lanes; each super-block's sums are reduced exactly and the float part runs in
+// the scalar reference's order (quant_iq.h), so the results are bit-identical to it.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common/formats/block_layouts_iq.h"
+#include "common/formats/iq_grids.h"
+#include "kernels/cpu/iq_kernels.h"
+
+namespace moraine::cpu::avx512 {
+namespace {
+
+namespace iq = formats::iq;
+
+inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t load_u64(const void* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// Eight 7-bit sign indices, one per byte (bit 7 clear), to their kSigns7 bytes: bit 7 makes the
+// byte's count of set bits even (the parity folds stay inside each byte).
+inline uint64_t signs_from_7bit(uint64_t x) {
+  uint64_t p = x ^ (x >> 4);
+  p ^= p >> 2;
+  p ^= p >> 1;
+  return x | ((p & 0x0101010101010101ull) << 7);
+}
+
+// The sign bytes of two IQ2_XXS / IQ3_XXS sub-blocks from their sign words (four 7-bit indices
+// in bits 0..27 of each).
+inline uint64_t signs_of_words(uint32_t w_a, uint32_t w_b) {
+  const uint64_t packed = (w_a & 0x0fffffffu) | (static_cast<uint64_t>(w_b & 0x0fffffffu) << 28);
+  return signs_from_7bit(_pdep_u64(packed, 0x7f7f7f7f7f7f7f7full));
+}
+
+// 16 dword sums (4 elements each) of grid * sign * a: magnitudes g (unsigned bytes), byte k
+// negative where bit k of `neg` is set.
+inline __m512i signed_dot(__m512i g, __mmask64 neg, __m512i a) {
+  const __m512i pos = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_mov_epi8(~neg, g), a);
+  const __m512i ngt = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_mov_epi8(neg, g), a);
+  return _mm512_sub_epi32(pos, ngt);
+}
+
+// Per-dword odd scales 2s+1 for the two 32-element sub-blocks of a step (8 dwords each).
+inline __m512i odd_scales_x8(uint32_t s_a, uint32_t s_b) {
+  return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(static_cast<int>(2 * s_a + 1)), _mm512_set1_epi32(static_cast<int>(2 * s_b + 1)));
+}
+
+// Per-dword odd scales from four `bits`-wide fields of `word` (one per 16 elements).
+template <int kBits>
+inline __m512i odd_scales_x4(uint32_t word) {
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, kBits, kBits, kBits, kBits, 2 * kBits, 2 * kBits, 2 * kBits, 2 * kBits,
+                                           3 * kBits, 3 * kBits, 3 * kBits, 3 * kBits);
+  const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts), _mm512_set1_epi32((1 << kBits) - 1));
+  return _mm512_or_si512(_mm512_slli_epi32(s, 1), _mm512_set1_epi32(1));
+}
+
+inline __m512i gather8(const uint64_t* grid, __m512i idx) { return _mm512_i64gather_epi64(idx, reinterpret_cast<const long long*>(grid), 8); }
+inline __m512i gather16(const uint32_t* grid, __m512i idx) { return _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(grid), 4); }
+
+template <typename Block, typename Step>
+float grid_dot(int64_t n, const void* vw, const void* va, float factor, Step step) {
+  const auto* w = static_cast<const Block*>(vw);
+  const auto* a = static_cast<const BlockQ8_K*>(va);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    __m512i isum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) isum = _mm512_add_epi32(isum, step(w[b], c, load512(a[b].qs + 64 * c)));
+    const float d = fp16(w[b].d) * a[b].d;
+    acc += d * static_cast<float>(_mm512_reduce_add_epi32(isum));
+  }
+  return factor == 1.0f ? acc : factor * acc;
+}
+
+}  // namespace
+
+float dot_iq2_xxs(int64_t n, const void* w, const void* a) {
+  return grid_dot<BlockIQ2_XXS>(n, w, a, 0.125f, [](const BlockIQ2_XXS& b, int c, __m512i q8) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(b.qs) + 16 * c;  // two sub-blocks: idx, signs+scale, idx, signs+scale
+    const __m128i idx8 = _mm_shuffle_epi8(load128(p), _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m512i g = gather8(iq::kIq2xxsGrid, _mm512_cvtepu8_epi64(idx8));
+    const uint32_t w_a = load_u32(p + 4), w_b = load_u32(p + 12);
+    return _mm512_mullo_epi32(signed_dot(g, signs_of_words(w_a, w_b), q8), odd_scales_x8(w_a >> 28, w_b >> 28));
+  });
+}
+
+float dot_iq2_xs(int64_t n, const void* w, const void* a) {
+  return grid_dot<BlockIQ2_XS>(n, w, a, 0.125f, [](const BlockIQ2_XS& b, int c, __m512i q8) {
+    const __m128i v = load128(b.qs + 8 * c);
+    const __m512i g = gather8(iq::kIq2xsGrid, _mm512_cvtepu16_epi64(_mm_and_si128(v, _mm_set1_epi16(511))));
+    const __m128i s7 = _mm_srli_epi16(v, 9);
+    const uint64_t signs = signs_from_7bit(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(s7, s7))));
+    const uint32_t sc = b.scales[2 * c] | (static_cast<uint32_t>(b.scales[2 * c + 1]) << 8);
+    return _mm512_mullo_epi32(signed_dot(g, signs, q8), odd_scales_x4<4>(sc));
+  });
+}
+
+float dot_iq2_s(int64_t n, const void* w, const void* a) {
+  return grid_dot<BlockIQ2_S>(n, w, a, 0.125f, [](const BlockIQ2_S& b, int c, __m512i q8) {
+    const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * c)));
+    const uint32_t qh = b.qh[2 * c] | (static_cast<uint32_t>(b.qh[2 * c + 1]) << 8);
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qh), _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14)), _mm512_set1_epi64(3));
+    const __m512i g = gather8(iq::kIq2sGrid, _mm512_or_si512(lo, _mm512_slli_epi64(hi, 8)));
+    const uint32_t sc = b.scales[2 * c] | (static_cast<uint32_t>(b.scales[2 * c + 1]) << 8);
+    return _mm512_mullo_epi32(signed_dot(g, load_u64(b.qs + 32 + 8 * c), q8), odd_scales_x4<4>(sc));
+  });
+}
+
+float dot_iq3_xxs(int64_t n, const void* w, const void* a) {
+  return grid_dot<BlockIQ3_XXS>(n, w, a, 0.25f, [](const BlockIQ3_XXS& b, int c, __m512i q8) {
+    const __m512i g = gather16(iq::kIq3xxsGrid, _mm512_cvtepu8_epi32(load128(b.qs + 16 * c)));
+    const uint32_t w_a = load_u32(b.qs + 64 + 8 * c), w_b = load_u32(b.qs + 68 + 8 * c);
+    return _mm512_mullo_epi32(signed_dot(g, signs_of_words(w_a, w_b), q8), odd_scales_x8(w_a >> 28, w_b >> 28));
+  });
+}
+
+float dot_iq3_s(int64_t n, const void* w, const void* a) {
+  return grid_dot<BlockIQ3_S>(n, w, a, 1.0f, [](const BlockIQ3_S& b, int c, __m512i q8) {
+    const __m512i lo = _mm512_cvtepu8_epi32(load128(b.qs + 16 * c));
+    const auto qh = static_cast<__mmask16>(b.qh[2 * c] | (b.qh[2 * c + 1] << 8));  // bit q: index q's ninth bit
+    const __m512i g = gather16(iq::kIq3sGrid, _mm512_mask_or_epi32(lo, qh, lo, _mm512_set1_epi32(256)));
+    const uint32_t sc = b.scales[c];
+    return _mm512_mullo_epi32(signed_dot(g, load_u64(b.signs + 8 * c), q8), odd_scales_x8(sc & 15, sc >> 4));
+  });
+}
+
+// IQ1: grid values -1..1 biased to 0..2 (unsigned for vpdpbusd); the bias comes back through
+// the step's plain activation sums (vpdpbusd with ones), which IQ1_M's deltas also use.
+float dot_iq1_s(int64_t n, const void* vw, const void* va) {
+  const auto* w = static_cast<const BlockIQ1_S*>(vw);
+  const auto* a = static_cast<const BlockQ8_K*>(va);
+  const __m512i ones = _mm512_set1_epi8(1);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    __m512i isum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i q8 = load512(a[b].qs + 64 * c);
+      const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[b].qs + 8 * c)));
+      const uint32_t qh = w[b].qh[2 * c] | (static_cast<uint32_t>(w[b].qh[2 * c + 1]) << 16);
+      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qh), _mm512_setr_epi64(0, 3, 6, 9, 16, 19, 22, 25)), _mm512_set1_epi64(7));
+      const __m512i g = _mm512_add_epi8(gather8(iq::kIq1sGrid, _mm512_or_si512(lo, _mm512_slli_epi64(hi, 8))), ones);
+      const __m512i sums = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q8));
+      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(sums, odd_scales_x8((qh >> 12) & 7, (qh >> 28) & 7)));
+    }
+    int dsum = 0;  // the deltas, through the bsums as the reference (and ggml) take them
+    for (int s = 0; s < 8; ++s) {
+      const int ls = 2 * ((w[b].qh[s] >> 12) & 7) + 1;
+      const int sum = a[b].bsums[2 * s] + a[b].bsums[2 * s + 1];
+      dsum += ls * (w[b].qh[s] & 0x8000 ? -sum : sum);
+    }
+    acc += fp16(w[b].d) * a[b].d * (static_cast<float>(_mm512_reduce_add_epi32(isum)) + iq::kIq1Delta * static_cast<float>(dsum));
+  }
+  return acc;
+}
+
+float dot_iq1_m(int64_t n, const void* vw, const void* va) {
+  const auto* w = static_cast<const BlockIQ1_M*>(vw);
+  const auto* a = static_cast<const BlockQ8_K*>(va);
+  const __m512i ones = _mm512_set1_epi8(1);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    uint16_t sc[4];
+    std::memcpy(sc, w[b].scales, 8);
+    const auto block_scale = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    __m512i isum = _mm512_setzero_si512(), dsum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i q8 = load512(a[b].qs + 64 * c);
+      const __m512i lo = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[b].qs + 8 * c)));
+      const uint32_t qh = load_u32(w[b].qh + 4 * c);  // nibble k: group k's index bits 8..10 and delta sign (bit 3)
+      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(qh), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28)), _mm512_set1_epi64(7));
+      const __m512i g = _mm512_add_epi8(gather8(iq::kIq1sGrid, _mm512_or_si512(lo, _mm512_slli_epi64(hi, 8))), ones);
+      const __m512i plain = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q8);
+      const __m512i grid = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8), plain);
+      const auto neg8 = static_cast<uint32_t>(_pext_u32(qh, 0x88888888u));
+      const auto neg16 = static_cast<__mmask16>(_pdep_u32(neg8, 0x5555u) * 3u);  // two dwords per group of 8
+      const __m512i delta = _mm512_mask_sub_epi32(plain, neg16, _mm512_setzero_si512(), plain);
+      const __m512i ls = odd_scales_x4<3>(sc[c]);
+      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(grid, ls));
+      dsum = _mm512_add_epi32(dsum, _mm512_mullo_epi32(delta, ls));
+    }
+    const float d = fp16(block_scale) * a[b].d;
+    acc += d * (static_cast<float>(_mm512_reduce_add_epi32(isum)) + iq::kIq1Delta * static_cast<float>(_mm512_reduce_add_epi32(dsum)));
+  }
+  return acc;
+}
+
+}  // namespace moraine::cpu::avx512
