@@ -67,7 +67,7 @@ VecDotFn scalar_fn(TensorType t) {
     case TensorType::Q4_K: return scalar_blocks<BlockQ4_K, BlockQ8_K, dot_q4_k_q8_k, kQK_K>;
     case TensorType::Q5_K: return scalar_blocks<BlockQ5_K, BlockQ8_K, dot_q5_k_q8_k, kQK_K>;
     case TensorType::Q6_K: return scalar_blocks<BlockQ6_K, BlockQ8_K, dot_q6_k_q8_k, kQK_K>;
-    default: return iq_scalar_fn(t);
+    default: return nullptr;
   }
 }
 
@@ -97,7 +97,7 @@ VecDotFn avx512_fn(TensorType t, bool vnni) {
     case TensorType::Q4_K: return avx512::dot_q4_k;
     case TensorType::Q5_K: return avx512::dot_q5_k;
     case TensorType::Q6_K: return avx512::dot_q6_k;
-    default: return iq_avx512_vnni_fn(t);
+    default: return nullptr;
   }
 }
 
@@ -139,11 +139,11 @@ namespace {
 VecDotFn kernel_for(TensorType weight, CpuIsa isa) {
   if (static_cast<int>(isa) > static_cast<int>(cpu_isa_hardware())) return nullptr;
   switch (isa) {
-    case CpuIsa::Scalar: return scalar_fn(weight);
+    case CpuIsa::Scalar: return scalar_fn(weight) ? scalar_fn(weight) : iq_scalar_fn(weight);
     case CpuIsa::Avx2: return avx2_fn(weight);
     case CpuIsa::Avx512: return avx512_fn(weight, false);
     case CpuIsa::Avx512Vnni:
-    case CpuIsa::Amx: return avx512_fn(weight, true);
+    case CpuIsa::Amx: return avx512_fn(weight, true) ? avx512_fn(weight, true) : iq_avx512_vnni_fn(weight);
   }
   return nullptr;
 }
