@@ -18,20 +18,20 @@ namespace moraine::test {
 inline constexpr TensorType kIqGridTypes[] = {TensorType::IQ2_XXS, TensorType::IQ2_XS, TensorType::IQ2_S, TensorType::IQ3_XXS,
                                               TensorType::IQ3_S,   TensorType::IQ1_S,  TensorType::IQ1_M};
 
-// A finite fp16 scale of random sign and magnitude 2^-16 .. 2^-2.
-inline uint16_t random_fp16_scale(std::mt19937& rng) {
-  std::uniform_real_distribution<float> e(-16.0f, -2.0f);
+// A finite fp16 scale of random sign and magnitude 2^log2_lo .. 2^log2_hi.
+inline uint16_t random_fp16_scale(std::mt19937& rng, float log2_lo = -16.0f, float log2_hi = -2.0f) {
+  std::uniform_real_distribution<float> e(log2_lo, log2_hi);
   const float v = std::exp2(e(rng)) * ((rng() & 1) ? -1.0f : 1.0f);
   return fp32_to_fp16(v);
 }
 
-inline std::vector<uint8_t> random_iq_row(TensorType t, int64_t n, uint32_t seed) {
+inline std::vector<uint8_t> random_iq_row(TensorType t, int64_t n, uint32_t seed, float log2_lo = -16.0f, float log2_hi = -2.0f) {
   std::mt19937 rng(seed);
   const size_t bb = type_traits(t).block_bytes;
   std::vector<uint8_t> row(row_bytes(t, n));
   for (uint8_t& b : row) b = static_cast<uint8_t>(rng());
   for (size_t off = 0; off < row.size(); off += bb) {
-    const uint16_t d = random_fp16_scale(rng);
+    const uint16_t d = random_fp16_scale(rng, log2_lo, log2_hi);
     if (t == TensorType::IQ1_M) {
       // The fp16 scale lives in the top nibbles of the four scale words (word 0 the lowest).
       uint16_t sc[4];
