@@ -60,19 +60,27 @@ inline __m512i scaled_signed_dot(__m512i acc, __m512i g, __mmask64 neg, __m512i 
   return _mm512_dpwssd_epi32(acc, _mm512_sub_epi32(pos, ngt), ls);
 }
 
-// Per-dword odd scales 2s+1 for the two 32-element sub-blocks of a step (8 dwords each).
-inline __m512i odd_scales_x8(uint32_t s_a, uint32_t s_b) {
-  return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(static_cast<int>(2 * s_a + 1)), _mm512_set1_epi32(static_cast<int>(2 * s_b + 1)));
+// Per-block scales: byte k of an xmm = the odd scale 2s+1 of group k (16 elements each, or
+// sub-block k for the per-32 formats); a step's per-dword scales are then one shuffle + widen.
+inline __m128i odd_bytes(__m128i s) { return _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1)); }
+// The 16 nibbles of 8 bytes, in order (low nibble first).
+inline __m128i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  return _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
 }
-
-// Per-dword odd scales from four `bits`-wide fields of `word` (one per 16 elements).
-template <int kBits>
-inline __m512i odd_scales_x4(uint32_t word) {
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, kBits, kBits, kBits, kBits, 2 * kBits, 2 * kBits, 2 * kBits, 2 * kBits,
-                                           3 * kBits, 3 * kBits, 3 * kBits, 3 * kBits);
-  const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts), _mm512_set1_epi32((1 << kBits) - 1));
-  return _mm512_or_si512(_mm512_slli_epi32(s, 1), _mm512_set1_epi32(1));
+// Dwords of step c from per-16 scale bytes: dword j <- byte 4c + j/4.
+inline __m512i step_scales16(__m128i ls, int c) {
+  const __m128i idx = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm_set1_epi8(static_cast<char>(4 * c)));
+  return _mm512_cvtepu8_epi32(_mm_shuffle_epi8(ls, idx));
 }
+// Dwords of step c from per-32 scale bytes: dwords 0..7 <- byte 2c, 8..15 <- byte 2c + 1.
+inline __m512i step_scales32(__m128i ls, int c) {
+  const __m128i idx = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm_set1_epi8(static_cast<char>(2 * c)));
+  return _mm512_cvtepu8_epi32(_mm_shuffle_epi8(ls, idx));
+}
+// The scale fields (bits 28..31) of the 32-bit words at p, p + 4, ..., p + 60, as 16 bytes.
+inline __m128i top_nibbles16(const void* p) { return _mm512_cvtepi32_epi8(_mm512_srli_epi32(load512(p), 28)); }
 
 // A step's 8 (IQ3: 16) codebook entries, by index(k) for k = 0..7 (0..15), from scalar loads:
 // indices come from the block bytes by scalar arithmetic, which measured faster than a vector
@@ -107,14 +115,15 @@ struct IndexLanes {
   }
 };
 
-template <typename Block, typename Step>
-float grid_dot(int64_t n, const void* vw, const void* va, float factor, Step step) {
+template <typename Block, typename Prepare, typename Step>
+float grid_dot(int64_t n, const void* vw, const void* va, float factor, Prepare prepare, Step step) {
   const auto* w = static_cast<const Block*>(vw);
   const auto* a = static_cast<const BlockQ8_K*>(va);
   float acc = 0.0f;
   for (int64_t b = 0; b < n / kQK_K; ++b) {
+    const __m128i ls = prepare(w[b]);
     __m512i isum = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) isum = step(isum, w[b], c, load512(a[b].qs + 64 * c));
+    for (int c = 0; c < 4; ++c) isum = step(isum, w[b], c, load512(a[b].qs + 64 * c), ls);
     const float d = fp16(w[b].d) * a[b].d;
     acc += d * static_cast<float>(_mm512_reduce_add_epi32(isum));
   }
@@ -124,49 +133,58 @@ float grid_dot(int64_t n, const void* vw, const void* va, float factor, Step ste
 }  // namespace
 
 float dot_iq2_xxs(int64_t n, const void* w, const void* a) {
-  return grid_dot<BlockIQ2_XXS>(n, w, a, 0.125f, [](__m512i acc, const BlockIQ2_XXS& b, int c, __m512i q8) {
+  // Words 2s + 1 of qs hold sub-block s's scale: keep the odd bytes.
+  auto prepare = [](const BlockIQ2_XXS& b) {
+    return odd_bytes(_mm_shuffle_epi8(top_nibbles16(b.qs), _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
+  };
+  return grid_dot<BlockIQ2_XXS>(n, w, a, 0.125f, prepare, [](__m512i acc, const BlockIQ2_XXS& b, int c, __m512i q8, __m128i ls) {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(b.qs) + 16 * c;  // two sub-blocks: idx, signs+scale, idx, signs+scale
     const __m512i g = grid8(iq::kIq2xxsGrid, [p](int k) { return p[k + (k & 4)]; });
-    const uint32_t w_a = load_u32(p + 4), w_b = load_u32(p + 12);
-    return scaled_signed_dot(acc, g, signs_of_words(w_a, w_b), q8, odd_scales_x8(w_a >> 28, w_b >> 28));
+    return scaled_signed_dot(acc, g, signs_of_words(load_u32(p + 4), load_u32(p + 12)), q8, step_scales32(ls, c));
   });
 }
 
 float dot_iq2_xs(int64_t n, const void* w, const void* a) {
-  return grid_dot<BlockIQ2_XS>(n, w, a, 0.125f, [](__m512i acc, const BlockIQ2_XS& b, int c, __m512i q8) {
+  auto prepare = [](const BlockIQ2_XS& b) { return odd_bytes(nibbles16(b.scales)); };
+  return grid_dot<BlockIQ2_XS>(n, w, a, 0.125f, prepare, [](__m512i acc, const BlockIQ2_XS& b, int c, __m512i q8, __m128i ls) {
     const uint16_t* q = b.qs + 8 * c;
     const __m512i g = grid8(iq::kIq2xsGrid, [q](int k) { return q[k] & 511; });
-    const __m128i v = load128(q);
-    const __m128i s7 = _mm_srli_epi16(v, 9);
+    const __m128i s7 = _mm_srli_epi16(load128(q), 9);
     const uint64_t signs = signs_from_7bit(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(s7, s7))));
-    const uint32_t sc = b.scales[2 * c] | (static_cast<uint32_t>(b.scales[2 * c + 1]) << 8);
-    return scaled_signed_dot(acc, g, signs, q8, odd_scales_x4<4>(sc));
+    return scaled_signed_dot(acc, g, signs, q8, step_scales16(ls, c));
   });
 }
 
 float dot_iq2_s(int64_t n, const void* w, const void* a) {
-  return grid_dot<BlockIQ2_S>(n, w, a, 0.125f, [](__m512i acc, const BlockIQ2_S& b, int c, __m512i q8) {
+  auto prepare = [](const BlockIQ2_S& b) { return odd_bytes(nibbles16(b.scales)); };
+  return grid_dot<BlockIQ2_S>(n, w, a, 0.125f, prepare, [](__m512i acc, const BlockIQ2_S& b, int c, __m512i q8, __m128i ls) {
     const uint64_t lo = load_u64(b.qs + 8 * c);
     constexpr uint64_t kHigh2 = 0x0300030003000300ull;
     const IndexLanes idx{{index_lanes(static_cast<uint32_t>(lo), _pdep_u64(b.qh[2 * c], kHigh2)),
                           index_lanes(static_cast<uint32_t>(lo >> 32), _pdep_u64(b.qh[2 * c + 1], kHigh2)), 0, 0}};
     const __m512i g = grid8(iq::kIq2sGrid, idx);
-    const uint32_t sc = b.scales[2 * c] | (static_cast<uint32_t>(b.scales[2 * c + 1]) << 8);
-    return scaled_signed_dot(acc, g, load_u64(b.qs + 32 + 8 * c), q8, odd_scales_x4<4>(sc));
+    return scaled_signed_dot(acc, g, load_u64(b.qs + 32 + 8 * c), q8, step_scales16(ls, c));
   });
 }
 
 float dot_iq3_xxs(int64_t n, const void* w, const void* a) {
-  return grid_dot<BlockIQ3_XXS>(n, w, a, 0.25f, [](__m512i acc, const BlockIQ3_XXS& b, int c, __m512i q8) {
+  auto prepare = [](const BlockIQ3_XXS& b) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 64));
+    return odd_bytes(_mm256_cvtepi32_epi8(_mm256_srli_epi32(words, 28)));
+  };
+  return grid_dot<BlockIQ3_XXS>(n, w, a, 0.25f, prepare, [](__m512i acc, const BlockIQ3_XXS& b, int c, __m512i q8, __m128i ls) {
     const uint8_t* q = b.qs + 16 * c;
     const __m512i g = grid16(iq::kIq3xxsGrid, [q](int k) { return q[k]; });
-    const uint32_t w_a = load_u32(b.qs + 64 + 8 * c), w_b = load_u32(b.qs + 68 + 8 * c);
-    return scaled_signed_dot(acc, g, signs_of_words(w_a, w_b), q8, odd_scales_x8(w_a >> 28, w_b >> 28));
+    return scaled_signed_dot(acc, g, signs_of_words(load_u32(b.qs + 64 + 8 * c), load_u32(b.qs + 68 + 8 * c)), q8, step_scales32(ls, c));
   });
 }
 
 float dot_iq3_s(int64_t n, const void* w, const void* a) {
-  return grid_dot<BlockIQ3_S>(n, w, a, 1.0f, [](__m512i acc, const BlockIQ3_S& b, int c, __m512i q8) {
+  auto prepare = [](const BlockIQ3_S& b) {
+    uint8_t sc[8] = {b.scales[0], b.scales[1], b.scales[2], b.scales[3], 0, 0, 0, 0};
+    return odd_bytes(nibbles16(sc));  // bytes 0..7: sub-blocks 0..7
+  };
+  return grid_dot<BlockIQ3_S>(n, w, a, 1.0f, prepare, [](__m512i acc, const BlockIQ3_S& b, int c, __m512i q8, __m128i ls) {
     const uint64_t lo0 = load_u64(b.qs + 16 * c), lo1 = load_u64(b.qs + 16 * c + 8);
     const uint32_t qh = b.qh[2 * c] | (static_cast<uint32_t>(b.qh[2 * c + 1]) << 8);  // bit q: index q's ninth bit
     constexpr uint64_t kHigh1 = 0x0100010001000100ull;
@@ -175,39 +193,42 @@ float dot_iq3_s(int64_t n, const void* w, const void* a) {
                           index_lanes(static_cast<uint32_t>(lo1), _pdep_u64(qh >> 8, kHigh1)),
                           index_lanes(static_cast<uint32_t>(lo1 >> 32), _pdep_u64(qh >> 12, kHigh1))}};
     const __m512i g = grid16(iq::kIq3sGrid, idx);
-    const uint32_t sc = b.scales[c];
-    return scaled_signed_dot(acc, g, load_u64(b.signs + 8 * c), q8, odd_scales_x8(sc & 15, sc >> 4));
+    return scaled_signed_dot(acc, g, load_u64(b.signs + 8 * c), q8, step_scales32(ls, c));
   });
 }
 
 // IQ1: grid values -1..1 biased to 0..2 (unsigned for vpdpbusd); the bias comes back through
-// the step's plain activation sums (vpdpbusd with ones), which IQ1_M's deltas also use.
+// the step's plain activation sums (vpdpbusd with ones). The reference's (float)isum + 1/8 *
+// (float)dsum equals (float)(8 * isum + dsum) / 8 bit for bit while |8 isum + dsum| < 2^24
+// (both sides are then that value exactly; here at most 8 * 491520 + 8 * 15 * 65536), so the
+// grid sums are scaled by 8 * ls and the deltas' sums by ls into one accumulator.
 float dot_iq1_s(int64_t n, const void* vw, const void* va) {
   const auto* w = static_cast<const BlockIQ1_S*>(vw);
   const auto* a = static_cast<const BlockQ8_K*>(va);
   const __m512i ones = _mm512_set1_epi8(1);
   float acc = 0.0f;
   for (int64_t b = 0; b < n / kQK_K; ++b) {
-    __m512i isum = _mm512_setzero_si512();
+    // Sub-block s: ls = 2 * (qh[s] >> 12 & 7) + 1; the delta's sign is bit 15.
+    const __m128i qh = load128(w[b].qh);
+    const __m128i ls16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1), _mm_set1_epi16(1));
+    const __m128i neg = _mm_srai_epi16(qh, 15);
+    const __m128i signed_ls = _mm_sub_epi16(_mm_xor_si128(ls16, neg), neg);
+    // The deltas: sum over s of +-ls * (bsums[2s] + bsums[2s+1]), as the reference takes them.
+    const __m256i per_bsum = _mm256_set_m128i(_mm_unpackhi_epi16(signed_ls, signed_ls), _mm_unpacklo_epi16(signed_ls, signed_ls));
+    __m512i total = _mm512_zextsi256_si512(_mm256_madd_epi16(per_bsum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].bsums))));
+    const __m128i ls8 = _mm_packus_epi16(_mm_slli_epi16(ls16, 3), _mm_setzero_si128());  // 8 * ls per sub-block, bytes
     for (int c = 0; c < 4; ++c) {
       const __m512i q8 = load512(a[b].qs + 64 * c);
       const uint64_t lo = load_u64(w[b].qs + 8 * c);
-      const uint32_t qh = w[b].qh[2 * c] | (static_cast<uint32_t>(w[b].qh[2 * c + 1]) << 16);
+      const uint32_t h = w[b].qh[2 * c] | (static_cast<uint32_t>(w[b].qh[2 * c + 1]) << 16);
       constexpr uint64_t kHigh3 = 0x0700070007000700ull;
-      const IndexLanes idx{{index_lanes(static_cast<uint32_t>(lo), _pdep_u64(qh, kHigh3)),
-                            index_lanes(static_cast<uint32_t>(lo >> 32), _pdep_u64(qh >> 16, kHigh3)), 0, 0}};
+      const IndexLanes idx{{index_lanes(static_cast<uint32_t>(lo), _pdep_u64(h, kHigh3)),
+                            index_lanes(static_cast<uint32_t>(lo >> 32), _pdep_u64(h >> 16, kHigh3)), 0, 0}};
       const __m512i g = _mm512_add_epi8(grid8(iq::kIq1sGrid, idx), ones);
-      const __m512i biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8), plain = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q8);
-      const __m512i ls = odd_scales_x8((qh >> 12) & 7, (qh >> 28) & 7);  // dword sums within +-1024: int16 (scaled_signed_dot)
-      isum = _mm512_dpwssd_epi32(isum, _mm512_sub_epi32(biased, plain), ls);
+      const __m512i grid = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q8));
+      total = _mm512_dpwssd_epi32(total, grid, step_scales32(ls8, c));  // dword sums within +-1024: int16
     }
-    int dsum = 0;  // the deltas, through the bsums as the reference (and ggml) take them
-    for (int s = 0; s < 8; ++s) {
-      const int ls = 2 * ((w[b].qh[s] >> 12) & 7) + 1;
-      const int sum = a[b].bsums[2 * s] + a[b].bsums[2 * s + 1];
-      dsum += ls * (w[b].qh[s] & 0x8000 ? -sum : sum);
-    }
-    acc += fp16(w[b].d) * a[b].d * (static_cast<float>(_mm512_reduce_add_epi32(isum)) + iq::kIq1Delta * static_cast<float>(dsum));
+    acc += fp16(w[b].d) * a[b].d * (static_cast<float>(_mm512_reduce_add_epi32(total)) * iq::kIq1Delta);
   }
   return acc;
 }
@@ -218,10 +239,14 @@ float dot_iq1_m(int64_t n, const void* vw, const void* va) {
   const __m512i ones = _mm512_set1_epi8(1);
   float acc = 0.0f;
   for (int64_t b = 0; b < n / kQK_K; ++b) {
-    uint16_t sc[4];
-    std::memcpy(sc, w[b].scales, 8);
-    const auto block_scale = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
-    __m512i isum = _mm512_setzero_si512(), dsum = _mm512_setzero_si512();
+    const uint64_t sc = load_u64(w[b].scales);
+    const auto block_scale = static_cast<uint16_t>(((sc >> 12) & 0x000f) | ((sc >> 24) & 0x00f0) | ((sc >> 36) & 0x0f00) | ((sc >> 48) & 0xf000));
+    // Sixteen 3-bit scales (bits 0..11 of each 16-bit word), one byte each.
+    const uint64_t fields = _pext_u64(sc, 0x0fff0fff0fff0fffull);
+    const __m128i s16 = _mm_set_epi64x(static_cast<long long>(_pdep_u64(fields >> 24, 0x0707070707070707ull)),
+                                       static_cast<long long>(_pdep_u64(fields, 0x0707070707070707ull)));
+    const __m128i ls = odd_bytes(s16), ls8 = _mm_slli_epi16(ls, 3);  // 8 * 15 fits a byte
+    __m512i total = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       const __m512i q8 = load512(a[b].qs + 64 * c);
       const uint64_t lo = load_u64(w[b].qs + 8 * c);
@@ -232,15 +257,13 @@ float dot_iq1_m(int64_t n, const void* vw, const void* va) {
                             index_lanes(static_cast<uint32_t>(lo >> 32), _pdep_u64(high3 >> 12, kHigh3)), 0, 0}};
       const __m512i g = _mm512_add_epi8(grid8(iq::kIq1sGrid, idx), ones);
       const __m512i plain = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q8);
-      const __m512i biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8);
-      const auto neg8 = static_cast<uint32_t>(_pext_u32(qh, 0x88888888u));
-      const auto neg16 = static_cast<__mmask16>(_pdep_u32(neg8, 0x5555u) * 3u);  // two dwords per group of 8
-      const __m512i ls = odd_scales_x4<3>(sc[c]);  // int16 sums as in IQ1_S
-      isum = _mm512_dpwssd_epi32(isum, _mm512_sub_epi32(biased, plain), ls);
-      dsum = _mm512_dpwssd_epi32(dsum, _mm512_mask_sub_epi32(plain, neg16, _mm512_setzero_si512(), plain), ls);
+      const __m512i grid = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g, q8), plain);
+      const auto neg16 = static_cast<__mmask16>(_pdep_u32(_pext_u32(qh, 0x88888888u), 0x5555u) * 3u);  // two dwords per group of 8
+      total = _mm512_dpwssd_epi32(total, grid, step_scales16(ls8, c));  // int16 sums as in IQ1_S
+      total = _mm512_dpwssd_epi32(total, _mm512_mask_sub_epi32(plain, neg16, _mm512_setzero_si512(), plain), step_scales16(ls, c));
     }
     const float d = fp16(block_scale) * a[b].d;
-    acc += d * (static_cast<float>(_mm512_reduce_add_epi32(isum)) + iq::kIq1Delta * static_cast<float>(_mm512_reduce_add_epi32(dsum)));
+    acc += d * (static_cast<float>(_mm512_reduce_add_epi32(total)) * iq::kIq1Delta);
   }
   return acc;
 }
