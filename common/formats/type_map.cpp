@@ -101,7 +101,7 @@ uint32_t llama_file_type(TensorType t) {
     case TensorType::IQ1_S: return 24;
     case TensorType::IQ4_NL: return 25;
     case TensorType::IQ3_S: return 26;
-    case TensorType::IQ2_S: return 28;
+    case TensorType::IQ2_S: return 29;   // IQ2_M: llama.cpp's IQ2_S file type stores IQ2_XS tensors
     case TensorType::IQ4_XS: return 30;
     case TensorType::IQ1_M: return 31;
     case TensorType::BF16: return 32;

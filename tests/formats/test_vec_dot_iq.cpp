@@ -151,6 +151,15 @@ TEST(IqFormats, WritingIsRefusedWithTheReason) {
     EXPECT_FALSE(is_weight_target(t)) << type_name(t) << " is not a type moraine-quantize can write";
     EXPECT_THROW(parse_weight_type(std::string(type_name(t)), "--map"), std::invalid_argument);
   }
+  // The file type llama.cpp gives a file of mostly these tensors (its IQ2_S file type stores
+  // IQ2_XS tensors; IQ2_S ones are its IQ2_M), from llama-quant.cpp's default-type table.
+  EXPECT_EQ(llama_file_type(TensorType::IQ2_XXS), 19u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ2_XS), 20u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ3_XXS), 23u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ1_S), 24u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ3_S), 26u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ2_S), 29u);
+  EXPECT_EQ(llama_file_type(TensorType::IQ1_M), 31u);
   // Rows must still be whole blocks.
   std::vector<float> y(300);
   EXPECT_THROW(dequantize_row(TensorType::IQ2_XXS, out.data(), y.data(), 300), std::invalid_argument);
