@@ -39,4 +39,17 @@ IqVecDotFn iq_avx512_vnni_fn(TensorType t) {
   }
 }
 
+IqRows4Fn iq_rows4_fn(TensorType t) {
+  switch (t) {
+    case TensorType::IQ2_XXS: return avx512::iq2_xxs_rows4;
+    case TensorType::IQ2_XS: return avx512::iq2_xs_rows4;
+    case TensorType::IQ2_S: return avx512::iq2_s_rows4;
+    case TensorType::IQ3_XXS: return avx512::iq3_xxs_rows4;
+    case TensorType::IQ3_S: return avx512::iq3_s_rows4;
+    case TensorType::IQ1_S: return avx512::iq1_s_rows4;
+    case TensorType::IQ1_M: return avx512::iq1_m_rows4;
+    default: return nullptr;
+  }
+}
+
 }  // namespace moraine::cpu
