@@ -107,3 +107,5 @@ static_assert(offsetof(BlockQ2_K, d) == 80 && offsetof(BlockQ3_K, d) == 108 &&
 inline constexpr int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 }  // namespace moraine
+
+#include "common/formats/block_layouts_legacy_iq4_tq.h"  // Q4_1, Q5_0, Q5_1, Q8_1, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0

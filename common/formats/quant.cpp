@@ -52,6 +52,10 @@ void require_finite_scales(TensorType t, const void* dst, int64_t nb) {
     case TensorType::Q4_K: offsets[1] = offsetof(BlockQ4_K, dmin), count = 2; break;
     case TensorType::Q5_K: offsets[1] = offsetof(BlockQ5_K, dmin), count = 2; break;
     case TensorType::Q6_K: offsets[0] = offsetof(BlockQ6_K, d); break;
+    case TensorType::Q4_1: case TensorType::Q5_1: offsets[1] = 2, count = 2; break;  // d, m
+    case TensorType::Q5_0: case TensorType::Q8_1: case TensorType::IQ4_NL: case TensorType::IQ4_XS: break;  // d first (q8_1's s: as ggml, unchecked)
+    case TensorType::TQ1_0: offsets[0] = offsetof(BlockTQ1_0, d); break;
+    case TensorType::TQ2_0: offsets[0] = offsetof(BlockTQ2_0, d); break;
     default: return;  // MXFP4's exponent and Q8_K's float scale cover every finite input
   }
   const size_t block_bytes = type_traits(t).block_bytes;
@@ -112,6 +116,14 @@ void dequantize_row(TensorType t, const void* src, float* dst, int64_t n) {
     case TensorType::Q5_K: dequantize_q5_k(static_cast<const BlockQ5_K*>(src), dst, nb); return;
     case TensorType::Q6_K: dequantize_q6_k(static_cast<const BlockQ6_K*>(src), dst, nb); return;
     case TensorType::Q8_K: dequantize_q8_k(static_cast<const BlockQ8_K*>(src), dst, nb); return;
+    case TensorType::Q4_1: dequantize_q4_1(static_cast<const BlockQ4_1*>(src), dst, nb); return;
+    case TensorType::Q5_0: dequantize_q5_0(static_cast<const BlockQ5_0*>(src), dst, nb); return;
+    case TensorType::Q5_1: dequantize_q5_1(static_cast<const BlockQ5_1*>(src), dst, nb); return;
+    case TensorType::Q8_1: dequantize_q8_1(static_cast<const BlockQ8_1*>(src), dst, nb); return;
+    case TensorType::IQ4_NL: dequantize_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, nb); return;
+    case TensorType::IQ4_XS: dequantize_iq4_xs(static_cast<const BlockIQ4_XS*>(src), dst, nb); return;
+    case TensorType::TQ1_0: dequantize_tq1_0(static_cast<const BlockTQ1_0*>(src), dst, nb); return;
+    case TensorType::TQ2_0: dequantize_tq2_0(static_cast<const BlockTQ2_0*>(src), dst, nb); return;
     default: break;
   }
   if (is_iq_grid_type(t)) return dequantize_iq(t, src, dst, nb);
@@ -147,6 +159,14 @@ void quantize_row(TensorType t, const float* src, void* dst, int64_t n) {
     case TensorType::Q5_K: quantize_q5_k(src, static_cast<BlockQ5_K*>(dst), nb); break;
     case TensorType::Q6_K: quantize_q6_k(src, static_cast<BlockQ6_K*>(dst), nb); break;
     case TensorType::Q8_K: quantize_q8_k(src, static_cast<BlockQ8_K*>(dst), nb); break;
+    case TensorType::Q4_1: quantize_q4_1(src, static_cast<BlockQ4_1*>(dst), nb); break;
+    case TensorType::Q5_0: quantize_q5_0(src, static_cast<BlockQ5_0*>(dst), nb); break;
+    case TensorType::Q5_1: quantize_q5_1(src, static_cast<BlockQ5_1*>(dst), nb); break;
+    case TensorType::Q8_1: quantize_q8_1(src, static_cast<BlockQ8_1*>(dst), nb); break;
+    case TensorType::IQ4_NL: quantize_iq4_nl(src, static_cast<BlockIQ4_NL*>(dst), nb); break;
+    case TensorType::IQ4_XS: quantize_iq4_xs(src, static_cast<BlockIQ4_XS*>(dst), nb); break;
+    case TensorType::TQ1_0: quantize_tq1_0(src, static_cast<BlockTQ1_0*>(dst), nb); break;
+    case TensorType::TQ2_0: quantize_tq2_0(src, static_cast<BlockTQ2_0*>(dst), nb); break;
     default: throw std::logic_error("quantize_row: computable type " + std::string(tr.name) + " has no encoder");
   }
   require_finite_scales(t, dst, nb);
@@ -160,6 +180,9 @@ TensorType dot_activation_type(TensorType weight) {
     case TensorType::Q4_0:
     case TensorType::Q8_0:
     case TensorType::MXFP4: return TensorType::Q8_0;
+    case TensorType::Q5_0: case TensorType::IQ4_NL: return TensorType::Q8_0;  // ggml's vec_dot_type
+    case TensorType::Q4_1: case TensorType::Q5_1: return TensorType::Q8_1;
+    case TensorType::IQ4_XS: case TensorType::TQ1_0: case TensorType::TQ2_0: return TensorType::Q8_K;
     case TensorType::Q2_K:
     case TensorType::Q3_K:
     case TensorType::Q4_K:
@@ -190,6 +213,13 @@ float vec_dot_reference(TensorType weight, int64_t n, const void* w, const void*
     case TensorType::Q4_K: return dot_q4_k_q8_k(static_cast<const BlockQ4_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
     case TensorType::Q5_K: return dot_q5_k_q8_k(static_cast<const BlockQ5_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
     case TensorType::Q6_K: return dot_q6_k_q8_k(static_cast<const BlockQ6_K*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::Q4_1: return dot_q4_1_q8_1(static_cast<const BlockQ4_1*>(w), static_cast<const BlockQ8_1*>(a), nb);
+    case TensorType::Q5_0: return dot_q5_0_q8_0(static_cast<const BlockQ5_0*>(w), static_cast<const BlockQ8_0*>(a), nb);
+    case TensorType::Q5_1: return dot_q5_1_q8_1(static_cast<const BlockQ5_1*>(w), static_cast<const BlockQ8_1*>(a), nb);
+    case TensorType::IQ4_NL: return dot_iq4_nl_q8_0(static_cast<const BlockIQ4_NL*>(w), static_cast<const BlockQ8_0*>(a), nb);
+    case TensorType::IQ4_XS: return dot_iq4_xs_q8_k(static_cast<const BlockIQ4_XS*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::TQ1_0: return dot_tq1_0_q8_k(static_cast<const BlockTQ1_0*>(w), static_cast<const BlockQ8_K*>(a), nb);
+    case TensorType::TQ2_0: return dot_tq2_0_q8_k(static_cast<const BlockTQ2_0*>(w), static_cast<const BlockQ8_K*>(a), nb);
     default: break;
   }
   if (is_iq_grid_type(weight)) return dot_iq_q8_k(weight, w, static_cast<const BlockQ8_K*>(a), nb);

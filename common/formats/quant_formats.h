@@ -18,6 +18,7 @@ void dequantize_mxfp4(const BlockMXFP4* x, float* y, int64_t nb);
 float dot_q4_0_q8_0(const BlockQ4_0* w, const BlockQ8_0* a, int64_t nb);
 float dot_q8_0_q8_0(const BlockQ8_0* w, const BlockQ8_0* a, int64_t nb);
 float dot_mxfp4_q8_0(const BlockMXFP4* w, const BlockQ8_0* a, int64_t nb);
+// Q4_1, Q5_0, Q5_1, Q8_1, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0: quant_formats_legacy_iq4_tq.h (included below).
 
 // K-quants (kquant_quantize.cpp, kquant_reference.cpp).
 void quantize_q2_k(const float* x, BlockQ2_K* y, int64_t nb);
@@ -48,3 +49,5 @@ float dot_f16(const uint16_t* w, const uint16_t* a, int64_t n);
 float dot_bf16(const uint16_t* w, const uint16_t* a, int64_t n);
 
 }  // namespace moraine::formats
+
+#include "common/formats/quant_formats_legacy_iq4_tq.h"

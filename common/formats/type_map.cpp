@@ -7,7 +7,9 @@
 
 namespace moraine {
 
-bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K && !formats::is_iq_grid_type(t); }
+bool is_weight_target(TensorType t) {
+  return type_traits(t).computable && t != TensorType::Q8_K && t != TensorType::Q8_1 && !formats::is_iq_grid_type(t);
+}
 
 std::string weight_target_names() {
   std::string out;

@@ -16,6 +16,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const model::HParams& hp = m_.hp;
   const model::AttentionWeights& A = m_.layers[il].attn;
   LayerState& S = state_[il];
+  const int64_t pos0 = n_past_ + window_first_;   // the first row's position (set_window)
   const int64_t hd = hp.head_dim;
   const int64_t n_head = hp.n_head;
   const int64_t kv_dim = hp.n_head_kv * hd;
@@ -32,7 +33,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   // batch sees exactly positions 0..n_past+t, as it would if decoded alone.
   std::vector<float> q(n * n_head * hd);
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = n_past_ + t;
+    const int64_t pos = pos0 + t;
     for (int64_t hh = 0; hh < n_head; ++hh) {
       float* qh = q.data() + (t * n_head + hh) * hd;
       rms_norm(qg.data() + t * q_rows + hh * q_stride, A.q_norm.data(), hd, eps, qh);
@@ -46,7 +47,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   }
   // A draw per (seed, layer, position, element, K or V): splitmix64 of those.
   const auto draw = [&](uint64_t seed, int64_t i, int w) {
-    const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((n_past_ + i / kv_dim) * kv_dim + i % kv_dim);
+    const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((pos0 + i / kv_dim) * kv_dim + i % kv_dim);
     uint64_t z = seed * 0x9e3779b97f4a7c15ull + at * 2 + static_cast<uint64_t>(w);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -83,14 +84,14 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t group = n_head / hp.n_head_kv;
   std::vector<float> out(n * n_head * hd);
-  const int64_t n_ctx = n_past_ + n;
+  const int64_t n_ctx = pos0 + n;
   pool_.parallel_for(n * n_head, n_ctx * hd * 2, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / n_head;
       const int64_t hh = i % n_head;
       const int64_t kvh = hh / group;
-      const int64_t n_kv = n_past_ + t + 1;
+      const int64_t n_kv = pos0 + t + 1;
       float* o = out.data() + i * hd;
       attend_one_head(q.data() + i * hd, S.k_cache.data() + kvh * hd, S.v_cache.data() + kvh * hd,
                       n_kv, kv_dim, hd, scale, scores.data(), o);

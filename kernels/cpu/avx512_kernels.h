@@ -30,6 +30,14 @@ float dot_q4_0(int64_t n, const void* w, const void* a);
 float dot_q8_0(int64_t n, const void* w, const void* a);
 float dot_mxfp4(int64_t n, const void* w, const void* a);
 
+// Tier Avx512Vnni: vec_dot_avx512_legacy_iq4.cpp; Q4_1 / Q5_1 against Q8_1, Q5_0 / IQ4_NL
+// against Q8_0, IQ4_XS against Q8_K. Bitwise equal to the scalar reference.
+float dot_q4_1(int64_t n, const void* w, const void* a);
+float dot_q5_0(int64_t n, const void* w, const void* a);
+float dot_q5_1(int64_t n, const void* w, const void* a);
+float dot_iq4_nl(int64_t n, const void* w, const void* a);
+float dot_iq4_xs(int64_t n, const void* w, const void* a);
+
 // Tier Avx512Vnni: vec_dot_avx512_kquants.cpp (against Q8_K activations).
 float dot_q2_k(int64_t n, const void* w, const void* a);
 float dot_q3_k(int64_t n, const void* w, const void* a);

@@ -34,10 +34,11 @@ Matrix make_matrix(TensorType t) {
   m.weights.resize(m.row_bytes * kRows);
   if (moraine::formats::is_iq_grid_type(t)) {
     // moraine does not write IQ types: random blocks (any byte is a valid index, sign or scale)
-    // with a small finite fp16 scale in place.
+    // with a small finite fp16 scale: the high byte of d (IQ1_M: of scale word 3, whose top
+    // nibble is the fp16's sign and top exponent bits).
     for (uint8_t& b : m.weights) b = static_cast<uint8_t>(rng());
-    const size_t bb = moraine::type_traits(t).block_bytes, scale_at = t == TensorType::IQ1_M ? 48 : 0;
-    for (size_t off = scale_at; off < m.weights.size(); off += bb) m.weights[off + 1] = 0x20;  // d or scale word 0 ~ 2^-7
+    const size_t bb = moraine::type_traits(t).block_bytes, high = t == TensorType::IQ1_M ? 55 : 1;
+    for (size_t off = 0; off < m.weights.size(); off += bb) m.weights[off + high] = t == TensorType::IQ1_M ? 0x10 : 0x20;
   } else {
     for (int64_t r = 0; r < kRows; ++r) {
       for (float& v : row) v = dist(rng);
@@ -88,6 +89,8 @@ int main(int argc, char** argv) {
   const TensorType types[] = {TensorType::F32,  TensorType::F16,  TensorType::BF16, TensorType::Q8_0,
                               TensorType::Q4_0, TensorType::MXFP4, TensorType::Q2_K, TensorType::Q3_K,
                               TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
+                              TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::IQ4_XS,
+                              TensorType::TQ1_0, TensorType::TQ2_0,
                               TensorType::IQ2_XXS, TensorType::IQ2_XS, TensorType::IQ2_S, TensorType::IQ3_XXS,
                               TensorType::IQ3_S, TensorType::IQ1_S, TensorType::IQ1_M};
   for (TensorType t : types) {

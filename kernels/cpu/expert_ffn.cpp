@@ -37,8 +37,8 @@ constexpr int kMaxSliceSplit = 8;
 constexpr int64_t kUnit = 4;
 
 // Activation types a layer needs; x is quantized once per type.
-constexpr TensorType kActTypes[] = {TensorType::Q8_0, TensorType::Q8_K, TensorType::F32, TensorType::F16, TensorType::BF16};
-constexpr int kNumActTypes = 5;
+constexpr TensorType kActTypes[] = {TensorType::Q8_0, TensorType::Q8_K, TensorType::F32, TensorType::F16, TensorType::BF16, TensorType::Q8_1};
+constexpr int kNumActTypes = 6;
 
 int act_index(TensorType t) {
   for (int i = 0; i < kNumActTypes; ++i) {

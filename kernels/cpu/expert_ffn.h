@@ -135,7 +135,7 @@ class MoeFfn {
   void reserve(int max_tokens, int64_t hidden, int64_t ffn, int max_experts = 1);
 
  private:
-  static constexpr int kActTypeCount = 5;  // Q8_0, Q8_K, F32, F16, BF16
+  static constexpr int kActTypeCount = 6;  // Q8_0, Q8_K, F32, F16, BF16, Q8_1
   struct Plan {
     int64_t h_offset = 0;  // where this expert's [n_tok][ffn] gate/up/h rows start
     int64_t q_offset = 0;  // where its quantized intermediate rows start (bytes)

@@ -55,6 +55,27 @@ void copy_ggml_zero_scale_sign_q8_k(const float* x, void* dst, int64_t n) {
   }
 }
 
+// ggml's x86 quantize_row_q8_1: q8_0's x86 rule, and s = fp16(d * sum) of the int32 quants
+// before the saturating packs (the same values but where 127/amax overflows).
+void quantize_q8_1_llama_x86_scalar(const float* x, void* dst, int64_t n) {
+  auto* y = static_cast<BlockQ8_1*>(dst);
+  for (int64_t b = 0; b < n / kQK; ++b, x += kQK) {
+    float amax = 0.0f;
+    for (int j = 0; j < kQK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    y[b].d = half::fp32_to_fp16(d);
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    uint32_t sum = 0;  // wraps as the int32 lanes do
+    for (int j = 0; j < kQK; ++j) {
+      const float r = std::nearbyint(x[j] * id);
+      const int32_t i = (std::isnan(r) || r >= 2147483648.0f || r < -2147483648.0f) ? INT32_MIN : static_cast<int32_t>(r);
+      sum += static_cast<uint32_t>(i);
+      y[b].qs[j] = static_cast<int8_t>(i > 127 ? 127 : (i < -128 ? -128 : i));
+    }
+    y[b].s = half::fp32_to_fp16(d * static_cast<float>(static_cast<int32_t>(sum)));
+  }
+}
+
 }  // namespace
 
 void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa) {
@@ -62,11 +83,12 @@ void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void
     quantize_activation_row(act_type, x, dst, n, max_isa);
     return copy_ggml_zero_scale_sign_q8_k(x, dst, n);
   }
-  if (act_type != TensorType::Q8_0) return quantize_activation_row(act_type, x, dst, n, max_isa);
+  if (act_type != TensorType::Q8_0 && act_type != TensorType::Q8_1) return quantize_activation_row(act_type, x, dst, n, max_isa);
   if (n % kQK != 0) {
-    throw std::invalid_argument("quantize_activation_row_llama_x86: q8_0 row of " + std::to_string(n) +
-                                " elements is not a multiple of 32");
+    throw std::invalid_argument("quantize_activation_row_llama_x86: " + std::string(type_name(act_type)) + " row of " +
+                                std::to_string(n) + " elements is not a multiple of 32");
   }
+  if (act_type == TensorType::Q8_1) return quantize_q8_1_llama_x86_scalar(x, dst, n);
   if (static_cast<int>(capped_isa(max_isa)) >= static_cast<int>(CpuIsa::Avx512)) {
     return avx512::quantize_q8_0_llama_x86(x, dst, n);
   }

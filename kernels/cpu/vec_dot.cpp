@@ -67,6 +67,13 @@ VecDotFn scalar_fn(TensorType t) {
     case TensorType::Q4_K: return scalar_blocks<BlockQ4_K, BlockQ8_K, dot_q4_k_q8_k, kQK_K>;
     case TensorType::Q5_K: return scalar_blocks<BlockQ5_K, BlockQ8_K, dot_q5_k_q8_k, kQK_K>;
     case TensorType::Q6_K: return scalar_blocks<BlockQ6_K, BlockQ8_K, dot_q6_k_q8_k, kQK_K>;
+    case TensorType::Q4_1: return scalar_blocks<BlockQ4_1, BlockQ8_1, dot_q4_1_q8_1, kQK>;
+    case TensorType::Q5_0: return scalar_blocks<BlockQ5_0, BlockQ8_0, dot_q5_0_q8_0, kQK>;
+    case TensorType::Q5_1: return scalar_blocks<BlockQ5_1, BlockQ8_1, dot_q5_1_q8_1, kQK>;
+    case TensorType::IQ4_NL: return scalar_blocks<BlockIQ4_NL, BlockQ8_0, dot_iq4_nl_q8_0, kQK>;
+    case TensorType::IQ4_XS: return scalar_blocks<BlockIQ4_XS, BlockQ8_K, dot_iq4_xs_q8_k, kQK_K>;
+    case TensorType::TQ1_0: return scalar_blocks<BlockTQ1_0, BlockQ8_K, dot_tq1_0_q8_k, kQK_K>;
+    case TensorType::TQ2_0: return scalar_blocks<BlockTQ2_0, BlockQ8_K, dot_tq2_0_q8_k, kQK_K>;
     default: return nullptr;
   }
 }
@@ -97,6 +104,11 @@ VecDotFn avx512_fn(TensorType t, bool vnni) {
     case TensorType::Q4_K: return avx512::dot_q4_k;
     case TensorType::Q5_K: return avx512::dot_q5_k;
     case TensorType::Q6_K: return avx512::dot_q6_k;
+    case TensorType::Q4_1: return avx512::dot_q4_1;
+    case TensorType::Q5_0: return avx512::dot_q5_0;
+    case TensorType::Q5_1: return avx512::dot_q5_1;
+    case TensorType::IQ4_NL: return avx512::dot_iq4_nl;
+    case TensorType::IQ4_XS: return avx512::dot_iq4_xs;
     default: return nullptr;
   }
 }
@@ -158,7 +170,7 @@ struct DispatchTable {
     for (int cap = 0; cap < kTiers; ++cap) {
       for (uint32_t id = 0; id < 64; ++id) {
         const TypeTraits* tr = find_type_traits(id);
-        if (!tr || !tr->computable || tr->type == TensorType::Q8_K) continue;
+        if (!tr || !tr->computable || tr->type == TensorType::Q8_K || tr->type == TensorType::Q8_1) continue;
         for (int isa = cap < hw ? cap : hw; isa >= 0 && !fn[cap][id]; --isa) {
           fn[cap][id] = kernel_for(tr->type, static_cast<CpuIsa>(isa));
         }
@@ -189,6 +201,7 @@ void quantize_activation_row(TensorType act_type, const float* x, void* dst, int
   if (avx512 && act_type == TensorType::Q8_K && n % kQK_K == 0) return avx512::quantize_q8_k(x, dst, n);
   switch (act_type) {
     case TensorType::Q8_0:
+    case TensorType::Q8_1:  // scalar: one row per token, small beside the dots it feeds
     case TensorType::Q8_K:
     case TensorType::F32:
     case TensorType::F16:
@@ -196,7 +209,7 @@ void quantize_activation_row(TensorType act_type, const float* x, void* dst, int
     default: break;
   }
   throw std::invalid_argument("quantize_activation_row: " + std::string(type_name(act_type)) +
-                              " is not an activation type (expected q8_0, q8_k, f32, f16 or bf16)");
+                              " is not an activation type (expected q8_0, q8_1, q8_k, f32, f16 or bf16)");
 }
 
 }  // namespace moraine::cpu

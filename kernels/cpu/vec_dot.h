@@ -40,7 +40,7 @@ VecDotFn best_vec_dot_fn(TensorType weight, CpuIsa max_isa = CpuIsa::Amx);
 // this is the hot path; vec_dot_reference checks).
 float vec_dot(TensorType weight, int64_t n, const void* w_row, const void* act_row);
 
-// Quantizes (or converts) one activation row to `act_type` (Q8_0, Q8_K, F32, F16 or BF16).
+// Quantizes (or converts) one activation row to `act_type` (Q8_0, Q8_1, Q8_K, F32, F16 or BF16).
 // Bit-identical to moraine::quantize_row, using AVX-512 when capped_isa(max_isa) has it.
 // Non-finite inputs are not checked here (hot path); quantize_row rejects them.
 void quantize_activation_row(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa = CpuIsa::Amx);
@@ -49,7 +49,8 @@ void quantize_activation_row(TensorType act_type, const float* x, void* dst, int
 // builds, the ones node-llama-cpp loads here), so the reference executor's logits on quantized
 // files can match llama.cpp's. Differs from quantize_activation_row only for q8_0: scale
 // 127/amax (not 1/(amax/127)) and round half to even (not half away from zero); q8_K (up to the
-// sign of a zero scale) and the float types are as quantize_activation_row. Weights keep the
+// sign of a zero scale) and the float types are as quantize_activation_row; q8_1 takes q8_0's
+// rule plus s = fp16(d * sum(q)) (its AVX code; the sum before the int8 saturation). Weights keep the
 // reference rule (quantize_row). max_isa as for quantize_activation_row (the results are the same).
 void quantize_activation_row_llama_x86(TensorType act_type, const float* x, void* dst, int64_t n, CpuIsa max_isa = CpuIsa::Amx);
 

@@ -92,6 +92,8 @@ std::vector<float> deq_act(TensorType act, const float* x, int64_t n) {
 void float_reference(const Expert& e, const float* x, std::vector<double>& y, std::vector<double>& err) {
   const TensorType at = dot_activation_type(e.w.gate_type), dt = dot_activation_type(e.w.down_type);
   const std::vector<float> xt = deq_act(at, x, kHidden);
+  std::vector<uint8_t> xq(row_bytes(at, kHidden));
+  cpu::quantize_activation_row_llama_x86(at, x, xq.data(), kHidden);
   std::vector<double> h(kFfn), eh(kFfn);
   for (int64_t j = 0; j < kFfn; ++j) {
     double g = 0, u = 0;
@@ -102,8 +104,11 @@ void float_reference(const Expert& e, const float* x, std::vector<double>& y, st
     const double adds = static_cast<double>(kHidden / type_traits(e.w.gate_type).block_elems) + 20.0;
     const std::vector<float> grow(e.gate.deq.begin() + j * kHidden, e.gate.deq.begin() + (j + 1) * kHidden);
     const std::vector<float> urow(e.up.deq.begin() + j * kHidden, e.up.deq.begin() + (j + 1) * kHidden);
-    const double eg = 2.0 * adds * kU * test::dot_magnitude(e.w.gate_type, std::vector<uint8_t>(e.gate.row(j), e.gate.row(j) + e.gate.rb), grow, xt);
-    const double eu = 2.0 * adds * kU * test::dot_magnitude(e.w.up_type, std::vector<uint8_t>(e.up.row(j), e.up.row(j) + e.up.rb), urow, xt);
+    double g_min_mag = 0, u_min_mag = 0;
+    g += test::q8_1_min_correction(e.w.gate_type, e.gate.row(j), xq.data(), xt, &g_min_mag);
+    u += test::q8_1_min_correction(e.w.up_type, e.up.row(j), xq.data(), xt, &u_min_mag);
+    const double eg = 2.0 * adds * kU * (test::dot_magnitude(e.w.gate_type, std::vector<uint8_t>(e.gate.row(j), e.gate.row(j) + e.gate.rb), grow, xt) + g_min_mag);
+    const double eu = 2.0 * adds * kU * (test::dot_magnitude(e.w.up_type, std::vector<uint8_t>(e.up.row(j), e.up.row(j) + e.up.rb), urow, xt) + u_min_mag);
     const double s = g / (1.0 + std::exp(-g));
     h[static_cast<size_t>(j)] = s * u;
     const double mag = (std::fabs(s) + kSiluSlope * eg) * (std::fabs(u) + eu);
@@ -148,7 +153,8 @@ void float_reference(const Expert& e, const float* x, std::vector<double>& y, st
     }
     const double adds = static_cast<double>(kFfn / type_traits(e.w.down_type).block_elems) + 20.0;
     const std::vector<float> drow(e.down.deq.begin() + r * kFfn, e.down.deq.begin() + (r + 1) * kFfn);
-    ev += 2.0 * adds * kU * test::dot_magnitude(e.w.down_type, std::vector<uint8_t>(e.down.row(r), e.down.row(r) + e.down.rb), drow, hmag);
+    ev += 2.0 * adds * kU * test::dot_magnitude(e.w.down_type, std::vector<uint8_t>(e.down.row(r), e.down.row(r) + e.down.rb), drow, hmag) +
+          test::q8_1_min_slack(e.w.down_type, e.down.row(r), hmag);
     y[static_cast<size_t>(r)] = v;
     err[static_cast<size_t>(r)] = ev;
   }
@@ -178,7 +184,12 @@ struct FormatPair {
 };
 constexpr FormatPair kPairs[] = {{TensorType::Q4_K, TensorType::Q4_K}, {TensorType::Q5_K, TensorType::Q5_K}, {TensorType::Q6_K, TensorType::Q6_K},
                                  {TensorType::Q8_0, TensorType::Q8_0}, {TensorType::Q2_K, TensorType::Q2_K}, {TensorType::Q3_K, TensorType::Q3_K},
-                                 {TensorType::MXFP4, TensorType::MXFP4}, {TensorType::Q4_K, TensorType::Q6_K}};
+                                 {TensorType::MXFP4, TensorType::MXFP4}, {TensorType::Q4_K, TensorType::Q6_K},
+                                 // Q8_1 pairings only for gate/up: the tie-laden token of MoeFfn's test drives
+                                 // the intermediate to ~1e3, where q8_1's s = d * sum(q) overflows fp16 (inf
+                                 // in ggml too, a format limit).
+                                 {TensorType::Q4_1, TensorType::Q5_0}, {TensorType::Q5_1, TensorType::IQ4_NL}, {TensorType::IQ4_XS, TensorType::IQ4_XS},
+                                 {TensorType::TQ2_0, TensorType::TQ1_0}};
 
 TEST(ExpertFfn, MatchesFloatReferenceAndReferencePipeline) {
   cpu::ThreadPool pool(cpu::allowed_cpus());

@@ -24,7 +24,9 @@ namespace {
 
 constexpr double kU = 1.0 / (1 << 24);
 constexpr TensorType kExpertFormats[] = {TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::Q8_0,
-                                         TensorType::Q2_K, TensorType::Q3_K, TensorType::MXFP4};
+                                         TensorType::Q2_K, TensorType::Q3_K, TensorType::MXFP4,
+                                         TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::IQ4_XS,
+                                         TensorType::TQ1_0, TensorType::TQ2_0};
 
 bool exact_kernels(TensorType t) { return t != TensorType::Q8_0 && t != TensorType::MXFP4; }
 
@@ -292,7 +294,7 @@ TEST(MatvecTokensRuns, EachRunEqualsMatvecTokensAndTheReference) {
 TEST(MatvecTokens, RejectsTypesWithoutKernel) {
   std::vector<uint8_t> w(64), a(64);
   float y = 0.0f;
-  EXPECT_THROW(cpu::matvec_tokens(TensorType::Q4_1, 32, w.data(), 0, 1, a.data(), 34, nullptr, 1, &y, 1, {}), std::invalid_argument);
+  EXPECT_THROW(cpu::matvec_tokens(TensorType::I32, 32, w.data(), 0, 1, a.data(), 34, nullptr, 1, &y, 1, {}), std::invalid_argument);
 }
 
 }  // namespace

@@ -396,7 +396,7 @@ TEST(QuantErrors, BadInputsThrowNamingTheProblem) {
   }
   x[37] = 1.0f;
   EXPECT_THROW(quantize_row(TensorType::Q4_K, x.data(), out.data(), 100), std::invalid_argument);
-  EXPECT_THROW(dequantize_row(TensorType::Q4_1, out.data(), x.data(), 32), std::invalid_argument);
+  EXPECT_THROW(dequantize_row(TensorType::I32, out.data(), x.data(), 32), std::invalid_argument);
   EXPECT_THROW(dot_activation_type(TensorType::Q8_K), std::invalid_argument);
   EXPECT_THROW(vec_dot_reference(TensorType::Q8_0, 33, out.data(), out.data()), std::invalid_argument);
 }

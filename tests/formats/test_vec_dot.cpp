@@ -140,13 +140,13 @@ TEST(VecDotAvx512, MatchesScalarReference) {
 }
 
 TEST(VecDotDispatch, NoKernelForUnsupportedTypesOrUnavailableTiers) {
-  EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_1, cpu::CpuIsa::Scalar), nullptr);
+  EXPECT_EQ(cpu::vec_dot_fn(TensorType::I32, cpu::CpuIsa::Scalar), nullptr);
   EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q8_K, cpu::CpuIsa::Scalar), nullptr) << "Q8_K is an activation type";
   EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q6_K, cpu::CpuIsa::Avx2), nullptr) << "the AVX2 tier has only Q4_K, Q8_0, MXFP4";
   if (cpu::hardware_cpu_isa() < cpu::CpuIsa::Avx512Vnni) {
     EXPECT_EQ(cpu::vec_dot_fn(TensorType::Q4_K, cpu::CpuIsa::Avx512Vnni), nullptr) << "tier above the CPU's";
   }
-  EXPECT_THROW(cpu::vec_dot(TensorType::Q4_1, 32, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cpu::vec_dot(TensorType::I32, 32, nullptr, nullptr), std::invalid_argument);
 }
 
 // The scalar tier is the reference itself, for every type.

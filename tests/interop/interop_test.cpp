@@ -28,7 +28,9 @@ constexpr double kUnitRoundoff = 1.0 / (1 << 24);  // float32: half an ulp of 1
 
 const TensorType kFormats[] = {TensorType::F32,  TensorType::F16,  TensorType::BF16, TensorType::Q8_0,
                                TensorType::Q4_0, TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
-                               TensorType::Q2_K, TensorType::Q3_K, TensorType::MXFP4};
+                               TensorType::Q2_K, TensorType::Q3_K, TensorType::MXFP4,
+                               TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::IQ4_XS,
+                               TensorType::TQ1_0, TensorType::TQ2_0};
 
 struct FormatCase {
   TensorType type;
