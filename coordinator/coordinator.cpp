@@ -15,17 +15,18 @@
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <optional>
 
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
+#include "common/chat/chat_template.h"
 #include "common/messaging/job_channel.h"
 #include "common/model/model.h"
 #include "common/sampling/sampler.h"
 #include "common/shm/doorbell.h"
 #include "common/shm/shm_segment.h"
-#include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/streaming_decoder.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/utf8.h"
@@ -36,6 +37,7 @@
 #include "coordinator/placement.h"
 #include "coordinator/process_util.h"
 #include "coordinator/speculation.h"
+#include "coordinator/sequence.h"
 #include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -136,7 +138,9 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
       if (need <= slots) break;
       if (round == 8) throw std::logic_error("coordinator: the long steps' staging slots did not settle (" + std::to_string(need) + ")");
       slots = need + 1;
-      in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      const uint64_t grown = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      if (o.vram == "dense") in.vram_budget += grown - in.sizes.device_reserve_bytes;   // still exactly the dense part
+      in.sizes.device_reserve_bytes = grown;
       plan = group::plan_placement(in);
     }
   }
@@ -166,6 +170,13 @@ class Coordinator final : public generate::Coordinator::Service {
     } catch (const std::exception& e) {
       std::cerr << "coordinator: no tokenizer (" << e.what() << "); prompts must be token ids\n";
     }
+    // The GGUF's chat template, parsed once; without one (or one that does not parse) the built-in ChatML.
+    if (tok_) {
+      std::string warning;
+      chat_template_ = chat::ChatTemplate::from_gguf(model_.file, *tok_, &warning);
+      if (!warning.empty()) std::cerr << "coordinator: warning: " << warning << "; using the built-in ChatML\n";
+      else if (!chat_template_) std::cerr << "coordinator: the GGUF has no chat template; using the built-in ChatML\n";
+    }
     // The RAM-tier experts, copied once into their compact slots.
     for (int64_t il = 0; il < plan_.n_layer; ++il) {
       const model::MoeWeights& W = model_.layers[static_cast<size_t>(il)].moe;
@@ -192,6 +203,11 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["verify_steps"] = verify_steps_.load();
       (*r.mutable_counters())["drafted_tokens"] = drafted_tokens_.load();
       (*r.mutable_counters())["accepted_draft_tokens"] = accepted_draft_tokens_.load();
+      // The prefix cache (reuse_prefix): requests that reused cached positions, and how many.
+      (*r.mutable_counters())["prefix_cache_hits"] = prefix_cache_hits_.load();
+      (*r.mutable_counters())["prefix_cached_tokens"] = prefix_cached_tokens_.load();
+      (*r.mutable_counters())["cancelled_requests"] = cancelled_.load();
+      (*r.mutable_counters())["context_tokens"] = static_cast<uint64_t>(context_positions_);
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
       for (auto [name, t] : {std::pair{"vram", &plan_.vram}, std::pair{"ram", &plan_.ram}, std::pair{"file", &plan_.file}}) {
@@ -231,38 +247,52 @@ class Coordinator final : public generate::Coordinator::Service {
       ~InFlight() { --n; }
     } in_flight(in_flight_);
     if (!control_.accepting()) return {grpc::StatusCode::UNAVAILABLE, "the coordinator is draining: no new requests"};
-    std::lock_guard lock(session_mu_);   // one sequence at a time: the gpu_worker holds one KV cache
-    std::vector<int32_t> context;
+    // One sequence at a time: the gpu_worker holds one KV cache. A caller that gives up while
+    // waiting here leaves the queue.
+    std::unique_lock lock(session_mu_, std::defer_lock);
+    while (!lock.try_lock_for(std::chrono::milliseconds(20))) {
+      if (ctx->IsCancelled()) return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
+    }
+    std::optional<group::Sequence> seq;
     try {
-      context = prompt_of(*req);
+      seq.emplace(req->sampling(), tok_.get(), prompt_of(*req), context_positions_);
+    } catch (const std::out_of_range& e) {
+      return {grpc::StatusCode::OUT_OF_RANGE, e.what()};
     } catch (const std::exception& e) {
       return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
     }
     const generate::SamplingParams& sp = req->sampling();
-    const uint32_t max_new = sp.max_tokens() > 0 ? sp.max_tokens() : 16;
-    sampling::Sampler sampler({sp.temperature(), static_cast<int32_t>(sp.top_k()),
-                               sp.top_p() > 0 ? sp.top_p() : 1.0f, sp.seed()});
     // Greedy decode without the logits: the gpu_worker returns the argmax, by the sampler's own
-    // rule, so the tokens are the same. Not when the client checks the logits or they are dumped.
-    // With check_logits the gpu_worker also reports the first non-finite logit (StepHeader::check_finite).
-    token_only_ = sp.temperature() <= 0.0f && !logits_dump_.is_open() && !o_.greedy_on_host;
+    // rule, so the tokens are the same. Not when the client checks the logits, needs them
+    // (log-probabilities, penalties) or they are dumped. With check_logits the gpu_worker also
+    // reports the first non-finite logit (StepHeader::check_finite).
+    token_only_ = !seq->needs_logits() && !logits_dump_.is_open() && !o_.greedy_on_host;
     check_on_worker_ = token_only_ && sp.check_logits();
-    std::unique_ptr<tokenizer::StreamingDecoder> dec;
-    if (tok_) dec = std::make_unique<tokenizer::StreamingDecoder>(*tok_, false);
     group::ChunkStreamer stream(writer);   // the client reads at its own pace (chunk_streamer.h)
     generate::GenerateTiming timing;
-    timing.set_prompt_tokens(static_cast<uint32_t>(context.size()));
+    timing.set_prompt_tokens(static_cast<uint32_t>(seq->prompt_tokens()));
+    timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
     // Speculation (GenerateRequest::speculate): prompt-lookup drafts verified by greedy tokens,
     // so only where the gpu_worker returns them.
     const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0;
     group::DraftPolicy policy;
+    std::vector<int32_t>& context = seq->context;
+    const auto finished = [&](generate::GenerateChunk last) {
+      timing.set_generated_tokens(seq->generated());
+      last.set_finish(seq->finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq->finish());
+      *last.mutable_timing() = timing;
+      stream.push(std::move(last));
+      cache_.assign(context.begin(), context.begin() + position_);   // what the gpu_worker holds now
+      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    };
     try {
       auto t0 = Clock::now();
-      StepOutput out = feed(context.data(), static_cast<int64_t>(context.size()), true, context);
+      const int64_t cached = reuse_prefix(context);
+      timing.set_cached_tokens(static_cast<uint32_t>(cached));
+      StepOutput out = feed(context.data() + cached, static_cast<int64_t>(context.size()) - cached, cached == 0, context);
       timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));
-      prefill_.record(context.size(), 0, 0, us_since(t0));
+      prefill_.record(context.size() - static_cast<size_t>(cached), 0, 0, us_since(t0));
       const auto t1 = Clock::now();
-      generate::FinishReason finish = generate::FINISH_LENGTH;
       // The next token from a one-row step's output: the finite check, then the sampler (or the
       // gpu_worker's greedy token).
       const auto sample_one = [&](const StepOutput& o) {
@@ -273,29 +303,18 @@ class Coordinator final : public generate::Coordinator::Service {
             check_finite(o.logits, context.size());
           }
         }
-        if (o.token < 0) return sampler.sample(o.logits);
+        if (o.token < 0) return seq->sample(o.logits);
         ++greedy_worker_tokens_;
         return o.token;
       };
       std::vector<int32_t> decided{sample_one(out)};   // tokens the last step settled, in order
-      for (uint32_t i = 0;;) {
+      for (;;) {
         for (const int32_t id : decided) {
           const auto tsample = Clock::now();
-          context.push_back(id);
           generate::GenerateChunk chunk;
-          chunk.add_token_ids(static_cast<uint32_t>(id));
-          // proto3 strings must be UTF-8: a tiny test vocabulary can decode to stray bytes.
-          if (dec) chunk.set_text(tokenizer::replace_invalid_utf8(dec->push(id)));
-          timing.set_generated_tokens(++i);
-          const bool stop = !sp.ignore_eos() && tok_ && tok_->is_end_of_generation(id);
-          if (stop || i == max_new) {
-            finish = stop ? generate::FINISH_STOP : generate::FINISH_LENGTH;
-            if (dec) chunk.set_text(chunk.text() + tokenizer::replace_invalid_utf8(dec->flush()));
+          if (seq->accept(id, chunk)) {
             timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-            chunk.set_finish(finish);
-            *chunk.mutable_timing() = timing;
-            stream.push(std::move(chunk));
-            return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+            return finished(std::move(chunk));
           }
           const auto twrite = Clock::now();
           sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
@@ -303,59 +322,15 @@ class Coordinator final : public generate::Coordinator::Service {
           stream_write_.record(1, 0, 0, us_since(twrite));
         }
         if (ctx->IsCancelled() || stream.broken()) {
-          finish = generate::FINISH_CANCELLED;
-          break;
+          ++cancelled_;
+          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
+          return finished({});
         }
-        // The tokens not cached yet: the last one, or after a rejected window on a model with
-        // recurrent layers, the window's accepted tokens again (its state went back to before it).
-        const int64_t pending = static_cast<int64_t>(context.size()) - position_;
-        // A window emits up to draft + 1 tokens: no more than are left to generate, and no
-        // position past the cache that a one-token step would not have needed.
-        group::LookupOptions lo{o_.speculate_draft, o_.speculate_ngram, 1};
-        lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(max_new - i) - 1,
-                                                           context_positions_ - static_cast<int64_t>(context.size()),
-                                                           o_.max_tokens - pending}));
-        std::vector<int32_t> draft;
-        if (speculate && lo.max_draft > 0) draft = group::lookup_draft(context, lo);
-        const auto ts = Clock::now();
-        if (!draft.empty() && policy.should_verify()) {
-          std::vector<int32_t> window(context.begin() + position_, context.end());
-          window.insert(window.end(), draft.begin(), draft.end());
-          const int64_t at = position_;
-          const StepOutput v = verify(window, static_cast<int64_t>(draft.size()) + 1, context);
-          const size_t j = group::accepted_prefix(draft, v.row_tokens);
-          if (sp.check_logits()) {   // the rows whose tokens are used
-            for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
-          }
-          decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
-          decided.push_back(v.row_tokens[j]);
-          greedy_worker_tokens_ += decided.size();
-          rewind_pending_ = j < draft.size();
-          // Cached now: the pending tokens and the accepted drafts; with recurrent layers after a
-          // rejection, nothing of the window (the snapshot before it comes back).
-          if (rewind_pending_) position_ = recurrent_ ? at : at + pending + static_cast<int64_t>(j);
-          const double us = us_since(ts);
-          policy.record_verify(us, static_cast<int64_t>(decided.size()));
-          decode_.record(decided.size(), 0, 0, us);
-          ++verify_steps_;
-          drafted_tokens_ += draft.size();
-          accepted_draft_tokens_ += j;
-          timing.set_drafted_tokens(timing.drafted_tokens() + static_cast<uint32_t>(draft.size()));
-          timing.set_accepted_draft_tokens(timing.accepted_draft_tokens() + static_cast<uint32_t>(j));
-          continue;
-        }
-        out = feed(context.data() + position_, pending, false, context);
-        const double us = us_since(ts);
-        if (speculate) policy.record_decode(us);
-        decode_.record(1, 0, 0, us);
-        decided.assign(1, sample_one(out));
+        decided = next_tokens(*seq, speculate, policy, timing, sample_one);
       }
-      generate::GenerateChunk last;
-      last.set_finish(finish);
-      *last.mutable_timing() = timing;
-      stream.push(std::move(last));
-      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
     } catch (const std::exception& e) {
+      cache_.clear();   // the gpu_worker's cache is not known: the next request starts from a reset
+      position_ = 0;
       generate::GenerateChunk err;
       err.set_finish(generate::FINISH_ERROR);
       err.set_error(e.what());
@@ -366,6 +341,79 @@ class Coordinator final : public generate::Coordinator::Service {
   }
 
  private:
+  // The prefix cache's first form: the gpu_worker holds the KV (and recurrent state) of
+  // cache_, the tokens of the last sequence up to position_. A prompt that begins with some of
+  // them prefills only the rest. Attention-only models rewind to any common prefix; a model with
+  // recurrent layers only reuses the whole cached sequence (their state cannot go back). At least
+  // one token is always fed, for the logits. Returns the reused positions (0: a reset).
+  int64_t reuse_prefix(const std::vector<int32_t>& prompt) {
+    if (static_cast<int64_t>(cache_.size()) != position_) cache_.clear();
+    const size_t most = std::min(cache_.size(), prompt.size() - 1);
+    size_t common = 0;
+    while (common < most && cache_[common] == prompt[common]) ++common;
+    if (common == 0 || (recurrent_ && common != cache_.size())) return 0;
+    if (static_cast<int64_t>(common) < position_) {
+      position_ = static_cast<int64_t>(common);
+      rewind_pending_ = true;   // the next step drops the positions past it (StepHeader::rewind)
+    }
+    ++prefix_cache_hits_;
+    prefix_cached_tokens_ += common;
+    return static_cast<int64_t>(common);
+  }
+
+  // One decode step (or a verified speculation window) after the tokens the sequence has
+  // accepted: the tokens it settles, in order.
+  template <class SampleOne>
+  std::vector<int32_t> next_tokens(group::Sequence& seq, bool speculate, group::DraftPolicy& policy,
+                                   generate::GenerateTiming& timing, const SampleOne& sample_one) {
+    const generate::SamplingParams& sp = seq.sampling();
+    std::vector<int32_t>& context = seq.context;
+    // The tokens not cached yet: the last one, or after a rejected window on a model with
+    // recurrent layers, the window's accepted tokens again (its state went back to before it).
+    const int64_t pending = static_cast<int64_t>(context.size()) - position_;
+    // A window emits up to draft + 1 tokens: no more than are left to generate, and no
+    // position past the cache that a one-token step would not have needed.
+    group::LookupOptions lo{o_.speculate_draft, o_.speculate_ngram, 1};
+    lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(seq.max_new() - seq.generated()) - 1,
+                                                       context_positions_ - static_cast<int64_t>(context.size()),
+                                                       o_.max_tokens - pending}));
+    std::vector<int32_t> draft;
+    if (speculate && lo.max_draft > 0) draft = group::lookup_draft(context, lo);
+    const auto ts = Clock::now();
+    std::vector<int32_t> decided;
+    if (!draft.empty() && policy.should_verify()) {
+      std::vector<int32_t> window(context.begin() + position_, context.end());
+      window.insert(window.end(), draft.begin(), draft.end());
+      const int64_t at = position_;
+      const StepOutput v = verify(window, static_cast<int64_t>(draft.size()) + 1, context);
+      const size_t j = group::accepted_prefix(draft, v.row_tokens);
+      if (sp.check_logits()) {   // the rows whose tokens are used
+        for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+      }
+      decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
+      decided.push_back(v.row_tokens[j]);
+      greedy_worker_tokens_ += decided.size();
+      rewind_pending_ = j < draft.size();
+      // Cached now: the pending tokens and the accepted drafts; with recurrent layers after a
+      // rejection, nothing of the window (the snapshot before it comes back).
+      if (rewind_pending_) position_ = recurrent_ ? at : at + pending + static_cast<int64_t>(j);
+      const double us = us_since(ts);
+      policy.record_verify(us, static_cast<int64_t>(decided.size()));
+      decode_.record(decided.size(), 0, 0, us);
+      ++verify_steps_;
+      drafted_tokens_ += draft.size();
+      accepted_draft_tokens_ += j;
+      timing.set_drafted_tokens(timing.drafted_tokens() + static_cast<uint32_t>(draft.size()));
+      timing.set_accepted_draft_tokens(timing.accepted_draft_tokens() + static_cast<uint32_t>(j));
+      return decided;
+    }
+    const StepOutput out = feed(context.data() + position_, pending, false, context);
+    const double us = us_since(ts);
+    if (speculate) policy.record_decode(us);
+    decode_.record(1, 0, 0, us);
+    decided.push_back(sample_one(out));
+    return decided;
+  }
   // A faulty step (a kernel bug, a lost expert output) shows as non-finite logits; a benchmark
   // asks for this check so that it never reports numbers from such a run.
   // check_finite's error for the gpu_worker's report (StepReply::nonfinite: index * 2 + is-NaN).
@@ -395,6 +443,15 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
+  // A conversation (chat/chat_template.h) through the GGUF's template, else the built-in ChatML.
+  std::string render_chat(const nlohmann::ordered_json& chat, const char* field) const {
+    try {
+      return chat_template_ ? chat_template_->render(chat) : chat::render_builtin_chatml(chat);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(std::string(field) + ": " + e.what());
+    }
+  }
+
   std::vector<int32_t> prompt_of(const generate::GenerateRequest& req) const {
     std::vector<int32_t> ids;
     if (req.has_token_ids()) {
@@ -409,36 +466,18 @@ class Coordinator final : public generate::Coordinator::Service {
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
       ids = tok_->encode(req.prompt(), true, false);
     } else if (req.has_messages()) {
-      // The built-in ChatML template (Qwen3's); special tokens in it are parsed as such, the
-      // users' text inside it is not (parse_special applies to the whole rendered string, so a
-      // user typing "<|im_end|>" gets that token, as llama.cpp's server does too).
+      // Special tokens in the rendered text are parsed as such, the users' text inside it too
+      // (parse_special applies to the whole string, as in llama.cpp's server).
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
-      if (req.messages().messages_size() == 0) throw std::invalid_argument("messages: the conversation is empty");
-      std::vector<tokenizer::ChatMessage> conv;
-      for (const generate::ChatMessage& m : req.messages().messages()) conv.push_back({m.role(), m.content(), {}});
-      try {
-        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
-      } catch (const tokenizer::TokenizerError& e) {
-        throw std::invalid_argument(std::string("messages: ") + e.what());
-      }
+      nlohmann::ordered_json chat = {{"messages", nlohmann::ordered_json::array()}};
+      for (const generate::ChatMessage& m : req.messages().messages())
+        chat["messages"].push_back({{"role", m.role()}, {"content", m.content()}});
+      ids = tok_->encode(render_chat(chat, "messages"), false, true);
     } else if (req.input_case() == generate::GenerateRequest::kChatJson) {
       if (!tok_) throw std::invalid_argument("this model has no usable tokenizer: send token_ids");
-      const nlohmann::json chat = nlohmann::json::parse(req.chat_json(), nullptr, false);
-      if (!chat.is_object() || !chat.contains("messages") || !chat["messages"].is_array() || chat["messages"].empty()) {
-        throw std::invalid_argument("chat_json: an object with a non-empty \"messages\" array is required");
-      }
-      std::vector<tokenizer::ChatMessage> conv;
-      for (const nlohmann::json& m : chat["messages"]) {
-        if (!m.is_object() || !m.value("role", nlohmann::json()).is_string() || !m.value("content", nlohmann::json()).is_string()) {
-          throw std::invalid_argument("chat_json: each message needs a string \"role\" and a string \"content\"");
-        }
-        conv.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), {}});
-      }
-      try {
-        ids = tok_->encode(tokenizer::render_qwen_chatml(conv), false, true);
-      } catch (const tokenizer::TokenizerError& e) {
-        throw std::invalid_argument(std::string("chat_json: ") + e.what());
-      }
+      const nlohmann::ordered_json chat = nlohmann::ordered_json::parse(req.chat_json(), nullptr, false);
+      if (chat.is_discarded()) throw std::invalid_argument("chat_json: not valid JSON");
+      ids = tok_->encode(render_chat(chat, "chat_json"), false, true);
     }
     if (ids.empty()) throw std::invalid_argument("the request has no input tokens (prompt or token_ids)");
     return ids;
@@ -586,6 +625,7 @@ class Coordinator final : public generate::Coordinator::Service {
   std::atomic<uint64_t> in_flight_{0};   // Generate calls inside (or queued for) a session
   model::Model model_;
   std::unique_ptr<tokenizer::Tokenizer> tok_;
+  std::optional<chat::ChatTemplate> chat_template_;  // the GGUF's; none: the built-in ChatML
   std::string prefix_;
   shm::ReclaimResult reclaimed_;
   int long_rows_;   // GroupManifest::long_step_rows
@@ -607,7 +647,8 @@ class Coordinator final : public generate::Coordinator::Service {
   bool token_only_ = false;   // this request's steps return the greedy token, not the logits
   bool check_on_worker_ = false;   // ... and the first non-finite logit (check_logits)
   std::atomic<uint64_t> greedy_worker_tokens_{0};
-  std::mutex session_mu_;
+  std::timed_mutex session_mu_;
+  std::vector<int32_t> cache_;   // the tokens of the gpu_worker's cached positions [0, position_)
   uint64_t step_seq_ = 0;
   int64_t position_ = 0;
   // The previous verify step rejected drafts: the gpu_worker caches positions past position_,
@@ -617,6 +658,7 @@ class Coordinator final : public generate::Coordinator::Service {
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};
+  std::atomic<uint64_t> prefix_cache_hits_{0}, prefix_cached_tokens_{0}, cancelled_{0};
   std::ofstream logits_dump_;
 };
 

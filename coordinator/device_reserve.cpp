@@ -12,7 +12,10 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
                                                                 std::int64_t long_step_rows, std::int64_t stage_slots) {
   gpu_worker::CudaStepScratchOptions o;
   o.long_step_rows = long_step_rows;
-  const std::int64_t slots = std::max<std::int64_t>(gpu_worker::BackendOptions{}.stage_experts, long_step_rows > 0 ? stage_slots : 0);
+  // Long steps: a layer's whole RAM tier, twice with the default prefetch (BackendOptions::stage_prefetch).
+  const gpu_worker::BackendOptions defaults;
+  const std::int64_t slots = std::max<std::int64_t>(defaults.stage_experts, long_step_rows > 0 ? stage_slots : 0) *
+                             (long_step_rows > 0 && defaults.stage_prefetch ? 2 : 1);
   std::vector<std::array<std::size_t, 3>> take_layouts;
   o.max_tokens = std::max<std::int64_t>(max_tokens, 1);
   o.max_context = std::max<std::int64_t>(context, o.max_tokens);   // as gpu_worker.cpp sizes the cache

@@ -18,6 +18,10 @@ pid_t spawn(const LaunchOptions& o, const std::vector<std::string>& args) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork for " + o.supervisor + " failed");
   if (pid == 0) {
+    if (o.own_process_group) setpgid(0, 0);
+    signal(SIGINT, SIG_DFL);    // the caller's handlers do not belong to the supervisor
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
     if (!o.log_path.empty()) {
       const int fd = ::open(o.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
       if (fd >= 0) {

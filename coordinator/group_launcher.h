@@ -18,6 +18,9 @@ struct LaunchOptions {
   std::string log_path;              // the supervisor's stdout+stderr (appended); empty: inherit
   std::vector<std::pair<std::string, std::string>> env;  // set in the supervisor's environment
   std::chrono::milliseconds ready_timeout{std::chrono::seconds(120)};
+  // The supervisor in a process group of its own, so that a terminal's Ctrl-C reaches only the
+  // caller, which then stops the group in order (moraine serve drains its requests first).
+  bool own_process_group = false;
 };
 
 class LaunchedGroup {

@@ -2,6 +2,8 @@
 //   moraine generate [--socket-dir DIR] -p TEXT [--chat [--system TEXT]] | --tokens IDS [-n N]
 //                    [--temp T --top-k K --top-p P --seed S] [--json]
 //   moraine stats [--socket-dir DIR] [--json]
+//   moraine serve -m MODEL [--host H] [--port P] [--parallel N] [--api-key KEY] [--config FILE] [group options]
+//   moraine chat (-m MODEL [group options] | --url http://HOST:PORT) [--system TEXT]
 // stats asks every process found in the socket directory (coordinator, gpu_worker-*,
 // cpu_expert_worker-*) over gRPC and prints one table per process, a row per stage.
 #include <CLI/CLI.hpp>
@@ -16,6 +18,8 @@
 
 #include "common/tokenizer/token_id_list.h"
 #include "coordinator/group_layout.h"
+#include "server/chat_client.h"
+#include "server/serve.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -33,6 +37,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   bool speculate = false;   // prompt-lookup drafts, verified: the same tokens as greedy (temp 0)
   bool ignore_eos = false;  // generate all n tokens, past end-of-generation tokens too
+  std::vector<std::string> stop;   // stop strings (the text ends before the first)
 };
 
 int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
@@ -60,6 +65,7 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
   req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(a.n));
   req.mutable_sampling()->set_seed(a.seed);
   req.mutable_sampling()->set_ignore_eos(a.ignore_eos);
+  for (const std::string& s : a.stop) req.mutable_sampling()->add_stop(s);
   req.set_speculate(a.speculate);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
@@ -89,6 +95,7 @@ int generate_cmd(const std::string& dir, const GenerateArgs& a, bool json) {
     j["text"] = text;
     j["finish"] = finish;
     j["prompt_tokens"] = timing.prompt_tokens();
+    j["cached_tokens"] = timing.cached_tokens();
     j["prefill_us"] = timing.prefill_us();
     j["decode_us"] = timing.decode_us();
     j["drafted_tokens"] = timing.drafted_tokens();
@@ -206,9 +213,51 @@ int stats_cmd(const std::string& dir, bool json) {
 
 }  // namespace
 
+// The group options `moraine serve` and `moraine chat -m` pass on to moraine-supervisor start.
+void add_group_options(CLI::App* c, server::GroupStartOptions& g) {
+  c->add_option("-m,--model", g.model, "GGUF model file");
+  c->add_option("--vram", g.vram, "GPU memory budget (12G, 512M, unlimited, dense; the supervisor's default)");
+  c->add_option("--ram", g.ram, "RAM budget of the expert arena (unlimited)");
+  c->add_option("--backend", g.backend, "the gpu_worker's backend")->check(CLI::IsMember({"cpu", "cuda"}));
+  c->add_option("--cpu-workers", g.cpu_workers, "cpu_expert_workers to run (2)");
+  c->add_option("--ctx", g.ctx, "context to plan the KV cache for (0: min(4096, the model's))");
+  c->add_option("--kv-type", g.kv_type, "KV cache element type (f16 with cuda, f32 with cpu)");
+  c->add_option("--max-tokens", g.max_tokens, "rows of one step (prefill chunk; 512)");
+  c->add_option("--socket-dir", g.socket_dir, "the group's socket directory (default: a fresh one, removed at exit)");
+  c->add_option("--supervisor-arg", g.supervisor_args,
+                "an extra argument for moraine-supervisor start (repeat; e.g. --supervisor-arg=--gpu-threads=1)")
+      ->allow_extra_args(false);
+  c->add_option("--ready-timeout", g.ready_timeout_s, "seconds to wait for the group to serve (600)");
+}
+
 int main(int argc, char** argv) {
-  CLI::App app{"moraine: client of a running moraine group"};
+  CLI::App app{"moraine: run a model group behind an OpenAI-compatible server, chat with it, or query a group"};
   app.require_subcommand(1);
+  // As the supervisor's: `serve --config FILE` reads a [serve] section for serve's options
+  // (port = 8080); the same file goes to the supervisor, whose [start] section it reads.
+  app.set_config("--config", "", "TOML/INI file: [serve] for serve's options, [start] for the group's (the supervisor's)");
+  server::ServeOptions so;
+  CLI::App* serve = app.add_subcommand("serve", "start a group and serve OpenAI's API over HTTP (foreground)");
+  serve->fallthrough();
+  add_group_options(serve, so.group);
+  serve->add_option("--host", so.http.host, "address to listen on (127.0.0.1)");
+  serve->add_option("--port", so.http.port, "port to listen on (8080; 0: any free one)");
+  serve->add_option("--parallel", so.http.parallel,
+                    "requests admitted at once (1; the coordinator still steps one sequence at a time)")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--queue", so.http.queue, "requests waiting beyond --parallel before 429 (64)")->check(CLI::NonNegativeNumber);
+  serve->add_option("--api-key", so.http.api_key, "require Authorization: Bearer KEY on /v1/*");
+  serve->add_option("--max-body", so.http.max_body_bytes, "largest request body in bytes (8 MiB)");
+  serve->add_option("--log", so.group.log_path, "the group's log (default SOCKET_DIR/supervisor.log)");
+  server::ChatOptions co;
+  server::ServeOptions chat_serve;
+  CLI::App* chat = app.add_subcommand("chat", "interactive chat, streaming (Ctrl-C stops an answer)");
+  add_group_options(chat, chat_serve.group);
+  chat->add_option("--url", co.url, "an OpenAI-compatible server (http://HOST:PORT) instead of -m MODEL");
+  chat->add_option("--api-key", co.api_key, "Authorization: Bearer KEY for --url");
+  chat->add_option("--system", co.system, "system message");
+  chat->add_option("-n,--max-tokens-per-answer", co.max_tokens, "tokens per answer at most (0: the server's default)");
+  chat->add_option("--temp", co.temperature, "temperature (0.7)");
   std::string dir = "/tmp/moraine";
   GenerateArgs ga;
   bool json = false;
@@ -229,11 +278,23 @@ int main(int argc, char** argv) {
   gen->add_flag("--speculate", ga.speculate,
                 "greedy only: draft tokens from the context (prompt lookup) and verify several per step; same output");
   gen->add_flag("--json", json, "print ids and timings as JSON");
+  gen->add_option("--stop", ga.stop, "stop string (repeat): the text ends before the first one")->allow_extra_args(false);
   CLI::App* stats = app.add_subcommand("stats", "per-stage counters of every process");
   stats->add_option("--socket-dir", dir, "group socket directory");
   stats->add_flag("--json", json, "print JSON");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (serve->parsed()) {
+      if (app.get_option("--config")->count() > 0) so.group.config = app.get_option("--config")->as<std::string>();
+      return server::run_serve(so);
+    }
+    if (chat->parsed()) {
+      if (co.url.empty() == chat_serve.group.model.empty()) throw std::invalid_argument("chat: give either --url URL or -m MODEL");
+      if (!co.url.empty()) return server::run_chat(co, std::cin, std::cout);
+      chat_serve.group.log_path = "";
+      co.serve = chat_serve;
+      return server::run_chat(co, std::cin, std::cout);
+    }
     if (gen->parsed()) {
       if (ga.prompt.empty() && ga.tokens.empty()) throw std::invalid_argument("generate: give -p TEXT or --tokens IDS");
       return generate_cmd(dir, ga, json);

@@ -49,6 +49,7 @@ struct Options {
   std::vector<std::string> coordinator_args;  // appended to the coordinator's
   int64_t ctx = 0;
   int cpu_workers = 2, max_tokens = 512, gpu_threads = 0, device = 0;   // max_tokens: the coordinator's default
+  int long_step_rows = -1;   // -1: the coordinator's default (8192 with --backend cuda, none with cpu)
   std::string backend = "cpu";
   std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
   double ready_timeout_s = 120;
@@ -162,6 +163,7 @@ int start(const Options& o) {
     coord.argv.push_back(o.census);
   }
   if (o.no_census) coord.argv.push_back("--no-census");
+  if (o.long_step_rows >= 0) coord.argv.insert(coord.argv.end(), {"--long-step-rows", std::to_string(o.long_step_rows)});
   if (!o.kv_type.empty()) {
     coord.argv.push_back("--kv-type");
     coord.argv.push_back(o.kv_type);
@@ -320,7 +322,14 @@ int main(int argc, char** argv) {
   st->add_option("--socket-dir", o.socket_dir, "directory for sockets, manifest, logs");
   st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
   st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
-  st->add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512)");
+  // A later --max-tokens / --long-step-rows wins (moraine-bench passes its own first).
+  st->add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512), or of one window of a long step")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  st->add_option("--long-step-rows", o.long_step_rows,
+                 "rows of a long prefill step, which the gpu_worker runs layer by layer over windows of --max-tokens rows "
+                 "so staged experts cross PCIe once per long step (default: 8192 with --backend cuda, none with cpu; 0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   st->add_option("--vram", o.vram, "GPU memory budget, what the gpu_worker may hold on the card: dense + KV + (cuda) its context and scratch first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
   st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");

@@ -72,6 +72,10 @@ struct BackendOptions {
   // Backend::experts_planned). 1: all of them, since the workers' share sets the time where the
   // device is faster (30B pp512 at 12G: 2668 tok/s all staged, 1887 at 0.75; docs/perf-log.md).
   double stage_share = 1.0;
+  // Long steps (long_step_rows): layer il+1's RAM-tier experts are copied in on a stream of their
+  // own while layer il computes (Backend::prefetch_staged), into the other half of a stage buffer
+  // twice the size; false: each layer's copies run in order before its GEMMs.
+  bool stage_prefetch = true;
 };
 
 // A RAM-tier expert a long step's device computes (Backend::stage_experts): its gate / up / down
@@ -237,6 +241,11 @@ class Backend {
   // maps and pins the RAM tier (the arena) for staging only for a backend that copies its experts
   // in from there.
   virtual bool stages_experts() const { return false; }
+  // Long steps: layer il's experts that the host will stage in this step, to be copied in now,
+  // beside the layers before il (a backend with BackendOptions::stage_prefetch; others ignore it):
+  // stage_experts(il, ...) of these experts later in the step then uses the copies. Same checks
+  // as stage_experts; at most as many experts as a layer's stage slots (more are not prefetched).
+  virtual void prefetch_staged(int64_t il, std::span<const StagedExpert> experts) { (void)il, (void)experts; }
   virtual void stage_experts(int64_t il, std::span<const StagedExpert> experts) {
     (void)il, (void)experts;
     throw std::logic_error("this backend computes no off-device experts (stage_supported is false)");

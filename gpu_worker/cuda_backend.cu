@@ -21,6 +21,14 @@ CudaBackend::~CudaBackend() {
     if (p.landed != nullptr) cudaEventDestroy(p.landed);
   swaps_.clear();
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  if (stage_stream_ != nullptr) {
+    cudaStreamSynchronize(stage_stream_);
+    cudaStreamDestroy(stage_stream_);
+  }
+  for (StageHalf& h : stage_half_) {
+    if (h.ready != nullptr) cudaEventDestroy(h.ready);
+    if (h.free != nullptr) cudaEventDestroy(h.free);
+  }
   if (take_stream_ != nullptr) {
     cudaStreamSynchronize(take_stream_);
     cudaStreamDestroy(take_stream_);
@@ -103,7 +111,8 @@ void CudaBackend::layer_whole(int64_t il, int64_t n, int32_t* chosen_out) {
   }
   enqueue_layer_whole(il, n, true);
   if (chosen_out != nullptr)
-    pending_chosen_.push_back({chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_out, n * m_.hp.n_expert_used});
+    pending_chosen_.push_back({chosen_pinned_.get() + (il * step_rows_ + window_first_) * m_.hp.n_expert_used, chosen_out,
+                               n * m_.hp.n_expert_used});
 }
 
 void CudaBackend::layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) {
@@ -284,6 +293,7 @@ void CudaBackend::choose_expert_paths() {
 CudaStepScratchOptions CudaBackend::scratch_options() const {
   CudaStepScratchOptions o;
   o.max_tokens = max_tokens_;
+  o.long_step_rows = long_step_rows_;
   o.max_context = max_context_;
   o.gemm_prefill_rows = gemm_prefill_rows_;
   for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
@@ -300,7 +310,7 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
       o.take_down_types.push_back(m_.layers[il].moe.down.all.type);
     }
     if (stage_slots_ > 0 && m_.layers[il].moe.down && L.resident < m_.hp.n_expert)
-      o.stage_expert_bytes = std::max<uint64_t>(o.stage_expert_bytes, static_cast<uint64_t>(stage_slots_) *
+      o.stage_expert_bytes = std::max<uint64_t>(o.stage_expert_bytes, static_cast<uint64_t>(stage_slots_ * stage_halves_) *
                                                                            group::ArenaLayout::slot_bytes(m_.layers[il].moe));
     o.take_layouts = static_cast<int64_t>(take_layouts_.size());
   }
@@ -323,8 +333,14 @@ void CudaBackend::setup_experts() {
   }
   if (scratch_.has("stage_experts")) {
     stage_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("stage_experts"));
-    stage_slot_bytes_ = stage_.size() / static_cast<size_t>(stage_slots_);
+    stage_slot_bytes_ = stage_.size() / static_cast<size_t>(stage_slots_ * stage_halves_);
     staged_.assign(static_cast<size_t>(hp.n_expert), 0);
+    for (StageHalf& h : stage_half_) {
+      h.slot.assign(static_cast<size_t>(hp.n_expert), -1);
+      CUDA_CHECK(cudaEventCreateWithFlags(&h.ready, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&h.free, cudaEventDisableTiming));
+    }
+    if (stage_halves_ == 2) CUDA_CHECK(cudaStreamCreateWithFlags(&stage_stream_, cudaStreamNonBlocking));
   }
   if (scratch_.has("take_expert")) {
     take_expert_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_expert"));
@@ -390,7 +406,8 @@ cuda::MoeLayerWeights CudaBackend::take_weights(int64_t il, int32_t e) const {
 }
 
 void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
-  check_rows(n, "step");
+  if (n <= 0 || n > max_step_rows())
+    throw std::invalid_argument("CUDA backend step: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_step_rows()));
   const model::HParams& hp = m_.hp;
   for (int64_t t = 0; t < n; ++t) {
     if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
@@ -404,7 +421,14 @@ void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
                              std::to_string(max_context_) + " positions");
   std::copy_n(tokens, n, tok_pinned_.get());
   pos_pinned_[0] = static_cast<int32_t>(n_past_);
-  step_n_ = n;
+  step_rows_ = n;
+  window_first_ = 0;
+  for (StageHalf& h : stage_half_) {   // a step's staged copies are its own (and none still landing)
+    if (h.slot.empty()) continue;
+    await_stage_half(h);
+    h.layer = -1;
+  }
+  step_n_ = std::min(n, max_tokens_);   // a long step's first window (set_window)
   pending_chosen_.clear();
   clear_staged();   // a step that failed between stage_experts and layer_end leaves its list: not this step's
 }
@@ -441,10 +465,22 @@ void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
 }
 
-void CudaBackend::check_rows(int64_t n, const char* what) const {
-  if (n <= 0 || n > max_tokens_)
-    throw std::invalid_argument(std::string("CUDA backend ") + what + ": " + std::to_string(n) +
-                                " rows, expected 1.." + std::to_string(max_tokens_));
+void CudaBackend::set_window(int64_t first, int64_t rows) {
+  use_device();
+  if (first < 0 || rows <= 0 || rows > max_tokens_ || first + rows > step_rows_ || first % max_tokens_ != 0)
+    throw std::invalid_argument("CUDA backend: window of rows " + std::to_string(first) + ".." + std::to_string(first + rows - 1) +
+                                " in a step of " + std::to_string(step_rows_) + " rows (windows of " +
+                                std::to_string(max_tokens_) + " from a multiple of it)");
+  if (first == window_first_ && rows == step_n_) return;
+  if (experts_queued_layer_ >= 0 || staged_layer_ >= 0)
+    throw std::logic_error("CUDA backend: set_window between layer_begin and layer_end");
+  window_first_ = first;
+  step_n_ = rows;
+  // The window's first position where RoPE and the KV store read it; one pinned word per window,
+  // so an earlier window's copy still queued reads its own.
+  int32_t* pos = pos_pinned_.get() + first / max_tokens_;
+  *pos = static_cast<int32_t>(n_past_ + first);
+  CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 }
 
 void CudaBackend::check_layer(int64_t il) const {

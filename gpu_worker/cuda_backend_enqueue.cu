@@ -42,7 +42,7 @@ void CudaBackend::enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen) {
   enqueue_mixer(il, n);
   enqueue_route(il, n);
   if (copy_chosen)
-    copy_to_host(chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_of(il, n),
+    copy_to_host(chosen_pinned_.get() + (il * step_rows_ + window_first_) * m_.hp.n_expert_used, chosen_of(il, n),
                  static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t));
   if (!layers_[il].shared_up) {
     enqueue_fused_experts(il, n, true);
@@ -73,7 +73,7 @@ bool norm_route_fused(const DevLayer& L, const model::HParams& hp, int64_t n) {
 
 void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
   DevLayer& L = layers_[il];
-  norm_h(x_.get(), L.attn_norm.get(), n, L.recurrent ? L.qkv : L.attn_qkv ? L.attn_qkv : L.q);
+  norm_h(xw(), L.attn_norm.get(), n, L.recurrent ? L.qkv : L.attn_qkv ? L.attn_qkv : L.q);
   if (L.recurrent) {
     delta_net_block(L, n);
   } else {
@@ -84,7 +84,7 @@ void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
     return;
   }
   // The router is F32 in the files we know; the shared expert's matrices are quantized.
-  norm_h(x_.get(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
+  norm_h(xw(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
 }
 
 // h_ = RMSNorm(x) * w for n rows, and act_ = h_ quantized for `consumer` when it dots q8
@@ -117,7 +117,7 @@ void CudaBackend::enqueue_route(int64_t il, int64_t n) {
   const model::HParams& hp = m_.hp;
   const DevLayer& L = layers_[il];
   if (norm_route_fused(L, hp, n)) {
-    cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, x_.get(), L.ffn_norm.get(),
+    cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, xw(), L.ffn_norm.get(),
                                 static_cast<float>(hp.rms_eps), n, h_.get(), hp.n_expert_used, hp.norm_topk_prob,
                                 router_logits_.get(), chosen_of(il, n), weight_.get(), route_arrivals_.get(), stream_);
     return;
@@ -148,7 +148,7 @@ void CudaBackend::fused_experts(const cuda::MoeLayerWeights& w, int64_t il, int6
     routing.weight = weight_.get() + t0 * k;
     cuda::MoeOutputs out;
     if (into_residual) {
-      out.sum = x_.get() + t0 * d;
+      out.sum = xw() + t0 * d;
       out.sum_accumulate = true;
     } else {
       out.slot_rows = dev_slots_.get() + t0 * k * d;
@@ -230,38 +230,102 @@ void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& pl
   const std::array<size_t, 3> off = group::ArenaLayout::part_offsets(W);
   const model::ExpertTensor* parts[3] = {&W.gate, &W.up, &W.down};
   std::vector<cuda::ExpertRows>& g = gemm_groups_;
-  int64_t r = first_row;
-  for (size_t first = 0; first < staged_list_.size(); first += static_cast<size_t>(stage_slots_)) {
-    const size_t last = std::min(staged_list_.size(), first + static_cast<size_t>(stage_slots_));
-    const int64_t round_first = r;
-    g.clear();
-    for (size_t j = first; j < last; ++j) {
-      const StagedExpert& x = staged_list_[j];
-      uint8_t* to = stage_.get() + (j - first) * stage_slot_bytes_;
-      const std::array<model::Matrix, 3>& p = x.parts;
-      const size_t down_bytes = static_cast<size_t>(p[2].n_rows) * p[2].row_bytes;
-      if (p[1].data == p[0].data + off[1] && p[2].data == p[0].data + off[2]) {   // an arena slot: one copy
-        CUDA_CHECK(cudaMemcpyAsync(to, p[0].data, off[2] + down_bytes, cudaMemcpyHostToDevice, stream_));
-      } else {
-        for (size_t w = 0; w < 3; ++w)
-          CUDA_CHECK(cudaMemcpyAsync(to + off[w], p[w].data, static_cast<size_t>(p[w].n_rows) * p[w].row_bytes,
-                                     cudaMemcpyHostToDevice, stream_));
-      }
-      const int64_t count = plan.count(x.expert);
-      g.push_back({to, r, count});
-      r += count;
-    }
-    // The round's gate, up and down from its copies (the next round's copies wait behind them on
-    // the stream); up reuses the 16-bit X that gate rounded.
+  std::vector<const uint8_t*>& base = stage_bases_;   // g[j]'s slot
+  // Gate, up and down of the experts in g from their copies; up reuses the 16-bit X that gate rounded.
+  const auto run_round = [&](int64_t round_first, int64_t round_end) {
     const auto run = [&](int w, const float* x, float* y, bool reuse_input) {
-      for (size_t j = 0; j < g.size(); ++j) g[j].weight = stage_.get() + j * stage_slot_bytes_ + off[static_cast<size_t>(w)];
+      for (size_t j = 0; j < g.size(); ++j) g[j].weight = base[j] + off[static_cast<size_t>(w)];
       gemm_->matmul_experts(parts[w]->all.type, g, parts[w]->rows_per_expert, parts[w]->all.n_cols, x, y, 1, 0, reuse_input);
     };
     run(0, expert_in_.get(), expert_g_.get(), false);
     run(1, expert_in_.get(), expert_u_.get(), true);
-    cuda::swiglu(expert_g_.get() + round_first * ff, expert_u_.get() + round_first * ff, (r - round_first) * ff, stream_);
+    cuda::swiglu(expert_g_.get() + round_first * ff, expert_u_.get() + round_first * ff, (round_end - round_first) * ff, stream_);
     run(2, expert_g_.get(), expert_out_.get(), false);
+  };
+  int64_t r = first_row;
+  // A long step's windows of one layer (set_window) keep the layer's copies: each expert crosses
+  // PCIe once for the whole step, into its own slot, when the half holds every expert staged.
+  const int h = stage_halves_ == 2 ? static_cast<int>(il % 2) : 0;
+  StageHalf& half = stage_half_[static_cast<size_t>(h)];
+  if (half.layer != il) {
+    await_stage_half(half);   // a prefetch for a layer that staged nothing: done before its slots are reused
+    reset_stage_half(half, il);
   }
+  size_t uncached = 0;
+  for (const StagedExpert& x : staged_list_) uncached += half.slot[static_cast<size_t>(x.expert)] < 0 ? 1 : 0;
+  if (uncached <= static_cast<size_t>(stage_slots_ - half.used)) {
+    await_stage_half(half);
+    g.clear();
+    base.clear();
+    for (const StagedExpert& x : staged_list_) {
+      int32_t& slot = half.slot[static_cast<size_t>(x.expert)];
+      const bool fresh = slot < 0;
+      if (fresh) slot = half.used++;
+      uint8_t* to = stage_half_base(h) + static_cast<size_t>(slot) * stage_slot_bytes_;
+      if (fresh) copy_staged(x, to, off, stream_);
+      const int64_t count = plan.count(x.expert);
+      base.push_back(to);
+      g.push_back({nullptr, r, count});
+      r += count;
+    }
+    run_round(first_row, r);
+    CUDA_CHECK(cudaEventRecord(half.free, stream_));
+    return;
+  }
+  // More experts than the half's free slots: rounds through half 0, which then holds no layer's.
+  StageHalf& first_half = stage_half_[0];
+  await_stage_half(first_half);
+  first_half.layer = -1;
+  for (size_t first = 0; first < staged_list_.size(); first += static_cast<size_t>(stage_slots_)) {
+    const size_t last = std::min(staged_list_.size(), first + static_cast<size_t>(stage_slots_));
+    const int64_t round_first = r;
+    g.clear();
+    base.clear();
+    for (size_t j = first; j < last; ++j) {
+      const StagedExpert& x = staged_list_[j];
+      uint8_t* to = stage_.get() + (j - first) * stage_slot_bytes_;
+      copy_staged(x, to, off, stream_);
+      const int64_t count = plan.count(x.expert);
+      base.push_back(to);
+      g.push_back({nullptr, r, count});
+      r += count;
+    }
+    run_round(round_first, r);   // the next round's copies wait behind its GEMMs on the stream
+  }
+  CUDA_CHECK(cudaEventRecord(first_half.free, stream_));
+}
+
+void CudaBackend::copy_staged(const StagedExpert& x, uint8_t* to, const std::array<size_t, 3>& off, cudaStream_t stream) {
+  const std::array<model::Matrix, 3>& p = x.parts;
+  const size_t down_bytes = static_cast<size_t>(p[2].n_rows) * p[2].row_bytes;
+  if (p[1].data == p[0].data + off[1] && p[2].data == p[0].data + off[2]) {   // an arena slot: one copy
+    CUDA_CHECK(cudaMemcpyAsync(to, p[0].data, off[2] + down_bytes, cudaMemcpyHostToDevice, stream));
+    return;
+  }
+  for (size_t w = 0; w < 3; ++w)
+    CUDA_CHECK(cudaMemcpyAsync(to + off[w], p[w].data, static_cast<size_t>(p[w].n_rows) * p[w].row_bytes,
+                               cudaMemcpyHostToDevice, stream));
+}
+
+void CudaBackend::prefetch_staged(int64_t il, std::span<const StagedExpert> experts) {
+  use_device();
+  check_layer(il);
+  if (stage_halves_ < 2 || experts.empty() || !stage_supported(il, step_rows_)) return;
+  StageHalf& half = stage_half_[static_cast<size_t>(il % 2)];
+  if (half.layer == il) return;
+  for (const StagedExpert& x : experts) check_staged(il, x);
+  // The half's last reader (two layers back, already queued on stream_) must be done first.
+  CUDA_CHECK(cudaStreamWaitEvent(stage_stream_, half.free, 0));
+  reset_stage_half(half, il);
+  const std::array<size_t, 3> off = group::ArenaLayout::part_offsets(m_.layers[il].moe);
+  for (const StagedExpert& x : experts) {
+    int32_t& slot = half.slot[static_cast<size_t>(x.expert)];
+    if (slot >= 0 || half.used >= stage_slots_) continue;
+    slot = half.used++;
+    copy_staged(x, stage_half_base(static_cast<int>(il % 2)) + static_cast<size_t>(slot) * stage_slot_bytes_, off, stage_stream_);
+  }
+  CUDA_CHECK(cudaEventRecord(half.ready, stage_stream_));
+  half.prefetched = true;
 }
 
 bool CudaBackend::stage_supported(int64_t il, int64_t n) const {
@@ -276,32 +340,37 @@ bool CudaBackend::stage_supported(int64_t il, int64_t n) const {
 
 void CudaBackend::stage_experts(int64_t il, std::span<const StagedExpert> experts) {
   check_layer(il);
-  if (!stage_supported(il, step_n_))
-    throw std::logic_error("CUDA backend: stage_experts for layer " + std::to_string(il) + " of a " + std::to_string(step_n_) +
+  if (!stage_supported(il, step_rows_))
+    throw std::logic_error("CUDA backend: stage_experts for layer " + std::to_string(il) + " of a " + std::to_string(step_rows_) +
                            "-row step, where stage_supported says no");
   if (staged_layer_ >= 0 && staged_layer_ != il)
     throw std::logic_error("CUDA backend: layer " + std::to_string(staged_layer_) + "'s staged experts were not computed");
-  const model::MoeWeights& W = m_.layers[il].moe;
-  const model::ExpertTensor* want[3] = {&W.gate, &W.up, &W.down};
-  const DevLayer& L = layers_[il];
   for (const StagedExpert& x : experts) {
-    const int32_t e = x.expert;
-    if (e < 0 || e >= m_.hp.n_expert || L.slab_of[e] >= 0 || staged_[static_cast<size_t>(e)])
-      throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " expert " + std::to_string(e) +
-                             " is on the device, outside the layer or staged twice");
-    for (size_t w = 0; w < 3; ++w) {
-      const model::Matrix& p = x.parts[w];
-      if (p.data == nullptr || p.type != want[w]->all.type || p.n_rows != want[w]->rows_per_expert ||
-          p.n_cols != want[w]->all.n_cols || p.row_bytes != want[w]->all.row_bytes)
-        throw std::invalid_argument("CUDA backend: staged expert " + std::to_string(e) + " of layer " + std::to_string(il) +
-                                    ": part " + std::to_string(w) + " is not the layer's expert shape");
-    }
+    check_staged(il, x);
+    if (staged_[static_cast<size_t>(x.expert)])
+      throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " expert " + std::to_string(x.expert) + " staged twice");
   }
   for (const StagedExpert& x : experts) {
     staged_[static_cast<size_t>(x.expert)] = 1;
     staged_list_.push_back(x);
   }
   staged_layer_ = il;
+}
+
+void CudaBackend::check_staged(int64_t il, const StagedExpert& x) const {
+  const model::MoeWeights& W = m_.layers[il].moe;
+  const model::ExpertTensor* want[3] = {&W.gate, &W.up, &W.down};
+  const int32_t e = x.expert;
+  if (e < 0 || e >= m_.hp.n_expert || layers_[il].slab_of[e] >= 0)
+    throw std::logic_error("CUDA backend: layer " + std::to_string(il) + " expert " + std::to_string(e) +
+                           " is on the device or outside the layer");
+  for (size_t w = 0; w < 3; ++w) {
+    const model::Matrix& p = x.parts[w];
+    if (p.data == nullptr || p.type != want[w]->all.type || p.n_rows != want[w]->rows_per_expert ||
+        p.n_cols != want[w]->all.n_cols || p.row_bytes != want[w]->all.row_bytes)
+      throw std::invalid_argument("CUDA backend: staged expert " + std::to_string(e) + " of layer " + std::to_string(il) +
+                                  ": part " + std::to_string(w) + " is not the layer's expert shape");
+  }
 }
 
 void CudaBackend::enqueue_shared(int64_t il, int64_t n) {
@@ -322,7 +391,7 @@ void CudaBackend::enqueue_shared(int64_t il, int64_t n) {
 void CudaBackend::enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows) {
   const DevLayer& L = layers_[il];
   const bool shared = static_cast<bool>(L.shared_up);
-  cuda::moe_combine_mixed(x_.get(), dev_slots_.get(), with_cpu_rows ? cpu_rows_.get() : nullptr,
+  cuda::moe_combine_mixed(xw(), dev_slots_.get(), with_cpu_rows ? cpu_rows_.get() : nullptr,
                           with_cpu_rows ? alt_row_.get() : nullptr, weight_.get(),
                           shared ? shared_out_.get() : nullptr, shared ? shared_logit_.get() : nullptr, n,
                           m_.hp.n_expert_used, m_.hp.n_embd, stream_);
@@ -332,7 +401,7 @@ void CudaBackend::enqueue_logits(int64_t first, int64_t rows) {
   const model::HParams& hp = m_.hp;
   const int64_t d = hp.n_embd;
   if (rows > logits_rows_) throw std::logic_error("CUDA backend: " + std::to_string(rows) + " logits rows at once");
-  norm_h(x_.get() + first * d, output_norm_.get(), rows, output_);
+  norm_h(xw() + first * d, output_norm_.get(), rows, output_);
   matmul(output_, h_.get(), rows, logits_.get());
 }
 

@@ -133,7 +133,8 @@ class CudaBackend final : public Backend {
   void experts_planned(int64_t il, int64_t n, const group::ExpertPlan& plan) override;
   void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override;
 
-  void advance(int64_t n) override { n_past_ += n; }
+  void advance(int64_t n) override { n_past_ += n; }   // the window stays: logits reads its last rows
+  void set_window(int64_t first, int64_t rows) override;
 
   // The step scratch as listed (cuda_step_scratch.h) and the device-buffer bytes its allocation
   // took (cuda::device_buffer_live_bytes before and after): equal to step_scratch().total(16)
@@ -164,6 +165,7 @@ class CudaBackend final : public Backend {
   bool stage_supported(int64_t il, int64_t n) const override;
   bool stages_experts() const override { return true; }
   void stage_experts(int64_t il, std::span<const StagedExpert> experts) override;
+  void prefetch_staged(int64_t il, std::span<const StagedExpert> experts) override;
 
  private:
   static constexpr std::chrono::seconds kHandoffTimeout{60};
@@ -267,6 +269,10 @@ class CudaBackend final : public Backend {
   // The staged experts' rows [first_row, ...) of expert_in_ (staged_list_ order, each expert's
   // rows contiguous) through the PrefillGemm, stage_slots_ experts a round.
   void enqueue_staged_experts(int64_t il, const group::ExpertPlan& plan, int64_t first_row);
+  // One staged expert's gate / up / down from host memory into a stage slot (`off`: the layer's
+  // ArenaLayout::part_offsets), on stream_.
+  void copy_staged(const StagedExpert& x, uint8_t* to, const std::array<size_t, 3>& off, cudaStream_t stream);
+  void check_staged(int64_t il, const StagedExpert& x) const;
   void enqueue_shared(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
   // The head over `rows` rows of the step starting at row `first` (default: the step's last
@@ -296,7 +302,6 @@ class CudaBackend final : public Backend {
   // must select its device again (a no-op when it already is the current one).
   void use_device() const { CUDA_CHECK(cudaSetDevice(device_)); }
 
-  void check_rows(int64_t n, const char* what) const;
   void check_layer(int64_t il) const;
   void check_step(int64_t il, int64_t n) const;
 
@@ -305,12 +310,17 @@ class CudaBackend final : public Backend {
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
   const int take_expert_from_;        // BackendOptions::take_expert_from
   const int stage_slots_;             // BackendOptions::stage_experts (0 without off-device experts)
+  const int64_t long_step_rows_;      // BackendOptions::long_step_rows
   const int64_t max_context_;
   const bool kv_f16_;   // the KV cache holds IEEE halves (BackendOptions::kv_type)
   int64_t logits_rows_ = 1;   // rows logits_ holds
   std::unique_ptr<cuda::PrefillGemm> gemm_;   // long steps' quantized matmuls (null: never)
   std::vector<cuda::ExpertRows> gemm_groups_;
-  int64_t n_past_ = 0, step_n_ = 0;
+  // step_n_: rows of the step, or of its window (set_window: rows window_first_ .. of the
+  // step_rows_ that embed took); xw() is the window's residual.
+  int64_t n_past_ = 0, step_n_ = 0, step_rows_ = 0, window_first_ = 0;
+  int64_t max_step_rows() const { return std::max(max_tokens_, long_step_rows_); }
+  float* xw() const { return x_.get() + window_first_ * m_.hp.n_embd; }
   int64_t snapshot_pos_ = -1;   // the position of delta_snapshot_'s states (-1: none since reset)
   cudaStream_t stream_ = nullptr;
   cudaEvent_t routed_ = nullptr;   // layer_begin: routing and h copied to the host
@@ -398,6 +408,34 @@ class CudaBackend final : public Backend {
   }
   DeviceBuffer<uint8_t> stage_;
   size_t stage_slot_bytes_ = 0;
+  // A half of stage_ (two with BackendOptions::stage_prefetch: layer il uses half il % 2, so
+  // layer il+1's copies land while layer il computes): the slots of layer `layer`'s experts
+  // copied this step (slot[e], -1: none; the first `used` slots), which a long step's later
+  // windows of the layer reuse. `prefetched`: copies queued on stage_stream_, `ready` recorded
+  // after them (stream_ waits on it before the first GEMM); `free` after its last GEMMs.
+  struct StageHalf {
+    int64_t layer = -1;
+    int used = 0;
+    std::vector<int32_t> slot;
+    bool prefetched = false;
+    cudaEvent_t ready = nullptr, free = nullptr;
+  };
+  std::array<StageHalf, 2> stage_half_;
+  int stage_halves_ = 1;
+  cudaStream_t stage_stream_ = nullptr;
+  uint8_t* stage_half_base(int h) const { return stage_.get() + static_cast<size_t>(h) * stage_slots_ * stage_slot_bytes_; }
+  void reset_stage_half(StageHalf& half, int64_t il) {
+    half.layer = il;
+    half.used = 0;
+    std::fill(half.slot.begin(), half.slot.end(), -1);
+  }
+  // stream_ waits for copies still queued in a half (before its slots are read or overwritten).
+  void await_stage_half(StageHalf& half) {
+    if (!half.prefetched) return;
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, half.ready, 0));
+    half.prefetched = false;
+  }
+  std::vector<const uint8_t*> stage_bases_;   // enqueue_staged_experts' slot per GEMM group
   std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
   std::vector<char*> pinned_dev_;   // [range]: its device address (nullptr: not mapped)

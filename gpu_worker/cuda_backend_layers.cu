@@ -198,17 +198,17 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
       cuda::attention_at(shape, q_.get(), kc, vc, n, pos, max_context_, gate, row_stride, q_stride, attn_.get(),
                          attn_scratch_.get(), scratch, stream_);
     } else if (!tiled) {
-      cuda::attention(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
+      cuda::attention(shape, q_.get(), kc, vc, n, n_past_ + window_first_, gate, row_stride, q_stride, attn_.get(),
                       attn_scratch_.get(), scratch, stream_);
     } else {
       if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, __half>) {
         if (cuda::attention_prefill_tc_supports(shape, kc, vc)) {  // else the F32 kernel below
-          cuda::attention_prefill_tc(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(),
+          cuda::attention_prefill_tc(shape, q_.get(), kc, vc, n, n_past_ + window_first_, gate, row_stride, q_stride, attn_.get(),
                                      stream_);
           return;
         }
       }
-      cuda::attention_prefill(shape, q_.get(), kc, vc, n, n_past_, gate, row_stride, q_stride, attn_.get(), stream_);
+      cuda::attention_prefill(shape, q_.get(), kc, vc, n, n_past_ + window_first_, gate, row_stride, q_stride, attn_.get(), stream_);
     }
   };
   if (kv_f16_) attend(L.k_cache_f16.get(), L.v_cache_f16.get());

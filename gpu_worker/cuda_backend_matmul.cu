@@ -17,14 +17,14 @@ namespace moraine::gpu_worker::cuda_impl {
 void CudaBackend::matmul_into_residual(const DevMatrix& W, const float* x, int64_t n) {
   if (use_gemm(W, n)) {
     matmul(W, x, n, y_.get());
-    cuda::residual_add(x_.get(), y_.get(), n * m_.hp.n_embd, stream_);
+    cuda::residual_add(xw(), y_.get(), n * m_.hp.n_embd, stream_);
     return;
   }
   cuda::MatvecBatch b;
   b.count = static_cast<int>(n);
   b.out_stride = W.rows;
   b.accumulate = true;
-  run_matvec(W, x, n, x_.get(), b);
+  run_matvec(W, x, n, xw(), b);
 }
 
 void CudaBackend::matmul(const DevMatrix& W, const float* x, int64_t n, float* y) {

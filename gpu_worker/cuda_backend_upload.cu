@@ -147,9 +147,11 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
       gemm_prefill_rows_(o.gemm_prefill_rows), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
       stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
+      long_step_rows_(std::max(0, o.long_step_rows)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
       kv_f16_(o.kv_type == model::KvType::F16) {
   const model::HParams& hp = m.hp;
+  stage_halves_ = o.stage_prefetch && long_step_rows_ > 0 ? 2 : 1;
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));
@@ -199,13 +201,13 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   setup_experts();
   scratch_allocated_bytes_ = cuda::device_buffer_live_bytes().load() - live_before_scratch;
   log_device_memory("scratch");
-  const size_t T = static_cast<size_t>(max_tokens_);
+  const size_t T = static_cast<size_t>(max_tokens_), step_rows = static_cast<size_t>(max_step_rows());
   const size_t slots = T * static_cast<size_t>(hp.n_expert_used);
-  tok_pinned_ = PinnedBuffer<int32_t>(T);
-  pos_pinned_ = PinnedBuffer<int32_t>(1);
+  tok_pinned_ = PinnedBuffer<int32_t>(step_rows);
+  pos_pinned_ = PinnedBuffer<int32_t>((step_rows + T - 1) / T);   // a word per window of a long step
   alt_pinned_ = PinnedBuffer<int32_t>(slots);
   idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
-  chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * slots);
+  chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * step_rows * static_cast<size_t>(hp.n_expert_used));
   handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
   std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&handoff_flags_dev_), handoff_flags_.get(), 0));

@@ -280,6 +280,21 @@ class StepRunner {
   // workers that own a chosen expert compute their rows into the exchange's expert_out (the
   // VRAM-tier experts are already running on the device).
   // may_take: the device may take one of the misses (between handoff_wait_routed and release).
+  // A long step's layer il, ahead of its turn (Backend::prefetch_staged): every RAM-tier expert not
+  // on the device, when the step stages them all (stage_ram_experts with the whole share; a long
+  // step's windows route to nearly every expert: 8192 rows x 8 of 128 experts at the 30B shape).
+  void prefetch_ram_tier(int64_t il, int64_t n) {
+    if (!stage_ || stage_share_ < 1 || n < stage_min_rows_ || il >= m_.hp.n_layer || backend_->layer_on_device(il) ||
+        !backend_->stage_supported(il, n))
+      return;
+    const int64_t E = m_.hp.n_expert;
+    prefetch_.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (!resident_[il * E + e] && placement_.at(il, e) == group::Tier::kRam)
+        prefetch_.push_back({static_cast<int32_t>(e), group::ArenaLayout::bind(m_, il, e, al_->ram_slot(il, e), arena_->data())});
+    backend_->prefetch_staged(il, prefetch_);
+  }
+
   // step_rows: the rows of the whole step when this is a window of a long step (staging is decided on them).
   void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen, bool may_take = false,
                              int64_t step_rows = 0) {
@@ -317,7 +332,9 @@ class StepRunner {
     float* weights = xl_.region("weights").at<float>(base);
     float* expert_out = xl_.region("expert_out").at<float>(base);
     backend_->embed(tokens, n);
+    prefetch_ram_tier(0, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+      prefetch_ram_tier(il + 1, n);   // its copies land while this layer computes
       int32_t* layer_chosen = step_chosen_.data() + il * chosen_stride_;
       const bool whole = backend_->layer_on_device(il);
       for (int64_t first = 0; first < n; first += window) {
@@ -610,7 +627,7 @@ class StepRunner {
   bool stage_ = false;  // BackendOptions::stage_experts > 0 with the arena mapped
   int64_t stage_min_rows_ = 0;   // BackendOptions::stage_min_rows
   int32_t stage_from_rows_ = 0;   // this layer's RAM-tier experts with this many rows are the device's (stage_ram_experts; 0: none)
-  std::vector<gpu_worker::StagedExpert> staged_;
+  std::vector<gpu_worker::StagedExpert> staged_, prefetch_;   // prefetch_: prefetch_ram_tier's list
   std::vector<int32_t> stage_rows_;   // stage_ram_experts' row counts (reserved: no allocation per layer)
   double stage_share_ = 1.0;          // BackendOptions::stage_share
   int32_t device_expert_ = -1;   // this layer's taken expert (ExpertRequest::device_expert)
@@ -739,6 +756,10 @@ int main(int argc, char** argv) {
                  "cuda: ... this share of a layer's RAM-tier experts, those with the most rows (the cpu workers compute the "
                  "rest at the same time; 1: all, since the device was the faster side at the 30B shape)")
       ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_flag("--prefill-stage-prefetch,!--no-prefill-stage-prefetch", base.stage_prefetch,
+               "cuda, long steps: copy layer L+1's RAM-tier experts in on their own stream while layer L computes "
+               "(a stage buffer twice the size); off: each layer's copies before its GEMMs")
       ->capture_default_str();
   app.add_option("--device-takes-from", base.take_expert_from,
                  "at a hand-off layer where a cpu worker has at least this many experts to compute, the device copies "

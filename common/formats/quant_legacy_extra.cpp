@@ -28,6 +28,10 @@ void min_max(const float* x, float& lo, float& hi) {
   }
 }
 
+// (x - min) * id: ggml's level before rounding. Where x - min overflows (a block spanning more
+// than FLT_MAX, whose scale is then inf and the row refused) inf * 0 would be NaN: 0 instead.
+inline float level(float offset, float id) { return std::fmax(offset * id, 0.0f); }
+
 uint32_t load_qh(const uint8_t* qh) {
   uint32_t v;
   std::memcpy(&v, qh, 4);
@@ -57,8 +61,8 @@ void quantize_q4_1(const float* x, BlockQ4_1* y, int64_t nb) {
     y[b].m = half::fp32_to_fp16(lo);
     for (int j = 0; j < kQK / 2; ++j) {
       // (x - min) * id is in [0, 15] up to rounding; truncating x + 0.5 rounds half up.
-      const int q0 = std::min(15, static_cast<int>((x[j] - lo) * id + 0.5f));
-      const int q1 = std::min(15, static_cast<int>((x[j + kQK / 2] - lo) * id + 0.5f));
+      const int q0 = std::min(15, static_cast<int>(level(x[j] - lo, id) + 0.5f));
+      const int q1 = std::min(15, static_cast<int>(level(x[j + kQK / 2] - lo, id) + 0.5f));
       y[b].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
     }
   }
@@ -90,7 +94,7 @@ void quantize_q5_1(const float* x, BlockQ5_1* y, int64_t nb) {
     y[b].m = half::fp32_to_fp16(lo);
     uint8_t q[kQK];
     // ggml takes the low 5 bits of (uint8_t)(v + 0.5) with no clamp; v <= 31 up to rounding.
-    for (int j = 0; j < kQK; ++j) q[j] = static_cast<uint8_t>(static_cast<int>((x[j] - lo) * id + 0.5f));
+    for (int j = 0; j < kQK; ++j) q[j] = static_cast<uint8_t>(static_cast<int>(level(x[j] - lo, id) + 0.5f));
     pack_q5(q, y[b].qs, y[b].qh);
   }
 }

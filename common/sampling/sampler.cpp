@@ -35,9 +35,73 @@ int32_t argmax(std::span<const float> logits) {
   return 0;   // not reached: best is one of the values
 }
 
+void apply_penalties(std::span<float> logits, std::span<const int32_t> history, const PenaltyParams& p) {
+  if (!p.active()) return;
+  const size_t from = p.last_n > 0 && history.size() > static_cast<size_t>(p.last_n) ? history.size() - static_cast<size_t>(p.last_n) : 0;
+  // Sparse counts: the window holds at most last_n distinct tokens of a 150k vocabulary.
+  std::vector<std::pair<int32_t, int32_t>> counts;
+  for (size_t i = from; i < history.size(); ++i) {
+    const int32_t id = history[i];
+    if (id < 0 || static_cast<size_t>(id) >= logits.size()) continue;
+    auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == id; });
+    if (it == counts.end()) {
+      counts.emplace_back(id, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  const bool repeat = p.repeat != 1.0f && p.repeat != 0.0f;
+  for (const auto& [id, n] : counts) {
+    float& l = logits[static_cast<size_t>(id)];
+    if (repeat) l = l > 0.0f ? l / p.repeat : l * p.repeat;
+    l -= static_cast<float>(n) * p.frequency + p.presence;
+  }
+}
+
+LogSoftmax::LogSoftmax(std::span<const float> logits) : logits_(logits) {
+  if (logits.empty()) throw std::invalid_argument("log softmax: empty logits");
+  const double mx = logits[static_cast<size_t>(argmax(logits))];
+  double z = 0.0;
+  for (float l : logits) z += std::exp(static_cast<double>(l) - mx);
+  lse_ = mx + std::log(z);
+}
+
+std::vector<std::pair<int32_t, float>> LogSoftmax::top(size_t k) const {
+  k = std::min(k, logits_.size());
+  std::vector<int32_t> ids(logits_.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), [&](int32_t a, int32_t b) {
+    return logits_[static_cast<size_t>(a)] > logits_[static_cast<size_t>(b)] ||
+           (logits_[static_cast<size_t>(a)] == logits_[static_cast<size_t>(b)] && a < b);
+  });
+  std::vector<std::pair<int32_t, float>> out;
+  for (size_t i = 0; i < k; ++i) out.emplace_back(ids[i], (*this)(ids[i]));
+  return out;
+}
+
 Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {
   if (!std::isfinite(p_.temperature)) throw std::invalid_argument("sampler: temperature must be finite");
   if (!(p_.top_p > 0.0f)) throw std::invalid_argument("sampler: top_p must be > 0");
+  if (!(p_.min_p >= 0.0f && p_.min_p <= 1.0f)) throw std::invalid_argument("sampler: min_p must be in [0, 1]");
+}
+
+// The min-p cut of what the other cuts kept, as llama.cpp's chain applies it (before the
+// temperature): a token stays when its probability at temperature 1 is at least min_p times the
+// top token's, i.e. logit - max >= ln(min_p). The weights are exp((logit - max) / T), so that is
+// w >= min_p^(1/T) (the top token's weight is 1).
+void Sampler::cut_min_p(Kept& k) const {
+  if (p_.min_p <= 0.0f) return;
+  const double threshold = std::pow(static_cast<double>(p_.min_p), 1.0 / static_cast<double>(p_.temperature));
+  size_t out = 0;
+  for (size_t i = 0; i < k.ids.size(); ++i) {
+    if (k.w[i] >= threshold) {
+      k.ids[out] = k.ids[i];
+      k.w[out] = k.w[i];
+      ++out;
+    }
+  }
+  k.ids.resize(out);
+  k.w.resize(out);
 }
 
 // The kept tokens, most likely first (ties: lower id), with their unnormalised weights
@@ -48,6 +112,12 @@ Sampler::Sampler(SamplerParams p) : p_(p), rng_(p.seed) {
 // weight threshold once they hold the mass; no cut sorts nothing (sample() draws in id order,
 // distribution() still lists every token sorted).
 Sampler::Kept Sampler::kept(std::span<const float> logits, bool sorted_all) const {
+  Kept k = kept_before_min_p(logits, sorted_all);
+  cut_min_p(k);
+  return k;
+}
+
+Sampler::Kept Sampler::kept_before_min_p(std::span<const float> logits, bool sorted_all) const {
   const size_t V = logits.size();
   auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   const float inv_t = 1.0f / p_.temperature;

@@ -83,6 +83,11 @@ VecDotFn avx2_fn(TensorType t) {
     case TensorType::Q4_K: return avx2::dot_q4_k;
     case TensorType::Q8_0: return avx2::dot_q8_0;
     case TensorType::MXFP4: return avx2::dot_mxfp4;
+    case TensorType::Q4_1: return avx2::dot_q4_1;
+    case TensorType::Q5_0: return avx2::dot_q5_0;
+    case TensorType::Q5_1: return avx2::dot_q5_1;
+    case TensorType::IQ4_NL: return avx2::dot_iq4_nl;
+    case TensorType::IQ4_XS: return avx2::dot_iq4_xs;
     default: return nullptr;
   }
 }

@@ -133,7 +133,8 @@ TEST(IsaCap, SelectsTheTierAndFallsBack) {
     EXPECT_EQ(cpu::best_vec_dot_fn(t, cpu::CpuIsa::Scalar), cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
     EXPECT_EQ(cpu::best_vec_dot_fn(t), cpu::best_vec_dot_fn(t, cpu::hardware_cpu_isa())) << type_name(t);
     if (cpu::hardware_cpu_isa() >= cpu::CpuIsa::Avx2) {
-      const bool has_avx2 = t == TensorType::Q4_K || t == TensorType::Q8_0 || t == TensorType::MXFP4;
+      const bool has_avx2 = t == TensorType::Q4_K || t == TensorType::Q8_0 || t == TensorType::MXFP4 || t == TensorType::Q4_1 ||
+                            t == TensorType::Q5_0 || t == TensorType::Q5_1 || t == TensorType::IQ4_NL || t == TensorType::IQ4_XS;
       EXPECT_EQ(cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) != nullptr, has_avx2) << type_name(t);
       EXPECT_EQ(cpu::best_vec_dot_fn(t, cpu::CpuIsa::Avx2), has_avx2 ? cpu::vec_dot_fn(t, cpu::CpuIsa::Avx2) : cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar))
           << type_name(t);

@@ -23,7 +23,7 @@ constexpr double kU = 0x1p-24;
 
 const TensorType kTypes[] = {TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL,
                              TensorType::IQ4_XS, TensorType::TQ1_0, TensorType::TQ2_0};
-// The AVX-512 VNNI tier has a kernel for these; TQ1_0 / TQ2_0 run the reference on every tier.
+// The AVX2 and AVX-512 VNNI tiers have kernels for these; TQ1_0 / TQ2_0 run the reference on every tier.
 bool has_vnni_kernel(TensorType t) { return t != TensorType::TQ1_0 && t != TensorType::TQ2_0; }
 
 std::vector<uint8_t> quantized(TensorType t, const std::vector<float>& x) {
@@ -49,7 +49,7 @@ void for_each_row_pair(TensorType t, F f) {
   for (int64_t n : lengths) {
     if (n % block != 0) continue;
     for (Dist d : test::kAllDists) {
-      for (const auto [ws, as] : {std::pair{1.0f, 1.0f}, {1e-4f, 1.0f}, {300.0f, 1.0f}, {1.0f, 1e-3f}, {1.0f, 200.0f}, {300.0f, 200.0f}}) {
+      for (const auto& [ws, as] : {std::pair{1.0f, 1.0f}, {1e-4f, 1.0f}, {300.0f, 1.0f}, {1.0f, 1e-3f}, {1.0f, 200.0f}, {300.0f, 200.0f}}) {
         {
           const uint32_t seed = static_cast<uint32_t>(n) * 7u + static_cast<uint32_t>(t) * 131u + static_cast<uint32_t>(d);
           const std::vector<float> w = scaled(test::random_row(d, n, seed), ws);
@@ -71,8 +71,9 @@ TEST(VecDotLegacyIq4, EveryTierBitwiseEqualsTheReference) {
       if (isa > cpu::hardware_cpu_isa()) continue;
       const cpu::VecDotFn fn = cpu::best_vec_dot_fn(t, isa);
       ASSERT_NE(fn, nullptr) << type_name(t) << " " << cpu::isa_name(isa);
-      if (isa >= cpu::CpuIsa::Avx512Vnni && has_vnni_kernel(t)) {
-        ASSERT_NE(fn, cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t) << ": the VNNI tier must have its own kernel";
+      if ((isa == cpu::CpuIsa::Avx2 || isa >= cpu::CpuIsa::Avx512Vnni) && has_vnni_kernel(t)) {
+        ASSERT_EQ(fn, cpu::vec_dot_fn(t, isa == cpu::CpuIsa::Amx ? cpu::CpuIsa::Avx512Vnni : isa)) << type_name(t) << ": the tier's own kernel";
+        ASSERT_NE(fn, cpu::vec_dot_fn(t, cpu::CpuIsa::Scalar)) << type_name(t);
       }
       kernels.emplace_back(isa, fn);
     }
@@ -166,6 +167,34 @@ TEST(QuantizeActivationQ8_1, ReferenceBytesAndTheLlamaX86Rule) {
     differ += ref != llama;
   }
   EXPECT_GT(differ, 0) << "the two rules differ on ties (the halves row) and in the scale";
+}
+
+// Values beyond what a block's fp16 scale (or Q4_1 / Q5_1's fp16 min) holds: a clear error, not
+// blocks that decode to inf; IQ4_XS's two-level scale holds 1e7 (d ~ 1e7 / 113 / 32).
+TEST(QuantizeRowLegacyIq4, RefusesBlocksBeyondFp16) {
+  std::vector<float> big = test::random_row(Dist::Gaussian, 256, 77);
+  big[3] = 1e7f;
+  for (TensorType t : {TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::TQ1_0, TensorType::TQ2_0}) {
+    std::vector<uint8_t> q(row_bytes(t, 256));
+    try {
+      quantize_row(t, big.data(), q.data(), 256);
+      ADD_FAILURE() << type_name(t) << ": 1e7 must not fit";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos) << e.what();
+    }
+  }
+  // A block spanning more than FLT_MAX: the min-based levels must not turn inf * 0 into NaN codes.
+  std::vector<float> span(32, 0.0f);
+  span[0] = -3e38f, span[1] = 3e38f;
+  for (TensorType t : {TensorType::Q4_1, TensorType::Q5_1}) {
+    std::vector<uint8_t> q(row_bytes(t, 32));
+    EXPECT_THROW(quantize_row(t, span.data(), q.data(), 32), std::invalid_argument) << type_name(t);
+  }
+  std::vector<uint8_t> q(row_bytes(TensorType::IQ4_XS, 256));
+  quantize_row(TensorType::IQ4_XS, big.data(), q.data(), 256);
+  std::vector<float> back(256);
+  dequantize_row(TensorType::IQ4_XS, q.data(), back.data(), 256);
+  EXPECT_NEAR(back[3], 1e7f, 1e6f);
 }
 
 }  // namespace

@@ -6,6 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "common/chat/chat_template.h"
+#include "common/gguf/gguf.h"
 
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
@@ -80,6 +85,63 @@ TEST(GroupChat, MessagesAreRenderedWithTheChatTemplateAndGenerateAsTheReference)
   const ChatReply again = chat(g.socket_dir(), conv, kTokens);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.ids, ref.ids);
+}
+
+// A tools conversation as chat_json through the GGUF's own template (chat_template.jinja beside the
+// golden model, which moraine-convert stores as tokenizer.chat_template): the prompt is that
+// template's rendering (chat/chat_template.h, checked against python3-jinja2 in tests/chat).
+TEST(GroupChat, ChatJsonIsRenderedWithTheGgufTemplate) {
+  const std::string dir = temp_dir("model-template");
+  const std::filesystem::path src = std::filesystem::path(MORAINE_SOURCE_DIR) / "tests" / "golden" / "qwen3moe_k256";
+  const std::filesystem::path golden = std::filesystem::path(dir) / "golden";
+  std::filesystem::create_directories(golden);
+  for (const auto& e : std::filesystem::directory_iterator(src)) std::filesystem::copy_file(e.path(), golden / e.path().filename());
+  const std::string tmpl =
+      "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+      "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.content is string else '' }}"
+      "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+      "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+      "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  std::ofstream(golden / "chat_template.jinja") << tmpl;
+  const std::string model = dir + "/templated.gguf";
+  const std::string cmd = std::string(MORAINE_BUILD_DIR) + "/tools/moraine-convert " + golden.string() + " " + model + " --outtype f32";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  ASSERT_EQ(gguf::GgufFile::open(model).get_string("tokenizer.chat_template").value_or(""), tmpl);
+  const nlohmann::ordered_json chat = nlohmann::ordered_json::parse(R"({
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+                 {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "-3C"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})");
+  const std::string rendered = chat::ChatTemplate(tmpl, "", "").render(chat);
+  ASSERT_NE(rendered.find("\"arguments\": {\"city\": \"Oslo\"}}"), std::string::npos) << rendered;
+  const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_gguf_path(model);
+  const std::vector<int32_t> prompt = tok.encode(rendered, false, true);
+  constexpr int kTokens = 6;
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+
+  GroupOptions o;
+  o.model = model;
+  Group g(o);
+  auto stub = generate::Coordinator::NewStub(grpc::CreateChannel(
+      group::control_address(g.socket_dir(), group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  generate::GenerateRequest req;
+  req.set_chat_json(chat.dump());
+  req.mutable_sampling()->set_max_tokens(kTokens);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto reader = stub->Generate(&ctx, req);
+  std::vector<int32_t> ids;
+  uint32_t prompt_tokens = 0;
+  generate::GenerateChunk chunk;
+  while (reader->Read(&chunk)) {
+    for (uint32_t id : chunk.token_ids()) ids.push_back(static_cast<int32_t>(id));
+    if (chunk.has_timing()) prompt_tokens = chunk.timing().prompt_tokens();
+  }
+  const grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(prompt_tokens, prompt.size());
+  EXPECT_EQ(ids, ref.ids);
 }
 
 }  // namespace

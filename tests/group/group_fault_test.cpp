@@ -212,8 +212,21 @@ TEST_F(GroupFaults, AClientLeavingMidStreamEndsItsRequest) {
       group::control_address(g.socket_dir(), group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
   for (int32_t id : *prompt_) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
-  req.mutable_sampling()->set_max_tokens(100000);   // far beyond the context: only leaving ends it early
   req.mutable_sampling()->set_ignore_eos(true);
+  {   // more than the context holds: refused with the numbers
+    req.mutable_sampling()->set_max_tokens(100000);
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, req);
+    generate::GenerateChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    const grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+    EXPECT_NE(st.error_message().find("100000"), std::string::npos) << st.error_message();
+  }
+  // The whole context: only leaving ends it early.
+  const uint64_t context = coordinator_counter(g.socket_dir(), "context_tokens");
+  ASSERT_GT(context, prompt_->size() + 100);
+  req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(context - prompt_->size()));
   {
     grpc::ClientContext ctx;
     auto reader = stub->Generate(&ctx, req);

@@ -64,6 +64,10 @@ std::string convert_golden(const std::string& name, const std::string& quant_arg
 std::string golden_quant_args(const std::string& weights) {
   if (weights == "f32") return "";
   if (weights == "q8_0") return "--default q8_0";
+  // The hub types moraine reads from llama.cpp files: Q8_1 pairings (q4_1, q5_1) in the experts'
+  // gate/up, IQ4_XS down, Q5_0 / IQ4_NL attention.
+  if (weights == "hub")
+    return "--map ffn_gate_exps=q4_1 --map ffn_up_exps=q5_1 --map ffn_down_exps=iq4_xs --map attn_q=q5_0 --map attn_output=iq4_nl --default q8_0";
   return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
 }
 
@@ -166,6 +170,7 @@ Generation generate(const std::string& socket_dir, const std::vector<int32_t>& p
   while (reader->Read(&chunk)) {
     for (uint32_t id : chunk.token_ids()) g.ids.push_back(static_cast<int32_t>(id));
     if (!chunk.error().empty()) g.error = chunk.error();
+    if (chunk.has_timing()) g.cached_tokens = chunk.timing().cached_tokens();
   }
   const grpc::Status st = reader->Finish();
   g.status_code = st.error_code();

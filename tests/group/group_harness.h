@@ -79,6 +79,7 @@ struct Generation {
   std::vector<int32_t> ids;
   std::string error;       // gRPC status message or chunk error; empty on success
   int status_code = 0;     // grpc::StatusCode
+  uint32_t cached_tokens = 0;   // GenerateTiming::cached_tokens: prompt positions the prefix cache reused
 };
 // Greedy (temperature 0); check_logits: SamplingParams::check_logits (the coordinator then reads
 // every sampled row's logits instead of taking the gpu_worker's token); speculate:

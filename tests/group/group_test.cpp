@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 
 struct Case {
   std::string model;
-  std::string weights;   // "f32", "q8_0", "kmix"
+  std::string weights;   // "f32", "q8_0", "kmix", "hub"
   std::string handoff;
   std::string step_channel = "doorbell";
   std::string name() const { return model + "_" + weights + "_" + handoff + (step_channel == "zmq" ? "_zmqsteps" : ""); }
@@ -103,6 +103,8 @@ std::vector<Case> cases() {
   // K-quant blocks are 256 wide: only the *_k256 models have rows that take them.
   v.push_back({"qwen3moe_k256", "kmix", "doorbell"});
   v.push_back({"qwen3next_k256", "kmix", "doorbell"});
+  v.push_back({"qwen3moe_k256", "hub", "doorbell"});
+  v.push_back({"qwen3next_k256", "hub", "doorbell"});
   // The ZeroMQ reference hand-off.
   v.push_back({"qwen3moe_odd", "f32", "zmq"});
   v.push_back({"qwen3next_k256", "kmix", "zmq"});

@@ -223,6 +223,7 @@ struct GgmlCpu {
   std::string name, error;
   void (*quantize_q8_0)(const float*, void*, int64_t) = nullptr;
   void (*quantize_q8_k)(const float*, void*, int64_t) = nullptr;
+  void (*quantize_q8_1)(const float*, void*, int64_t) = nullptr;  // Q4_1 / Q5_1 activations
 };
 
 GgmlCpu load_ggml_cpu() {
@@ -254,7 +255,8 @@ GgmlCpu load_ggml_cpu() {
   if (auto init = reinterpret_cast<void (*)()>(dlsym(best, "ggml_cpu_init"))) init();
   g.quantize_q8_0 = reinterpret_cast<decltype(g.quantize_q8_0)>(dlsym(best, "quantize_row_q8_0"));
   g.quantize_q8_k = reinterpret_cast<decltype(g.quantize_q8_k)>(dlsym(best, "quantize_row_q8_K"));
-  if (!g.quantize_q8_0 || !g.quantize_q8_k) g.error = g.name + " lacks quantize_row_q8_0 / quantize_row_q8_K";
+  g.quantize_q8_1 = reinterpret_cast<decltype(g.quantize_q8_1)>(dlsym(best, "quantize_row_q8_1"));
+  if (!g.quantize_q8_0 || !g.quantize_q8_k || !g.quantize_q8_1) g.error = g.name + " lacks quantize_row_q8_0 / quantize_row_q8_K / quantize_row_q8_1";
   return g;
 }
 
@@ -288,9 +290,9 @@ TEST(ActivationQuantizers, BitIdenticalToLlamaCppOnThisCpu) {
   const int64_t n = 4096;
   int64_t rows_where_reference_differs = 0;
   for (const std::vector<float>& x : quantizer_probe_rows(n)) {
-    for (TensorType t : {TensorType::Q8_0, TensorType::Q8_K}) {
+    for (TensorType t : {TensorType::Q8_0, TensorType::Q8_K, TensorType::Q8_1}) {
       std::vector<uint8_t> theirs(row_bytes(t, n)), reference(theirs.size());
-      (t == TensorType::Q8_0 ? ggml.quantize_q8_0 : ggml.quantize_q8_k)(x.data(), theirs.data(), n);
+      (t == TensorType::Q8_0 ? ggml.quantize_q8_0 : t == TensorType::Q8_K ? ggml.quantize_q8_k : ggml.quantize_q8_1)(x.data(), theirs.data(), n);
       // The best kernel this CPU has, and the scalar fallback other CPUs use.
       for (cpu::CpuIsa isa : {cpu::hardware_cpu_isa(), cpu::CpuIsa::Scalar}) {
         SCOPED_TRACE(std::string(type_name(t)) + " " + std::string(cpu::isa_name(isa)));

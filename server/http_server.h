@@ -1,0 +1,90 @@
+// The OpenAI-compatible HTTP front end (cpp-httplib) of a running group: /v1/chat/completions,
+// /v1/completions (whole or streamed as server-sent events), /v1/models, /health, /metrics.
+// Each request becomes one Generate call on the coordinator's socket. At most `parallel`
+// requests are admitted at once and `queue` more wait for a slot; beyond that a 429. A request
+// whose client goes away (streamed or not) cancels its Generate call (the coordinator stops at
+// its next step).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "proto/generate.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/openai_api.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+class DataSink;
+}
+
+namespace moraine::server {
+
+struct HttpOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;              // 0: any free port (bind() says which)
+  int parallel = 1;             // requests admitted at once
+  int queue = 64;               // requests waiting for a slot; more get 429
+  std::string api_key;          // non-empty: /v1/* needs "Authorization: Bearer KEY"
+  size_t max_body_bytes = 8u << 20;
+  std::vector<std::string> model_ids;   // the names the model answers to; the first is reported
+  std::string socket_dir;       // the group's (the coordinator's Generate socket is there)
+};
+
+// Slots for `parallel` running requests and a bounded queue behind them.
+class Admission {
+ public:
+  Admission(int parallel, int queue) : parallel_(parallel), queue_(queue) {}
+  enum class Result { kAdmitted, kQueueFull, kDraining, kGone };
+  // Blocks while queued; `wanted` is asked every 50 ms meanwhile (false: the client left, kGone).
+  Result enter(const std::function<bool()>& wanted = {});
+  void leave();
+  void drain();                 // refuse new and queued requests
+  bool wait_idle(std::chrono::milliseconds deadline);   // until nothing runs
+  int64_t running() const;
+  int64_t waiting() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int parallel_, queue_, running_ = 0, waiting_ = 0;
+  bool draining_ = false;
+};
+
+struct Exchange;          // one generation request (http_server.cpp)
+class ConnectionWatch;    // whether its client is still connected (http_server.cpp)
+
+class HttpServer {
+ public:
+  explicit HttpServer(HttpOptions o);
+  ~HttpServer();
+  int bind();                   // binds host:port; returns the port. Throws when it cannot.
+  void listen();                // serves on the calling thread until stop()
+  void set_ready(bool ready) { ready_ = ready; }   // /health: 200 once the group serves
+  // Stops admitting (503), waits up to `deadline` for the admitted requests, stops listening.
+  void drain_and_stop(std::chrono::milliseconds deadline);
+  const HttpOptions& options() const { return o_; }
+
+ private:
+  void routes();
+  // POST /v1/chat/completions and /v1/completions: parse, admit, start the Generate call, then
+  // answer whole or stream (the chunk is the call's first).
+  void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void answer_whole(Exchange& x, generate::GenerateChunk& chunk, ConnectionWatch& client, httplib::Response& res);
+  bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
+  HttpOptions o_;
+  std::unique_ptr<generate::Coordinator::Stub> stub_;
+  std::unique_ptr<httplib::Server> http_;
+  std::atomic<bool> ready_{false}, draining_{false};
+  Admission admission_;
+  Metrics metrics_;
+};
+
+}  // namespace moraine::server

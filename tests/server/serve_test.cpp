@@ -1,0 +1,447 @@
+// `moraine serve` end to end on a small test model (CPU backend): the official openai npm client
+// (openai_client_test.cjs), malformed requests answered with the right status and OpenAI's error
+// JSON, a client that disconnects cancelling its request, a bounded load test (64 clients), and
+// SIGTERM stopping every process and removing the shared memory. One server for the suite.
+#include <httplib.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <grpcpp/grpcpp.h>
+
+#include "coordinator/group_layout.h"
+#include "proto/control.grpc.pb.h"
+#include "tests/group/group_harness.h"
+
+namespace moraine::server_test {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using group_test::shell_quote;
+const fs::path kBuild = MORAINE_BUILD_DIR;
+const fs::path kSource = MORAINE_SOURCE_DIR;
+const std::string kKey = "test-key-123";
+
+struct ServeProcess {
+  std::string dir, model, socket_dir, log;
+  pid_t pid = -1;
+  int port = 0;
+  std::string model_id;
+  std::vector<int> health_while_loading;   // /health statuses seen before "listening on"
+};
+
+ServeProcess* g_serve = nullptr;
+
+int64_t rss_kib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  return -1;
+}
+
+httplib::Client client() {
+  httplib::Client c("127.0.0.1", g_serve->port);
+  c.set_read_timeout(120, 0);
+  c.set_default_headers({{"Authorization", "Bearer " + kKey}});
+  return c;
+}
+
+struct Answer {
+  int status = -1;
+  json body;
+};
+Answer post(const std::string& path, const std::string& body, httplib::Client& c) {
+  const auto r = c.Post(path.c_str(), body, "application/json");
+  if (!r) return {};
+  return {r->status, json::parse(r->body, nullptr, false)};
+}
+Answer post(const std::string& path, const json& body) {
+  httplib::Client c = client();
+  return post(path, body.dump(), c);
+}
+
+json chat(const std::string& content, int max_tokens = 4) {
+  return {{"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", max_tokens}, {"temperature", 0},
+          {"ignore_eos", true}};
+}
+
+// The error's shape: {"error": {"message", "type", "param", "code"}}; param as given (or null).
+void expect_error(const Answer& a, int status, const std::string& param, const std::string& message_part) {
+  EXPECT_EQ(a.status, status) << a.body.dump();
+  ASSERT_TRUE(a.body.is_object() && a.body.contains("error")) << a.body.dump();
+  const json& e = a.body["error"];
+  EXPECT_TRUE(e["message"].is_string());
+  EXPECT_TRUE(e["type"].is_string());
+  EXPECT_TRUE(e.contains("code"));
+  if (param.empty()) {
+    EXPECT_TRUE(e["param"].is_null()) << a.body.dump();
+  } else {
+    EXPECT_EQ(e["param"], param) << a.body.dump();
+  }
+  EXPECT_NE(e["message"].get<std::string>().find(message_part), std::string::npos) << a.body.dump();
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_serve = new ServeProcess;
+    ServeProcess& s = *g_serve;
+    s.dir = group_test::temp_dir("serve");
+    s.model = group_test::convert_golden("qwen3moe_k256", group_test::golden_quant_args("kmix"), s.dir);
+    s.model_id = fs::path(s.model).stem().string();
+    s.socket_dir = s.dir + "/sock";
+    s.log = s.dir + "/serve.log";
+    const std::vector<std::string> args = {
+        (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
+        "--ctx", "256", "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
+        // 1 running + 20 queued: the client's 16 concurrent requests fit, the load test's 64 do not.
+        "--queue", "20",
+        "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
+    s.pid = fork();
+    if (s.pid == 0) {
+      const int fd = ::open(s.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    // Ready when it logs the line a user waits for; before that, /health on the port it loads on.
+    const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+    const std::regex loading("http://127\\.0\\.0\\.1:([0-9]+)/health answers 503");
+    for (int i = 0; i < 1200 && s.port == 0; ++i) {
+      std::ifstream in(s.log);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      std::smatch m;
+      if (std::regex_search(text, m, listening)) {
+        s.port = std::stoi(m[1]);
+      } else if (std::regex_search(text, m, loading)) {
+        httplib::Client c("127.0.0.1", std::stoi(m[1]));
+        if (const auto h = c.Get("/health")) s.health_while_loading.push_back(h->status);
+      }
+      if (s.port == 0) {
+        int st = 0;
+        if (waitpid(s.pid, &st, WNOHANG) == s.pid) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+  static void TearDownTestSuite() {
+    if (g_serve && g_serve->pid > 0) {
+      kill(g_serve->pid, SIGKILL);
+      waitpid(g_serve->pid, nullptr, 0);
+    }
+    delete g_serve;
+    g_serve = nullptr;
+  }
+  void SetUp() override {
+    std::ifstream in(g_serve->log);
+    const std::string log((std::istreambuf_iterator<char>(in)), {});
+    ASSERT_GT(g_serve->port, 0) << "moraine serve did not log 'listening on':\n" << log;
+  }
+};
+
+TEST_F(ServeTest, HealthIs503WhileLoading) {
+  ASSERT_FALSE(g_serve->health_while_loading.empty()) << "the group came up before /health could be asked";
+  for (int st : g_serve->health_while_loading) EXPECT_EQ(st, 503);
+}
+
+TEST_F(ServeTest, HealthModelsAndMetrics) {
+  httplib::Client open("127.0.0.1", g_serve->port);   // no key: /health and /metrics stay open
+  auto h = open.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  httplib::Client c = client();
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(json::parse(m->body)["data"][0]["id"], g_serve->model_id);
+  ASSERT_EQ(post("/v1/chat/completions", chat("hello")).status, 200);
+  auto met = open.Get("/metrics");
+  ASSERT_TRUE(met);
+  for (const char* want : {"moraine_time_to_first_token_seconds_bucket", "moraine_inter_token_latency_seconds_count",
+                           "moraine_queue_depth", "moraine_prompt_tokens_total", "moraine_completion_tokens_total",
+                           "moraine_prefix_cache_hits_total", "name=\"prefix_cache_hits\"", "moraine_expert_slots_total"})
+    EXPECT_NE(met->body.find(want), std::string::npos) << want << " missing from\n" << met->body;
+}
+
+TEST_F(ServeTest, OfficialOpenAiClient) {
+  const fs::path oracle = kSource / ".cache" / "oracle";
+  ASSERT_TRUE(fs::exists(oracle / "node_modules" / "openai")) << "the openai npm client is missing: run tests/oracle/setup";
+  const auto [rc, out] = group_test::run_command(
+      "node " + shell_quote((kSource / "tests" / "server" / "openai_client_test.cjs").string()) + " " +
+      shell_quote(oracle.string()) + " http://127.0.0.1:" + std::to_string(g_serve->port) + " " +
+      shell_quote(g_serve->model_id) + " " + kKey);
+  std::printf("%s", out.c_str());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("{\"passed\":9}"), std::string::npos) << out;
+}
+
+TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
+  httplib::Client c = client();
+  expect_error(post("/v1/chat/completions", std::string("{\"messages\": ["), c), 400, "", "JSON");
+  expect_error(post("/v1/chat/completions", std::string("[1, 2]"), c), 400, "", "object");
+  expect_error(post("/v1/chat/completions", json::object()), 400, "messages", "required");
+  expect_error(post("/v1/chat/completions", json{{"messages", "hi"}}), 400, "messages", "array");
+  expect_error(post("/v1/chat/completions", json{{"messages", json::array()}}), 400, "messages", "empty");
+  expect_error(post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", 5}}}}}), 400,
+               "messages[0].content", "string");
+  expect_error(post("/v1/chat/completions", json{{"messages", {{{"role", "wizard"}, {"content", "x"}}}}}), 400,
+               "messages[0].role", "wizard");
+  json j = chat("x");
+  j["temperature"] = "hot";
+  expect_error(post("/v1/chat/completions", j), 400, "temperature", "number");
+  j = chat("x");
+  j["max_tokens"] = -1;
+  expect_error(post("/v1/chat/completions", j), 400, "max_tokens", "outside");
+  j = chat("x");
+  j["stop"] = 5;
+  expect_error(post("/v1/chat/completions", j), 400, "stop", "string");
+  j = chat("x");
+  j["n"] = 3;
+  expect_error(post("/v1/chat/completions", j), 400, "n", "n = 1");
+  expect_error(post("/v1/completions", json{{"max_tokens", 2}}), 400, "prompt", "required");
+  j = chat("x");
+  j["model"] = "gpt-unknown";
+  const Answer unknown = post("/v1/chat/completions", j);
+  expect_error(unknown, 404, "model", "gpt-unknown");
+  EXPECT_EQ(unknown.body["error"]["code"], "model_not_found");
+  // Over the context (--ctx 256): max_tokens, then the prompt itself; the message has the numbers.
+  j = chat("x", 1000);
+  const Answer over = post("/v1/chat/completions", j);
+  expect_error(over, 400, "messages", "256");
+  EXPECT_NE(over.body["error"]["message"].get<std::string>().find("1000"), std::string::npos);
+  EXPECT_EQ(over.body["error"]["code"], "context_length_exceeded");
+  std::vector<int> ids(300, 5);
+  const Answer long_prompt = post("/v1/completions", json{{"prompt", ids}, {"max_tokens", 1}});
+  expect_error(long_prompt, 400, "prompt", "300");
+  // The same over-context request streamed: still a 400 before any event.
+  j = chat("x", 1000);
+  j["stream"] = true;
+  expect_error(post("/v1/chat/completions", j), 400, "messages", "256");
+  // A body over --max-body (256 KiB).
+  const std::string huge = json{{"messages", {{{"role", "user"}, {"content", std::string(300 * 1024, 'a')}}}}}.dump();
+  expect_error(post("/v1/chat/completions", huge, c), 413, "", "larger");
+  // Authentication.
+  httplib::Client none("127.0.0.1", g_serve->port);
+  const auto r1 = none.Post("/v1/chat/completions", chat("x").dump(), "application/json");
+  ASSERT_TRUE(r1);
+  expect_error({r1->status, json::parse(r1->body, nullptr, false)}, 401, "", "API key");
+  httplib::Client wrong("127.0.0.1", g_serve->port);
+  wrong.set_default_headers({{"Authorization", "Bearer nope"}});
+  const auto r2 = wrong.Get("/v1/models");
+  ASSERT_TRUE(r2);
+  EXPECT_EQ(r2->status, 401);
+  const auto r3 = c.Get("/v1/no-such-endpoint");
+  ASSERT_TRUE(r3);
+  expect_error({r3->status, json::parse(r3->body, nullptr, false)}, 404, "", "no such endpoint");
+  // Still serving.
+  EXPECT_EQ(post("/v1/chat/completions", chat("still there?")).status, 200);
+}
+
+pid_t instance_pid(const std::string& instance) {
+  auto stub = control::Control::NewStub(grpc::CreateChannel(group::control_address(g_serve->socket_dir, instance),
+                                                            grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  control::HealthReply reply;
+  return stub->Health(&ctx, {}, &reply).ok() ? static_cast<pid_t>(reply.pid()) : -1;
+}
+
+uint64_t metric(const std::string& text, const std::string& name) {
+  const size_t at = text.find(name + " ");
+  return at == std::string::npos ? 0 : std::stoull(text.substr(at + name.size() + 1));
+}
+
+TEST_F(ServeTest, DisconnectCancelsTheRequest) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
+  const uint64_t before = metric(open.Get("/metrics")->body, counter);
+  json j = chat("a long answer please", 200);
+  j["stream"] = true;
+  httplib::Client c = client();
+  int events = 0;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.headers = {{"Authorization", "Bearer " + kKey}, {"Content-Type", "application/json"}};
+  req.body = j.dump();
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++events < 3; };   // hang up early
+  c.send(req);
+  EXPECT_GE(events, 3);
+  uint64_t after = before;
+  for (int i = 0; i < 100 && after == before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = metric(open.Get("/metrics")->body, counter);
+  }
+  EXPECT_EQ(after, before + 1) << "the coordinator did not see the request cancelled";
+  EXPECT_EQ(post("/v1/chat/completions", chat("next")).status, 200);
+}
+
+TEST_F(ServeTest, DisconnectCancelsANonStreamingRequest) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
+  const uint64_t before = metric(open.Get("/metrics")->body, counter);
+  // A frozen cpu worker holds the request's first step while the client gives up (0.3 s) and
+  // closes its socket; thawed, the request would run on to 200 tokens unless it is cancelled.
+  const pid_t worker = instance_pid(group::cpu_worker_instance(1));
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);
+  const auto r = c.Post("/v1/chat/completions", chat("a long answer please", 200).dump(), "application/json");
+  kill(worker, SIGCONT);
+  EXPECT_FALSE(r) << "an answer came while a worker was frozen";
+  uint64_t after = before;
+  for (int i = 0; i < 100 && after == before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = metric(open.Get("/metrics")->body, counter);
+  }
+  EXPECT_EQ(after, before + 1) << "the coordinator did not see the request cancelled";
+  EXPECT_EQ(post("/v1/chat/completions", chat("next")).status, 200);
+}
+
+// A client that gives up while its request waits in the queue leaves the queue (499, counted),
+// without ever reaching the coordinator.
+TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
+  httplib::Client open("127.0.0.1", g_serve->port);
+  const std::string gone = "moraine_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"499\"}";
+  const uint64_t gone_before = metric(open.Get("/metrics")->body, gone);
+  const pid_t worker = instance_pid(group::cpu_worker_instance(1));
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);   // the running request waits on it
+  Answer first;
+  std::thread running([&] { first = post("/v1/chat/completions", chat("first in line")); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  httplib::Client c = client();
+  c.set_read_timeout(0, 300000);
+  const auto r = c.Post("/v1/chat/completions", chat("second in line").dump(), "application/json");
+  EXPECT_FALSE(r);
+  uint64_t gone_after = gone_before;
+  for (int i = 0; i < 40 && gone_after == gone_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gone_after = metric(open.Get("/metrics")->body, gone);
+  }
+  const std::string met = open.Get("/metrics")->body;
+  EXPECT_NE(met.find("moraine_queue_depth 0"), std::string::npos) << met;
+  kill(worker, SIGCONT);
+  running.join();
+  EXPECT_EQ(first.status, 200) << first.body.dump();
+  EXPECT_EQ(gone_after, gone_before + 1) << "the queued request was not dropped when its client left";
+}
+
+TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
+  const int64_t rss_before = rss_kib(g_serve->pid);
+  ASSERT_GT(rss_before, 0);
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::map<int, int> statuses;
+  json refusal;
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 64; ++i) {
+    clients.emplace_back([&, i] {
+      httplib::Client c = client();
+      for (int k = 0; !stop; ++k) {
+        json j = chat("load " + std::to_string(i) + " " + std::to_string(k), 2);
+        j["stream"] = (k + i) % 2 == 0;
+        const auto r = c.Post("/v1/chat/completions", j.dump(), "application/json");
+        {
+          std::lock_guard l(mu);
+          ++statuses[r ? r->status : -100 - static_cast<int>(r.error())];
+          if (r && r->status == 429 && refusal.is_null()) refusal = json::parse(r->body, nullptr, false);
+        }
+        if (r && r->status == 429) std::this_thread::sleep_for(std::chrono::milliseconds(20));   // a client backs off
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(20));
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  const int64_t rss_after = rss_kib(g_serve->pid);
+  int ok = 0;
+  for (const auto& [st, n] : statuses) {
+    std::printf("load: status %d x %d\n", st, n);
+    // A status of -100 - E: no answer, httplib::Error E.
+    EXPECT_TRUE(st == 200 || st == 429) << "status " << st << " x " << n;
+    if (st == 200) ok = n;
+  }
+  EXPECT_GT(ok, 64);
+  // 64 clients against 1 running + 20 queued: some are refused, in OpenAI's shape.
+  EXPECT_GT(statuses[429], 0);
+  if (!refusal.is_null()) {
+    EXPECT_EQ(refusal["error"]["type"], "rate_limit_error") << refusal.dump();
+    EXPECT_NE(refusal["error"]["message"].get<std::string>().find("busy"), std::string::npos) << refusal.dump();
+  }
+  std::printf("load: server RSS %lld KiB before, %lld KiB after\n", static_cast<long long>(rss_before),
+              static_cast<long long>(rss_after));
+  EXPECT_LT(rss_after, rss_before + 64 * 1024) << "the server's memory grew by more than 64 MiB under load";
+  EXPECT_EQ(post("/v1/chat/completions", chat("after the load")).status, 200);
+}
+
+
+// A cpu_expert_worker killed while a request decodes: the supervisor restarts it, the
+// coordinator replays the sequence, and the request completes with all its tokens (or, if the
+// worker were not back in time, a 503 that says so); the server keeps serving.
+TEST_F(ServeTest, WorkerLostMidRequest) {
+  const pid_t victim = instance_pid(group::cpu_worker_instance(0));
+  ASSERT_GT(victim, 0);
+  // Frozen first, so that the request's first step waits on it: then it is lost mid-request.
+  ASSERT_EQ(kill(victim, SIGSTOP), 0);
+  Answer a;
+  std::thread req([&] { a = post("/v1/chat/completions", chat("a long answer", 20)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  req.join();
+  if (a.status == 200) {
+    EXPECT_EQ(a.body["usage"]["completion_tokens"], 20) << a.body.dump();
+  } else {
+    expect_error(a, 503, "", "failed during the request");
+  }
+  std::printf("worker lost mid-request: status %d\n", a.status);
+  for (int i = 0; i < 100 && instance_pid(group::cpu_worker_instance(0)) <= 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(post("/v1/chat/completions", chat("after the restart")).status, 200);
+}
+
+// Last: SIGTERM drains, stops every process of the group and removes its shared memory.
+TEST_F(ServeTest, ZzSigtermStopsTheGroupAndRemovesSharedMemory) {
+  const std::string prefix = group::group_prefix_for(g_serve->socket_dir);
+  ASSERT_FALSE(group_test::shm_files(prefix).empty()) << "no shared memory of the group to begin with";
+  std::ifstream pid_in(g_serve->socket_dir + "/supervisor.pid");
+  pid_t supervisor = 0;
+  pid_in >> supervisor;
+  ASSERT_GT(supervisor, 0);
+  ASSERT_EQ(kill(g_serve->pid, SIGTERM), 0);
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 600 && done == 0; ++i) {
+    done = waitpid(g_serve->pid, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(done, g_serve->pid) << "moraine serve did not stop within 60 s of SIGTERM";
+  g_serve->pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(group_test::shm_files(prefix).empty());
+  EXPECT_NE(kill(supervisor, 0), 0) << "the supervisor still runs";
+  std::ifstream in(g_serve->log);
+  const std::string log((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(log.find("moraine serve: stopped"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace moraine::server_test
