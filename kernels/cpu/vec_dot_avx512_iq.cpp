@@ -1,11 +1,13 @@
 // AVX-512 VNNI dots of the importance-matrix grid formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
 // IQ3_S, IQ1_S, IQ1_M) with Q8_K activations, 64 elements (two 32-element sub-blocks) per step:
-// the step's codebook entries are gathered from the grid tables (8 x 8 bytes, or 16 x 4 for
-// IQ3), the sign bits become a 64-bit byte mask, and vpdpbusd sums the grid magnitudes (unsigned)
-// times the activations separately for the positive and the negative elements, so the integer
-// sums are exact for every int8 activation (negating an activation would wrap at -128). Scales
-// multiply dword lanes; each super-block's sums are reduced exactly and the float part runs in
-// the scalar reference's order (quant_iq.h), so the results are bit-identical to it.
+// the step's codebook entries are loaded from the grid tables (8 x 8 bytes, or 16 x 4 for IQ3)
+// at indices built with pdep, the sign bits become a 64-bit byte mask, and vpdpbusd sums the grid
+// magnitudes (unsigned) times the activations separately for the positive and the negative
+// elements, so the integer sums are exact for every int8 activation (negating an activation
+// would wrap at -128). vpdpwssd applies the scales to the dword sums; each super-block's sums
+// are reduced exactly and the float part runs in the scalar reference's order (quant_iq.h), so
+// the results are bit-identical to it. A step is decoded once for up to 8 activation rows
+// (the matvec tiles); every row's numbers are the single-row kernel's.
 #include <immintrin.h>
 
 #include <cstring>
