@@ -11,6 +11,7 @@
 
 #include "common/formats/half_float.h"
 #include "common/formats/quant_formats.h"
+#include "common/formats/quant_iq.h"
 
 namespace moraine {
 namespace {
@@ -125,6 +126,7 @@ void dequantize_row(TensorType t, const void* src, float* dst, int64_t n) {
     case TensorType::TQ2_0: dequantize_tq2_0(static_cast<const BlockTQ2_0*>(src), dst, nb); return;
     default: break;
   }
+  if (is_iq_grid_type(t)) return dequantize_iq(t, src, dst, nb);
   throw std::logic_error("dequantize_row: computable type " + std::string(tr.name) + " has no decoder");
 }
 
@@ -141,6 +143,10 @@ void quantize_row(TensorType t, const float* src, void* dst, int64_t n) {
       for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = half::fp32_to_bf16(src[i]);
       return;
     default: break;
+  }
+  if (formats::is_iq_grid_type(t)) {
+    throw std::invalid_argument("quantize_row: moraine does not write " + std::string(tr.name) +
+                                " (it needs an importance matrix and ggml's codebook search); use llama-quantize");
   }
   require_finite(src, n, t);
   switch (t) {
@@ -184,6 +190,7 @@ TensorType dot_activation_type(TensorType weight) {
     case TensorType::Q6_K: return TensorType::Q8_K;
     default: break;
   }
+  if (formats::is_iq_grid_type(weight)) return TensorType::Q8_K;
   throw std::invalid_argument("dot_activation_type: " + std::string(type_name(weight)) +
                               " is not a weight type moraine can dot");
 }
@@ -215,6 +222,7 @@ float vec_dot_reference(TensorType weight, int64_t n, const void* w, const void*
     case TensorType::TQ2_0: return dot_tq2_0_q8_k(static_cast<const BlockTQ2_0*>(w), static_cast<const BlockQ8_K*>(a), nb);
     default: break;
   }
+  if (is_iq_grid_type(weight)) return dot_iq_q8_k(weight, w, static_cast<const BlockQ8_K*>(a), nb);
   throw std::logic_error("vec_dot_reference: no dot for " + std::string(tr.name));
 }
 

@@ -21,7 +21,7 @@ struct TypeTraits {
   std::string_view name;   // lower-case, as users type it: "q4_k", "bf16"
   int64_t block_elems;     // elements per block (1 for plain types)
   size_t block_bytes;      // bytes per block
-  bool computable;         // moraine can dequantize / quantize / dot it
+  bool computable;         // moraine can dequantize and dot it (and quantize to it, but the IQ grid types)
 };
 
 // nullptr when `raw` is not a type id any known ggml version writes.

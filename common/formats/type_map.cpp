@@ -3,9 +3,13 @@
 #include <optional>
 #include <stdexcept>
 
+#include "common/formats/quant_iq.h"
+
 namespace moraine {
 
-bool is_weight_target(TensorType t) { return type_traits(t).computable && t != TensorType::Q8_K && t != TensorType::Q8_1; }
+bool is_weight_target(TensorType t) {
+  return type_traits(t).computable && t != TensorType::Q8_K && t != TensorType::Q8_1 && !formats::is_iq_grid_type(t);
+}
 
 std::string weight_target_names() {
   std::string out;
@@ -99,7 +103,7 @@ uint32_t llama_file_type(TensorType t) {
     case TensorType::IQ1_S: return 24;
     case TensorType::IQ4_NL: return 25;
     case TensorType::IQ3_S: return 26;
-    case TensorType::IQ2_S: return 28;
+    case TensorType::IQ2_S: return 29;   // IQ2_M: llama.cpp's IQ2_S file type stores IQ2_XS tensors
     case TensorType::IQ4_XS: return 30;
     case TensorType::IQ1_M: return 31;
     case TensorType::BF16: return 32;

@@ -24,7 +24,8 @@ struct TypeRule {
 };
 
 // Types moraine writes as weights: computable ones, except Q8_K, which ggml uses only for
-// activations (no llama.cpp matmul takes a Q8_K weight).
+// activations (no llama.cpp matmul takes a Q8_K weight), and the IQ grid types (IQ2_XXS..IQ1_M:
+// read, not written; they need an importance matrix and ggml's codebook search).
 bool is_weight_target(TensorType t);
 std::string weight_target_names();  // comma-separated, for error messages
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/formats/quant.h"
+#include "common/formats/quant_iq.h"
 #include "kernels/cpu/vec_dot.h"
 
 namespace {
@@ -31,9 +32,18 @@ Matrix make_matrix(TensorType t) {
   Matrix m;
   m.row_bytes = moraine::row_bytes(t, kCols);
   m.weights.resize(m.row_bytes * kRows);
-  for (int64_t r = 0; r < kRows; ++r) {
-    for (float& v : row) v = dist(rng);
-    moraine::quantize_row(t, row.data(), m.weights.data() + r * m.row_bytes, kCols);
+  if (moraine::formats::is_iq_grid_type(t)) {
+    // moraine does not write IQ types: random blocks (any byte is a valid index, sign or scale)
+    // with a small finite fp16 scale: the high byte of d (IQ1_M: of scale word 3, whose top
+    // nibble is the fp16's sign and top exponent bits).
+    for (uint8_t& b : m.weights) b = static_cast<uint8_t>(rng());
+    const size_t bb = moraine::type_traits(t).block_bytes, high = t == TensorType::IQ1_M ? 55 : 1;
+    for (size_t off = 0; off < m.weights.size(); off += bb) m.weights[off + high] = t == TensorType::IQ1_M ? 0x10 : 0x20;
+  } else {
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (float& v : row) v = dist(rng);
+      moraine::quantize_row(t, row.data(), m.weights.data() + r * m.row_bytes, kCols);
+    }
   }
   for (float& v : row) v = dist(rng);
   const TensorType act = moraine::dot_activation_type(t);
@@ -80,7 +90,9 @@ int main(int argc, char** argv) {
                               TensorType::Q4_0, TensorType::MXFP4, TensorType::Q2_K, TensorType::Q3_K,
                               TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K,
                               TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL, TensorType::IQ4_XS,
-                              TensorType::TQ1_0, TensorType::TQ2_0};
+                              TensorType::TQ1_0, TensorType::TQ2_0,
+                              TensorType::IQ2_XXS, TensorType::IQ2_XS, TensorType::IQ2_S, TensorType::IQ3_XXS,
+                              TensorType::IQ3_S, TensorType::IQ1_S, TensorType::IQ1_M};
   for (TensorType t : types) {
     for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Vnni}) {
       if (static_cast<int>(isa) > static_cast<int>(cap)) continue;

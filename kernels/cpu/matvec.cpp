@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/amx_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
+#include "kernels/cpu/iq_kernels.h"
 #include "kernels/cpu/vec_dot.h"
 
 namespace moraine::cpu {
@@ -81,7 +82,7 @@ Rows4Fn rows4_for(TensorType type) {
     case TensorType::Q3_K: return avx512::q3_k_rows4;
     case TensorType::Q8_0: return avx512::q8_0_rows4;
     case TensorType::MXFP4: return avx512::mxfp4_rows4;
-    default: return nullptr;
+    default: return iq_rows4_fn(type);  // the IQ grid types (vec_dot_avx512_iq.cpp)
   }
 }
 

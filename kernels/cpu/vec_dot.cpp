@@ -13,6 +13,7 @@
 #include "common/formats/quant_formats.h"
 #include "kernels/cpu/avx2_kernels.h"
 #include "kernels/cpu/avx512_kernels.h"
+#include "kernels/cpu/iq_kernels.h"
 
 namespace moraine::cpu {
 namespace {
@@ -155,11 +156,11 @@ namespace {
 VecDotFn kernel_for(TensorType weight, CpuIsa isa) {
   if (static_cast<int>(isa) > static_cast<int>(cpu_isa_hardware())) return nullptr;
   switch (isa) {
-    case CpuIsa::Scalar: return scalar_fn(weight);
+    case CpuIsa::Scalar: return scalar_fn(weight) ? scalar_fn(weight) : iq_scalar_fn(weight);
     case CpuIsa::Avx2: return avx2_fn(weight);
     case CpuIsa::Avx512: return avx512_fn(weight, false);
     case CpuIsa::Avx512Vnni:
-    case CpuIsa::Amx: return avx512_fn(weight, true);
+    case CpuIsa::Amx: return avx512_fn(weight, true) ? avx512_fn(weight, true) : iq_avx512_vnni_fn(weight);
   }
   return nullptr;
 }

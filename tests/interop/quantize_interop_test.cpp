@@ -66,11 +66,13 @@ struct QuantCase {
   bool imatrix;       // llama.cpp refuses the type without an importance matrix
 };
 
-// quant-b: the grid types (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m) go here, with
-// imatrix = true where llama.cpp requires one.
+// The grid types need an importance matrix in llama.cpp (tensor_requires_imatrix in
+// llama-quant.cpp: IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M; not IQ3_S). iq2_s is written
+// as llama.cpp's IQ2_M file type (its IQ2_S file type stores IQ2_XS tensors; type_map.cpp).
 const QuantCase kQuantCases[] = {
-    {"q4_1", false}, {"q5_0", false}, {"q5_1", false}, {"iq4_nl", false},
-    {"iq4_xs", false}, {"tq1_0", false}, {"tq2_0", false},
+    {"q4_1", false},    {"q5_0", false},   {"q5_1", false},   {"iq4_nl", false}, {"iq4_xs", false},
+    {"tq1_0", false},   {"tq2_0", false},  {"iq2_xxs", true}, {"iq2_xs", true},  {"iq2_s", true},
+    {"iq3_xxs", true},  {"iq3_s", false},  {"iq1_s", true},   {"iq1_m", true},
 };
 
 struct Case {

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "common/formats/quant.h"
+#include "common/formats/quant_iq.h"
 #include "kernels/cpu/cpu_topology.h"
 #include "kernels/cpu/expert_ffn.h"
 #include "kernels/cpu/matvec.h"
@@ -51,6 +52,14 @@ ExpertSet make_expert_set(TensorType t, size_t set_bytes, int node, bool huge_pa
   auto make_template = [&](int64_t cols) {
     std::vector<uint8_t> rows(row_bytes(t, cols) * kTemplateRows);
     std::vector<float> f(static_cast<size_t>(cols));
+    if (formats::is_iq_grid_type(t)) {
+      // moraine does not write IQ types: random blocks (any byte is a valid index, sign or
+      // scale) with the fp16 block scale (IQ1_M: scale word 3's top nibble) near 2^-9.
+      for (uint8_t& b : rows) b = static_cast<uint8_t>(rng());
+      const size_t bb = type_traits(t).block_bytes, scale_hi = t == TensorType::IQ1_M ? 55 : 1;
+      for (size_t off = 0; off < rows.size(); off += bb) rows[off + scale_hi] = t == TensorType::IQ1_M ? 0x10 : 0x18;
+      return rows;
+    }
     for (int r = 0; r < kTemplateRows; ++r) {
       for (float& v : f) v = dist(rng);
       quantize_row(t, f.data(), rows.data() + static_cast<size_t>(r) * row_bytes(t, cols), cols);
