@@ -18,6 +18,7 @@
 #include "coordinator/group_layout.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
+#include "common/chat/chat_template.h"
 #include "server/openai_api.h"
 
 namespace moraine::server {
@@ -333,6 +334,9 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   if (!ready_ || draining_) return answer_error(ApiError(503, draining_ ? "the server is stopping" : "the model is still loading"));
   try {
     x->api = parse_request(req.body, endpoint, o_.model_ids);
+    if (endpoint == Endpoint::kChat)
+      x->api.output = chat_output_format(o_.chat_template.get(), x->api.has_tools, x->api.generate.chat_json(),
+                                         random_id("call_") + "_");
   } catch (const ApiError& e) {
     return answer_error(e);
   }
@@ -410,6 +414,7 @@ bool HttpServer::stream(Exchange& x, generate::GenerateChunk& chunk, httplib::Da
   bool first_event = true, ok = true;
   generate::GenerateTiming timing;
   std::string error;
+  ChunkStream chunks(x.api, x.id, x.created);
   auto last = Clock::now();
   for (bool more = true; more && ok; more = x.call->reader->Read(&chunk)) {
     if (!chunk.error().empty()) {
@@ -417,14 +422,13 @@ bool HttpServer::stream(Exchange& x, generate::GenerateChunk& chunk, httplib::Da
       continue;
     }
     const std::vector<generate::TokenLogprob> lps(chunk.logprobs().begin(), chunk.logprobs().end());
-    const bool finished = chunk.finish() != generate::FINISH_REASON_UNSPECIFIED;
-    if (finished) timing = chunk.timing();
-    if (!chunk.text().empty() || !lps.empty() || first_event || finished) {
-      if (!first_event) metrics_.inter_token(seconds_since(last));
-      last = Clock::now();
-      ok = event(stream_chunk_json(x.api, x.id, x.created, chunk.text(), lps, first_event, chunk.finish()));
-      first_event = false;
-    }
+    if (chunk.finish() != generate::FINISH_REASON_UNSPECIFIED) timing = chunk.timing();
+    const json c = chunks.chunk(chunk.text(), lps, chunk.finish());
+    if (c.is_null()) continue;   // text held back (it may begin a tool call)
+    if (!first_event) metrics_.inter_token(seconds_since(last));
+    last = Clock::now();
+    ok = event(c);
+    first_event = false;
   }
   if (!ok) {
     x.call->ctx.TryCancel();   // the client went away: the coordinator stops at its next step

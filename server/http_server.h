@@ -18,6 +18,9 @@
 #include "server/metrics.h"
 #include "server/openai_api.h"
 
+namespace moraine::chat {
+class ChatTemplate;
+}
 namespace httplib {
 class Server;
 struct Request;
@@ -36,6 +39,9 @@ struct HttpOptions {
   size_t max_body_bytes = 8u << 20;
   std::vector<std::string> model_ids;   // the names the model answers to; the first is reported
   std::string socket_dir;       // the group's (the coordinator's Generate socket is there)
+  // The GGUF's chat template (the coordinator renders with the same): which tool-call format the
+  // model writes. Null: none, generated text is content.
+  std::shared_ptr<const chat::ChatTemplate> chat_template;
 };
 
 // Slots for `parallel` running requests and a bounded queue behind them.

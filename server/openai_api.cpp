@@ -211,9 +211,16 @@ json completion_logprobs(const std::vector<generate::TokenLogprob>& lps, size_t 
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
-json finish_json(generate::FinishReason f) {
+// A stop after tool calls is OpenAI's "tool_calls"; a cut at max_tokens stays "length".
+json finish_json(generate::FinishReason f, bool tool_calls = false) {
+  if (tool_calls && f == generate::FINISH_STOP) return "tool_calls";
   const std::string s = finish_reason(f);
   return s.empty() ? json(nullptr) : json(s);
+}
+
+bool offers_tools(const json& body) {
+  const json* t = field(body, "tools");
+  return t && t->is_array() && !t->empty();
 }
 
 }  // namespace
@@ -245,6 +252,7 @@ ApiRequest parse_request(const std::string& body, Endpoint endpoint, const std::
   if (const auto n = integer(j, "n", 1, 128); n && *n != 1) throw bad("n", "only n = 1 is supported");
   if (endpoint == Endpoint::kChat) {
     r.generate.set_chat_json(chat_json_of(j));
+    r.has_tools = offers_tools(j);
   } else {
     set_prompt(j, r.generate);
   }
@@ -273,12 +281,14 @@ json usage_json(const generate::GenerateTiming& t) {
 }
 
 json response_json(const ApiRequest& r, const std::string& id, int64_t created, const Generated& g) {
-  json choice = {{"index", 0}, {"finish_reason", finish_json(g.finish)}};
+  json choice = {{"index", 0}};
   if (r.endpoint == Endpoint::kChat) {
-    choice["message"] = {{"role", "assistant"}, {"content", g.text}};
+    choice["message"] = chat_message_json(r.output, g.text);
+    choice["finish_reason"] = finish_json(g.finish, choice["message"].contains("tool_calls"));
     choice["logprobs"] = r.logprobs ? chat_logprobs(g.logprobs) : json(nullptr);
   } else {
     choice["text"] = g.text;
+    choice["finish_reason"] = finish_json(g.finish);
     choice["logprobs"] = r.logprobs ? completion_logprobs(g.logprobs, 0) : json(nullptr);
   }
   return {{"id", id},
@@ -289,25 +299,36 @@ json response_json(const ApiRequest& r, const std::string& id, int64_t created, 
           {"usage", usage_json(g.timing)}};
 }
 
-json stream_chunk_json(const ApiRequest& r, const std::string& id, int64_t created, const std::string& text,
-                       const std::vector<generate::TokenLogprob>& logprobs, bool first, generate::FinishReason finish) {
-  json choice = {{"index", 0}, {"finish_reason", finish_json(finish)}};
-  if (r.endpoint == Endpoint::kChat) {
-    json delta = json::object();
-    if (first) delta["role"] = "assistant";
-    if (!text.empty() || first) delta["content"] = text;
-    choice["delta"] = delta;
-    choice["logprobs"] = r.logprobs && !logprobs.empty() ? chat_logprobs(logprobs) : json(nullptr);
+ChunkStream::ChunkStream(const ApiRequest& r, std::string id, int64_t created)
+    : r_(r), id_(std::move(id)), created_(created), deltas_(r.endpoint == Endpoint::kChat ? r.output : ChatOutputFormat{}) {}
+
+json ChunkStream::chunk(const std::string& text, const std::vector<generate::TokenLogprob>& logprobs,
+                        generate::FinishReason finish) {
+  const bool finished = finish != generate::FINISH_REASON_UNSPECIFIED;
+  json choice = {{"index", 0}};
+  if (r_.endpoint == Endpoint::kChat) {
+    json delta = deltas_.add(text, finished);
+    if (delta.empty() && logprobs.empty() && !first_ && !finished) return nullptr;
+    if (first_) {
+      delta["role"] = "assistant";
+      if (!delta.contains("content")) delta["content"] = "";
+    }
+    choice["delta"] = std::move(delta);
+    choice["logprobs"] = r_.logprobs && !logprobs.empty() ? chat_logprobs(logprobs) : json(nullptr);
+    choice["finish_reason"] = finish_json(finish, deltas_.any_tool_calls());
   } else {
+    if (text.empty() && logprobs.empty() && !first_ && !finished) return nullptr;
     choice["text"] = text;
-    choice["logprobs"] = r.logprobs && !logprobs.empty() ? completion_logprobs(logprobs, 0) : json(nullptr);
+    choice["logprobs"] = r_.logprobs && !logprobs.empty() ? completion_logprobs(logprobs, 0) : json(nullptr);
+    choice["finish_reason"] = finish_json(finish);
   }
-  json c = {{"id", id},
-            {"object", r.endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},
-            {"created", created},
-            {"model", r.model},
+  first_ = false;
+  json c = {{"id", id_},
+            {"object", r_.endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},
+            {"created", created_},
+            {"model", r_.model},
             {"choices", json::array({choice})}};
-  if (r.include_usage) c["usage"] = nullptr;
+  if (r_.include_usage) c["usage"] = nullptr;
   return c;
 }
 

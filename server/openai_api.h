@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/generate.pb.h"
+#include "server/chat_output.h"
 
 namespace moraine::server {
 
@@ -30,6 +31,8 @@ struct ApiRequest {
   bool stream = false, include_usage = false;
   bool logprobs = false;       // the response carries log-probabilities
   uint32_t top_logprobs = 0;
+  bool has_tools = false;      // chat: a non-empty `tools` array
+  ChatOutputFormat output;     // chat: how the text splits into content / reasoning / tool calls (set by the server)
 };
 
 // model_ids: the names the served model answers to (the first is the one reported).
@@ -46,13 +49,27 @@ struct Generated {
 
 std::string finish_reason(generate::FinishReason f);   // "stop", "length" (or null for none)
 nlohmann::json usage_json(const generate::GenerateTiming& t);
-// The whole response of a non-streaming request.
+// The whole response of a non-streaming request (chat: the message split by r.output; finish
+// "tool_calls" when the model stopped after calling tools).
 nlohmann::json response_json(const ApiRequest& r, const std::string& id, int64_t created, const Generated& g);
-// One streamed chunk: its text and log-probabilities; `first` adds the chat's assistant role,
-// a finish reason ends the choice.
-nlohmann::json stream_chunk_json(const ApiRequest& r, const std::string& id, int64_t created, const std::string& text,
-                                 const std::vector<generate::TokenLogprob>& logprobs, bool first,
-                                 generate::FinishReason finish);
+
+// A streamed response's chunks, one generated piece at a time: the first chunk carries the
+// chat's assistant role, a finish reason ends the choice; chat text that may begin a tool-call
+// marker waits for the next piece (r.output).
+class ChunkStream {
+ public:
+  ChunkStream(const ApiRequest& r, std::string id, int64_t created);
+  // The chunk for a piece, or null when there is nothing to send yet.
+  nlohmann::json chunk(const std::string& text, const std::vector<generate::TokenLogprob>& logprobs,
+                       generate::FinishReason finish);
+
+ private:
+  const ApiRequest& r_;
+  std::string id_;
+  int64_t created_;
+  bool first_ = true;
+  ChatDeltaBuilder deltas_;
+};
 // The include_usage chunk after the last one: no choices, the usage.
 nlohmann::json stream_usage_json(const ApiRequest& r, const std::string& id, int64_t created,
                                  const generate::GenerateTiming& t);

@@ -10,6 +10,10 @@
 #include <iostream>
 #include <thread>
 
+#include "common/chat/chat_template.h"
+#include "common/chat/tool_call_parser.h"
+#include "common/gguf/gguf.h"
+#include "common/tokenizer/tokenizer.h"
 #include "coordinator/process_util.h"
 
 namespace moraine::server {
@@ -56,6 +60,20 @@ std::string last_log_lines(const std::string& dir) {
   return out;
 }
 
+// The GGUF's chat template, read as the coordinator reads it: the server needs it to know which
+// tool-call format the model writes. Null when the file has none (the coordinator says why).
+std::shared_ptr<const chat::ChatTemplate> load_chat_template(const std::string& model) {
+  try {
+    const gguf::GgufFile file = gguf::GgufFile::open(model);
+    const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_gguf(file);
+    std::string warning;
+    if (auto t = chat::ChatTemplate::from_gguf(file, tok, &warning)) return std::make_shared<const chat::ChatTemplate>(std::move(*t));
+  } catch (const std::exception& e) {
+    std::cerr << "moraine serve: no chat template for tool calls (" << e.what() << ")\n";
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
@@ -72,6 +90,15 @@ ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
   const fs::path model(o_.group.model);
   if (o_.http.model_ids.empty()) o_.http.model_ids = {model.stem().string(), model.filename().string(), o_.group.model};
   o_.http.socket_dir = o_.group.socket_dir;
+  if (!o_.http.chat_template) o_.http.chat_template = load_chat_template(o_.group.model);
+  if (o_.http.chat_template) {
+    const chat::ToolCallFormat f = chat::detect_tool_call_format(o_.http.chat_template->source());
+    std::cerr << "moraine serve: tool calls of requests with tools: "
+              << (f == chat::ToolCallFormat::kQwen      ? "Qwen3 <tool_call> markup"
+                  : f == chat::ToolCallFormat::kHarmony ? "gpt-oss harmony"
+                                                        : "none (the template has no known format)")
+              << std::endl;
+  }
   http_ = std::make_unique<HttpServer>(o_.http);
   port_ = http_->bind();
   listener_ = std::thread([this] { http_->listen(); });

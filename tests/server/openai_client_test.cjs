@@ -145,6 +145,31 @@ async function main() {
     assert.deepEqual(ids(c), ids(b));
     assert.equal(c.choices[0].message.content, b.choices[0].message.content);
   });
+  await check('tools: accepted, whole and streamed (the client\'s stream helper) give one message', async () => {
+    const tools = [{ type: 'function', function: { name: 'get_weather', description: 'Weather of a city',
+      parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } }];
+    const body = chatBody('What is the weather in Paris?', { tools, tool_choice: 'auto' });
+    const r = await client.chat.completions.create(body);
+    const m = r.choices[0].message;
+    assert.equal(m.role, 'assistant');
+    assert.ok(['stop', 'length', 'tool_calls'].includes(r.choices[0].finish_reason), r.choices[0].finish_reason);
+    assert.ok(typeof m.content === 'string' || (m.content === null && m.tool_calls.length > 0), JSON.stringify(m));
+    for (const c of m.tool_calls || []) {
+      assert.equal(c.type, 'function');
+      assert.equal(typeof c.id, 'string');
+      assert.equal(typeof c.function.name, 'string');
+      JSON.parse(c.function.arguments);
+    }
+    assert.equal(r.choices[0].finish_reason === 'tool_calls', (m.tool_calls || []).length > 0);
+    // The SDK's stream helper assembles the deltas (tool_calls by index) as a client does.
+    const runner = client.chat.completions.stream({ ...body, stream: true });
+    const f = await runner.finalChatCompletion();
+    const fm = f.choices[0].message;
+    assert.equal(fm.content ?? null, m.content ?? null);
+    assert.deepEqual((fm.tool_calls || []).map((c) => [c.function.name, c.function.arguments]),
+      (m.tool_calls || []).map((c) => [c.function.name, c.function.arguments]));
+    assert.equal(f.choices[0].finish_reason, r.choices[0].finish_reason);
+  });
   await check('errors as the client\'s classes: unknown model 404, n=2 400', async () => {
     await assert.rejects(client.chat.completions.create({ ...chatBody('x'), model: 'no-such-model' }),
       (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && /no-such-model/.test(e.message));
