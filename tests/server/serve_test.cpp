@@ -96,7 +96,7 @@ void expect_error(const Answer& a, int status, const std::string& param, const s
 }
 
 // Starts `moraine serve` on `model` (the suite's options) and waits for "listening on".
-void start_serve(ServeProcess& s, const std::string& dir, const std::string& model) {
+void start_serve(ServeProcess& s, const std::string& dir, const std::string& model, int ctx = 256) {
   s.dir = dir;
   s.model = model;
   s.model_id = fs::path(s.model).stem().string();
@@ -104,7 +104,7 @@ void start_serve(ServeProcess& s, const std::string& dir, const std::string& mod
   s.log = s.dir + "/serve.log";
   const std::vector<std::string> args = {
       (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
-      "--ctx", "256", "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
+      "--ctx", std::to_string(ctx), "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
       // 1 running + 20 queued: the client's 16 concurrent requests fit, the load test's 64 do not.
       "--queue", "20",
       "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
@@ -472,7 +472,7 @@ TEST(ServeTools, QwenTemplateModelAnswersToolRequests) {
                                                    shell_quote(golden.string()) + " " + shell_quote(model) + " --outtype f32");
   ASSERT_EQ(crc, 0) << cout;
   ServeProcess s;
-  start_serve(s, dir, model);
+  start_serve(s, dir, model, 1024);   // Qwen3's tools prompt is ~300 tokens in the test vocabulary
   std::ifstream in(s.log);
   const std::string log((std::istreambuf_iterator<char>(in)), {});
   ASSERT_GT(s.port, 0) << log;
@@ -488,6 +488,7 @@ TEST(ServeTools, QwenTemplateModelAnswersToolRequests) {
   c.set_default_headers({{"Authorization", "Bearer " + kKey}});
   const Answer whole = post("/v1/chat/completions", body.dump(), c);
   ASSERT_EQ(whole.status, 200) << whole.body.dump();
+  std::printf("tools answer: %s\n", whole.body.dump().c_str());
   const json& choice = whole.body["choices"][0];
   const json& m = choice["message"];
   EXPECT_EQ(m["role"], "assistant");
