@@ -150,6 +150,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
       kv_f16_(o.kv_type == model::KvType::F16) {
   const model::HParams& hp = m.hp;
+  model::check_supported(m, cuda_backend_support());   // a part the kernels lack: refused, never run wrongly
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));
