@@ -58,6 +58,8 @@ struct Options {
   // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
   // docs/perf-log.md#session-9-what-moved).
   int cpu_workers = 2, max_tokens = 512, step_retries = 2;
+  // Rows of a long step (GroupManifest::long_step_rows; -1: long_step_rows_for's default).
+  int long_step_rows = -1;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
   std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default
   std::string step_channel = "doorbell";   // GroupManifest::step_channel
@@ -81,6 +83,16 @@ model::KvType kv_type_for(const Options& o) {
   if (t == model::KvType::F16 && o.backend != "cuda")
     throw std::invalid_argument("--kv-type f16 needs --backend cuda (the CPU backend holds an F32 cache)");
   return t;
+}
+
+// --long-step-rows, or its default: 8192 rows with the CUDA backend, which stages the RAM tier's
+// experts over PCIe for long steps (a layer's copies once per 8192 rows instead of once per 512:
+// at the 30B shape, 12G, the copies alone bound 512-row steps to ~2,300 tok/s), none with the CPU
+// backend (nothing to stage); at most the context, and 0 when not above --max-tokens.
+int long_step_rows_for(const Options& o, const model::Model& m) {
+  const int64_t rows = o.long_step_rows >= 0 ? o.long_step_rows : o.backend == "cuda" ? 8192 : 0;
+  const int64_t fit = std::min<int64_t>(rows, group::planned_context(m, o.ctx));
+  return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
 }
 
 // The placement every process of the group follows: planned once, here.
@@ -113,6 +125,21 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
     std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
   }
   group::PlacementPlan plan = group::plan_placement(in);
+  // Long steps stage a layer's whole RAM tier at once (group::long_step_stage_slots), whose slots
+  // the reserve must hold; holding them moves experts out of VRAM into RAM, so plan again until
+  // the slots cover the plan's layers (a slot more each round: ~2.7 MB of 9 GB of experts at the
+  // 30B shape, so two or three rounds).
+  if (const int long_rows = long_step_rows_for(o, m); o.backend == "cuda" && long_rows > 0) {
+    int64_t slots = 0;
+    for (int round = 0;; ++round) {
+      const int64_t need = group::long_step_stage_slots(plan);
+      if (need <= slots) break;
+      if (round == 8) throw std::logic_error("coordinator: the long steps' staging slots did not settle (" + std::to_string(need) + ")");
+      slots = need + 1;
+      in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      plan = group::plan_placement(in);
+    }
+  }
   std::cerr << "coordinator: " << plan.table();
   return plan;
 }
@@ -122,7 +149,8 @@ class Coordinator final : public generate::Coordinator::Service {
   Coordinator(const Options& o, group::ControlServer& control)
       : o_(o), control_(control), model_(model::Model::load(o.model)), prefix_(group::group_prefix_for(o.socket_dir)),
         reclaimed_(shm::reclaim_dead_segments(prefix_)),
-        xl_(group::ExchangeLayout::build(model_.hp, o.max_tokens, o.cpu_workers)),
+        long_rows_(long_step_rows_for(o, model_)),
+        xl_(group::ExchangeLayout::build(model_.hp, o.max_tokens, o.cpu_workers, long_rows_)),
         plan_(plan_for(o, model_)), al_(group::ArenaLayout::build(model_, plan_)),
         exchange_(shm::ShmSegment::create({prefix_, "exchange", xl_.layout.total_bytes(), false, false})),
         // Never empty: a group with every expert in VRAM still maps an arena.
@@ -183,6 +211,7 @@ class Coordinator final : public generate::Coordinator::Service {
     man.coordinator_start_ticks = shm::process_start_ticks(man.coordinator_pid);
     man.n_cpu_workers = o.cpu_workers;
     man.max_tokens = o.max_tokens;
+    man.long_step_rows = long_rows_;
     man.zmq_handoff = o.handoff == "zmq";
     man.placement_path = group::placement_path(o.socket_dir);
     man.census_path = o.no_census ? "" : o.census.empty() ? group::default_census_path(o.model) : o.census;
@@ -479,8 +508,10 @@ class Coordinator final : public generate::Coordinator::Service {
       rewind_pending_ = false;
     }
     int32_t token = -1;
-    for (int64_t at = 0; at < n; at += o_.max_tokens) {
-      const int64_t m = std::min<int64_t>(o_.max_tokens, n - at);
+    // A long prompt goes in long steps (GroupManifest::long_step_rows), the rest in steps of max_tokens.
+    const int64_t step_rows = logit_rows == 1 && long_rows_ > 0 ? long_rows_ : o_.max_tokens;
+    for (int64_t at = 0; at < n; at += step_rows) {
+      const int64_t m = std::min<int64_t>(step_rows, n - at);
       std::copy_n(tokens + at, m, xl_.region("tokens").at<int32_t>(base));
       auto* hdr = xl_.region("step").at<group::StepHeader>(base);
       hdr->step_seq = ++step_seq_;
@@ -557,6 +588,7 @@ class Coordinator final : public generate::Coordinator::Service {
   std::unique_ptr<tokenizer::Tokenizer> tok_;
   std::string prefix_;
   shm::ReclaimResult reclaimed_;
+  int long_rows_;   // GroupManifest::long_step_rows
   group::ExchangeLayout xl_;
   group::PlacementPlan plan_;
   group::ArenaLayout al_;
@@ -591,6 +623,7 @@ class Coordinator final : public generate::Coordinator::Service {
 int run(const Options& o) {
   group::install_stop_signals();
   if (o.cpu_workers < 1 || o.max_tokens < 1) throw std::invalid_argument("--cpu-workers and --max-tokens must be >= 1");
+  if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
   group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
                                group::control_address(o.socket_dir, group::kCoordinatorInstance));
   control.set_state(control::LOADING);
@@ -615,6 +648,9 @@ int main(int argc, char** argv) {
   app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
   app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
   app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512); sizes the exchange segment and the device scratch");
+  app.add_option("--long-step-rows", o.long_step_rows,
+                 "rows of a long prefill step, run by the gpu_worker layer by layer over windows of --max-tokens rows "
+                 "(default: 8192 with --backend cuda, none with cpu; 0: none)");
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");

@@ -8,8 +8,11 @@
 namespace moraine::group {
 
 gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const model::LayerWeights> layers,
-                                                                std::int64_t max_tokens, std::int64_t context) {
+                                                                std::int64_t max_tokens, std::int64_t context,
+                                                                std::int64_t long_step_rows, std::int64_t stage_slots) {
   gpu_worker::CudaStepScratchOptions o;
+  o.long_step_rows = long_step_rows;
+  const std::int64_t slots = std::max<std::int64_t>(gpu_worker::BackendOptions{}.stage_experts, long_step_rows > 0 ? stage_slots : 0);
   std::vector<std::array<std::size_t, 3>> take_layouts;
   o.max_tokens = std::max<std::int64_t>(max_tokens, 1);
   o.max_context = std::max<std::int64_t>(context, o.max_tokens);   // as gpu_worker.cpp sizes the cache
@@ -30,8 +33,7 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
       // Long steps' staged experts when the gpu_worker's default stages (BackendOptions::stage_experts),
       // whenever some expert may be off the device, as the taken expert below.
       o.stage_expert_bytes = std::max<std::uint64_t>(
-          o.stage_expert_bytes, static_cast<std::uint64_t>(std::max(0, gpu_worker::BackendOptions{}.stage_experts)) *
-                                    ArenaLayout::slot_bytes(L.moe));
+          o.stage_expert_bytes, static_cast<std::uint64_t>(std::max<std::int64_t>(0, slots)) * ArenaLayout::slot_bytes(L.moe));
       // The taken expert's buffers when the gpu_worker's default takes experts
       // (BackendOptions::take_expert_from; off by default: `--device-takes-from N` then holds
       // ~3 MB beyond this reserve for the 30B shape, which its over-budget line reports), whenever
@@ -48,10 +50,18 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
   return o;
 }
 
+std::int64_t long_step_stage_slots(const PlacementPlan& plan) {
+  std::int64_t most = 0;
+  for (std::int64_t il = 0; il < plan.n_layer; ++il)
+    most = std::max<std::int64_t>(most, static_cast<std::int64_t>(plan.experts_in(il, Tier::kRam).size()));
+  return most;
+}
+
 std::uint64_t cuda_device_reserve_bytes(const model::HParams& hp, std::span<const model::LayerWeights> layers,
-                                        std::int64_t max_tokens, std::int64_t context) {
-  const gpu_worker::CudaStepScratch s =
-      gpu_worker::cuda_step_scratch(hp, cuda_reserve_scratch_options(layers, max_tokens, context));
+                                        std::int64_t max_tokens, std::int64_t context, std::int64_t long_step_rows,
+                                        std::int64_t stage_slots) {
+  const gpu_worker::CudaStepScratch s = gpu_worker::cuda_step_scratch(
+      hp, cuda_reserve_scratch_options(layers, max_tokens, context, long_step_rows, stage_slots));
   // The driver backs every cudaMalloc with whole 2 MiB pages: each scratch buffer, the weights
   // arena's own allocations (a layer's expert slabs, the largest tensors; kernels/cuda/device_buffer.h)
   // and the arena's last, partly used 64 MiB chunk.

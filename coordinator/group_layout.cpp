@@ -26,6 +26,7 @@ void GroupManifest::write(const std::string& path) const {
   j["coordinator_start_ticks"] = coordinator_start_ticks;
   j["n_cpu_workers"] = n_cpu_workers;
   j["max_tokens"] = max_tokens;
+  j["long_step_rows"] = long_step_rows;
   j["zmq_handoff"] = zmq_handoff;
   j["placement_path"] = placement_path;
   j["census_path"] = census_path;
@@ -54,6 +55,7 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.coordinator_start_ticks = j.at("coordinator_start_ticks").get<std::uint64_t>();
     m.n_cpu_workers = j.at("n_cpu_workers").get<int>();
     m.max_tokens = j.at("max_tokens").get<int>();
+    m.long_step_rows = j.value("long_step_rows", 0);
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
     m.placement_path = j.at("placement_path").get<std::string>();
     m.census_path = j.at("census_path").get<std::string>();
@@ -62,6 +64,9 @@ GroupManifest GroupManifest::read(const std::string& path) {
     if (m.step_channel != "doorbell" && m.step_channel != "zmq")
       throw std::runtime_error("step_channel \"" + m.step_channel + "\": expected doorbell or zmq");
     if (m.n_cpu_workers < 1 || m.max_tokens < 1) throw std::runtime_error("n_cpu_workers and max_tokens must be >= 1");
+    if (m.long_step_rows != 0 && m.long_step_rows <= m.max_tokens)
+      throw std::runtime_error("long_step_rows " + std::to_string(m.long_step_rows) + " must be 0 or above max_tokens " +
+                               std::to_string(m.max_tokens));
     return m;
   } catch (const std::exception& e) {
     throw std::runtime_error("group manifest " + path + ": " + e.what());
@@ -88,7 +93,7 @@ std::string group_prefix_for(const std::string& socket_dir) {
 
 std::string cpu_worker_instance(int index) { return "cpu_expert_worker-" + std::to_string(index); }
 
-ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, int n_cpu_workers) {
+ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, int n_cpu_workers, int long_step_rows) {
   const std::size_t T = static_cast<std::size_t>(max_tokens);
   const std::size_t k = static_cast<std::size_t>(hp.n_expert_used);
   const std::size_t d = static_cast<std::size_t>(hp.n_embd);
@@ -98,7 +103,7 @@ ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, i
       .add("step_server", sizeof(StepServerRecord))
       .add_doorbells("step_bells", 2)
       .add("expert_req", sizeof(ExpertRequest))
-      .add("tokens", T * sizeof(std::int32_t))
+      .add("tokens", std::max<std::size_t>(T, static_cast<std::size_t>(std::max(long_step_rows, 0))) * sizeof(std::int32_t))
       .add("hidden", T * d * sizeof(float))
       .add("chosen", T * k * sizeof(std::int32_t))
       .add("weights", T * k * sizeof(float))

@@ -24,7 +24,11 @@ struct GroupManifest {
   std::uint32_t coordinator_pid = 0;
   std::uint64_t coordinator_start_ticks = 0;
   int n_cpu_workers = 1;
-  int max_tokens = 0;           // rows of one step (prefill chunk)
+  int max_tokens = 0;           // rows of one step (prefill chunk), or of one window of a long step
+  // Rows of a long step (0: none): a prompt goes to the gpu_worker this many tokens a step, which
+  // runs each layer over windows of max_tokens rows (gpu_worker/backend.h, Backend::set_window),
+  // so a layer's staged RAM-tier experts cross PCIe once per long step, not once per window.
+  int long_step_rows = 0;
   bool zmq_handoff = false;     // per-layer GPU<->CPU hand-off over ZeroMQ instead of doorbells
   std::string placement_path;   // the PlacementPlan (coordinator/placement.h) every process follows
   // Where the gpu_worker merges the routing counts it records (coordinator/census.h): the
@@ -131,12 +135,12 @@ inline constexpr std::uint32_t kArenaSegmentId = 2;   // the expert arena the io
 // doorbell per cpu_expert_worker.
 struct ExchangeLayout {
   shm::ShmLayout layout;
-  static ExchangeLayout build(const model::HParams& hp, int max_tokens, int n_cpu_workers);
+  static ExchangeLayout build(const model::HParams& hp, int max_tokens, int n_cpu_workers, int long_step_rows = 0);
   const shm::Region& region(const char* name) const { return layout.region(name); }
   static std::size_t request_bell(int worker) { return static_cast<std::size_t>(2 * worker); }
   static std::size_t done_bell(int worker) { return static_cast<std::size_t>(2 * worker + 1); }
 };
-// Region names: "step" StepHeader, "expert_req" ExpertRequest, "tokens" int32[max_tokens],
+// Region names: "step" StepHeader, "expert_req" ExpertRequest, "tokens" int32[max(max_tokens, long_step_rows)],
 // "hidden" float[max_tokens][n_embd] (normalised MoE input), "chosen" int32[max_tokens][k],
 // "step_reply" StepReply, "step_server" StepServerRecord (coordinator/step_bell.h), "step_bells"
 // two doorbells (step request, step done), "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,

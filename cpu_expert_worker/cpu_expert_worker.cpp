@@ -52,7 +52,7 @@ class ExpertWorker {
       : man_(man), index_(index), prefetch_(prefetch), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
-        xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers)),
+        xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers, man.long_step_rows)),
         plan_(group::PlacementPlan::read(man.placement_path, group::model_sizes(model_, 0))),
         al_(group::ArenaLayout::build(model_, plan_)), pool_(threads), fast_pool_(cpus, {spin_us, true, !exclusive_cpus}),
         spin_(std::chrono::microseconds(std::max(0, spin_us))), watch_sharing_(!exclusive_cpus), ffn_(tuning),

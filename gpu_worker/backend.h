@@ -26,7 +26,9 @@ namespace moraine::gpu_worker {
 
 struct BackendOptions {
   int device = 0;              // GPU index (cuda)
-  int max_tokens = 1;          // rows of one step
+  int max_tokens = 1;          // rows of one step, or of one window of a long step
+  // Rows of a long step (GroupManifest::long_step_rows, Backend::set_window); 0: none.
+  int long_step_rows = 0;
   int64_t max_context = 0;     // positions the KV cache holds; 0: kDefaultContext
   // The KV cache's element type (CUDA; the CPU backend holds F32): the gpu_worker takes it from
   // the placement (coordinator --kv-type), which charged its bytes against --vram.
@@ -125,6 +127,16 @@ class Backend {
   // plan.row_of[slot] of host_rows, as the cpu workers wrote it) and the shared expert.
   virtual void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) = 0;
   virtual void advance(int64_t n) = 0;   // the step's positions are now cached
+  // Long steps (BackendOptions::long_step_rows): embed takes up to long_step_rows rows; then the
+  // host runs each layer over windows of at most max_tokens rows, in order (set_window(first,
+  // rows), then the window's layer_whole or layer_begin / layer_end with n = rows), so that what a
+  // layer needs from the host (its staged experts) crosses PCIe once for all the step's rows. A
+  // window's rows sit at positions n_past() + first ..; the step's last window must end at its
+  // last row before advance(whole step) and logits. embed resets the window to the whole step.
+  virtual void set_window(int64_t first, int64_t rows) {
+    (void)first, (void)rows;
+    throw std::logic_error("this backend runs no long steps (BackendOptions::long_step_rows)");
+  }
   // Logits of the step's last `rows` rows (after advance).
   virtual void logits(int64_t rows, float* out) = 0;
 

@@ -23,7 +23,8 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens) {
+  CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens),
+        max_step_rows_(std::max(o.max_tokens, o.long_step_rows)) {
     if (o.kv_type != model::KvType::F32)   // the coordinator refuses --kv-type f16 with --backend cpu
       throw std::invalid_argument(std::string("CPU backend: a ") + model::kv_type_name(o.kv_type) +
                                   " KV cache was asked for; it holds an F32 cache");
@@ -32,7 +33,7 @@ class CpuBackend final : public Backend {
     if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(T, m.hp.n_ff_shexp);
     shared_.resize(static_cast<size_t>(T * d));
     norm_.resize(static_cast<size_t>(T * d));
-    x_.resize(static_cast<size_t>(T * d));
+    x_.resize(static_cast<size_t>(max_step_rows_ * d));   // the residual of a whole (long) step
     h_.resize(static_cast<size_t>(T * d));
     chosen_.resize(static_cast<size_t>(T * k));
     weight_.resize(static_cast<size_t>(T * k));
@@ -61,8 +62,19 @@ class CpuBackend final : public Backend {
   void reset() override { exec_.reset(); }
   int64_t n_past() const override { return exec_.n_past(); }
   void embed(const int32_t* tokens, int64_t n) override {
-    check_rows(n);
+    if (n <= 0 || n > max_step_rows_)
+      throw std::invalid_argument("CPU backend: a step of " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_step_rows_));
     exec_.embed(std::span<const int32_t>(tokens, static_cast<size_t>(n)), x_.data());
+    step_rows_ = n;
+    set_window(0, std::min(n, max_tokens_));
+  }
+  void set_window(int64_t first, int64_t rows) override {
+    if (first < 0 || rows <= 0 || rows > max_tokens_ || first + rows > step_rows_)
+      throw std::invalid_argument("CPU backend: window of rows " + std::to_string(first) + ".." + std::to_string(first + rows - 1) +
+                                  " in a step of " + std::to_string(step_rows_) + " rows (windows of at most " +
+                                  std::to_string(max_tokens_) + ")");
+    window_first_ = first;
+    exec_.set_window(first);
   }
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override { return whole_.at(static_cast<size_t>(il)); }
@@ -78,7 +90,7 @@ class CpuBackend final : public Backend {
   void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override {
     check_rows(n);
     const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
-    exec_.mixer_step(il, x_.data(), n, h_.data());
+    exec_.mixer_step(il, window_x(), n, h_.data());
     reference::route_top_k(m_.hp, m_.layers[il].moe, h_.data(), n, chosen, weight, router_, exec_.pool());
     if (chosen != chosen_.data()) std::copy_n(chosen, n * k, chosen_.data());
     if (weight != weight_.data()) std::copy_n(weight, n * k, weight_.data());
@@ -118,10 +130,13 @@ class CpuBackend final : public Backend {
                                shared_scratch_, exec_.pool());
       shared = shared_.data();
     }
-    reference::moe_combine(m_.hp, W, h_.data(), n, weight_.data(), slot_rows_.data(), shared, x_.data());
-    last_n_ = n;
+    reference::moe_combine(m_.hp, W, h_.data(), n, weight_.data(), slot_rows_.data(), shared, window_x());
+    last_n_ = window_first_ + n;
   }
-  void advance(int64_t n) override { exec_.advance(n); }
+  void advance(int64_t n) override {
+    exec_.advance(n);
+    window_first_ = 0;
+  }
   void logits(int64_t rows, float* out) override {
     if (rows <= 0 || rows > last_n_) throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step of " + std::to_string(last_n_));
     exec_.output_logits(x_.data() + (last_n_ - rows) * m_.hp.n_embd, rows, norm_.data(), out);
@@ -270,8 +285,10 @@ class CpuBackend final : public Backend {
   }
   const model::Model& m_;
   reference::ReferenceExecutor exec_;
-  const int64_t max_tokens_;
-  int64_t last_n_ = 0;
+  float* window_x() { return x_.data() + window_first_ * m_.hp.n_embd; }
+  const int64_t max_tokens_, max_step_rows_;
+  int64_t step_rows_ = 0, window_first_ = 0;   // embed's rows; set_window's first row
+  int64_t last_n_ = 0;   // rows of the step up to the end of the last layer_end's window
   reference::RouterScratch router_;
   reference::ExpertScratch shared_scratch_, routed_scratch_;
   std::vector<float> shared_, norm_, gathered_, x_, h_, weight_, own_rows_;

@@ -25,7 +25,8 @@ namespace moraine::gpu_worker {
 // What the scratch depends on beyond the hyperparameters: the backend's options, the model's
 // widest q projection, and which path each layer's resident experts take.
 struct CudaStepScratchOptions {
-  int64_t max_tokens = 1;           // rows of a step (BackendOptions::max_tokens)
+  int64_t max_tokens = 1;           // rows of a step (BackendOptions::max_tokens), or of a long step's window
+  int64_t long_step_rows = 0;       // BackendOptions::long_step_rows: the residual and token ids hold this many
   int64_t max_context = 1;          // positions of the KV cache
   int64_t gemm_prefill_rows = 0;    // BackendOptions::gemm_prefill_rows: PrefillGemm when in 1..max_tokens
   int64_t q_rows = 0;               // rows of the widest q projection (gated q: 2 x n_head x head_dim); 0: none
@@ -148,7 +149,8 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   const int64_t rows16 = std::min<int64_t>(o.max_tokens, cuda::kAttentionAtMaxRows);
   CudaStepScratch s;
   // cuda_backend_upload.cu, the step scratch
-  s.add("x", T * d * f);   // the residual
+  const uint64_t step_rows = std::max<uint64_t>(T, static_cast<uint64_t>(std::max<int64_t>(o.long_step_rows, 0)));
+  s.add("x", step_rows * d * f);   // the residual, of a whole long step
   s.add("h", T * d * f);   // normalised rows
   s.add("y", T * d * f);   // a matmul's output
   // q (+ gate) | k | v rows of the stacked projection
@@ -169,7 +171,7 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   s.add("route_arrivals", T * sizeof(uint32_t));
   s.add("chosen", static_cast<uint64_t>(hp.n_layer) * S * i32);   // every layer's routing
   s.add("weight", S * f);
-  s.add("token_ids", T * i32);
+  s.add("token_ids", step_rows * i32);
   s.add("pos", i32);
   s.add("dev_slots", S * d * f);   // the device's expert rows
   s.add("cpu_rows", S * d * f);    // the cpu workers' expert rows

@@ -24,6 +24,7 @@
 #include "gpu_worker/kernel_trace.h"
 #endif
 #include "coordinator/control_server.h"
+#include "coordinator/device_reserve.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
 #include "coordinator/step_bell.h"
@@ -57,7 +58,7 @@ class StepRunner {
              const gpu_worker::BackendOptions& base, const model::Model& m, group::StageRecorder& step_stage,
              group::StageRecorder& handoff_stage, group::StageRecorder& routed_wait_stage)
       : man_(man), m_(m), exchange_(shm::ShmSegment::open(man.exchange_locator)),
-        xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers)),
+        xl_(group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers, man.long_step_rows)),
         placement_(group::PlacementPlan::read(man.placement_path, group::model_sizes(m, 0))),
         census_(m.hp.n_layer, m.hp.n_expert, man.census_path), step_stage_(step_stage), handoff_stage_(handoff_stage),
         routed_wait_stage_(routed_wait_stage) {
@@ -67,7 +68,12 @@ class StepRunner {
               << model::kv_type_name(placement_.kv_type) << " KV cache\n";
     gpu_worker::BackendOptions o = base;
     o.max_tokens = man.max_tokens;
-    o.max_context = std::max<int64_t>(placement_.context, man.max_tokens);
+    o.long_step_rows = man.long_step_rows;
+    o.max_context = std::max<int64_t>(placement_.context, std::max(man.max_tokens, man.long_step_rows));
+    // A long step stages a layer's whole RAM tier at once: as many slots as its largest layer's
+    // (the coordinator's reserve holds them, coordinator/device_reserve.h).
+    if (man.long_step_rows > 0 && o.stage_experts > 0)
+      o.stage_experts = static_cast<int>(std::max<int64_t>(o.stage_experts, group::long_step_stage_slots(placement_)));
     o.kv_type = placement_.kv_type;   // what the placement charged to --vram
     o.all_experts = placement_.vram.experts == m.hp.n_layer * m.hp.n_expert;
     if (!o.all_experts) o.device_experts = vram_experts_;
@@ -109,7 +115,8 @@ class StepRunner {
     layer_slots_ = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(m.hp.n_layer));
     layer_vram_slots_ = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(m.hp.n_layer));
     const int64_t k = m.hp.n_expert_used;
-    step_chosen_.resize(static_cast<size_t>(m.hp.n_layer * man.max_tokens * k));
+    chosen_stride_ = std::max(man.max_tokens, man.long_step_rows) * k;
+    step_chosen_.resize(static_cast<size_t>(m.hp.n_layer * chosen_stride_));
     worker_busy_.resize(static_cast<size_t>(man.n_cpu_workers));
     worker_misses_.resize(static_cast<size_t>(man.n_cpu_workers));
     worker_ram_expert_.resize(static_cast<size_t>(man.n_cpu_workers));
@@ -164,8 +171,12 @@ class StepRunner {
       throw std::runtime_error("step " + std::to_string(seq) + " does not match the step header in shared memory (seq " +
                                std::to_string(hdr->step_seq) + ", " + std::to_string(n) + " tokens)");
     }
-    if (n < 1 || n > man_.max_tokens)
-      throw std::runtime_error("step header: " + std::to_string(n) + " tokens, expected 1.." + std::to_string(man_.max_tokens));
+    const int64_t most = std::max(man_.max_tokens, man_.long_step_rows);
+    if (n < 1 || n > most)
+      throw std::runtime_error("step header: " + std::to_string(n) + " tokens, expected 1.." + std::to_string(most));
+    if (n > man_.max_tokens && hdr->logit_rows != 1)
+      throw std::runtime_error("step header: a long step of " + std::to_string(n) + " rows with " +
+                               std::to_string(hdr->logit_rows) + " logit rows (long steps give the last row's)");
     if (hdr->logit_rows == 0 || hdr->logit_rows > n) throw std::runtime_error("step header: logit_rows out of [1, n_tokens]");
     if (hdr->greedy_token && hdr->logit_rows > group::kMaxTokenRows)
       throw std::runtime_error("step header: greedy tokens of " + std::to_string(hdr->logit_rows) + " rows, at most " +
@@ -215,8 +226,13 @@ class StepRunner {
     float* expert_out = xl_.region("expert_out").at<float>(base);
     const int32_t* tokens = xl_.region("tokens").at<const int32_t>(base);
     float* logits = xl_.region("logits").at<float>(base);
+    if (n > man_.max_tokens) {
+      run_long_step(seq, n, tokens, logits);
+      finish_step(n, t0);
+      return last_row();
+    }
     if (all_on_device_) {   // no cpu worker takes part: the backend may replay a captured step
-      backend_->step_whole(tokens, n, hdr->logit_rows, logits, step_chosen_.data(), man_.max_tokens * k);
+      backend_->step_whole(tokens, n, hdr->logit_rows, logits, step_chosen_.data(), chosen_stride_);
       finish_step(n, t0);
       return last_row();
     }
@@ -232,7 +248,7 @@ class StepRunner {
           hand_layer_to_workers(seq, il, n, chosen, true);
           backend_->handoff_release(il, plan_);
         }
-        backend_->handoff_finish(logits, step_chosen_.data(), man_.max_tokens * k);
+        backend_->handoff_finish(logits, step_chosen_.data(), chosen_stride_);
         ++handoff_steps_;
       } catch (...) {
         backend_->handoff_abort();
@@ -243,7 +259,7 @@ class StepRunner {
     }
     backend_->embed(tokens, n);
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
-      int32_t* layer_chosen = step_chosen_.data() + il * man_.max_tokens * k;
+      int32_t* layer_chosen = step_chosen_.data() + il * chosen_stride_;
       if (backend_->layer_on_device(il)) {   // no cpu worker can be involved: no host round trip
         backend_->layer_whole(il, n, layer_chosen);
         continue;
@@ -264,12 +280,14 @@ class StepRunner {
   // workers that own a chosen expert compute their rows into the exchange's expert_out (the
   // VRAM-tier experts are already running on the device).
   // may_take: the device may take one of the misses (between handoff_wait_routed and release).
-  void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen, bool may_take = false) {
+  // step_rows: the rows of the whole step when this is a window of a long step (staging is decided on them).
+  void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen, bool may_take = false,
+                             int64_t step_rows = 0) {
     const int64_t nk = n * m_.hp.n_expert_used;
     plan_.build(chosen, nk, m_.hp.n_expert);
     const auto th = Clock::now();
     device_expert_ = may_take ? expert_to_take(il) : -1;
-    stage_from_rows_ = may_take ? 0 : stage_ram_experts(il, n);
+    stage_from_rows_ = may_take ? 0 : stage_ram_experts(il, std::max(n, step_rows));
     // Outside the in-graph hand-off (may_take) the step goes through layer_begin / layer_end: the
     // device's plan-dependent experts (a long step's GEMM over its resident and staged experts)
     // start now, beside the workers, instead of at layer_end after them.
@@ -284,6 +302,39 @@ class StepRunner {
       take_expert(il);
     }
     handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
+  }
+
+  // A long step (GroupManifest::long_step_rows): each layer over windows of max_tokens rows in
+  // order, so the RAM-tier experts a layer stages cross PCIe once for the whole step (the backend
+  // keeps a layer's staged copies for its next windows); the per-window exchange rows (h, routing,
+  // the cpu workers' rows) are reused window after window. Staging is decided on the whole step's
+  // rows: its last, shorter window uses the copies already made.
+  void run_long_step(uint64_t seq, int64_t n, const int32_t* tokens, float* logits) {
+    const int64_t k = m_.hp.n_expert_used, window = man_.max_tokens;
+    std::byte* base = exchange_.data();
+    float* hidden = xl_.region("hidden").at<float>(base);
+    int32_t* chosen = xl_.region("chosen").at<int32_t>(base);
+    float* weights = xl_.region("weights").at<float>(base);
+    float* expert_out = xl_.region("expert_out").at<float>(base);
+    backend_->embed(tokens, n);
+    for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
+      int32_t* layer_chosen = step_chosen_.data() + il * chosen_stride_;
+      const bool whole = backend_->layer_on_device(il);
+      for (int64_t first = 0; first < n; first += window) {
+        const int64_t rows = std::min(window, n - first);
+        backend_->set_window(first, rows);
+        if (whole) {
+          backend_->layer_whole(il, rows, layer_chosen + first * k);
+          continue;
+        }
+        backend_->layer_begin(il, rows, chosen, weights, hidden);
+        std::copy_n(chosen, rows * k, layer_chosen + first * k);
+        hand_layer_to_workers(seq, il, rows, chosen, false, n);
+        backend_->layer_end(il, rows, plan_, expert_out);
+      }
+    }
+    backend_->advance(n);
+    backend_->logits(1, logits);
   }
 
   void finish_step(int64_t n, Clock::time_point t0) {
@@ -427,7 +478,7 @@ class StepRunner {
     const int64_t k = m_.hp.n_expert_used, E = m_.hp.n_expert;
     uint64_t hits = 0;
     for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
-      const int32_t* c = step_chosen_.data() + il * man_.max_tokens * k;
+      const int32_t* c = step_chosen_.data() + il * chosen_stride_;
       census_.add(il, c, n * k);
       uint64_t on_device = 0;
       for (int64_t i = 0; i < n * k; ++i) {
@@ -541,7 +592,8 @@ class StepRunner {
   // In a hand-off step: how long this thread waited for the device to route the next layer that
   // has cpu-worker experts (the device's mixer and own experts since the last release).
   group::StageRecorder& routed_wait_stage_;
-  std::vector<int32_t> step_chosen_;   // [layer][max_tokens * k]: the step's routing
+  std::vector<int32_t> step_chosen_;   // [layer][chosen_stride_]: the step's routing
+  int64_t chosen_stride_ = 0;          // rows of the longest step (max_tokens or long_step_rows) * k
   std::vector<uint8_t> worker_busy_, seen_;
   group::ExpertPlan plan_;
   uint64_t expert_seq_ = 0;

@@ -18,6 +18,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const model::HParams& hp = m_.hp;
   const model::AttentionWeights& A = m_.layers[il].attn;
   LayerState& S = state_[il];
+  const int64_t pos0 = n_past_ + window_first_;   // the first row's position (set_window)
   const int64_t hd = hp.head_dim;
   const int64_t n_head = hp.n_head;
   const int64_t kv_dim = hp.n_head_kv * hd;
@@ -50,7 +51,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   // batch sees exactly positions 0..n_past+t, as it would if decoded alone.
   std::vector<float> q(n * n_head * hd);
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = n_past_ + t;
+    const int64_t pos = pos0 + t;
     for (int64_t hh = 0; hh < n_head; ++hh) {
       float* qh = q.data() + (t * n_head + hh) * hd;
       const float* src = qg.data() + t * q_rows + hh * q_stride;
@@ -66,7 +67,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   }
   // A draw per (seed, layer, position, element, K or V): splitmix64 of those.
   const auto draw = [&](uint64_t seed, int64_t i, int w) {
-    const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((n_past_ + i / kv_dim) * kv_dim + i % kv_dim);
+    const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((pos0 + i / kv_dim) * kv_dim + i % kv_dim);
     uint64_t z = seed * 0x9e3779b97f4a7c15ull + at * 2 + static_cast<uint64_t>(w);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -103,14 +104,14 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t group = n_head / hp.n_head_kv;
   std::vector<float> out(n * n_head * hd);
-  const int64_t n_ctx = n_past_ + n;
+  const int64_t n_ctx = pos0 + n;
   pool_.parallel_for(n * n_head, n_ctx * hd * 2, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / n_head;
       const int64_t hh = i % n_head;
       const int64_t kvh = hh / group;
-      const int64_t n_kv = n_past_ + t + 1;
+      const int64_t n_kv = pos0 + t + 1;
       float* o = out.data() + i * hd;
       // A sliding layer sees the last sliding_window positions, itself included.
       const int64_t first = part.sliding_window > 0 ? std::max<int64_t>(0, n_kv - part.sliding_window) : 0;

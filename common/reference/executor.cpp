@@ -25,6 +25,7 @@ void ReferenceExecutor::reset() {
     state_[il].ssm_state.assign(hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim, 0.0f);
   }
   n_past_ = 0;
+  window_first_ = 0;
   snapshot_pos_ = -1;
 }
 
@@ -63,6 +64,7 @@ void ReferenceExecutor::rewind(int64_t n_past) {
     S.v_cache.resize(static_cast<size_t>(n_past * kv_dim));
   }
   n_past_ = n_past;
+  window_first_ = 0;
 }
 
 void ReferenceExecutor::embed(std::span<const int32_t> tokens, float* x) const {

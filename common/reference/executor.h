@@ -50,7 +50,14 @@ class ReferenceExecutor {
   // to x, appends to the caches), then the normalised MoE input into h.
   void mixer_step(int64_t il, float* x, int64_t n, float* h);
   // Marks the n rows of the step as cached (after the last layer).
-  void advance(int64_t n) { n_past_ += n; }
+  void advance(int64_t n) {
+    n_past_ += n;
+    window_first_ = 0;
+  }
+  // A long step run layer by layer over windows of its rows (gpu_worker's long steps): the next
+  // mixer_step calls' rows start at position n_past() + first, not n_past(). Each layer must see
+  // its windows in order, so its caches grow as they would over consecutive steps.
+  void set_window(int64_t first) { window_first_ = first; }
   // Final norm and lm head over `rows` rows of x: logits [rows][n_vocab]; h is rows * n_embd scratch.
   void output_logits(const float* x, int64_t rows, float* h, float* logits);
   ThreadPool& pool() { return pool_; }
@@ -91,6 +98,7 @@ class ReferenceExecutor {
   uint64_t kv_perturb_seed_;
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
+  int64_t window_first_ = 0;   // set_window: the first row's position is n_past_ + window_first_
   std::vector<LayerState> snapshot_;   // recurrent states at snapshot_pos_ (-1: none since reset)
   int64_t snapshot_pos_ = -1;
 };

@@ -341,7 +341,7 @@ TEST_F(GroupFaults, KilledCpuWorkerMidStepIsRestartedAndTokensMatch) {
   const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(g.socket_dir()));
   const model::Model m = model::Model::load(*model_);
   shm::ShmSegment exchange = shm::ShmSegment::open(man.exchange_locator);
-  const group::ExchangeLayout xl = group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers);
+  const group::ExchangeLayout xl = group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers, man.long_step_rows);
   auto bell = [&](size_t i) {
     return shm::Doorbell::at(exchange.data() + xl.region("bells").offset + i * sizeof(shm::Doorbell));
   };
@@ -381,7 +381,7 @@ TEST_F(GroupFaults, KilledGpuWorkerMidStepIsDetectedAndTheStepReissued) {
   ASSERT_EQ(man.step_channel, "doorbell");
   const model::Model m = model::Model::load(*model_);
   shm::ShmSegment exchange = shm::ShmSegment::open(man.exchange_locator);
-  const group::ExchangeLayout xl = group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers);
+  const group::ExchangeLayout xl = group::ExchangeLayout::build(m.hp, man.max_tokens, man.n_cpu_workers, man.long_step_rows);
   auto bell = [&](const char* region, size_t i) {
     return shm::Doorbell::at(exchange.data() + xl.region(region).offset + i * sizeof(shm::Doorbell));
   };

@@ -97,9 +97,7 @@ Group::Group(GroupOptions o) : o_(std::move(o)), dir_(o_.socket_dir.empty() ? te
   lo.start_args = {"-m", o_.model, "--cpu-workers", std::to_string(o_.cpu_workers), "--handoff", o_.handoff,
                    "--gpu-threads", "1", "--bin-dir", (kBuild / "coordinator").string(),
                    "--vram", o_.vram.empty() ? "dense" : o_.vram, "--ram", o_.ram, "--backend", o_.backend,
-                   // 64-row steps (the default is 512): the golden prompts (up to 80 tokens) then
-                   // prefill in two steps, so the group tests cover a prefill split across steps.
-                   "--max-tokens", "64"};
+                   "--max-tokens", std::to_string(o_.max_tokens)};
   if (o_.supervisor_defaults) {
     lo.start_args = {"-m", o_.model, "--cpu-workers", std::to_string(o_.cpu_workers), "--bin-dir", (kBuild / "coordinator").string()};
   } else {

@@ -48,6 +48,9 @@ struct GroupOptions {
   // place the second by the first's routing.
   bool write_census = false;
   std::string backend = "cpu";  // the gpu_worker's --backend: cpu or cuda
+  // --max-tokens: 64-row steps (the default is 512), so the golden prompts (up to 80 tokens)
+  // prefill in two steps and the group tests cover a prefill split across steps.
+  int max_tokens = 64;
   std::vector<std::string> extra_args;  // appended to `moraine-supervisor start`
   // Start the group as deploy/demo and the README do: `start -m MODEL --cpu-workers N
   // --socket-dir DIR --bin-dir BIN` and nothing else (every other field above is then ignored

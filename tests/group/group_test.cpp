@@ -111,12 +111,43 @@ std::vector<Case> cases() {
   return v;
 }
 
+// Long steps (--long-step-rows): the gpu_worker runs each layer over windows of --max-tokens rows
+// (4 here; 10-row steps: windows of 4, 4 and 2), and its logits are still the reference's bit for
+// bit, on the CPU backend with every expert on the cpu workers.
+class GroupLongSteps : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GroupLongSteps, WindowedLayersGiveTheReferenceLogits) {
+  const Case& c = GetParam();
+  constexpr int kTokens = 6;
+  const auto [dir, model, prompt, ref] = golden_case(c.model, c.weights, "long", kTokens);
+  ASSERT_GT(prompt.size(), 10u) << "the prompt must take a full long step";
+  GroupOptions o;
+  o.model = model;
+  o.max_tokens = 4;
+  o.extra_args = {"--coordinator-arg=--long-step-rows=10"};
+  o.logits_dump = dir + "/logits.f32";
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const size_t first_diff = first_bit_difference(got, ref.logits);
+  EXPECT_EQ(first_diff, got.size()) << "logit " << first_diff << ": group " << got[first_diff] << " vs reference "
+                                    << ref.logits[first_diff];
+  g.stop();
+  fs::remove_all(dir);
+}
+
 std::vector<Case> greedy_cases() {
   return {{"qwen3moe_odd", "f32", "doorbell", "doorbell"}, {"qwen3next_k256", "kmix", "doorbell", "doorbell"},
           {"qwen3moe_odd", "q8_0", "zmq", "zmq"}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupMatchesReference, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Golden, GroupLongSteps,
+                         ::testing::Values(Case{"qwen3moe_odd", "f32", "doorbell"}, Case{"qwen3next_k256", "kmix", "doorbell"}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 INSTANTIATE_TEST_SUITE_P(Golden, GroupGreedyTokens, ::testing::ValuesIn(greedy_cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
