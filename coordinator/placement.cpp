@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/model/layer_state.h"
+
 namespace moraine::group {
 
 const char* tier_name(Tier t) {
@@ -79,7 +81,7 @@ std::string format_bytes(std::uint64_t bytes) {
 }
 
 std::int64_t planned_context(const model::Model& m, std::int64_t requested) {
-  const auto model_ctx = m.file.get_u64(std::string(model::arch_name(m.hp.arch)) + ".context_length");
+  const auto model_ctx = m.file.get_u64(std::string(m.hp.arch_string()) + ".context_length");
   if (requested < 0) throw std::invalid_argument("--ctx must be >= 0");
   std::int64_t ctx = requested > 0 ? requested : 4096;
   if (model_ctx && *model_ctx > 0) ctx = std::min<std::int64_t>(ctx, static_cast<std::int64_t>(*model_ctx));
@@ -109,15 +111,7 @@ ModelSizes model_sizes(const model::Model& m, std::int64_t context, model::KvTyp
     s.expert_slot_bytes.push_back(slot);
   }
   s.dense_bytes = all - experts;
-  const auto ctx = static_cast<std::uint64_t>(context);
-  for (std::int64_t il = 0; il < hp.n_layer; ++il) {
-    if (hp.is_recurrent(il)) {
-      s.kv_bytes += static_cast<std::uint64_t>((hp.ssm_conv_kernel - 1) * hp.ssm_conv_dim() +
-                                               hp.ssm_n_v_heads * hp.ssm_head_k_dim * hp.ssm_head_v_dim) * sizeof(float);
-    } else {
-      s.kv_bytes += 2 * ctx * static_cast<std::uint64_t>(hp.n_head_kv * hp.head_dim) * model::kv_type_bytes(kv_type);
-    }
-  }
+  for (std::int64_t il = 0; il < hp.n_layer; ++il) s.kv_bytes += model::layer_state_bytes(hp, il, context, kv_type);
   return s;
 }
 

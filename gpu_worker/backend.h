@@ -268,6 +268,11 @@ class Backend {
   virtual std::vector<std::pair<int64_t, int32_t>> landed_swaps() { return {}; }
 };
 
+// The layer parts each backend implements (backend_support.cpp); make_backend refuses a model
+// whose recipes use another (model::check_supported names the layer, part and backend).
+const model::BackendSupport& cpu_backend_support();
+const model::BackendSupport& cuda_backend_support();
+
 // `kind` "cpu" or "cuda"; throws std::runtime_error for a backend this build does not have.
 std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Model& m, const BackendOptions& o);
 

@@ -317,7 +317,10 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Model& m, const BackendOptions& o) {
-  if (kind == "cpu") return std::make_unique<CpuBackend>(m, o);
+  if (kind == "cpu") {
+    model::check_supported(m, cpu_backend_support());
+    return std::make_unique<CpuBackend>(m, o);
+  }
   if (kind == "cuda") {
 #ifdef MORAINE_HAVE_CUDA
     return make_cuda_backend(m, o);

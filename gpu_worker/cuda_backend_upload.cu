@@ -152,6 +152,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
       kv_f16_(o.kv_type == model::KvType::F16) {
   const model::HParams& hp = m.hp;
   stage_halves_ = o.stage_prefetch && long_step_rows_ > 0 ? 2 : 1;
+  model::check_supported(m, cuda_backend_support());   // a part the kernels lack: refused, never run wrongly
   std::string why;
   if (!cuda::device_available(&why)) throw std::runtime_error("--backend cuda: no CUDA device: " + why);
   CUDA_CHECK(cudaSetDevice(device_));

@@ -1,10 +1,13 @@
 // Hyper-parameters of a model, read from GGUF metadata under the keys llama.cpp writes
-// ("{arch}.block_count", "{arch}.attention.head_count", ...). One struct for every family
-// moraine runs; fields a family does not use stay zero.
+// ("{arch}.block_count", "{arch}.attention.head_count", ...). The common keys are read here; the
+// architecture's own keys and its per-layer recipe come from its description
+// (common/model/arch/<arch>.cpp). Fields an architecture does not use stay zero.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "common/model/arch/parts.h"
 
 namespace moraine::gguf {
 class GgufFile;
@@ -12,12 +15,19 @@ class GgufFile;
 
 namespace moraine::model {
 
-enum class Arch { Qwen3Moe, Qwen3Next };
+struct ArchDesc;
 
-const char* arch_name(Arch a);  // the GGUF general.architecture string
+// The two architectures moraine ran before the descriptions; kept for the callers that compare
+// against them. Code that behaves per architecture reads hp.desc and hp.recipes instead.
+enum class Arch { Qwen3Moe, Qwen3Next, Other };
+
+const char* arch_name(Arch a);  // the GGUF general.architecture string ("?" for Other)
 
 struct HParams {
   Arch arch = Arch::Qwen3Moe;
+  const ArchDesc* desc = nullptr;   // the architecture's description (null: built by hand, tests)
+  // Per layer, trunk then nextn blocks: the parts it is built from (desc->layer_recipe).
+  std::vector<LayerRecipe> recipes;
   int64_t n_layer = 0;          // trunk layers (block_count minus nextn layers)
   int64_t n_nextn = 0;          // multi-token-prediction layers stored after the trunk
   int64_t n_embd = 0;
@@ -43,6 +53,21 @@ struct HParams {
   int64_t ssm_head_v_dim = 0;    // ssm.inner_size / n_v_heads
   int64_t full_attention_interval = 0;
   std::vector<bool> recurrent;   // per trunk layer: true = DeltaNet, false = full attention
+
+  // Options of parts other architectures use (their descriptions read the keys).
+  int64_t sliding_window = 0;       // attention.sliding_window: the window of the layers that slide
+  std::vector<bool> swa_layers;     // per trunk layer: true = sliding-window attention
+  RopeScaling rope_scaling = RopeScaling::None;
+  double rope_scaling_factor = 1.0;
+  int64_t rope_orig_ctx = 0;        // rope.scaling.original_context_length
+  double expert_weights_scale = 1.0;  // routed output's factor
+  int64_t n_ff = 0;                 // feed_forward_length (dense layers)
+  int64_t n_dense_lead = 0;         // leading_dense_block_count
+
+  const char* arch_string() const;  // general.architecture of desc (or of arch when desc is null)
+  // The recipe of layer il; a hand-built HParams without recipes gets the one its flat fields
+  // imply (attention or DeltaNet, softmax-then-top-k, a gated shared expert when n_ff_shexp > 0).
+  LayerRecipe recipe(int64_t il) const;
 
   int64_t ssm_key_dim() const { return ssm_head_k_dim * ssm_n_k_heads; }
   int64_t ssm_value_dim() const { return ssm_head_v_dim * ssm_n_v_heads; }

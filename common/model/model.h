@@ -7,17 +7,20 @@
 #include <vector>
 
 #include "common/gguf/gguf.h"
+#include "common/model/arch/arch.h"
 #include "common/model/hparams.h"
 #include "common/model/tensor_binder.h"
 
 namespace moraine::model {
 
-// Full (softmax) attention. qwen3next's q projection carries the output gate: per head,
-// head_dim query values then head_dim gate values (q.n_rows == 2 * n_head * head_dim).
+// Full (softmax) attention. With an output gate (qwen3next) the q projection carries it: per
+// head, head_dim query values then head_dim gate values (q.n_rows == 2 * n_head * head_dim).
 struct AttentionWeights {
   Matrix q, k, v, o;
-  std::vector<float> q_norm, k_norm;   // per-head RMSNorm over head_dim
-  bool q_has_gate = false;
+  std::vector<float> q_norm, k_norm;   // per-head RMSNorm over head_dim (empty: none)
+  bool q_has_gate = false;             // = the recipe's output_gate
+  std::vector<float> q_bias, k_bias, v_bias, o_bias;   // empty when the recipe has none
+  std::vector<float> sinks;            // [n_head] learned softmax sink logits (gpt-oss)
 };
 
 // Gated DeltaNet (qwen3next linear attention). The projections are stored either as
@@ -40,15 +43,26 @@ struct MoeWeights {
   // Shared expert (qwen3next); absent for qwen3moe.
   Matrix shared_gate, shared_up, shared_down;
   std::vector<float> shared_router;    // [n_embd]: sigmoid(dot(x, w)) scales the shared expert
+  std::vector<float> router_bias;      // [n_expert] added to the logits (gpt-oss)
+  std::vector<float> score_bias;       // [n_expert] exp_probs_b: for the choice only
+  // Per-expert biases, [n_expert][n_ff] for gate and up, [n_expert][n_embd] for down.
+  std::vector<float> gate_bias, up_bias, down_bias;
+};
+
+// A dense SwiGLU FFN layer (the leading layers of deepseek2 / glm4moe).
+struct DenseFfnWeights {
+  Matrix gate, up, down;
 };
 
 struct LayerWeights {
-  bool recurrent = false;
+  LayerRecipe recipe;            // the parts this layer is built from (hp.recipes[il])
+  bool recurrent = false;        // = recipe.mixer.kind == GatedDeltaNet
   std::vector<float> attn_norm;  // before the token mixer
   std::vector<float> ffn_norm;   // before the MoE (qwen3next: post_attention_norm)
   AttentionWeights attn;
   DeltaNetWeights delta;
   MoeWeights moe;
+  DenseFfnWeights dense;
 };
 
 // Multi-token-prediction head of qwen3next (loaded and checked; not run by the reference yet).
@@ -74,8 +88,12 @@ struct Model {
   static Model bind(gguf::GgufFile file);
 };
 
-// Family recipes: which tensors each layer has and their shapes (qwen3moe.cpp, qwen3next.cpp).
-void bind_qwen3moe(Model& m, TensorBinder& b);
-void bind_qwen3next(Model& m, TensorBinder& b);
+// Binds every layer's tensors by its recipe and the description's tensor table, with the shapes
+// the hyper-parameters imply (bind_layers.cpp).
+void bind_layers(Model& m, TensorBinder& b);
+
+// Refuses (ModelError naming the layer, the option and the backend) a model whose recipes use a
+// feature `support` lacks: a model is never run with a part a backend would compute wrongly.
+void check_supported(const Model& m, const BackendSupport& support);
 
 }  // namespace moraine::model

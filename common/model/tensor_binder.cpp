@@ -82,6 +82,16 @@ std::vector<float> TensorBinder::vector(const std::string& name, int64_t n) {
   return v;
 }
 
+std::vector<float> TensorBinder::floats(const std::string& name, const std::vector<int64_t>& shape) {
+  const gguf::TensorInfo& t = find(name, shape);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  const size_t rb = row_bytes(t.type, shape[0]);
+  for (int64_t r = 0; r < n / shape[0]; ++r) dequantize_row(t.type, t.data + r * rb, v.data() + r * shape[0], shape[0]);
+  return v;
+}
+
 void TensorBinder::check_all_bound() const {
   std::string extra;
   int n_extra = 0;

@@ -53,6 +53,8 @@ class TensorBinder {
   Matrix matrix(const std::string& name, int64_t n_cols, int64_t n_rows);
   ExpertTensor experts(const std::string& name, int64_t n_cols, int64_t n_rows, int64_t n_expert);
   std::vector<float> vector(const std::string& name, int64_t n);  // dequantized to float
+  // A small tensor of any rank (per-expert biases), dequantized row by row, ggml order.
+  std::vector<float> floats(const std::string& name, const std::vector<int64_t>& shape);
 
   bool has(const std::string& name) const;
 

@@ -1,6 +1,8 @@
-// Full (softmax) attention for both families: GQA, per-head RMSNorm on q and k, NEOX RoPE over
-// the first n_rot dims; qwen3next's variant also carries a per-head output gate in the q
-// projection ([query | gate] per head) and multiplies the attention output by sigmoid(gate).
+// Full (softmax) attention as the layer's AttentionPart asks: GQA, NEOX RoPE over the first n_rot
+// dims (YaRN-scaled when the part says so); optional per-head RMSNorm on q and k (qwen), a
+// per-head output gate carried in the q projection ([query | gate] per head, out *= sigmoid(gate),
+// qwen3next), q/k/v/o biases, a learned sink logit per head and a sliding window (gpt-oss).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -23,11 +25,27 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const int64_t q_rows = A.q.n_rows;  // n_head * hd, doubled when the gate rides along
   const int64_t q_stride = A.q_has_gate ? 2 * hd : hd;
   const float eps = static_cast<float>(hp.rms_eps);
+  const model::AttentionPart& part = m_.layers[il].recipe.mixer.attn;
+  const bool yarn = part.rope.scaling == model::RopeScaling::Yarn;
+  const YarnParams yarn_params{part.rope.yarn_factor, part.rope.yarn_orig_ctx, part.rope.yarn_beta_fast,
+                               part.rope.yarn_beta_slow};
+  const auto rotate = [&](float* head, int64_t pos) {
+    if (yarn) rope_neox_yarn(head, hp.n_rot, pos, hp.rope_freq_base, yarn_params);
+    else rope_neox(head, hp.n_rot, pos, hp.rope_freq_base);
+  };
+  const auto add_bias = [](float* rows, int64_t n_rows, const std::vector<float>& b) {
+    const int64_t w = static_cast<int64_t>(b.size());
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t i = 0; i < w; ++i) rows[r * w + i] += b[i];
+  };
 
   std::vector<float> qg(n * q_rows), k(n * kv_dim), v(n * kv_dim);
   matmul(A.q, h, n, qg.data(), pool_, order_);
   matmul(A.k, h, n, k.data(), pool_, order_);
   matmul(A.v, h, n, v.data(), pool_, order_);
+  if (!A.q_bias.empty()) add_bias(qg.data(), n, A.q_bias);
+  if (!A.k_bias.empty()) add_bias(k.data(), n, A.k_bias);
+  if (!A.v_bias.empty()) add_bias(v.data(), n, A.v_bias);
 
   // Normalise and rotate; append k and v to the cache before attending so token t of this
   // batch sees exactly positions 0..n_past+t, as it would if decoded alone.
@@ -36,13 +54,15 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
     const int64_t pos = pos0 + t;
     for (int64_t hh = 0; hh < n_head; ++hh) {
       float* qh = q.data() + (t * n_head + hh) * hd;
-      rms_norm(qg.data() + t * q_rows + hh * q_stride, A.q_norm.data(), hd, eps, qh);
-      rope_neox(qh, hp.n_rot, pos, hp.rope_freq_base);
+      const float* src = qg.data() + t * q_rows + hh * q_stride;
+      if (A.q_norm.empty()) std::copy_n(src, hd, qh);
+      else rms_norm(src, A.q_norm.data(), hd, eps, qh);
+      rotate(qh, pos);
     }
     for (int64_t hh = 0; hh < hp.n_head_kv; ++hh) {
       float* kh = k.data() + t * kv_dim + hh * hd;
-      rms_norm(kh, A.k_norm.data(), hd, eps, kh);
-      rope_neox(kh, hp.n_rot, pos, hp.rope_freq_base);
+      if (!A.k_norm.empty()) rms_norm(kh, A.k_norm.data(), hd, eps, kh);
+      rotate(kh, pos);
     }
   }
   // A draw per (seed, layer, position, element, K or V): splitmix64 of those.
@@ -93,8 +113,15 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
       const int64_t kvh = hh / group;
       const int64_t n_kv = pos0 + t + 1;
       float* o = out.data() + i * hd;
-      attend_one_head(q.data() + i * hd, S.k_cache.data() + kvh * hd, S.v_cache.data() + kvh * hd,
-                      n_kv, kv_dim, hd, scale, scores.data(), o);
+      // A sliding layer sees the last sliding_window positions, itself included.
+      const int64_t first = part.sliding_window > 0 ? std::max<int64_t>(0, n_kv - part.sliding_window) : 0;
+      const float* kc = S.k_cache.data() + first * kv_dim + kvh * hd;
+      const float* vc = S.v_cache.data() + first * kv_dim + kvh * hd;
+      if (A.sinks.empty()) {
+        attend_one_head(q.data() + i * hd, kc, vc, n_kv - first, kv_dim, hd, scale, scores.data(), o);
+      } else {
+        attend_one_head_sink(q.data() + i * hd, kc, vc, n_kv - first, kv_dim, hd, scale, A.sinks[hh], scores.data(), o);
+      }
       if (A.q_has_gate) {
         const float* gate = qg.data() + t * q_rows + hh * q_stride + hd;
         for (int64_t j = 0; j < hd; ++j) o[j] *= sigmoid(gate[j]);
@@ -104,6 +131,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
 
   std::vector<float> y(n * hp.n_embd);
   matmul(A.o, out.data(), n, y.data(), pool_, order_);
+  if (!A.o_bias.empty()) add_bias(y.data(), n, A.o_bias);
   for (int64_t i = 0; i < n * hp.n_embd; ++i) x[i] += y[i];
 }
 

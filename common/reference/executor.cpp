@@ -12,6 +12,7 @@ namespace moraine::reference {
 ReferenceExecutor::ReferenceExecutor(const model::Model& model, ExecutorOptions opt)
     : m_(model), pool_(opt.n_threads, opt.min_parallel_work), order_(opt.dot_order), kv_type_(opt.kv_type),
       kv_perturb_seed_(opt.kv_perturb_seed) {
+  model::check_supported(m_, model::reference_support());
   reset();
 }
 

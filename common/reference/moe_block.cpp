@@ -1,5 +1,6 @@
 // Mixture of experts: softmax router, top-k (ties to the lower expert id), weights renormalised
-// when norm_topk_prob, SwiGLU experts; qwen3next adds a shared expert scaled by
+// when norm_topk_prob, SwiGLU experts (gpt-oss: top-k then softmax, biased clamped-SwiGLU
+// experts, as the layer's FfnPart says); qwen3next adds a shared expert scaled by
 // sigmoid(dot(h, shared_router)). Tokens routed to one expert are gathered so its weights are
 // read once per batch; each token's outputs are summed in its own top-k order, so a token gets
 // the same sum whatever else is in the batch. The pieces live in moe_parts.cpp, where the process
@@ -23,7 +24,13 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
   router.reserve(hp, n);
   std::vector<int32_t> chosen(n * k);
   std::vector<float> weight(n * k);
-  route_top_k(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
+  const model::FfnPart& part = m_.layers[il].recipe.ffn;
+  if (part.router.kind == model::RouterKind::TopKSoftmax) {
+    route_top_k_softmax(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
+  } else {
+    route_top_k(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
+  }
+  const bool plain_swiglu = part.experts.act == model::Activation::SwiGlu && !part.experts.biases;
 
   // Per expert: gather its tokens, run it once, scatter into [token][slot].
   std::vector<float> slot_out(n * k * d);
@@ -41,8 +48,12 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     xg.resize(m * d);
     yg.resize(m * d);
     for (int64_t j = 0; j < m; ++j) std::copy_n(h + (rows[j] / k) * d, d, xg.data() + j * d);
-    swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), xg.data(), m, yg.data(), scratch, pool_,
-                  order_);
+    if (plain_swiglu) {
+      swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), xg.data(), m, yg.data(), scratch, pool_,
+                    order_);
+    } else {
+      biased_expert(W, e, part.experts, xg.data(), m, yg.data(), scratch, pool_, order_);
+    }
     for (int64_t j = 0; j < m; ++j) std::copy_n(yg.data() + j * d, d, slot_out.data() + rows[j] * d);
   }
 

@@ -42,6 +42,31 @@ void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const flo
   }
 }
 
+void route_top_k_softmax(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                         int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                         DotOrderSeed dot_order) {
+  const int64_t ne = hp.n_expert;
+  const int64_t k = hp.n_expert_used;
+  matmul(W.router, h, n, scratch.logits.data(), pool, dot_order);
+  std::vector<int64_t>& order = scratch.order;
+  for (int64_t t = 0; t < n; ++t) {
+    float* lt = scratch.logits.data() + t * ne;
+    if (!W.router_bias.empty())
+      for (int64_t e = 0; e < ne; ++e) lt[e] += W.router_bias[e];
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+      return lt[a] > lt[b] || (lt[a] == lt[b] && a < b);
+    });
+    const float mx = lt[order[0]];
+    float sum = 0.0f;
+    for (int64_t s = 0; s < k; ++s) sum += (weight[t * k + s] = std::exp(lt[order[s]] - mx));
+    for (int64_t s = 0; s < k; ++s) {
+      chosen[t * k + s] = static_cast<int32_t>(order[s]);
+      weight[t * k + s] /= sum;
+    }
+  }
+}
+
 void ExpertScratch::reserve(int64_t max_rows, int64_t ff) {
   g.resize(static_cast<size_t>(max_rows * ff));
   u.resize(static_cast<size_t>(max_rows * ff));
@@ -62,6 +87,39 @@ void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const mod
   }
   for (int64_t i = 0; i < m * ff; ++i) g[i] = silu(g[i]) * u[i];
   matmul(down, g, m, y, pool, order);
+}
+
+void biased_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
+                   float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order) {
+  const model::Matrix gate = W.gate.expert(e), up = W.up.expert(e), down = W.down.expert(e);
+  const int64_t ff = gate.n_rows, d = down.n_rows;
+  float* g = scratch.g.data();
+  float* u = scratch.u.data();
+  matmul(gate, x, m, g, pool, order);
+  matmul(up, x, m, u, pool, order);
+  const bool biased = part.biases && !W.gate_bias.empty();
+  const float* bg = biased ? W.gate_bias.data() + e * ff : nullptr;
+  const float* bu = biased ? W.up_bias.data() + e * ff : nullptr;
+  const float alpha = static_cast<float>(part.swiglu_alpha), limit = static_cast<float>(part.swiglu_limit);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < ff; ++i) {
+      float gi = g[r * ff + i] + (bg ? bg[i] : 0.0f);
+      float ui = u[r * ff + i] + (bu ? bu[i] : 0.0f);
+      if (part.act == model::Activation::SwiGluClamped) {
+        gi = std::fmin(gi, limit);
+        ui = std::fmax(-limit, std::fmin(ui, limit));
+        g[r * ff + i] = gi * sigmoid(alpha * gi) * (ui + 1.0f);
+      } else {
+        g[r * ff + i] = silu(gi) * ui;
+      }
+    }
+  }
+  matmul(down, g, m, y, pool, order);
+  if (biased) {
+    const float* bd = W.down_bias.data() + e * d;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < d; ++i) y[r * d + i] += bd[i];
+  }
 }
 
 void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,

@@ -26,6 +26,12 @@ void route_top_k(const model::HParams& hp, const model::MoeWeights& W, const flo
                  int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
                  DotOrderSeed order = 0);
 
+// The top-k-then-softmax router (gpt-oss): logits (+ the router's bias), the k largest (ties to
+// the lower id), softmax over those k.
+void route_top_k_softmax(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
+                         int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                         DotOrderSeed order = 0);
+
 struct ExpertScratch {
   std::vector<float> g, u;   // [max_rows * ff]
   void reserve(int64_t max_rows, int64_t ff);
@@ -35,6 +41,12 @@ struct ExpertScratch {
 void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const model::Matrix& down,
                    const float* x, int64_t m, float* y, ExpertScratch& scratch, ThreadPool& pool,
                    DotOrderSeed order = 0);
+
+// Expert e of W as the ExpertsPart says, for the parts swiglu_expert does not cover: per-expert
+// biases on gate, up and down, and gpt-oss's clamped SwiGLU
+//   g = min(gate, limit); u = clamp(up, -limit, limit); act = g * sigmoid(alpha g) * (u + 1).
+void biased_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
+                   float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order = 0);
 
 // x[t] += sum_s weight[t,s] * slot_rows[t * k + s] (+ sigmoid(h . shared_router) * shared[t]).
 // slot_rows[i] points at slot i's expert output row; shared is null when the model has none.

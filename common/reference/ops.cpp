@@ -1,5 +1,6 @@
 #include "common/reference/ops.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace moraine::reference {
@@ -32,6 +33,55 @@ void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base) {
     const float x1 = head[i + half];
     head[i] = x0 * c - x1 * s;
     head[i + half] = x0 * s + x1 * c;
+  }
+}
+
+void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn) {
+  const double pi = 3.14159265358979323846;
+  const auto corr_dim = [&](double rotations) {
+    return static_cast<double>(n_rot) * std::log(static_cast<double>(yarn.orig_ctx) / (rotations * 2 * pi)) /
+           (2 * std::log(freq_base));
+  };
+  const double low = std::max(0.0, std::floor(corr_dim(yarn.beta_fast)));
+  const double high = std::min(static_cast<double>(n_rot - 1), std::ceil(corr_dim(yarn.beta_slow)));
+  const double mscale = 1.0 + 0.1 * std::log(yarn.factor);
+  const int64_t half = n_rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double extrap = static_cast<double>(pos) *
+                          std::pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot));
+    const double y = (static_cast<double>(i) - low) / std::max(0.001, high - low);
+    const double ramp = 1.0 - std::min(1.0, std::max(0.0, y));   // 1: keep the unscaled frequency
+    const double theta = extrap / yarn.factor * (1.0 - ramp) + extrap * ramp;
+    const float c = static_cast<float>(std::cos(theta) * mscale);
+    const float s = static_cast<float>(std::sin(theta) * mscale);
+    const float x0 = head[i];
+    const float x1 = head[i + half];
+    head[i] = x0 * c - x1 * s;
+    head[i + half] = x0 * s + x1 * c;
+  }
+}
+
+void attend_one_head_sink(const float* q, const float* k, const float* v, int64_t n_kv, int64_t kv_stride,
+                          int64_t head_dim, float scale, float sink, float* scores, float* out) {
+  float mx = sink;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float* kj = k + j * kv_stride;
+    float s = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) s += q[d] * kj[d];
+    scores[j] = s * scale;
+    mx = std::fmax(mx, scores[j]);
+  }
+  float sum = std::exp(sink - mx);
+  for (int64_t j = 0; j < n_kv; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float p = scores[j] * inv;
+    const float* vj = v + j * kv_stride;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
   }
 }
 

@@ -16,6 +16,17 @@ void l2_norm(float* x, int64_t n, float eps);
 // i + n_rot/2 rotate by pos * base^(-2i/n_rot). Dims from n_rot on are left as they are.
 void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base);
 
+// YaRN (NTK-by-parts) scaling of rope_neox's frequencies, as llama.cpp's ggml_rope_ext applies
+// it: pair i's frequency mixes base^(-2i/n_rot) / factor (interpolated) and the unscaled one by
+// a ramp between the correction dims of beta_fast and beta_slow (floored / ceiled), and cos and
+// sin are scaled by 1 + 0.1 ln(factor).
+struct YarnParams {
+  double factor = 1.0;
+  int64_t orig_ctx = 0;
+  double beta_fast = 32.0, beta_slow = 1.0;
+};
+void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn);
+
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }
 // log(1 + e^x), linear above 20 as torch.nn.functional.softplus does.
@@ -27,6 +38,11 @@ float softplus(float x);
 void attend_one_head(const float* q, const float* k, const float* v, int64_t n_kv,
                      int64_t kv_stride, int64_t head_dim, float scale, float* scores_tmp,
                      float* out);
+
+// attend_one_head with a learned sink: one more logit `sink` joins the softmax (gpt-oss) and
+// takes its share of the probability mass without contributing a value.
+void attend_one_head_sink(const float* q, const float* k, const float* v, int64_t n_kv, int64_t kv_stride,
+                          int64_t head_dim, float scale, float sink, float* scores_tmp, float* out);
 
 // Depthwise causal conv1d for one new input column, then SiLU:
 //   out[c] = silu( sum_{j<K-1} w[c][j] * state[j][c] + w[c][K-1] * x[c] )

@@ -95,6 +95,34 @@ MODELS = {
                     tie_word_embeddings=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                      "partial_rotary_factor": 0.25})),
+    # gpt-oss: attention biases and sinks, sliding (8, so the 24-token prompt crosses it) and
+    # full layers alternating, YaRN, top-k-then-softmax router with bias, clamped-SwiGLU experts
+    # with biases. opt_in: made only with --only gpt_oss_odd, since moraine-convert cannot map
+    # GptOssForCausalLM yet and reference_golden_test converts every manifest model.
+    # HF's yarn here has truncate=False; llama.cpp (and a GGUF, which has no key for it) floors
+    # and ceils the correction dims: this fixture measures that gap too.
+    "gpt_oss_odd": dict(
+        arch="GptOssForCausalLM", seed=3001, layout="fused", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=40, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                    num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                    tie_word_embeddings=False, swiglu_limit=7.0,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 4096, "truncate": False})),
+    # qwen2moe: the architecture made only of existing parts (q/k/v biases, softmax router
+    # without renormalisation, gated shared expert). opt_in until moraine-convert maps it.
+    "qwen2moe_odd": dict(
+        arch="Qwen2MoeForCausalLM", seed=4001, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=3,
+                    num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                    shared_expert_intermediate_size=48, norm_topk_prob=False,
+                    decoder_sparse_step=1, rms_norm_eps=1e-6, max_position_embeddings=512,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 
 N_PROMPT = 24
@@ -154,7 +182,7 @@ def tokenizer_config(tok):
 def selected(args):
     """MODELS, or the ones --only names (the others' fixtures stay as they are)."""
     if not args.only:
-        return MODELS
+        return {n: m for n, m in MODELS.items() if not m.get("opt_in")}
     names = args.only.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
@@ -197,8 +225,16 @@ def init_weights(model, model_type, gen):
                 normal(1.0)
             elif name == "lm_head.weight":
                 normal(2.0 / math.sqrt(p.shape[1]))           # logits of a few units
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight") or name.endswith("mlp.router.weight"):
                 normal(3.0 / math.sqrt(p.shape[1]))           # decisive, token-dependent routing
+            elif model_type == "gpt_oss" and name.endswith("experts.gate_up_proj"):   # [E, H, 2F]
+                normal(1.0 / math.sqrt(p.shape[1]))
+            elif model_type == "gpt_oss" and name.endswith("experts.down_proj"):      # [E, F, H]
+                normal(1.0 / math.sqrt(p.shape[1]))
+            elif name.endswith("_bias") and p.dim() == 2:     # gpt-oss per-expert biases
+                normal(0.1)
+            elif name.endswith("self_attn.sinks"):            # one softmax sink logit per head
+                normal(1.0)
             elif name.endswith("experts.gate_up_proj"):       # [E, 2F, H]
                 normal(1.0 / math.sqrt(p.shape[2]))
             elif name.endswith("experts.down_proj"):          # [E, H, F]
@@ -411,11 +447,13 @@ def one_model(args, name, spec, manifest):
     # Expert routing spread: distinct top-k expert sets across positions, per MoE layer,
     # read from the routers' own outputs (an integer tensor of chosen expert ids).
     picked = []
-    hooks = [layer.mlp.gate.register_forward_hook(
+    routers = [layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.mlp.router   # qwen / gpt-oss
+               for layer in ref.model.layers]
+    hooks = [router.register_forward_hook(
                  lambda mod, inp, out: picked.append(
                      [o for o in (out if isinstance(out, tuple) else (out,))
                       if not o.is_floating_point()][-1]))
-             for layer in ref.model.layers]
+             for router in routers]
     ref(torch.tensor([prompt]), use_cache=False)
     for h in hooks:
         h.remove()

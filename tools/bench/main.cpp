@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   using namespace moraine::bench;
   const EngineFactory reference = [](const BenchOptions& o) {
     auto m = std::make_unique<moraine::model::Model>(moraine::model::Model::load(o.model));
-    ModelSummary s{o.model, moraine::model::arch_name(m->hp.arch), m->file.file_bytes(), m->hp.n_layer,
+    ModelSummary s{o.model, m->hp.arch_string(), m->file.file_bytes(), m->hp.n_layer,
                    m->hp.n_expert, m->hp.n_expert_used};
     if (o.engine == "group") {
       GroupEngineOptions g;

@@ -1,5 +1,6 @@
 #include "tools/bench/reference_engine.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace moraine::bench {
@@ -24,15 +25,21 @@ ModelReadBytes decode_read_bytes(const model::Model& m) {
     r.dense += floats_bytes(l.attn_norm) + floats_bytes(l.ffn_norm);
     const model::AttentionWeights& a = l.attn;
     r.dense += matrix_bytes(a.q) + matrix_bytes(a.k) + matrix_bytes(a.v) + matrix_bytes(a.o) +
-               floats_bytes(a.q_norm) + floats_bytes(a.k_norm);
+               floats_bytes(a.q_norm) + floats_bytes(a.k_norm) + floats_bytes(a.q_bias) + floats_bytes(a.k_bias) +
+               floats_bytes(a.v_bias) + floats_bytes(a.o_bias) + floats_bytes(a.sinks);
     const model::DeltaNetWeights& d = l.delta;
     r.dense += matrix_bytes(d.qkv) + matrix_bytes(d.z) + matrix_bytes(d.qkvz) + matrix_bytes(d.ba) +
                matrix_bytes(d.out) + floats_bytes(d.conv) + floats_bytes(d.dt_bias) + floats_bytes(d.a) +
                floats_bytes(d.norm);
     const model::MoeWeights& e = l.moe;
     r.dense += matrix_bytes(e.router) + matrix_bytes(e.shared_gate) + matrix_bytes(e.shared_up) +
-               matrix_bytes(e.shared_down) + floats_bytes(e.shared_router);
-    const double one = one_expert_bytes(e.gate) + one_expert_bytes(e.up) + one_expert_bytes(e.down);
+               matrix_bytes(e.shared_down) + floats_bytes(e.shared_router) + floats_bytes(e.router_bias) +
+               floats_bytes(e.score_bias);
+    r.dense += matrix_bytes(l.dense.gate) + matrix_bytes(l.dense.up) + matrix_bytes(l.dense.down);
+    // Per-expert biases (gpt-oss) are read with their expert: one expert's share of each.
+    const double ne = static_cast<double>(std::max<int64_t>(m.hp.n_expert, 1));
+    const double one = one_expert_bytes(e.gate) + one_expert_bytes(e.up) + one_expert_bytes(e.down) +
+                       (floats_bytes(e.gate_bias) + floats_bytes(e.up_bias) + floats_bytes(e.down_bias)) / ne;
     r.expert_bytes = one;
     r.experts += k * one;
   }

@@ -8,6 +8,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/model/layer_tensors.h"
+
 namespace moraine::convert {
 
 using gguf::Value;
@@ -238,12 +240,13 @@ class TensorSource {
 
 class QwenPlanner {
  public:
-  QwenPlanner(const QwenHParams& h, const Checkpoint& c, ConvertPlan& plan)
-      : h_(h), ckpt_(c), src_(c), plan_(plan) {
+  QwenPlanner(const QwenHParams& h, const model::ArchDesc& desc, const Checkpoint& c, ConvertPlan& plan)
+      : h_(h), desc_(desc), ckpt_(c), src_(c), plan_(plan) {
     if (h_.next) {
       mtp_ = mtp_prefix();
       n_mtp_ = count_mtp_layers(mtp_);
     }
+    hp_ = model_hparams();
   }
 
   int64_t mtp_layers() const { return n_mtp_; }
@@ -270,14 +273,20 @@ class QwenPlanner {
     plan_.tensors.push_back(std::move(p));
   }
   ElemOp norm_op() const { return h_.next ? ElemOp::PlusOne : ElemOp::None; }
+  // The description's names: GGUF for layer blk (blk < 0: global), HF after prefix.
+  std::string gguf(model::TensorRole r, int64_t blk) const { return desc_.gguf_name(r, blk); }
+  std::string hf_name(model::TensorRole r, const std::string& prefix) const;
+  model::HParams model_hparams() const;
 
-  void layer(const std::string& hf, int64_t blk, bool recurrent);
-  void experts(const std::string& hf, const std::string& b);
-  void linear_attention(const std::string& hf, const std::string& b);
+  void layer(const std::string& hf, int64_t blk);
+  void experts(const std::string& hf, int64_t blk);
+  void linear_attention(const std::string& hf, int64_t blk);
   std::string mtp_prefix() const;
   int64_t count_mtp_layers(const std::string& prefix) const;
 
   const QwenHParams& h_;
+  const model::ArchDesc& desc_;
+  model::HParams hp_;   // what the written file's metadata will say: the recipes come from it
   const Checkpoint& ckpt_;
   TensorSource src_;
   ConvertPlan& plan_;
@@ -285,7 +294,8 @@ class QwenPlanner {
   int64_t n_mtp_ = 0;
 };
 
-void QwenPlanner::experts(const std::string& hf, const std::string& b) {
+void QwenPlanner::experts(const std::string& hf, int64_t blk) {
+  using model::TensorRole;
   const int64_t E = h_.n_expert, H = h_.hidden, F = h_.ff_exp;
   std::vector<RowSpan> gate, up, down;
   const std::string fused = hf + "mlp.experts.gate_up_proj";
@@ -300,31 +310,35 @@ void QwenPlanner::experts(const std::string& hf, const std::string& b) {
     }
     down.push_back({&dn, 0, E * H});
   } else {
-    // Hub layout: one module per expert, stacked here into [E, ...].
+    // Hub layout: one module per expert (the table's "{E}" names), stacked here into [E, ...].
+    const auto per_expert = [&](TensorRole r, int64_t e) {
+      std::string n = hf_name(r, hf);
+      n.replace(n.find("{E}"), 3, std::to_string(e));
+      return n;
+    };
     for (int64_t e = 0; e < E; ++e) {
-      const std::string p = hf + "mlp.experts." + std::to_string(e) + ".";
-      const StTensor& g = src_.take(p + "gate_proj.weight", {F, H});
-      const StTensor& u = src_.take(p + "up_proj.weight", {F, H});
-      const StTensor& d = src_.take(p + "down_proj.weight", {H, F});
+      const StTensor& g = src_.take(per_expert(TensorRole::GateExps, e), {F, H});
+      const StTensor& u = src_.take(per_expert(TensorRole::UpExps, e), {F, H});
+      const StTensor& d = src_.take(per_expert(TensorRole::DownExps, e), {H, F});
       gate.push_back({&g, 0, F});
       up.push_back({&u, 0, F});
       down.push_back({&d, 0, H});
     }
   }
-  add(b + "ffn_gate_exps.weight", {H, F, E}, std::move(gate), ElemOp::None);
-  add(b + "ffn_up_exps.weight", {H, F, E}, std::move(up), ElemOp::None);
-  add(b + "ffn_down_exps.weight", {F, H, E}, std::move(down), ElemOp::None);
+  add(gguf(TensorRole::GateExps, blk), {H, F, E}, std::move(gate), ElemOp::None);
+  add(gguf(TensorRole::UpExps, blk), {H, F, E}, std::move(up), ElemOp::None);
+  add(gguf(TensorRole::DownExps, blk), {F, H, E}, std::move(down), ElemOp::None);
 }
 
-void QwenPlanner::linear_attention(const std::string& hf, const std::string& b) {
+void QwenPlanner::linear_attention(const std::string& hf, int64_t blk) {
+  using model::TensorRole;
   const int64_t H = h_.hidden, nk = h_.nk, nv = h_.nv, dk = h_.dk, dv = h_.dv, r = nv / nk;
   const int64_t key_dim = nk * dk, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
-  const std::string p = hf + "linear_attn.";
   // in_proj_qkvz rows are grouped per key head g: [q_g (dk), k_g (dk), v_g (r*dv), z_g (r*dv)].
   // GGUF wants all q heads, then all k, then all v (the conv1d channel order) in attn_qkv, and
   // the z rows in attn_gate.
   const int64_t group = 2 * dk + 2 * r * dv;
-  const StTensor& qkvz = src_.take(p + "in_proj_qkvz.weight", {nk * group, H});
+  const StTensor& qkvz = src_.take(hf_name(TensorRole::DnQkvzLegacy, hf), {nk * group, H});
   std::vector<RowSpan> q, k, v, z;
   for (int64_t g = 0; g < nk; ++g) {
     const int64_t base = g * group;
@@ -336,48 +350,76 @@ void QwenPlanner::linear_attention(const std::string& hf, const std::string& b) 
   std::vector<RowSpan> qkv = q;
   qkv.insert(qkv.end(), k.begin(), k.end());
   qkv.insert(qkv.end(), v.begin(), v.end());
-  add(b + "attn_qkv.weight", {H, conv_dim}, std::move(qkv), ElemOp::None);
-  add(b + "attn_gate.weight", {H, value_dim}, std::move(z), ElemOp::None);
-  // in_proj_ba keeps its per-key-head grouping: the GGUF graph splits b and a the same way.
-  whole(b + "ssm_ba.weight", {H, 2 * nv}, p + "in_proj_ba.weight", {2 * nv, H});
-  // conv1d [C, 1, K] -> one row of K taps per channel.
-  whole(b + "ssm_conv1d.weight", {h_.conv_k, conv_dim}, p + "conv1d.weight", {conv_dim, 1, h_.conv_k});
-  whole(b + "ssm_dt.bias", {nv}, p + "dt_bias", {nv});
-  whole(b + "ssm_a", {nv}, p + "A_log", {nv}, ElemOp::NegExp);
-  // The gated norm multiplies by its weight directly (no 1 + w), so no offset here.
-  whole(b + "ssm_norm.weight", {dv}, p + "norm.weight", {dv});
-  whole(b + "ssm_out.weight", {value_dim, H}, p + "out_proj.weight", {H, value_dim});
+  add(gguf(TensorRole::DnQkv, blk), {H, conv_dim}, std::move(qkv), ElemOp::None);
+  add(gguf(TensorRole::DnGate, blk), {H, value_dim}, std::move(z), ElemOp::None);
 }
 
-void QwenPlanner::layer(const std::string& hf, int64_t blk, bool recurrent) {
-  const int64_t H = h_.hidden, hd = h_.head_dim;
-  const std::string b = "blk." + std::to_string(blk) + ".";
-  whole(b + "attn_norm.weight", {H}, hf + "input_layernorm.weight", {H}, norm_op());
-  if (recurrent) {
-    linear_attention(hf, b);
-  } else {
-    // qwen3next's q_proj also produces the per-head output gate: [q_h, gate_h] per head.
-    const int64_t q_rows = h_.n_head * hd * (h_.next ? 2 : 1);
-    const std::string a = hf + "self_attn.";
-    whole(b + "attn_q.weight", {H, q_rows}, a + "q_proj.weight", {q_rows, H});
-    whole(b + "attn_k.weight", {H, h_.n_kv * hd}, a + "k_proj.weight", {h_.n_kv * hd, H});
-    whole(b + "attn_v.weight", {H, h_.n_kv * hd}, a + "v_proj.weight", {h_.n_kv * hd, H});
-    whole(b + "attn_output.weight", {h_.n_head * hd, H}, a + "o_proj.weight", {H, h_.n_head * hd});
-    whole(b + "attn_q_norm.weight", {hd}, a + "q_norm.weight", {hd}, norm_op());
-    whole(b + "attn_k_norm.weight", {hd}, a + "k_norm.weight", {hd}, norm_op());
+std::string QwenPlanner::hf_name(model::TensorRole r, const std::string& prefix) const {
+  const model::TensorName* t = desc_.find(r);
+  if (t == nullptr || t->hf[0] == '\0') {
+    throw std::logic_error(std::string(desc_.name) + ": the tensor table has no Hugging Face name for " +
+                           model::tensor_role_name(r));
   }
-  // Qwen3-MoE calls the pre-FFN norm ffn_norm; Qwen3-Next calls it post_attention_norm.
-  whole(b + (h_.next ? "post_attention_norm.weight" : "ffn_norm.weight"), {H},
-        hf + "post_attention_layernorm.weight", {H}, norm_op());
-  whole(b + "ffn_gate_inp.weight", {H, h_.n_expert}, hf + "mlp.gate.weight", {h_.n_expert, H});
-  experts(hf, b);
-  if (h_.next) {
-    const int64_t Fs = h_.ff_shexp;
-    const std::string s = hf + "mlp.shared_expert.";
-    whole(b + "ffn_gate_inp_shexp.weight", {H, 1}, hf + "mlp.shared_expert_gate.weight", {1, H});
-    whole(b + "ffn_gate_shexp.weight", {H, Fs}, s + "gate_proj.weight", {Fs, H});
-    whole(b + "ffn_up_shexp.weight", {H, Fs}, s + "up_proj.weight", {Fs, H});
-    whole(b + "ffn_down_shexp.weight", {Fs, H}, s + "down_proj.weight", {H, Fs});
+  return prefix + t->hf;
+}
+
+// The hyper-parameters the written metadata states, so the layers' recipes (which tensors each
+// layer has) come from the same description the loader reads.
+model::HParams QwenPlanner::model_hparams() const {
+  model::HParams hp;
+  hp.desc = &desc_;
+  hp.n_layer = h_.n_layer;
+  hp.n_nextn = n_mtp_;
+  hp.n_embd = h_.hidden;
+  hp.n_vocab = h_.vocab;
+  hp.n_head = h_.n_head;
+  hp.n_head_kv = h_.n_kv;
+  hp.head_dim = h_.head_dim;
+  hp.n_rot = h_.next ? h_.n_rot : h_.head_dim;
+  hp.rope_freq_base = h_.rope_theta;
+  hp.rms_eps = h_.eps;
+  hp.n_expert = h_.n_expert;
+  hp.n_expert_used = h_.n_used;
+  hp.n_ff_exp = h_.ff_exp;
+  hp.n_ff_shexp = h_.ff_shexp;
+  hp.ssm_conv_kernel = h_.conv_k;
+  hp.ssm_head_k_dim = h_.dk;
+  hp.ssm_head_v_dim = h_.dv;
+  hp.ssm_n_k_heads = h_.nk;
+  hp.ssm_n_v_heads = h_.nv;
+  hp.full_attention_interval = h_.full_attn_interval;
+  hp.recurrent = h_.next ? h_.recurrent : std::vector<bool>(static_cast<size_t>(h_.n_layer), false);
+  for (int64_t il = 0; il < hp.n_layer + hp.n_nextn; ++il) hp.recipes.push_back(desc_.layer_recipe(hp, il));
+  return hp;
+}
+
+// One block: the description's tensor list for it, each from its HF tensor (the fused and
+// per-expert ones through experts() / linear_attention()). The nextn projections are run()'s.
+void QwenPlanner::layer(const std::string& hf, int64_t blk) {
+  using model::TensorRole;
+  const auto reversed = [](std::vector<int64_t> v) { return std::vector<int64_t>(v.rbegin(), v.rend()); };
+  for (const model::TensorSlot& t : model::layer_tensors(hp_, blk)) {
+    switch (t.role) {
+      case TensorRole::NextnEhProj: case TensorRole::NextnEnorm: case TensorRole::NextnHnorm:
+      case TensorRole::NextnEmbedTokens: case TensorRole::NextnSharedHeadHead: case TensorRole::NextnSharedHeadNorm:
+        break;
+      case TensorRole::DnQkv: linear_attention(hf, blk); break;
+      case TensorRole::DnGate: break;   // written with DnQkv
+      case TensorRole::GateExps: experts(hf, blk); break;
+      case TensorRole::UpExps: case TensorRole::DownExps: break;   // written with GateExps
+      case TensorRole::DnConv:   // conv1d [C, 1, K] -> one row of K taps per channel
+        whole(t.name, t.shape, hf_name(t.role, hf), {t.shape[1], 1, t.shape[0]});
+        break;
+      case TensorRole::SharedRouter:   // llama.cpp's converter writes the 1 x n_embd gate as [n_embd, 1]
+        whole(t.name, {t.shape[0], 1}, hf_name(t.role, hf), {1, t.shape[0]});
+        break;
+      case TensorRole::DnA: whole(t.name, t.shape, hf_name(t.role, hf), t.shape, ElemOp::NegExp); break;
+      // The gated norm multiplies by its weight directly (no 1 + w), so no offset there.
+      case TensorRole::AttnNorm: case TensorRole::FfnNorm: case TensorRole::AttnQNorm: case TensorRole::AttnKNorm:
+        whole(t.name, t.shape, hf_name(t.role, hf), t.shape, norm_op());
+        break;
+      default: whole(t.name, t.shape, hf_name(t.role, hf), reversed(t.shape)); break;
+    }
   }
 }
 
@@ -404,23 +446,25 @@ int64_t QwenPlanner::count_mtp_layers(const std::string& prefix) const {
 
 void QwenPlanner::run() {
   const int64_t H = h_.hidden, V = h_.vocab;
-  whole("token_embd.weight", {H, V}, "model.embed_tokens.weight", {V, H});
-  for (int64_t il = 0; il < h_.n_layer; ++il) {
-    layer("model.layers." + std::to_string(il) + ".", il, h_.next && h_.recurrent[il]);
-  }
+  using model::TensorRole;
+  whole(gguf(TensorRole::TokEmbd, -1), {H, V}, hf_name(TensorRole::TokEmbd, ""), {V, H});
+  for (int64_t il = 0; il < h_.n_layer; ++il) layer("model.layers." + std::to_string(il) + ".", il);
   if (h_.next && n_mtp_ > 0) {
-    for (int64_t i = 0; i < n_mtp_; ++i) {
-      layer(mtp_ + "layers." + std::to_string(i) + ".", h_.n_layer + i, false);
-    }
-    const std::string b = "blk." + std::to_string(h_.n_layer) + ".nextn.";
-    whole(b + "eh_proj.weight", {2 * H, H}, mtp_ + "fc.weight", {H, 2 * H});
-    whole(b + "enorm.weight", {H}, mtp_ + "pre_fc_norm_embedding.weight", {H}, ElemOp::PlusOne);
-    whole(b + "hnorm.weight", {H}, mtp_ + "pre_fc_norm_hidden.weight", {H}, ElemOp::PlusOne);
-    whole(b + "shared_head_norm.weight", {H}, mtp_ + "norm.weight", {H}, ElemOp::PlusOne);
+    for (int64_t i = 0; i < n_mtp_; ++i) layer(mtp_ + "layers." + std::to_string(i) + ".", h_.n_layer + i);
+    // The MTP projections, once, on the first nextn block; HF names are under the MTP prefix.
+    const auto mtp = [&](TensorRole r) {
+      std::string n = hf_name(r, "");
+      return n.replace(n.find("{M}"), 3, mtp_);
+    };
+    const int64_t b = h_.n_layer;
+    whole(gguf(TensorRole::NextnEhProj, b), {2 * H, H}, mtp(TensorRole::NextnEhProj), {H, 2 * H});
+    whole(gguf(TensorRole::NextnEnorm, b), {H}, mtp(TensorRole::NextnEnorm), {H}, ElemOp::PlusOne);
+    whole(gguf(TensorRole::NextnHnorm, b), {H}, mtp(TensorRole::NextnHnorm), {H}, ElemOp::PlusOne);
+    whole(gguf(TensorRole::NextnSharedHeadNorm, b), {H}, mtp(TensorRole::NextnSharedHeadNorm), {H}, ElemOp::PlusOne);
   }
-  whole("output_norm.weight", {H}, "model.norm.weight", {H}, norm_op());
-  if (src_.has("lm_head.weight") || !h_.tied) {
-    whole("output.weight", {H, V}, "lm_head.weight", {V, H});
+  whole(gguf(TensorRole::OutputNorm, -1), {H}, hf_name(TensorRole::OutputNorm, ""), {H}, norm_op());
+  if (src_.has(hf_name(TensorRole::Output, "")) || !h_.tied) {
+    whole(gguf(TensorRole::Output, -1), {H, V}, hf_name(TensorRole::Output, ""), {V, H});
   }
   // Precomputed rotary tables are derived data, not weights (llama.cpp drops them too).
   for (const StTensor& t : ckpt_.tensors()) {
@@ -452,9 +496,11 @@ ConvertPlan plan_qwen(const json& config, const Checkpoint& ckpt) {
   const bool next = hf_arch == "Qwen3NextForCausalLM";
   const QwenHParams h = read_hparams(config, next);
 
+  const model::ArchDesc* desc = model::find_arch_by_hf(hf_arch);
+  if (desc == nullptr) throw std::logic_error("moraine-convert: no architecture description for " + hf_arch);
   ConvertPlan plan;
-  plan.arch = next ? "qwen3next" : "qwen3moe";
-  QwenPlanner planner(h, ckpt, plan);
+  plan.arch = desc->name;
+  QwenPlanner planner(h, *desc, ckpt, plan);
   const int64_t n_mtp = planner.mtp_layers();
   if (next) {
     if (auto cfg_mtp = opt_int(config, {"mtp_num_hidden_layers"}); cfg_mtp && n_mtp > 0 && *cfg_mtp != n_mtp) {

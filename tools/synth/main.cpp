@@ -57,7 +57,8 @@ struct Options {
 };
 
 // Rules after the user's: what llama.cpp never quantizes, then the usual expert type.
-const char* const kBuiltinRules[] = {"ffn_gate_inp=f32", "ssm_conv1d=f32", "_exps.=q4_k"};
+// Per-expert biases (gpt-oss: ffn_*_exps.bias) stay F32 as llama.cpp keeps every bias.
+const char* const kBuiltinRules[] = {"ffn_gate_inp=f32", "ssm_conv1d=f32", "_exps.bias=f32", "_exps.=q4_k"};
 
 struct Planned {
   TensorSpec spec;
@@ -189,7 +190,7 @@ int main(int argc, char** argv) {
                  "embedding rows and token count (default: the shape's, or the vocabulary's when larger)");
   app.add_option("--map", opt.maps,
                  "PATTERN=TYPE: tensors whose name contains PATTERN get TYPE (first match wins; repeatable; "
-                 "then ffn_gate_inp=f32, ssm_conv1d=f32, _exps.=q4_k)")
+                 "then ffn_gate_inp=f32, ssm_conv1d=f32, _exps.bias=f32, _exps.=q4_k)")
       ->allow_extra_args(false);
   app.add_option("--default", opt.default_type, "type of 2-D+ tensors no rule matches")->capture_default_str();
   auto* vf = app.add_option("--vocab-from", opt.vocab_from, "copy the tokenizer.* keys of this GGUF");

@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "common/model/layer_tensors.h"
+
 namespace moraine::synth {
 
 using gguf::Value;
@@ -88,6 +90,50 @@ const std::vector<ShapeSpec>& named_shapes() {
     tiny_next.ssm_k_heads = 4;
     tiny_next.ssm_v_heads = 8;
     v.push_back(tiny_next);
+
+    // gpt-oss-20b (GptOssForCausalLM config.json); gpt-oss-120b differs in layers and experts.
+    ShapeSpec oss;
+    oss.name = "gpt-oss-20b";
+    oss.arch = "gpt-oss";
+    oss.n_layer = 24;
+    oss.hidden = 2880;
+    oss.vocab = 201088;
+    oss.context_length = 131072;
+    oss.n_head = 64;
+    oss.n_head_kv = 8;
+    oss.head_dim = 64;
+    oss.n_rot = 64;
+    oss.dense_ff = 2880;
+    oss.n_expert = 32;
+    oss.n_expert_used = 4;
+    oss.ff_exp = 2880;
+    oss.rope_theta = 150000;
+    oss.rms_eps = 1e-5;
+    oss.sliding_window = 128;
+    oss.swa_period = 2;
+    oss.yarn_factor = 32;
+    oss.yarn_orig_ctx = 4096;
+    v.push_back(oss);
+    ShapeSpec oss120 = oss;
+    oss120.name = "gpt-oss-120b";
+    oss120.n_layer = 36;
+    oss120.n_expert = 128;
+    v.push_back(oss120);
+    ShapeSpec tiny_oss = oss;
+    tiny_oss.name = "gpt-oss-tiny";
+    tiny_oss.n_layer = 4;
+    tiny_oss.hidden = 256;
+    tiny_oss.context_length = 4096 * 32;
+    tiny_oss.n_head = 8;
+    tiny_oss.n_head_kv = 2;
+    tiny_oss.head_dim = 32;
+    tiny_oss.n_rot = 32;
+    tiny_oss.dense_ff = 256;
+    tiny_oss.n_expert = 8;
+    tiny_oss.n_expert_used = 2;
+    tiny_oss.ff_exp = 256;
+    tiny_oss.sliding_window = 8;
+    v.push_back(tiny_oss);
     return v;
   }();
   return shapes;
@@ -102,56 +148,88 @@ ShapeSpec find_shape(const std::string& name) {
   throw std::invalid_argument("--shape '" + name + "' is not a known shape (known: " + known + ")");
 }
 
+model::HParams to_hparams(const ShapeSpec& s) {
+  model::HParams hp;
+  hp.desc = model::find_arch(s.arch);
+  if (hp.desc == nullptr) throw std::invalid_argument("shape " + s.name + ": unknown architecture " + s.arch);
+  hp.arch = s.arch == "qwen3moe" ? model::Arch::Qwen3Moe : s.arch == "qwen3next" ? model::Arch::Qwen3Next : model::Arch::Other;
+  hp.n_layer = s.n_layer;
+  hp.n_embd = s.hidden;
+  hp.n_vocab = s.vocab;
+  hp.n_ff = s.dense_ff;
+  hp.n_head = s.n_head;
+  hp.n_head_kv = s.n_head_kv;
+  hp.head_dim = s.head_dim;
+  hp.n_rot = s.n_rot;
+  hp.rope_freq_base = s.rope_theta;
+  hp.rms_eps = s.rms_eps;
+  hp.n_expert = s.n_expert;
+  hp.n_expert_used = s.n_expert_used;
+  hp.n_ff_exp = s.ff_exp;
+  hp.n_ff_shexp = s.ff_shexp;
+  hp.ssm_conv_kernel = s.conv_kernel;
+  hp.ssm_head_k_dim = hp.ssm_head_v_dim = s.ssm_head_dim;
+  hp.ssm_n_k_heads = s.ssm_k_heads;
+  hp.ssm_n_v_heads = s.ssm_v_heads;
+  hp.full_attention_interval = s.full_attn_interval;
+  for (int64_t il = 0; il < s.n_layer; ++il) hp.recurrent.push_back(s.recurrent(il));
+  hp.sliding_window = s.sliding_window;
+  for (int64_t il = 0; il < s.n_layer && s.swa_period > 0; ++il) hp.swa_layers.push_back(il % s.swa_period < s.swa_period - 1);
+  if (s.yarn_orig_ctx > 0) {
+    hp.rope_scaling = model::RopeScaling::Yarn;
+    hp.rope_scaling_factor = s.yarn_factor;
+    hp.rope_orig_ctx = s.yarn_orig_ctx;
+  }
+  for (int64_t il = 0; il < s.n_layer; ++il) hp.recipes.push_back(hp.desc->layer_recipe(hp, il));
+  return hp;
+}
+
 namespace {
-std::string blk(int64_t il, const char* what) { return "blk." + std::to_string(il) + "." + what; }
+
+// How synth draws a tensor's values, by what the description says it is for.
+Role role_of(model::TensorRole r) {
+  using T = model::TensorRole;
+  switch (r) {
+    case T::TokEmbd: return Role::Embedding;
+    case T::Output: return Role::Output;
+    case T::OutputNorm: case T::AttnNorm: case T::FfnNorm: case T::NextnEnorm: case T::NextnHnorm:
+    case T::NextnSharedHeadNorm: return Role::Norm;
+    case T::AttnQNorm: case T::AttnKNorm: case T::DnNorm: return Role::HeadNorm;
+    case T::AttnO: case T::DnOut: case T::DownExps: case T::DownShexp: case T::FfnDown: return Role::OutProj;
+    case T::Router: return Role::Router;
+    case T::SharedRouter: return Role::SharedGate;
+    case T::DnConv: return Role::Conv;
+    case T::DnDtBias: return Role::DtBias;
+    case T::DnA: return Role::Decay;
+    case T::AttnQ: case T::AttnK: case T::AttnV: case T::DnQkv: case T::DnGate: case T::DnBa: case T::GateExps:
+    case T::UpExps: case T::GateShexp: case T::UpShexp: case T::FfnGate: case T::FfnUp: case T::NextnEhProj:
+      return Role::InProj;
+    case T::AttnQBias: case T::AttnKBias: case T::AttnVBias: case T::AttnOBias: case T::RouterBias:
+    case T::GateExpsBias: case T::UpExpsBias: case T::DownExpsBias:
+      return Role::Bias;
+    case T::AttnSinks: return Role::Sink;
+    default: break;
+  }
+  throw std::invalid_argument(std::string("moraine-synth cannot draw a ") + model::tensor_role_name(r) +
+                              " tensor yet");
+}
+
 }  // namespace
 
 std::vector<TensorSpec> tensor_list(const ShapeSpec& s) {
-  const int64_t H = s.hidden, V = s.vocab, hd = s.head_dim, E = s.n_expert, F = s.ff_exp;
+  const model::HParams hp = to_hparams(s);
   std::vector<TensorSpec> t;
-  t.push_back({"token_embd.weight", {H, V}, Role::Embedding});
-  for (int64_t il = 0; il < s.n_layer; ++il) {
-    t.push_back({blk(il, "attn_norm.weight"), {H}, Role::Norm, il});
-    if (s.recurrent(il)) {
-      const int64_t key_dim = s.ssm_k_heads * s.ssm_head_dim, value_dim = s.ssm_v_heads * s.ssm_head_dim;
-      const int64_t conv_dim = 2 * key_dim + value_dim;
-      t.push_back({blk(il, "attn_qkv.weight"), {H, conv_dim}, Role::InProj, il});
-      t.push_back({blk(il, "attn_gate.weight"), {H, value_dim}, Role::InProj, il});
-      t.push_back({blk(il, "ssm_ba.weight"), {H, 2 * s.ssm_v_heads}, Role::InProj, il});
-      t.push_back({blk(il, "ssm_conv1d.weight"), {s.conv_kernel, conv_dim}, Role::Conv, il});
-      t.push_back({blk(il, "ssm_dt.bias"), {s.ssm_v_heads}, Role::DtBias, il});
-      t.push_back({blk(il, "ssm_a"), {s.ssm_v_heads}, Role::Decay, il});
-      t.push_back({blk(il, "ssm_norm.weight"), {s.ssm_head_dim}, Role::HeadNorm, il});
-      t.push_back({blk(il, "ssm_out.weight"), {value_dim, H}, Role::OutProj, il});
-    } else {
-      // qwen3next's q projection also yields a per-head output gate, hence twice the rows.
-      const int64_t q_rows = s.n_head * hd * (s.next() ? 2 : 1);
-      t.push_back({blk(il, "attn_q.weight"), {H, q_rows}, Role::InProj, il});
-      t.push_back({blk(il, "attn_k.weight"), {H, s.n_head_kv * hd}, Role::InProj, il});
-      t.push_back({blk(il, "attn_v.weight"), {H, s.n_head_kv * hd}, Role::InProj, il});
-      t.push_back({blk(il, "attn_output.weight"), {s.n_head * hd, H}, Role::OutProj, il});
-      t.push_back({blk(il, "attn_q_norm.weight"), {hd}, Role::HeadNorm, il});
-      t.push_back({blk(il, "attn_k_norm.weight"), {hd}, Role::HeadNorm, il});
-    }
-    // Qwen3-MoE calls the pre-FFN norm ffn_norm; Qwen3-Next calls it post_attention_norm.
-    t.push_back({blk(il, s.next() ? "post_attention_norm.weight" : "ffn_norm.weight"), {H}, Role::Norm, il});
-    t.push_back({blk(il, "ffn_gate_inp.weight"), {H, E}, Role::Router, il});
-    t.push_back({blk(il, "ffn_gate_exps.weight"), {H, F, E}, Role::InProj, il});
-    t.push_back({blk(il, "ffn_up_exps.weight"), {H, F, E}, Role::InProj, il});
-    t.push_back({blk(il, "ffn_down_exps.weight"), {F, H, E}, Role::OutProj, il});
-    if (s.next()) {
-      t.push_back({blk(il, "ffn_gate_inp_shexp.weight"), {H}, Role::SharedGate, il});
-      t.push_back({blk(il, "ffn_gate_shexp.weight"), {H, s.ff_shexp}, Role::InProj, il});
-      t.push_back({blk(il, "ffn_up_shexp.weight"), {H, s.ff_shexp}, Role::InProj, il});
-      t.push_back({blk(il, "ffn_down_shexp.weight"), {s.ff_shexp, H}, Role::OutProj, il});
-    }
+  // The description's list (the one the loader binds); of its optional tensors synth writes
+  // the untied LM head only.
+  for (const model::TensorSlot& slot : model::model_tensors(hp)) {
+    if (slot.optional && slot.role != model::TensorRole::Output) continue;
+    t.push_back({slot.name, slot.shape, role_of(slot.role), slot.layer});
   }
-  t.push_back({"output_norm.weight", {H}, Role::Norm});
-  t.push_back({"output.weight", {H, V}, Role::Output});
   return t;
 }
 
 std::vector<std::pair<std::string, Value>> arch_metadata(const ShapeSpec& s) {
+  const model::HParams hp = to_hparams(s);
   const std::string a = s.arch + ".";
   const auto u32 = [](int64_t x) { return Value::u32(static_cast<uint32_t>(x)); };
   std::vector<std::pair<std::string, Value>> m;
@@ -168,18 +246,7 @@ std::vector<std::pair<std::string, Value>> arch_metadata(const ShapeSpec& s) {
   m.emplace_back(a + "attention.key_length", u32(s.head_dim));
   m.emplace_back(a + "attention.value_length", u32(s.head_dim));
   m.emplace_back(a + "expert_feed_forward_length", u32(s.ff_exp));
-  if (s.next()) {
-    m.emplace_back(a + "expert_shared_feed_forward_length", u32(s.ff_shexp));
-    m.emplace_back(a + "ssm.conv_kernel", u32(s.conv_kernel));
-    m.emplace_back(a + "ssm.state_size", u32(s.ssm_head_dim));
-    m.emplace_back(a + "ssm.group_count", u32(s.ssm_k_heads));
-    m.emplace_back(a + "ssm.time_step_rank", u32(s.ssm_v_heads));
-    m.emplace_back(a + "ssm.inner_size", u32(s.ssm_head_dim * s.ssm_v_heads));
-    std::vector<Value> rec;
-    for (int64_t i = 0; i < s.n_layer; ++i) rec.push_back(Value::boolean(s.recurrent(i)));
-    m.emplace_back(a + "attention.recurrent_layers", Value::array(ValueType::BOOL, std::move(rec)));
-    m.emplace_back(a + "full_attention_interval", u32(s.full_attn_interval));
-  }
+  hp.desc->write_keys(hp, a, m);   // the architecture's own keys
   m.emplace_back(a + "rope.dimension_count", u32(s.n_rot));
   return m;
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/gguf/gguf_value.h"
+#include "common/model/hparams.h"
 
 namespace moraine::synth {
 
@@ -21,6 +22,9 @@ struct ShapeSpec {
   double rope_theta = 1e6, rms_eps = 1e-6;
   // qwen3next: Gated DeltaNet ("linear attention") layers, all but every full_attn_interval-th.
   int64_t full_attn_interval = 0, conv_kernel = 0, ssm_head_dim = 0, ssm_k_heads = 0, ssm_v_heads = 0;
+  // gpt-oss: every swa_period-th layer full attention, the others slide over sliding_window; YaRN.
+  int64_t sliding_window = 0, swa_period = 0, yarn_orig_ctx = 0;
+  double yarn_factor = 1.0;
 
   bool next() const { return arch == "qwen3next"; }
   bool recurrent(int64_t layer) const { return next() && (layer + 1) % full_attn_interval != 0; }
@@ -41,6 +45,8 @@ enum class Role {
   OutProj,       // writes into the residual stream: attn_output, ssm_out, expert/shared down
   Router,        // ffn_gate_inp
   SharedGate,    // ffn_gate_inp_shexp: one row over the hidden state
+  Bias,          // attention and expert biases, the router's bias (gpt-oss)
+  Sink,          // attn_sinks: one softmax sink logit per head (gpt-oss)
   Conv,          // ssm_conv1d taps
   DtBias,        // ssm_dt.bias
   Decay,         // ssm_a = -exp(A_log)
@@ -53,6 +59,10 @@ struct TensorSpec {
   int64_t layer = -1;  // -1 for the tensors outside the blocks
 };
 
+// The hyper-parameters (and recipes, from the architecture's description) a shape implies.
+model::HParams to_hparams(const ShapeSpec& s);
+
+// The tensors the description lists for the shape (common/model/layer_tensors.h).
 std::vector<TensorSpec> tensor_list(const ShapeSpec& s);
 
 // The architecture keys ("qwen3moe.block_count", ...) in the order llama.cpp's converter writes them.

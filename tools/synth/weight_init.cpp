@@ -154,6 +154,14 @@ void WeightInit::fill_rows(const TensorSpec& t, int64_t row_begin, int64_t row_e
       case Role::Conv:
         fill_uniform(rng, row, n, 1.0f / std::sqrt(fan_in));
         break;
+      case Role::Bias:
+        // Small beside the projections' O(1) outputs; nothing biases the massive coordinate.
+        fill_uniform(rng, row, n, 0.05f / kSqrt3);
+        if (n == H) row[j] = 0.0f;
+        break;
+      case Role::Sink:
+        fill_uniform(rng, row, n, 1.0f);
+        break;
       case Role::DtBias:
         fill_uniform(rng, row, n, 0.5f / kSqrt3);
         for (int64_t i = 0; i < n; ++i) row[i] += 1.0f;

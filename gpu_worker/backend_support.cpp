@@ -1,0 +1,25 @@
+// What each backend implements of the layer parts (common/model/arch/parts.h): a model whose
+// recipe uses anything else is refused when the backend is made (model::check_supported).
+#include "gpu_worker/backend.h"
+
+namespace moraine::gpu_worker {
+
+const model::BackendSupport& cpu_backend_support() {
+  // The CPU backend runs the reference executor's blocks and its router and experts.
+  static const model::BackendSupport s("gpu_worker CPU backend", {
+      model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
+      model::Feature::GatedDeltaNet, model::Feature::RouterSoftmaxTopK, model::Feature::RouterNoRenormalize,
+      model::Feature::SwiGlu, model::Feature::SharedExpertGated});
+  return s;
+}
+
+const model::BackendSupport& cuda_backend_support() {
+  // gpu_worker/cuda_backend*.cu and kernels/cuda: gated attention, Gated DeltaNet, softmax router.
+  static const model::BackendSupport s("CUDA backend", {
+      model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
+      model::Feature::GatedDeltaNet, model::Feature::RouterSoftmaxTopK, model::Feature::RouterNoRenormalize,
+      model::Feature::SwiGlu, model::Feature::SharedExpertGated});
+  return s;
+}
+
+}  // namespace moraine::gpu_worker

@@ -1,0 +1,138 @@
+// The architecture descriptions (common/model/arch): each one's tables are consistent, a file
+// laid out by its tensor list loads, and a model using a part a backend lacks is refused at
+// load with the layer, the part and the backend named (never run wrongly). The gpt-oss parts'
+// arithmetic is checked in gpt_oss_reference_test.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/gguf/gguf.h"
+#include "common/model/layer_tensors.h"
+#include "common/model/model.h"
+#include "common/model/model_error.h"
+#include "common/reference/executor.h"
+#include "gpu_worker/backend.h"
+#include "tests/reference/tiny_arch_model.h"
+
+namespace moraine {
+namespace {
+
+using gguf::Value;
+
+gguf::GgufWriter tiny_gpt_oss(std::vector<std::vector<float>>& data) {
+  return test::tiny_writer(test::tiny_hparams("gpt-oss"), 7, data);
+}
+
+TEST(ArchDesc, RegistryListsEveryDescriptionWithConsistentTables) {
+  std::set<std::string> names;
+  for (const model::ArchDesc* d : model::all_archs()) {
+    SCOPED_TRACE(d->name);
+    EXPECT_TRUE(names.insert(d->name).second);
+    EXPECT_EQ(model::find_arch(d->name), d);
+    for (const std::string& hf : d->hf_architectures) EXPECT_EQ(model::find_arch_by_hf(hf), d);
+    std::set<std::string> keys, gguf_names;
+    for (const model::KeySpec& k : d->keys) EXPECT_TRUE(keys.insert(k.suffix).second) << k.suffix;
+    for (const model::KeySpec& k : model::common_keys()) EXPECT_FALSE(keys.count(k.suffix)) << k.suffix;
+    std::set<int> roles;
+    for (const model::TensorName& t : d->tensors) {
+      EXPECT_TRUE(roles.insert(static_cast<int>(t.role)).second) << model::tensor_role_name(t.role);
+      EXPECT_TRUE(gguf_names.insert(t.gguf).second) << t.gguf;
+    }
+  }
+  EXPECT_EQ(model::known_arch_names(), "gpt-oss, qwen2moe, qwen3moe, qwen3next");
+  EXPECT_EQ(model::find_arch("llama"), nullptr);
+}
+
+TEST(ArchDesc, GptOssLoadsWithItsPartsAndTheReferenceRefusesWhatItLacks) {
+  std::vector<std::vector<float>> data;
+  const std::string path = (std::filesystem::temp_directory_path() / "arch_desc_gpt_oss.gguf").string();
+  tiny_gpt_oss(data).write(path);
+  // The tensor table binds every tensor of the file (biases, sinks, post_attention_norm).
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(m.layers.size(), 4u);
+  const model::AttentionPart& a0 = m.layers[0].recipe.mixer.attn;
+  EXPECT_EQ(a0.sliding_window, 4);
+  EXPECT_EQ(m.layers[1].recipe.mixer.attn.sliding_window, 0);
+  EXPECT_TRUE(a0.sinks && a0.qkv_bias && a0.o_bias && !a0.qk_norm);
+  EXPECT_EQ(a0.rope.scaling, model::RopeScaling::Yarn);
+  EXPECT_DOUBLE_EQ(a0.rope.yarn_factor, 32.0);
+  EXPECT_EQ(a0.rope.yarn_orig_ctx, 4096);
+  EXPECT_EQ(m.layers[0].recipe.ffn.router.kind, model::RouterKind::TopKSoftmax);
+  EXPECT_EQ(m.layers[0].recipe.ffn.experts.act, model::Activation::SwiGluClamped);
+  EXPECT_EQ(m.layers[0].attn.sinks.size(), 4u);
+  EXPECT_EQ(m.layers[1].moe.gate_bias.size(), 4u * 32u);
+  EXPECT_EQ(m.layers[1].moe.down_bias.size(), 4u * 64u);
+  EXPECT_EQ(m.layers[0].attn.q_bias.size(), 64u);
+  EXPECT_EQ(m.layers[2].recipe.mixer.attn.sliding_window, 4);
+  EXPECT_EQ(m.layers[3].recipe.mixer.attn.sliding_window, 0);
+  EXPECT_FALSE(m.layers[0].attn.q_has_gate);
+  EXPECT_FALSE(m.layers[0].recurrent);
+  // The gpu_worker's CPU backend and the CUDA backend lack gpt-oss's parts: refused, naming them.
+  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+    try {
+      model::check_supported(m, *b);
+      FAIL() << b->name() << " accepted a gpt-oss model";
+    } catch (const model::ModelError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("gpt-oss layer 0 uses attention q/k/v biases"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("which the " + b->name() + " does not implement"), std::string::npos) << msg;
+    }
+  }
+  // One missing part is enough, and it is the one named.
+  const model::BackendSupport no_sinks("test backend", {
+      model::Feature::Attention, model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::SlidingWindow,
+      model::Feature::YarnRope, model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
+      model::Feature::SwiGluClamped, model::Feature::ExpertBiases});
+  try {
+    model::check_supported(m, no_sinks);
+    FAIL() << "a backend without sinks accepted gpt-oss";
+  } catch (const model::ModelError& e) {
+    EXPECT_NE(std::string(e.what()).find("uses attention sinks, which the test backend"), std::string::npos) << e.what();
+  }
+  // The reference implements them all.
+  EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+  std::filesystem::remove(path);
+}
+
+TEST(ArchDesc, KeyTablesAreEnforcedAndBadYarnIsNamed) {
+  std::vector<std::vector<float>> data;
+  gguf::GgufWriter w = tiny_gpt_oss(data);
+  w.set("gpt-oss.rope.scaling.type", Value::string("longrope"));
+  const std::string path = (std::filesystem::temp_directory_path() / "arch_desc_bad_rope.gguf").string();
+  w.write(path);
+  try {
+    (void)model::Model::load(path);
+    FAIL() << "loaded a gpt-oss with longrope";
+  } catch (const model::ModelError& e) {
+    EXPECT_NE(std::string(e.what()).find("gpt-oss.rope.scaling.type: 'longrope'"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(ArchDesc, FeaturesOfTheQwenRecipesAreTheReferencesOwn) {
+  model::HParams hp;
+  hp.desc = model::find_arch("qwen3next");
+  hp.n_layer = 4;
+  hp.head_dim = 64;
+  hp.n_rot = 16;
+  hp.n_ff_exp = hp.n_ff_shexp = 32;
+  hp.recurrent = {true, true, true, false};
+  for (int64_t il = 0; il < 4; ++il) {
+    const model::LayerRecipe r = hp.desc->layer_recipe(hp, il);
+    for (model::Feature f : model::layer_features(r, hp.head_dim)) {
+      EXPECT_TRUE(model::reference_support().has(f)) << model::feature_name(f);
+    }
+  }
+  const model::LayerRecipe full = hp.desc->layer_recipe(hp, 3);
+  const std::vector<model::Feature> f = model::layer_features(full, hp.head_dim);
+  EXPECT_NE(std::find(f.begin(), f.end(), model::Feature::PartialRope), f.end());
+  EXPECT_NE(std::find(f.begin(), f.end(), model::Feature::AttnOutputGate), f.end());
+  EXPECT_NE(std::find(f.begin(), f.end(), model::Feature::SharedExpertGated), f.end());
+}
+
+}  // namespace
+}  // namespace moraine

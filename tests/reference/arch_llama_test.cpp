@@ -1,0 +1,178 @@
+// The reference executor against llama.cpp (node-llama-cpp on the CPU, F32 weights and KV cache,
+// flash attention off) on a tiny seeded file of each architecture description, written from the
+// description's own key and tensor lists (tests/reference/tiny_arch_model.h): 12 positions.
+// gpt-oss: attention biases and sinks, sliding-window (4 positions) and full layers alternating,
+// YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts; a mutation
+// check shows each of those parts moves the logits far past the bound. qwen2moe: an
+// architecture made only of existing parts (q/k/v biases, softmax router without
+// renormalisation, gated shared expert), one file in common/model/arch.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <span>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/model/model.h"
+#include "common/reference/executor.h"
+#include "tests/interop/llama_oracle.h"
+#include "tests/reference/tiny_arch_model.h"
+#include "tests/synth/synth_run.h"
+
+namespace moraine::test {
+namespace {
+
+constexpr int kTokens = 12;
+
+// max over positions of max |ours - llama| / max |llama|; greedy agreement where not a near tie.
+double worst_gap(const std::vector<float>& ours, const std::vector<float>& llama, int64_t n_vocab, int n_tokens) {
+  double worst = 0;
+  for (int t = 0; t < n_tokens; ++t) {
+    const float* a = ours.data() + static_cast<size_t>(t) * n_vocab;
+    const float* b = llama.data() + static_cast<size_t>(t) * n_vocab;
+    double mx = 0, gap = 0;
+    for (int64_t v = 0; v < n_vocab; ++v) {
+      EXPECT_TRUE(std::isfinite(a[v])) << "position " << t << " logit " << v;
+      mx = std::max(mx, std::fabs(static_cast<double>(b[v])));
+      gap = std::max(gap, std::fabs(static_cast<double>(a[v]) - b[v]));
+    }
+    EXPECT_GT(mx, 0.5) << "position " << t << ": llama.cpp's logits are flat";
+    worst = std::max(worst, gap / mx);
+    std::vector<int64_t> order(static_cast<size_t>(n_vocab));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(), [&](int64_t x, int64_t y) { return b[x] > b[y]; });
+    if (b[order[0]] - b[order[1]] > 1e-3 * mx) {
+      EXPECT_EQ(std::max_element(a, a + n_vocab) - a, order[0]) << "position " << t;
+    }
+  }
+  return worst;
+}
+
+class ArchLlama : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
+  llama_oracle_dir();  // fails loudly, naming tests/oracle/setup, when the oracle is missing
+  const std::string arch = GetParam();
+  ScratchDir dir("arch-llama-" + arch);
+  const model::HParams spec = tiny_hparams(arch);
+  std::vector<std::vector<float>> data;
+  gguf::GgufWriter w = tiny_writer(spec, 7, data);
+  add_minimal_llama_vocab(w, spec.n_vocab);
+  const std::string path = dir.file("tiny-" + arch + ".gguf");
+  w.write(path);
+
+  const auto reports = run_llama_oracle({path}, kTokens, dir.path());
+  const LlamaReport& rep = reports.at(path);
+  ASSERT_TRUE(rep.loaded) << rep.error;
+  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
+  ASSERT_EQ(rep.n_vocab, spec.n_vocab);
+  ASSERT_EQ(rep.logits.size(), static_cast<size_t>(kTokens * spec.n_vocab));
+
+  const model::Model m = model::Model::load(path);
+  reference::ReferenceExecutor ex(m, {2});
+  std::vector<int32_t> tokens(kTokens);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  const std::vector<float> ours = ex.forward(tokens, true);
+  ASSERT_EQ(ours.size(), rep.logits.size());
+  // F32 weights and cache: float order only (the qwen goldens agree to 1.5e-6 on this path).
+  const double worst = worst_gap(ours, rep.logits, spec.n_vocab, kTokens);
+  std::printf("%s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", arch.c_str(), worst);
+  EXPECT_LE(worst, 1e-4);
+
+  // Decode after prefill is bit-identical to the one prefill (the sliding layers' window moves
+  // with each decoded position).
+  {
+    reference::ReferenceExecutor dec(m, {2});
+    std::vector<float> stepped = dec.forward(std::span<const int32_t>(tokens.data(), 5), true);
+    for (int t = 5; t < kTokens; ++t) {
+      const std::vector<float> row = dec.forward(std::span<const int32_t>(tokens.data() + t, 1), false);
+      stepped.insert(stepped.end(), row.begin(), row.end());
+    }
+    ASSERT_EQ(stepped.size(), ours.size());
+    EXPECT_EQ(0, std::memcmp(stepped.data(), ours.data(), ours.size() * sizeof(float)));
+  }
+
+  if (arch != "gpt-oss") return;
+  // Each part matters here: the reference with one part dropped (or swapped for its qwen
+  // counterpart) leaves llama.cpp by far more than the bound, so the agreement above checks it.
+  struct Mutation {
+    const char* what;
+    void (*apply)(model::Model&);
+  };
+  const Mutation mutations[] = {
+      {"no sliding window", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
+      {"no sinks", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.sinks.clear(); }},
+      {"no YaRN", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
+      {"no attention biases", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.o_bias.clear(); }},
+      {"softmax over all experts", [](model::Model& mm) {
+         for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
+         mm.hp.norm_topk_prob = false;
+       }},
+      {"no router bias", [](model::Model& mm) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
+      {"plain SwiGLU", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
+      {"no expert biases", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
+  };
+  for (const Mutation& mu : mutations) {
+    model::Model mm = model::Model::load(path);
+    mu.apply(mm);
+    reference::ReferenceExecutor mex(mm, {2});
+    const std::vector<float> moved = mex.forward(tokens, true);
+    double gap = 0, mx = 0;
+    for (size_t i = 0; i < moved.size(); ++i) {
+      gap = std::max(gap, std::fabs(static_cast<double>(moved[i]) - rep.logits[i]));
+      mx = std::max(mx, std::fabs(static_cast<double>(rep.logits[i])));
+    }
+    std::printf("  %-26s max|diff|/max|logit| %.3g\n", mu.what, gap / mx);
+    EXPECT_GT(gap / mx, 1e-2) << mu.what << " does not move the logits: the test would not see it wrong";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama, ::testing::Values("gpt-oss", "qwen2moe", "qwen3moe"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+// moraine-synth's gpt-oss-tiny (its tensor list is the description's) read by llama.cpp and by
+// the reference, F32 throughout so only float order separates them.
+TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
+  llama_oracle_dir();
+  ScratchDir dir("gpt-oss-synth");
+  const std::string path = dir.file("gpt-oss-tiny.gguf");
+  const SynthRun r = run_synth("--shape gpt-oss-tiny --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
+                               "--default f32 -o " + path, dir.path());
+  ASSERT_EQ(r.status, 0) << r.err;
+  constexpr int kSynthTokens = 20;   // past the shape's window of 8
+  const auto reports = run_llama_oracle({path}, kSynthTokens, dir.path());
+  const LlamaReport& rep = reports.at(path);
+  ASSERT_TRUE(rep.loaded) << rep.error;
+  EXPECT_NE(rep.type_description.find("gpt-oss"), std::string::npos) << rep.type_description;
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(rep.n_vocab, m.hp.n_vocab);
+  reference::ReferenceExecutor ex(m, {2});
+  std::vector<int32_t> tokens(kSynthTokens);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  const std::vector<float> ours = ex.forward(tokens, true);
+  ASSERT_EQ(ours.size(), rep.logits.size());
+  double worst = 0;
+  for (int t = 0; t < kSynthTokens; ++t) {
+    double mx = 0, gap = 0;
+    for (int64_t v = 0; v < m.hp.n_vocab; ++v) {
+      const size_t i = static_cast<size_t>(t * m.hp.n_vocab + v);
+      ASSERT_TRUE(std::isfinite(ours[i]));
+      mx = std::max(mx, std::fabs(static_cast<double>(rep.logits[i])));
+      gap = std::max(gap, std::fabs(static_cast<double>(ours[i]) - rep.logits[i]));
+    }
+    ASSERT_GT(mx, 0.0) << "position " << t;
+    worst = std::max(worst, gap / mx);
+  }
+  std::printf("synth gpt-oss-tiny reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", worst);
+  EXPECT_LE(worst, 1e-4);
+}
+
+}  // namespace
+}  // namespace moraine::test

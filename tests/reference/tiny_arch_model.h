@@ -1,0 +1,103 @@
+// Tiny seeded GGUFs of a registered architecture, every key and tensor from its description
+// (common keys + ArchDesc::write_keys, common/model/layer_tensors.h's list), random F32 values.
+// For the loader and refusal tests and for the reference against llama.cpp
+// (arch_llama_test.cpp): a row in tiny_hparams is all a new architecture needs there.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/gguf/gguf.h"
+#include "common/model/layer_tensors.h"
+
+namespace moraine::test {
+
+// 4 layers of n_embd 64, 4 heads of 16 (2 kv heads), 4 experts top-2 of width 32, vocab 320.
+// gpt-oss: sliding (window 4) and full layers alternating, YaRN factor 32 over 4096.
+inline model::HParams tiny_hparams(const std::string& arch) {
+  model::HParams hp;
+  hp.desc = model::find_arch(arch);
+  if (hp.desc == nullptr) throw std::invalid_argument("tiny_hparams: unknown architecture " + arch);
+  hp.n_layer = 4;
+  hp.n_embd = 64;
+  hp.n_vocab = 320;
+  hp.n_head = 4;
+  hp.n_head_kv = 2;
+  hp.head_dim = hp.n_rot = 16;
+  hp.n_expert = 4;
+  hp.n_expert_used = 2;
+  hp.n_ff_exp = 32;
+  hp.n_ff = 32;
+  hp.rope_freq_base = 10000.0;
+  hp.rms_eps = 1e-5;
+  hp.recurrent.assign(4, false);
+  if (arch == "gpt-oss") {
+    hp.rope_freq_base = 150000.0;
+    hp.sliding_window = 4;
+    hp.swa_layers = {true, false, true, false};
+    hp.rope_scaling = model::RopeScaling::Yarn;
+    hp.rope_scaling_factor = 32.0;
+    hp.rope_orig_ctx = 4096;
+  } else if (arch == "qwen2moe") {
+    hp.n_ff_shexp = 48;
+    hp.norm_topk_prob = false;
+  } else if (arch != "qwen3moe") {
+    throw std::invalid_argument("tiny_hparams: no tiny shape for " + arch + " yet");
+  }
+  for (int64_t il = 0; il < hp.n_layer; ++il) hp.recipes.push_back(hp.desc->layer_recipe(hp, il));
+  return hp;
+}
+
+// Metadata plus tensors; `data` keeps the values alive until the writer has written.
+inline gguf::GgufWriter tiny_writer(const model::HParams& hp, uint32_t seed, std::vector<std::vector<float>>& data) {
+  using gguf::Value;
+  gguf::GgufWriter w;
+  const std::string a = std::string(hp.desc->name) + ".";
+  const auto u32 = [](int64_t x) { return Value::u32(static_cast<uint32_t>(x)); };
+  w.set("general.architecture", Value::string(hp.desc->name));
+  w.set(a + "block_count", u32(hp.n_layer));
+  w.set(a + "context_length", u32(hp.rope_orig_ctx > 0 ? 32 * hp.rope_orig_ctx : 4096));
+  w.set(a + "embedding_length", u32(hp.n_embd));
+  w.set(a + "feed_forward_length", u32(hp.n_ff));
+  w.set(a + "attention.head_count", u32(hp.n_head));
+  w.set(a + "attention.head_count_kv", u32(hp.n_head_kv));
+  w.set(a + "attention.key_length", u32(hp.head_dim));
+  w.set(a + "attention.value_length", u32(hp.head_dim));
+  w.set(a + "rope.freq_base", Value::f32(static_cast<float>(hp.rope_freq_base)));
+  w.set(a + "attention.layer_norm_rms_epsilon", Value::f32(static_cast<float>(hp.rms_eps)));
+  w.set(a + "expert_count", u32(hp.n_expert));
+  w.set(a + "expert_used_count", u32(hp.n_expert_used));
+  w.set(a + "expert_feed_forward_length", u32(hp.n_ff_exp));
+  model::KeyList own;
+  hp.desc->write_keys(hp, a, own);
+  for (auto& [k, v] : own) w.set(k, std::move(v));
+  w.set(a + "rope.dimension_count", u32(hp.n_rot));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const model::TensorSlot& s : model::model_tensors(hp)) {
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    using R = model::TensorRole;
+    const bool norm = s.role == R::AttnNorm || s.role == R::FfnNorm || s.role == R::OutputNorm;
+    const bool vec = s.shape.size() == 1 || s.role == R::GateExpsBias || s.role == R::UpExpsBias ||
+                     s.role == R::DownExpsBias;
+    // Rows read shape[0] inputs: 1/sqrt(fan-in) keeps activations O(1); the routers and the LM
+    // head get more, for decisive routing and logits of a few units.
+    const float fan_in = static_cast<float>(s.shape[0]);
+    const float scale = s.role == R::TokEmbd || s.role == R::AttnSinks                    ? 1.0f
+                        : s.role == R::Router || s.role == R::Output || s.role == R::SharedRouter ? 3.0f / std::sqrt(fan_in)
+                        : norm                                                          ? 0.1f
+                        : vec                                                           ? 0.2f
+                                                                                        : 1.0f / std::sqrt(fan_in);
+    for (float& x : v) x = (norm ? 1.0f : 0.0f) + scale * normal(rng);
+    data.push_back(std::move(v));
+    w.add_tensor(s.name, s.shape, TensorType::F32, data.back().data(), static_cast<uint64_t>(n) * 4);
+  }
+  return w;
+}
+
+}  // namespace moraine::test
