@@ -147,10 +147,23 @@ class ServeTest : public ::testing::Test {
     const std::string dir = group_test::temp_dir("serve");
     start_serve(*g_serve, dir, group_test::convert_golden("qwen3moe_k256", group_test::golden_quant_args("kmix"), dir));
   }
+  // SIGTERM, as a user stops it, so the group goes too (a SIGKILLed serve leaves its supervisor,
+  // which runs in its own process group, and every worker behind); SIGKILL to both only after 60 s.
   static void TearDownTestSuite() {
     if (g_serve && g_serve->pid > 0) {
-      kill(g_serve->pid, SIGKILL);
-      waitpid(g_serve->pid, nullptr, 0);
+      pid_t supervisor = 0;
+      std::ifstream(g_serve->socket_dir + "/supervisor.pid") >> supervisor;
+      kill(g_serve->pid, SIGTERM);
+      pid_t done = 0;
+      for (int i = 0; i < 600 && done == 0; ++i) {
+        done = waitpid(g_serve->pid, nullptr, WNOHANG);
+        if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      if (done == 0) {
+        kill(g_serve->pid, SIGKILL);
+        waitpid(g_serve->pid, nullptr, 0);
+        if (supervisor > 0) kill(supervisor, SIGKILL);
+      }
     }
     delete g_serve;
     g_serve = nullptr;
