@@ -125,6 +125,10 @@ class CudaBackend final : public Backend {
   bool can_rewind() const override { return true; }
   void snapshot() override;
   void rewind(int64_t n_past) override;
+  // Every layer's K/V rows [0, n_past) and recurrent states, copied to or from host memory.
+  bool can_save_state() const override { return true; }
+  void save_state(std::vector<uint8_t>& out) override;
+  void load_state(std::span<const uint8_t> in) override;
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override;
   void embed(const int32_t* tokens, int64_t n) override;

@@ -647,6 +647,33 @@ TEST_P(CudaBackendGolden, GraphStepEqualsLayerByLayer) {
   }
 }
 
+// The conversation cache (Backend::save_state / load_state): the prompt's sequence saved, the
+// backend reset and run on another sequence, the saved one loaded back: its decode steps give
+// the bits of a backend that never left it, through the captured graph and layer by layer.
+TEST_P(CudaBackendGolden, SavedSequenceContinuesAsIfNeverLeft) {
+  ASSERT_TRUE(backend_->can_save_state());
+  auto straight = cuda_backend(*model_, kMaxTokens, 256, nullptr, GetParam().kv);
+  std::vector<float> a = run_step(*straight, *model_, prompt_, false);
+  run_step(*backend_, *model_, prompt_, false);
+  std::vector<uint8_t> saved;
+  backend_->save_state(saved);
+  backend_->reset();
+  std::vector<int32_t> other(prompt_.rbegin(), prompt_.rend());
+  run_step(*backend_, *model_, other, false);
+  EXPECT_THROW(backend_->load_state(std::span<const uint8_t>(saved.data(), saved.size() - 2)), std::invalid_argument);
+  EXPECT_EQ(backend_->n_past(), static_cast<int64_t>(other.size()));
+  backend_->load_state(saved);
+  EXPECT_EQ(backend_->n_past(), static_cast<int64_t>(prompt_.size()));
+  const int64_t V = model_->hp.n_vocab;
+  for (int i = 0; i < 6; ++i) {
+    const int32_t next = sampling::argmax(std::span<const float>(a.data(), V));
+    const Drive drive = i % 2 == 0 ? Drive::kGraph : Drive::kLayers;
+    a = run_step(*straight, *model_, {next}, false, drive);
+    const std::vector<float> b = run_step(*backend_, *model_, {next}, false, drive);
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "decode step " << i << " after the load";
+  }
+}
+
 // Greedy decode's token (Backend::set_token_output): the device's argmax of the last logits row
 // (kernels/cuda/argmax.cu, the id written into pinned host memory, no logits copied) is the
 // sampler's argmax of the row another backend copies out, step after step, through the captured

@@ -222,13 +222,17 @@ std::vector<std::string> shm_files(const std::string& prefix) {
 }
 
 uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name) {
+  return instance_counter(socket_dir, group::kCoordinatorInstance, name);
+}
+
+uint64_t instance_counter(const std::string& socket_dir, const std::string& instance, const std::string& name) {
   auto stub = control::Control::NewStub(
-      grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(group::control_address(socket_dir, instance), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   control::StatsReply reply;
   const grpc::Status st = stub->Stats(&ctx, control::StatsRequest(), &reply);
-  EXPECT_TRUE(st.ok()) << "coordinator Stats: " << st.error_message();
+  EXPECT_TRUE(st.ok()) << instance << " Stats: " << st.error_message();
   const auto it = reply.counters().find(name);
   return it == reply.counters().end() ? 0 : it->second;
 }

@@ -112,5 +112,7 @@ std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm ent
 
 // A counter of the coordinator's Stats (`moraine stats --json`); 0 when it has none by that name.
 uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name);
+// A counter of any instance's Stats (group::kGpuWorkerInstance, ...); 0 when it has none.
+uint64_t instance_counter(const std::string& socket_dir, const std::string& instance, const std::string& name);
 
 }  // namespace moraine::group_test
