@@ -471,8 +471,9 @@ class Coordinator final : public generate::Coordinator::Service {
     bool save_pinned = false;   // a running request's sequence, waiting for its turn
     std::vector<int32_t> save_tokens;
   };
-  // A live tail shorter than this is not saved (a save copies the whole sequence).
-  static constexpr size_t kMinSavedTail = 32;
+  // A live tail shorter than this is not saved: a request that only drops a few of its last tokens
+  // (a regenerated answer) would keep a near copy, and a save copies the whole sequence.
+  static constexpr size_t kMinSavedTail = 16;
   void publish_conversations() {
     conversation_entries_ = conversations_.size();
     conversation_bytes_ = conversations_.bytes();

@@ -159,7 +159,8 @@ class CpuBackend final : public Backend {
   void snapshot() override { exec_.snapshot(); }
   void rewind(int64_t n_past) override { exec_.rewind(n_past); }
   bool can_save_state() const override { return true; }
-  void save_state(std::vector<uint8_t>& out) override { exec_.save_state(out); }
+  size_t state_bytes() const override { return exec_.state_bytes(); }
+  void save_state(std::span<uint8_t> out) override { exec_.save_state(out); }
   void load_state(std::span<const uint8_t> in) override { exec_.load_state(in); }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the

@@ -127,7 +127,9 @@ class CudaBackend final : public Backend {
   void rewind(int64_t n_past) override;
   // Every layer's K/V rows [0, n_past) and recurrent states, copied to or from host memory.
   bool can_save_state() const override { return true; }
-  void save_state(std::vector<uint8_t>& out) override;
+  size_t state_bytes() const override;
+  void save_state(std::span<uint8_t> out) override;
+  HostBuffer host_buffer(size_t bytes) override;   // pinned (cudaMallocHost), else pageable
   void load_state(std::span<const uint8_t> in) override;
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override;

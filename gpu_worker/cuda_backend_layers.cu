@@ -72,7 +72,7 @@ struct StatePart {
   void* dev;
   size_t bytes;
 };
-std::array<StatePart, 4> state_parts(DevLayer& L, int64_t n_past, int64_t kv_dim, bool f16) {
+std::array<StatePart, 4> state_parts(const DevLayer& L, int64_t n_past, int64_t kv_dim, bool f16) {
   const size_t kv = L.recurrent ? 0 : static_cast<size_t>(n_past * kv_dim) * (f16 ? sizeof(__half) : sizeof(float));
   void* k = f16 ? static_cast<void*>(L.k_cache_f16.get()) : static_cast<void*>(L.k_cache.get());
   void* v = f16 ? static_cast<void*>(L.v_cache_f16.get()) : static_cast<void*>(L.v_cache.get());
@@ -81,7 +81,24 @@ std::array<StatePart, 4> state_parts(DevLayer& L, int64_t n_past, int64_t kv_dim
 }
 }  // namespace
 
-void CudaBackend::save_state(std::vector<uint8_t>& out) {
+size_t CudaBackend::state_bytes() const {
+  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
+  size_t sum = 0;
+  for (const DevLayer& L : layers_)
+    for (const StatePart& p : state_parts(L, n_past_, kv_dim, kv_f16_)) sum += p.bytes;
+  return model::sequence_state_bytes(4 * layers_.size(), sum);
+}
+
+Backend::HostBuffer CudaBackend::host_buffer(size_t bytes) {
+  use_device();
+  void* p = nullptr;
+  if (cudaMallocHost(&p, bytes) == cudaSuccess)
+    return {std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); }), bytes};
+  cudaGetLastError();   // not sticky: the copies still work from pageable memory, only slower
+  return Backend::host_buffer(bytes);
+}
+
+void CudaBackend::save_state(std::span<uint8_t> out) {
   use_device();
   const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
   model::SequenceStateWriter w(out, n_past_, static_cast<int64_t>(layers_.size()));

@@ -27,7 +27,17 @@ class SequenceStore {
   uint64_t size() const { return count_.load(); }
 
  private:
-  std::unordered_map<uint64_t, std::vector<uint8_t>> saved_;
+  struct Saved {
+    Backend::HostBuffer buffer;
+    size_t bytes = 0;
+  };
+  // A buffer of at least `bytes` from the free ones (the smallest that fits), else a new one.
+  Backend::HostBuffer buffer_for(Backend& backend, size_t bytes);
+  void recycle(Backend::HostBuffer b);
+  std::unordered_map<uint64_t, Saved> saved_;
+  // Buffers of dropped and loaded sequences, kept for the next saves: pinning is slow (~0.1 s
+  // for 500 MB), a copy into pinned memory fast.
+  std::vector<Backend::HostBuffer> free_;
   std::atomic<uint64_t> bytes_{0}, count_{0};
 };
 

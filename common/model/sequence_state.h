@@ -15,10 +15,16 @@ namespace moraine::model {
 
 inline constexpr uint64_t kSequenceStateMagic = 0x31515345524f4d;   // "MORESQ1"
 
+// The bytes a state of these parts takes (the header, and each part with its size before it).
+inline size_t sequence_state_bytes(size_t n_parts, size_t part_bytes_sum) {
+  return 3 * sizeof(uint64_t) + n_parts * sizeof(uint64_t) + part_bytes_sum;
+}
+
+// Writes into memory the caller sized with sequence_state_bytes (pinned host memory, so that a
+// device's copies into the parts run at the bus rate). Throws std::length_error past its end.
 class SequenceStateWriter {
  public:
-  SequenceStateWriter(std::vector<uint8_t>& out, int64_t n_past, int64_t n_layer) : out_(out) {
-    out_.clear();
+  SequenceStateWriter(std::span<uint8_t> out, int64_t n_past, int64_t n_layer) : out_(out) {
     put(kSequenceStateMagic);
     put(static_cast<uint64_t>(n_past));
     put(static_cast<uint64_t>(n_layer));
@@ -26,22 +32,24 @@ class SequenceStateWriter {
   // Room for a part of `bytes` bytes, to be filled by the caller (a device copy writes there).
   uint8_t* part(size_t bytes) {
     put(static_cast<uint64_t>(bytes));
-    const size_t at = out_.size();
-    out_.resize(at + bytes);
-    return out_.data() + at;
+    return take(bytes);
   }
   void part(const void* src, size_t bytes) {
-    if (bytes > 0) std::memcpy(part(bytes), src, bytes);
-    else part(0);
+    uint8_t* p = part(bytes);
+    if (bytes > 0) std::memcpy(p, src, bytes);
   }
+  size_t written() const { return at_; }
 
  private:
-  void put(uint64_t v) {
-    const size_t at = out_.size();
-    out_.resize(at + sizeof v);
-    std::memcpy(out_.data() + at, &v, sizeof v);
+  uint8_t* take(size_t bytes) {
+    if (out_.size() - at_ < bytes) throw std::length_error("sequence state: more than the " + std::to_string(out_.size()) + " bytes sized for it");
+    uint8_t* p = out_.data() + at_;
+    at_ += bytes;
+    return p;
   }
-  std::vector<uint8_t>& out_;
+  void put(uint64_t v) { std::memcpy(take(sizeof v), &v, sizeof v); }
+  std::span<uint8_t> out_;
+  size_t at_ = 0;
 };
 
 class SequenceStateReader {

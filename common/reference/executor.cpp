@@ -126,7 +126,14 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   return logits;
 }
 
-void ReferenceExecutor::save_state(std::vector<uint8_t>& out) const {
+size_t ReferenceExecutor::state_bytes() const {
+  size_t sum = 0;
+  for (const LayerState& S : state_)
+    for (const std::vector<float>* v : {&S.k_cache, &S.v_cache, &S.conv_state, &S.ssm_state}) sum += v->size() * sizeof(float);
+  return model::sequence_state_bytes(4 * state_.size(), sum);
+}
+
+void ReferenceExecutor::save_state(std::span<uint8_t> out) const {
   model::SequenceStateWriter w(out, n_past_, static_cast<int64_t>(state_.size()));
   for (const LayerState& S : state_) {
     for (const std::vector<float>* v : {&S.k_cache, &S.v_cache, &S.conv_state, &S.ssm_state})

@@ -75,7 +75,8 @@ class ReferenceExecutor {
   // The conversation cache (gpu_worker's state store): every layer's caches and recurrent states
   // as bytes (model/sequence_state.h), and back; load_state makes that sequence the cached one
   // (no snapshot taken since). std::invalid_argument for bytes of another shape.
-  void save_state(std::vector<uint8_t>& out) const;
+  size_t state_bytes() const;   // what save_state writes now
+  void save_state(std::span<uint8_t> out) const;   // exactly state_bytes()
   void load_state(std::span<const uint8_t> in);
   bool has_recurrent() const;
   int64_t n_past() const { return n_past_; }

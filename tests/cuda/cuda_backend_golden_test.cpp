@@ -655,7 +655,8 @@ TEST_P(CudaBackendGolden, SavedSequenceContinuesAsIfNeverLeft) {
   auto straight = cuda_backend(*model_, kMaxTokens, 256, nullptr, GetParam().kv);
   std::vector<float> a = run_step(*straight, *model_, prompt_, false);
   run_step(*backend_, *model_, prompt_, false);
-  std::vector<uint8_t> saved;
+  gpu_worker::Backend::HostBuffer buf = backend_->host_buffer(backend_->state_bytes());
+  const std::span<uint8_t> saved(buf.data.get(), backend_->state_bytes());
   backend_->save_state(saved);
   backend_->reset();
   std::vector<int32_t> other(prompt_.rbegin(), prompt_.rend());

@@ -179,8 +179,9 @@ TEST_P(ExecutorConsistency, SavedSequenceContinuesAsIfNeverLeft) {
 
   ReferenceExecutor ex(m, {2});
   ex.forward(first, false);
-  std::vector<uint8_t> saved;
+  std::vector<uint8_t> saved(ex.state_bytes());
   ex.save_state(saved);
+  EXPECT_THROW(ex.save_state(std::span<uint8_t>(saved.data(), saved.size() - 1)), std::length_error);
   ex.reset();
   ex.forward(other, false);
   std::vector<uint8_t> cut(saved.begin(), saved.end() - 4);
