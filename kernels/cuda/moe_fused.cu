@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
       __threadfence();
       for (int i = warp; i < count; i += kWarps) {
         const int slot = st.list[i];
-        quantize_block(p.h_q8k, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block, p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
+        quantize_block(p.h_q8k, p.q81 & kQ81H, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block,
+                       p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
       }
       if (threadIdx.x == 0) *counter = 0;  // the workspace is left zeroed for the next call
     }
@@ -321,6 +322,8 @@ void fill_moe_params(MoeParams& p, const MoeLayerWeights& w, int n_tokens, int k
   p.x_gate_q8k = xg_act == TensorType::Q8_K;
   p.x_up_q8k = xu_act == TensorType::Q8_K;
   p.h_q8k = h_act == TensorType::Q8_K;
+  p.q81 = static_cast<uint8_t>((xg_act == TensorType::Q8_1 ? kQ81GateX : 0) | (xu_act == TensorType::Q8_1 ? kQ81UpX : 0) |
+                               (h_act == TensorType::Q8_1 ? kQ81H : 0));
   p.n_embd = static_cast<int>(w.n_embd);
   p.n_ff = static_cast<int>(w.n_ff);
   p.n_expert = static_cast<int>(w.n_expert);
@@ -389,7 +392,7 @@ TiledPlan plan_tiled(const MoeParams& p, const MoeLayerWeights& w, const MoeDevi
   // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
   // Rows per dot_rows call: 32 / lanes per row; kernel 1 pairs gate and up rows in one call.
   const int n = p.n_tokens, n_slots = p.n_slots;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  const bool same_x = same_x_format(p);
   const int h_block = p.h_q8k ? kQK_K : kQK;
   const int rows_per_call_a = 32 / lanes_per_row(static_cast<int>(w.n_embd / type_traits(w.gate_type).block_elems));
   const int rows_per_call_b = 32 / lanes_per_row(static_cast<int>(w.n_ff / type_traits(w.down_type).block_elems));
