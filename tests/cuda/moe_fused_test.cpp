@@ -240,7 +240,9 @@ std::vector<double> q8_1_s_bounds(TensorType ah, const std::vector<float>& h, co
     double moved = 0.0;
     for (int j = 0; j < kQK; ++j) moved += bound[j] + std::fabs(v[j] - static_cast<double>(vf[j]));
     const double s = std::fabs(static_cast<double>(half::fp16_to_fp32(blk.s)));
-    out.push_back(moved * (1.0 + std::ldexp(1.0, -10)) + std::ldexp(1.0, -10) * s + std::ldexp(1.0, -24));
+    // |fp16(y') - fp16(y)| <= |y' - y| + 2^-11 (|y| + |y'|) + 2 * 2^-25, |y| and |y'| within s + moved
+    // (and the float product's own rounding, 2^-24 relative): the 1.01 and 2^-23 cover the rest.
+    out.push_back(moved * (1.0 + std::ldexp(1.0, -10)) + std::ldexp(1.0, -10) * s * 1.01 + std::ldexp(1.0, -23));
   }
   return out;
 }
