@@ -9,7 +9,7 @@
 // IQ4_XS adds one float term per 32-element sub-block, not per block, so its Format sets
 // kTermPerPart: part_term() gives sub-block j's term and the kernels add a block's terms in
 // sub-block order (matvec.cu, moe_fused_dots.cuh), as the reference does.
-// Included at the end of matvec_formats.cuh (inside nothing): uses its helpers.
+// Included at the end of matvec_formats.cuh, whose helpers it uses.
 #pragma once
 #include <cuda_fp16.h>
 

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "common/formats/block_layouts.h"
 #include "common/formats/quant.h"
