@@ -74,6 +74,7 @@ __device__ int list_slots(const MoeParams& p, SlotTables& st, int e) {
 // Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
 // tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
 // whole activation block of h (of one expert) quantizes it for down.
+template <bool kIssue26>
 __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
                             : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
         };
         const uint8_t* xt = xg + t * p.xg_stride;
-        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
+        const float v = dot_rows<kIssue26>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
         const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
         const int c = lane / lanes;
         if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
@@ -415,13 +416,15 @@ TiledPlan plan_tiled(const MoeParams& p, const MoeLayerWeights& w, const MoeDevi
 }
 
 void launch_tiled_gate_up(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, cudaStream_t stream) {
-  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan.smem);
+  // Gate/up rows of issue 26's formats take the kernel built with their dot_rows cases.
+  const auto kernel = is_issue26_format(p.gate_type) ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>;
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), dev.device, plan.smem);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.tiles), static_cast<unsigned>(plan.groups));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
   cfg.stream = stream;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gate_up_kernel, p));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 void launch_tiled_down(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, bool pdl,

@@ -401,24 +401,13 @@ __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblo
   return acc;
 }
 
+// Issue 26's formats (matvec_formats_legacy.cuh): a second switch, compiled into a kernel only
+// where it asks (dot_rows' kIssue26). Why: as more cases of dot_rows' switch they raised the tiled
+// kernel 1's spills for every format (ptxas, sm_90: 40 -> 88 bytes of stack); moe_fused.cu builds
+// that kernel twice and gives these formats' gate/up rows the one with them.
 template <class RowOf, class ActOf>
-__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+__device__ __forceinline__ float dot_rows_issue26(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   switch (static_cast<TensorType>(type)) {
-    case TensorType::Q8_0:
-      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane);
-    case TensorType::MXFP4:
-      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane);
-    case TensorType::Q2_K:
-      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q3_K:
-      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q4_K:
-      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q5_K:
-      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q6_K:
-      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    // Issue 26 (matvec_formats_legacy.cuh)
     case TensorType::Q4_0:
       return dot_rows_format<FormatQ4_0>(row_of, act_of, nrows, n / kQK, lane);
     case TensorType::Q4_1:
@@ -437,6 +426,49 @@ __device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n
       return dot_rows_format<FormatTQ2_0>(row_of, act_of, nrows, n / kQK_K, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+template <bool kIssue26 = true, class RowOf, class ActOf>
+__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q8_0:
+      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::MXFP4:
+      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::Q2_K:
+      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q3_K:
+      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q4_K:
+      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q5_K:
+      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q6_K:
+      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    default:
+      if constexpr (kIssue26) {
+        return dot_rows_issue26(type, row_of, act_of, nrows, n, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
+  }
+}
+
+// Whether type (a TensorType value) is one of issue 26's formats (matvec_formats_legacy.cuh).
+__host__ __device__ __forceinline__ bool is_issue26_format(int type) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q4_0:
+    case TensorType::Q4_1:
+    case TensorType::Q5_0:
+    case TensorType::Q5_1:
+    case TensorType::IQ4_NL:
+    case TensorType::IQ4_XS:
+    case TensorType::TQ1_0:
+    case TensorType::TQ2_0:
+      return true;
+    default:
+      return false;
   }
 }
 
