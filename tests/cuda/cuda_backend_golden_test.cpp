@@ -76,6 +76,11 @@ const std::map<std::string, std::string> kQuantArgs = {
     {"q8_0", "--default q8_0"},
     {"kmix", "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q5_k --map attn_q=q4_k --map ssm_out=q5_k "
              "--default q8_0"},
+    // Issue 26's CUDA formats (matvec_formats_legacy.cuh), as tests/group/group_harness.cpp's variants.
+    {"hub", "--map ffn_gate_exps=q4_1 --map ffn_up_exps=q5_1 --map ffn_down_exps=iq4_xs --map attn_q=q5_0 "
+            "--map attn_output=iq4_nl --default q8_0"},
+    {"hub_tq", "--map ffn_gate_exps=q4_0 --map ffn_up_exps=tq1_0 --map ffn_down_exps=tq2_0 --map attn_q=iq4_nl "
+               "--map attn_output=q4_0 --default q8_0"},
 };
 
 json read_json(const fs::path& p) {
@@ -372,7 +377,8 @@ std::vector<Case> golden_cases(model::KvType kv) {
            {"qwen3next_k256", "q8_0"}, {"qwen3next_k256", "kmix"},
            // The real head sizes (128; 256 gated): the tensor-core prefill attention takes only these.
            {"qwen3moe_hd128", "f32"}, {"qwen3moe_hd128", "kmix"}, {"qwen3next_hd256", "f32"},
-           {"qwen3next_hd256", "kmix"}})
+           {"qwen3next_hd256", "kmix"},
+           {"qwen3moe_k256", "hub"}, {"qwen3next_k256", "hub"}, {"qwen3moe_k256", "hub_tq"}, {"qwen3next_k256", "hub_tq"}})
     cases.push_back({m, v, kv});
   return cases;
 }

@@ -68,6 +68,9 @@ std::string golden_quant_args(const std::string& weights) {
   // gate/up, IQ4_XS down, Q5_0 / IQ4_NL attention.
   if (weights == "hub")
     return "--map ffn_gate_exps=q4_1 --map ffn_up_exps=q5_1 --map ffn_down_exps=iq4_xs --map attn_q=q5_0 --map attn_output=iq4_nl --default q8_0";
+  // The rest of issue 26's CUDA formats: Q4_0 / ternary experts, IQ4_NL / Q4_0 attention.
+  if (weights == "hub_tq")
+    return "--map ffn_gate_exps=q4_0 --map ffn_up_exps=tq1_0 --map ffn_down_exps=tq2_0 --map attn_q=iq4_nl --map attn_output=q4_0 --default q8_0";
   return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
 }
 

@@ -25,7 +25,7 @@ std::string temp_dir(const std::string& tag);   // fresh, unique per call
 std::string convert_golden(const std::string& name, const std::string& quant_args, const std::string& dir);
 std::vector<int32_t> golden_prompt(const std::string& name);
 // moraine-quantize arguments of the golden weight variants: "f32" (none), "q8_0", "kmix"
-// (Q4_K experts, Q6_K attn_v, Q4_K attn_output, Q8_0 rest).
+// (Q4_K experts, Q6_K attn_v, Q4_K attn_output, Q8_0 rest), "hub" and "hub_tq" (issue 26's types).
 std::string golden_quant_args(const std::string& weights);
 
 // The coordinator's --logits-dump: n floats (fails the current test when shorter).
