@@ -6,6 +6,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <future>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -38,6 +39,10 @@ class SequenceStore {
   // Buffers of dropped and loaded sequences, kept for the next saves: pinning is slow (~0.1 s
   // for 500 MB), a copy into pinned memory fast.
   std::vector<Backend::HostBuffer> free_;
+  // After a save took a buffer, the next one is pinned in the background, so that the next switch
+  // of conversations copies at once: pinning 512 MB on the H200 took ~0.25 s, the copy ~10 ms.
+  std::future<Backend::HostBuffer> spare_;
+  size_t spare_bytes_ = 0;
   std::atomic<uint64_t> bytes_{0}, count_{0};
 };
 
