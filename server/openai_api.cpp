@@ -77,6 +77,28 @@ std::string content_text(const json& m, const std::string& where) {
 
 // The conversation the coordinator renders with the model's chat template (chat_json): the
 // messages with their content as plain text, tool calls and tools kept as the client sent them.
+// The tools a request's tool_choice lets the model see: "auto" (or none given) and "required"
+// all of them (required is not enforced: there is no constrained decoding), "none" none, a
+// named function only that one. 400 for another value or a name not among the tools.
+json offered_tools(const json& tools, const json* choice) {
+  if (!choice || choice->is_null()) return tools;
+  if (choice->is_string()) {
+    const std::string c = choice->get<std::string>();
+    if (c == "auto" || c == "required") return tools;
+    if (c == "none") return json::array();
+    throw bad("tool_choice", "\"" + c + "\" is not one of none, auto, required, or {\"type\": \"function\", ...}");
+  }
+  const json* fn = choice->is_object() ? field(*choice, "function") : nullptr;
+  const json* name = fn && fn->is_object() ? field(*fn, "name") : nullptr;
+  if (!name || !name->is_string()) throw bad("tool_choice", "expected a string or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+  for (const json& t : tools) {
+    const json* tf = t.is_object() ? field(t, "function") : nullptr;
+    const json* tn = tf && tf->is_object() ? field(*tf, "name") : nullptr;
+    if (tn && *tn == *name) return json::array({t});
+  }
+  throw bad("tool_choice", "names the function \"" + name->get<std::string>() + "\", which is not among the tools");
+}
+
 std::string chat_json_of(const json& body) {
   const json* msgs = field(body, "messages");
   if (!msgs) throw bad("messages", "is required");
@@ -100,7 +122,8 @@ std::string chat_json_of(const json& body) {
   }
   if (const json* tools = field(body, "tools")) {
     if (!tools->is_array()) throw bad("tools", "expected an array");
-    out["tools"] = *tools;
+    out["tools"] = offered_tools(*tools, field(body, "tool_choice"));
+    if (out["tools"].empty()) out.erase("tools");
   }
   if (const json* kw = field(body, "chat_template_kwargs")) out["chat_template_kwargs"] = *kw;
   return out.dump();
@@ -220,7 +243,7 @@ json finish_json(generate::FinishReason f, bool tool_calls = false) {
 
 bool offers_tools(const json& body) {
   const json* t = field(body, "tools");
-  return t && t->is_array() && !t->empty();
+  return t && t->is_array() && !offered_tools(*t, field(body, "tool_choice")).empty();
 }
 
 }  // namespace

@@ -192,6 +192,44 @@ TEST(ServerToolCalls, FormatOfTheTemplate) {
   EXPECT_EQ(m["tool_calls"].size(), 1u);
 }
 
+// tool_choice: "none" offers the model no tools, a named function only that one, "required" all
+// (not enforced); anything else is a 400 naming the field.
+TEST(ServerToolCalls, ToolChoiceDecidesTheToolsOffered) {
+  const auto fn = [](const char* name) {
+    return json{{"type", "function"}, {"function", {{"name", name}, {"parameters", {{"type", "object"}}}}}};
+  };
+  json body = {{"messages", {{{"role", "user"}, {"content", "Weather?"}}}}, {"tools", {fn("a"), fn("b")}}};
+  const auto tools_of = [](const ApiRequest& r) {
+    const json c = json::parse(r.generate.chat_json());
+    std::vector<std::string> names;
+    if (c.contains("tools"))
+      for (const json& t : c["tools"]) names.push_back(t["function"]["name"]);
+    return names;
+  };
+  ApiRequest r = parse_request(body.dump(), Endpoint::kChat, {"m"});
+  EXPECT_EQ(tools_of(r), (std::vector<std::string>{"a", "b"}));
+  body["tool_choice"] = "none";
+  r = parse_request(body.dump(), Endpoint::kChat, {"m"});
+  EXPECT_FALSE(r.has_tools);
+  EXPECT_TRUE(tools_of(r).empty());
+  body["tool_choice"] = "required";
+  EXPECT_EQ(tools_of(parse_request(body.dump(), Endpoint::kChat, {"m"})).size(), 2u);
+  body["tool_choice"] = {{"type", "function"}, {"function", {{"name", "b"}}}};
+  r = parse_request(body.dump(), Endpoint::kChat, {"m"});
+  EXPECT_TRUE(r.has_tools);
+  EXPECT_EQ(tools_of(r), (std::vector<std::string>{"b"}));
+  for (const json& badc : {json("sometimes"), json({{"type", "function"}, {"function", {{"name", "c"}}}}), json(3)}) {
+    body["tool_choice"] = badc;
+    try {
+      parse_request(body.dump(), Endpoint::kChat, {"m"});
+      ADD_FAILURE() << "tool_choice " << badc.dump() << " was accepted";
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, "tool_choice");
+    }
+  }
+}
+
 // gpt-oss's template (the real one, from the oracle's llama.cpp source): harmony with tools or
 // without, since its analysis channel is reasoning and its final channel the content; the
 // server then asks for the special tokens' text (http_server.cpp), which the parser reads.
