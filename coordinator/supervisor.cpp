@@ -54,6 +54,9 @@ struct Options {
   std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
   std::string cache_ram;   // the coordinator's --cache-ram; empty: its default
   int parallel = 0, turn_tokens = 0;   // the coordinator's --parallel / --turn-tokens; 0: its default
+  // The group stops when this process is gone (`moraine serve` passes its own pid: a serve killed
+  // with SIGKILL cannot stop its group, which otherwise kept running with its shared memory).
+  int exit_with = 0;
   double ready_timeout_s = 120;
 };
 
@@ -252,7 +255,16 @@ int start(const Options& o) {
   std::cout << "supervisor: group serving in " << o.socket_dir << " (" << o.cpu_workers << " cpu workers)" << std::endl;
 
   int rc = 0;
+  const uint64_t exit_with_ticks = o.exit_with > 0 ? shm::process_start_ticks(static_cast<uint32_t>(o.exit_with)) : 0;
+  auto next_owner_check = Clock::now();
   while (!group::signal_received()) {
+    if (o.exit_with > 0 && Clock::now() >= next_owner_check) {
+      next_owner_check = Clock::now() + std::chrono::milliseconds(250);
+      if (!shm::process_alive(static_cast<uint32_t>(o.exit_with), exit_with_ticks)) {
+        std::cerr << "supervisor: pid " << o.exit_with << " (--exit-with) is gone; stopping the group\n";
+        break;
+      }
+    }
     int status = 0;
     const pid_t dead = waitpid(-1, &status, WNOHANG);
     if (dead <= 0) {
@@ -368,6 +380,8 @@ int main(int argc, char** argv) {
                  "KV cache element type: f16 (default with --backend cuda, as llama.cpp's) or f32 (default, and the "
                  "only one, with cpu); the coordinator charges it to --vram, the gpu_worker holds it")
       ->check(CLI::IsMember({"f16", "f32"}));
+  st->add_option("--exit-with", o.exit_with, "stop the group when the process with this pid is gone (moraine serve passes its own)")
+      ->check(CLI::PositiveNumber);
   st->add_option("--parallel", o.parallel,
                  "requests the coordinator runs at once, taking turns on the gpu_worker (1: one after another)")
       ->check(CLI::Range(1, 256));

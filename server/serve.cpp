@@ -42,6 +42,7 @@ std::vector<std::string> start_args(const GroupStartOptions& g) {
   if (g.cpu_workers >= 0) add("--cpu-workers", std::to_string(g.cpu_workers));
   if (g.max_tokens >= 0) add("--max-tokens", std::to_string(g.max_tokens));
   if (g.parallel >= 1) add("--parallel", std::to_string(g.parallel));
+  add("--exit-with", std::to_string(::getpid()));   // a serve killed with SIGKILL takes its group along
   if (g.ctx >= 0) add("--ctx", std::to_string(g.ctx));
   a.insert(a.end(), g.supervisor_args.begin(), g.supervisor_args.end());
   return a;

@@ -23,6 +23,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "coordinator/group_layout.h"
+#include "coordinator/process_util.h"
 #include "proto/control.grpc.pb.h"
 #include "tests/group/group_harness.h"
 
@@ -533,6 +534,30 @@ TEST(ServeTools, QwenTemplateModelAnswersToolRequests) {
   int status = 0;
   waitpid(s.pid, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// A serve killed with SIGKILL cannot stop its group: the supervisor sees its pid gone
+// (--exit-with) and stops every process, and the shared memory goes with them.
+TEST_F(ServeTest, SigkillOfServeStopsItsGroupToo) {
+  ServeProcess s;
+  fs::create_directories(g_serve->dir + "/killed");
+  start_serve(s, g_serve->dir + "/killed", g_serve->model);
+  ASSERT_GT(s.port, 0);
+  const std::string prefix = group::group_prefix_for(s.socket_dir);
+  ASSERT_FALSE(group_test::shm_files(prefix).empty());
+  std::ifstream pid_in(s.socket_dir + "/supervisor.pid");
+  pid_t supervisor = 0;
+  pid_in >> supervisor;
+  ASSERT_GT(supervisor, 0);
+  ASSERT_EQ(kill(s.pid, SIGKILL), 0);
+  ASSERT_EQ(waitpid(s.pid, nullptr, 0), s.pid);
+  bool gone = false;
+  for (int i = 0; i < 300 && !gone; ++i) {
+    gone = !group::process_running(supervisor) && group_test::shm_files(prefix).empty();
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(gone) << "30 s after serve's SIGKILL: supervisor " << (group::process_running(supervisor) ? "running" : "gone")
+                    << ", " << group_test::shm_files(prefix).size() << " shared-memory files left";
 }
 
 TEST_F(ServeTest, ZzSigtermStopsTheGroupAndRemovesSharedMemory) {
