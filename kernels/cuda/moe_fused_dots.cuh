@@ -14,6 +14,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/matvec_formats_iq.cuh"
 #include "kernels/cuda/moe_fused.h"
 #include "kernels/cuda/quantize_block.cuh"
 
@@ -240,6 +241,21 @@ inline __device__ float dot_staged(int type, const uint8_t* row, int n, const ui
       return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
     case TensorType::Q6_K:
       return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
+    // The importance-matrix grid formats (matvec_formats_iq.cuh).
+    case TensorType::IQ2_XXS:
+      return dot_staged_format<FormatIQ2_XXS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ2_XS:
+      return dot_staged_format<FormatIQ2_XS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ2_S:
+      return dot_staged_format<FormatIQ2_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ3_XXS:
+      return dot_staged_format<FormatIQ3_XXS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ3_S:
+      return dot_staged_format<FormatIQ3_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ1_S:
+      return dot_staged_format<FormatIQ1_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ1_M:
+      return dot_staged_format<FormatIQ1_M>(row, n / kQK_K, act, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
@@ -372,6 +388,21 @@ __device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n
       return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::Q6_K:
       return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    // The importance-matrix grid formats (matvec_formats_iq.cuh).
+    case TensorType::IQ2_XXS:
+      return dot_rows_format<FormatIQ2_XXS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ2_XS:
+      return dot_rows_format<FormatIQ2_XS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ2_S:
+      return dot_rows_format<FormatIQ2_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ3_XXS:
+      return dot_rows_format<FormatIQ3_XXS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ3_S:
+      return dot_rows_format<FormatIQ3_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ1_S:
+      return dot_rows_format<FormatIQ1_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ1_M:
+      return dot_rows_format<FormatIQ1_M>(row_of, act_of, nrows, n / kQK_K, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
   }
