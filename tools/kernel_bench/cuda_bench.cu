@@ -26,6 +26,7 @@
 #include "tools/kernel_bench/gemm_prefill_bench.h"
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/mixer_bench.h"
+#include "tools/kernel_bench/template_rows.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -130,7 +131,7 @@ DeviceBuffer<uint8_t> make_pool(TensorType t, int64_t rows, int64_t n, size_t co
   std::vector<float> f(static_cast<size_t>(n));
   for (int r = 0; r < kTemplateRows; ++r) {
     for (float& v : f) v = dist(rng);
-    quantize_row(t, f.data(), templ.data() + static_cast<size_t>(r) * rb, n);
+    template_row(t, f.data(), n, templ.data() + static_cast<size_t>(r) * rb, rng);
   }
   std::vector<uint8_t> matrix(rb * static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)
@@ -231,7 +232,9 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   for (const std::string& f : opt.formats) {
     const auto t = type_from_name(f);
     if (!t || !cuda::matvec_supported(*t))
-      throw std::invalid_argument("--formats: '" + f + "' has no CUDA matvec kernel (q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4)");
+      throw std::invalid_argument("--formats: '" + f +
+                                  "' has no CUDA matvec kernel (q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq2_xxs, "
+                                  "iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m)");
     types.push_back(*t);
   }
   cudaDeviceProp prop{};
