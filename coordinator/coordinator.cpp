@@ -7,6 +7,7 @@
 // A step that fails (a worker died and was not back in time) is re-issued by replaying the
 // sequence from a reset: the forward is deterministic, so the tokens are the same.
 #include <CLI/CLI.hpp>
+#include <unordered_map>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -37,7 +38,9 @@
 #include "coordinator/placement.h"
 #include "coordinator/process_util.h"
 #include "coordinator/speculation.h"
+#include "coordinator/conversation_cache.h"
 #include "coordinator/sequence.h"
+#include "coordinator/turn_queue.h"
 #include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -74,6 +77,12 @@ struct Options {
   // Speculation, for requests that ask (GenerateRequest::speculate, greedy only): drafts of at
   // most this many tokens (0: never draft), looked up from suffixes of up to speculate_ngram.
   int speculate_draft = 4, speculate_ngram = 3;
+  // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
+  // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
+  std::string cache_ram = "8G";
+  // Requests that take turns on the gpu_worker (coordinator/turn_queue.h), and the tokens a turn
+  // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
+  int parallel = 1, turn_tokens = 16;
 };
 
 // --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
@@ -161,7 +170,10 @@ class Coordinator final : public generate::Coordinator::Service {
         arena_(shm::ShmSegment::create({prefix_, "arena", std::max<size_t>(al_.total_bytes, group::kArenaAlign), true, true})),
         prefill_(control.add_stage("prefill")), decode_(control.add_stage("decode")),
         sample_(control.add_stage("sample")), stream_write_(control.add_stage("stream_write")),
-        gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)), bells_(exchange_.data(), xl_) {
+        gpu_(ctx_, group::jobs_endpoint(o.socket_dir, group::kGpuWorkerInstance)), bells_(exchange_.data(), xl_),
+        conversations_(group::parse_byte_budget(o.cache_ram, "--cache-ram"),
+                       std::any_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; })),
+        turns_(o.parallel) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
     recurrent_ = std::any_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
     context_positions_ = group::planned_context(model_, o.ctx);
@@ -207,6 +219,17 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["prefix_cache_hits"] = prefix_cache_hits_.load();
       (*r.mutable_counters())["prefix_cached_tokens"] = prefix_cached_tokens_.load();
       (*r.mutable_counters())["cancelled_requests"] = cancelled_.load();
+      // The conversation cache (--cache-ram): requests that continued a saved conversation, the
+      // saves, evictions, and what is held (the coordinator's bookkeeping, read under its lock).
+      (*r.mutable_counters())["conversation_cache_hits"] = conversation_hits_.load();
+      (*r.mutable_counters())["conversation_cache_saves"] = conversation_saves_.load();
+      (*r.mutable_counters())["conversation_cache_evictions"] = conversation_evictions_.load();
+      (*r.mutable_counters())["conversation_cache_entries"] = conversation_entries_.load();
+      (*r.mutable_counters())["conversation_cache_bytes"] = conversation_bytes_.load();
+      // --parallel: requests taking turns, those waiting to be admitted, and the turn switches.
+      (*r.mutable_counters())["requests_running"] = static_cast<uint64_t>(turns_.admitted());
+      (*r.mutable_counters())["requests_waiting"] = static_cast<uint64_t>(turns_.waiting());
+      (*r.mutable_counters())["turn_switches"] = turn_switches_.load();
       (*r.mutable_counters())["context_tokens"] = static_cast<uint64_t>(context_positions_);
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
@@ -247,12 +270,6 @@ class Coordinator final : public generate::Coordinator::Service {
       ~InFlight() { --n; }
     } in_flight(in_flight_);
     if (!control_.accepting()) return {grpc::StatusCode::UNAVAILABLE, "the coordinator is draining: no new requests"};
-    // One sequence at a time: the gpu_worker holds one KV cache. A caller that gives up while
-    // waiting here leaves the queue.
-    std::unique_lock lock(session_mu_, std::defer_lock);
-    while (!lock.try_lock_for(std::chrono::milliseconds(20))) {
-      if (ctx->IsCancelled()) return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
-    }
     std::optional<group::Sequence> seq;
     try {
       seq.emplace(req->sampling(), tok_.get(), prompt_of(*req), context_positions_);
@@ -261,13 +278,24 @@ class Coordinator final : public generate::Coordinator::Service {
     } catch (const std::exception& e) {
       return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
     }
+    // At most --parallel requests take turns on the gpu_worker (it holds one live sequence; the
+    // others wait saved in its store); the rest wait here, and one that gives up leaves the queue.
+    Running me;
+    me.id = ++next_request_id_;
+    me.context = &seq->context;
+    if (!turns_.acquire(me.id, [&] { return ctx->IsCancelled(); })) {
+      turns_.leave(me.id);
+      return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
+    }
+    running_[me.id] = &me;
     const generate::SamplingParams& sp = req->sampling();
     // Greedy decode without the logits: the gpu_worker returns the argmax, by the sampler's own
     // rule, so the tokens are the same. Not when the client checks the logits, needs them
     // (log-probabilities, penalties) or they are dumped. With check_logits the gpu_worker also
     // reports the first non-finite logit (StepHeader::check_finite).
-    token_only_ = !seq->needs_logits() && !logits_dump_.is_open() && !o_.greedy_on_host;
-    check_on_worker_ = token_only_ && sp.check_logits();
+    me.token_only = !seq->needs_logits() && !logits_dump_.is_open() && !o_.greedy_on_host;
+    me.check_on_worker = me.token_only && sp.check_logits();
+    token_only_ = me.token_only;
     group::ChunkStreamer stream(writer);   // the client reads at its own pace (chunk_streamer.h)
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(seq->prompt_tokens()));
@@ -283,10 +311,12 @@ class Coordinator final : public generate::Coordinator::Service {
       *last.mutable_timing() = timing;
       stream.push(std::move(last));
       cache_.assign(context.begin(), context.begin() + position_);   // what the gpu_worker holds now
+      leave_turns(me);   // the live sequence is an idle conversation now
       return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
     };
     try {
       auto t0 = Clock::now();
+      enter_turn(me);
       const int64_t cached = reuse_prefix(context);
       timing.set_cached_tokens(static_cast<uint32_t>(cached));
       StepOutput out = feed(context.data() + cached, static_cast<int64_t>(context.size()) - cached, cached == 0, context);
@@ -308,6 +338,7 @@ class Coordinator final : public generate::Coordinator::Service {
         return o.token;
       };
       std::vector<int32_t> decided{sample_one(out)};   // tokens the last step settled, in order
+      int turn_steps = 0;   // decode steps since this turn began
       for (;;) {
         for (const int32_t id : decided) {
           const auto tsample = Clock::now();
@@ -326,11 +357,24 @@ class Coordinator final : public generate::Coordinator::Service {
           timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
           return finished({});
         }
+        // Another admitted request waits: after turn_tokens of this one's, it gets the gpu_worker.
+        if (++turn_steps >= o_.turn_tokens && turns_.others_waiting()) {
+          turns_.release(me.id);
+          turns_.acquire(me.id, nullptr);   // never given up: the others may switch this sequence out
+          enter_turn(me);
+          turn_steps = 0;
+        }
         decided = next_tokens(*seq, speculate, policy, timing, sample_one);
       }
     } catch (const std::exception& e) {
       cache_.clear();   // the gpu_worker's cache is not known: the next request starts from a reset
       position_ = 0;
+      conversations_.forget_unpinned();   // nor is its store: the entries' keys are dropped
+      conversations_.forget(me.saved_key);
+      state_ops_ = {};
+      publish_conversations();
+      live_owner_ = 0;
+      leave_turns(me);
       generate::GenerateChunk err;
       err.set_finish(generate::FINISH_ERROR);
       err.set_error(e.what());
@@ -341,17 +385,77 @@ class Coordinator final : public generate::Coordinator::Service {
   }
 
  private:
-  // The prefix cache's first form: the gpu_worker holds the KV (and recurrent state) of
-  // cache_, the tokens of the last sequence up to position_. A prompt that begins with some of
-  // them prefills only the rest. Attention-only models rewind to any common prefix; a model with
-  // recurrent layers only reuses the whole cached sequence (their state cannot go back). At least
-  // one token is always fed, for the logits. Returns the reused positions (0: a reset).
+  // A request admitted to take turns (--parallel), and where its sequence is while another's is live.
+  struct Running {
+    uint64_t id = 0;
+    uint64_t saved_key = 0;   // its sequence waits saved (pinned) under this key; 0: live or not started
+    const std::vector<int32_t>* context = nullptr;
+    bool token_only = false, check_on_worker = false;
+  };
+  // At the start of a turn: the gpu_worker's live sequence becomes this request's. Another running
+  // request's live sequence is saved first (pinned; its tokens stay live too, so a new request may
+  // still reuse their prefix), and this one's comes back from its save.
+  void enter_turn(Running& me) {
+    token_only_ = me.token_only;
+    check_on_worker_ = me.check_on_worker;
+    if (live_owner_ == me.id) return;
+    if (live_owner_ != 0) {
+      Running& other = *running_.at(live_owner_);
+      state_ops_.save = conversations_.new_key();
+      state_ops_.save_positions = position_;
+      state_ops_.save_tokens.assign(other.context->begin(), other.context->begin() + position_);
+      state_ops_.save_pinned = true;
+      other.saved_key = state_ops_.save;
+      cache_ = state_ops_.save_tokens;
+      ++turn_switches_;
+    }
+    if (me.saved_key != 0) {
+      state_ops_.load = me.saved_key;
+      cache_ = conversations_.take(me.saved_key);
+      position_ = static_cast<int64_t>(cache_.size());
+      rewind_pending_ = false;
+      me.saved_key = 0;
+    }
+    live_owner_ = me.id;
+  }
+  // A request is done (in its turn): its sequence, live, is an idle conversation from now on.
+  void leave_turns(Running& me) {
+    if (live_owner_ == me.id) live_owner_ = 0;
+    running_.erase(me.id);
+    turns_.leave(me.id);
+  }
+
+  // The prefix cache: the gpu_worker holds the KV (and recurrent state) of cache_, the tokens of
+  // the live sequence up to position_, and with --cache-ram earlier conversations saved in its
+  // host memory (conversations_). A prompt that begins with some of their tokens prefills only
+  // the rest: from the live sequence (rewound to the common prefix; its tail saved first when
+  // that is worth keeping), or from the saved one that covers most (the live one saved, that one
+  // loaded, state_ops_ for the next step). Attention-only models rewind to any common prefix; a
+  // model with recurrent layers only reuses a whole cached sequence. At least one token is always
+  // fed, for the logits. Returns the reused positions (0: a reset).
   int64_t reuse_prefix(const std::vector<int32_t>& prompt) {
     if (static_cast<int64_t>(cache_.size()) != position_) cache_.clear();
-    const size_t most = std::min(cache_.size(), prompt.size() - 1);
-    size_t common = 0;
-    while (common < most && cache_[common] == prompt[common]) ++common;
-    if (common == 0 || (recurrent_ && common != cache_.size())) return 0;
+    const size_t live = conversations_.usable_prefix(cache_, prompt);
+    const group::ConversationCache::Match saved = conversations_.enabled() ? conversations_.best(prompt) : group::ConversationCache::Match{};
+    // The live sequence is kept when a request leaves some of it behind (another conversation,
+    // or an edit) and what it leaves is worth a save: at least kMinSavedTail tokens.
+    const size_t kept = saved.common > live ? 0 : live;
+    if (state_ops_.save == 0 && conversations_.enabled() && cache_.size() >= kept + kMinSavedTail) {
+      state_ops_.save = conversations_.new_key();
+      state_ops_.save_positions = position_;
+      state_ops_.save_tokens = cache_;
+    }
+    size_t common = live;
+    if (saved.common > live) {
+      state_ops_.load = saved.key;
+      cache_ = conversations_.take(saved.key);
+      position_ = static_cast<int64_t>(cache_.size());
+      rewind_pending_ = false;
+      common = saved.common;
+      ++conversation_hits_;
+    }
+    publish_conversations();
+    if (common == 0) return 0;
     if (static_cast<int64_t>(common) < position_) {
       position_ = static_cast<int64_t>(common);
       rewind_pending_ = true;   // the next step drops the positions past it (StepHeader::rewind)
@@ -359,6 +463,21 @@ class Coordinator final : public generate::Coordinator::Service {
     ++prefix_cache_hits_;
     prefix_cached_tokens_ += common;
     return static_cast<int64_t>(common);
+  }
+  // The conversation cache's operations for the next step's header (StepHeader::state_*).
+  struct StateOps {
+    uint64_t save = 0, load = 0;
+    int64_t save_positions = 0;
+    bool save_pinned = false;   // a running request's sequence, waiting for its turn
+    std::vector<int32_t> save_tokens;
+  };
+  // A live tail shorter than this is not saved: a request that only drops a few of its last tokens
+  // (a regenerated answer) would keep a near copy, and a save copies the whole sequence.
+  static constexpr size_t kMinSavedTail = 16;
+  void publish_conversations() {
+    conversation_entries_ = conversations_.size();
+    conversation_bytes_ = conversations_.bytes();
+    conversation_evictions_ = conversations_.evictions();
   }
 
   // One decode step (or a verified speculation window) after the tokens the sequence has
@@ -562,12 +681,36 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->first_position = static_cast<uint32_t>(position_);
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
+      // The conversation cache's operations go with the first step after reuse_prefix; a failed
+      // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
+      StateOps ops = std::move(state_ops_);
+      state_ops_ = {};
+      conversations_.pop_drops(hdr->state_drop);
+      hdr->state_save = ops.save;
+      hdr->state_save_positions = static_cast<uint32_t>(ops.save_positions);
+      hdr->state_load = ops.load;
+      const auto saved_state = [&](const group::StepReply& r) {
+        if (ops.save == 0) return;
+        conversations_.saved(ops.save, std::move(ops.save_tokens), r.state_saved_bytes, ops.save_pinned);
+        ++conversation_saves_;
+        publish_conversations();
+      };
+      struct ForgetOnFailure {
+        group::ConversationCache& c;
+        const StateOps& ops;
+        bool done = false;
+        ~ForgetOnFailure() {
+          if (!done) c.forget(ops.save), c.forget(ops.load);
+        }
+      } forget_on_failure{conversations_, ops};
       if (o_.step_channel == "doorbell") {
         try {
           token = bells_.call(step_seq_, kStepTimeout, std::chrono::microseconds(o_.step_spin_us)).token;
         } catch (const std::exception& e) {
           throw std::runtime_error(std::string("gpu_worker: ") + e.what());
         }
+        forget_on_failure.done = true;
+        saved_state(*xl_.region("step_reply").at<const group::StepReply>(base));
         position_ += m;
         rewind_pending_ = false;
         continue;
@@ -594,6 +737,8 @@ class Coordinator final : public generate::Coordinator::Service {
       }
       if (reply_.status() != jobs::JOB_OK) throw std::runtime_error("gpu_worker: " + reply_.error());
       token = xl_.region("step_reply").at<const group::StepReply>(base)->token;
+      forget_on_failure.done = true;
+      saved_state(*xl_.region("step_reply").at<const group::StepReply>(base));
       position_ += m;
       rewind_pending_ = false;
     }
@@ -647,7 +792,6 @@ class Coordinator final : public generate::Coordinator::Service {
   bool token_only_ = false;   // this request's steps return the greedy token, not the logits
   bool check_on_worker_ = false;   // ... and the first non-finite logit (check_logits)
   std::atomic<uint64_t> greedy_worker_tokens_{0};
-  std::timed_mutex session_mu_;
   std::vector<int32_t> cache_;   // the tokens of the gpu_worker's cached positions [0, position_)
   uint64_t step_seq_ = 0;
   int64_t position_ = 0;
@@ -659,6 +803,14 @@ class Coordinator final : public generate::Coordinator::Service {
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};
   std::atomic<uint64_t> prefix_cache_hits_{0}, prefix_cached_tokens_{0}, cancelled_{0};
+  group::ConversationCache conversations_;   // --cache-ram: saved conversations
+  StateOps state_ops_;                       // ... for the next step (reuse_prefix)
+  std::atomic<uint64_t> conversation_hits_{0}, conversation_saves_{0}, conversation_evictions_{0};
+  std::atomic<uint64_t> conversation_entries_{0}, conversation_bytes_{0};
+  group::TurnQueue turns_;   // --parallel: who steps the gpu_worker
+  std::unordered_map<uint64_t, Running*> running_;   // admitted requests, touched in a turn only
+  uint64_t live_owner_ = 0;   // the running request whose sequence the gpu_worker holds (0: none)
+  std::atomic<uint64_t> next_request_id_{0}, turn_switches_{0};
   std::ofstream logits_dump_;
 };
 
@@ -724,6 +876,16 @@ int main(int argc, char** argv) {
                  "KV cache element type, charged to --vram and held by the gpu_worker: f16 (default with --backend "
                  "cuda) or f32 (default, and the only one, with cpu)")
       ->check(CLI::IsMember({"f16", "f32"}));
+  app.add_option("--parallel", o.parallel,
+                 "requests that take turns on the gpu_worker at once (each runs --turn-tokens tokens while others "
+                 "wait, its sequence saved in the gpu_worker's store meanwhile); more wait to be admitted")
+      ->check(CLI::Range(1, 256));
+  app.add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--cache-ram", o.cache_ram,
+                 "host memory the gpu_worker keeps earlier conversations' KV cache and recurrent state in, so that a "
+                 "request continuing any of them prefills only its new tokens (least recently used out; default 8G; "
+                 "0: only the last conversation is reused)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

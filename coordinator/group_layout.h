@@ -80,7 +80,18 @@ struct StepHeader {
   // 1: the gpu_worker saves the recurrent (DeltaNet) state before the step (Backend::snapshot): a
   // verify step on a model with recurrent layers, which a rejection rewinds to first_position.
   std::uint32_t snapshot;
+  // The conversation cache (coordinator --cache-ram): the gpu_worker keeps saved sequences in its
+  // own host memory by key, and before the step (before reset / rewind) first drops the keys in
+  // state_drop (0: unused), then with state_save != 0 saves the cached sequence's first
+  // state_save_positions positions under that key (dropping the positions past them first, as a
+  // rewind would), then with state_load != 0 makes the sequence saved under that key the cached
+  // one and forgets the key (the step's first_position then counts from it).
+  std::uint64_t state_drop[8];
+  std::uint64_t state_save;
+  std::uint32_t state_save_positions;
+  std::uint64_t state_load;
 };
+inline constexpr std::size_t kMaxStateDrops = 8;
 
 // Rows of one step whose greedy tokens the gpu_worker returns (StepReply::row_tokens): a verify
 // window is the last token plus at most kMaxTokenRows - 1 drafted ones.
@@ -100,6 +111,10 @@ struct StepReply {
   // check_finite) first non-finite logit, rows in order; `token` / `nonfinite` repeat row R - 1.
   std::int32_t row_tokens[kMaxTokenRows];
   std::int32_t row_nonfinite[kMaxTokenRows];
+  // StepHeader::state_save: the bytes the saved sequence takes in the gpu_worker (0: none saved);
+  // state_store_bytes: all the sequences it holds after the step's drops, save and load.
+  std::uint64_t state_saved_bytes;
+  std::uint64_t state_store_bytes;
   std::uint32_t error_bytes;    // of `error`, at most kStepErrorBytes
   char error[kStepErrorBytes];
 };

@@ -222,6 +222,8 @@ void add_group_options(CLI::App* c, server::GroupStartOptions& g) {
   c->add_option("--cpu-workers", g.cpu_workers, "cpu_expert_workers to run (2)");
   c->add_option("--ctx", g.ctx, "context to plan the KV cache for (0: min(4096, the model's))");
   c->add_option("--kv-type", g.kv_type, "KV cache element type (f16 with cuda, f32 with cpu)");
+  c->add_option("--cache-ram", g.cache_ram,
+                "host memory for earlier conversations' saved KV cache and state (8G; 0: only the last is reused)");
   c->add_option("--max-tokens", g.max_tokens, "rows of one step (prefill chunk; 512)");
   c->add_option("--socket-dir", g.socket_dir, "the group's socket directory (default: a fresh one, removed at exit)");
   c->add_option("--supervisor-arg", g.supervisor_args,
@@ -243,7 +245,7 @@ int main(int argc, char** argv) {
   serve->add_option("--host", so.http.host, "address to listen on (127.0.0.1)");
   serve->add_option("--port", so.http.port, "port to listen on (8080; 0: any free one)");
   serve->add_option("--parallel", so.http.parallel,
-                    "requests admitted at once (1; the coordinator still steps one sequence at a time)")
+                    "requests admitted at once, taking turns on the GPU (1); the group runs as many")
       ->check(CLI::PositiveNumber);
   serve->add_option("--queue", so.http.queue, "requests waiting beyond --parallel before 429 (64)")->check(CLI::NonNegativeNumber);
   serve->add_option("--api-key", so.http.api_key, "require Authorization: Bearer KEY on /v1/*");
@@ -286,6 +288,7 @@ int main(int argc, char** argv) {
   try {
     if (serve->parsed()) {
       if (app.get_option("--config")->count() > 0) so.group.config = app.get_option("--config")->as<std::string>();
+      so.group.parallel = so.http.parallel;   // the coordinator runs as many as the server admits
       return server::run_serve(so);
     }
     if (chat->parsed()) {

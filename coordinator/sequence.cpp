@@ -51,7 +51,7 @@ Sequence::Sequence(const generate::SamplingParams& sp, const tokenizer::Tokenize
                             std::to_string(max_new_) + ", " + std::to_string(p + max_new_) + " in all, but the context holds " +
                             std::to_string(context_positions));
   }
-  if (tok_) dec_ = std::make_unique<tokenizer::StreamingDecoder>(*tok_, false);
+  if (tok_) dec_ = std::make_unique<tokenizer::StreamingDecoder>(*tok_, sp.render_special());
 }
 
 int32_t Sequence::sample(std::span<const float> logits) {

@@ -52,6 +52,8 @@ struct Options {
   int long_step_rows = -1;   // -1: the coordinator's default (8192 with --backend cuda, none with cpu)
   std::string backend = "cpu";
   std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
+  std::string cache_ram;   // the coordinator's --cache-ram; empty: its default
+  int parallel = 0, turn_tokens = 0;   // the coordinator's --parallel / --turn-tokens; 0: its default
   double ready_timeout_s = 120;
 };
 
@@ -164,6 +166,15 @@ int start(const Options& o) {
   }
   if (o.no_census) coord.argv.push_back("--no-census");
   if (o.long_step_rows >= 0) coord.argv.insert(coord.argv.end(), {"--long-step-rows", std::to_string(o.long_step_rows)});
+  for (auto [flag, v] : {std::pair{"--parallel", o.parallel}, std::pair{"--turn-tokens", o.turn_tokens}}) {
+    if (v <= 0) continue;
+    coord.argv.push_back(flag);
+    coord.argv.push_back(std::to_string(v));
+  }
+  if (!o.cache_ram.empty()) {
+    coord.argv.push_back("--cache-ram");
+    coord.argv.push_back(o.cache_ram);
+  }
   if (!o.kv_type.empty()) {
     coord.argv.push_back("--kv-type");
     coord.argv.push_back(o.kv_type);
@@ -357,6 +368,14 @@ int main(int argc, char** argv) {
                  "KV cache element type: f16 (default with --backend cuda, as llama.cpp's) or f32 (default, and the "
                  "only one, with cpu); the coordinator charges it to --vram, the gpu_worker holds it")
       ->check(CLI::IsMember({"f16", "f32"}));
+  st->add_option("--parallel", o.parallel,
+                 "requests the coordinator runs at once, taking turns on the gpu_worker (1: one after another)")
+      ->check(CLI::Range(1, 256));
+  st->add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one (16)")
+      ->check(CLI::Range(1, 1 << 20));
+  st->add_option("--cache-ram", o.cache_ram,
+                 "host memory for earlier conversations' saved KV cache and state, so that continuing any of them "
+                 "prefills only the new tokens (default 8G; 0: only the last one is reused)");
   st->add_option("--device", o.device, "GPU index for --backend cuda");
   st->add_option("--gpu-threads", o.gpu_threads, "CPU backend threads of the gpu_worker (0 = all)");
   st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");

@@ -158,6 +158,10 @@ class CpuBackend final : public Backend {
   bool can_rewind() const override { return true; }
   void snapshot() override { exec_.snapshot(); }
   void rewind(int64_t n_past) override { exec_.rewind(n_past); }
+  bool can_save_state() const override { return true; }
+  size_t state_bytes() const override { return exec_.state_bytes(); }
+  void save_state(std::span<uint8_t> out) override { exec_.save_state(out); }
+  void load_state(std::span<const uint8_t> in) override { exec_.load_state(in); }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the
   // step's layers in order and waits on a condition variable where the CUDA graph waits on a flag

@@ -125,6 +125,12 @@ class CudaBackend final : public Backend {
   bool can_rewind() const override { return true; }
   void snapshot() override;
   void rewind(int64_t n_past) override;
+  // Every layer's K/V rows [0, n_past) and recurrent states, copied to or from host memory.
+  bool can_save_state() const override { return true; }
+  size_t state_bytes() const override;
+  void save_state(std::span<uint8_t> out) override;
+  HostBuffer host_buffer(size_t bytes) override;   // pinned (cudaMallocHost), else pageable
+  void load_state(std::span<const uint8_t> in) override;
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override;
   void embed(const int32_t* tokens, int64_t n) override;

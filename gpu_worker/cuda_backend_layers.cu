@@ -3,10 +3,12 @@
 #include "gpu_worker/cuda_step_scratch.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <type_traits>
 
 #include "common/formats/quant.h"
+#include "common/model/sequence_state.h"
 #include "kernels/cuda/attention_decode.h"
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/attention_prefill_tc.h"
@@ -61,6 +63,76 @@ void CudaBackend::rewind(int64_t n_past) {
                                       : std::string()));
   if (recurrent) copy_states(false);
   n_past_ = n_past;
+}
+
+// A layer's parts in the saved sequence, in order: K and V rows of the cached positions (empty
+// for a recurrent layer), then the conv and ssm states (empty for an attention layer).
+namespace {
+struct StatePart {
+  void* dev;
+  size_t bytes;
+};
+std::array<StatePart, 4> state_parts(const DevLayer& L, int64_t n_past, int64_t kv_dim, bool f16) {
+  const size_t kv = L.recurrent ? 0 : static_cast<size_t>(n_past * kv_dim) * (f16 ? sizeof(__half) : sizeof(float));
+  void* k = f16 ? static_cast<void*>(L.k_cache_f16.get()) : static_cast<void*>(L.k_cache.get());
+  void* v = f16 ? static_cast<void*>(L.v_cache_f16.get()) : static_cast<void*>(L.v_cache.get());
+  return {StatePart{k, kv}, StatePart{v, kv}, StatePart{L.conv_state.get(), L.recurrent ? L.conv_state.bytes() : 0},
+          StatePart{L.ssm_state.get(), L.recurrent ? L.ssm_state.bytes() : 0}};
+}
+}  // namespace
+
+size_t CudaBackend::state_bytes() const {
+  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
+  size_t sum = 0;
+  for (const DevLayer& L : layers_)
+    for (const StatePart& p : state_parts(L, n_past_, kv_dim, kv_f16_)) sum += p.bytes;
+  return model::sequence_state_bytes(4 * layers_.size(), sum);
+}
+
+Backend::HostBuffer CudaBackend::host_buffer(size_t bytes) {
+  use_device();
+  void* p = nullptr;
+  if (cudaMallocHost(&p, bytes) == cudaSuccess)
+    return {std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); }), bytes};
+  cudaGetLastError();   // not sticky: the copies still work from pageable memory, only slower
+  return Backend::host_buffer(bytes);
+}
+
+void CudaBackend::save_state(std::span<uint8_t> out) {
+  use_device();
+  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
+  model::SequenceStateWriter w(out, n_past_, static_cast<int64_t>(layers_.size()));
+  for (DevLayer& L : layers_) {
+    for (const StatePart& p : state_parts(L, n_past_, kv_dim, kv_f16_)) {
+      uint8_t* dst = w.part(p.bytes);
+      if (p.bytes > 0) CUDA_CHECK(cudaMemcpyAsync(dst, p.dev, p.bytes, cudaMemcpyDeviceToHost, stream_));
+    }
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::load_state(std::span<const uint8_t> in) {
+  use_device();
+  model::SequenceStateReader r(in, static_cast<int64_t>(layers_.size()));
+  const int64_t n = r.n_past();
+  if (n < 0 || n > max_context_)
+    throw std::invalid_argument("CUDA backend: a saved sequence of " + std::to_string(n) + " positions, the cache holds " +
+                                std::to_string(max_context_));
+  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
+  // Every part's size is checked before the first copy: a bad state leaves the cache as it was.
+  model::SequenceStateReader check = r;
+  for (DevLayer& L : layers_)
+    for (const StatePart& p : state_parts(L, n, kv_dim, kv_f16_)) check.part(p.bytes);
+  check.finish();
+  for (DevLayer& L : layers_) {
+    for (const StatePart& p : state_parts(L, n, kv_dim, kv_f16_)) {
+      const uint8_t* src = r.part(p.bytes);
+      if (p.bytes > 0) CUDA_CHECK(cudaMemcpyAsync(p.dev, src, p.bytes, cudaMemcpyHostToDevice, stream_));
+    }
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  n_past_ = n;
+  snapshot_pos_ = -1;
 }
 
 // Gated DeltaNet over the normalised rows in h_, its output added to x_: the projections as

@@ -29,6 +29,7 @@
 #include "coordinator/process_util.h"
 #include "coordinator/step_bell.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/sequence_store.h"
 
 namespace {
 
@@ -137,6 +138,7 @@ class StepRunner {
   uint64_t experts_taken() const { return experts_taken_.load(); }
   uint64_t experts_staged() const { return experts_staged_.load(); }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
+  const gpu_worker::SequenceStore& sequence_store() const { return store_; }
   // The most seen after a step, or now if more (Stats reads it after a run's last step).
   uint64_t device_used_peak() const { return std::max(device_used_peak_.load(), backend_->device_bytes_in_use()); }
   // Per layer: routed slots, and those computed on the device (the VRAM hit rate per layer).
@@ -193,6 +195,10 @@ class StepRunner {
       reply.nonfinite = reply.row_nonfinite[hdr->logit_rows - 1];
       return hdr->greedy_token ? reply.row_tokens[hdr->logit_rows - 1] : -1;
     };
+    if (hdr->state_save != 0 && broken_)
+      throw std::runtime_error("step " + std::to_string(seq) + " saves a sequence that an earlier step left half-done");
+    store_.apply(seq, *hdr, *backend_, reply);   // the conversation cache (sequence_store.h)
+    if (hdr->state_load != 0) broken_ = false;
     if (hdr->reset) {
       backend_->reset();
       broken_ = false;
@@ -615,6 +621,7 @@ class StepRunner {
   group::ExpertPlan plan_;
   uint64_t expert_seq_ = 0;
   bool broken_ = false;
+  gpu_worker::SequenceStore store_;   // the conversation cache's saved sequences
   bool all_on_device_ = false;
   uint8_t* resident_ = nullptr;   // exchange "resident": [layer][expert] computed on the device now
   std::vector<float> use_;        // [layer][expert]: recent routing counts (halved every round)
@@ -669,6 +676,8 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     (*r.mutable_counters())["experts_device_taken"] = runner.experts_taken();
     (*r.mutable_counters())["experts_device_staged"] = runner.experts_staged();
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
+    (*r.mutable_counters())["conversation_cache_bytes"] = runner.sequence_store().bytes();
+    (*r.mutable_counters())["conversation_cache_sequences"] = runner.sequence_store().size();
     // What the --vram budget is checked against (moraine-bench prints it beside the budget).
     (*r.mutable_counters())["device_used_bytes"] = runner.device_used_peak();
     runner.layer_counters(r);
@@ -760,6 +769,11 @@ int main(int argc, char** argv) {
   app.add_flag("--prefill-stage-prefetch,!--no-prefill-stage-prefetch", base.stage_prefetch,
                "cuda, long steps: copy layer L+1's RAM-tier experts in on their own stream while layer L computes "
                "(a stage buffer twice the size); off: each layer's copies before its GEMMs")
+      ->capture_default_str();
+  app.add_option("--prefill-gemm-rows", base.gemm_prefill_rows,
+                 "cuda: steps of at least this many rows multiply through cuBLAS (BF16 inputs) instead of the per-row "
+                 "matvec, and only such steps stage experts (0: never)")
+      ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   app.add_option("--device-takes-from", base.take_expert_from,
                  "at a hand-off layer where a cpu worker has at least this many experts to compute, the device copies "

@@ -13,8 +13,12 @@ ChatOutputFormat chat_output_format(const chat::ChatTemplate* tmpl, bool has_too
                                     std::string id_prefix) {
   ChatOutputFormat f;
   f.id_prefix = std::move(id_prefix);
-  if (!tmpl || !has_tools) return f;
+  if (!tmpl) return f;
+  // Harmony's channels are split with tools or without (its analysis channel is reasoning, not
+  // content); Qwen's format only when tools are offered, as before.
   f.format = chat::detect_tool_call_format(tmpl->source());
+  if (f.format == chat::ToolCallFormat::kHarmony) return f;
+  if (!has_tools) f.format = chat::ToolCallFormat::kNone;
   if (f.format != chat::ToolCallFormat::kQwen) return f;
   try {
     const nlohmann::ordered_json chat = nlohmann::ordered_json::parse(chat_json);

@@ -23,7 +23,9 @@ struct ChatOutputFormat {
   std::string id_prefix = "call_";   // tool call ids are id_prefix + index: unique per request
 };
 
-// The format for a request: kNone unless it offers tools and the model's template has a format.
+// The format for a request: kHarmony for a harmony template (gpt-oss: its channels are split with
+// or without tools; the request must then ask for render_special), kQwen for a Qwen template
+// when the request offers tools, else kNone.
 // `chat_json` (GenerateRequest.chat_json) is rendered with the template to see whether the
 // prompt opens a think block; a conversation the template refuses leaves reasoning closed (the
 // coordinator then refuses it).

@@ -334,9 +334,12 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   if (!ready_ || draining_) return answer_error(ApiError(503, draining_ ? "the server is stopping" : "the model is still loading"));
   try {
     x->api = parse_request(req.body, endpoint, o_.model_ids);
-    if (endpoint == Endpoint::kChat)
+    if (endpoint == Endpoint::kChat) {
       x->api.output = chat_output_format(o_.chat_template.get(), x->api.has_tools, x->api.generate.chat_json(),
                                          random_id("call_") + "_");
+      // Harmony's markers are special tokens: the text must carry them for the parser.
+      if (x->api.output.format == chat::ToolCallFormat::kHarmony) x->api.generate.mutable_sampling()->set_render_special(true);
+    }
   } catch (const ApiError& e) {
     return answer_error(e);
   }

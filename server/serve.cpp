@@ -38,8 +38,10 @@ std::vector<std::string> start_args(const GroupStartOptions& g) {
   add("--ram", g.ram);
   add("--backend", g.backend);
   add("--kv-type", g.kv_type);
+  add("--cache-ram", g.cache_ram);
   if (g.cpu_workers >= 0) add("--cpu-workers", std::to_string(g.cpu_workers));
   if (g.max_tokens >= 0) add("--max-tokens", std::to_string(g.max_tokens));
+  if (g.parallel >= 1) add("--parallel", std::to_string(g.parallel));
   if (g.ctx >= 0) add("--ctx", std::to_string(g.ctx));
   a.insert(a.end(), g.supervisor_args.begin(), g.supervisor_args.end());
   return a;

@@ -16,8 +16,8 @@ namespace moraine::server {
 // What `moraine serve` passes to `moraine-supervisor start`: only what was given, so that the
 // config file's [start] section and the supervisor's defaults decide the rest.
 struct GroupStartOptions {
-  std::string model, socket_dir, config, vram, ram, backend, kv_type;
-  int cpu_workers = -1, max_tokens = -1;
+  std::string model, socket_dir, config, vram, ram, backend, kv_type, cache_ram;
+  int cpu_workers = -1, max_tokens = -1, parallel = -1;
   int64_t ctx = -1;
   std::vector<std::string> supervisor_args;   // any other `start` argument, verbatim
   std::string log_path;                       // the supervisor's output; empty: SOCKET_DIR/supervisor.log

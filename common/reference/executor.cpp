@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/formats/quant.h"
+#include "common/model/sequence_state.h"
 #include "common/reference/matmul.h"
 #include "common/reference/ops.h"
 
@@ -123,6 +124,42 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   std::vector<float> logits(rows * hp.n_vocab);
   output_logits(x.data() + first * d, rows, h.data(), logits.data());
   return logits;
+}
+
+size_t ReferenceExecutor::state_bytes() const {
+  size_t sum = 0;
+  for (const LayerState& S : state_)
+    for (const std::vector<float>* v : {&S.k_cache, &S.v_cache, &S.conv_state, &S.ssm_state}) sum += v->size() * sizeof(float);
+  return model::sequence_state_bytes(4 * state_.size(), sum);
+}
+
+void ReferenceExecutor::save_state(std::span<uint8_t> out) const {
+  model::SequenceStateWriter w(out, n_past_, static_cast<int64_t>(state_.size()));
+  for (const LayerState& S : state_) {
+    for (const std::vector<float>* v : {&S.k_cache, &S.v_cache, &S.conv_state, &S.ssm_state})
+      w.part(v->data(), v->size() * sizeof(float));
+  }
+}
+
+void ReferenceExecutor::load_state(std::span<const uint8_t> in) {
+  model::SequenceStateReader r(in, static_cast<int64_t>(state_.size()));
+  const int64_t n = r.n_past();
+  const size_t kv = static_cast<size_t>(n * m_.hp.n_head_kv * m_.hp.head_dim);
+  std::vector<LayerState> loaded(state_.size());
+  for (size_t il = 0; il < state_.size(); ++il) {
+    const bool rec = m_.layers[il].recurrent;
+    LayerState& L = loaded[il];
+    L.k_cache.resize(rec ? 0 : kv);
+    L.v_cache.resize(rec ? 0 : kv);
+    L.conv_state.resize(state_[il].conv_state.size());   // reset() sized the recurrent ones
+    L.ssm_state.resize(state_[il].ssm_state.size());
+    for (std::vector<float>* v : {&L.k_cache, &L.v_cache, &L.conv_state, &L.ssm_state}) r.part(v->data(), v->size() * sizeof(float));
+  }
+  r.finish();
+  state_ = std::move(loaded);
+  n_past_ = n;
+  window_first_ = 0;
+  snapshot_pos_ = -1;
 }
 
 }  // namespace moraine::reference

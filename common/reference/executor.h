@@ -72,6 +72,12 @@ class ReferenceExecutor {
   // recurrent layers, is not the snapshot's position.
   void snapshot();
   void rewind(int64_t n_past);
+  // The conversation cache (gpu_worker's state store): every layer's caches and recurrent states
+  // as bytes (model/sequence_state.h), and back; load_state makes that sequence the cached one
+  // (no snapshot taken since). std::invalid_argument for bytes of another shape.
+  size_t state_bytes() const;   // what save_state writes now
+  void save_state(std::span<uint8_t> out) const;   // exactly state_bytes()
+  void load_state(std::span<const uint8_t> in);
   bool has_recurrent() const;
   int64_t n_past() const { return n_past_; }
   const model::Model& model() const { return m_; }

@@ -148,6 +148,107 @@ struct DequantQ6_K {
   }
 };
 
+// Issue 26's formats, each as its CPU decoder (quant_legacy.cpp, quant_legacy_extra.cpp,
+// quant_iq4_tq.cpp dequantize_*), left to right with _rn.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: element j < 16 the low nibble of qs[j], j >= 16 the high one of
+// qs[j - 16]; Q5's bit 4 is bit j of qh. kMin: x = q * d + m (else (q - kBias) * d).
+template <int kQsOffset, int kQhOffset, bool kMin, int kBias, int kBlockBytes>
+struct DequantLegacy {
+  static constexpr int kBytes = kBlockBytes, kSlices = 1;
+  __device__ static void slice(const uint8_t* b, int, float* y) {
+    const float d = half_at(b);
+    uint32_t qh = 0;
+    if constexpr (kQhOffset >= 0)
+      qh = static_cast<uint32_t>(b[kQhOffset]) | (static_cast<uint32_t>(b[kQhOffset + 1]) << 8) |
+           (static_cast<uint32_t>(b[kQhOffset + 2]) << 16) | (static_cast<uint32_t>(b[kQhOffset + 3]) << 24);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const uint8_t byte = b[kQsOffset + (j % 16)];
+      int q = j < 16 ? (byte & 0x0f) : (byte >> 4);
+      if constexpr (kQhOffset >= 0) q |= static_cast<int>((qh >> j) & 1u) << 4;
+      if constexpr (kMin) {
+        y[j] = __fadd_rn(__fmul_rn(static_cast<float>(q), d), half_at(b + 2));
+      } else {
+        y[j] = __fmul_rn(static_cast<float>(q - kBias), d);
+      }
+    }
+  }
+};
+using DequantQ4_0 = DequantLegacy<2, -1, false, 8, sizeof(BlockQ4_0)>;
+using DequantQ4_1 = DequantLegacy<4, -1, true, 0, sizeof(BlockQ4_1)>;
+using DequantQ5_0 = DequantLegacy<6, 2, false, 16, sizeof(BlockQ5_0)>;
+using DequantQ5_1 = DequantLegacy<8, 4, true, 0, sizeof(BlockQ5_1)>;
+
+// IQ4_NL: d * grid[q]; IQ4_XS slice j = sub-block j: (d * (ls - 32)) * grid[q].
+__device__ __forceinline__ float iq4_grid(int q) {
+  constexpr int8_t kGrid[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};  // kIQ4NLValues
+  return static_cast<float>(kGrid[q]);
+}
+
+struct DequantIQ4_NL {
+  static constexpr int kBytes = sizeof(BlockIQ4_NL), kSlices = 1;
+  __device__ static void slice(const uint8_t* b, int, float* y) {
+    const float d = half_at(b);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      y[j] = __fmul_rn(d, iq4_grid(b[2 + j] & 0x0f));
+      y[j + 16] = __fmul_rn(d, iq4_grid(b[2 + j] >> 4));
+    }
+  }
+};
+
+struct DequantIQ4_XS {
+  static constexpr int kBytes = sizeof(BlockIQ4_XS), kSlices = 8;
+  __device__ static void slice(const uint8_t* b, int k, float* y) {
+    const float d = half_at(b);
+    const int scales_h = b[2] | (b[3] << 8);
+    const int ls = ((b[4 + k / 2] >> (4 * (k % 2))) & 0x0f) | (((scales_h >> (2 * k)) & 3) << 4);
+    const float dl = __fmul_rn(d, static_cast<float>(ls - 32));
+    const uint8_t* qs = b + 8 + 16 * k;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      y[j] = __fmul_rn(dl, iq4_grid(qs[j] & 0x0f));
+      y[j + 16] = __fmul_rn(dl, iq4_grid(qs[j] >> 4));
+    }
+  }
+};
+
+// TQ1_0 slice k = elements 32k..32k+31 (matvec_formats_legacy.cuh's FormatTQ1_0 parts), trit n
+// of a byte ((uint8_t)(byte * 3^n) * 3) >> 8; TQ2_0 slice k: bits 2(k%4) of qs[32(k/4) + m].
+__device__ __forceinline__ int tq1_trit_at(uint8_t byte, int n) {
+  constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+  return (static_cast<int>(static_cast<uint8_t>(byte * kPow3[n])) * 3) >> 8;
+}
+
+struct DequantTQ1_0 {
+  static constexpr int kBytes = sizeof(BlockTQ1_0), kSlices = 8;
+  __device__ static void slice(const uint8_t* b, int k, float* y) {
+    const float d = half_at(b + 52);
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      int t;
+      if (k < 5) {
+        t = tq1_trit_at(b[m], k);
+      } else if (k < 7 || m < 16) {
+        t = tq1_trit_at(b[32 + m % 16], 2 * (k - 5) + m / 16);
+      } else {
+        t = tq1_trit_at(b[48 + (m - 16) % 4], (m - 16) / 4);
+      }
+      y[m] = __fmul_rn(static_cast<float>(t - 1), d);
+    }
+  }
+};
+
+struct DequantTQ2_0 {
+  static constexpr int kBytes = sizeof(BlockTQ2_0), kSlices = 8;
+  __device__ static void slice(const uint8_t* b, int k, float* y) {
+    const float d = half_at(b + 64);
+    const int h = k / 4, l = k % 4;
+#pragma unroll
+    for (int m = 0; m < 32; ++m) y[m] = __fmul_rn(static_cast<float>(((b[32 * h + m] >> (2 * l)) & 3) - 1), d);
+  }
+};
+
 // Plain types: a "block" is 32 elements.
 template <TensorType T>
 struct DequantPlain {
@@ -227,6 +328,15 @@ void dispatch(TensorType t, const void* const* weights, int count, int64_t elems
     case TensorType::F32: return launch<DequantPlain<TensorType::F32>, O>(weights, count, elems, out, stream);
     case TensorType::F16: return launch<DequantPlain<TensorType::F16>, O>(weights, count, elems, out, stream);
     case TensorType::BF16: return launch<DequantPlain<TensorType::BF16>, O>(weights, count, elems, out, stream);
+    // Issue 26
+    case TensorType::Q4_0: return launch<DequantQ4_0, O>(weights, count, elems, out, stream);
+    case TensorType::Q4_1: return launch<DequantQ4_1, O>(weights, count, elems, out, stream);
+    case TensorType::Q5_0: return launch<DequantQ5_0, O>(weights, count, elems, out, stream);
+    case TensorType::Q5_1: return launch<DequantQ5_1, O>(weights, count, elems, out, stream);
+    case TensorType::IQ4_NL: return launch<DequantIQ4_NL, O>(weights, count, elems, out, stream);
+    case TensorType::IQ4_XS: return launch<DequantIQ4_XS, O>(weights, count, elems, out, stream);
+    case TensorType::TQ1_0: return launch<DequantTQ1_0, O>(weights, count, elems, out, stream);
+    case TensorType::TQ2_0: return launch<DequantTQ2_0, O>(weights, count, elems, out, stream);
     // The importance-matrix grid formats (dequantize_weights_iq.cuh).
     case TensorType::IQ2_XXS: return launch<dequant_iq::DequantIQ2_XXS, O>(weights, count, elems, out, stream);
     case TensorType::IQ2_XS: return launch<dequant_iq::DequantIQ2_XS, O>(weights, count, elems, out, stream);
@@ -255,6 +365,15 @@ bool dequantize_weights_supported(TensorType weight) {
     case TensorType::F16:
     case TensorType::BF16:
       return true;
+    // Issue 26
+    case TensorType::Q4_0:
+    case TensorType::Q4_1:
+    case TensorType::Q5_0:
+    case TensorType::Q5_1:
+    case TensorType::IQ4_NL:
+    case TensorType::IQ4_XS:
+    case TensorType::TQ1_0:
+    case TensorType::TQ2_0:
     // The importance-matrix grid formats (dequantize_weights_iq.cuh).
     case TensorType::IQ2_XXS:
     case TensorType::IQ2_XS:
@@ -275,8 +394,8 @@ void dequantize_weights(TensorType weight, const void* const* weights, int count
                             " matrices of " + std::to_string(elems) + " elements)";
   if (!dequantize_weights_supported(weight))
     throw std::invalid_argument("dequantize_weights: unsupported weight type" + where +
-                                "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, "
-                                "iq1_s, iq1_m, f16, bf16, f32");
+                                "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, iq4_nl, "
+                                "iq4_xs, tq1_0, tq2_0, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, f16, bf16, f32");
   const int64_t block = type_traits(weight).block_elems;
   if (count < 0 || elems <= 0 || elems % kSliceElems != 0 || elems % block != 0 || elems / kSliceElems > (int64_t{1} << 40))
     throw std::invalid_argument("dequantize_weights: elements must be a positive multiple of 32 and of the block size " +

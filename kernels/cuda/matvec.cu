@@ -85,14 +85,26 @@ __global__ void __launch_bounds__(32 * kRowsPerCta)
     const int u = u0 + lane;
     const bool valid = u < units;
     const int b = u / F::kParts, part = u % F::kParts;
-    int isum = 0, msum = 0;
-    if (valid) F::part(row_smem + b * F::kBlockBytes, a[b], part, isum, msum);
+    if constexpr (term_per_part<F>()) {
+      // One float term per part (IQ4_XS): the block's terms go to its part-0 lane, which adds
+      // them in part order, as the reference does.
+      const float t = valid ? F::part_term(row_smem + b * F::kBlockBytes, a[b], part) : 0.0f;
+      const int first = lane - part;
 #pragma unroll
-    for (int off = 1; off < F::kParts; off *= 2) {  // exact integer sums over one block's lanes
-      isum += __shfl_xor_sync(0xffffffffu, isum, off);
-      msum += __shfl_xor_sync(0xffffffffu, msum, off);
+      for (int j = 0; j < F::kParts; ++j) {
+        const float tj = __shfl_sync(0xffffffffu, t, first + j);
+        if (valid && part == 0) acc += tj;
+      }
+    } else {
+      int isum = 0, msum = 0;
+      if (valid) F::part(row_smem + b * F::kBlockBytes, a[b], part, isum, msum);
+#pragma unroll
+      for (int off = 1; off < F::kParts; off *= 2) {  // exact integer sums over one block's lanes
+        isum += __shfl_xor_sync(0xffffffffu, isum, off);
+        msum += __shfl_xor_sync(0xffffffffu, msum, off);
+      }
+      if (valid && part == 0) acc += F::term(row_smem + b * F::kBlockBytes, a[b], isum, msum);
     }
-    if (valid && part == 0) acc += F::term(row_smem + b * F::kBlockBytes, a[b], isum, msum);
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
@@ -187,6 +199,15 @@ bool matvec_supported(TensorType weight) {
     case TensorType::Q2_K:
     case TensorType::Q3_K:
       return true;
+    // Issue 26 (matvec_formats_legacy.cuh)
+    case TensorType::Q4_0:
+    case TensorType::Q4_1:
+    case TensorType::Q5_0:
+    case TensorType::Q5_1:
+    case TensorType::IQ4_NL:
+    case TensorType::IQ4_XS:
+    case TensorType::TQ1_0:
+    case TensorType::TQ2_0:
     // The importance-matrix grid formats (matvec_formats_iq.cuh).
     case TensorType::IQ2_XXS:
     case TensorType::IQ2_XS:
@@ -218,6 +239,23 @@ void matvec_quantized_batched(TensorType weight, const void* w, int64_t rows, in
       return launch_format<FormatQ2_K>(weight, w, rows, n, act, y, batch, stream);
     case TensorType::Q3_K:
       return launch_format<FormatQ3_K>(weight, w, rows, n, act, y, batch, stream);
+    // Issue 26 (matvec_formats_legacy.cuh)
+    case TensorType::Q4_0:
+      return launch_format<FormatQ4_0>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::Q4_1:
+      return launch_format<FormatQ4_1>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::Q5_0:
+      return launch_format<FormatQ5_0>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::Q5_1:
+      return launch_format<FormatQ5_1>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ4_NL:
+      return launch_format<FormatIQ4_NL>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ4_XS:
+      return launch_format<FormatIQ4_XS>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::TQ1_0:
+      return launch_format<FormatTQ1_0>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::TQ2_0:
+      return launch_format<FormatTQ2_0>(weight, w, rows, n, act, y, batch, stream);
     // The importance-matrix grid formats (matvec_formats_iq.cuh).
     case TensorType::IQ2_XXS:
       return launch_format<FormatIQ2_XXS>(weight, w, rows, n, act, y, batch, stream);
@@ -235,8 +273,8 @@ void matvec_quantized_batched(TensorType weight, const void* w, int64_t rows, in
       return launch_format<FormatIQ1_M>(weight, w, rows, n, act, y, batch, stream);
     default:
       throw std::invalid_argument("matvec: no CUDA kernel for weight type " + std::string(type_name(weight)) +
-                                  " (supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq2_xxs, iq2_xs, iq2_s, "
-                                  "iq3_xxs, iq3_s, iq1_s, iq1_m)");
+                                  " (supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, "
+                                  "iq4_nl, iq4_xs, tq1_0, tq2_0, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m)");
   }
 }
 

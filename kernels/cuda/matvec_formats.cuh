@@ -287,3 +287,6 @@ struct FormatQ3_K {
 };
 
 }  // namespace moraine::cuda::matvec_detail
+
+// Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 (issue 26).
+#include "kernels/cuda/matvec_formats_legacy.cuh"

@@ -74,6 +74,7 @@ __device__ int list_slots(const MoeParams& p, SlotTables& st, int e) {
 // Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
 // tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
 // whole activation block of h (of one expert) quantizes it for down.
+template <int kExtra>  // dot_rows' extra case sets (moe_fused_dots.cuh)
 __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
                             : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
         };
         const uint8_t* xt = xg + t * p.xg_stride;
-        const float v = dot_rows(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
+        const float v = dot_rows<kExtra>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
         const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
         const int c = lane / lanes;
         if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
@@ -149,8 +150,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
       const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
       for (int i = 0; i < count; ++i) {
         const int slot = st.list[i], t = slot / p.k;
-        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
-        const float u = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
+        const float g = dot_staged<kExtra != 0>(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
+        const float u = dot_staged<kExtra != 0>(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
         // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
         const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
         if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
@@ -170,7 +171,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
       __threadfence();
       for (int i = warp; i < count; i += kWarps) {
         const int slot = st.list[i];
-        quantize_block(p.h_q8k, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block, p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
+        quantize_block(p.h_q8k, p.q81 & kQ81H, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block,
+                       p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
       }
       if (threadIdx.x == 0) *counter = 0;  // the workspace is left zeroed for the next call
     }
@@ -321,6 +323,8 @@ void fill_moe_params(MoeParams& p, const MoeLayerWeights& w, int n_tokens, int k
   p.x_gate_q8k = xg_act == TensorType::Q8_K;
   p.x_up_q8k = xu_act == TensorType::Q8_K;
   p.h_q8k = h_act == TensorType::Q8_K;
+  p.q81 = static_cast<uint8_t>((xg_act == TensorType::Q8_1 ? kQ81GateX : 0) | (xu_act == TensorType::Q8_1 ? kQ81UpX : 0) |
+                               (h_act == TensorType::Q8_1 ? kQ81H : 0));
   p.n_embd = static_cast<int>(w.n_embd);
   p.n_ff = static_cast<int>(w.n_ff);
   p.n_expert = static_cast<int>(w.n_expert);
@@ -389,7 +393,7 @@ TiledPlan plan_tiled(const MoeParams& p, const MoeLayerWeights& w, const MoeDevi
   // Kernel 1's tile must lie inside one activation block of h (32 or 256 rows) for its counter.
   // Rows per dot_rows call: 32 / lanes per row; kernel 1 pairs gate and up rows in one call.
   const int n = p.n_tokens, n_slots = p.n_slots;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  const bool same_x = same_x_format(p);
   const int h_block = p.h_q8k ? kQK_K : kQK;
   const int rows_per_call_a = 32 / lanes_per_row(static_cast<int>(w.n_embd / type_traits(w.gate_type).block_elems));
   const int rows_per_call_b = 32 / lanes_per_row(static_cast<int>(w.n_ff / type_traits(w.down_type).block_elems));
@@ -412,13 +416,20 @@ TiledPlan plan_tiled(const MoeParams& p, const MoeLayerWeights& w, const MoeDevi
 }
 
 void launch_tiled_gate_up(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, cudaStream_t stream) {
-  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_gate_up_kernel), dev.device, plan.smem);
+  // Gate/up rows of issue 26's and the IQ grid formats take the kernel built with their dot_rows
+  // cases; those copies also have dot_staged's IQ cases, which an IQ up type needs (gate of
+  // another format: dot_staged per row).
+  const bool iq = is_iq_grid_format(p.gate_type) || is_iq_grid_format(p.up_type);
+  const auto kernel = is_issue26_format(p.gate_type) ? moe_gate_up_kernel<kRowsIssue26>
+                      : iq                           ? moe_gate_up_kernel<kRowsIq>
+                                                     : moe_gate_up_kernel<0>;
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), dev.device, plan.smem);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.tiles), static_cast<unsigned>(plan.groups));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
   cfg.stream = stream;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gate_up_kernel, p));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 void launch_tiled_down(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, bool pdl,

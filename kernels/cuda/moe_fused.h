@@ -7,7 +7,7 @@
 //
 // The arithmetic is the scalar reference's (common/reference/moe_parts.cpp swiglu_expert): x is
 // quantized to dot_activation_type(gate/up type) exactly as reference::pack_activations does
-// (Q8_0 with llama.cpp's x86 rule, Q8_K with the reference rule), gate and up rows are dotted with
+// (Q8_0 and Q8_1 with llama.cpp's x86 rule, Q8_K with the reference rule), gate and up rows are dotted with
 // the same per-block float terms as vec_dot_reference (matvec_formats.cuh), h = silu(g) * u in
 // float, h quantized to dot_activation_type(down type) the same way, down likewise. Only the
 // order of float additions and the last bits of expf differ.

@@ -31,6 +31,7 @@ using namespace matvec_detail;
 struct MoeParams {
   int gate_type, up_type, down_type;  // TensorType values
   bool x_gate_q8k, x_up_q8k, h_q8k;   // activation formats: Q8_K (true) or Q8_0
+  uint8_t q81;  // kQ81GateX | kQ81UpX | kQ81H: that one is Q8_1 (Q4_1 / Q5_1), not Q8_0 (padding byte)
   int n_embd, n_ff, n_expert;
   int n_tokens, k, n_slots, pass_tokens;
   int rows_a, rows_b;  // weight rows per warp in kernel 1 / kernel 2 (the CTA tile is 16 times that)
@@ -56,6 +57,14 @@ struct MoeParams {
   // moe_fused.cu's act_stride, seg_words)
   int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
 };
+
+// MoeParams::q81's bits.
+constexpr uint8_t kQ81GateX = 1, kQ81UpX = 2, kQ81H = 4;
+
+// Whether gate and up take the same activation format (then kernel 1 quantizes x once).
+__host__ __device__ __forceinline__ bool same_x_format(const MoeParams& p) {
+  return p.x_gate_q8k == p.x_up_q8k && ((p.q81 & kQ81GateX) != 0) == ((p.q81 & kQ81UpX) != 0);
+}
 
 // Whether expert e is on this GPU (ids outside 0..n_expert-1 count as absent).
 __device__ __forceinline__ bool expert_present(const MoeParams& p, int e) {
@@ -138,16 +147,22 @@ __device__ __forceinline__ void store_sum(const MoeParams& p, int t, int64_t r, 
 // consecutive blocks then hit distinct banks (strides of 76 and 12 words).
 constexpr int kQ8KStride = 304, kQ8KOffset = 12;
 constexpr int kQ80Stride = 48, kQ80Offset = 14;
+constexpr int kQ81Offset = 12;  // Q8_1 blocks (36 bytes) in Q8_0's 48-byte slots: quants at 16
 static_assert(sizeof(BlockQ8_K) + kQ8KOffset <= kQ8KStride && (kQ8KOffset + 4) % 16 == 0 &&
                   (kQ8KOffset + 4 + kQK_K) % 16 == 0,
               "padded Q8_K layout: quants and sums 16-byte aligned");
 static_assert(sizeof(BlockQ8_0) + kQ80Offset <= kQ80Stride && (kQ80Offset + 2) % 16 == 0,
               "padded Q8_0 layout: quants 16-byte aligned");
+static_assert(sizeof(BlockQ8_1) + kQ81Offset <= kQ80Stride && (kQ81Offset + 4) % 16 == 0,
+              "padded Q8_1 layout: quants 16-byte aligned");
 template <class Act>
 __device__ __forceinline__ const Act& act_block(const uint8_t* act, int b) {
-  static_assert(sizeof(Act) == sizeof(BlockQ8_K) || sizeof(Act) == sizeof(BlockQ8_0), "Q8_K or Q8_0 activations");
+  static_assert(sizeof(Act) == sizeof(BlockQ8_K) || sizeof(Act) == sizeof(BlockQ8_0) || sizeof(Act) == sizeof(BlockQ8_1),
+                "Q8_K, Q8_0 or Q8_1 activations");
   if constexpr (sizeof(Act) == sizeof(BlockQ8_K)) {
     return *reinterpret_cast<const Act*>(act + b * kQ8KStride + kQ8KOffset);
+  } else if constexpr (sizeof(Act) == sizeof(BlockQ8_1)) {
+    return *reinterpret_cast<const Act*>(act + b * kQ80Stride + kQ81Offset);
   } else {
     return *reinterpret_cast<const Act*>(act + b * kQ80Stride + kQ80Offset);
   }
@@ -208,14 +223,23 @@ __device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_
       const int u = u0 + lane;
       const bool valid = u < units;
       const int b = u / F::kParts, part = u % F::kParts;
-      int isum = 0, msum = 0;
-      if (valid) F::part(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part, isum, msum);
+      if constexpr (term_per_part<F>()) {  // IQ4_XS: matvec.cu's per-part terms, in part order
+        const float tp = valid ? F::part_term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part) : 0.0f;
 #pragma unroll
-      for (int off = 1; off < F::kParts; off *= 2) {
-        isum += __shfl_xor_sync(0xffffffffu, isum, off);
-        msum += __shfl_xor_sync(0xffffffffu, msum, off);
+        for (int j = 0; j < F::kParts; ++j) {
+          const float tj = __shfl_sync(0xffffffffu, tp, lane - part + j);
+          if (valid && part == 0) acc += tj;
+        }
+      } else {
+        int isum = 0, msum = 0;
+        if (valid) F::part(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), part, isum, msum);
+#pragma unroll
+        for (int off = 1; off < F::kParts; off *= 2) {
+          isum += __shfl_xor_sync(0xffffffffu, isum, off);
+          msum += __shfl_xor_sync(0xffffffffu, msum, off);
+        }
+        if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), isum, msum);
       }
-      if (valid && part == 0) acc += F::term(row + b * F::kBlockBytes, act_block<typename F::Act>(act, b), isum, msum);
     }
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     return acc;
@@ -224,24 +248,11 @@ __device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_
 
 // Runtime format switch (warp-uniform): one kernel serves every format and mix of formats. The
 // fallback of gate_up_unit_h (and of the tiled kernel 1) where a gate/up pair does not fit one
-// dot_rows call: gate and up of different formats, or rows of more than 16 blocks.
-inline __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
+// dot_rows call: gate and up of different formats, or rows of more than 16 blocks. The IQ grid
+// formats are a second switch (kIq): the tiled kernel 1's copy for the formats before them leaves
+// it out, as for dot_rows' extra sets below (else their spills rise: 40 -> 48 bytes of stack).
+__device__ __forceinline__ float dot_staged_iq(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
   switch (static_cast<TensorType>(type)) {
-    case TensorType::Q8_0:
-      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane);
-    case TensorType::MXFP4:
-      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane);
-    case TensorType::Q2_K:
-      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane);
-    case TensorType::Q3_K:
-      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane);
-    case TensorType::Q4_K:
-      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane);
-    case TensorType::Q5_K:
-      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
-    case TensorType::Q6_K:
-      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
-    // The importance-matrix grid formats (matvec_formats_iq.cuh).
     case TensorType::IQ2_XXS:
       return dot_staged_format<FormatIQ2_XXS>(row, n / kQK_K, act, lane);
     case TensorType::IQ2_XS:
@@ -258,6 +269,49 @@ inline __device__ float dot_staged(int type, const uint8_t* row, int n, const ui
       return dot_staged_format<FormatIQ1_M>(row, n / kQK_K, act, lane);
     default:
       return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+template <bool kIq = true>
+inline __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q8_0:
+      return dot_staged_format<FormatQ8_0>(row, n / kQK, act, lane);
+    case TensorType::MXFP4:
+      return dot_staged_format<FormatMXFP4>(row, n / kQK, act, lane);
+    case TensorType::Q2_K:
+      return dot_staged_format<FormatQ2_K>(row, n / kQK_K, act, lane);
+    case TensorType::Q3_K:
+      return dot_staged_format<FormatQ3_K>(row, n / kQK_K, act, lane);
+    case TensorType::Q4_K:
+      return dot_staged_format<FormatQ45_K<false>>(row, n / kQK_K, act, lane);
+    case TensorType::Q5_K:
+      return dot_staged_format<FormatQ45_K<true>>(row, n / kQK_K, act, lane);
+    case TensorType::Q6_K:
+      return dot_staged_format<FormatQ6_K>(row, n / kQK_K, act, lane);
+    // Issue 26 (matvec_formats_legacy.cuh)
+    case TensorType::Q4_0:
+      return dot_staged_format<FormatQ4_0>(row, n / kQK, act, lane);
+    case TensorType::Q4_1:
+      return dot_staged_format<FormatQ4_1>(row, n / kQK, act, lane);
+    case TensorType::Q5_0:
+      return dot_staged_format<FormatQ5_0>(row, n / kQK, act, lane);
+    case TensorType::Q5_1:
+      return dot_staged_format<FormatQ5_1>(row, n / kQK, act, lane);
+    case TensorType::IQ4_NL:
+      return dot_staged_format<FormatIQ4_NL>(row, n / kQK, act, lane);
+    case TensorType::IQ4_XS:
+      return dot_staged_format<FormatIQ4_XS>(row, n / kQK_K, act, lane);
+    case TensorType::TQ1_0:
+      return dot_staged_format<FormatTQ1_0>(row, n / kQK_K, act, lane);
+    case TensorType::TQ2_0:
+      return dot_staged_format<FormatTQ2_0>(row, n / kQK_K, act, lane);
+    default:
+      if constexpr (kIq) {
+        return dot_staged_iq(type, row, n, act, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
   }
 }
 
@@ -356,14 +410,19 @@ __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblo
             continue;
           }
         }
+        if constexpr (term_per_part<F>()) {  // IQ4_XS: the block's part terms in part order
 #pragma unroll
-        for (int part = 0; part < F::kParts; ++part) {
-          int is = 0, ms = 0;
-          F::part(wb, act_block<typename F::Act>(act, b), part, is, ms);
-          isum += is;
-          msum += ms;
+          for (int part = 0; part < F::kParts; ++part) acc += F::part_term(wb, act_block<typename F::Act>(act, b), part);
+        } else {
+#pragma unroll
+          for (int part = 0; part < F::kParts; ++part) {
+            int is = 0, ms = 0;
+            F::part(wb, act_block<typename F::Act>(act, b), part, is, ms);
+            isum += is;
+            msum += ms;
+          }
+          acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
         }
-        acc += F::term(wb, act_block<typename F::Act>(act, b), isum, msum);
       }
     }
   }
@@ -371,24 +430,17 @@ __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblo
   return acc;
 }
 
+// dot_rows' extra case sets (its kExtra bits). Why: as more cases of dot_rows' first switch,
+// issue 26's formats raised the tiled kernel 1's spills for every format (ptxas, sm_90: 40 -> 88
+// bytes of stack), and the IQ grid formats did too; each set is a further switch compiled only
+// where kExtra asks, and moe_fused.cu builds kernel 1 once per set, each format's gate/up rows
+// taking the copy with its cases.
+inline constexpr int kRowsIssue26 = 1, kRowsIq = 2, kRowsAllExtra = kRowsIssue26 | kRowsIq;
+
+// The importance-matrix grid formats (matvec_formats_iq.cuh): dot_rows' kRowsIq set.
 template <class RowOf, class ActOf>
-__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+__device__ __forceinline__ float dot_rows_iq(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   switch (static_cast<TensorType>(type)) {
-    case TensorType::Q8_0:
-      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane);
-    case TensorType::MXFP4:
-      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane);
-    case TensorType::Q2_K:
-      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q3_K:
-      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q4_K:
-      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q5_K:
-      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
-    case TensorType::Q6_K:
-      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
-    // The importance-matrix grid formats (matvec_formats_iq.cuh).
     case TensorType::IQ2_XXS:
       return dot_rows_format<FormatIQ2_XXS>(row_of, act_of, nrows, n / kQK_K, lane);
     case TensorType::IQ2_XS:
@@ -408,9 +460,103 @@ __device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n
   }
 }
 
+// Issue 26's formats (matvec_formats_legacy.cuh): dot_rows' kRowsIssue26 set; with kThenIq its
+// default goes on to the IQ set (dot_rows with every set, the down kernel's).
+template <bool kThenIq, class RowOf, class ActOf>
+__device__ __forceinline__ float dot_rows_issue26(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q4_0:
+      return dot_rows_format<FormatQ4_0>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::Q4_1:
+      return dot_rows_format<FormatQ4_1>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::Q5_0:
+      return dot_rows_format<FormatQ5_0>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::Q5_1:
+      return dot_rows_format<FormatQ5_1>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::IQ4_NL:
+      return dot_rows_format<FormatIQ4_NL>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::IQ4_XS:
+      return dot_rows_format<FormatIQ4_XS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::TQ1_0:
+      return dot_rows_format<FormatTQ1_0>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::TQ2_0:
+      return dot_rows_format<FormatTQ2_0>(row_of, act_of, nrows, n / kQK_K, lane);
+    default:
+      if constexpr (kThenIq) {
+        return dot_rows_iq(type, row_of, act_of, nrows, n, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
+  }
+}
+
+template <int kExtra = kRowsAllExtra, class RowOf, class ActOf>
+__device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q8_0:
+      return dot_rows_format<FormatQ8_0>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::MXFP4:
+      return dot_rows_format<FormatMXFP4>(row_of, act_of, nrows, n / kQK, lane);
+    case TensorType::Q2_K:
+      return dot_rows_format<FormatQ2_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q3_K:
+      return dot_rows_format<FormatQ3_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q4_K:
+      return dot_rows_format<FormatQ45_K<false>>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q5_K:
+      return dot_rows_format<FormatQ45_K<true>>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::Q6_K:
+      return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
+    default:
+      if constexpr ((kExtra & kRowsIssue26) != 0) {
+        return dot_rows_issue26<(kExtra & kRowsIq) != 0>(type, row_of, act_of, nrows, n, lane);
+      } else if constexpr ((kExtra & kRowsIq) != 0) {
+        return dot_rows_iq(type, row_of, act_of, nrows, n, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
+  }
+}
+
+// Whether type (a TensorType value) is one of issue 26's formats (matvec_formats_legacy.cuh).
+__host__ __device__ __forceinline__ bool is_issue26_format(int type) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::Q4_0:
+    case TensorType::Q4_1:
+    case TensorType::Q5_0:
+    case TensorType::Q5_1:
+    case TensorType::IQ4_NL:
+    case TensorType::IQ4_XS:
+    case TensorType::TQ1_0:
+    case TensorType::TQ2_0:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Whether type (a TensorType value) is one of the IQ grid formats (matvec_formats_iq.cuh).
+__host__ __device__ __forceinline__ bool is_iq_grid_format(int type) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::IQ2_XXS:
+    case TensorType::IQ2_XS:
+    case TensorType::IQ2_S:
+    case TensorType::IQ3_XXS:
+    case TensorType::IQ3_S:
+    case TensorType::IQ1_S:
+    case TensorType::IQ1_M:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Elements per weight block of a supported format (TensorType value).
 __device__ __forceinline__ int format_block_elems(int type) {
   const TensorType t = static_cast<TensorType>(type);
+  if (t == TensorType::Q4_0 || t == TensorType::Q4_1 || t == TensorType::Q5_0 || t == TensorType::Q5_1 ||
+      t == TensorType::IQ4_NL)
+    return kQK;  // issue 26's 32-element formats
   return t == TensorType::Q8_0 || t == TensorType::MXFP4 ? kQK : kQK_K;
 }
 
@@ -451,19 +597,28 @@ __device__ __forceinline__ float dot_rows_as(int type, RowOf row_of, ActOf act_o
   }
 }
 
+// A 32-element block into padded slot `slot` (dst + b * kQ80Stride): Q8_0, or with q81 Q8_1
+// (the activations of Q4_1 / Q5_1: the same quants, and s), both with llama.cpp's x86 rule.
+__device__ __forceinline__ void quantize_q8_0_or_1_llama(bool q81, float v, uint8_t* slot, int lane) {
+  if (q81) {
+    quantize_detail::quantize_q8_1_llama_warp(v, *reinterpret_cast<BlockQ8_1*>(slot + kQ81Offset), lane);
+  } else {
+    quantize_detail::quantize_q8_0_llama_warp(v, *reinterpret_cast<BlockQ8_0*>(slot + kQ80Offset), lane);
+  }
+}
+
 // Block b of a float row (src, global memory written by this launch or an earlier one) quantized
-// by one warp into dst (Q8_K or Q8_0 block b), as reference::pack_activations does: Q8_0 with
-// llama.cpp's x86 rule, Q8_K with the reference rule (the x86 one differs only in the sign of an
-// all-zero block's scale, which no dot sees).
-inline __device__ void quantize_block(bool q8k, const float* src, int b, uint8_t* dst, int lane) {
+// by one warp into dst (Q8_K, Q8_0 or with q81 Q8_1 block b), as reference::pack_activations does:
+// Q8_0 / Q8_1 with llama.cpp's x86 rule, Q8_K with the reference rule (the x86 one differs only in
+// the sign of an all-zero block's scale, which no dot sees).
+inline __device__ void quantize_block(bool q8k, bool q81, const float* src, int b, uint8_t* dst, int lane) {
   if (q8k) {
     const float4* s = reinterpret_cast<const float4*>(src + b * kQK_K + 8 * lane);
     const float4 lo = __ldcg(s), hi = __ldcg(s + 1);
     const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     quantize_detail::quantize_q8_k_warp(v, *reinterpret_cast<BlockQ8_K*>(dst + b * kQ8KStride + kQ8KOffset), lane);
   } else {
-    quantize_detail::quantize_q8_0_llama_warp(__ldcg(src + b * kQK + lane),
-                                              *reinterpret_cast<BlockQ8_0*>(dst + b * kQ80Stride + kQ80Offset), lane);
+    quantize_q8_0_or_1_llama(q81, __ldcg(src + b * kQK + lane), dst + b * kQ80Stride, lane);
   }
 }
 
@@ -492,11 +647,13 @@ __device__ __forceinline__ void quantize_x(const MoeParams& p, uint8_t* xg, uint
                                            int lane) {
   const int bg = p.n_embd / (p.x_gate_q8k ? kQK_K : kQK);
   for (int u = warp; u < p.n_tokens * bg; u += kWarps)
-    quantize_block(p.x_gate_q8k, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg, xg + (u / bg) * p.xg_stride, lane);
+    quantize_block(p.x_gate_q8k, p.q81 & kQ81GateX, p.x + static_cast<int64_t>(u / bg) * p.n_embd, u % bg,
+                   xg + (u / bg) * p.xg_stride, lane);
   if (!same_x) {
     const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
     for (int u = warp; u < p.n_tokens * bu; u += kWarps)
-      quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+      quantize_block(p.x_up_q8k, p.q81 & kQ81UpX, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu,
+                     xu + (u / bu) * p.xu_stride, lane);
   }
 }
 

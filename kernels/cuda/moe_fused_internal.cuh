@@ -71,7 +71,7 @@ struct GateUpSmem {
 };
 __device__ __forceinline__ GateUpSmem gate_up_smem(const MoeParams& p, uint4* smem, int warp) {
   GateUpSmem m;
-  m.same_x = p.x_gate_q8k == p.x_up_q8k;
+  m.same_x = same_x_format(p);
   m.xg = reinterpret_cast<uint8_t*>(smem);
   m.xu = m.same_x ? m.xg : m.xg + p.n_tokens * p.xg_stride;
   m.pair_words = p.gate_seg_words + p.up_seg_words;

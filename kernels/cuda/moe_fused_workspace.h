@@ -18,8 +18,9 @@ inline constexpr int kMoeMaxTopK = 32;     // experts per token
 // kQ8KStride / kQ80Stride say why they are padded; moe_fused.cu asserts they are these).
 inline constexpr int64_t kMoeActStrideQ8K = 304, kMoeActStrideQ80 = 48;
 
-// Activation row bytes for n values quantized as `act` (Q8_K, else Q8_0): whole 16-byte words
-// plus a spare one.
+// Activation row bytes for n values quantized as `act` (Q8_K, else Q8_0 or Q8_1: both padded to
+// kMoeActStrideQ80 per 32 values, moe_fused_dots.cuh's kQ80Offset / kQ81Offset): whole 16-byte
+// words plus a spare one.
 inline int64_t moe_fused_act_stride(TensorType act, int64_t n) {
   const int64_t bytes = act == TensorType::Q8_K ? n / kQK_K * kMoeActStrideQ8K : n / kQK * kMoeActStrideQ80;
   return (bytes + 15) / 16 * 16 + 16;

@@ -96,14 +96,14 @@ __device__ void staged_quantize_x(const StagedParams& p, uint8_t* xg, uint8_t* x
       quantize_detail::quantize_q8_k_warp(
           v, *reinterpret_cast<BlockQ8_K*>(dst + (u % bg) * kQ8KStride + kQ8KOffset), lane);
     } else {
-      quantize_detail::quantize_q8_0_llama_warp(
-          v[0], *reinterpret_cast<BlockQ8_0*>(dst + (u % bg) * kQ80Stride + kQ80Offset), lane);
+      quantize_q8_0_or_1_llama(p.q81 & kQ81GateX, v[0], dst + (u % bg) * kQ80Stride, lane);
     }
   }
   if (!same_x) {
     const int bu = p.n_embd / (p.x_up_q8k ? kQK_K : kQK);
     for (int u = warp; u < p.n_tokens * bu; u += kSWarps)
-      quantize_block(p.x_up_q8k, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu, xu + (u / bu) * p.xu_stride, lane);
+      quantize_block(p.x_up_q8k, p.q81 & kQ81UpX, p.x + static_cast<int64_t>(u / bu) * p.n_embd, u % bu,
+                     xu + (u / bu) * p.xu_stride, lane);
   }
 }
 
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kSThreads, 2) moe_staged_gate_up_kernel(const 
   // first use, while every warp waits for x at the barrier below).
   float x_first[8] = {};
   if (warp < p.n_tokens * (p.n_embd / (p.x_gate_q8k ? kQK_K : kQK))) load_x_block(p, warp, x_first, lane);
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  const bool same_x = same_x_format(p);
   uint8_t* xg = reinterpret_cast<uint8_t*>(smem);
   uint8_t* xu = same_x ? xg : xg + p.n_tokens * p.xg_stride;
   const int pair_words = p.gate_seg_words + p.up_seg_words;
@@ -307,9 +307,7 @@ __device__ void staged_quantize_h(const StagedParams& p, const int16_t* present_
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int u = u0 + i * kSWarps;
-      if (u < total)
-        quantize_detail::quantize_q8_0_llama_warp(
-            v[i], *reinterpret_cast<BlockQ8_0*>(act + (u / hb) * p.hq_stride + (u % hb) * kQ80Stride + kQ80Offset), lane);
+      if (u < total) quantize_q8_0_or_1_llama(p.q81 & kQ81H, v[i], act + (u / hb) * p.hq_stride + (u % hb) * kQ80Stride, lane);
     }
   }
 }
@@ -485,7 +483,7 @@ struct StagedSmem {
 
 StagedSmem staged_smem(const StagedParams& p) {
   const int64_t y_stride = (p.n_slots + 3) / 4 * 4;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  const bool same_x = same_x_format(p);
   const int64_t x_bytes = int64_t{p.n_tokens} * (p.xg_stride + (same_x ? 0 : p.xu_stride));
   const int64_t unit_bytes = int64_t{p.unit_pairs} * (p.gate_seg_words + p.up_seg_words) * 16;
   return {x_bytes + int64_t{kSWarps} * p.warp_slots * unit_bytes,

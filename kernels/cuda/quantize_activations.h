@@ -14,7 +14,8 @@
 namespace moraine::cuda {
 
 // x: `rows` rows of n floats (device). out: rows * n / block_elems blocks of act_type (device),
-// rows back to back. act_type must be Q8_0 or Q8_K and n a multiple of its block size
+// rows back to back. act_type must be Q8_0, Q8_1 (Q4_1 / Q5_1 weights: Q8_0's rule plus
+// s = fp16(d * sum q)) or Q8_K and n a multiple of its block size
 // (std::invalid_argument otherwise). Finite inputs give the bytes quantize_row gives.
 void quantize_activations(TensorType act_type, const float* x, void* out, int64_t n,
                           int64_t rows, cudaStream_t stream = nullptr);

@@ -17,7 +17,8 @@
 
 namespace moraine::cuda {
 
-// act_type Q8_0 or Q8_K; n a multiple of the block size (std::invalid_argument otherwise).
+// act_type Q8_0, Q8_1 (the x86 q8_1: Q8_0's rule here, s = fp16(d * sum of the int32 quants)) or
+// Q8_K; n a multiple of the block size (std::invalid_argument otherwise).
 void quantize_activations_llama(TensorType act_type, const float* x, void* out, int64_t n, int64_t rows,
                                 cudaStream_t stream = nullptr);
 

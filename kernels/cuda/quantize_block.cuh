@@ -91,4 +91,42 @@ __device__ __forceinline__ void quantize_q8_k_warp(const float v[8], BlockQ8_K& 
   if (lane == 0) y.d = __fdiv_rn(1.0f, iscale);
 }
 
+// Q8_1 (the activations of Q4_1 / Q5_1): quantize_q8_0_warp's rule, and s = fp16(sum(q) * d)
+// with d the float scale (common/formats/quant_legacy_extra.cpp quantize_q8_1).
+__device__ __forceinline__ void quantize_q8_1_warp(float v, BlockQ8_1& out, int lane) {
+  float amax = fabsf(v);
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float d = __fdiv_rn(amax, 127.0f);
+  const float r = __fdiv_rn(1.0f, d);
+  const float id = (d != 0.0f && isfinite(r)) ? r : 0.0f;
+  const int q = static_cast<int8_t>(roundf(__fmul_rn(v, id)));
+  out.qs[lane] = static_cast<int8_t>(q);
+  int sum = q;
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    out.d = __half_as_ushort(__float2half_rn(d));
+    out.s = __half_as_ushort(__float2half_rn(__fmul_rn(__int2float_rn(sum), d)));
+  }
+}
+
+// Q8_1 with llama.cpp's x86 rule (cpu::quantize_activation_row_llama_x86): quantize_q8_0_llama_warp's
+// quants, and s = fp16(d * sum) over the int32 values before saturation (INT_MIN where 127/amax
+// overflows, summed with wrap-around as the int32 lanes do), d = amax / 127 in float.
+__device__ __forceinline__ void quantize_q8_1_llama_warp(float v, BlockQ8_1& out, int lane) {
+  float amax = fabsf(v);
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  const float r = rintf(__fmul_rn(v, id));
+  int i = static_cast<int>(0x80000000u);  // INT_MIN
+  if (!isnan(r) && r < 2147483648.0f && r >= -2147483648.0f) i = static_cast<int>(r);
+  out.qs[lane] = static_cast<int8_t>(max(-128, min(127, i)));
+  unsigned sum = static_cast<unsigned>(i);
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    const float d = __fdiv_rn(amax, 127.0f);
+    out.d = __half_as_ushort(__float2half_rn(d));
+    out.s = __half_as_ushort(__float2half_rn(__fmul_rn(d, __int2float_rn(static_cast<int>(sum)))));
+  }
+}
+
 }  // namespace moraine::cuda::quantize_detail

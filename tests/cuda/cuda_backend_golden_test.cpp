@@ -83,6 +83,11 @@ const std::map<std::string, std::string> kQuantArgs = {
     {"q8_0", "--default q8_0"},
     {"kmix", "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q5_k --map attn_q=q4_k --map ssm_out=q5_k "
              "--default q8_0"},
+    // Issue 26's CUDA formats (matvec_formats_legacy.cuh), as tests/group/group_harness.cpp's variants.
+    {"hub", "--map ffn_gate_exps=q4_1 --map ffn_up_exps=q5_1 --map ffn_down_exps=iq4_xs --map attn_q=q5_0 "
+            "--map attn_output=iq4_nl --default q8_0"},
+    {"hub_tq", "--map ffn_gate_exps=q4_0 --map ffn_up_exps=tq1_0 --map ffn_down_exps=tq2_0 --map attn_q=iq4_nl "
+               "--map attn_output=q4_0 --default q8_0"},
 };
 
 json read_json(const fs::path& p) {
@@ -396,7 +401,8 @@ std::vector<Case> golden_cases(model::KvType kv) {
            {"qwen3next_k256", "q8_0"}, {"qwen3next_k256", "kmix"},
            // The real head sizes (128; 256 gated): the tensor-core prefill attention takes only these.
            {"qwen3moe_hd128", "f32"}, {"qwen3moe_hd128", "kmix"}, {"qwen3next_hd256", "f32"},
-           {"qwen3next_hd256", "kmix"}})
+           {"qwen3next_hd256", "kmix"},
+           {"qwen3moe_k256", "hub"}, {"qwen3next_k256", "hub"}, {"qwen3moe_k256", "hub_tq"}, {"qwen3next_k256", "hub_tq"}})
     cases.push_back({m, v, kv});
   return cases;
 }
@@ -407,8 +413,8 @@ INSTANTIATE_TEST_SUITE_P(ModelsF16Kv, CudaBackendGolden, ::testing::ValuesIn(gol
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
 // The k256 models (rows of 256: every IQ block applies) in each IQ grid type, with the backend's
-// default F16 cache. llama.cpp keeps qwen3next's ssm_out in IQ4_NL in all of them: those cases
-// need the CUDA IQ4_NL matvec too (the legacy-format work), else the load names that tensor.
+// default F16 cache. llama.cpp keeps qwen3next's ssm_out in IQ4_NL in all of them, so those
+// cases also run the CUDA IQ4_NL matvec (matvec_formats_legacy.cuh).
 std::vector<Case> iq_cases() {
   std::vector<Case> cases;
   for (const char* m : {"qwen3moe_k256", "qwen3next_k256"})
@@ -684,6 +690,34 @@ TEST_P(CudaBackendGolden, GraphStepEqualsLayerByLayer) {
     a = run_step(*backend_, *model_, {next}, false, Drive::kGraph);
     b = run_step(*other, *model_, {next}, false, Drive::kLayers);
     ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "decode step " << i;
+  }
+}
+
+// The conversation cache (Backend::save_state / load_state): the prompt's sequence saved, the
+// backend reset and run on another sequence, the saved one loaded back: its decode steps give
+// the bits of a backend that never left it, through the captured graph and layer by layer.
+TEST_P(CudaBackendGolden, SavedSequenceContinuesAsIfNeverLeft) {
+  ASSERT_TRUE(backend_->can_save_state());
+  auto straight = cuda_backend(*model_, kMaxTokens, 256, nullptr, GetParam().kv);
+  std::vector<float> a = run_step(*straight, *model_, prompt_, false);
+  run_step(*backend_, *model_, prompt_, false);
+  gpu_worker::Backend::HostBuffer buf = backend_->host_buffer(backend_->state_bytes());
+  const std::span<uint8_t> saved(buf.data.get(), backend_->state_bytes());
+  backend_->save_state(saved);
+  backend_->reset();
+  std::vector<int32_t> other(prompt_.rbegin(), prompt_.rend());
+  run_step(*backend_, *model_, other, false);
+  EXPECT_THROW(backend_->load_state(std::span<const uint8_t>(saved.data(), saved.size() - 2)), std::invalid_argument);
+  EXPECT_EQ(backend_->n_past(), static_cast<int64_t>(other.size()));
+  backend_->load_state(saved);
+  EXPECT_EQ(backend_->n_past(), static_cast<int64_t>(prompt_.size()));
+  const int64_t V = model_->hp.n_vocab;
+  for (int i = 0; i < 6; ++i) {
+    const int32_t next = sampling::argmax(std::span<const float>(a.data(), V));
+    const Drive drive = i % 2 == 0 ? Drive::kGraph : Drive::kLayers;
+    a = run_step(*straight, *model_, {next}, false, drive);
+    const std::vector<float> b = run_step(*backend_, *model_, {next}, false, drive);
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "decode step " << i << " after the load";
   }
 }
 

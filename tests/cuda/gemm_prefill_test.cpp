@@ -31,6 +31,7 @@
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/matvec_float.h"
 #include "tests/cuda/cuda_test_support.h"
+#include "tests/cuda/dot_terms.h"
 #include "tests/cuda/iq_test_blocks.h"
 
 namespace moraine {
@@ -97,7 +98,38 @@ Expected expected(const float* x, const float* w, const float* xr, const float* 
 
 const TensorType kAllFormats[] = {TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
                                   TensorType::Q5_K, TensorType::Q6_K, TensorType::MXFP4, TensorType::F16,
-                                  TensorType::BF16, TensorType::F32};
+                                  TensorType::BF16, TensorType::F32,
+                                  // issue 26
+                                  TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1,
+                                  TensorType::IQ4_NL, TensorType::IQ4_XS, TensorType::TQ1_0, TensorType::TQ2_0};
+
+// Q4_1 / Q5_1 against Q8_1: the reference's term applies the weight's min m to the activation's
+// s = fp16(d * sum q) (d the float scale), not to the dequantized activations' sum fp16(d) * sum q;
+// per block that moves it off sum x w by |m| * |s - fp16(d) * sum q| exactly, and the term's two
+// parts round separately (gamma_24(8) * |m| * sum |x| for the min part and its share of the
+// other). Other formats: 0.
+double q8_1_min_gap(TensorType t, const uint8_t* w_row, const uint8_t* act_row, const float* x, int64_t cols) {
+  if (t != TensorType::Q4_1 && t != TensorType::Q5_1) return 0.0;
+  const double g8 = 8 * std::ldexp(1.0, -24) / (1 - 8 * std::ldexp(1.0, -24));
+  const size_t wb = type_traits(t).block_bytes;
+  double gap = 0.0;
+  for (int64_t b = 0; b < cols / kQK; ++b) {
+    uint16_t m_bits;
+    std::memcpy(&m_bits, w_row + static_cast<size_t>(b) * wb + 2, 2);  // d, then m, in both blocks
+    BlockQ8_1 a;
+    std::memcpy(&a, act_row + static_cast<size_t>(b) * sizeof(BlockQ8_1), sizeof(a));
+    int64_t sum_q = 0;
+    double abs_x = 0.0;
+    for (int j = 0; j < kQK; ++j) {
+      sum_q += a.qs[j];
+      abs_x += std::fabs(static_cast<double>(x[b * kQK + j]));
+    }
+    const double m = std::fabs(static_cast<double>(fp16_to_fp32(m_bits)));
+    gap += m * (std::fabs(static_cast<double>(fp16_to_fp32(a.s)) - static_cast<double>(fp16_to_fp32(a.d)) * sum_q) +
+                2 * g8 * abs_x);
+  }
+  return gap;
+}
 
 class GemmPrefill : public ::testing::TestWithParam<TensorType> {};
 
@@ -179,7 +211,8 @@ TEST_P(GemmPrefill, MatmulMatchesReferenceWithinInputRoundingBound) {
 // S = sum_k x_k w_k: the GEMM within the bound above, the matvec within 2 gamma_24(blocks) * sum
 // |t_b| of vec_dot_reference (tests/cuda/matvec_test.cpp; t_b the reference's block terms), and
 // vec_dot_reference differs from S only by the float roundings of its block terms and of
-// dequantize_row's values: at most 8 per term or element, gamma_24(8) * (sum |t_b| + sum |x w|).
+// dequantize_row's values: at most 8 per term or element, gamma_24(8) * (sum |t_b| + sum |x w|),
+// plus for Q4_1 / Q5_1 the gap of their min term (q8_1_min_gap).
 // The float weights' matvec (matvec_float.h) rounds x to the weight type and sums float products:
 // within gamma_24(cols) * sum |x' w| of S on x' = that rounding.
 TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
@@ -229,7 +262,6 @@ TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
   dy_gemm.download(y_gemm.data(), y_gemm.size());
   dy_mv.download(y_mv.data(), y_mv.size());
 
-  const int64_t block = type_traits(t).block_elems;
   const std::vector<float> xr = rounded(GemmInput::BF16, x), wr = rounded(GemmInput::BF16, w.values);
   for (int64_t i = 0; i < kN; ++i) {
     const uint8_t* a = act.data() + static_cast<size_t>(i) * row_bytes(at, kCols);
@@ -241,12 +273,10 @@ TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
       for (int64_t k = 0; k < kCols; ++k) abs_xw += std::fabs(static_cast<double>(x[i * kCols + k]) * w.values[r * kCols + k]);
       double matvec_bound = 0.0;
       if (quantized) {
-        const int64_t nb = kCols / block;
-        double abs_terms = 0.0;
-        for (int64_t b = 0; b < nb; ++b)
-          abs_terms += std::fabs(vec_dot_reference(t, block, w_row + b * type_traits(t).block_bytes,
-                                                   a + row_bytes(at, block * b)));
-        matvec_bound = 2 * gamma_u(nb, u24) * abs_terms + gamma_u(8, u24) * (abs_terms + abs_xw);
+        const cuda_test::DotTerms terms = cuda_test::dot_terms(t, w_row, a, kCols);
+        const double abs_terms = terms.abs_sum;
+        matvec_bound = 2 * gamma_u(terms.count, u24) * abs_terms + gamma_u(8, u24) * (abs_terms + abs_xw) +
+                       q8_1_min_gap(t, w_row, a, x.data() + i * kCols, kCols);
       } else {
         matvec_bound = gamma_u(kCols, u24) * abs_xw;
       }
@@ -500,11 +530,12 @@ TEST(GemmPrefillAccumulate, AddsOntoExistingOutputWithRowStride) {
 TEST(GemmPrefillArguments, DequantizeRejectsBadTypesShapesAndPointers) {
   const void* one = reinterpret_cast<const void*>(uintptr_t{256});
   void* out = reinterpret_cast<void*>(uintptr_t{4096});
-  EXPECT_FALSE(cuda::dequantize_weights_supported(TensorType::Q4_0));
+  EXPECT_FALSE(cuda::dequantize_weights_supported(TensorType::Q8_K));  // an activation format
   EXPECT_TRUE(cuda::prefill_gemm_supported(TensorType::MXFP4));
   for (const TensorType t : cuda_test::kIqGridTypes) EXPECT_TRUE(cuda::prefill_gemm_supported(t)) << type_name(t);
+  EXPECT_TRUE(cuda::prefill_gemm_supported(TensorType::IQ4_XS));
   EXPECT_THROW(cuda::dequantize_weights(TensorType::IQ3_S, &one, 1, 128, GemmInput::BF16, out), std::invalid_argument);
-  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q4_0, &one, 1, 256, GemmInput::BF16, out), std::invalid_argument);
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::Q8_K, &one, 1, 256, GemmInput::BF16, out), std::invalid_argument);
   EXPECT_THROW(cuda::dequantize_weights(TensorType::Q4_K, &one, 1, 128, GemmInput::BF16, out), std::invalid_argument);
   EXPECT_THROW(cuda::dequantize_weights(TensorType::F16, &one, 1, 48, GemmInput::BF16, out), std::invalid_argument);
   const void* odd = reinterpret_cast<const void*>(uintptr_t{257});

@@ -5,7 +5,9 @@
 // the reference, bit for bit (term() uses the reference's expression with _rn intrinsics), in
 // another order. Each ordering of a float sum of k terms is within gamma(k) * sum|t_i| of the
 // exact sum (gamma(k) = k*u / (1 - k*u), u = 2^-24), so the two results differ by at most
-// 2 * gamma(k) * sum|t_i|; t_i is vec_dot_reference on block i alone.
+// 2 * gamma(k) * sum|t_i|; t_i is vec_dot_reference on block i alone (IQ4_XS: on sub-block i,
+// tests/cuda/dot_terms.h). A row of one block has one term: there the kernel must give the
+// reference's bits exactly (OneBlockRowsEqualReferenceBitForBit).
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -18,6 +20,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/matvec.h"
 #include "tests/cuda/cuda_test_support.h"
+#include "tests/cuda/dot_terms.h"
 #include "tests/cuda/iq_test_blocks.h"
 
 namespace moraine {
@@ -46,20 +49,14 @@ struct Expected {
 };
 
 Expected reference_row(TensorType w_type, const uint8_t* w_row, const uint8_t* act_row, int64_t n) {
-  const TensorType a_type = dot_activation_type(w_type);
-  const int64_t block = type_traits(w_type).block_elems;
-  const int64_t nb = n / block;
-  double abs_sum = 0.0;
-  for (int64_t b = 0; b < nb; ++b) {
-    abs_sum += std::fabs(vec_dot_reference(w_type, block, w_row + b * type_traits(w_type).block_bytes,
-                                           act_row + row_bytes(a_type, block * b)));
-  }
-  return {vec_dot_reference(w_type, n, w_row, act_row), 2.0 * gamma(nb) * abs_sum};
+  const cuda_test::DotTerms t = cuda_test::dot_terms(w_type, w_row, act_row, n);
+  return {vec_dot_reference(w_type, n, w_row, act_row), 2.0 * gamma(t.count) * t.abs_sum};
 }
 
 // `experts` matrices of rows x n; matrix e reads activation row e % act_rows and selection ids
-// pick matrices out of order (as a MoE layer's router does).
-void check_matvec(TensorType w_type, int64_t rows, int64_t n, int experts, uint32_t seed) {
+// pick matrices out of order (as a MoE layer's router does). exact: the reference's bits (rows of
+// one block), else within the reordering bound.
+void check_matvec(TensorType w_type, int64_t rows, int64_t n, int experts, uint32_t seed, bool exact = false) {
   std::mt19937 rng(seed);
   const TensorType a_type = dot_activation_type(w_type);
   const int pool = experts == 1 ? 1 : experts + 3;  // ids choose among more matrices than used
@@ -94,6 +91,12 @@ void check_matvec(TensorType w_type, int64_t rows, int64_t n, int experts, uint3
       const Expected want = reference_row(w_type, w.bytes.data() + (m * rows + r) * w.row_bytes,
                                           a.bytes.data() + e * a.row_bytes, n);
       const float got = y[static_cast<size_t>(e * rows + r)];
+      if (exact) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want.value))
+            << type_name(w_type) << " n=" << n << " matrix " << e << " row " << r << ": got " << got << ", reference "
+            << want.value;
+        continue;
+      }
       ASSERT_TRUE(std::fabs(static_cast<double>(got) - want.value) <= want.tolerance)
           << type_name(w_type) << " rows=" << rows << " n=" << n << " matrix " << e << " row " << r
           << ": got " << got << ", reference " << want.value << ", tolerance " << want.tolerance;
@@ -109,7 +112,16 @@ TEST_P(CudaMatvec, OddRowCountsMatchReference) {
   check_matvec(t, 37, 768, 1, 101);
   check_matvec(t, 1027, 4096, 1, 102);
   check_matvec(t, 5, 256, 1, 103);
-  if (t == TensorType::Q8_0 || t == TensorType::MXFP4) check_matvec(t, 13, 96, 1, 104);  // rows of 102 / 51 bytes
+  if (type_traits(t).block_elems == 32) check_matvec(t, 13, 96, 1, 104);  // rows of 3 blocks (odd byte counts)
+}
+
+// One block per row: the kernel's value is the block's term (IQ4_XS: its sub-block terms added
+// in order from 0, as the reference adds them), the reference's bits; every row a fresh block.
+TEST_P(CudaMatvec, OneBlockRowsEqualReferenceBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  check_matvec(t, 1001, type_traits(t).block_elems, 1, 105, true);
+  check_matvec(t, 301, type_traits(t).block_elems, 4, 106, true);
 }
 
 TEST_P(CudaMatvec, SelectedExpertsInOneLaunchMatchReference) {
@@ -154,7 +166,11 @@ TEST(CudaMatvecQ8_0, BlockPairPathEqualsPerBlockPathBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Formats, CudaMatvec,
                          ::testing::Values(TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
                                            TensorType::Q5_K, TensorType::Q6_K,
-                                           TensorType::MXFP4),
+                                           TensorType::MXFP4,
+                                           // issue 26 (matvec_formats_legacy.cuh)
+                                           TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1,
+                                           TensorType::IQ4_NL, TensorType::IQ4_XS, TensorType::TQ1_0,
+                                           TensorType::TQ2_0),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
 // The importance-matrix grid formats (matvec_formats_iq.cuh) on random blocks.
@@ -215,8 +231,8 @@ TEST(CudaMatvecIqArguments, SupportsTheGridFormatsAndChecksTheirShapes) {
 
 // Argument checks come before any CUDA call, so this runs without a device too.
 TEST(CudaMatvecArguments, RejectsUnsupportedTypesAndShapes) {
-  EXPECT_FALSE(cuda::matvec_supported(TensorType::Q4_0));
-  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_0, nullptr, 4, 256, nullptr, nullptr), std::invalid_argument);
+  EXPECT_FALSE(cuda::matvec_supported(TensorType::Q8_K));  // an activation format, never a weight
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_K, nullptr, 4, 256, nullptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q4_K, nullptr, 4, 100, nullptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::matvec_quantized(TensorType::Q8_0, nullptr, 0, 64, nullptr, nullptr), std::invalid_argument);
   const auto misaligned = reinterpret_cast<const void*>(uintptr_t{8});

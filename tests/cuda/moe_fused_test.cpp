@@ -27,6 +27,13 @@
 //    for how far the device's activations can move them. A first derivation used 4u of |terms|
 //    only and failed on the H200 for exactly the min formats, by up to 1.4x its bound; the
 //    logged values are now within 0.1x to 0.2x of this one.
+//    Q4_1 / Q5_1 (mins too, per 32-element block) dot Q8_1 h, whose min part is m * s with
+//    s = fp16(d * sum q) (d the block's float scale): the device's s can move by the float-scale
+//    bounds D'_i summed over the block (dequant_bounds with a float scale), plus the fp16 rounding
+//    of both s (2^-11 relative each, 2^-25 absolute below the normal range); and since the term is
+//    (W - m) . h + m * s rather than W . h, the h part's change is within flips + |m| sum D_i:
+//    |m| (|s' - s| + sum D_i) per block on top of flips. IQ4_XS's terms are its sub-blocks'
+//    (tests/cuda/dot_terms.h).
 //  - weighted sum: sum_s |w_s| tol_s (1 + 2u) + 2 gamma(k + 1) sum_s |w_s y_s|.
 // A wrong row, block, expert, token or weight moves results by the size of the values, orders of
 // magnitude above these bounds. Every case runs each form of the kernels (MoeLayerWeights::Form:
@@ -58,6 +65,7 @@
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/moe_fused.h"
 #include "tests/cuda/cuda_test_support.h"
+#include "tests/cuda/dot_terms.h"
 #include "tests/cuda/iq_test_blocks.h"
 #include "tools/kernel_bench/moe_fused_units.h"
 
@@ -133,23 +141,22 @@ Kind make_kind(TensorType t, int64_t experts, int64_t rows, int64_t cols, const 
   return k;
 }
 
-// vec_dot_reference of one row and the bound on the kernel's reordering of its block terms.
+// vec_dot_reference of one row and the bound on the kernel's reordering of its terms.
 struct Dot {
   float value;
-  double abs_terms;  // sum over blocks of |term|
+  double abs_terms;  // sum over terms of |term|
+  int64_t terms;     // how many (blocks; IQ4_XS: sub-blocks)
 };
 
 Dot reference_dot(TensorType w_type, const uint8_t* w_row, const uint8_t* act_row, int64_t n) {
-  const TensorType a_type = dot_activation_type(w_type);
-  const int64_t block = type_traits(w_type).block_elems;
-  double abs_sum = 0.0;
-  for (int64_t b = 0; b < n / block; ++b)
-    abs_sum += std::fabs(vec_dot_reference(w_type, block, w_row + b * type_traits(w_type).block_bytes,
-                                           act_row + row_bytes(a_type, block * b)));
-  return {vec_dot_reference(w_type, n, w_row, act_row), abs_sum};
+  const cuda_test::DotTerms t = cuda_test::dot_terms(w_type, w_row, act_row, n);
+  return {vec_dot_reference(w_type, n, w_row, act_row), t.abs_sum, t.count};
 }
 
-bool has_mins(TensorType t) { return t == TensorType::Q2_K || t == TensorType::Q4_K || t == TensorType::Q5_K; }
+bool has_mins(TensorType t) {
+  return t == TensorType::Q2_K || t == TensorType::Q4_K || t == TensorType::Q5_K || t == TensorType::Q4_1 ||
+         t == TensorType::Q5_1;
+}
 
 // Per element of a weight row, what its format subtracts (dmin * m of the sub-block); 0 for
 // formats without mins. A block with its quants zeroed dequantizes to exactly -dmin * m.
@@ -158,9 +165,13 @@ std::vector<float> min_parts(TensorType t, const uint8_t* row, int64_t n) {
   if (!has_mins(t)) return out;
   std::vector<uint8_t> z(row, row + row_bytes(t, n));
   const size_t bb = type_traits(t).block_bytes;
-  for (int64_t b = 0; b < n / kQK_K; ++b) {
+  for (int64_t b = 0; b < n / type_traits(t).block_elems; ++b) {
     uint8_t* blk = z.data() + static_cast<size_t>(b) * bb;
-    if (t == TensorType::Q2_K) {
+    if (t == TensorType::Q4_1) {
+      std::memset(blk + offsetof(BlockQ4_1, qs), 0, sizeof(BlockQ4_1::qs));
+    } else if (t == TensorType::Q5_1) {
+      std::memset(blk + offsetof(BlockQ5_1, qh), 0, sizeof(BlockQ5_1::qh) + sizeof(BlockQ5_1::qs));
+    } else if (t == TensorType::Q2_K) {
       std::memset(blk + offsetof(BlockQ2_K, qs), 0, sizeof(BlockQ2_K::qs));
     } else if (t == TensorType::Q4_K) {
       std::memset(blk + offsetof(BlockQ4_K, qs), 0, sizeof(BlockQ4_K::qs));
@@ -211,6 +222,36 @@ void dequant_bounds(const float* h, const double* dh, const float* v, int n, boo
   }
 }
 
+// Q8_1 h (Q4_1 / Q5_1 down): per 32-element block, how far the device's s = fp16(d * sum q) can be
+// from the host's (header comment): the float-scale dequantization bounds summed, and both fp16
+// roundings. Empty for other activation formats.
+std::vector<double> q8_1_s_bounds(TensorType ah, const std::vector<float>& h, const std::vector<double>& dh,
+                                  const std::vector<uint8_t>& hq, int64_t n_ff) {
+  std::vector<double> out;
+  if (ah != TensorType::Q8_1) return out;
+  for (int64_t b = 0; b < n_ff / kQK; ++b) {
+    BlockQ8_1 blk;
+    std::memcpy(&blk, hq.data() + static_cast<size_t>(b) * sizeof(BlockQ8_1), sizeof(blk));
+    float amax = 0.0f;
+    for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(h[static_cast<size_t>(b * kQK + j)]));
+    const double d = static_cast<double>(amax / 127.0f);  // the host's float scale (x86 rule)
+    double v[kQK], bound[kQK];
+    float vf[kQK];
+    for (int j = 0; j < kQK; ++j) {
+      v[j] = d * blk.qs[j];
+      vf[j] = static_cast<float>(v[j]);
+    }
+    dequant_bounds(h.data() + b * kQK, dh.data() + b * kQK, vf, kQK, true, bound);
+    double moved = 0.0;
+    for (int j = 0; j < kQK; ++j) moved += bound[j] + std::fabs(v[j] - static_cast<double>(vf[j]));
+    const double s = std::fabs(static_cast<double>(half::fp16_to_fp32(blk.s)));
+    // |fp16(y') - fp16(y)| <= |y' - y| + 2^-11 (|y| + |y'|) + 2 * 2^-25, |y| and |y'| within s + moved
+    // (and the float product's own rounding, 2^-24 relative): the 1.01 and 2^-23 cover the rest.
+    out.push_back(moved * (1.0 + std::ldexp(1.0, -10)) + std::ldexp(1.0, -10) * s * 1.01 + std::ldexp(1.0, -23));
+  }
+  return out;
+}
+
 struct Case {
   TensorType gate, up, down;
   int n_tokens, n_expert, k;
@@ -236,13 +277,12 @@ SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64
   const TensorType ah = dot_activation_type(down.type);
   const std::vector<uint8_t> xg = reference::pack_activations(gate.type, x, 1, n_embd).bytes;
   const std::vector<uint8_t> xu = reference::pack_activations(up.type, x, 1, n_embd).bytes;
-  const int64_t nb_g = n_embd / type_traits(gate.type).block_elems, nb_u = n_embd / type_traits(up.type).block_elems;
   std::vector<float> h(static_cast<size_t>(n_ff));
   std::vector<double> dh(static_cast<size_t>(n_ff));
   for (int64_t r = 0; r < n_ff; ++r) {
     const Dot g = reference_dot(gate.type, gate.row(e, r), xg.data(), n_embd);
     const Dot u = reference_dot(up.type, up.row(e, r), xu.data(), n_embd);
-    const double tg = 2.0 * gamma(nb_g) * g.abs_terms, tu = 2.0 * gamma(nb_u) * u.abs_terms;
+    const double tg = 2.0 * gamma(g.terms) * g.abs_terms, tu = 2.0 * gamma(u.terms) * u.abs_terms;
     const float s = reference::silu(g.value);
     h[static_cast<size_t>(r)] = s * u.value;
     const double ds = 1.1 * tg + 8.0 * kU * (std::fabs(s) + 1.1 * tg);
@@ -257,8 +297,8 @@ SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64
   for (int64_t b = 0; b < n_ff / ab; ++b)
     dequant_bounds(h.data() + b * ab, dh.data() + b * ab, hv.data() + b * ab, ab, ah == TensorType::Q8_K,
                    D.data() + b * ab);
+  const std::vector<double> s_moves = q8_1_s_bounds(ah, h, dh, hq, n_ff);
   SlotRef out{std::vector<float>(static_cast<size_t>(n_embd)), std::vector<double>(static_cast<size_t>(n_embd))};
-  const int64_t nb_d = n_ff / type_traits(down.type).block_elems;
   std::vector<float> wrow(static_cast<size_t>(n_ff));
   for (int64_t r = 0; r < n_embd; ++r) {
     const Dot y = reference_dot(down.type, down.row(e, r), hq.data(), n_ff);
@@ -267,20 +307,27 @@ SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64
     double flips = 0.0, parts = 0.0;
     for (size_t i = 0; i < static_cast<size_t>(n_ff); ++i) flips += std::fabs(wrow[i]) * D[i];
     if (has_mins(down.type)) {
-      for (size_t b = 0; b < static_cast<size_t>(n_ff / kQK_K); ++b) {  // per block: |P1| + |P2| + their change
+      const size_t be = static_cast<size_t>(type_traits(down.type).block_elems);
+      for (size_t b = 0; b < static_cast<size_t>(n_ff) / be; ++b) {  // per block: |P1| + |P2| + their change
         double p1 = 0.0, p2 = 0.0, change = 0.0;
-        for (size_t i = b * kQK_K; i < (b + 1) * kQK_K; ++i) {
+        for (size_t i = b * be; i < (b + 1) * be; ++i) {
           const double scaled = static_cast<double>(wrow[i]) + mins[i];
           p1 += scaled * hv[i];
           p2 += static_cast<double>(mins[i]) * hv[i];
           change += (std::fabs(scaled) + std::fabs(mins[i])) * D[i];
         }
         parts += std::fabs(p1) + std::fabs(p2) + change;
+        // Q8_1: the term is (W - m) . h + m * s, not W . h: |m| (|s' - s| + sum D) on top of flips.
+        if (!s_moves.empty()) {
+          double d_sum = 0.0;
+          for (size_t i = b * be; i < (b + 1) * be; ++i) d_sum += D[i];
+          flips += std::fabs(mins[b * be]) * (s_moves[b] + d_sum);
+        }
       }
     }
     out.y[static_cast<size_t>(r)] = y.value;
     out.tol[static_cast<size_t>(r)] =
-        flips * (1.0 + 1e-3) + (2.0 * gamma(nb_d) + 8.0 * kU) * y.abs_terms + 8.0 * kU * parts;
+        flips * (1.0 + 1e-3) + (2.0 * gamma(y.terms) + 8.0 * kU) * y.abs_terms + 8.0 * kU * parts;
   }
   return out;
 }
@@ -551,7 +598,11 @@ TEST_P(CudaMoeFused, SlotTableWithAbsentExpertsMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaMoeFused,
                          ::testing::Values(TensorType::Q8_0, TensorType::Q2_K, TensorType::Q3_K, TensorType::Q4_K,
-                                           TensorType::Q5_K, TensorType::Q6_K, TensorType::MXFP4),
+                                           TensorType::Q5_K, TensorType::Q6_K, TensorType::MXFP4,
+                                           // issue 26 (matvec_formats_legacy.cuh)
+                                           TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0, TensorType::Q5_1,
+                                           TensorType::IQ4_NL, TensorType::IQ4_XS, TensorType::TQ1_0,
+                                           TensorType::TQ2_0),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
 // The importance-matrix grid formats (matvec_formats_iq.cuh) on random blocks. IQ1's delta is
@@ -560,12 +611,16 @@ INSTANTIATE_TEST_SUITE_P(IqFormats, CudaMoeFused, ::testing::ValuesIn(cuda_test:
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
 // IQ gate and up of different formats (each row through dot_staged), an IQ or K-quant down, and
-// IQ beside Q8_0 (x quantized twice): what a UD hub file mixes per tensor.
+// IQ beside Q8_0 (x quantized twice): what a UD hub file mixes per tensor. The last two put an IQ
+// up after a K-quant and an issue 26 gate: the tiled kernel 1's copy must be one with dot_staged's
+// IQ cases (moe_fused.cu's launch_tiled_gate_up), else up's dots are NaN.
 TEST(CudaMoeFusedMixed, MixedIqFormatsMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   run_case({TensorType::IQ2_XXS, TensorType::IQ3_S, TensorType::IQ1_M, 3, 9, 4, 512, 256, false, 41});
   run_case({TensorType::IQ1_S, TensorType::IQ2_S, TensorType::Q4_K, 8, 11, 6, 512, 256, true, 42});
   run_case({TensorType::IQ3_XXS, TensorType::Q8_0, TensorType::IQ2_XS, 1, 7, 3, 256, 512, true, 43});
+  run_case({TensorType::Q4_K, TensorType::IQ2_S, TensorType::Q6_K, 3, 9, 4, 512, 256, false, 44});
+  run_case({TensorType::Q4_0, TensorType::IQ1_S, TensorType::IQ4_XS, 2, 9, 4, 512, 256, true, 45});
 }
 
 // Gate and up quantize x differently (Q8_K and Q8_0), down takes Q8_0 h: three formats at once.
@@ -573,6 +628,15 @@ TEST(CudaMoeFusedMixed, MixedFormatsMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   run_case({TensorType::Q4_K, TensorType::Q8_0, TensorType::MXFP4, 3, 9, 4, 512, 256, false, 31});
   run_case({TensorType::MXFP4, TensorType::Q6_K, TensorType::Q5_K, 8, 11, 6, 512, 256, true, 32});
+}
+
+// Issue 26's formats mixed: gate and up quantizing x as Q8_1 and Q8_0 (kernel 1 keeps two copies
+// of x), Q8_1 and Q8_K h for down, IQ4_XS's per-sub-block terms beside 32-element formats.
+TEST(CudaMoeFusedMixed, LegacyAndIq4FormatsMixedMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::Q4_1, TensorType::Q4_0, TensorType::IQ4_XS, 3, 9, 4, 512, 256, false, 33});
+  run_case({TensorType::IQ4_NL, TensorType::Q5_1, TensorType::Q5_1, 2, 11, 6, 512, 256, true, 34});
+  run_case({TensorType::IQ4_XS, TensorType::Q5_0, TensorType::Q4_1, 4, 13, 4, 768, 512, false, 35, true});
 }
 
 // Wide rows and many distinct experts: the tiled kernel 1's grid has fewer CTAs per row tile than
@@ -776,7 +840,7 @@ TEST(CudaMoeFusedArguments, RejectsBadShapesFormatsAndWorkspaces) {
   w.gate = w.up = w.down = fake;
   EXPECT_NO_THROW(cuda::moe_fused_check(w));
   cuda::MoeLayerWeights bad = w;
-  bad.down_type = TensorType::Q4_0;  // no matvec kernel
+  bad.down_type = TensorType::Q8_K;  // an activation format: no matvec kernel
   EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
   for (const TensorType t : cuda_test::kIqGridTypes) {  // the grid formats pass the check
     cuda::MoeLayerWeights iq = w;

@@ -47,6 +47,8 @@ TEST(CudaQuantizeActivationsLlama, BytesEqualTheCpuExecutors) {
   check(TensorType::Q8_0, 96, 17, 2);
   check(TensorType::Q8_K, 2048, 3, 3);
   check(TensorType::Q8_K, 768, 5, 4);
+  check(TensorType::Q8_1, 2048, 3, 5);  // Q4_1 / Q5_1 activations: Q8_0's quants and s
+  check(TensorType::Q8_1, 96, 17, 6);
 }
 
 TEST(CudaQuantizeActivationsLlamaArguments, RejectsBadShape) {

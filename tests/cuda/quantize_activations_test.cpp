@@ -1,5 +1,5 @@
 // GPU activation quantization (kernels/cuda/quantize_activations.cu) must give exactly the
-// bytes of the scalar reference quantize_row (common/formats/quant.h) for Q8_0 and Q8_K.
+// bytes of the scalar reference quantize_row (common/formats/quant.h) for Q8_0, Q8_1 and Q8_K.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,6 +50,13 @@ TEST(CudaQuantizeActivations, Q8_0MatchesReferenceBytes) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   expect_same_bytes_as_reference(TensorType::Q8_0, 4096, 3, 11, false);
   expect_same_bytes_as_reference(TensorType::Q8_0, 96, 7, 12, true);
+}
+
+// Q8_1 (the activations of Q4_1 / Q5_1): Q8_0's quants plus s = fp16(d * sum q), in its bytes.
+TEST(CudaQuantizeActivations, Q8_1MatchesReferenceBytes) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  expect_same_bytes_as_reference(TensorType::Q8_1, 4096, 3, 31, false);
+  expect_same_bytes_as_reference(TensorType::Q8_1, 96, 7, 32, true);
 }
 
 TEST(CudaQuantizeActivations, Q8_KMatchesReferenceBytes) {

@@ -192,6 +192,14 @@ std::vector<Case> cases() {
   // the same layer call.
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64", "--prefill-stage-share=0.5"},
                model::KvType::F16, 72});
+  // Issue 26's formats on the device (matvec_formats_legacy.cuh): "hub" (Q4_1 / Q5_1 experts against
+  // Q8_1, IQ4_XS down, Q5_0 / IQ4_NL attention) and "hub_tq" (Q4_0, TQ1_0, TQ2_0 experts), with the
+  // experts in VRAM, taken over by the device and staged for a long prompt.
+  v.push_back({"qwen3moe_k256", "hub", Experts::kVram});
+  v.push_back({"qwen3next_k256", "hub", Experts::kHalf, {"--device-takes-from=1"}});
+  v.push_back({"qwen3moe_k256", "hub", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  v.push_back({"qwen3moe_k256", "hub_tq", Experts::kVram});
+  v.push_back({"qwen3next_k256", "hub_tq", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   return v;
 }
 

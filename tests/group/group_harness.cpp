@@ -68,6 +68,9 @@ std::string golden_quant_args(const std::string& weights) {
   // gate/up, IQ4_XS down, Q5_0 / IQ4_NL attention.
   if (weights == "hub")
     return "--map ffn_gate_exps=q4_1 --map ffn_up_exps=q5_1 --map ffn_down_exps=iq4_xs --map attn_q=q5_0 --map attn_output=iq4_nl --default q8_0";
+  // The rest of issue 26's CUDA formats: Q4_0 / ternary experts, IQ4_NL / Q4_0 attention.
+  if (weights == "hub_tq")
+    return "--map ffn_gate_exps=q4_0 --map ffn_up_exps=tq1_0 --map ffn_down_exps=tq2_0 --map attn_q=iq4_nl --map attn_output=q4_0 --default q8_0";
   return "--map _exps.=q4_k --map attn_v=q6_k --map attn_output=q4_k --default q8_0";
 }
 
@@ -222,13 +225,17 @@ std::vector<std::string> shm_files(const std::string& prefix) {
 }
 
 uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name) {
+  return instance_counter(socket_dir, group::kCoordinatorInstance, name);
+}
+
+uint64_t instance_counter(const std::string& socket_dir, const std::string& instance, const std::string& name) {
   auto stub = control::Control::NewStub(
-      grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(group::control_address(socket_dir, instance), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   control::StatsReply reply;
   const grpc::Status st = stub->Stats(&ctx, control::StatsRequest(), &reply);
-  EXPECT_TRUE(st.ok()) << "coordinator Stats: " << st.error_message();
+  EXPECT_TRUE(st.ok()) << instance << " Stats: " << st.error_message();
   const auto it = reply.counters().find(name);
   return it == reply.counters().end() ? 0 : it->second;
 }

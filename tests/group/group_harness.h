@@ -25,7 +25,7 @@ std::string temp_dir(const std::string& tag);   // fresh, unique per call
 std::string convert_golden(const std::string& name, const std::string& quant_args, const std::string& dir);
 std::vector<int32_t> golden_prompt(const std::string& name);
 // moraine-quantize arguments of the golden weight variants: "f32" (none), "q8_0", "kmix"
-// (Q4_K experts, Q6_K attn_v, Q4_K attn_output, Q8_0 rest).
+// (Q4_K experts, Q6_K attn_v, Q4_K attn_output, Q8_0 rest), "hub" and "hub_tq" (issue 26's types).
 std::string golden_quant_args(const std::string& weights);
 
 // The coordinator's --logits-dump: n floats (fails the current test when shorter).
@@ -112,5 +112,7 @@ std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm ent
 
 // A counter of the coordinator's Stats (`moraine stats --json`); 0 when it has none by that name.
 uint64_t coordinator_counter(const std::string& socket_dir, const std::string& name);
+// A counter of any instance's Stats (group::kGpuWorkerInstance, ...); 0 when it has none.
+uint64_t instance_counter(const std::string& socket_dir, const std::string& instance, const std::string& name);
 
 }  // namespace moraine::group_test

@@ -160,6 +160,38 @@ TEST_P(ExecutorConsistency, RewindDropsRejectedPositions) {
   EXPECT_TRUE(bit_equal(got, std::vector<float>(all.end() - 3 * V, all.end())));
 }
 
+// The conversation cache: a sequence saved, another one run, the first loaded back: its next
+// tokens' logits are those of the sequence never interrupted. A state of another model's shape
+// or cut short is refused, and the cached sequence stays as it was.
+TEST_P(ExecutorConsistency, SavedSequenceContinuesAsIfNeverLeft) {
+  const Variant var = variants()[GetParam()];
+  SCOPED_TRACE(var.name);
+  SyntheticModel sm(var.spec);
+  TempFile f(var.name);
+  sm.write(f.path);
+  const model::Model m = model::Model::load(f.path);
+  const auto first = random_tokens(var.spec.seed + 21, 7, m.hp.n_vocab);
+  const auto other = random_tokens(var.spec.seed + 22, 5, m.hp.n_vocab);
+  const auto next = random_tokens(var.spec.seed + 23, 3, m.hp.n_vocab);
+  ReferenceExecutor straight(m, {2});
+  straight.forward(first, false);
+  const std::vector<float> want = straight.forward(next, true);
+
+  ReferenceExecutor ex(m, {2});
+  ex.forward(first, false);
+  std::vector<uint8_t> saved(ex.state_bytes());
+  ex.save_state(saved);
+  EXPECT_THROW(ex.save_state(std::span<uint8_t>(saved.data(), saved.size() - 1)), std::length_error);
+  ex.reset();
+  ex.forward(other, false);
+  std::vector<uint8_t> cut(saved.begin(), saved.end() - 4);
+  EXPECT_THROW(ex.load_state(cut), std::invalid_argument);
+  EXPECT_EQ(ex.n_past(), 5) << "a refused state must leave the cached sequence alone";
+  ex.load_state(saved);
+  EXPECT_EQ(ex.n_past(), 7);
+  EXPECT_TRUE(bit_equal(ex.forward(next, true), want));
+}
+
 TEST_P(ExecutorConsistency, ThreadCountDoesNotChangeResults) {
   const Variant var = variants()[GetParam()];
   SCOPED_TRACE(var.name);

@@ -95,6 +95,8 @@ void expect_error(const Answer& a, int status, const std::string& param, const s
   EXPECT_NE(e["message"].get<std::string>().find(message_part), std::string::npos) << a.body.dump();
 }
 
+constexpr int kParallel = 4;   // the suite's serve --parallel
+
 // Starts `moraine serve` on `model` (the suite's options) and waits for "listening on".
 void start_serve(ServeProcess& s, const std::string& dir, const std::string& model, int ctx = 256) {
   s.dir = dir;
@@ -105,8 +107,9 @@ void start_serve(ServeProcess& s, const std::string& dir, const std::string& mod
   const std::vector<std::string> args = {
       (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
       "--ctx", std::to_string(ctx), "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
-      // 1 running + 20 queued: the client's 16 concurrent requests fit, the load test's 64 do not.
-      "--queue", "20",
+      // kParallel running (taking turns on the gpu_worker) + 20 queued: the client's 16
+      // concurrent requests fit, the load test's 64 do not.
+      "--parallel", std::to_string(kParallel), "--queue", "20",
       "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
   s.pid = fork();
   if (s.pid == 0) {
@@ -343,10 +346,12 @@ TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
   const uint64_t gone_before = metric(open.Get("/metrics")->body, gone);
   const pid_t worker = instance_pid(group::cpu_worker_instance(1));
   ASSERT_GT(worker, 0);
-  ASSERT_EQ(kill(worker, SIGSTOP), 0);   // the running request waits on it
-  Answer first;
-  std::thread running([&] { first = post("/v1/chat/completions", chat("first in line")); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);   // the running requests wait on it (one in its turn, the others for theirs)
+  std::vector<Answer> first(kParallel);
+  std::vector<std::thread> running;
+  for (int i = 0; i < kParallel; ++i)
+    running.emplace_back([&, i] { first[i] = post("/v1/chat/completions", chat("first in line " + std::to_string(i))); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   httplib::Client c = client();
   c.set_read_timeout(0, 300000);
   const auto r = c.Post("/v1/chat/completions", chat("second in line").dump(), "application/json");
@@ -359,8 +364,8 @@ TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
   const std::string met = open.Get("/metrics")->body;
   EXPECT_NE(met.find("moraine_queue_depth 0"), std::string::npos) << met;
   kill(worker, SIGCONT);
-  running.join();
-  EXPECT_EQ(first.status, 200) << first.body.dump();
+  for (std::thread& t : running) t.join();
+  for (const Answer& a : first) EXPECT_EQ(a.status, 200) << a.body.dump();
   EXPECT_EQ(gone_after, gone_before + 1) << "the queued request was not dropped when its client left";
 }
 

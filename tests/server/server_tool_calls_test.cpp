@@ -7,6 +7,12 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include <iterator>
+
+#include <fstream>
+
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "common/chat/chat_template.h"
@@ -184,6 +190,28 @@ TEST(ServerToolCalls, FormatOfTheTemplate) {
   EXPECT_EQ(m["reasoning_content"], "weather needed");
   EXPECT_TRUE(m["content"].is_null());
   EXPECT_EQ(m["tool_calls"].size(), 1u);
+}
+
+// gpt-oss's template (the real one, from the oracle's llama.cpp source): harmony with tools or
+// without, since its analysis channel is reasoning and its final channel the content; the
+// server then asks for the special tokens' text (http_server.cpp), which the parser reads.
+TEST(ServerToolCalls, HarmonyTemplateSplitsChannelsWithoutTools) {
+  const std::filesystem::path path =
+      std::filesystem::path(MORAINE_SOURCE_DIR) / ".cache/oracle/llama.cpp/models/templates/openai-gpt-oss-120b.jinja";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << "no " << path << ": run tests/oracle/setup";
+  const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const chat::ChatTemplate oss(source, "<|startoftext|>", "<|return|>");
+  const std::string chat = R"({"messages":[{"role":"user","content":"hi"}]})";
+  EXPECT_EQ(chat_output_format(&oss, false, chat, "c").format, chat::ToolCallFormat::kHarmony);
+  EXPECT_EQ(chat_output_format(&oss, true, chat, "c").format, chat::ToolCallFormat::kHarmony);
+  ApiRequest r = parse_request(json({{"messages", {{{"role", "user"}, {"content", "hi"}}}}}).dump(), Endpoint::kChat, {"m"});
+  r.output = chat_output_format(&oss, false, chat, "c");
+  const json m = response_json(r, "x", 0,
+                               generated("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant"
+                                         "<|channel|>final<|message|>Hello!"))["choices"][0]["message"];
+  EXPECT_EQ(m["reasoning_content"], "The user greets.");
+  EXPECT_EQ(m["content"], "Hello!");
 }
 
 }  // namespace

@@ -232,9 +232,7 @@ int run_cuda_bench(const CudaBenchOptions& opt) {
   for (const std::string& f : opt.formats) {
     const auto t = type_from_name(f);
     if (!t || !cuda::matvec_supported(*t))
-      throw std::invalid_argument("--formats: '" + f +
-                                  "' has no CUDA matvec kernel (q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq2_xxs, "
-                                  "iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m)");
+      throw std::invalid_argument("--formats: '" + f + "' has no CUDA matvec kernel (kernels/cuda/matvec.h lists them)");
     types.push_back(*t);
   }
   cudaDeviceProp prop{};

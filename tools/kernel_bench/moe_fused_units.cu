@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_units_kernel(const Mo
     if (__shfl_sync(0xffffffffu, last, 0) == 0) continue;
     __threadfence();
     for_each_slot_of(p, st, e, lane, [&](int slot) {
-      quantize_block(p.h_q8k, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block,
+      quantize_block(p.h_q8k, p.q81 & kQ81H, p.h + static_cast<int64_t>(slot) * p.n_ff, h_block,
                      p.hq + static_cast<int64_t>(slot) * p.hq_stride, lane);
     });
     if (lane == 0) *counter = 0;  // the workspace is left zeroed for the next call
@@ -207,7 +207,7 @@ MoeUnitsRan moe_fused_units(const cuda::MoeLayerWeights& w, const float* x, cons
   const int64_t h_block = type_traits(dot_activation_type(w.down_type)).block_elems;
   int pairs = std::max(1, 32 / lanes_per_row(static_cast<int>(w.n_embd / type_traits(w.gate_type).block_elems)) / 2);
   while (pairs > 1 && h_block % pairs != 0) pairs /= 2;
-  const bool same_x = p.x_gate_q8k == p.x_up_q8k;
+  const bool same_x = same_x_format(p);
   const int64_t smem_a = int64_t{p.n_tokens} * (p.xg_stride + (same_x ? 0 : p.xu_stride)) +
                          int64_t{kWarps} * pairs * (p.gate_seg_words + p.up_seg_words) * 16;
   const int grid_a = units_grid(smem_a, leaders_max * (w.n_ff / pairs), dev);
