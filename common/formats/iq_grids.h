@@ -1,4 +1,4 @@
-// The codebooks of ggml's importance-matrix grid formats (generated into iq_grids.cpp from
+// The codebooks of ggml's importance-matrix grid formats (generated into iq_grids_data.inc from
 // llama.cpp's ggml-common.h by gen_iq_grids.py). A grid entry packs the magnitudes of 8 (or 4)
 // consecutive elements, byte j = element j (little-endian), so `grid_bytes(kIq2xxsGrid, i)`
 // reads entry i as bytes. IQ1_S/IQ1_M's entries are signed bytes in -1..1.

@@ -13,6 +13,7 @@
 
 #include "common/formats/block_layouts.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dequantize_weights_iq.cuh"
 #include "kernels/cuda/gemm_input_round.cuh"
 
 namespace moraine::cuda {
@@ -336,6 +337,14 @@ void dispatch(TensorType t, const void* const* weights, int count, int64_t elems
     case TensorType::IQ4_XS: return launch<DequantIQ4_XS, O>(weights, count, elems, out, stream);
     case TensorType::TQ1_0: return launch<DequantTQ1_0, O>(weights, count, elems, out, stream);
     case TensorType::TQ2_0: return launch<DequantTQ2_0, O>(weights, count, elems, out, stream);
+    // The importance-matrix grid formats (dequantize_weights_iq.cuh).
+    case TensorType::IQ2_XXS: return launch<dequant_iq::DequantIQ2_XXS, O>(weights, count, elems, out, stream);
+    case TensorType::IQ2_XS: return launch<dequant_iq::DequantIQ2_XS, O>(weights, count, elems, out, stream);
+    case TensorType::IQ2_S: return launch<dequant_iq::DequantIQ2_S, O>(weights, count, elems, out, stream);
+    case TensorType::IQ3_XXS: return launch<dequant_iq::DequantIQ3_XXS, O>(weights, count, elems, out, stream);
+    case TensorType::IQ3_S: return launch<dequant_iq::DequantIQ3_S, O>(weights, count, elems, out, stream);
+    case TensorType::IQ1_S: return launch<dequant_iq::DequantIQ1_S, O>(weights, count, elems, out, stream);
+    case TensorType::IQ1_M: return launch<dequant_iq::DequantIQ1_M, O>(weights, count, elems, out, stream);
     default: break;
   }
   throw std::invalid_argument("dequantize_weights: no GPU dequantizer for " + std::string(type_name(t)));
@@ -365,6 +374,14 @@ bool dequantize_weights_supported(TensorType weight) {
     case TensorType::IQ4_XS:
     case TensorType::TQ1_0:
     case TensorType::TQ2_0:
+    // The importance-matrix grid formats (dequantize_weights_iq.cuh).
+    case TensorType::IQ2_XXS:
+    case TensorType::IQ2_XS:
+    case TensorType::IQ2_S:
+    case TensorType::IQ3_XXS:
+    case TensorType::IQ3_S:
+    case TensorType::IQ1_S:
+    case TensorType::IQ1_M:
       return true;
     default:
       return false;
@@ -378,7 +395,7 @@ void dequantize_weights(TensorType weight, const void* const* weights, int count
   if (!dequantize_weights_supported(weight))
     throw std::invalid_argument("dequantize_weights: unsupported weight type" + where +
                                 "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, iq4_nl, "
-                                "iq4_xs, tq1_0, tq2_0, f16, bf16, f32");
+                                "iq4_xs, tq1_0, tq2_0, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, f16, bf16, f32");
   const int64_t block = type_traits(weight).block_elems;
   if (count < 0 || elems <= 0 || elems % kSliceElems != 0 || elems % block != 0 || elems / kSliceElems > (int64_t{1} << 40))
     throw std::invalid_argument("dequantize_weights: elements must be a positive multiple of 32 and of the block size " +

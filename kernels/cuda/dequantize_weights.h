@@ -22,7 +22,8 @@ namespace moraine::cuda {
 enum class GemmInput : uint8_t { BF16, F16 };
 
 // Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, F16, BF16, F32; Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
-// IQ4_XS, TQ1_0, TQ2_0 (issue 26).
+// IQ4_XS, TQ1_0, TQ2_0 (issue 26); the IQ grid formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+// IQ1_S, IQ1_M).
 bool dequantize_weights_supported(TensorType weight);
 
 // `count` matrices of `elems` elements each (rows * cols, rows back to back; elems a multiple of

@@ -37,7 +37,8 @@ void check_weight_shape(const char* who, TensorType t, int64_t rows, int64_t col
                         const PrefillGemmLimits& lim) {
   if (!dequantize_weights_supported(t))
     throw std::invalid_argument(std::string(who) + ": unsupported weight type" + describe(t, rows, cols) +
-                                "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, f16, bf16, f32");
+                                "; supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, iq4_nl, "
+                                "iq4_xs, tq1_0, tq2_0, the iq grid types, f16, bf16, f32");
   const int64_t block = type_traits(t).block_elems;
   if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % 32 != 0 || cols % block != 0 || cols > lim.max_cols)
     throw std::invalid_argument(std::string(who) + ": rows must be in 1..2^30 and cols a multiple of 32 and of " +

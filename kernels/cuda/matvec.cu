@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/matvec_formats_iq.cuh"
 
 namespace moraine::cuda {
 namespace {
@@ -207,6 +208,14 @@ bool matvec_supported(TensorType weight) {
     case TensorType::IQ4_XS:
     case TensorType::TQ1_0:
     case TensorType::TQ2_0:
+    // The importance-matrix grid formats (matvec_formats_iq.cuh).
+    case TensorType::IQ2_XXS:
+    case TensorType::IQ2_XS:
+    case TensorType::IQ2_S:
+    case TensorType::IQ3_XXS:
+    case TensorType::IQ3_S:
+    case TensorType::IQ1_S:
+    case TensorType::IQ1_M:
       return true;
     default:
       return false;
@@ -247,10 +256,25 @@ void matvec_quantized_batched(TensorType weight, const void* w, int64_t rows, in
       return launch_format<FormatTQ1_0>(weight, w, rows, n, act, y, batch, stream);
     case TensorType::TQ2_0:
       return launch_format<FormatTQ2_0>(weight, w, rows, n, act, y, batch, stream);
+    // The importance-matrix grid formats (matvec_formats_iq.cuh).
+    case TensorType::IQ2_XXS:
+      return launch_format<FormatIQ2_XXS>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ2_XS:
+      return launch_format<FormatIQ2_XS>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ2_S:
+      return launch_format<FormatIQ2_S>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ3_XXS:
+      return launch_format<FormatIQ3_XXS>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ3_S:
+      return launch_format<FormatIQ3_S>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ1_S:
+      return launch_format<FormatIQ1_S>(weight, w, rows, n, act, y, batch, stream);
+    case TensorType::IQ1_M:
+      return launch_format<FormatIQ1_M>(weight, w, rows, n, act, y, batch, stream);
     default:
       throw std::invalid_argument("matvec: no CUDA kernel for weight type " + std::string(type_name(weight)) +
                                   " (supported: q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, "
-                                  "iq4_nl, iq4_xs, tq1_0, tq2_0)");
+                                  "iq4_nl, iq4_xs, tq1_0, tq2_0, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m)");
   }
 }
 

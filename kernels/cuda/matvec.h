@@ -3,7 +3,8 @@
 // activations already quantized on the GPU to dot_activation_type(weight) (Q8_0 or Q8_K, see
 // quantize_activations.h). F32 out. Formats: Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4; and
 // (issue 26) Q4_0, Q5_0, IQ4_NL against Q8_0, Q4_1, Q5_1 against Q8_1, IQ4_XS, TQ1_0, TQ2_0 against
-// Q8_K.
+// Q8_K; the importance-matrix grid formats IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
+// against Q8_K.
 //
 // Each row's float result is the sum of the same per-block float terms the scalar reference
 // (vec_dot_reference, common/formats/quant.h) adds, bit for bit; only the order of the float

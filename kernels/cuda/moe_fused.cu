@@ -74,7 +74,7 @@ __device__ int list_slots(const MoeParams& p, SlotTables& st, int e) {
 // Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
 // tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
 // whole activation block of h (of one expert) quantizes it for down.
-template <bool kIssue26>
+template <int kExtra>  // dot_rows' extra case sets (moe_fused_dots.cuh)
 __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
                             : staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
         };
         const uint8_t* xt = xg + t * p.xg_stride;
-        const float v = dot_rows<kIssue26>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
+        const float v = dot_rows<kExtra>(p.gate_type, row_of, [&](int) { return xt; }, 2 * np, p.n_embd, lane);
         const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
         const int c = lane / lanes;
         if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
       const uint8_t* up_row = staged(stage + j * pair_words + p.gate_seg_words, u_base + row * p.up_row_bytes);
       for (int i = 0; i < count; ++i) {
         const int slot = st.list[i], t = slot / p.k;
-        const float g = dot_staged(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
-        const float u = dot_staged(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
+        const float g = dot_staged<kExtra != 0>(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
+        const float u = dot_staged<kExtra != 0>(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
         // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
         const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
         if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
@@ -416,8 +416,13 @@ TiledPlan plan_tiled(const MoeParams& p, const MoeLayerWeights& w, const MoeDevi
 }
 
 void launch_tiled_gate_up(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, cudaStream_t stream) {
-  // Gate/up rows of issue 26's formats take the kernel built with their dot_rows cases.
-  const auto kernel = is_issue26_format(p.gate_type) ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>;
+  // Gate/up rows of issue 26's and the IQ grid formats take the kernel built with their dot_rows
+  // cases; those copies also have dot_staged's IQ cases, which an IQ up type needs (gate of
+  // another format: dot_staged per row).
+  const bool iq = is_iq_grid_format(p.gate_type) || is_iq_grid_format(p.up_type);
+  const auto kernel = is_issue26_format(p.gate_type) ? moe_gate_up_kernel<kRowsIssue26>
+                      : iq                           ? moe_gate_up_kernel<kRowsIq>
+                                                     : moe_gate_up_kernel<0>;
   ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), dev.device, plan.smem);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.tiles), static_cast<unsigned>(plan.groups));

@@ -14,6 +14,7 @@
 
 #include "common/formats/quant.h"
 #include "kernels/cuda/matvec_formats.cuh"
+#include "kernels/cuda/matvec_formats_iq.cuh"
 #include "kernels/cuda/moe_fused.h"
 #include "kernels/cuda/quantize_block.cuh"
 
@@ -247,7 +248,31 @@ __device__ float dot_staged_format(const uint8_t* row, int nblocks, const uint8_
 
 // Runtime format switch (warp-uniform): one kernel serves every format and mix of formats. The
 // fallback of gate_up_unit_h (and of the tiled kernel 1) where a gate/up pair does not fit one
-// dot_rows call: gate and up of different formats, or rows of more than 16 blocks.
+// dot_rows call: gate and up of different formats, or rows of more than 16 blocks. The IQ grid
+// formats are a second switch (kIq): the tiled kernel 1's copy for the formats before them leaves
+// it out, as for dot_rows' extra sets below (else their spills rise: 40 -> 48 bytes of stack).
+__device__ __forceinline__ float dot_staged_iq(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::IQ2_XXS:
+      return dot_staged_format<FormatIQ2_XXS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ2_XS:
+      return dot_staged_format<FormatIQ2_XS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ2_S:
+      return dot_staged_format<FormatIQ2_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ3_XXS:
+      return dot_staged_format<FormatIQ3_XXS>(row, n / kQK_K, act, lane);
+    case TensorType::IQ3_S:
+      return dot_staged_format<FormatIQ3_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ1_S:
+      return dot_staged_format<FormatIQ1_S>(row, n / kQK_K, act, lane);
+    case TensorType::IQ1_M:
+      return dot_staged_format<FormatIQ1_M>(row, n / kQK_K, act, lane);
+    default:
+      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+template <bool kIq = true>
 inline __device__ float dot_staged(int type, const uint8_t* row, int n, const uint8_t* act, int lane) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
@@ -282,7 +307,11 @@ inline __device__ float dot_staged(int type, const uint8_t* row, int n, const ui
     case TensorType::TQ2_0:
       return dot_staged_format<FormatTQ2_0>(row, n / kQK_K, act, lane);
     default:
-      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+      if constexpr (kIq) {
+        return dot_staged_iq(type, row, n, act, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
   }
 }
 
@@ -401,11 +430,39 @@ __device__ float dot_rows_format(RowOf row_of, ActOf act_of, int nrows, int nblo
   return acc;
 }
 
-// Issue 26's formats (matvec_formats_legacy.cuh): a second switch, compiled into a kernel only
-// where it asks (dot_rows' kIssue26). Why: as more cases of dot_rows' switch they raised the tiled
-// kernel 1's spills for every format (ptxas, sm_90: 40 -> 88 bytes of stack); moe_fused.cu builds
-// that kernel twice and gives these formats' gate/up rows the one with them.
+// dot_rows' extra case sets (its kExtra bits). Why: as more cases of dot_rows' first switch,
+// issue 26's formats raised the tiled kernel 1's spills for every format (ptxas, sm_90: 40 -> 88
+// bytes of stack), and the IQ grid formats did too; each set is a further switch compiled only
+// where kExtra asks, and moe_fused.cu builds kernel 1 once per set, each format's gate/up rows
+// taking the copy with its cases.
+inline constexpr int kRowsIssue26 = 1, kRowsIq = 2, kRowsAllExtra = kRowsIssue26 | kRowsIq;
+
+// The importance-matrix grid formats (matvec_formats_iq.cuh): dot_rows' kRowsIq set.
 template <class RowOf, class ActOf>
+__device__ __forceinline__ float dot_rows_iq(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::IQ2_XXS:
+      return dot_rows_format<FormatIQ2_XXS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ2_XS:
+      return dot_rows_format<FormatIQ2_XS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ2_S:
+      return dot_rows_format<FormatIQ2_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ3_XXS:
+      return dot_rows_format<FormatIQ3_XXS>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ3_S:
+      return dot_rows_format<FormatIQ3_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ1_S:
+      return dot_rows_format<FormatIQ1_S>(row_of, act_of, nrows, n / kQK_K, lane);
+    case TensorType::IQ1_M:
+      return dot_rows_format<FormatIQ1_M>(row_of, act_of, nrows, n / kQK_K, lane);
+    default:
+      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+  }
+}
+
+// Issue 26's formats (matvec_formats_legacy.cuh): dot_rows' kRowsIssue26 set; with kThenIq its
+// default goes on to the IQ set (dot_rows with every set, the down kernel's).
+template <bool kThenIq, class RowOf, class ActOf>
 __device__ __forceinline__ float dot_rows_issue26(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q4_0:
@@ -425,11 +482,15 @@ __device__ __forceinline__ float dot_rows_issue26(int type, RowOf row_of, ActOf 
     case TensorType::TQ2_0:
       return dot_rows_format<FormatTQ2_0>(row_of, act_of, nrows, n / kQK_K, lane);
     default:
-      return __int_as_float(0x7fc00000);  // unreachable: moe_fused_check refuses the type
+      if constexpr (kThenIq) {
+        return dot_rows_iq(type, row_of, act_of, nrows, n, lane);
+      } else {
+        return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
+      }
   }
 }
 
-template <bool kIssue26 = true, class RowOf, class ActOf>
+template <int kExtra = kRowsAllExtra, class RowOf, class ActOf>
 __device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n, int lane) {
   switch (static_cast<TensorType>(type)) {
     case TensorType::Q8_0:
@@ -447,8 +508,10 @@ __device__ float dot_rows(int type, RowOf row_of, ActOf act_of, int nrows, int n
     case TensorType::Q6_K:
       return dot_rows_format<FormatQ6_K>(row_of, act_of, nrows, n / kQK_K, lane);
     default:
-      if constexpr (kIssue26) {
-        return dot_rows_issue26(type, row_of, act_of, nrows, n, lane);
+      if constexpr ((kExtra & kRowsIssue26) != 0) {
+        return dot_rows_issue26<(kExtra & kRowsIq) != 0>(type, row_of, act_of, nrows, n, lane);
+      } else if constexpr ((kExtra & kRowsIq) != 0) {
+        return dot_rows_iq(type, row_of, act_of, nrows, n, lane);
       } else {
         return __int_as_float(0x7fc00000);  // unreachable: the kernel's launcher picks by format
       }
@@ -466,6 +529,22 @@ __host__ __device__ __forceinline__ bool is_issue26_format(int type) {
     case TensorType::IQ4_XS:
     case TensorType::TQ1_0:
     case TensorType::TQ2_0:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Whether type (a TensorType value) is one of the IQ grid formats (matvec_formats_iq.cuh).
+__host__ __device__ __forceinline__ bool is_iq_grid_format(int type) {
+  switch (static_cast<TensorType>(type)) {
+    case TensorType::IQ2_XXS:
+    case TensorType::IQ2_XS:
+    case TensorType::IQ2_S:
+    case TensorType::IQ3_XXS:
+    case TensorType::IQ3_S:
+    case TensorType::IQ1_S:
+    case TensorType::IQ1_M:
       return true;
     default:
       return false;

@@ -27,6 +27,10 @@
 //    tests/reference/kv_f16_test.cpp).
 // GGUFs come from $MORAINE_CUDA_GOLDEN_GGUF/<model>_<variant>.gguf when set (the GPU machine
 // gets them ready-made), else they are made here with moraine-convert / moraine-quantize.
+// Suite IqModels: the k256 models in each importance-matrix grid type (variant iq2_xxs .. iq1_m),
+// written by llama.cpp's own quantizer (moraine writes no IQ type) with its per-tensor mix for the
+// file type (attention and experts in the IQ type, a few K-quants), so the IQ matvec, moe_fused
+// and prefill dequantizers run inside the backend; the same bounds as the other quantized files.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -41,12 +45,14 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <unistd.h>
 #include <utility>
 #include <vector>
 
+#include "common/formats/quant_iq.h"
 #include "common/model/model.h"
 #include "common/reference/executor.h"
 #include "common/reference/moe_parts.h"
@@ -55,6 +61,7 @@
 #include "coordinator/group_layout.h"
 #include "gpu_worker/cuda_backend.h"
 #include "gpu_worker/cuda_backend_impl.h"
+#include "kernels/cuda/embed_rows.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
 #include "tests/support/shell.h"
@@ -91,6 +98,12 @@ json read_json(const fs::path& p) {
 
 
 
+// Whether variant names an importance-matrix grid type (iq2_xxs .. iq1_m).
+bool is_iq_variant(const std::string& variant) {
+  const std::optional<TensorType> t = type_from_name(variant);
+  return t && formats::is_iq_grid_type(*t);
+}
+
 // The GGUF of model/variant: ready-made, or converted (and quantized) once per process.
 fs::path golden_gguf(const std::string& model, const std::string& variant) {
   const std::string file = model + "_" + variant + ".gguf";
@@ -109,6 +122,17 @@ fs::path golden_gguf(const std::string& model, const std::string& variant) {
   }
   if (variant == "f32") return f32;
   const fs::path q = tmp / file;
+  if (!fs::exists(q) && is_iq_variant(variant)) {
+    const fs::path quantizer = fs::path(MORAINE_BUILD_DIR) / "tests" / "interop" / "moraine-test-llama-quantize";
+    if (!fs::exists(quantizer))
+      throw std::runtime_error(file + ": IQ files come from llama.cpp's quantizer, and " + quantizer.string() +
+                               " is not built (tests/oracle/setup, then re-run cmake); or set MORAINE_CUDA_GOLDEN_GGUF "
+                               "to a directory holding " + file);
+    // llama.cpp refuses these types without an importance matrix (IQ3_S aside): a uniform one.
+    auto [rc, out] = run_command(test_support::quoted(quantizer) + " " + test_support::quoted(f32) + " " +
+                                 test_support::quoted(q) + " " + variant + (variant == "iq3_s" ? "" : " --imatrix uniform"));
+    if (rc != 0) throw std::runtime_error("moraine-test-llama-quantize " + file + " failed:\n" + out);
+  }
   if (!fs::exists(q)) {
     auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-quantize") + " " + test_support::quoted(f32) + " " + test_support::quoted(q) + " " +
                                  kQuantArgs.at(variant));
@@ -388,6 +412,20 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaBackendGolden, ::testing::ValuesIn(golden_c
 INSTANTIATE_TEST_SUITE_P(ModelsF16Kv, CudaBackendGolden, ::testing::ValuesIn(golden_cases(model::KvType::F16)),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
 
+// The k256 models (rows of 256: every IQ block applies) in each IQ grid type, with the backend's
+// default F16 cache. llama.cpp keeps qwen3next's ssm_out in IQ4_NL in all of them, so those
+// cases also run the CUDA IQ4_NL matvec (matvec_formats_legacy.cuh).
+std::vector<Case> iq_cases() {
+  std::vector<Case> cases;
+  for (const char* m : {"qwen3moe_k256", "qwen3next_k256"})
+    for (const char* v : {"iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"})
+      cases.push_back({m, v, model::KvType::F16});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(IqModels, CudaBackendGolden, ::testing::ValuesIn(iq_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+
 // The cpu workers' share: the device holds the even experts only and the odd ones come from
 // the host, computed by the reference kernel (as the cpu_expert_workers do) - the mixed path of
 // the group (layer_begin / layer_end). Logits against the reference executor within the same
@@ -472,7 +510,9 @@ TEST_P(CudaBackendGolden, HandoffStepEqualsLayerByLayer) {
   // The hand-off step computes the device's experts with moe_fused, which takes the quantized
   // formats whose blocks divide the expert shapes: F32 experts and the odd models' (FFN 40 of
   // hidden 96) go layer by layer.
-  const bool fused = GetParam().variant != "f32" && GetParam().model.find("_odd") == std::string::npos;
+  // It also embeds on the device (embed_rows.h): llama.cpp's IQ files keep token_embd in a K-quant.
+  const bool fused = GetParam().variant != "f32" && GetParam().model.find("_odd") == std::string::npos &&
+                     cuda::embed_rows_supported(model_->tok_embd.type);
   ASSERT_EQ(handoff->handoff_supported(1), fused);
   if (!fused) return;
   HandoffBuffers unpinned(hp, kMaxTokens);

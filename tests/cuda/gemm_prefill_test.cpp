@@ -32,6 +32,7 @@
 #include "kernels/cuda/matvec_float.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/cuda/dot_terms.h"
+#include "tests/cuda/iq_test_blocks.h"
 
 namespace moraine {
 namespace {
@@ -62,12 +63,11 @@ struct Matrix {
 
 Matrix random_matrix(TensorType t, int64_t rows, int64_t cols, std::mt19937& rng) {
   const std::vector<float> src = cuda_test::random_values(rng, static_cast<size_t>(rows * cols));
-  Matrix m{std::vector<uint8_t>(row_bytes(t, cols) * static_cast<size_t>(rows)),
-           std::vector<float>(static_cast<size_t>(rows * cols)), row_bytes(t, cols)};
-  for (int64_t r = 0; r < rows; ++r) {
-    quantize_row(t, src.data() + r * cols, m.bytes.data() + static_cast<size_t>(r) * m.row_bytes, cols);
+  // The IQ types: random blocks (iq_test_blocks.h), drawn after src as the others quantize it.
+  Matrix m{cuda_test::weight_rows(t, src, rows, cols, rng), std::vector<float>(static_cast<size_t>(rows * cols)),
+           row_bytes(t, cols)};
+  for (int64_t r = 0; r < rows; ++r)
     dequantize_row(t, m.bytes.data() + static_cast<size_t>(r) * m.row_bytes, m.values.data() + r * cols, cols);
-  }
   return m;
 }
 
@@ -289,6 +289,10 @@ TEST_P(GemmPrefill, MatmulAgreesWithMatvecPath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, GemmPrefill, ::testing::ValuesIn(kAllFormats),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// The importance-matrix grid formats (dequantize_weights_iq.cuh) on random blocks.
+INSTANTIATE_TEST_SUITE_P(IqFormats, GemmPrefill, ::testing::ValuesIn(cuda_test::kIqGridTypes),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
 // One MoE layer: ten experts over contiguous row groups of uneven sizes (one empty, two below
@@ -528,7 +532,9 @@ TEST(GemmPrefillArguments, DequantizeRejectsBadTypesShapesAndPointers) {
   void* out = reinterpret_cast<void*>(uintptr_t{4096});
   EXPECT_FALSE(cuda::dequantize_weights_supported(TensorType::Q8_K));  // an activation format
   EXPECT_TRUE(cuda::prefill_gemm_supported(TensorType::MXFP4));
+  for (const TensorType t : cuda_test::kIqGridTypes) EXPECT_TRUE(cuda::prefill_gemm_supported(t)) << type_name(t);
   EXPECT_TRUE(cuda::prefill_gemm_supported(TensorType::IQ4_XS));
+  EXPECT_THROW(cuda::dequantize_weights(TensorType::IQ3_S, &one, 1, 128, GemmInput::BF16, out), std::invalid_argument);
   EXPECT_THROW(cuda::dequantize_weights(TensorType::Q8_K, &one, 1, 256, GemmInput::BF16, out), std::invalid_argument);
   EXPECT_THROW(cuda::dequantize_weights(TensorType::Q4_K, &one, 1, 128, GemmInput::BF16, out), std::invalid_argument);
   EXPECT_THROW(cuda::dequantize_weights(TensorType::F16, &one, 1, 48, GemmInput::BF16, out), std::invalid_argument);

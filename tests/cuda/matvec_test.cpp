@@ -21,6 +21,7 @@
 #include "kernels/cuda/matvec.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/cuda/dot_terms.h"
+#include "tests/cuda/iq_test_blocks.h"
 
 namespace moraine {
 namespace {
@@ -59,7 +60,9 @@ void check_matvec(TensorType w_type, int64_t rows, int64_t n, int experts, uint3
   std::mt19937 rng(seed);
   const TensorType a_type = dot_activation_type(w_type);
   const int pool = experts == 1 ? 1 : experts + 3;  // ids choose among more matrices than used
-  const Quantized w = quantize_rows(w_type, cuda_test::random_values(rng, static_cast<size_t>(pool * rows * n)), pool * rows, n);
+  // The IQ types get random blocks (iq_test_blocks.h), drawn after the values the others quantize.
+  const std::vector<float> wx = cuda_test::random_values(rng, static_cast<size_t>(pool * rows * n));
+  const Quantized w{cuda_test::weight_rows(w_type, wx, pool * rows, n, rng), row_bytes(w_type, n)};
   const Quantized a = quantize_rows(a_type, cuda_test::random_values(rng, static_cast<size_t>(experts * n)), experts, n);
   std::vector<int32_t> ids(static_cast<size_t>(experts));
   for (int e = 0; e < experts; ++e) ids[static_cast<size_t>(e)] = experts == 1 ? 0 : (e * 5 + 2) % pool;
@@ -169,6 +172,62 @@ INSTANTIATE_TEST_SUITE_P(Formats, CudaMatvec,
                                            TensorType::IQ4_NL, TensorType::IQ4_XS, TensorType::TQ1_0,
                                            TensorType::TQ2_0),
                          [](const auto& p) { return std::string(type_name(p.param)); });
+
+// The importance-matrix grid formats (matvec_formats_iq.cuh) on random blocks.
+INSTANTIATE_TEST_SUITE_P(IqFormats, CudaMatvec, ::testing::ValuesIn(cuda_test::kIqGridTypes),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// A row of one block is one term on both sides (the reference's 0.125 / 0.25 factor of the sum
+// is exact on one term), so the kernel's result must equal vec_dot_reference bit for bit: this
+// pins each IQ format's integer sums and float expression exactly, where the multi-block rows
+// above allow the reordering bound.
+class CudaMatvecIq : public ::testing::TestWithParam<TensorType> {};
+
+TEST_P(CudaMatvecIq, OneBlockRowsEqualReferenceBitForBit) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  const TensorType t = GetParam();
+  std::mt19937 rng(400 + static_cast<uint32_t>(t));
+  constexpr int64_t kRows = 301, kN = 256, kTokens = 5;
+  const size_t wrb = row_bytes(t, kN), arb = row_bytes(TensorType::Q8_K, kN);
+  std::vector<uint8_t> w = cuda_test::weight_rows(t, {}, kRows, kN, rng, 1e-4f, 1e1f);
+  const Quantized a = quantize_rows(TensorType::Q8_K, cuda_test::random_values(rng, static_cast<size_t>(kTokens * kN)),
+                                    kTokens, kN);
+  cuda::DeviceBuffer<uint8_t> dw(w.size()), da(a.bytes.size());
+  dw.upload(w.data(), w.size());
+  da.upload(a.bytes.data(), a.bytes.size());
+  cuda::DeviceBuffer<float> dy(static_cast<size_t>(kTokens * kRows));
+  dy.fill_bytes(0xff);
+  cuda::MatvecBatch batch;  // every token against the same matrix
+  batch.count = static_cast<int>(kTokens);
+  batch.act_stride_bytes = static_cast<int64_t>(arb);
+  batch.out_stride = kRows;
+  cuda::matvec_quantized_batched(t, dw.get(), kRows, kN, da.get(), dy.get(), batch);
+  std::vector<float> y(static_cast<size_t>(kTokens * kRows));
+  dy.download(y.data(), y.size());
+  for (int64_t i = 0; i < kTokens; ++i)
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float want = vec_dot_reference(t, kN, w.data() + r * wrb, a.bytes.data() + i * arb);
+      const float got = y[static_cast<size_t>(i * kRows + r)];
+      ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
+          << type_name(t) << " token " << i << " row " << r << ": got " << got << ", reference " << want;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(IqFormats, CudaMatvecIq, ::testing::ValuesIn(cuda_test::kIqGridTypes),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// Argument checks come before any CUDA call, so these run without a device too.
+TEST(CudaMatvecIqArguments, SupportsTheGridFormatsAndChecksTheirShapes) {
+  for (const TensorType t : cuda_test::kIqGridTypes) EXPECT_TRUE(cuda::matvec_supported(t)) << type_name(t);
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::IQ2_XXS, nullptr, 4, 128, nullptr, nullptr), std::invalid_argument);
+  const auto act_2 = reinterpret_cast<const void*>(uintptr_t{2});  // Q8_K blocks want 4 bytes
+  EXPECT_THROW(cuda::matvec_quantized(TensorType::IQ1_M, nullptr, 4, 256, act_2, nullptr), std::invalid_argument);
+  cuda::MatvecBatch odd_stride;
+  odd_stride.count = 2;
+  odd_stride.weight_stride_bytes = 64;  // not a whole number of 66-byte blocks
+  EXPECT_THROW(cuda::matvec_quantized_batched(TensorType::IQ2_XXS, nullptr, 4, 256, nullptr, nullptr, odd_stride),
+               std::invalid_argument);
+}
 
 // Argument checks come before any CUDA call, so this runs without a device too.
 TEST(CudaMatvecArguments, RejectsUnsupportedTypesAndShapes) {

@@ -66,6 +66,7 @@
 #include "kernels/cuda/moe_fused.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/cuda/dot_terms.h"
+#include "tests/cuda/iq_test_blocks.h"
 #include "tools/kernel_bench/moe_fused_units.h"
 
 namespace moraine {
@@ -122,6 +123,10 @@ Kind make_kind(TensorType t, int64_t experts, int64_t rows, int64_t cols, const 
   parallel_for(experts, [&](int64_t e) {
     if (!routed[static_cast<size_t>(e)]) return;
     std::mt19937 expert_rng(seeds[static_cast<size_t>(e)]);
+    if (formats::is_iq_grid_type(t)) {  // random blocks (iq_test_blocks.h): scales 1e-6 .. 1e-3, |w| < 0.5
+      cuda_test::random_iq_blocks(t, k.bytes.data() + e * k.expert_bytes(), rows * (cols / kQK_K), expert_rng, 1e-6f, 1e-3f);
+      return;
+    }
     const std::vector<float> v = scaled_values(expert_rng, static_cast<size_t>(rows * cols), 1e-3f);
     for (int64_t r = 0; r < rows; ++r)
       quantize_row(t, v.data() + r * cols, k.bytes.data() + (e * rows + r) * k.row_bytes, cols);
@@ -600,6 +605,24 @@ INSTANTIATE_TEST_SUITE_P(Formats, CudaMoeFused,
                                            TensorType::TQ2_0),
                          [](const auto& p) { return std::string(type_name(p.param)); });
 
+// The importance-matrix grid formats (matvec_formats_iq.cuh) on random blocks. IQ1's delta is
+// part of each dequantized weight (not a separate min), so the non-min bound above covers it.
+INSTANTIATE_TEST_SUITE_P(IqFormats, CudaMoeFused, ::testing::ValuesIn(cuda_test::kIqGridTypes),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
+
+// IQ gate and up of different formats (each row through dot_staged), an IQ or K-quant down, and
+// IQ beside Q8_0 (x quantized twice): what a UD hub file mixes per tensor. The last two put an IQ
+// up after a K-quant and an issue 26 gate: the tiled kernel 1's copy must be one with dot_staged's
+// IQ cases (moe_fused.cu's launch_tiled_gate_up), else up's dots are NaN.
+TEST(CudaMoeFusedMixed, MixedIqFormatsMatchReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  run_case({TensorType::IQ2_XXS, TensorType::IQ3_S, TensorType::IQ1_M, 3, 9, 4, 512, 256, false, 41});
+  run_case({TensorType::IQ1_S, TensorType::IQ2_S, TensorType::Q4_K, 8, 11, 6, 512, 256, true, 42});
+  run_case({TensorType::IQ3_XXS, TensorType::Q8_0, TensorType::IQ2_XS, 1, 7, 3, 256, 512, true, 43});
+  run_case({TensorType::Q4_K, TensorType::IQ2_S, TensorType::Q6_K, 3, 9, 4, 512, 256, false, 44});
+  run_case({TensorType::Q4_0, TensorType::IQ1_S, TensorType::IQ4_XS, 2, 9, 4, 512, 256, true, 45});
+}
+
 // Gate and up quantize x differently (Q8_K and Q8_0), down takes Q8_0 h: three formats at once.
 TEST(CudaMoeFusedMixed, MixedFormatsMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
@@ -819,6 +842,11 @@ TEST(CudaMoeFusedArguments, RejectsBadShapesFormatsAndWorkspaces) {
   cuda::MoeLayerWeights bad = w;
   bad.down_type = TensorType::Q8_K;  // an activation format: no matvec kernel
   EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);
+  for (const TensorType t : cuda_test::kIqGridTypes) {  // the grid formats pass the check
+    cuda::MoeLayerWeights iq = w;
+    iq.gate_type = iq.up_type = iq.down_type = t;
+    EXPECT_NO_THROW(cuda::moe_fused_check(iq)) << type_name(t);
+  }
   bad = w;
   bad.n_ff = 200;  // not a multiple of 256
   EXPECT_THROW(cuda::moe_fused_check(bad), std::invalid_argument);

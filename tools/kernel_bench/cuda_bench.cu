@@ -26,6 +26,7 @@
 #include "tools/kernel_bench/gemm_prefill_bench.h"
 #include "tools/kernel_bench/pdl_chain_bench.h"
 #include "tools/kernel_bench/mixer_bench.h"
+#include "tools/kernel_bench/template_rows.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -130,7 +131,7 @@ DeviceBuffer<uint8_t> make_pool(TensorType t, int64_t rows, int64_t n, size_t co
   std::vector<float> f(static_cast<size_t>(n));
   for (int r = 0; r < kTemplateRows; ++r) {
     for (float& v : f) v = dist(rng);
-    quantize_row(t, f.data(), templ.data() + static_cast<size_t>(r) * rb, n);
+    template_row(t, f.data(), n, templ.data() + static_cast<size_t>(r) * rb, rng);
   }
   std::vector<uint8_t> matrix(rb * static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)

@@ -25,10 +25,12 @@
 #include <vector>
 
 #include "common/formats/quant.h"
+#include "common/formats/quant_iq.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/moe_fused.h"
 #include "tools/kernel_bench/moe_fused_units.h"
+#include "tools/kernel_bench/template_rows.h"
 
 namespace moraine::kernel_bench {
 namespace {
@@ -69,7 +71,7 @@ struct MoePoint {
   double graph_us_per_layer, graph_gbps;  // the same calls replayed from a CUDA graph
 };
 
-// One matrix of rows x cols made of quantized template rows, uploaded to dst.
+// One matrix of rows x cols made of quantized template rows (template_rows.h), uploaded to dst.
 void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::mt19937& rng) {
   constexpr int kTemplateRows = 32;
   std::normal_distribution<float> dist(0.0f, 0.05f);
@@ -78,7 +80,7 @@ void upload_matrix(TensorType t, int64_t rows, int64_t cols, uint8_t* dst, std::
   std::vector<float> f(static_cast<size_t>(cols));
   for (int r = 0; r < kTemplateRows; ++r) {
     for (float& v : f) v = dist(rng);
-    quantize_row(t, f.data(), templ.data() + static_cast<size_t>(r) * rb, cols);
+    template_row(t, f.data(), cols, templ.data() + static_cast<size_t>(r) * rb, rng);
   }
   std::vector<uint8_t> m(rb * static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)
@@ -282,7 +284,10 @@ void bench_moe(const MoeShape& s, TensorType t, int n, double min_ms, int set_mi
 void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann::json* json,
                          const MoeBenchSelection& select) {
   const MoeShape shapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8}, {"qwen3-next", 2048, 512, 512, 10}};
-  const TensorType formats[] = {TensorType::Q4_K, TensorType::Q8_0};
+  // The IQ grid formats only where --moe-select names one (the default run stays Q4_K, Q8_0).
+  const TensorType formats[] = {TensorType::Q4_K,    TensorType::Q8_0,   TensorType::IQ2_XXS, TensorType::IQ2_XS,
+                                TensorType::IQ2_S,   TensorType::IQ3_XXS, TensorType::IQ3_S,  TensorType::IQ1_S,
+                                TensorType::IQ1_M};
   std::vector<const Variant*> variants;
   const std::vector<std::string>& names = select.variants;
   for (const Variant& v : kVariants) {
@@ -322,6 +327,7 @@ void run_moe_fused_bench(double min_ms, int set_mib, double read_gbps, nlohmann:
   for (const MoeShape& s : shapes)
     for (TensorType t : formats) {
       if (only.size() == 2 && (!same_name(only[0], s.name) || !same_name(only[1], type_name(t)))) continue;
+      if (only.size() != 2 && formats::is_iq_grid_type(t)) continue;
       for (int n : tokens)
         if (n >= 1 && n <= cuda::kMoeMaxTokens) bench_moe(s, t, n, min_ms, set_mib, select.host_weights, variants, emit);
     }
