@@ -317,7 +317,7 @@ class Coordinator final : public generate::Coordinator::Service {
     try {
       auto t0 = Clock::now();
       enter_turn(me);
-      const int64_t cached = reuse_prefix(context);
+      const int64_t cached = req->no_prompt_cache() ? 0 : reuse_prefix(context);
       timing.set_cached_tokens(static_cast<uint32_t>(cached));
       StepOutput out = feed(context.data() + cached, static_cast<int64_t>(context.size()) - cached, cached == 0, context);
       timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));

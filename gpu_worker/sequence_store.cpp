@@ -1,6 +1,5 @@
 #include "gpu_worker/sequence_store.h"
 
-#include <chrono>
 #include <span>
 #include <utility>
 #include <stdexcept>
@@ -9,7 +8,6 @@ namespace moraine::gpu_worker {
 
 void SequenceStore::apply(uint64_t step, const group::StepHeader& h, Backend& backend, group::StepReply& reply) {
   reply.state_saved_bytes = 0;
-  if (spare_.valid() && spare_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) recycle(spare_.get());
   const auto fail = [&](const std::string& what) {
     reply.state_store_bytes = bytes_.load();
     throw std::runtime_error("step " + std::to_string(step) + ": " + what);
@@ -42,13 +40,8 @@ void SequenceStore::apply(uint64_t step, const group::StepHeader& h, Backend& ba
       recycle(std::move(out.buffer));
       throw;
     }
-    const size_t capacity = out.buffer.capacity;
     bytes_ += out.bytes;
     reply.state_saved_bytes = out.bytes;
-    if (!spare_.valid()) {
-      spare_bytes_ = capacity;
-      spare_ = std::async(std::launch::async, [&backend, capacity] { return backend.host_buffer(capacity); });
-    }
     saved_.emplace(h.state_save, std::move(out));
     count_ = saved_.size();
   }
@@ -73,7 +66,6 @@ Backend::HostBuffer SequenceStore::buffer_for(Backend& backend, size_t bytes) {
     free_.erase(best);
     return b;
   }
-  if (spare_.valid() && spare_bytes_ >= bytes) return spare_.get();   // being pinned: sooner than a new one
   // Rounded up so that a later, slightly longer sequence fits a recycled buffer too.
   constexpr size_t kGrain = size_t{32} << 20;
   return backend.host_buffer((bytes + kGrain - 1) / kGrain * kGrain);

@@ -281,6 +281,8 @@ ApiRequest parse_request(const std::string& body, Endpoint endpoint, const std::
   }
   set_sampling(j, r);
   r.stream = boolean(j, "stream").value_or(false);
+  // llama-server's extension: "cache_prompt": false prefills the whole prompt afresh.
+  if (!boolean(j, "cache_prompt").value_or(true)) r.generate.set_no_prompt_cache(true);
   if (const json* so = field(j, "stream_options")) {
     if (!so->is_object()) throw bad("stream_options", "expected an object");
     r.include_usage = boolean(*so, "include_usage").value_or(false);

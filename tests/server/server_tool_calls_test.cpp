@@ -230,6 +230,14 @@ TEST(ServerToolCalls, ToolChoiceDecidesTheToolsOffered) {
   }
 }
 
+// llama-server's "cache_prompt": false asks the coordinator for a prefill from a reset.
+TEST(ServerRequest, CachePromptFalseAsksForAFreshPrefill) {
+  json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  EXPECT_FALSE(parse_request(body.dump(), Endpoint::kChat, {"m"}).generate.no_prompt_cache());
+  body["cache_prompt"] = false;
+  EXPECT_TRUE(parse_request(body.dump(), Endpoint::kChat, {"m"}).generate.no_prompt_cache());
+}
+
 // gpt-oss's template (the real one, from the oracle's llama.cpp source): harmony with tools or
 // without, since its analysis channel is reasoning and its final channel the content; the
 // server then asks for the special tokens' text (http_server.cpp), which the parser reads.
