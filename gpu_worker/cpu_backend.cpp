@@ -91,7 +91,8 @@ class CpuBackend final : public Backend {
     check_rows(n);
     const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
     exec_.mixer_step(il, window_x(), n, h_.data());
-    reference::route_top_k(m_.hp, m_.layers[il].moe, h_.data(), n, chosen, weight, router_, exec_.pool());
+    reference::route_layer(m_.hp, m_.layers[il].recipe.ffn, m_.layers[il].moe, h_.data(), n, chosen, weight, router_,
+                           exec_.pool());
     if (chosen != chosen_.data()) std::copy_n(chosen, n * k, chosen_.data());
     if (weight != weight_.data()) std::copy_n(weight, n * k, weight_.data());
     if (h_out != nullptr) std::copy_n(h_.data(), n * d, h_out);
@@ -111,9 +112,9 @@ class CpuBackend final : public Backend {
         const int64_t t = plan.slot_of[plan.start[e] + j] / k;
         std::copy_n(h_.data() + t * d, d, gathered_.data() + j * d);
       }
-      const bool taken = e == taken_e_;
-      reference::swiglu_expert(taken ? taken_parts_[0] : W.gate.expert(e), taken ? taken_parts_[1] : W.up.expert(e),
-                               taken ? taken_parts_[2] : W.down.expert(e), gathered_.data(), rows,
+      const std::array<model::Matrix, 3> parts =
+          e == taken_e_ ? taken_parts_ : std::array<model::Matrix, 3>{W.gate.expert(e), W.up.expert(e), W.down.expert(e)};
+      reference::routed_expert(parts, W, e, m_.layers[il].recipe.ffn.experts, gathered_.data(), rows,
                                own_rows_.data() + int64_t{plan.start[e]} * d, routed_scratch_, exec_.pool());
     }
     for (int64_t i = 0; i < n * k; ++i) {

@@ -25,12 +25,7 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
   std::vector<int32_t> chosen(n * k);
   std::vector<float> weight(n * k);
   const model::FfnPart& part = m_.layers[il].recipe.ffn;
-  if (part.router.kind == model::RouterKind::TopKSoftmax) {
-    route_top_k_softmax(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
-  } else {
-    route_top_k(hp, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
-  }
-  const bool plain_swiglu = part.experts.act == model::Activation::SwiGlu && !part.experts.biases;
+  route_layer(hp, part, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
 
   // Per expert: gather its tokens, run it once, scatter into [token][slot].
   std::vector<float> slot_out(n * k * d);
@@ -48,12 +43,7 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
     xg.resize(m * d);
     yg.resize(m * d);
     for (int64_t j = 0; j < m; ++j) std::copy_n(h + (rows[j] / k) * d, d, xg.data() + j * d);
-    if (plain_swiglu) {
-      swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), xg.data(), m, yg.data(), scratch, pool_,
-                    order_);
-    } else {
-      biased_expert(W, e, part.experts, xg.data(), m, yg.data(), scratch, pool_, order_);
-    }
+    routed_expert(W, e, part.experts, xg.data(), m, yg.data(), scratch, pool_, order_);
     for (int64_t j = 0; j < m; ++j) std::copy_n(yg.data() + j * d, d, slot_out.data() + rows[j] * d);
   }
 

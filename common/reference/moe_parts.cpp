@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "common/reference/matmul.h"
 #include "common/reference/ops.h"
@@ -67,6 +69,21 @@ void route_top_k_softmax(const model::HParams& hp, const model::MoeWeights& W, c
   }
 }
 
+void route_layer(const model::HParams& hp, const model::FfnPart& part, const model::MoeWeights& W, const float* h,
+                 int64_t n, int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                 DotOrderSeed order) {
+  switch (part.router.kind) {
+    case model::RouterKind::SoftmaxTopK:
+      return route_top_k(hp, W, h, n, chosen, weight, scratch, pool, order);
+    case model::RouterKind::TopKSoftmax:
+      return route_top_k_softmax(hp, W, h, n, chosen, weight, scratch, pool, order);
+    case model::RouterKind::SigmoidGroupTopK:
+      break;
+  }
+  throw std::logic_error("reference: router kind " + std::to_string(static_cast<int>(part.router.kind)) +
+                         " has no implementation (check_supported should have refused the model)");
+}
+
 void ExpertScratch::reserve(int64_t max_rows, int64_t ff) {
   g.resize(static_cast<size_t>(max_rows * ff));
   u.resize(static_cast<size_t>(max_rows * ff));
@@ -91,7 +108,13 @@ void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const mod
 
 void biased_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
                    float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order) {
-  const model::Matrix gate = W.gate.expert(e), up = W.up.expert(e), down = W.down.expert(e);
+  biased_expert({W.gate.expert(e), W.up.expert(e), W.down.expert(e)}, W, e, part, x, m, y, scratch, pool, order);
+}
+
+void biased_expert(const std::array<model::Matrix, 3>& gate_up_down, const model::MoeWeights& W, int64_t e,
+                   const model::ExpertsPart& part, const float* x, int64_t m, float* y, ExpertScratch& scratch,
+                   ThreadPool& pool, DotOrderSeed order) {
+  const model::Matrix &gate = gate_up_down[0], &up = gate_up_down[1], &down = gate_up_down[2];
   const int64_t ff = gate.n_rows, d = down.n_rows;
   float* g = scratch.g.data();
   float* u = scratch.u.data();
@@ -120,6 +143,21 @@ void biased_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPa
     for (int64_t r = 0; r < m; ++r)
       for (int64_t i = 0; i < d; ++i) y[r * d + i] += bd[i];
   }
+}
+
+void routed_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
+                   float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order) {
+  routed_expert({W.gate.expert(e), W.up.expert(e), W.down.expert(e)}, W, e, part, x, m, y, scratch, pool, order);
+}
+
+void routed_expert(const std::array<model::Matrix, 3>& gate_up_down, const model::MoeWeights& W, int64_t e,
+                   const model::ExpertsPart& part, const float* x, int64_t m, float* y, ExpertScratch& scratch,
+                   ThreadPool& pool, DotOrderSeed order) {
+  if (part.act == model::Activation::SwiGlu && !part.biases) {
+    swiglu_expert(gate_up_down[0], gate_up_down[1], gate_up_down[2], x, m, y, scratch, pool, order);
+    return;
+  }
+  biased_expert(gate_up_down, W, e, part, x, m, y, scratch, pool, order);
 }
 
 void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,

@@ -6,6 +6,7 @@
 // these same functions.
 // Scratch buffers are caller-owned and sized once, so a step allocates nothing of its own.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -32,6 +33,12 @@ void route_top_k_softmax(const model::HParams& hp, const model::MoeWeights& W, c
                          int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
                          DotOrderSeed order = 0);
 
+// The layer's router, as its FfnPart's RouterPart says (the one entry the group's gpu_worker and
+// the reference's moe_block call: a new router kind is added here once).
+void route_layer(const model::HParams& hp, const model::FfnPart& part, const model::MoeWeights& W, const float* h,
+                 int64_t n, int32_t* chosen, float* weight, RouterScratch& scratch, ThreadPool& pool,
+                 DotOrderSeed order = 0);
+
 struct ExpertScratch {
   std::vector<float> g, u;   // [max_rows * ff]
   void reserve(int64_t max_rows, int64_t ff);
@@ -47,6 +54,19 @@ void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const mod
 //   g = min(gate, limit); u = clamp(up, -limit, limit); act = g * sigmoid(alpha g) * (u + 1).
 void biased_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
                    float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order = 0);
+// The same on expert e's matrices given apart from W (a copy elsewhere: the group's hand-off), its
+// biases still W's.
+void biased_expert(const std::array<model::Matrix, 3>& gate_up_down, const model::MoeWeights& W, int64_t e,
+                   const model::ExpertsPart& part, const float* x, int64_t m, float* y, ExpertScratch& scratch,
+                   ThreadPool& pool, DotOrderSeed order = 0);
+
+// Routed expert e of W on m rows, as the ExpertsPart says: swiglu_expert for plain SwiGLU without
+// biases, else biased_expert (the one entry the reference and the group's backends call).
+void routed_expert(const model::MoeWeights& W, int64_t e, const model::ExpertsPart& part, const float* x, int64_t m,
+                   float* y, ExpertScratch& scratch, ThreadPool& pool, DotOrderSeed order = 0);
+void routed_expert(const std::array<model::Matrix, 3>& gate_up_down, const model::MoeWeights& W, int64_t e,
+                   const model::ExpertsPart& part, const float* x, int64_t m, float* y, ExpertScratch& scratch,
+                   ThreadPool& pool, DotOrderSeed order = 0);
 
 // x[t] += sum_s weight[t,s] * slot_rows[t * k + s] (+ sigmoid(h . shared_router) * shared[t]).
 // slot_rows[i] points at slot i's expert output row; shared is null when the model has none.
