@@ -191,20 +191,24 @@ INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
                            return n;
                          });
 
-// moraine-synth's gpt-oss-tiny (its tensor list is the description's) read by llama.cpp and by
-// the reference, F32 throughout so only float order separates them.
-TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
+// moraine-synth's tiny shapes (their tensor lists are the descriptions') read by llama.cpp and
+// by the reference, F32 throughout so only float order separates them.
+class ArchLlamaSynth : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ArchLlamaSynth, TinyShapeAgreesWithLlamaCpp) {
   llama_oracle_dir();
-  ScratchDir dir("gpt-oss-synth");
-  const std::string path = dir.file("gpt-oss-tiny.gguf");
-  const SynthRun r = run_synth("--shape gpt-oss-tiny --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
+  const std::string shape = GetParam();
+  const std::string arch = shape.substr(0, shape.rfind("-tiny"));
+  ScratchDir dir(shape + "-synth");
+  const std::string path = dir.file(shape + ".gguf");
+  const SynthRun r = run_synth("--shape " + shape + " --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
                                "--default f32 -o " + path, dir.path());
   ASSERT_EQ(r.status, 0) << r.err;
-  constexpr int kSynthTokens = 20;   // past the shape's window of 8
+  constexpr int kSynthTokens = 20;   // past gpt-oss-tiny's window of 8
   const auto reports = run_llama_oracle({path}, kSynthTokens, dir.path());
   const LlamaReport& rep = reports.at(path);
   ASSERT_TRUE(rep.loaded) << rep.error;
-  EXPECT_NE(rep.type_description.find("gpt-oss"), std::string::npos) << rep.type_description;
+  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
   const model::Model m = model::Model::load(path);
   ASSERT_EQ(rep.n_vocab, m.hp.n_vocab);
   reference::ReferenceExecutor ex(m, {2});
@@ -224,9 +228,16 @@ TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
     ASSERT_GT(mx, 0.0) << "position " << t;
     worst = std::max(worst, gap / mx);
   }
-  std::printf("synth gpt-oss-tiny reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", worst);
+  std::printf("synth %s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", shape.c_str(), worst);
   EXPECT_LE(worst, 1e-4);
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ArchLlamaSynth, ::testing::Values("glm4moe-tiny", "gpt-oss-tiny", "qwen35moe-tiny"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace moraine::test
