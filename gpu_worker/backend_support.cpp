@@ -14,7 +14,11 @@ const model::BackendSupport& cpu_backend_support() {
       // routed_expert here and the cpu workers' expert kernels (biases, clamped SwiGLU).
       model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::AttnSinks, model::Feature::SlidingWindow,
       model::Feature::YarnRope, model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
-      model::Feature::SwiGluClamped, model::Feature::ExpertBiases});
+      model::Feature::SwiGluClamped, model::Feature::ExpertBiases,
+      // glm4moe's: the router by route_layer, the ungated shared expert by moe_combine, dense
+      // leading layers whole on this backend (placement gives their zero-byte experts the device).
+      model::Feature::RouterSigmoidGroupTopK, model::Feature::RoutedScaling, model::Feature::SharedExpertUngated,
+      model::Feature::DenseFfn});
   return s;
 }
 

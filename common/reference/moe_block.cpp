@@ -65,12 +65,10 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
 
 void ReferenceExecutor::dense_ffn_block(int64_t il, const float* h, int64_t n, float* x) {
   const model::DenseFfnWeights& W = m_.layers[il].dense;
-  const int64_t d = m_.hp.n_embd;
-  std::vector<float> y(n * d);
+  std::vector<float> y(n * m_.hp.n_embd);
   ExpertScratch scratch;
   scratch.reserve(n, W.gate.n_rows);
-  swiglu_expert(W.gate, W.up, W.down, h, n, y.data(), scratch, pool_, order_);
-  for (int64_t i = 0; i < n * d; ++i) x[i] += y[i];
+  dense_ffn(W, h, n, x, y.data(), scratch, pool_, order_);
 }
 
 void ReferenceExecutor::ffn_block(int64_t il, const float* h, int64_t n, float* x) {

@@ -226,6 +226,13 @@ void routed_expert(const std::array<model::Matrix, 3>& gate_up_down, const model
   biased_expert(gate_up_down, W, e, part, x, m, y, scratch, pool, order);
 }
 
+void dense_ffn(const model::DenseFfnWeights& W, const float* h, int64_t n, float* x, float* y, ExpertScratch& scratch,
+               ThreadPool& pool, DotOrderSeed order) {
+  swiglu_expert(W.gate, W.up, W.down, h, n, y, scratch, pool, order);
+  const int64_t count = n * W.down.n_rows;
+  for (int64_t i = 0; i < count; ++i) x[i] += y[i];
+}
+
 void moe_combine(const model::HParams& hp, const model::MoeWeights& W, const float* h, int64_t n,
                  const float* weight, const float* const* slot_rows, const float* shared, float* x) {
   const int64_t d = hp.n_embd;

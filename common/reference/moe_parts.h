@@ -79,6 +79,12 @@ void routed_expert(const std::array<model::Matrix, 3>& gate_up_down, const model
                    const model::ExpertsPart& part, const float* x, int64_t m, float* y, ExpertScratch& scratch,
                    ThreadPool& pool, DotOrderSeed order = 0);
 
+// A dense SwiGLU FFN layer (glm4moe's and deepseek2's leading ones): x[t] += down(silu(gate h) *
+// up h) for n rows, y a caller's [n][n_embd] scratch; the reference's layer and the group's CPU
+// backend both run it, so their sums are the same floats.
+void dense_ffn(const model::DenseFfnWeights& W, const float* h, int64_t n, float* x, float* y, ExpertScratch& scratch,
+               ThreadPool& pool, DotOrderSeed order = 0);
+
 // x[t] += sum_s weight[t,s] * slot_rows[t * k + s] (+ sigmoid(h . shared_router) * shared[t]).
 // slot_rows[i] points at slot i's expert output row; shared is null when the model has none. A
 // shared expert without a gate (glm4moe: the recipe binds no shared_router) is added as it is.

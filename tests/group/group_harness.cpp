@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/model/model.h"
+#include "tests/reference/tiny_arch_model.h"
 #include "common/reference/executor.h"
 #include "common/sampling/sampler.h"
 #include "common/tokenizer/tokenizer.h"
@@ -207,6 +208,13 @@ GoldenCase golden_case(const std::string& name, const std::string& weights, cons
   if (name.rfind(kSynthPrefix, 0) == 0) {
     g.model = synth_model(name.substr(std::string(kSynthPrefix).size()), weights, g.dir);
     for (int i = 0; i < 24; ++i) g.prompt.push_back((37 + 101 * i) % kSynthVocab);
+  } else if (name.rfind(kTinyPrefix, 0) == 0) {
+    if (weights != "f32") throw std::invalid_argument("golden_case: tiny files are F32, not " + weights);
+    const model::HParams spec = test::tiny_hparams(name.substr(std::string(kTinyPrefix).size()));
+    std::vector<std::vector<float>> data;
+    g.model = g.dir + "/tiny.gguf";
+    test::tiny_writer(spec, 11, data).write(g.model);
+    for (int i = 0; i < 24; ++i) g.prompt.push_back(static_cast<int32_t>((37 + 101 * i) % spec.n_vocab));
   } else {
     g.model = convert_golden(name, golden_quant_args(weights), g.dir);
     g.prompt = golden_prompt(name);

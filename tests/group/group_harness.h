@@ -111,6 +111,9 @@ struct GoldenCase {
 GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n,
                        model::KvType kv = model::KvType::F32);
 inline constexpr const char* kSynthPrefix = "synth:";
+// name "tiny:ARCH[:VARIANT]": tests/reference/tiny_arch_model.h's F32 file of that architecture
+// (every part of its description, the one llama.cpp checks the reference on).
+inline constexpr const char* kTinyPrefix = "tiny:";
 inline constexpr int kSynthVocab = 512;
 std::string synth_model(const std::string& shape, const std::string& weights, const std::string& dir);
 // A test-parameter name from a case's text (gtest takes only letters, digits and '_').

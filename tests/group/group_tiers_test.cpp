@@ -357,6 +357,7 @@ std::vector<Case> cases() {
   // gpt-oss (sinks, sliding window, biases, YaRN, top-k-then-softmax router, biased clamped
   // SwiGLU): Q4_K experts through the cpu workers' production kernels, the device's own and taken.
   v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell", false, 1});
+  v.push_back({"tiny:glm4moe", "f32", "doorbell", false, 1});
   return v;
 }
 
