@@ -57,13 +57,13 @@ Planner::Planner(const ArchConverter& conv, const HfModel& m, const Checkpoint& 
 const StTensor& Planner::take(const std::string& name, const std::vector<int64_t>& shape, bool u8) {
   const StTensor* t = ckpt_.find(name);
   if (!t) throw ConvertError("checkpoint lacks tensor '" + name + "' (expected shape " + shape_str(shape) + ")");
-  if (t->shape != shape) {
-    throw ConvertError("tensor '" + name + "' has shape " + shape_str(t->shape) + " but config.json implies " +
-                       shape_str(shape));
-  }
   if (t->is_float() == u8) {
     throw ConvertError("tensor '" + name + "' (in " + t->file + ") is " + (u8 ? "a float tensor" : "U8") + " where " +
                        (u8 ? "U8 blocks" : "floats") + " are expected");
+  }
+  if (t->shape != shape) {
+    throw ConvertError("tensor '" + name + "' has shape " + shape_str(t->shape) + " but config.json implies " +
+                       shape_str(shape));
   }
   used_.insert(name);
   return *t;

@@ -78,8 +78,8 @@ void read_config(const HfConfig& cfg, const Checkpoint&, HfModel& m) {
     for (int64_t il = 0; il < hp.n_layer; ++il) {
       const char* want = hp.swa_layers[il] ? "sliding_attention" : "full_attention";
       if ((*lt)[il] != want) {
-        cfg.fail("layer_types", "[" + std::to_string(il) + "] = " + (*lt)[il].dump() + ": the GGUF architecture has " +
-                                    "sliding even layers and full odd ones only (" + want + " here)");
+        cfg.fail("layer_types[" + std::to_string(il) + "]", "= " + (*lt)[il].dump() + ": the GGUF architecture has " +
+                                                                "sliding even layers and full odd ones only (" + want + " here)");
       }
     }
   }
