@@ -38,11 +38,16 @@ void attention(const HParams& hp, const AttentionPart& a, SlotList& s) {
   if (a.sinks) s.add(TensorRole::AttnSinks, {hp.n_head});
 }
 
-void delta_net(const HParams& hp, SlotList& s) {
+void delta_net(const HParams& hp, const DeltaNetPart& p, SlotList& s) {
   const int64_t E = hp.n_embd, conv_dim = hp.ssm_conv_dim(), v_dim = hp.ssm_value_dim(), nv = hp.ssm_n_v_heads;
   s.add(TensorRole::DnQkv, {E, conv_dim});
   s.add(TensorRole::DnGate, {E, v_dim});
-  s.add(TensorRole::DnBa, {E, 2 * nv});
+  if (p.split_ba) {
+    s.add(TensorRole::DnBeta, {E, nv});
+    s.add(TensorRole::DnAlpha, {E, nv});
+  } else {
+    s.add(TensorRole::DnBa, {E, 2 * nv});
+  }
   s.add(TensorRole::DnConv, {hp.ssm_conv_kernel, conv_dim});
   s.add(TensorRole::DnDtBias, {nv});
   s.add(TensorRole::DnA, {nv});
@@ -90,7 +95,7 @@ std::vector<TensorSlot> layer_tensors(const HParams& hp, int64_t il) {
   s.add(TensorRole::AttnNorm, {E});
   switch (r.mixer.kind) {
     case MixerKind::Attention: attention(hp, r.mixer.attn, s); break;
-    case MixerKind::GatedDeltaNet: delta_net(hp, s); break;
+    case MixerKind::GatedDeltaNet: delta_net(hp, r.mixer.delta, s); break;
     case MixerKind::Mla: throw std::logic_error(std::string(hp.desc->name) + ": MLA tensors are not laid out yet");
   }
   s.add(TensorRole::FfnNorm, {E});

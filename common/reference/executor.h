@@ -96,6 +96,9 @@ class ReferenceExecutor {
   void attention_block(int64_t il, const float* h, int64_t n, float* x);  // attention_block.cpp
   void delta_net_block(int64_t il, const float* h, int64_t n, float* x);  // delta_net_block.cpp
   void moe_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
+  void dense_ffn_block(int64_t il, const float* h, int64_t n, float* x);  // moe_block.cpp
+  // The layer's FFN as its recipe says: a dense SwiGLU FFN or the MoE block.
+  void ffn_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
 
   const model::Model& m_;
   ThreadPool pool_;

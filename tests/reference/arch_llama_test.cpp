@@ -2,10 +2,14 @@
 // flash attention off) on a tiny seeded file of each architecture description, written from the
 // description's own key and tensor lists (tests/reference/tiny_arch_model.h): 12 positions.
 // gpt-oss: attention biases and sinks, sliding-window (4 positions) and full layers alternating,
-// YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts; a mutation
-// check shows each of those parts moves the logits far past the bound. qwen2moe: an
+// YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts. qwen2moe: an
 // architecture made only of existing parts (q/k/v biases, softmax router without
-// renormalisation, gated shared expert), one file in common/model/arch.
+// renormalisation, gated shared expert), one file in common/model/arch. glm4moe: a dense
+// leading layer, partial RoPE, q/k/v biases, the sigmoid router with its score bias, routed
+// scaling and an ungated shared expert, a nextn block bound but not run; its variant adds q/k
+// norm and group-limited routing. qwen35moe / qwen3next: the DeltaNet hybrids, value heads
+// tiled and grouped over the key heads. Mutation checks show each such part moves the logits far
+// past the bound.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +18,7 @@
 #include <span>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/model/model.h"
@@ -51,17 +56,83 @@ double worst_gap(const std::vector<float>& ours, const std::vector<float>& llama
   return worst;
 }
 
+// A part dropped (or swapped for another architecture's counterpart) in a loaded model.
+struct Mutation {
+  const char* what;
+  void (*apply)(model::Model&);
+};
+
+// Each part of the architecture matters in its tiny file: the reference with one of these
+// leaves llama.cpp by far more than the bound, so the agreement checks the part.
+std::vector<Mutation> mutations_of(const std::string& name) {
+  using model::Model;
+  if (name == "gpt-oss") {
+    return {
+        {"no sliding window", [](Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
+        {"no sinks", [](Model& mm) { for (auto& L : mm.layers) L.attn.sinks.clear(); }},
+        {"no YaRN", [](Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
+        {"no attention biases", [](Model& mm) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.o_bias.clear(); }},
+        {"softmax over all experts", [](Model& mm) {
+           for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
+           mm.hp.norm_topk_prob = false;
+         }},
+        {"no router bias", [](Model& mm) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
+        {"plain SwiGLU", [](Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
+        {"no expert biases", [](Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
+    };
+  }
+  if (name == "glm4moe") {
+    return {
+        {"softmax router", [](Model& mm) {
+           for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
+         }},
+        {"no score bias", [](Model& mm) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }},
+        {"no routed scaling", [](Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.router.routed_scale = 1.0; }},
+        {"shared expert gated (x0.5)", [](Model& mm) {
+           for (auto& L : mm.layers)
+             if (L.moe.shared_up) L.moe.shared_router.assign(static_cast<size_t>(mm.hp.n_embd), 0.0f);
+         }},
+        {"dense FFN gate/up swapped", [](Model& mm) { std::swap(mm.layers[0].dense.gate, mm.layers[0].dense.up); }},
+        {"no q/k/v biases", [](Model& mm) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.v_bias.clear(); }},
+        {"full-head RoPE", [](Model& mm) { mm.hp.n_rot = mm.hp.head_dim; }},
+    };
+  }
+  if (name == "glm4moe:qknorm_groups") {
+    return {
+        {"no group limit", [](Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.router.n_group = 1; }},
+        {"renormalised weights", [](Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.router.renormalize = true; }},
+        {"no q/k norm", [](Model& mm) { for (auto& L : mm.layers) L.attn.q_norm.clear(), L.attn.k_norm.clear(); }},
+        {"no score bias", [](Model& mm) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }},
+    };
+  }
+  if (name == "qwen35moe") {
+    return {
+        {"value heads grouped (qwen3next)", [](Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.delta.v_heads_tiled = false; }},
+        {"beta and alpha swapped", [](Model& mm) { for (auto& L : mm.layers) std::swap(L.delta.beta, L.delta.alpha); }},
+    };
+  }
+  if (name == "qwen3next") {
+    return {
+        {"value heads tiled (qwen35moe)", [](Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.delta.v_heads_tiled = true; }},
+    };
+  }
+  return {};
+}
+
 class ArchLlama : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   llama_oracle_dir();  // fails loudly, naming tests/oracle/setup, when the oracle is missing
-  const std::string arch = GetParam();
-  ScratchDir dir("arch-llama-" + arch);
-  const model::HParams spec = tiny_hparams(arch);
+  const std::string name = GetParam();   // an architecture, or one and a variant after ':'
+  const std::string arch = name.substr(0, name.find(':'));
+  std::string stem = name;
+  for (char& c : stem) c = c == ':' ? '-' : c;
+  ScratchDir dir("arch-llama-" + stem);
+  const model::HParams spec = tiny_hparams(name);
   std::vector<std::vector<float>> data;
   gguf::GgufWriter w = tiny_writer(spec, 7, data);
   add_minimal_llama_vocab(w, spec.n_vocab);
-  const std::string path = dir.file("tiny-" + arch + ".gguf");
+  const std::string path = dir.file("tiny-" + stem + ".gguf");
   w.write(path);
 
   const auto reports = run_llama_oracle({path}, kTokens, dir.path());
@@ -79,7 +150,7 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   ASSERT_EQ(ours.size(), rep.logits.size());
   // F32 weights and cache: float order only (the qwen goldens agree to 1.5e-6 on this path).
   const double worst = worst_gap(ours, rep.logits, spec.n_vocab, kTokens);
-  std::printf("%s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", arch.c_str(), worst);
+  std::printf("%s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", name.c_str(), worst);
   EXPECT_LE(worst, 1e-4);
 
   // Decode after prefill is bit-identical to the one prefill (the sliding layers' window moves
@@ -95,26 +166,7 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
     EXPECT_EQ(0, std::memcmp(stepped.data(), ours.data(), ours.size() * sizeof(float)));
   }
 
-  if (arch != "gpt-oss") return;
-  // Each part matters here: the reference with one part dropped (or swapped for its qwen
-  // counterpart) leaves llama.cpp by far more than the bound, so the agreement above checks it.
-  struct Mutation {
-    const char* what;
-    void (*apply)(model::Model&);
-  };
-  const Mutation mutations[] = {
-      {"no sliding window", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
-      {"no sinks", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.sinks.clear(); }},
-      {"no YaRN", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
-      {"no attention biases", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.o_bias.clear(); }},
-      {"softmax over all experts", [](model::Model& mm) {
-         for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
-         mm.hp.norm_topk_prob = false;
-       }},
-      {"no router bias", [](model::Model& mm) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
-      {"plain SwiGLU", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
-      {"no expert biases", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
-  };
+  const std::vector<Mutation> mutations = mutations_of(name);
   for (const Mutation& mu : mutations) {
     model::Model mm = model::Model::load(path);
     mu.apply(mm);
@@ -130,27 +182,33 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama, ::testing::Values("gpt-oss", "qwen2moe", "qwen3moe"),
+INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
+                         ::testing::Values("glm4moe", "glm4moe:qknorm_groups", "gpt-oss", "qwen2moe", "qwen35moe",
+                                           "qwen3moe", "qwen3next"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
-                           for (char& c : n) c = c == '-' ? '_' : c;
+                           for (char& c : n) c = c == '-' || c == ':' ? '_' : c;
                            return n;
                          });
 
-// moraine-synth's gpt-oss-tiny (its tensor list is the description's) read by llama.cpp and by
-// the reference, F32 throughout so only float order separates them.
-TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
+// moraine-synth's tiny shapes (their tensor lists are the descriptions') read by llama.cpp and
+// by the reference, F32 throughout so only float order separates them.
+class ArchLlamaSynth : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ArchLlamaSynth, TinyShapeAgreesWithLlamaCpp) {
   llama_oracle_dir();
-  ScratchDir dir("gpt-oss-synth");
-  const std::string path = dir.file("gpt-oss-tiny.gguf");
-  const SynthRun r = run_synth("--shape gpt-oss-tiny --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
+  const std::string shape = GetParam();
+  const std::string arch = shape.substr(0, shape.rfind("-tiny"));
+  ScratchDir dir(shape + "-synth");
+  const std::string path = dir.file(shape + ".gguf");
+  const SynthRun r = run_synth("--shape " + shape + " --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
                                "--default f32 -o " + path, dir.path());
   ASSERT_EQ(r.status, 0) << r.err;
-  constexpr int kSynthTokens = 20;   // past the shape's window of 8
+  constexpr int kSynthTokens = 20;   // past gpt-oss-tiny's window of 8
   const auto reports = run_llama_oracle({path}, kSynthTokens, dir.path());
   const LlamaReport& rep = reports.at(path);
   ASSERT_TRUE(rep.loaded) << rep.error;
-  EXPECT_NE(rep.type_description.find("gpt-oss"), std::string::npos) << rep.type_description;
+  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
   const model::Model m = model::Model::load(path);
   ASSERT_EQ(rep.n_vocab, m.hp.n_vocab);
   reference::ReferenceExecutor ex(m, {2});
@@ -170,9 +228,16 @@ TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
     ASSERT_GT(mx, 0.0) << "position " << t;
     worst = std::max(worst, gap / mx);
   }
-  std::printf("synth gpt-oss-tiny reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", worst);
+  std::printf("synth %s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", shape.c_str(), worst);
   EXPECT_LE(worst, 1e-4);
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ArchLlamaSynth, ::testing::Values("glm4moe-tiny", "gpt-oss-tiny", "qwen35moe-tiny"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace moraine::test
