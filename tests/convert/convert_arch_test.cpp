@@ -581,5 +581,25 @@ TEST(ConvertArchRefusal, Qwen2MoeSettingsTheGgufCannotHoldAreNamed) {
   EXPECT_NE(e.find("rope_theta"), std::string::npos) << e;
 }
 
+TEST(ConvertArchConfig, ModelTypeStandsInForArchitecturesAndUnknownOnesAreListed) {
+  // No "architectures": model_type picks the converter part.
+  Scratch s("convert-arch-model-type");
+  json cfg = qwen2moe_config();
+  cfg.erase("architectures");
+  write_dir(s.file("m"), cfg, qwen2moe_checkpoint(false), false);
+  ConvertOptions opt;
+  opt.hf_dir = s.file("m");
+  opt.out_path = s.file("out.gguf");
+  opt.outtype = TensorType::F32;
+  EXPECT_EQ(convert_hf_to_gguf(opt).arch, "qwen2moe");
+  // An architecture without a converter part is refused with the list of those that have one.
+  cfg["architectures"] = {"MixtralForCausalLM"};
+  const std::string e = refusal(cfg, qwen2moe_checkpoint(false), false);
+  for (const char* w : {"MixtralForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                        "Qwen3NextForCausalLM"}) {
+    EXPECT_NE(e.find(w), std::string::npos) << "missing '" << w << "' in: " << e;
+  }
+}
+
 }  // namespace
 }  // namespace moraine::convert::test
