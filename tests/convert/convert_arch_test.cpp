@@ -581,6 +581,38 @@ TEST(ConvertArchRefusal, Qwen2MoeSettingsTheGgufCannotHoldAreNamed) {
   EXPECT_NE(e.find("rope_theta"), std::string::npos) << e;
 }
 
+TEST(ConvertArchConfig, GptOssTransformersV4ConfigGivesTheSameKeys) {
+  // The released config.json: rope_theta at the top, YaRN under rope_scaling.
+  json v4 = gpt_oss_config(false);
+  json rope = v4["rope_parameters"];
+  v4.erase("rope_parameters");
+  v4["rope_theta"] = rope["rope_theta"];
+  rope.erase("rope_theta");
+  v4["rope_scaling"] = rope;
+  std::map<std::string, std::string> keys[2];
+  int i = 0;
+  for (const json& cfg : {gpt_oss_config(false), v4}) {
+    Scratch s("convert-arch-v4");
+    write_dir(s.file("m"), cfg, gpt_oss_checkpoint(false), true);
+    ConvertOptions opt;
+    opt.hf_dir = s.file("m");
+    opt.out_path = s.file("out.gguf");
+    opt.outtype = TensorType::F32;
+    const ConvertResult r = convert_hf_to_gguf(opt);
+    ASSERT_EQ(r.notes.size(), 1u);   // truncate = false
+    EXPECT_NE(r.notes[0].find("truncate"), std::string::npos) << r.notes[0];
+    const GgufFile f = GgufFile::open(opt.out_path);
+    for (const char* k : {"rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+                          "rope.scaling.original_context_length", "rope.scaling.yarn_beta_slow"}) {
+      const gguf::Value* v = f.find(std::string("gpt-oss.") + k);
+      ASSERT_NE(v, nullptr) << k;
+      keys[i][k] = v->as_string() ? *v->as_string() : std::to_string(*v->as_f64());
+    }
+    ++i;
+  }
+  EXPECT_EQ(keys[0], keys[1]);
+}
+
 TEST(ConvertArchConfig, ModelTypeStandsInForArchitecturesAndUnknownOnesAreListed) {
   // No "architectures": model_type picks the converter part.
   Scratch s("convert-arch-model-type");
