@@ -97,12 +97,11 @@ MODELS = {
                                      "partial_rotary_factor": 0.25})),
     # gpt-oss: attention biases and sinks, sliding (8, so the 24-token prompt crosses it) and
     # full layers alternating, YaRN, top-k-then-softmax router with bias, clamped-SwiGLU experts
-    # with biases. opt_in: made only with --only gpt_oss_odd, since moraine-convert cannot map
-    # GptOssForCausalLM yet and reference_golden_test converts every manifest model.
+    # with biases (moraine-convert maps GptOssForCausalLM: tools/convert/arch/gpt_oss.cpp).
     # HF's yarn here has truncate=False; llama.cpp (and a GGUF, which has no key for it) floors
     # and ceils the correction dims: this fixture measures that gap too.
     "gpt_oss_odd": dict(
-        arch="GptOssForCausalLM", seed=3001, layout="fused", shards=1, opt_in=True,
+        arch="GptOssForCausalLM", seed=3001, layout="fused", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=40, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                     num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
@@ -113,9 +112,9 @@ MODELS = {
                                      "beta_fast": 32.0, "beta_slow": 1.0,
                                      "original_max_position_embeddings": 4096, "truncate": False})),
     # qwen2moe: the architecture made only of existing parts (q/k/v biases, softmax router
-    # without renormalisation, gated shared expert). opt_in until moraine-convert maps it.
+    # without renormalisation, gated shared expert).
     "qwen2moe_odd": dict(
-        arch="Qwen2MoeForCausalLM", seed=4001, layout="per_expert", shards=1, opt_in=True,
+        arch="Qwen2MoeForCausalLM", seed=4001, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=3,
                     num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
