@@ -60,6 +60,7 @@ struct HParams {
   RopeScaling rope_scaling = RopeScaling::None;
   double rope_scaling_factor = 1.0;
   int64_t rope_orig_ctx = 0;        // rope.scaling.original_context_length
+  bool rope_yarn_truncate = true;   // rope.scaling.yarn_truncate (moraine's key; llama.cpp always rounds)
   double expert_weights_scale = 1.0;  // routed output's factor
   int64_t n_expert_groups = 1;      // expert_group_count: group-limited routing (1: no groups)
   int64_t n_group_used = 1;         // expert_group_used_count: the groups a token's top-k comes from

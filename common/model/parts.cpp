@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "common/model/arch/parts.h"
@@ -85,6 +87,20 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
 BackendSupport::BackendSupport(std::string backend_name, std::initializer_list<Feature> features)
     : name_(std::move(backend_name)) {
   for (Feature f : features) bits_ |= uint64_t{1} << static_cast<int>(f);
+}
+
+YarnRamp yarn_ramp(const RopePart& rope, int64_t n_rot) {
+  const double pi = 3.14159265358979323846;
+  const auto corr_dim = [&](double rotations) {
+    return static_cast<double>(n_rot) * std::log(static_cast<double>(rope.yarn_orig_ctx) / (rotations * 2 * pi)) /
+           (2 * std::log(rope.freq_base));
+  };
+  YarnRamp r;
+  const double low = corr_dim(rope.yarn_beta_fast), high = corr_dim(rope.yarn_beta_slow);
+  r.low = std::max(0.0, rope.yarn_truncate ? std::floor(low) : low);
+  r.high = std::min(static_cast<double>(n_rot - 1), rope.yarn_truncate ? std::ceil(high) : high);
+  r.mscale = 1.0 + 0.1 * std::log(rope.yarn_factor);
+  return r;
 }
 
 const BackendSupport& reference_support() {

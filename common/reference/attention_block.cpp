@@ -27,10 +27,9 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const float eps = static_cast<float>(hp.rms_eps);
   const model::AttentionPart& part = m_.layers[il].recipe.mixer.attn;
   const bool yarn = part.rope.scaling == model::RopeScaling::Yarn;
-  const YarnParams yarn_params{part.rope.yarn_factor, part.rope.yarn_orig_ctx, part.rope.yarn_beta_fast,
-                               part.rope.yarn_beta_slow};
+
   const auto rotate = [&](float* head, int64_t pos) {
-    if (yarn) rope_neox_yarn(head, hp.n_rot, pos, hp.rope_freq_base, yarn_params);
+    if (yarn) rope_neox_yarn(head, hp.n_rot, pos, part.rope);
     else rope_neox(head, hp.n_rot, pos, hp.rope_freq_base);
   };
   const auto add_bias = [](float* rows, int64_t n_rows, const std::vector<float>& b) {

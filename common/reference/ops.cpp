@@ -36,22 +36,16 @@ void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base) {
   }
 }
 
-void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn) {
-  const double pi = 3.14159265358979323846;
-  const auto corr_dim = [&](double rotations) {
-    return static_cast<double>(n_rot) * std::log(static_cast<double>(yarn.orig_ctx) / (rotations * 2 * pi)) /
-           (2 * std::log(freq_base));
-  };
-  const double low = std::max(0.0, std::floor(corr_dim(yarn.beta_fast)));
-  const double high = std::min(static_cast<double>(n_rot - 1), std::ceil(corr_dim(yarn.beta_slow)));
-  const double mscale = 1.0 + 0.1 * std::log(yarn.factor);
+void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, const model::RopePart& rope) {
+  const model::YarnRamp r = model::yarn_ramp(rope, n_rot);
+  const double freq_base = rope.freq_base, low = r.low, high = r.high, mscale = r.mscale;
   const int64_t half = n_rot / 2;
   for (int64_t i = 0; i < half; ++i) {
     const double extrap = static_cast<double>(pos) *
                           std::pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot));
     const double y = (static_cast<double>(i) - low) / std::max(0.001, high - low);
     const double ramp = 1.0 - std::min(1.0, std::max(0.0, y));   // 1: keep the unscaled frequency
-    const double theta = extrap / yarn.factor * (1.0 - ramp) + extrap * ramp;
+    const double theta = extrap / rope.yarn_factor * (1.0 - ramp) + extrap * ramp;
     const float c = static_cast<float>(std::cos(theta) * mscale);
     const float s = static_cast<float>(std::sin(theta) * mscale);
     const float x0 = head[i];

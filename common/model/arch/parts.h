@@ -19,7 +19,20 @@ struct RopePart {
   double yarn_factor = 1.0;       // rope.scaling.factor
   int64_t yarn_orig_ctx = 0;      // rope.scaling.original_context_length
   double yarn_beta_fast = 32.0, yarn_beta_slow = 1.0;
+  // The correction dims floored / ceiled to whole dims (llama.cpp, and every GGUF without
+  // moraine's rope.scaling.yarn_truncate key); false keeps them fractional as HF's
+  // truncate=false does (gpt-oss's own config: 0.26% of max |logit| apart on gpt_oss_odd).
+  bool yarn_truncate = true;
 };
+
+// YaRN's ramp over n_rot rotary dims: pair i keeps its unscaled frequency by
+// 1 - clamp((i - low) / max(0.001, high - low), 0, 1), low / high the correction dims of
+// beta_fast / beta_slow (rounded when yarn_truncate), and cos / sin are scaled by mscale =
+// 1 + 0.1 ln(factor). The one computation the reference and the CUDA rope share.
+struct YarnRamp {
+  double low = 0, high = 0, mscale = 1;
+};
+YarnRamp yarn_ramp(const RopePart& rope, int64_t n_rot);
 
 struct AttentionPart {
   bool qk_norm = false;       // per-head RMSNorm on q and k before RoPE
