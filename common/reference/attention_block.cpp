@@ -83,7 +83,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
         // 2^-20 relative covers ~8 ulps. Without this the F16 golden bound missed the H200's
         // qwen3moe_odd q8_0 gap (0.0065 of max against an order-only gap of 0.0031).
         const float r = half::fp16_to_fp32(code);
-        if (order_ != 0 && std::isfinite(r) && (code & 0x7fffu) != 0 && std::fabs(e) != std::fabs(r)) {
+        if (order_ != 0 && order_ != kFloatDots && std::isfinite(r) && (code & 0x7fffu) != 0 && std::fabs(e) != std::fabs(r)) {
           const uint16_t other = static_cast<uint16_t>(std::fabs(e) > std::fabs(r) ? code + 1 : code - 1);   // the neighbour on e's side
           const float mid = 0.5f * (r + half::fp16_to_fp32(other));
           if (std::fabs(e - mid) <= 0x1p-20f * std::fabs(e) && draw(order_, i, w) != 0) code = other;
