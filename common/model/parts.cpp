@@ -54,7 +54,10 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
       break;
     }
     case MixerKind::GatedDeltaNet: f.push_back(Feature::GatedDeltaNet); break;
-    case MixerKind::Mla: f.push_back(Feature::Mla); break;
+    case MixerKind::Mla:
+      f.push_back(Feature::Mla);
+      if (r.mixer.attn.rope.scaling == RopeScaling::Yarn) f.push_back(Feature::YarnRope);
+      break;
   }
   const FfnPart& ffn = r.ffn;
   if (ffn.kind == FfnKind::Dense) {
@@ -90,7 +93,9 @@ const BackendSupport& reference_support() {
                                  // gpt-oss's parts
                                  Feature::AttnQkvBias, Feature::AttnOutputBias, Feature::AttnSinks, Feature::SlidingWindow,
                                  Feature::YarnRope, Feature::RouterTopKSoftmax, Feature::RouterLogitBias,
-                                 Feature::SwiGluClamped, Feature::ExpertBiases});
+                                 Feature::SwiGluClamped, Feature::ExpertBiases,
+                                 // deepseek2's attention (mla_block.cpp)
+                                 Feature::Mla});
   return s;
 }
 

@@ -5,7 +5,9 @@
 // YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts; a mutation
 // check shows each of those parts moves the logits far past the bound. qwen2moe: an
 // architecture made only of existing parts (q/k/v biases, softmax router without
-// renormalisation, gated shared expert), one file in common/model/arch.
+// renormalisation, gated shared expert), one file in common/model/arch. deepseek2 (V2-Lite-like
+// with attn_k_b / attn_v_b and with the older attn_kv_b, V3-like): multi-head latent attention
+// in both its forms, DeepSeek's YaRN; mutations of its MLA parts move the logits far too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,23 +53,73 @@ double worst_gap(const std::vector<float>& ours, const std::vector<float>& llama
   return worst;
 }
 
+// A change of the model the reference would compute wrongly; keep holds replaced weight bytes.
+using Keep = std::vector<std::vector<uint8_t>>;
+struct Mutation {
+  const char* what;
+  void (*apply)(model::Model&, Keep&);
+};
+
+// Rows [first, first + n) of every layer's matrix (picked by field) replaced by zeros.
+template <class Field>
+void zero_rows(model::Model& mm, Keep& keep, Field field, int64_t first, int64_t n) {
+  for (auto& L : mm.layers) {
+    model::Matrix& w = field(L);
+    keep.emplace_back(w.data, w.data + static_cast<size_t>(w.n_rows) * w.row_bytes);
+    std::fill_n(keep.back().data() + static_cast<size_t>(first) * w.row_bytes, static_cast<size_t>(n) * w.row_bytes, 0);
+    w.data = keep.back().data();
+  }
+}
+
+std::vector<Mutation> mutations_of(const std::string& arch) {
+  if (arch == "gpt-oss") return {
+      {"no sliding window", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
+      {"no sinks", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.attn.sinks.clear(); }},
+      {"no YaRN", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
+      {"no attention biases", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.o_bias.clear(); }},
+      {"softmax over all experts", [](model::Model& mm, Keep&) {
+         for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
+         mm.hp.norm_topk_prob = false;
+       }},
+      {"no router bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
+      {"plain SwiGLU", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
+      {"no expert biases", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
+  };
+  if (arch.rfind("deepseek2", 0) != 0) return {};
+  std::vector<Mutation> m = {
+      {"k without its rope part", [](model::Model& mm, Keep& keep) {
+         const model::MlaPart& p = mm.layers[0].recipe.mixer.mla;
+         zero_rows(mm, keep, [](model::LayerWeights& L) -> model::Matrix& { return L.mla.kv_a_mqa; }, p.kv_lora_rank, p.rope_dim);
+       }},
+      {"no kv_a_norm weight", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.kv_a_norm.clear(); }},
+      {"scale without YaRN's mscale^2", [](model::Model& mm, Keep&) {
+         for (auto& L : mm.layers) L.recipe.mixer.mla.kq_scale = 1.0 / std::sqrt(static_cast<double>(mm.hp.mla_head_k));
+       }},
+      {"no YaRN", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
+  };
+  if (arch == "deepseek2:v3") m.push_back({"no q_a_norm weight", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.q_a_norm.clear(); }});
+  return m;
+}
+
 class ArchLlama : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   llama_oracle_dir();  // fails loudly, naming tests/oracle/setup, when the oracle is missing
-  const std::string arch = GetParam();
-  ScratchDir dir("arch-llama-" + arch);
+  const std::string arch = GetParam();   // an architecture, or one and a tiny variant ("deepseek2:v3")
+  std::string stem = arch;
+  for (char& c : stem) c = c == ':' ? '-' : c;
+  ScratchDir dir("arch-llama-" + stem);
   const model::HParams spec = tiny_hparams(arch);
   std::vector<std::vector<float>> data;
   gguf::GgufWriter w = tiny_writer(spec, 7, data);
   add_minimal_llama_vocab(w, spec.n_vocab);
-  const std::string path = dir.file("tiny-" + arch + ".gguf");
+  const std::string path = dir.file("tiny-" + stem + ".gguf");
   w.write(path);
 
   const auto reports = run_llama_oracle({path}, kTokens, dir.path());
   const LlamaReport& rep = reports.at(path);
   ASSERT_TRUE(rep.loaded) << rep.error;
-  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
+  EXPECT_NE(rep.type_description.find(spec.desc->name), std::string::npos) << rep.type_description;
   ASSERT_EQ(rep.n_vocab, spec.n_vocab);
   ASSERT_EQ(rep.logits.size(), static_cast<size_t>(kTokens * spec.n_vocab));
 
@@ -95,29 +147,23 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
     EXPECT_EQ(0, std::memcmp(stepped.data(), ours.data(), ours.size() * sizeof(float)));
   }
 
-  if (arch != "gpt-oss") return;
+  if (spec.kv_lora_rank > 0) {
+    // MLA's other form (expanded for attn_k_b / attn_v_b, absorbed for attn_kv_b) agrees too.
+    reference::ExecutorOptions o{2};
+    o.mla_form = spec.mla_split_kv_b ? reference::MlaForm::Expanded : reference::MlaForm::Absorbed;
+    reference::ReferenceExecutor other(m, o);
+    const std::vector<float> theirs = other.forward(tokens, true);
+    const double gap = worst_gap(theirs, rep.logits, spec.n_vocab, kTokens);
+    std::printf("%s the other MLA form vs llama.cpp: worst max|diff|/max|logit| %.3g\n", arch.c_str(), gap);
+    EXPECT_LE(gap, 1e-4);
+  }
+
   // Each part matters here: the reference with one part dropped (or swapped for its qwen
   // counterpart) leaves llama.cpp by far more than the bound, so the agreement above checks it.
-  struct Mutation {
-    const char* what;
-    void (*apply)(model::Model&);
-  };
-  const Mutation mutations[] = {
-      {"no sliding window", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
-      {"no sinks", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.sinks.clear(); }},
-      {"no YaRN", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
-      {"no attention biases", [](model::Model& mm) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.o_bias.clear(); }},
-      {"softmax over all experts", [](model::Model& mm) {
-         for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK;
-         mm.hp.norm_topk_prob = false;
-       }},
-      {"no router bias", [](model::Model& mm) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
-      {"plain SwiGLU", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
-      {"no expert biases", [](model::Model& mm) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
-  };
-  for (const Mutation& mu : mutations) {
+  for (const Mutation& mu : mutations_of(arch)) {
     model::Model mm = model::Model::load(path);
-    mu.apply(mm);
+    std::vector<std::vector<uint8_t>> keep;
+    mu.apply(mm, keep);
     reference::ReferenceExecutor mex(mm, {2});
     const std::vector<float> moved = mex.forward(tokens, true);
     double gap = 0, mx = 0;
@@ -125,15 +171,17 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
       gap = std::max(gap, std::fabs(static_cast<double>(moved[i]) - rep.logits[i]));
       mx = std::max(mx, std::fabs(static_cast<double>(rep.logits[i])));
     }
-    std::printf("  %-26s max|diff|/max|logit| %.3g\n", mu.what, gap / mx);
+    std::printf("  %-30s max|diff|/max|logit| %.3g\n", mu.what, gap / mx);
     EXPECT_GT(gap / mx, 1e-2) << mu.what << " does not move the logits: the test would not see it wrong";
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama, ::testing::Values("gpt-oss", "qwen2moe", "qwen3moe"),
+INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
+                         ::testing::Values("gpt-oss", "qwen2moe", "qwen3moe", "deepseek2:lite", "deepseek2:kv_b",
+                                           "deepseek2:v3"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
-                           for (char& c : n) c = c == '-' ? '_' : c;
+                           for (char& c : n) c = c == '-' || c == ':' ? '_' : c;
                            return n;
                          });
 

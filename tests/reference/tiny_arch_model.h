@@ -15,9 +15,52 @@
 
 namespace moraine::test {
 
+// deepseek2's MLA: latent 32, rotary key 8, per head 16 nope + 8 rope dims of q.k and 16 value
+// dims; one leading dense layer (width 48); DeepSeek's YaRN (factor 40 over 4096). "lite"
+// (V2-Lite-like): q directly, softmax router without renormalising, 2 shared experts,
+// mscale_all_dim 0.707, attn_k_b / attn_v_b; "kv_b": the same with the older fused attn_kv_b;
+// "v3" (V3-like): q LoRA (rank 24), sigmoid router with the choice bias, 8 experts in 4 groups
+// of which 2 are used, top-3, renormalised, scale 2.5, one shared expert, mscale_all_dim 1.
+inline void tiny_deepseek2(model::HParams& hp, const std::string& variant) {
+  hp.kv_lora_rank = 32;
+  hp.n_rot = 8;
+  hp.mla_head_k = 16 + hp.n_rot;
+  hp.mla_head_v = 16;
+  hp.n_ff = 48;
+  hp.n_dense_lead = 1;
+  hp.rope_scaling = model::RopeScaling::Yarn;
+  hp.rope_scaling_factor = 40.0;
+  hp.rope_orig_ctx = 4096;
+  if (variant == "lite" || variant == "kv_b") {
+    hp.rope_yarn_log_mul = 0.707;
+    hp.n_ff_shexp = 2 * hp.n_ff_exp;
+    hp.norm_topk_prob = false;
+    hp.mla_split_kv_b = variant == "lite";
+  } else if (variant == "v3") {
+    hp.q_lora_rank = 24;
+    hp.rope_yarn_log_mul = 1.0;
+    hp.sigmoid_gating = true;
+    hp.norm_topk_prob = true;
+    hp.expert_weights_scale = 2.5;
+    hp.n_expert = 8;
+    hp.n_expert_used = 3;
+    hp.n_ff_shexp = hp.n_ff_exp;
+    hp.mla_split_kv_b = true;
+  } else {
+    throw std::invalid_argument("tiny_hparams: no deepseek2 variant '" + variant + "' (lite, kv_b, v3)");
+  }
+  // The split layout caches [latent | rotary key] as one kv head; the fused one is plain MHA.
+  hp.n_head_kv = hp.mla_split_kv_b ? 1 : hp.n_head;
+  hp.head_dim = hp.mla_split_kv_b ? hp.kv_lora_rank + hp.n_rot : hp.mla_head_k;
+  hp.head_dim_v = hp.mla_split_kv_b ? hp.kv_lora_rank : hp.mla_head_v;
+}
+
 // 4 layers of n_embd 64, 4 heads of 16 (2 kv heads), 4 experts top-2 of width 32, vocab 320.
 // gpt-oss: sliding (window 4) and full layers alternating, YaRN factor 32 over 4096.
-inline model::HParams tiny_hparams(const std::string& arch) {
+// `name` is an architecture, or one and a variant after ':'.
+inline model::HParams tiny_hparams(const std::string& name) {
+  const std::string arch = name.substr(0, name.find(':'));
+  const std::string variant = name.find(':') == std::string::npos ? "" : name.substr(name.find(':') + 1);
   model::HParams hp;
   hp.desc = model::find_arch(arch);
   if (hp.desc == nullptr) throw std::invalid_argument("tiny_hparams: unknown architecture " + arch);
@@ -44,6 +87,8 @@ inline model::HParams tiny_hparams(const std::string& arch) {
   } else if (arch == "qwen2moe") {
     hp.n_ff_shexp = 48;
     hp.norm_topk_prob = false;
+  } else if (arch == "deepseek2") {
+    tiny_deepseek2(hp, variant);
   } else if (arch != "qwen3moe") {
     throw std::invalid_argument("tiny_hparams: no tiny shape for " + arch + " yet");
   }
@@ -82,7 +127,8 @@ inline gguf::GgufWriter tiny_writer(const model::HParams& hp, uint32_t seed, std
     for (int64_t d : s.shape) n *= d;
     std::vector<float> v(static_cast<size_t>(n));
     using R = model::TensorRole;
-    const bool norm = s.role == R::AttnNorm || s.role == R::FfnNorm || s.role == R::OutputNorm;
+    const bool norm = s.role == R::AttnNorm || s.role == R::FfnNorm || s.role == R::OutputNorm ||
+                      s.role == R::MlaQANorm || s.role == R::MlaKvANorm;
     const bool vec = s.shape.size() == 1 || s.role == R::GateExpsBias || s.role == R::UpExpsBias ||
                      s.role == R::DownExpsBias;
     // Rows read shape[0] inputs: 1/sqrt(fan-in) keeps activations O(1); the routers and the LM
