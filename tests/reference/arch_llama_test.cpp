@@ -91,13 +91,15 @@ std::vector<Mutation> mutations_of(const std::string& arch) {
          const model::MlaPart& p = mm.layers[0].recipe.mixer.mla;
          zero_rows(mm, keep, [](model::LayerWeights& L) -> model::Matrix& { return L.mla.kv_a_mqa; }, p.kv_lora_rank, p.rope_dim);
        }},
-      {"no kv_a_norm weight", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.kv_a_norm.clear(); }},
+      {"kv_a_norm weight all ones", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.kv_a_norm.assign(L.mla.kv_a_norm.size(), 1.0f); }},
       {"scale without YaRN's mscale^2", [](model::Model& mm, Keep&) {
          for (auto& L : mm.layers) L.recipe.mixer.mla.kq_scale = 1.0 / std::sqrt(static_cast<double>(mm.hp.mla_head_k));
        }},
       {"no YaRN", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
   };
-  if (arch == "deepseek2:v3") m.push_back({"no q_a_norm weight", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.q_a_norm.clear(); }});
+  if (arch == "deepseek2:v3") m.push_back({"q_a_norm weight all ones", [](model::Model& mm, Keep&) {
+      for (auto& L : mm.layers) L.mla.q_a_norm.assign(L.mla.q_a_norm.size(), 1.0f);
+    }});
   return m;
 }
 
