@@ -78,6 +78,128 @@ Decompression decompression(const model::MlaWeights& W, const model::MlaPart& P,
   return d;
 }
 
+// One step of one MLA layer: what both forms read.
+struct MlaStep {
+  const model::MlaWeights& W;
+  const model::MlaPart& P;
+  int64_t H, n, pos0;
+  const float* q;            // [n][H][nope + rope], the rope dims rotated
+  const float* cache;        // [pos0 + n][kv_lora_rank + rope]
+  const Decompression& dq;   // float copies (when not native)
+  bool native;               // the layout's own matrices
+  ThreadPool& pool;
+  DotOrderSeed order;
+};
+
+// Absorbed: per (token, head) [q_nope K_hd | q_pe], one dot with the cached [c | k_pe], the
+// weighted sum of the latents, then V_hd.
+void absorbed_attention(const MlaStep& st, float* out) {
+  const model::MlaWeights& W = st.W;
+  const model::MlaPart& P = st.P;
+  const int64_t H = st.H, n = st.n, pos0 = st.pos0, R = P.kv_lora_rank, Np = P.nope_dim, Rp = P.rope_dim;
+  const int64_t Vd = P.v_dim, qk = Np + Rp, kw = R + Rp, n_ctx = pos0 + n;
+  const float* q = st.q;
+  const float* cache = st.cache;
+  ThreadPool& pool = st.pool;
+  // Per (token, head) [q_nope K_hd | q_pe]: one dot with the cached [c | k_pe].
+  std::vector<float> qcat(n * H * kw), olat(n * H * R);
+  std::vector<float> qn(n * Np), qa(n * R);
+  for (int64_t hd = 0; hd < H; ++hd) {
+    for (int64_t t = 0; t < n; ++t) std::copy_n(q + (t * H + hd) * qk, Np, qn.data() + t * Np);
+    if (st.native) {
+      matmul(W.k_b.expert(hd), qn.data(), n, qa.data(), pool, st.order);
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < R; ++r) {
+          const float* kr = st.dq.kf.data() + (hd * R + r) * Np;
+          float s = 0.0f;
+          for (int64_t j = 0; j < Np; ++j) s += kr[j] * qn[t * Np + j];
+          qa[t * R + r] = s;
+        }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      float* qc = qcat.data() + (t * H + hd) * kw;
+      std::copy_n(qa.data() + t * R, R, qc);
+      std::copy_n(q + (t * H + hd) * qk + Np, Rp, qc + R);
+    }
+  }
+  pool.parallel_for(n * H, n_ctx * kw * 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(n_ctx);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n_kv = pos0 + i / H + 1;
+      attend(qcat.data() + i * kw, kw, cache, kw, cache, kw, R, n_kv, static_cast<float>(P.kq_scale), scores.data(),
+             olat.data() + i * R);
+    }
+  });
+  std::vector<float> ol(n * R), oh(n * Vd);
+  for (int64_t hd = 0; hd < H; ++hd) {
+    for (int64_t t = 0; t < n; ++t) std::copy_n(olat.data() + (t * H + hd) * R, R, ol.data() + t * R);
+    if (st.native) {
+      matmul(W.v_b.expert(hd), ol.data(), n, oh.data(), pool, st.order);
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < Vd; ++i) {
+          const float* vr = st.dq.vf.data() + (hd * Vd + i) * R;
+          float s = 0.0f;
+          for (int64_t r = 0; r < R; ++r) s += vr[r] * ol[t * R + r];
+          oh[t * Vd + i] = s;
+        }
+    }
+    for (int64_t t = 0; t < n; ++t) std::copy_n(oh.data() + t * Vd, Vd, out + (t * H + hd) * Vd);
+  }
+}
+
+// Expanded: every cached position's per-head key [K_hd c | k_pe] and value V_hd c, then MHA.
+void expanded_attention(const MlaStep& st, float* out) {
+  const model::MlaWeights& W = st.W;
+  const model::MlaPart& P = st.P;
+  const int64_t H = st.H, n = st.n, pos0 = st.pos0, R = P.kv_lora_rank, Np = P.nope_dim, Rp = P.rope_dim;
+  const int64_t Vd = P.v_dim, qk = Np + Rp, kw = R + Rp, n_ctx = pos0 + n;
+  const float* q = st.q;
+  const float* cache = st.cache;
+  ThreadPool& pool = st.pool;
+  // Every cached position's per-head key [K_hd c | k_pe] and value V_hd c, then plain MHA.
+  std::vector<float> lat(n_ctx * R), kx(n_ctx * H * qk), vx(n_ctx * H * Vd);
+  for (int64_t p = 0; p < n_ctx; ++p) std::copy_n(cache + p * kw, R, lat.data() + p * R);
+  if (st.native) {
+    std::vector<float> kvx(n_ctx * H * (Np + Vd));
+    matmul(W.kv_b, lat.data(), n_ctx, kvx.data(), pool, st.order);
+    for (int64_t p = 0; p < n_ctx; ++p)
+      for (int64_t hd = 0; hd < H; ++hd) {
+        const float* src = kvx.data() + (p * H + hd) * (Np + Vd);
+        std::copy_n(src, Np, kx.data() + (p * H + hd) * qk);
+        std::copy_n(src + Np, Vd, vx.data() + (p * H + hd) * Vd);
+      }
+  } else {
+    for (int64_t p = 0; p < n_ctx; ++p)
+      for (int64_t hd = 0; hd < H; ++hd) {
+        const float* c = lat.data() + p * R;
+        float* kn = kx.data() + (p * H + hd) * qk;
+        for (int64_t j = 0; j < Np; ++j) kn[j] = 0.0f;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* kr = st.dq.kf.data() + (hd * R + r) * Np;
+          for (int64_t j = 0; j < Np; ++j) kn[j] += kr[j] * c[r];
+        }
+        for (int64_t i = 0; i < Vd; ++i) {
+          const float* vr = st.dq.vf.data() + (hd * Vd + i) * R;
+          float s = 0.0f;
+          for (int64_t r = 0; r < R; ++r) s += vr[r] * c[r];
+          vx[(p * H + hd) * Vd + i] = s;
+        }
+      }
+  }
+  for (int64_t p = 0; p < n_ctx; ++p)
+    for (int64_t hd = 0; hd < H; ++hd) std::copy_n(cache + p * kw + R, Rp, kx.data() + (p * H + hd) * qk + Np);
+  pool.parallel_for(n * H, n_ctx * qk * 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(n_ctx);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n_kv = pos0 + i / H + 1, hd = i % H;
+      attend(q + i * qk, qk, kx.data() + hd * qk, H * qk, vx.data() + hd * Vd, H * Vd, Vd, n_kv,
+             static_cast<float>(P.kq_scale), scores.data(), out + i * Vd);
+    }
+  });
+}
+
 }  // namespace
 
 void ReferenceExecutor::mla_block(int64_t il, const float* h, int64_t n, float* x) {
@@ -124,103 +246,15 @@ void ReferenceExecutor::mla_block(int64_t il, const float* h, int64_t n, float* 
   }
   S.k_cache.insert(S.k_cache.end(), kv.begin(), kv.end());
 
-  const int64_t n_ctx = pos0 + n;
-  const float* cache = S.k_cache.data();
   const bool absorbed = mla_form_ == MlaForm::Absorbed || (mla_form_ == MlaForm::Auto && P.split_kv_b);
   // The form the file's layout gives runs on its matrices; the other one on float copies.
   const bool native = absorbed == P.split_kv_b;
   const Decompression dq = native ? Decompression{} : decompression(W, P, H);
   std::vector<float> out(n * H * Vd);
 
-  if (absorbed) {
-    // Per (token, head) [q_nope K_hd | q_pe]: one dot with the cached [c | k_pe].
-    std::vector<float> qcat(n * H * kw), olat(n * H * R);
-    std::vector<float> qn(n * Np), qa(n * R);
-    for (int64_t hd = 0; hd < H; ++hd) {
-      for (int64_t t = 0; t < n; ++t) std::copy_n(q.data() + (t * H + hd) * qk, Np, qn.data() + t * Np);
-      if (native) {
-        matmul(W.k_b.expert(hd), qn.data(), n, qa.data(), pool_, order_);
-      } else {
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t r = 0; r < R; ++r) {
-            const float* kr = dq.kf.data() + (hd * R + r) * Np;
-            float s = 0.0f;
-            for (int64_t j = 0; j < Np; ++j) s += kr[j] * qn[t * Np + j];
-            qa[t * R + r] = s;
-          }
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        float* qc = qcat.data() + (t * H + hd) * kw;
-        std::copy_n(qa.data() + t * R, R, qc);
-        std::copy_n(q.data() + (t * H + hd) * qk + Np, Rp, qc + R);
-      }
-    }
-    pool_.parallel_for(n * H, n_ctx * kw * 2, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(n_ctx);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t n_kv = pos0 + i / H + 1;
-        attend(qcat.data() + i * kw, kw, cache, kw, cache, kw, R, n_kv, static_cast<float>(P.kq_scale), scores.data(),
-               olat.data() + i * R);
-      }
-    });
-    std::vector<float> ol(n * R), oh(n * Vd);
-    for (int64_t hd = 0; hd < H; ++hd) {
-      for (int64_t t = 0; t < n; ++t) std::copy_n(olat.data() + (t * H + hd) * R, R, ol.data() + t * R);
-      if (native) {
-        matmul(W.v_b.expert(hd), ol.data(), n, oh.data(), pool_, order_);
-      } else {
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t i = 0; i < Vd; ++i) {
-            const float* vr = dq.vf.data() + (hd * Vd + i) * R;
-            float s = 0.0f;
-            for (int64_t r = 0; r < R; ++r) s += vr[r] * ol[t * R + r];
-            oh[t * Vd + i] = s;
-          }
-      }
-      for (int64_t t = 0; t < n; ++t) std::copy_n(oh.data() + t * Vd, Vd, out.data() + (t * H + hd) * Vd);
-    }
-  } else {
-    // Every cached position's per-head key [K_hd c | k_pe] and value V_hd c, then plain MHA.
-    std::vector<float> lat(n_ctx * R), kx(n_ctx * H * qk), vx(n_ctx * H * Vd);
-    for (int64_t p = 0; p < n_ctx; ++p) std::copy_n(cache + p * kw, R, lat.data() + p * R);
-    if (native) {
-      std::vector<float> kvx(n_ctx * H * (Np + Vd));
-      matmul(W.kv_b, lat.data(), n_ctx, kvx.data(), pool_, order_);
-      for (int64_t p = 0; p < n_ctx; ++p)
-        for (int64_t hd = 0; hd < H; ++hd) {
-          const float* src = kvx.data() + (p * H + hd) * (Np + Vd);
-          std::copy_n(src, Np, kx.data() + (p * H + hd) * qk);
-          std::copy_n(src + Np, Vd, vx.data() + (p * H + hd) * Vd);
-        }
-    } else {
-      for (int64_t p = 0; p < n_ctx; ++p)
-        for (int64_t hd = 0; hd < H; ++hd) {
-          const float* c = lat.data() + p * R;
-          float* kn = kx.data() + (p * H + hd) * qk;
-          for (int64_t j = 0; j < Np; ++j) kn[j] = 0.0f;
-          for (int64_t r = 0; r < R; ++r) {
-            const float* kr = dq.kf.data() + (hd * R + r) * Np;
-            for (int64_t j = 0; j < Np; ++j) kn[j] += kr[j] * c[r];
-          }
-          for (int64_t i = 0; i < Vd; ++i) {
-            const float* vr = dq.vf.data() + (hd * Vd + i) * R;
-            float s = 0.0f;
-            for (int64_t r = 0; r < R; ++r) s += vr[r] * c[r];
-            vx[(p * H + hd) * Vd + i] = s;
-          }
-        }
-    }
-    for (int64_t p = 0; p < n_ctx; ++p)
-      for (int64_t hd = 0; hd < H; ++hd) std::copy_n(cache + p * kw + R, Rp, kx.data() + (p * H + hd) * qk + Np);
-    pool_.parallel_for(n * H, n_ctx * qk * 2, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(n_ctx);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t n_kv = pos0 + i / H + 1, hd = i % H;
-        attend(q.data() + i * qk, qk, kx.data() + hd * qk, H * qk, vx.data() + hd * Vd, H * Vd, Vd, n_kv,
-               static_cast<float>(P.kq_scale), scores.data(), out.data() + i * Vd);
-      }
-    });
-  }
+  const MlaStep st{W, P, H, n, pos0, q.data(), S.k_cache.data(), dq, native, pool_, order_};
+  if (absorbed) absorbed_attention(st, out.data());
+  else expanded_attention(st, out.data());
 
   std::vector<float> y(n * hp.n_embd);
   matmul(W.o, out.data(), n, y.data(), pool_, order_);
