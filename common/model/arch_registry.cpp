@@ -86,7 +86,7 @@ const char* tensor_role_name(TensorRole r) {
       "TokEmbd", "OutputNorm", "Output", "AttnNorm", "FfnNorm", "AttnQ", "AttnK", "AttnV", "AttnO",
       "AttnQNorm", "AttnKNorm", "AttnQBias", "AttnKBias", "AttnVBias", "AttnOBias", "AttnSinks",
       "MlaQA", "MlaQANorm", "MlaQB", "MlaKvAMqa", "MlaKvANorm", "MlaKvB", "MlaKB", "MlaVB", "DnQkv",
-      "DnGate", "DnQkvzLegacy", "DnBa", "DnConv", "DnDtBias", "DnA", "DnNorm", "DnOut", "Router",
+      "DnGate", "DnQkvzLegacy", "DnBa", "DnBeta", "DnAlpha", "DnConv", "DnDtBias", "DnA", "DnNorm", "DnOut", "Router",
       "RouterBias", "ScoreBias", "GateExps", "UpExps", "DownExps", "GateExpsBias", "UpExpsBias",
       "DownExpsBias", "SharedRouter", "GateShexp", "UpShexp", "DownShexp", "FfnGate", "FfnUp", "FfnDown",
       "NextnEhProj", "NextnEnorm", "NextnHnorm", "NextnEmbedTokens", "NextnSharedHeadHead",
@@ -116,6 +116,8 @@ bool KeyReader::has(const char* suffix) const {
   declared(suffix);
   return f_.find(key(suffix)) != nullptr;
 }
+
+bool KeyReader::has_tensor(const std::string& name) const { return f_.find_tensor(name) != nullptr; }
 
 int64_t KeyReader::count(const char* suffix, int64_t fallback, bool allow_zero) const {
   declared(suffix);

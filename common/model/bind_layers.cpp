@@ -54,6 +54,8 @@ Matrix* matrix_field(TensorRole r, LayerWeights& L, NextnWeights* n) {
     case TensorRole::DnQkv: return &L.delta.qkv;
     case TensorRole::DnGate: return &L.delta.z;
     case TensorRole::DnBa: return &L.delta.ba;
+    case TensorRole::DnBeta: return &L.delta.beta;
+    case TensorRole::DnAlpha: return &L.delta.alpha;
     case TensorRole::DnOut: return &L.delta.out;
     case TensorRole::Router: return &L.moe.router;
     case TensorRole::GateShexp: return &L.moe.shared_gate;
@@ -82,7 +84,8 @@ ExpertTensor* experts_field(TensorRole r, LayerWeights& L) {
 
 void bind_slot(const HParams& hp, TensorBinder& b, const TensorSlot& s, LayerWeights& L, NextnWeights* n) {
   if (s.optional && !b.has(s.name)) return;
-  if (s.role == TensorRole::DnQkv && !b.has(s.name) && b.has(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer))) {
+  if (s.role == TensorRole::DnQkv && !b.has(s.name) && hp.desc->find(TensorRole::DnQkvzLegacy) != nullptr &&
+      b.has(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer))) {
     // The legacy fused ssm_in, grouped per key head as [q | k | v_group | z_group].
     L.delta.qkvz = b.matrix(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer), hp.n_embd,
                             hp.ssm_conv_dim() + hp.ssm_value_dim());

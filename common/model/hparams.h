@@ -61,6 +61,9 @@ struct HParams {
   double rope_scaling_factor = 1.0;
   int64_t rope_orig_ctx = 0;        // rope.scaling.original_context_length
   double expert_weights_scale = 1.0;  // routed output's factor
+  int64_t n_expert_groups = 1;      // expert_group_count: group-limited routing (1: no groups)
+  int64_t n_group_used = 1;         // expert_group_used_count: the groups a token's top-k comes from
+  bool attn_qk_norm = false;        // q/k norm tensors present (glm4moe: GLM-4.5 has them, Air not)
   int64_t n_ff = 0;                 // feed_forward_length (dense layers)
   int64_t n_dense_lead = 0;         // leading_dense_block_count
 

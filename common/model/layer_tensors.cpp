@@ -60,11 +60,16 @@ void mla(const HParams& hp, const MlaPart& m, SlotList& s) {
   s.add(TensorRole::AttnO, {H * m.v_dim, E});
 }
 
-void delta_net(const HParams& hp, SlotList& s) {
+void delta_net(const HParams& hp, const DeltaNetPart& p, SlotList& s) {
   const int64_t E = hp.n_embd, conv_dim = hp.ssm_conv_dim(), v_dim = hp.ssm_value_dim(), nv = hp.ssm_n_v_heads;
   s.add(TensorRole::DnQkv, {E, conv_dim});
   s.add(TensorRole::DnGate, {E, v_dim});
-  s.add(TensorRole::DnBa, {E, 2 * nv});
+  if (p.split_ba) {
+    s.add(TensorRole::DnBeta, {E, nv});
+    s.add(TensorRole::DnAlpha, {E, nv});
+  } else {
+    s.add(TensorRole::DnBa, {E, 2 * nv});
+  }
   s.add(TensorRole::DnConv, {hp.ssm_conv_kernel, conv_dim});
   s.add(TensorRole::DnDtBias, {nv});
   s.add(TensorRole::DnA, {nv});
@@ -112,7 +117,7 @@ std::vector<TensorSlot> layer_tensors(const HParams& hp, int64_t il) {
   s.add(TensorRole::AttnNorm, {E});
   switch (r.mixer.kind) {
     case MixerKind::Attention: attention(hp, r.mixer.attn, s); break;
-    case MixerKind::GatedDeltaNet: delta_net(hp, s); break;
+    case MixerKind::GatedDeltaNet: delta_net(hp, r.mixer.delta, s); break;
     case MixerKind::Mla: mla(hp, r.mixer.mla, s); break;
   }
   s.add(TensorRole::FfnNorm, {E});

@@ -40,6 +40,7 @@ struct DeltaNetWeights {
   Matrix qkv, z;          // current layout
   Matrix qkvz;            // legacy layout (ssm_in); used when qkv is absent
   Matrix ba;              // grouped per key head: [beta x r | alpha x r], r = v_heads / k_heads
+  Matrix beta, alpha;     // split_ba (qwen35moe): one row per value head each, instead of ba
   std::vector<float> conv;  // [conv_dim][kernel]: channel c's taps, oldest input first
   std::vector<float> dt_bias;  // [n_v_heads]
   std::vector<float> a;        // [n_v_heads] = -exp(A_log), as converters store it

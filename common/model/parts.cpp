@@ -16,6 +16,8 @@ const char* feature_name(Feature f) {
       "partial RoPE",
       "YaRN RoPE scaling",
       "Gated DeltaNet",
+      "Gated DeltaNet with value heads tiled over key heads",
+      "Gated DeltaNet with separate beta and alpha projections",
       "multi-head latent attention (MLA)",
       "router softmax-then-top-k",
       "router top-k-then-softmax",
@@ -53,7 +55,11 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
       rope(a.rope);
       break;
     }
-    case MixerKind::GatedDeltaNet: f.push_back(Feature::GatedDeltaNet); break;
+    case MixerKind::GatedDeltaNet:
+      f.push_back(Feature::GatedDeltaNet);
+      if (r.mixer.delta.v_heads_tiled) f.push_back(Feature::DeltaNetTiledHeads);
+      if (r.mixer.delta.split_ba) f.push_back(Feature::DeltaNetSplitBa);
+      break;
     case MixerKind::Mla:
       f.push_back(Feature::Mla);
       if (r.mixer.attn.rope.scaling == RopeScaling::Yarn) f.push_back(Feature::YarnRope);
@@ -94,6 +100,11 @@ const BackendSupport& reference_support() {
                                  Feature::AttnQkvBias, Feature::AttnOutputBias, Feature::AttnSinks, Feature::SlidingWindow,
                                  Feature::YarnRope, Feature::RouterTopKSoftmax, Feature::RouterLogitBias,
                                  Feature::SwiGluClamped, Feature::ExpertBiases,
+                                 // deepseek v3 / glm4moe's FFN parts
+                                 Feature::RouterSigmoidGroupTopK, Feature::RoutedScaling, Feature::SharedExpertUngated,
+                                 Feature::DenseFfn,
+                                 // qwen35moe's DeltaNet layout
+                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa,
                                  // deepseek2's attention (mla_block.cpp)
                                  Feature::Mla});
   return s;

@@ -127,7 +127,7 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   std::vector<float> h(n * d);
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     mixer_step(il, x.data(), n, h.data());
-    moe_block(il, h.data(), n, x.data());
+    ffn_block(il, h.data(), n, x.data());
   }
   advance(n);
 

@@ -106,6 +106,9 @@ class ReferenceExecutor {
   int64_t k_width(int64_t il) const;
   int64_t v_width(int64_t il) const;
   void moe_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
+  void dense_ffn_block(int64_t il, const float* h, int64_t n, float* x);  // moe_block.cpp
+  // The layer's FFN as its recipe says: a dense SwiGLU FFN or the MoE block.
+  void ffn_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
 
   const model::Model& m_;
   ThreadPool pool_;

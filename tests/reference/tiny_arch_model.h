@@ -44,6 +44,8 @@ inline void tiny_deepseek2(model::HParams& hp, const std::string& variant) {
     hp.expert_weights_scale = 2.5;
     hp.n_expert = 8;
     hp.n_expert_used = 3;
+    hp.n_expert_groups = 4;
+    hp.n_group_used = 2;
     hp.n_ff_shexp = hp.n_ff_exp;
     hp.mla_split_kv_b = true;
   } else {

@@ -6,7 +6,7 @@
 //       expert_shared_count * expert width)
 // The router follows expert_gating_func: softmax (V2, V2-Lite; the default when the key is
 // absent, as llama.cpp takes it for older files) or sigmoid with the exp_probs_b choice bias
-// and group-limited top-k (V3, R1); top-k weights renormalised when expert_weights_norm, then
+// and group-limited top-k (V3, R1; group-limited softmax, V2 236B, is refused); top-k weights renormalised when expert_weights_norm, then
 // times expert_weights_scale. q with LoRA (attention.q_lora_rank > 0: V2, V3) or direct
 // (V2-Lite). A file with attention.key_length_mla holds attn_k_b / attn_v_b (what llama.cpp's
 // converter writes today; key_length / value_length then describe the cached latent); older
@@ -71,6 +71,17 @@ void read_keys(const KeyReader& r, HParams& hp) {
     case 2: hp.sigmoid_gating = true; break;
     default: r.fail(r.key("expert_gating_func"), "only softmax (1) and sigmoid (2) are deepseek2's");
   }
+  hp.n_expert_groups = r.count("expert_group_count", 1, /*allow_zero=*/true);
+  hp.n_group_used = r.count("expert_group_used_count", 1, /*allow_zero=*/true);
+  if (hp.n_expert_groups > 1) {
+    if (!hp.sigmoid_gating)   // DeepSeek-V2 / V2.5 (236B): llama.cpp limits softmax choices to groups too
+      r.fail(r.key("expert_group_count"), "group-limited softmax routing (DeepSeek-V2 236B) is not implemented");
+    if (hp.n_expert % hp.n_expert_groups != 0) r.fail(r.key("expert_group_count"), "does not divide expert_count");
+    if (hp.n_group_used < 1 || hp.n_group_used >= hp.n_expert_groups)
+      r.fail(r.key("expert_group_used_count"), "must be at least 1 and below expert_group_count");
+    if (hp.n_group_used * (hp.n_expert / hp.n_expert_groups) < hp.n_expert_used)
+      r.fail(r.key("expert_group_used_count"), "leaves fewer experts than expert_used_count");
+  }
   read_rope(r, hp);
   hp.recurrent.assign(static_cast<size_t>(hp.n_layer), false);
 }
@@ -122,6 +133,8 @@ LayerRecipe layer_recipe(const HParams& hp, int64_t il) {
   router.renormalize = hp.norm_topk_prob;
   router.score_bias = hp.sigmoid_gating;
   router.routed_scale = hp.expert_weights_scale;
+  router.n_group = hp.n_expert_groups;
+  router.topk_group = hp.n_group_used;
   L.ffn.experts.act = Activation::SwiGlu;
   L.ffn.experts.n_ff = hp.n_ff_exp;
   if (hp.n_ff_shexp > 0) L.ffn.shared = {true, false, hp.n_ff_shexp};
@@ -143,6 +156,10 @@ void write_keys(const HParams& hp, const std::string& a, KeyList& m) {
   m.emplace_back(a + "expert_weights_scale", gguf::Value::f32(static_cast<float>(hp.expert_weights_scale)));
   m.emplace_back(a + "expert_weights_norm", gguf::Value::boolean(hp.norm_topk_prob));
   m.emplace_back(a + "expert_gating_func", u32(hp.sigmoid_gating ? 2 : 1));
+  if (hp.n_expert_groups > 1) {
+    m.emplace_back(a + "expert_group_count", u32(hp.n_expert_groups));
+    m.emplace_back(a + "expert_group_used_count", u32(hp.n_group_used));
+  }
   if (hp.rope_scaling == RopeScaling::Yarn) {
     m.emplace_back(a + "rope.scaling.type", gguf::Value::string("yarn"));
     m.emplace_back(a + "rope.scaling.factor", gguf::Value::f32(static_cast<float>(hp.rope_scaling_factor)));
@@ -168,6 +185,8 @@ const ArchDesc& arch_deepseek2() {
           {"expert_weights_scale", "1", "routed output's factor"},
           {"expert_weights_norm", "false", "renormalise the top-k weights"},
           {"expert_gating_func", "1", "1 softmax, 2 sigmoid"},
+          {"expert_group_count", "1", "expert groups of the group-limited top-k (sigmoid router)"},
+          {"expert_group_used_count", "1", "the groups a token's experts come from"},
           {"rope.scaling.type", "none", "yarn or none"},
           {"rope.scaling.factor", "1", "YaRN factor (required with yarn)"},
           {"rope.scaling.original_context_length", nullptr, "YaRN's trained context (required with yarn)"},

@@ -49,12 +49,19 @@ struct MlaPart {
   double kq_scale = 0.0;       // the attention scale (DeepSeek's YaRN mscale squared / sqrt(nope + rope))
 };
 
+// Gated DeltaNet: where value heads find their key head, and how beta and alpha are projected.
+struct DeltaNetPart {
+  bool v_heads_tiled = false;  // value head j reads key head j % n_k (qwen35moe); else j / (n_v / n_k) (qwen3next)
+  bool split_ba = false;       // ssm_beta and ssm_alpha, value-head order (qwen35moe); else ssm_ba grouped per key head
+};
+
 enum class MixerKind { Attention, GatedDeltaNet, Mla };
 
 struct MixerPart {
   MixerKind kind = MixerKind::Attention;
   AttentionPart attn;   // kind == Attention (and the RoPE of Mla)
   MlaPart mla;          // kind == Mla
+  DeltaNetPart delta;   // kind == GatedDeltaNet
 };
 
 enum class RouterKind {
@@ -119,6 +126,8 @@ enum class Feature {
   PartialRope,
   YarnRope,
   GatedDeltaNet,
+  DeltaNetTiledHeads,
+  DeltaNetSplitBa,
   Mla,
   RouterSoftmaxTopK,
   RouterTopKSoftmax,
