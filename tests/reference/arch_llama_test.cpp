@@ -97,9 +97,20 @@ std::vector<Mutation> mutations_of(const std::string& arch) {
        }},
       {"no YaRN", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
   };
-  if (arch == "deepseek2:v3") m.push_back({"q_a_norm weight all ones", [](model::Model& mm, Keep&) {
+  if (arch == "deepseek2:lite") {
+    m.push_back({"renormalised top-k", [](model::Model& mm, Keep&) {
+      mm.hp.norm_topk_prob = true;   // what the softmax router reads
+      for (auto& L : mm.layers) L.recipe.ffn.router.renormalize = true;
+    }});
+  }
+  if (arch == "deepseek2:v3") {
+    m.push_back({"q_a_norm weight all ones", [](model::Model& mm, Keep&) {
       for (auto& L : mm.layers) L.mla.q_a_norm.assign(L.mla.q_a_norm.size(), 1.0f);
     }});
+    m.push_back({"no group limit", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.n_group = L.recipe.ffn.router.topk_group = 1; }});
+    m.push_back({"no choice bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }});
+    m.push_back({"no routed scale", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.routed_scale = 1.0; }});
+  }
   return m;
 }
 
