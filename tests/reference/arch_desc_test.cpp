@@ -218,6 +218,10 @@ TEST(ArchDesc, Deepseek2BadKeysAreNamed) {
           "deepseek2.expert_gating_func: only softmax (1) and sigmoid (2)");
   refused("deepseek2:kv_b", [](gguf::GgufWriter& w) { w.set("deepseek2.attention.value_length_mla", Value::u32(16)); },
           "key_length_mla and value_length_mla come together");
+  refused("deepseek2:v3", [](gguf::GgufWriter& w) { w.set("deepseek2.attention.temperature_scale", Value::f32(0.1f)); },
+          "deepseek2.attention.temperature_scale: attention temperature scaling is not implemented");
+  refused("deepseek2:lite", [](gguf::GgufWriter& w) { w.set("deepseek2.expert_group_count", Value::u32(2)); },
+          "group-limited softmax routing (DeepSeek-V2 236B) is not implemented");
   // Without MLA the value width must still be the key width.
   refused("qwen3moe", [](gguf::GgufWriter& w) { w.set("qwen3moe.attention.value_length", Value::u32(8)); },
           "qwen3moe.attention.value_length: differs from key_length (8 vs 16)");

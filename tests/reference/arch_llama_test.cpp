@@ -198,29 +198,28 @@ INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
                            return n;
                          });
 
-// moraine-synth's gpt-oss-tiny (its tensor list is the description's) read by llama.cpp and by
-// the reference, F32 throughout so only float order separates them.
-TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
+// A moraine-synth shape (its tensor list is the description's) read by llama.cpp and by the
+// reference, F32 throughout so only float order separates them.
+void synth_agrees_with_llama(const std::string& shape, const std::string& arch, int n_tokens) {
   llama_oracle_dir();
-  ScratchDir dir("gpt-oss-synth");
-  const std::string path = dir.file("gpt-oss-tiny.gguf");
-  const SynthRun r = run_synth("--shape gpt-oss-tiny --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
+  ScratchDir dir(shape + "-synth");
+  const std::string path = dir.file(shape + ".gguf");
+  const SynthRun r = run_synth("--shape " + shape + " --vocab-size 512 --seed 5 --map _exps.=f32 --map ffn_gate_inp=f32 "
                                "--default f32 -o " + path, dir.path());
   ASSERT_EQ(r.status, 0) << r.err;
-  constexpr int kSynthTokens = 20;   // past the shape's window of 8
-  const auto reports = run_llama_oracle({path}, kSynthTokens, dir.path());
+  const auto reports = run_llama_oracle({path}, n_tokens, dir.path());
   const LlamaReport& rep = reports.at(path);
   ASSERT_TRUE(rep.loaded) << rep.error;
-  EXPECT_NE(rep.type_description.find("gpt-oss"), std::string::npos) << rep.type_description;
+  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
   const model::Model m = model::Model::load(path);
   ASSERT_EQ(rep.n_vocab, m.hp.n_vocab);
   reference::ReferenceExecutor ex(m, {2});
-  std::vector<int32_t> tokens(kSynthTokens);
+  std::vector<int32_t> tokens(static_cast<size_t>(n_tokens));
   std::iota(tokens.begin(), tokens.end(), 0);
   const std::vector<float> ours = ex.forward(tokens, true);
   ASSERT_EQ(ours.size(), rep.logits.size());
   double worst = 0;
-  for (int t = 0; t < kSynthTokens; ++t) {
+  for (int t = 0; t < n_tokens; ++t) {
     double mx = 0, gap = 0;
     for (int64_t v = 0; v < m.hp.n_vocab; ++v) {
       const size_t i = static_cast<size_t>(t * m.hp.n_vocab + v);
@@ -231,8 +230,16 @@ TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
     ASSERT_GT(mx, 0.0) << "position " << t;
     worst = std::max(worst, gap / mx);
   }
-  std::printf("synth gpt-oss-tiny reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", worst);
+  std::printf("synth %s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", shape.c_str(), worst);
   EXPECT_LE(worst, 1e-4);
+}
+
+TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
+  synth_agrees_with_llama("gpt-oss-tiny", "gpt-oss", 20);   // past the shape's window of 8
+}
+
+TEST(ArchLlamaSynth, DeepseekV3TinyAgreesWithLlamaCpp) {
+  synth_agrees_with_llama("deepseek-v3-tiny", "deepseek2", 20);
 }
 
 }  // namespace

@@ -25,8 +25,15 @@ struct ShapeSpec {
   // gpt-oss: every swa_period-th layer full attention, the others slide over sliding_window; YaRN.
   int64_t sliding_window = 0, swa_period = 0, yarn_orig_ctx = 0;
   double yarn_factor = 1.0;
+  // deepseek2: multi-head latent attention (head_dim is then kv_lora_rank + n_rot, the cached
+  // row; n_head_kv 1) and its FFN: leading dense layers, shared experts, softmax or sigmoid router.
+  int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_nope = 0, v_head = 0;
+  int64_t n_dense_lead = 0, n_shared = 0, n_group = 1, topk_group = 1;
+  bool sigmoid_router = false, norm_topk = false;
+  double routed_scale = 1.0, mscale_all_dim = 0.0;
 
   bool next() const { return arch == "qwen3next"; }
+  bool mla() const { return arch == "deepseek2"; }
   bool recurrent(int64_t layer) const { return next() && (layer + 1) % full_attn_interval != 0; }
 };
 

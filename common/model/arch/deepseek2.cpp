@@ -83,6 +83,9 @@ void read_keys(const KeyReader& r, HParams& hp) {
       r.fail(r.key("expert_group_used_count"), "leaves fewer experts than expert_used_count");
   }
   read_rope(r, hp);
+  // Mistral-Large-3's per-position query temperature (llama.cpp's inp_attn_scale).
+  if (r.has("attention.temperature_scale"))
+    r.fail(r.key("attention.temperature_scale"), "attention temperature scaling is not implemented");
   hp.recurrent.assign(static_cast<size_t>(hp.n_layer), false);
 }
 
@@ -192,6 +195,7 @@ const ArchDesc& arch_deepseek2() {
           {"rope.scaling.original_context_length", nullptr, "YaRN's trained context (required with yarn)"},
           {"rope.scaling.yarn_log_multiplier", "0", "0.1 * mscale_all_dim"},
           {"rope.scaling.attn_factor", "1", "RoPE attention factor"},
+          {"attention.temperature_scale", "(none)", "refused: query temperature scaling (Mistral-Large-3)"},
       },
       {
           {TensorRole::TokEmbd, "token_embd.weight", "model.embed_tokens.weight"},
@@ -221,6 +225,13 @@ const ArchDesc& arch_deepseek2() {
           {TensorRole::GateShexp, "ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight"},
           {TensorRole::UpShexp, "ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight"},
           {TensorRole::DownShexp, "ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight"},
+          // Multi-token-prediction blocks (nextn_predict_layers; llama.cpp's converter skips DeepSeek's).
+          {TensorRole::NextnEhProj, "nextn.eh_proj.weight", ""},
+          {TensorRole::NextnEnorm, "nextn.enorm.weight", ""},
+          {TensorRole::NextnHnorm, "nextn.hnorm.weight", ""},
+          {TensorRole::NextnEmbedTokens, "nextn.embed_tokens.weight", ""},
+          {TensorRole::NextnSharedHeadHead, "nextn.shared_head_head.weight", ""},
+          {TensorRole::NextnSharedHeadNorm, "nextn.shared_head_norm.weight", ""},
       },
       read_keys,
       layer_recipe,
