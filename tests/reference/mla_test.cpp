@@ -144,5 +144,23 @@ TEST(MlaForms, AbsorbedAndExpandedAgree) {
   }
 }
 
+// An F16 cache rounds the latent and the rotary key as stored: the logits move, and decode after
+// prefill still equals one prefill.
+TEST(MlaF16Cache, RoundsTheLatentAndKeepsDecodeEqualToPrefill) {
+  TinyFile f("v3");
+  const std::vector<int32_t> tokens = tokens_from(4, 9);
+  ExecutorOptions o{2};
+  o.kv_type = model::KvType::F16;
+  ReferenceExecutor half(f.m, o), full(f.m, {2}), inc(f.m, o);
+  const std::vector<float> lh = half.forward(tokens, true);
+  EXPECT_FALSE(bit_equal(lh, full.forward(tokens, true)));
+  std::vector<float> got = inc.forward(std::span(tokens).subspan(0, 4), true);
+  for (size_t i = 4; i < tokens.size(); ++i) {
+    const std::vector<float> one = inc.forward(std::span(tokens).subspan(i, 1), false);
+    got.insert(got.end(), one.begin(), one.end());
+  }
+  EXPECT_TRUE(bit_equal(got, lh));
+}
+
 }  // namespace
 }  // namespace moraine::test
