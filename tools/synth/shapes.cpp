@@ -151,10 +151,11 @@ const std::vector<ShapeSpec>& named_shapes() {
     air.n_expert = 128;
     air.n_expert_used = 8;
     air.ff_exp = 1408;
-    air.ff_shexp = 1408;  // one shared expert
+    air.n_shared = 1;
     air.rope_theta = 1e6;
     air.rms_eps = 1e-5;
-    air.dense_lead = 1;
+    air.n_dense_lead = 1;
+    air.norm_topk = true;
     v.push_back(air);
     ShapeSpec tiny_air = air;
     tiny_air.name = "glm4moe-tiny";
@@ -169,7 +170,6 @@ const std::vector<ShapeSpec>& named_shapes() {
     tiny_air.n_expert = 8;
     tiny_air.n_expert_used = 2;
     tiny_air.ff_exp = 256;
-    tiny_air.ff_shexp = 256;
     v.push_back(tiny_air);
 
     // Qwen3.5-35B-A3B (Qwen3_5MoeForCausalLM text config).
@@ -235,10 +235,13 @@ model::HParams to_hparams(const ShapeSpec& s) {
     hp.rope_scaling_factor = s.yarn_factor;
     hp.rope_orig_ctx = s.yarn_orig_ctx;
   }
-  hp.n_dense_lead = s.dense_lead;
-  hp.expert_weights_scale = s.routed_scale;
-  hp.norm_topk_prob = s.norm_topk;
-  hp.attn_qk_norm = s.qk_norm;
+  if (s.arch == "glm4moe") {
+    hp.n_dense_lead = s.n_dense_lead;
+    hp.n_ff_shexp = s.n_shared * s.ff_exp;
+    hp.norm_topk_prob = s.norm_topk;
+    hp.expert_weights_scale = s.routed_scale;
+    hp.attn_qk_norm = s.qk_norm;
+  }
   for (int64_t il = 0; il < s.n_layer; ++il) hp.recipes.push_back(hp.desc->layer_recipe(hp, il));
   return hp;
 }
