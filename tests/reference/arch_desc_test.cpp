@@ -113,8 +113,8 @@ TEST(ArchDesc, KeyTablesAreEnforcedAndBadYarnIsNamed) {
   std::filesystem::remove(path);
 }
 
-// The tiny file of `name` (tiny_hparams), with one key changed when `key` is given.
-std::string write_tiny(const std::string& name, const std::string& tag, const std::string& key = "",
+// The tiny file of `name` (tiny_hparams) at a path named by tag, with one key set when `key` is given.
+std::string tiny_file_with_key(const std::string& name, const std::string& tag, const std::string& key = "",
                        Value value = Value::u32(0)) {
   std::vector<std::vector<float>> data;
   gguf::GgufWriter w = test::tiny_writer(test::tiny_hparams(name), 7, data);
@@ -137,7 +137,7 @@ std::string load_error(const std::string& path) {
 }
 
 TEST(ArchDesc, Glm4MoeBindsDenseMoeAndNextnLayers) {
-  const std::string path = write_tiny("glm4moe", "glm4moe");
+  const std::string path = tiny_file_with_key("glm4moe", "glm4moe");
   const model::Model m = model::Model::load(path);
   ASSERT_EQ(m.layers.size(), 4u);
   EXPECT_EQ(m.hp.n_dense_lead, 1);
@@ -186,7 +186,7 @@ TEST(ArchDesc, Glm4MoeBindsDenseMoeAndNextnLayers) {
 
 TEST(ArchDesc, Glm4MoeQkNormComesFromTheTensorsAndBadRoutingKeysAreNamed) {
   {
-    const std::string path = write_tiny("glm4moe:qknorm_groups", "glm4moe_qk");
+    const std::string path = tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_qk");
     const model::Model m = model::Model::load(path);
     EXPECT_TRUE(m.hp.attn_qk_norm);
     EXPECT_TRUE(m.layers[2].recipe.mixer.attn.qk_norm);
@@ -196,17 +196,17 @@ TEST(ArchDesc, Glm4MoeQkNormComesFromTheTensorsAndBadRoutingKeysAreNamed) {
     EXPECT_FALSE(m.layers[2].recipe.ffn.router.renormalize);
     std::filesystem::remove(path);
   }
-  EXPECT_NE(load_error(write_tiny("glm4moe", "glm4moe_gating", "glm4moe.expert_gating_func", Value::u32(1)))
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_gating", "glm4moe.expert_gating_func", Value::u32(1)))
                 .find("glm4moe.expert_gating_func: 1 is not sigmoid"), std::string::npos);
-  EXPECT_NE(load_error(write_tiny("glm4moe:qknorm_groups", "glm4moe_groups", "glm4moe.expert_group_count", Value::u32(5)))
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_groups", "glm4moe.expert_group_count", Value::u32(5)))
                 .find("glm4moe.expert_group_count: does not divide expert_count 12"), std::string::npos);
-  EXPECT_NE(load_error(write_tiny("glm4moe", "glm4moe_dense", "glm4moe.leading_dense_block_count", Value::u32(5)))
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_dense", "glm4moe.leading_dense_block_count", Value::u32(5)))
                 .find("leading_dense_block_count: exceeds"), std::string::npos);
-  EXPECT_EQ(load_error(write_tiny("glm4moe", "glm4moe_ok")), "");
+  EXPECT_EQ(load_error(tiny_file_with_key("glm4moe", "glm4moe_ok")), "");
 }
 
 TEST(ArchDesc, Qwen35MoeBindsItsDeltaNetLayoutAndRefusesSectionsItCannotTurn) {
-  const std::string path = write_tiny("qwen35moe", "qwen35moe");
+  const std::string path = tiny_file_with_key("qwen35moe", "qwen35moe");
   const model::Model m = model::Model::load(path);
   ASSERT_EQ(m.layers.size(), 4u);
   ASSERT_EQ(m.nextn.size(), 1u);
@@ -232,7 +232,7 @@ TEST(ArchDesc, Qwen35MoeBindsItsDeltaNetLayoutAndRefusesSectionsItCannotTurn) {
   std::filesystem::remove(path);
   // Pair 1 of 4 falls to the fourth (image) position part under sections [1, 0, 0, 3].
   std::vector<Value> sec = {Value::i32(1), Value::i32(0), Value::i32(0), Value::i32(3)};
-  EXPECT_NE(load_error(write_tiny("qwen35moe", "qwen35moe_sec", "qwen35moe.rope.dimension_sections",
+  EXPECT_NE(load_error(tiny_file_with_key("qwen35moe", "qwen35moe_sec", "qwen35moe.rope.dimension_sections",
                                   Value::array(gguf::ValueType::INT32, std::move(sec))))
                 .find("rotary pair 1 falls to the fourth position part"), std::string::npos);
 }
