@@ -44,7 +44,7 @@ TEST(ArchDesc, RegistryListsEveryDescriptionWithConsistentTables) {
       EXPECT_TRUE(gguf_names.insert(t.gguf).second) << t.gguf;
     }
   }
-  EXPECT_EQ(model::known_arch_names(), "deepseek2, gpt-oss, qwen2moe, qwen3moe, qwen3next");
+  EXPECT_EQ(model::known_arch_names(), "deepseek2, glm4moe, gpt-oss, qwen2moe, qwen35moe, qwen3moe, qwen3next");
   EXPECT_EQ(model::find_arch("llama"), nullptr);
 }
 
@@ -121,6 +121,17 @@ std::string write_tiny(const std::string& name, std::vector<std::vector<float>>&
   const std::string path = (std::filesystem::temp_directory_path() / ("arch_desc_" + stem + ".gguf")).string();
   gguf::GgufWriter w = test::tiny_writer(test::tiny_hparams(name), 7, data);
   if (edit != nullptr) edit(w);
+  w.write(path);
+  return path;
+}
+
+// The tiny file of `name` (tiny_hparams) at a path named by tag, with one key set when `key` is given.
+std::string tiny_file_with_key(const std::string& name, const std::string& tag, const std::string& key = "",
+                       Value value = Value::u32(0)) {
+  std::vector<std::vector<float>> data;
+  gguf::GgufWriter w = test::tiny_writer(test::tiny_hparams(name), 7, data);
+  if (!key.empty()) w.set(key, std::move(value));
+  const std::string path = (std::filesystem::temp_directory_path() / ("arch_desc_" + tag + ".gguf")).string();
   w.write(path);
   return path;
 }
@@ -225,6 +236,119 @@ TEST(ArchDesc, Deepseek2BadKeysAreNamed) {
   // Without MLA the value width must still be the key width.
   refused("qwen3moe", [](gguf::GgufWriter& w) { w.set("qwen3moe.attention.value_length", Value::u32(8)); },
           "qwen3moe.attention.value_length: differs from key_length (8 vs 16)");
+}
+
+// The message of the ModelError that loading path throws ("" when it loads).
+std::string load_error(const std::string& path) {
+  try {
+    (void)model::Model::load(path);
+  } catch (const model::ModelError& e) {
+    std::filesystem::remove(path);
+    return e.what();
+  }
+  std::filesystem::remove(path);
+  return "";
+}
+
+TEST(ArchDesc, Glm4MoeBindsDenseMoeAndNextnLayers) {
+  const std::string path = tiny_file_with_key("glm4moe", "glm4moe");
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(m.layers.size(), 4u);
+  EXPECT_EQ(m.hp.n_dense_lead, 1);
+  EXPECT_EQ(m.hp.n_nextn, 1);
+  EXPECT_FALSE(m.hp.attn_qk_norm);
+  // Layer 0: a dense SwiGLU FFN of feed_forward_length, no router.
+  const model::LayerWeights& L0 = m.layers[0];
+  EXPECT_EQ(L0.recipe.ffn.kind, model::FfnKind::Dense);
+  EXPECT_EQ(L0.dense.gate.n_rows, 48);
+  EXPECT_EQ(L0.dense.down.n_rows, 64);
+  EXPECT_FALSE(L0.moe.router);
+  // Layers 1..3: the sigmoid router with its score bias, scaled, an ungated shared expert.
+  const model::LayerWeights& L1 = m.layers[1];
+  EXPECT_EQ(L1.recipe.ffn.kind, model::FfnKind::Moe);
+  EXPECT_EQ(L1.recipe.ffn.router.kind, model::RouterKind::SigmoidGroupTopK);
+  EXPECT_TRUE(L1.recipe.ffn.router.renormalize);
+  EXPECT_DOUBLE_EQ(L1.recipe.ffn.router.routed_scale, 2.5);
+  EXPECT_EQ(L1.moe.score_bias.size(), 4u);
+  EXPECT_TRUE(L1.moe.shared_up);
+  EXPECT_TRUE(L1.moe.shared_router.empty());
+  EXPECT_TRUE(L1.recipe.mixer.attn.qkv_bias && !L1.recipe.mixer.attn.qk_norm);
+  EXPECT_EQ(L1.attn.q_bias.size(), 64u);
+  const std::vector<model::Feature> f = model::layer_features(L1.recipe, m.hp.head_dim);
+  for (model::Feature want : {model::Feature::PartialRope, model::Feature::RouterSigmoidGroupTopK,
+                              model::Feature::RoutedScaling, model::Feature::SharedExpertUngated})
+    EXPECT_NE(std::find(f.begin(), f.end(), want), f.end()) << model::feature_name(want);
+  // The nextn block: a MoE layer's tensors and the nextn projections, bound (not run).
+  ASSERT_EQ(m.nextn.size(), 1u);
+  EXPECT_EQ(m.nextn[0].eh_proj.n_cols, 128);
+  EXPECT_EQ(m.nextn[0].enorm.size(), 64u);
+  EXPECT_TRUE(m.nextn[0].block.moe.router);
+  EXPECT_EQ(m.nextn[0].block.moe.score_bias.size(), 4u);
+  EXPECT_TRUE(m.nextn[0].shared_head_head);
+  EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+  // The gpu_worker's backends lack them: refused at layer 0, naming its first missing part.
+  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+    try {
+      model::check_supported(m, *b);
+      FAIL() << b->name() << " accepted a glm4moe model";
+    } catch (const model::ModelError& e) {
+      EXPECT_NE(std::string(e.what()).find("glm4moe layer 0 uses attention q/k/v biases"), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(ArchDesc, Glm4MoeQkNormComesFromTheTensorsAndBadRoutingKeysAreNamed) {
+  {
+    const std::string path = tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_qk");
+    const model::Model m = model::Model::load(path);
+    EXPECT_TRUE(m.hp.attn_qk_norm);
+    EXPECT_TRUE(m.layers[2].recipe.mixer.attn.qk_norm);
+    EXPECT_EQ(m.layers[2].attn.q_norm.size(), 16u);
+    EXPECT_EQ(m.layers[2].recipe.ffn.router.n_group, 4);
+    EXPECT_EQ(m.layers[2].recipe.ffn.router.topk_group, 1);
+    EXPECT_FALSE(m.layers[2].recipe.ffn.router.renormalize);
+    std::filesystem::remove(path);
+  }
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_gating", "glm4moe.expert_gating_func", Value::u32(1)))
+                .find("glm4moe.expert_gating_func: 1 is not sigmoid"), std::string::npos);
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_groups", "glm4moe.expert_group_count", Value::u32(5)))
+                .find("glm4moe.expert_group_count: does not divide expert_count 12"), std::string::npos);
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_dense", "glm4moe.leading_dense_block_count", Value::u32(5)))
+                .find("leading_dense_block_count: exceeds"), std::string::npos);
+  EXPECT_EQ(load_error(tiny_file_with_key("glm4moe", "glm4moe_ok")), "");
+}
+
+TEST(ArchDesc, Qwen35MoeBindsItsDeltaNetLayoutAndRefusesSectionsItCannotTurn) {
+  const std::string path = tiny_file_with_key("qwen35moe", "qwen35moe");
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(m.layers.size(), 4u);
+  ASSERT_EQ(m.nextn.size(), 1u);
+  const model::LayerWeights& L0 = m.layers[0];
+  EXPECT_TRUE(L0.recurrent);
+  EXPECT_TRUE(L0.recipe.mixer.delta.v_heads_tiled && L0.recipe.mixer.delta.split_ba);
+  EXPECT_EQ(L0.delta.beta.n_rows, 4);
+  EXPECT_EQ(L0.delta.alpha.n_rows, 4);
+  EXPECT_FALSE(L0.delta.ba);
+  EXPECT_FALSE(m.layers[3].recurrent);
+  EXPECT_TRUE(m.layers[3].attn.q_has_gate);
+  EXPECT_FALSE(m.nextn[0].block.recurrent);
+  EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+    try {
+      model::check_supported(m, *b);
+      FAIL() << b->name() << " accepted a qwen35moe model";
+    } catch (const model::ModelError& e) {
+      EXPECT_NE(std::string(e.what()).find("qwen35moe layer 0 uses Gated DeltaNet with value heads tiled"), std::string::npos)
+          << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+  // Pair 1 of 4 falls to the fourth (image) position part under sections [1, 0, 0, 3].
+  std::vector<Value> sec = {Value::i32(1), Value::i32(0), Value::i32(0), Value::i32(3)};
+  EXPECT_NE(load_error(tiny_file_with_key("qwen35moe", "qwen35moe_sec", "qwen35moe.rope.dimension_sections",
+                                  Value::array(gguf::ValueType::INT32, std::move(sec))))
+                .find("rotary pair 1 falls to the fourth position part"), std::string::npos);
 }
 
 TEST(ArchDesc, FeaturesOfTheQwenRecipesAreTheReferencesOwn) {

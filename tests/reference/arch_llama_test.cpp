@@ -2,20 +2,25 @@
 // flash attention off) on a tiny seeded file of each architecture description, written from the
 // description's own key and tensor lists (tests/reference/tiny_arch_model.h): 12 positions.
 // gpt-oss: attention biases and sinks, sliding-window (4 positions) and full layers alternating,
-// YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts; a mutation
-// check shows each of those parts moves the logits far past the bound. qwen2moe: an
+// YaRN, the top-k-then-softmax router with its bias, biased clamped-SwiGLU experts. qwen2moe: an
 // architecture made only of existing parts (q/k/v biases, softmax router without
-// renormalisation, gated shared expert), one file in common/model/arch. deepseek2 (V2-Lite-like
-// with attn_k_b / attn_v_b and with the older attn_kv_b, V3-like): multi-head latent attention
-// in both its forms, DeepSeek's YaRN; mutations of its MLA parts move the logits far too.
+// renormalisation, gated shared expert), one file in common/model/arch. glm4moe: a dense
+// leading layer, partial RoPE, q/k/v biases, the sigmoid router with its score bias, routed
+// scaling and an ungated shared expert, a nextn block bound but not run; its variant adds q/k
+// norm and group-limited routing. qwen35moe / qwen3next: the DeltaNet hybrids, value heads
+// tiled and grouped over the key heads. Mutation checks show each such part moves the logits far
+// past the bound. deepseek2 (V2-Lite-like with attn_k_b / attn_v_b and with the older
+// attn_kv_b, V3-like): multi-head latent attention in both its forms, DeepSeek's YaRN.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <span>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/model/model.h"
@@ -71,6 +76,9 @@ void zero_rows(model::Model& mm, Keep& keep, Field field, int64_t first, int64_t
   }
 }
 
+// Each part of the architecture matters in its tiny file: the reference with one of these
+// leaves llama.cpp by far more than the bound, so the agreement checks the part. `arch` is the
+// test's parameter (with its variant).
 std::vector<Mutation> mutations_of(const std::string& arch) {
   if (arch == "gpt-oss") return {
       {"no sliding window", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.sliding_window = 0; }},
@@ -84,6 +92,31 @@ std::vector<Mutation> mutations_of(const std::string& arch) {
       {"no router bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.router_bias.clear(); }},
       {"plain SwiGLU", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.experts.act = model::Activation::SwiGlu; }},
       {"no expert biases", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.experts.biases = false; }},
+  };
+  if (arch == "glm4moe") return {
+      {"softmax router", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.kind = model::RouterKind::SoftmaxTopK; }},
+      {"no score bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }},
+      {"no routed scaling", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.routed_scale = 1.0; }},
+      {"shared expert gated (x0.5)", [](model::Model& mm, Keep&) {
+         for (auto& L : mm.layers)
+           if (L.moe.shared_up) L.moe.shared_router.assign(static_cast<size_t>(mm.hp.n_embd), 0.0f);
+       }},
+      {"dense FFN gate/up swapped", [](model::Model& mm, Keep&) { std::swap(mm.layers[0].dense.gate, mm.layers[0].dense.up); }},
+      {"no q/k/v biases", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.attn.q_bias.clear(), L.attn.k_bias.clear(), L.attn.v_bias.clear(); }},
+      {"full-head RoPE", [](model::Model& mm, Keep&) { mm.hp.n_rot = mm.hp.head_dim; }},
+  };
+  if (arch == "glm4moe:qknorm_groups") return {
+      {"no group limit", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.n_group = 1; }},
+      {"renormalised weights", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.renormalize = true; }},
+      {"no q/k norm", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.attn.q_norm.clear(), L.attn.k_norm.clear(); }},
+      {"no score bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }},
+  };
+  if (arch == "qwen35moe") return {
+      {"value heads grouped (qwen3next)", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.delta.v_heads_tiled = false; }},
+      {"beta and alpha swapped", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) std::swap(L.delta.beta, L.delta.alpha); }},
+  };
+  if (arch == "qwen3next") return {
+      {"value heads tiled (qwen35moe)", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.delta.v_heads_tiled = true; }},
   };
   if (arch.rfind("deepseek2", 0) != 0) return {};
   std::vector<Mutation> m = {
@@ -118,11 +151,12 @@ class ArchLlama : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   llama_oracle_dir();  // fails loudly, naming tests/oracle/setup, when the oracle is missing
-  const std::string arch = GetParam();   // an architecture, or one and a tiny variant ("deepseek2:v3")
-  std::string stem = arch;
+  const std::string name = GetParam();   // an architecture, or one and a variant after ':'
+  const std::string arch = name.substr(0, name.find(':'));
+  std::string stem = name;
   for (char& c : stem) c = c == ':' ? '-' : c;
   ScratchDir dir("arch-llama-" + stem);
-  const model::HParams spec = tiny_hparams(arch);
+  const model::HParams spec = tiny_hparams(name);
   std::vector<std::vector<float>> data;
   gguf::GgufWriter w = tiny_writer(spec, 7, data);
   add_minimal_llama_vocab(w, spec.n_vocab);
@@ -144,7 +178,7 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   ASSERT_EQ(ours.size(), rep.logits.size());
   // F32 weights and cache: float order only (the qwen goldens agree to 1.5e-6 on this path).
   const double worst = worst_gap(ours, rep.logits, spec.n_vocab, kTokens);
-  std::printf("%s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", arch.c_str(), worst);
+  std::printf("%s reference vs llama.cpp: worst max|diff|/max|logit| %.3g\n", name.c_str(), worst);
   EXPECT_LE(worst, 1e-4);
 
   // Decode after prefill is bit-identical to the one prefill (the sliding layers' window moves
@@ -167,13 +201,13 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
     reference::ReferenceExecutor other(m, o);
     const std::vector<float> theirs = other.forward(tokens, true);
     const double gap = worst_gap(theirs, rep.logits, spec.n_vocab, kTokens);
-    std::printf("%s the other MLA form vs llama.cpp: worst max|diff|/max|logit| %.3g\n", arch.c_str(), gap);
+    std::printf("%s the other MLA form vs llama.cpp: worst max|diff|/max|logit| %.3g\n", name.c_str(), gap);
     EXPECT_LE(gap, 1e-4);
   }
 
   // Each part matters here: the reference with one part dropped (or swapped for its qwen
   // counterpart) leaves llama.cpp by far more than the bound, so the agreement above checks it.
-  for (const Mutation& mu : mutations_of(arch)) {
+  for (const Mutation& mu : mutations_of(name)) {
     model::Model mm = model::Model::load(path);
     std::vector<std::vector<uint8_t>> keep;
     mu.apply(mm, keep);
@@ -190,8 +224,9 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
-                         ::testing::Values("gpt-oss", "qwen2moe", "qwen3moe", "deepseek2:lite", "deepseek2:kv_b",
-                                           "deepseek2:v3"),
+                         ::testing::Values("deepseek2:lite", "deepseek2:kv_b", "deepseek2:v3", "glm4moe",
+                                           "glm4moe:qknorm_groups", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3moe",
+                                           "qwen3next"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' || c == ':' ? '_' : c;
@@ -240,6 +275,14 @@ TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
 
 TEST(ArchLlamaSynth, DeepseekV3TinyAgreesWithLlamaCpp) {
   synth_agrees_with_llama("deepseek-v3-tiny", "deepseek2", 20);
+}
+
+TEST(ArchLlamaSynth, Glm4MoeTinyAgreesWithLlamaCpp) {
+  synth_agrees_with_llama("glm4moe-tiny", "glm4moe", 20);
+}
+
+TEST(ArchLlamaSynth, Qwen35MoeTinyAgreesWithLlamaCpp) {
+  synth_agrees_with_llama("qwen35moe-tiny", "qwen35moe", 20);
 }
 
 }  // namespace
