@@ -77,6 +77,7 @@ struct HParams {
   double rope_yarn_log_mul = 0.0;   // DeepSeek's mscale_all_dim (the key holds 0.1 times it)
   double rope_attn_factor = 1.0;    // rope.scaling.attn_factor
   bool sigmoid_gating = false;      // deepseek2's expert_gating_func 2: the sigmoid router
+  bool expert_score_bias = false;   // deepseek2: exp_probs_b present (llama.cpp takes it when there)
 
   const char* arch_string() const;  // general.architecture of desc (or of arch when desc is null)
   // The recipe of layer il; a hand-built HParams without recipes gets the one its flat fields

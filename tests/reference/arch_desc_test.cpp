@@ -209,6 +209,20 @@ TEST(ArchDesc, Deepseek2VariantsLoadWithTheirParts) {
     EXPECT_NEAR(r1.mixer.mla.kq_scale, mscale * mscale / std::sqrt(24.0), 1e-6);
     std::filesystem::remove(path);
   }
+  {
+    // A sigmoid router without exp_probs_b in the file (llama.cpp's tensor is optional): no choice bias.
+    model::HParams hp = test::tiny_hparams("deepseek2:v3");
+    hp.expert_score_bias = false;
+    for (int64_t il = 0; il < hp.n_layer; ++il) hp.recipes[static_cast<size_t>(il)] = hp.desc->layer_recipe(hp, il);
+    std::vector<std::vector<float>> data;
+    const std::string path = (std::filesystem::temp_directory_path() / "arch_desc_deepseek2_nobias.gguf").string();
+    test::tiny_writer(hp, 7, data).write(path);
+    const model::Model m = model::Model::load(path);
+    EXPECT_EQ(m.layers[1].recipe.ffn.router.kind, model::RouterKind::SigmoidGroupTopK);
+    EXPECT_FALSE(m.layers[1].recipe.ffn.router.score_bias);
+    EXPECT_TRUE(m.layers[1].moe.score_bias.empty());
+    std::filesystem::remove(path);
+  }
 }
 
 TEST(ArchDesc, Deepseek2BadKeysAreNamed) {

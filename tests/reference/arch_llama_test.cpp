@@ -224,7 +224,7 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
-                         ::testing::Values("deepseek2:lite", "deepseek2:kv_b", "deepseek2:v3", "glm4moe",
+                         ::testing::Values("deepseek2:lite", "deepseek2:kv_b", "deepseek2:v3", "deepseek2:v3_nobias", "glm4moe",
                                            "glm4moe:qknorm_groups", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3moe",
                                            "qwen3next"),
                          [](const ::testing::TestParamInfo<std::string>& i) {

@@ -20,7 +20,8 @@ namespace moraine::test {
 // (V2-Lite-like): q directly, softmax router without renormalising, 2 shared experts,
 // mscale_all_dim 0.707, attn_k_b / attn_v_b; "kv_b": the same with the older fused attn_kv_b;
 // "v3" (V3-like): q LoRA (rank 24), sigmoid router with the choice bias, 8 experts in 4 groups
-// of which 2 are used, top-3, renormalised, scale 2.5, one shared expert, mscale_all_dim 1.
+// of which 2 are used, top-3, renormalised, scale 2.5, one shared expert, mscale_all_dim 1;
+// "v3_nobias": V3-like without exp_probs_b.
 inline void tiny_deepseek2(model::HParams& hp, const std::string& variant) {
   hp.kv_lora_rank = 32;
   hp.n_rot = 8;
@@ -36,10 +37,11 @@ inline void tiny_deepseek2(model::HParams& hp, const std::string& variant) {
     hp.n_ff_shexp = 2 * hp.n_ff_exp;
     hp.norm_topk_prob = false;
     hp.mla_split_kv_b = variant == "lite";
-  } else if (variant == "v3") {
+  } else if (variant == "v3" || variant == "v3_nobias") {
     hp.q_lora_rank = 24;
     hp.rope_yarn_log_mul = 1.0;
     hp.sigmoid_gating = true;
+    hp.expert_score_bias = variant == "v3";   // exp_probs_b is optional to llama.cpp
     hp.norm_topk_prob = true;
     hp.expert_weights_scale = 2.5;
     hp.n_expert = 8;
@@ -49,7 +51,7 @@ inline void tiny_deepseek2(model::HParams& hp, const std::string& variant) {
     hp.n_ff_shexp = hp.n_ff_exp;
     hp.mla_split_kv_b = true;
   } else {
-    throw std::invalid_argument("tiny_hparams: no deepseek2 variant '" + variant + "' (lite, kv_b, v3)");
+    throw std::invalid_argument("tiny_hparams: no deepseek2 variant '" + variant + "' (lite, kv_b, v3, v3_nobias)");
   }
   // The split layout caches [latent | rotary key] as one kv head; the fused one is plain MHA.
   hp.n_head_kv = hp.mla_split_kv_b ? 1 : hp.n_head;

@@ -320,7 +320,7 @@ model::HParams to_hparams(const ShapeSpec& s) {
     hp.rope_yarn_log_mul = s.mscale_all_dim;
     hp.n_dense_lead = s.n_dense_lead;
     hp.n_ff_shexp = s.n_shared * s.ff_exp;
-    hp.sigmoid_gating = s.sigmoid_router;
+    hp.sigmoid_gating = hp.expert_score_bias = s.sigmoid_router;
     hp.norm_topk_prob = s.norm_topk;
     hp.expert_weights_scale = s.routed_scale;
     hp.n_expert_groups = s.n_group;

@@ -71,6 +71,11 @@ void read_keys(const KeyReader& r, HParams& hp) {
     case 2: hp.sigmoid_gating = true; break;
     default: r.fail(r.key("expert_gating_func"), "only softmax (1) and sigmoid (2) are deepseek2's");
   }
+  // exp_probs_b is optional to llama.cpp (V3 files have it): the first MoE layer's tells.
+  hp.expert_score_bias = hp.n_dense_lead < hp.n_layer &&
+                         r.has_tensor("blk." + std::to_string(hp.n_dense_lead) + ".exp_probs_b.bias");
+  if (hp.expert_score_bias && !hp.sigmoid_gating)
+    r.fail(r.key("expert_gating_func"), "softmax routing with a choice bias (exp_probs_b) is not implemented");
   hp.n_expert_groups = r.count("expert_group_count", 1, /*allow_zero=*/true);
   hp.n_group_used = r.count("expert_group_used_count", 1, /*allow_zero=*/true);
   if (hp.n_expert_groups > 1) {
@@ -134,7 +139,7 @@ LayerRecipe layer_recipe(const HParams& hp, int64_t il) {
   RouterPart& router = L.ffn.router;
   router.kind = hp.sigmoid_gating ? RouterKind::SigmoidGroupTopK : RouterKind::SoftmaxTopK;
   router.renormalize = hp.norm_topk_prob;
-  router.score_bias = hp.sigmoid_gating;
+  router.score_bias = hp.expert_score_bias;
   router.routed_scale = hp.expert_weights_scale;
   router.n_group = hp.n_expert_groups;
   router.topk_group = hp.n_group_used;
