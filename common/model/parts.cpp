@@ -62,7 +62,10 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
       if (r.mixer.delta.v_heads_tiled) f.push_back(Feature::DeltaNetTiledHeads);
       if (r.mixer.delta.split_ba) f.push_back(Feature::DeltaNetSplitBa);
       break;
-    case MixerKind::Mla: f.push_back(Feature::Mla); break;
+    case MixerKind::Mla:
+      f.push_back(Feature::Mla);
+      if (r.mixer.attn.rope.scaling == RopeScaling::Yarn) f.push_back(Feature::YarnRope);
+      break;
   }
   const FfnPart& ffn = r.ffn;
   if (ffn.kind == FfnKind::Dense) {
@@ -99,7 +102,7 @@ YarnRamp yarn_ramp(const RopePart& rope, int64_t n_rot) {
   const double low = corr_dim(rope.yarn_beta_fast), high = corr_dim(rope.yarn_beta_slow);
   r.low = std::max(0.0, rope.yarn_truncate ? std::floor(low) : low);
   r.high = std::min(static_cast<double>(n_rot - 1), rope.yarn_truncate ? std::ceil(high) : high);
-  r.mscale = 1.0 + 0.1 * std::log(rope.yarn_factor);
+  r.mscale = rope.attn_factor * (1.0 + 0.1 * std::log(rope.yarn_factor));
   return r;
 }
 
@@ -117,7 +120,9 @@ const BackendSupport& reference_support() {
                                  Feature::RouterSigmoidGroupTopK, Feature::RoutedScaling, Feature::SharedExpertUngated,
                                  Feature::DenseFfn,
                                  // qwen35moe's DeltaNet layout
-                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa});
+                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa,
+                                 // deepseek2's attention (mla_block.cpp)
+                                 Feature::Mla});
   return s;
 }
 
