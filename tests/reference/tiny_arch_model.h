@@ -85,7 +85,6 @@ inline model::HParams tiny_hparams(const std::string& name) {
   } else if (arch != "qwen3moe") {
     throw std::invalid_argument("tiny_hparams: no tiny shape for " + arch + " yet");
   }
-  if (arch != "glm4moe" && !variant.empty()) throw std::invalid_argument("tiny_hparams: no variant " + name);
   for (int64_t il = 0; il < hp.n_layer + hp.n_nextn; ++il) hp.recipes.push_back(hp.desc->layer_recipe(hp, il));
   return hp;
 }

@@ -263,12 +263,13 @@ Role role_of(model::TensorRole r) {
     case T::DnConv: return Role::Conv;
     case T::DnDtBias: return Role::DtBias;
     case T::DnA: return Role::Decay;
-    case T::AttnQ: case T::AttnK: case T::AttnV: case T::DnQkv: case T::DnGate: case T::DnBa: case T::DnBeta:
-    case T::DnAlpha: case T::GateExps:
+    case T::ScoreBias: return Role::Bias;
+    case T::DnBeta: case T::DnAlpha:
+    case T::AttnQ: case T::AttnK: case T::AttnV: case T::DnQkv: case T::DnGate: case T::DnBa: case T::GateExps:
     case T::UpExps: case T::GateShexp: case T::UpShexp: case T::FfnGate: case T::FfnUp: case T::NextnEhProj:
       return Role::InProj;
     case T::AttnQBias: case T::AttnKBias: case T::AttnVBias: case T::AttnOBias: case T::RouterBias:
-    case T::GateExpsBias: case T::UpExpsBias: case T::DownExpsBias: case T::ScoreBias:
+    case T::GateExpsBias: case T::UpExpsBias: case T::DownExpsBias:
       return Role::Bias;
     case T::AttnSinks: return Role::Sink;
     default: break;
