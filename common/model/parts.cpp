@@ -60,7 +60,10 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
       if (r.mixer.delta.v_heads_tiled) f.push_back(Feature::DeltaNetTiledHeads);
       if (r.mixer.delta.split_ba) f.push_back(Feature::DeltaNetSplitBa);
       break;
-    case MixerKind::Mla: f.push_back(Feature::Mla); break;
+    case MixerKind::Mla:
+      f.push_back(Feature::Mla);
+      if (r.mixer.attn.rope.scaling == RopeScaling::Yarn) f.push_back(Feature::YarnRope);
+      break;
   }
   const FfnPart& ffn = r.ffn;
   if (ffn.kind == FfnKind::Dense) {
@@ -101,7 +104,9 @@ const BackendSupport& reference_support() {
                                  Feature::RouterSigmoidGroupTopK, Feature::RoutedScaling, Feature::SharedExpertUngated,
                                  Feature::DenseFfn,
                                  // qwen35moe's DeltaNet layout
-                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa});
+                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa,
+                                 // deepseek2's attention (mla_block.cpp)
+                                 Feature::Mla});
   return s;
 }
 

@@ -20,12 +20,18 @@ void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base);
 // it: pair i's frequency mixes base^(-2i/n_rot) / factor (interpolated) and the unscaled one by
 // a ramp between the correction dims of beta_fast and beta_slow (floored / ceiled), and cos and
 // sin are scaled by 1 + 0.1 ln(factor).
+// attn_factor is ggml_rope_ext's: it scales cos and sin too (deepseek2 cancels the YaRN factor).
 struct YarnParams {
   double factor = 1.0;
   int64_t orig_ctx = 0;
   double beta_fast = 32.0, beta_slow = 1.0;
+  double attn_factor = 1.0;
 };
 void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn);
+
+// The NORM pairing llama.cpp uses for deepseek2 (and llama): dims 2i and 2i + 1 rotate by
+// pos * base^(-2i/n_rot); yarn null: unscaled frequencies and magnitude 1.
+void rope_norm(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams* yarn);
 
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }

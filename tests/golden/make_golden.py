@@ -156,6 +156,36 @@ MODELS = {
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                      "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
                                      "mrope_interleaved": True})),
+    # deepseek2 (MLA): the latent, the decoupled rotary key, DeepSeek's YaRN (mscale_all_dim),
+    # a leading dense layer, shared experts. deepseek_v2: V2-Lite-like (q directly, softmax
+    # router, no renormalisation, 2 shared experts); deepseek_v3: V3-like (q LoRA, sigmoid router
+    # with e_score_correction_bias over 4 groups of which 2 are used, renormalised, scale 2.5).
+    # opt_in until moraine-convert maps them; not yet run against transformers (made on the GPU
+    # machine: check the loading info and the routing spread it prints).
+    "deepseek_v2": dict(
+        arch="DeepseekV2ForCausalLM", seed=7001, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, first_k_dense_replace=1, n_routed_experts=6, n_shared_experts=2,
+                    num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+                    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+                    rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek_v3": dict(
+        arch="DeepseekV3ForCausalLM", seed=7002, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                    num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
+                    routed_scaling_factor=2.5, n_group=4, topk_group=2, rope_interleave=True,
+                    rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 N_PROMPT = 24
@@ -292,7 +322,7 @@ def init_weights(model, model_type, gen):
                 raise RuntimeError(f"no init rule for {name} {tuple(p.shape)}")
             # Real checkpoints are bf16: the fixture's weights are exactly bf16 values.
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    # DeepSeek-V3's choice bias is a buffer (saved with the checkpoint): spread like the scores.
+    # glm4moe's and DeepSeek-V3's choice bias is a buffer (saved with the checkpoint): spread like the scores.
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             with torch.no_grad():

@@ -9,7 +9,8 @@
 // scaling and an ungated shared expert, a nextn block bound but not run; its variant adds q/k
 // norm and group-limited routing. qwen35moe / qwen3next: the DeltaNet hybrids, value heads
 // tiled and grouped over the key heads. Mutation checks show each such part moves the logits far
-// past the bound.
+// past the bound. deepseek2 (V2-Lite-like with attn_k_b / attn_v_b and with the older
+// attn_kv_b, V3-like): multi-head latent attention in both its forms, DeepSeek's YaRN.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -64,6 +65,17 @@ struct Mutation {
   void (*apply)(model::Model&, Keep&);
 };
 
+// Rows [first, first + n) of every layer's matrix (picked by field) replaced by zeros.
+template <class Field>
+void zero_rows(model::Model& mm, Keep& keep, Field field, int64_t first, int64_t n) {
+  for (auto& L : mm.layers) {
+    model::Matrix& w = field(L);
+    keep.emplace_back(w.data, w.data + static_cast<size_t>(w.n_rows) * w.row_bytes);
+    std::fill_n(keep.back().data() + static_cast<size_t>(first) * w.row_bytes, static_cast<size_t>(n) * w.row_bytes, 0);
+    w.data = keep.back().data();
+  }
+}
+
 // Each part of the architecture matters in its tiny file: the reference with one of these
 // leaves llama.cpp by far more than the bound, so the agreement checks the part. `arch` is the
 // test's parameter (with its variant).
@@ -106,7 +118,33 @@ std::vector<Mutation> mutations_of(const std::string& arch) {
   if (arch == "qwen3next") return {
       {"value heads tiled (qwen35moe)", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.delta.v_heads_tiled = true; }},
   };
-  return {};
+  if (arch.rfind("deepseek2", 0) != 0) return {};
+  std::vector<Mutation> m = {
+      {"k without its rope part", [](model::Model& mm, Keep& keep) {
+         const model::MlaPart& p = mm.layers[0].recipe.mixer.mla;
+         zero_rows(mm, keep, [](model::LayerWeights& L) -> model::Matrix& { return L.mla.kv_a_mqa; }, p.kv_lora_rank, p.rope_dim);
+       }},
+      {"kv_a_norm weight all ones", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.mla.kv_a_norm.assign(L.mla.kv_a_norm.size(), 1.0f); }},
+      {"scale without YaRN's mscale^2", [](model::Model& mm, Keep&) {
+         for (auto& L : mm.layers) L.recipe.mixer.mla.kq_scale = 1.0 / std::sqrt(static_cast<double>(mm.hp.mla_head_k));
+       }},
+      {"no YaRN", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.mixer.attn.rope.scaling = model::RopeScaling::None; }},
+  };
+  if (arch == "deepseek2:lite") {
+    m.push_back({"renormalised top-k", [](model::Model& mm, Keep&) {
+      mm.hp.norm_topk_prob = true;   // what the softmax router reads
+      for (auto& L : mm.layers) L.recipe.ffn.router.renormalize = true;
+    }});
+  }
+  if (arch == "deepseek2:v3") {
+    m.push_back({"q_a_norm weight all ones", [](model::Model& mm, Keep&) {
+      for (auto& L : mm.layers) L.mla.q_a_norm.assign(L.mla.q_a_norm.size(), 1.0f);
+    }});
+    m.push_back({"no group limit", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.n_group = L.recipe.ffn.router.topk_group = 1; }});
+    m.push_back({"no choice bias", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.moe.score_bias.clear(); }});
+    m.push_back({"no routed scale", [](model::Model& mm, Keep&) { for (auto& L : mm.layers) L.recipe.ffn.router.routed_scale = 1.0; }});
+  }
+  return m;
 }
 
 class ArchLlama : public ::testing::TestWithParam<std::string> {};
@@ -128,7 +166,7 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
   const auto reports = run_llama_oracle({path}, kTokens, dir.path());
   const LlamaReport& rep = reports.at(path);
   ASSERT_TRUE(rep.loaded) << rep.error;
-  EXPECT_NE(rep.type_description.find(arch), std::string::npos) << rep.type_description;
+  EXPECT_NE(rep.type_description.find(spec.desc->name), std::string::npos) << rep.type_description;
   ASSERT_EQ(rep.n_vocab, spec.n_vocab);
   ASSERT_EQ(rep.logits.size(), static_cast<size_t>(kTokens * spec.n_vocab));
 
@@ -156,6 +194,19 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
     EXPECT_EQ(0, std::memcmp(stepped.data(), ours.data(), ours.size() * sizeof(float)));
   }
 
+  if (spec.kv_lora_rank > 0) {
+    // MLA's other form (expanded for attn_k_b / attn_v_b, absorbed for attn_kv_b) agrees too.
+    reference::ExecutorOptions o{2};
+    o.mla_form = spec.mla_split_kv_b ? reference::MlaForm::Expanded : reference::MlaForm::Absorbed;
+    reference::ReferenceExecutor other(m, o);
+    const std::vector<float> theirs = other.forward(tokens, true);
+    const double gap = worst_gap(theirs, rep.logits, spec.n_vocab, kTokens);
+    std::printf("%s the other MLA form vs llama.cpp: worst max|diff|/max|logit| %.3g\n", name.c_str(), gap);
+    EXPECT_LE(gap, 1e-4);
+  }
+
+  // Each part matters here: the reference with one part dropped (or swapped for its qwen
+  // counterpart) leaves llama.cpp by far more than the bound, so the agreement above checks it.
   for (const Mutation& mu : mutations_of(name)) {
     model::Model mm = model::Model::load(path);
     std::vector<std::vector<uint8_t>> keep;
@@ -173,8 +224,9 @@ TEST_P(ArchLlama, ReferenceLogitsMatchLlamaCppAtEveryPosition) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ArchLlama,
-                         ::testing::Values("glm4moe", "glm4moe:qknorm_groups", "gpt-oss", "qwen2moe", "qwen35moe",
-                                           "qwen3moe", "qwen3next"),
+                         ::testing::Values("deepseek2:lite", "deepseek2:kv_b", "deepseek2:v3", "glm4moe",
+                                           "glm4moe:qknorm_groups", "gpt-oss", "qwen2moe", "qwen35moe", "qwen3moe",
+                                           "qwen3next"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' || c == ':' ? '_' : c;
@@ -219,6 +271,10 @@ void synth_agrees_with_llama(const std::string& shape, const std::string& arch, 
 
 TEST(ArchLlamaSynth, GptOssTinyAgreesWithLlamaCpp) {
   synth_agrees_with_llama("gpt-oss-tiny", "gpt-oss", 20);   // past the shape's window of 8
+}
+
+TEST(ArchLlamaSynth, DeepseekV3TinyAgreesWithLlamaCpp) {
+  synth_agrees_with_llama("deepseek-v3-tiny", "deepseek2", 20);
 }
 
 TEST(ArchLlamaSynth, Glm4MoeTinyAgreesWithLlamaCpp) {
