@@ -71,8 +71,9 @@ TEST(ArchDesc, GptOssLoadsWithItsPartsAndTheReferenceRefusesWhatItLacks) {
   EXPECT_EQ(m.layers[3].recipe.mixer.attn.sliding_window, 0);
   EXPECT_FALSE(m.layers[0].attn.q_has_gate);
   EXPECT_FALSE(m.layers[0].recurrent);
-  // The gpu_worker's CPU backend and the CUDA backend lack gpt-oss's parts: refused, naming them.
-  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+  // The gpu_worker's CPU backend runs gpt-oss (3354a29); the CUDA backend lacks its parts: refused, naming them.
+  EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cpu_backend_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cuda_backend_support()}) {
     try {
       model::check_supported(m, *b);
       FAIL() << b->name() << " accepted a gpt-oss model";
@@ -172,8 +173,10 @@ TEST(ArchDesc, Glm4MoeBindsDenseMoeAndNextnLayers) {
   EXPECT_EQ(m.nextn[0].block.moe.score_bias.size(), 4u);
   EXPECT_TRUE(m.nextn[0].shared_head_head);
   EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
-  // The gpu_worker's backends lack them: refused at layer 0, naming its first missing part.
-  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+  // The gpu_worker's CPU backend runs glm4moe (e5b3c83); the CUDA backend is refused at layer 0,
+  // naming its first missing part.
+  EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cpu_backend_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cuda_backend_support()}) {
     try {
       model::check_supported(m, *b);
       FAIL() << b->name() << " accepted a glm4moe model";
