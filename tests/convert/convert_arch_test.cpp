@@ -224,6 +224,9 @@ void write_dir(const std::string& dir, const json& cfg, const TinyCheckpoint& c,
   if (o200k) {
     write_tiny_tokenizer(dir, kVocab, o200k_regex(), {"<|start|>", "<|message|>", "<|end|>", "<|return|>"}, "<|return|>",
                          kTemplate);
+  } else if (cfg.value("model_type", "") == "glm4_moe") {   // GLM-4.5's own special tokens
+    write_tiny_tokenizer(dir, kVocab, qwen2_regex(), {"<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"},
+                         "<|endoftext|>", kTemplate);
   } else {
     write_tiny_tokenizer(dir, kVocab, qwen2_regex(), {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}, "<|im_end|>", kTemplate);
   }
@@ -515,6 +518,12 @@ TEST_F(ConvertArch, Glm4MoeKeysAndItsMtpLayerAreLlamaCpps) {
   EXPECT_EQ(f.get_u64(a + "expert_group_used_count"), 1u);
   EXPECT_EQ(f.get_u64(a + "rope.dimension_count"), uint64_t(S::n_rot));
   EXPECT_EQ(f.get_u64(a + "attention.key_length"), uint64_t(S::hd));
+  // The special tokens llama.cpp's GLM vocabulary sets besides the files' eos (the top four ids).
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eos_token_id"), uint64_t(kVocab - 4));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.unknown_token_id"), uint64_t(kVocab - 4));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.bos_token_id"), uint64_t(kVocab - 3));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eot_token_id"), uint64_t(kVocab - 2));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eom_token_id"), uint64_t(kVocab - 1));
   const model::Model m = model::Model::load(gguf_path(c.name));
   ASSERT_EQ(m.hp.n_layer, S::L);
   ASSERT_EQ(m.nextn.size(), 1u);

@@ -123,7 +123,7 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
 
   const int64_t vocab = config.at("vocab_size").get<int64_t>();  // checked by plan_checkpoint
   if (fs::exists(fs::path(opt.hf_dir) / "tokenizer.json")) {
-    for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab)) w.set(k, std::move(v));
+    for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab, plan.arch)) w.set(k, std::move(v));
   } else {
     result.notes.push_back("no tokenizer.json in " + opt.hf_dir + ": the GGUF has no vocabulary");
   }
