@@ -161,7 +161,7 @@ void swiglu_expert(const model::Matrix& gate, const model::Matrix& up, const mod
   const int64_t ff = gate.n_rows;
   float* g = scratch.g.data();
   float* u = scratch.u.data();
-  PackedActivations px = pack_activations(gate.type, x, m, gate.n_cols);
+  PackedActivations px = pack_activations(gate.type, x, m, gate.n_cols, order);
   matmul(gate, px, g, pool, order);
   if (up.type == gate.type) {
     matmul(up, px, u, pool, order);

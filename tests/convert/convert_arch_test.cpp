@@ -580,8 +580,9 @@ TEST_F(ConvertArch, LlamaCppAndTheReferenceAgreeOnEveryConvertedFile) {
     ASSERT_EQ(r["n_vocab"].get<int64_t>(), kVocab);
     const std::vector<float> ll = read_f32(gguf_path(c.name) + ".llama.f32");
     ASSERT_EQ(ll.size(), static_cast<size_t>(kTokens * kVocab));
-    const model::Model m = model::Model::load(gguf_path(c.name));
+    model::Model m = model::Model::load(gguf_path(c.name));
     model::check_supported(m, model::reference_support());
+    round_yarn_as_llama_cpp(m);
     reference::ReferenceExecutor ex(m, {2});
     const std::vector<int32_t> tokens = prompt();
     const std::vector<float> ours = ex.forward(tokens, true);

@@ -25,14 +25,21 @@ struct ShapeSpec {
   // gpt-oss: every swa_period-th layer full attention, the others slide over sliding_window; YaRN.
   int64_t sliding_window = 0, swa_period = 0, yarn_orig_ctx = 0;
   double yarn_factor = 1.0;
-  // glm4moe: the first dense_lead layers run a dense FFN of dense_ff; the sigmoid router's weights
-  // times routed_scale, renormalised when norm_topk; q/k norm when qk_norm; ff_shexp = ff_exp.
-  int64_t dense_lead = 0;
+  // glm4moe: the first n_dense_lead layers run a dense FFN of dense_ff; n_shared shared experts
+  // of ff_exp; the sigmoid router's weights times routed_scale, renormalised when norm_topk; q/k
+  // norm when qk_norm. deepseek2's shapes use the same FFN fields, plus multi-head latent
+  // attention (head_dim is then kv_lora_rank + n_rot, the cached row; n_head_kv 1) and its router:
+  // softmax, or sigmoid over n_group groups of which topk_group are used.
+  int64_t n_dense_lead = 0, n_shared = 0;
+  bool norm_topk = false, qk_norm = false;
   double routed_scale = 1.0;
-  bool norm_topk = true, qk_norm = false;
+  int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_nope = 0, v_head = 0, n_group = 1, topk_group = 1;
+  bool sigmoid_router = false;
+  double mscale_all_dim = 0.0;
 
   // The DeltaNet hybrids (qwen3next, qwen35moe): gated q projection, recurrent layers.
   bool next() const { return arch == "qwen3next" || arch == "qwen35moe"; }
+  bool mla() const { return arch == "deepseek2"; }
   bool recurrent(int64_t layer) const { return next() && (layer + 1) % full_attn_interval != 0; }
 };
 

@@ -29,6 +29,7 @@ enum class TensorRole {
   AttnNorm, FfnNorm,
   AttnQ, AttnK, AttnV, AttnO, AttnQNorm, AttnKNorm,
   AttnQBias, AttnKBias, AttnVBias, AttnOBias, AttnSinks,
+  MlaQA, MlaQANorm, MlaQB, MlaKvAMqa, MlaKvANorm, MlaKvB, MlaKB, MlaVB,
   DnQkv, DnGate, DnQkvzLegacy, DnBa, DnBeta, DnAlpha, DnConv, DnDtBias, DnA, DnNorm, DnOut,
   Router, RouterBias, ScoreBias,
   GateExps, UpExps, DownExps, GateExpsBias, UpExpsBias, DownExpsBias,

@@ -42,8 +42,12 @@ void read_rope(const HfConfig& cfg, HfModel& m) {
   for (const char* k : {"attention_factor", "mscale", "mscale_all_dim", "extrapolation_factor"}) {
     if (rope.has(k)) rope.fail(k, "is not supported: moraine's gpt-oss derives YaRN's scaling from factor alone");
   }
+  // HF's truncate=false (gpt-oss's own config) keeps the correction dims fractional; llama.cpp
+  // has no key for it and rounds them. moraine's own key carries it, llama.cpp ignores it.
   if (!rope.flag("truncate", true)) {
-    m.notes.push_back("rope truncate = false: like llama.cpp, the GGUF rounds YaRN's correction range to whole dims");
+    m.put("rope.scaling.yarn_truncate", gguf::Value::boolean(false));
+    m.notes.push_back("rope truncate = false: written as rope.scaling.yarn_truncate (llama.cpp ignores it and rounds "
+                      "YaRN's correction range to whole dims)");
   }
   m.put("rope.scaling.type", gguf::Value::string("yarn"));
   m.put_f32("rope.scaling.factor", hp.rope_scaling_factor);
