@@ -45,6 +45,11 @@ struct GptOss {
 struct Qwen2Moe {
   static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, E = 4, k = 2, F = 40, Fs = 48, Fd = 96;
 };
+// Layer 0 DeltaNet, layer 1 gated attention, layer 2 the MTP (nextn) layer; value heads 2 per key head.
+struct Q35 {
+  static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, hd = 32, nk = 2, nv = 4, dk = 16, K = 4, E = 4, F = 32;
+  static constexpr int64_t C = 2 * nk * dk + nv * dk;
+};
 // Layer 0 dense, layer 1 MoE, layer 2 the MTP (nextn) layer.
 struct Glm {
   static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, hd = 16, E = 4, k = 2, F = 32, Fd = 96, n_rot = 8;
@@ -216,6 +221,68 @@ TinyCheckpoint glm4moe_checkpoint() {
   return c;
 }
 
+json qwen35moe_config() {
+  return {{"architectures", {"Qwen3_5MoeForCausalLM"}}, {"model_type", "qwen3_5_moe_text"}, {"vocab_size", kVocab},
+          {"hidden_size", Q35::H}, {"num_hidden_layers", Q35::L}, {"num_attention_heads", Q35::nh},
+          {"num_key_value_heads", Q35::nkv}, {"head_dim", Q35::hd}, {"layer_types", {"linear_attention", "full_attention"}},
+          {"linear_conv_kernel_dim", Q35::K}, {"linear_key_head_dim", Q35::dk}, {"linear_value_head_dim", Q35::dk},
+          {"linear_num_key_heads", Q35::nk}, {"linear_num_value_heads", Q35::nv}, {"num_experts", Q35::E},
+          {"num_experts_per_tok", 2}, {"moe_intermediate_size", Q35::F}, {"shared_expert_intermediate_size", Q35::F},
+          {"norm_topk_prob", true}, {"rms_norm_eps", 1e-6}, {"max_position_embeddings", 512}, {"mtp_num_hidden_layers", 1},
+          {"tie_word_embeddings", false},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25},
+                               {"mrope_section", {2, 1, 1}}, {"mrope_interleaved", true}}}};
+}
+
+// Qwen3.5-MoE with its MTP block (mtp.layers.0 plus mtp.fc / pre_fc_norm_* / norm). Its RMSNorm
+// weights are offsets from one (mean 0 here).
+TinyCheckpoint qwen35moe_checkpoint() {
+  using S = Q35;
+  TinyCheckpoint c(6001);
+  common_tensors(c, S::H);
+  const float sh = 1.0f / std::sqrt(float(S::H));
+  for (int64_t il = 0; il <= S::L; ++il) {
+    const std::string p = il < S::L ? layer(il) : "mtp.layers.0.";
+    c.normal(p + "input_layernorm.weight", {S::H}, 0.2f);
+    c.normal(p + "post_attention_layernorm.weight", {S::H}, 0.2f);
+    if (il == 0) {
+      const std::string a = p + "linear_attn.";
+      c.normal(a + "in_proj_qkv.weight", {S::C, S::H}, sh);
+      c.normal(a + "in_proj_z.weight", {S::nv * S::dk, S::H}, sh);
+      c.normal(a + "in_proj_b.weight", {S::nv, S::H}, sh);
+      c.normal(a + "in_proj_a.weight", {S::nv, S::H}, sh);
+      c.normal(a + "conv1d.weight", {S::C, 1, S::K}, 0.5f);
+      c.normal(a + "dt_bias", {S::nv}, 0.5f);
+      c.normal(a + "A_log", {S::nv}, 0.5f);
+      c.normal(a + "norm.weight", {S::dk}, 0.2f, 1.0f);
+      c.normal(a + "out_proj.weight", {S::H, S::nv * S::dk}, 1.0f / std::sqrt(float(S::nv * S::dk)));
+    } else {
+      c.normal(p + "self_attn.q_proj.weight", {2 * S::nh * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.k_proj.weight", {S::nkv * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.v_proj.weight", {S::nkv * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.o_proj.weight", {S::H, S::nh * S::hd}, 1.0f / std::sqrt(float(S::nh * S::hd)));
+      c.normal(p + "self_attn.q_norm.weight", {S::hd}, 0.2f);
+      c.normal(p + "self_attn.k_norm.weight", {S::hd}, 0.2f);
+    }
+    c.normal(p + "mlp.gate.weight", {S::E, S::H}, 3.0f * sh);
+    for (int64_t e = 0; e < S::E; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      c.normal(x + "gate_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "up_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+    }
+    c.normal(p + "mlp.shared_expert.gate_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_expert.up_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_expert.down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+    c.normal(p + "mlp.shared_expert_gate.weight", {1, S::H}, sh);
+  }
+  c.normal("mtp.fc.weight", {S::H, 2 * S::H}, 1.0f / std::sqrt(float(2 * S::H)));
+  c.normal("mtp.pre_fc_norm_embedding.weight", {S::H}, 0.2f);
+  c.normal("mtp.pre_fc_norm_hidden.weight", {S::H}, 0.2f);
+  c.normal("mtp.norm.weight", {S::H}, 0.2f);
+  return c;
+}
+
 // A checkpoint folder: config.json, model.safetensors, the tiny tokenizer.
 void write_dir(const std::string& dir, const json& cfg, const TinyCheckpoint& c, bool o200k) {
   fs::create_directories(dir);
@@ -246,6 +313,7 @@ std::vector<Case> make_cases() {
   v.push_back({"qwen2moe_split", qwen2moe_config(), qwen2moe_checkpoint(false), false});
   v.push_back({"qwen2moe_fused", qwen2moe_config(), qwen2moe_checkpoint(true), false});
   v.push_back({"glm4moe_mtp", glm4moe_config(), glm4moe_checkpoint(), false});
+  v.push_back({"qwen35moe_mtp", qwen35moe_config(), qwen35moe_checkpoint(), false});
   return v;
 }
 
@@ -554,6 +622,22 @@ TEST_F(ConvertArch, Glm4MoeKeysAndItsMtpLayerAreLlamaCpps) {
   EXPECT_EQ(row_of(n.block.moe.shared_down, 2), rows(c.ckpt.f(p + "mlp.shared_experts.down_proj.weight"), 2, S::F));
 }
 
+TEST_F(ConvertArch, Qwen35MoeMtpBlockIsLlamaCpps) {
+  const Case& c = find_case("qwen35moe_mtp");
+  const GgufFile f = GgufFile::open(gguf_path(c.name));
+  EXPECT_EQ(f.get_u64("qwen35moe.block_count"), uint64_t(Q35::L + 1));
+  EXPECT_EQ(f.get_u64("qwen35moe.nextn_predict_layers"), 1u);
+  const model::Model m = model::Model::load(gguf_path(c.name));
+  ASSERT_EQ(m.nextn.size(), 1u);
+  EXPECT_TRUE(m.layers[0].recurrent);
+  std::vector<float> want = c.ckpt.f("mtp.pre_fc_norm_embedding.weight");
+  for (float& x : want) x += 1.0f;
+  EXPECT_EQ(m.nextn[0].enorm, want);
+  const std::vector<float>& fc = c.ckpt.f("mtp.fc.weight");
+  EXPECT_EQ(row_of(m.nextn[0].eh_proj, 5), std::vector<float>(fc.begin() + 5 * 2 * Q35::H, fc.begin() + 6 * 2 * Q35::H));
+  EXPECT_EQ(m.nextn[0].block.attn.q_norm.size(), size_t(Q35::hd));
+}
+
 // max over positions of max |ours - llama| / max |llama|.
 double worst_gap(const std::vector<float>& ours, const std::vector<float>& llama, int64_t n_vocab) {
   double worst = 0;
@@ -721,20 +805,11 @@ TEST(ConvertArchRefusal, Glm4MoeAndQwen35MoeSettingsTheGgufCannotHoldAreNamed) {
   has(g([](json& c) { c["first_k_dense_replace"] = 3; }), "first_k_dense_replace");
   has(g([](json& c) { c["n_group"] = 3; }), "n_group");
   has(g([](json& c) { c["scoring_func"] = "softmax"; }), "scoring_func");
-  // qwen35moe's M-RoPE settings are read before any tensor: a GLM checkpoint under a Qwen3.5
-  // config is refused for them alone.
+  // qwen35moe's settings, each refused before any tensor is read.
   const auto q = [](const std::function<void(json&)>& edit) {
-    json cfg = {{"architectures", {"Qwen3_5MoeForCausalLM"}}, {"vocab_size", kVocab}, {"hidden_size", Glm::H},
-                {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
-                {"layer_types", {"linear_attention", "full_attention"}}, {"linear_conv_kernel_dim", 4},
-                {"linear_key_head_dim", 16}, {"linear_value_head_dim", 16}, {"linear_num_key_heads", 2},
-                {"linear_num_value_heads", 4}, {"num_experts", 4}, {"num_experts_per_tok", 2},
-                {"moe_intermediate_size", 32}, {"shared_expert_intermediate_size", 32}, {"norm_topk_prob", true},
-                {"rms_norm_eps", 1e-6}, {"max_position_embeddings", 512},
-                {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25},
-                                     {"mrope_section", {2, 1, 1}}, {"mrope_interleaved", true}}}};
+    json cfg = qwen35moe_config();
     edit(cfg);
-    return refusal(cfg, glm4moe_checkpoint(), false);
+    return refusal(cfg, qwen35moe_checkpoint(), false);
   };
   has(q([](json& c) { c["rope_parameters"]["mrope_interleaved"] = false; }), "rope_parameters.mrope_interleaved");
   has(q([](json& c) { c["rope_parameters"]["mrope_section"] = {1, 1, 1, 1, 1}; }), "rope_parameters.mrope_section");
