@@ -1,7 +1,8 @@
 // moraine-convert on tiny gpt-oss, qwen2moe and glm4moe checkpoints this test writes itself (the
 // names, shapes and dtypes transformers saves; no torch in CI): gpt-oss in bf16 and in the released
-// checkpoints' MXFP4, qwen2moe per expert and in transformers v5's fused layout, glm4moe with its
-// multi-token-prediction layer (which transformers does not save, so no golden fixture has one). Checks:
+// checkpoints' MXFP4, qwen2moe per expert and in transformers v5's fused layout, glm4moe and
+// qwen35moe with their multi-token-prediction layers (which transformers does not save, so no
+// golden fixture has one). Checks:
 //  - the metadata says what config.json says;
 //  - moraine's loader binds each file, and every tensor's values are where the architecture
 //    description says (gpt-oss gate/up de-interleaved and transposed, the bias split, MXFP4

@@ -1,5 +1,5 @@
 // moraine-convert on the golden fixtures (tiny random Qwen3-MoE / Qwen3-Next models, and gpt-oss /
-// Qwen2-MoE ones once made, saved and run by Hugging Face transformers,
+// Qwen2-MoE / GLM-4.5 / Qwen3.5-MoE ones once made, saved and run by Hugging Face transformers,
 // tests/golden/make_golden.py): the GGUF metadata says what
 // config.json says, every tensor llama.cpp expects is there with its shape and the
 // transformation llama.cpp's converter applies, and - the proof of the conversion - llama.cpp
