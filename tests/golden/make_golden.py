@@ -124,10 +124,10 @@ MODELS = {
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # glm4moe (GLM-4.5): a leading dense layer, partial RoPE, q/k/v biases and q/k norm, sigmoid
     # router with its e_score_correction_bias (a buffer: init_weights fills it), routed scaling,
-    # an ungated shared expert. opt_in until moraine-convert maps Glm4MoeForCausalLM. Untested
-    # here (no transformers on the CPU box): the first run on the GPU machine checks it.
+    # an ungated shared expert (moraine-convert maps Glm4MoeForCausalLM: tools/convert/arch/glm4moe.cpp;
+    # transformers saves no MTP layer, so the file is llama.cpp's --no-mtp one).
     "glm4moe_odd": dict(
-        arch="Glm4MoeForCausalLM", seed=7001, layout="per_expert", shards=1, opt_in=True,
+        arch="Glm4MoeForCausalLM", seed=7001, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
@@ -140,10 +140,10 @@ MODELS = {
     # qwen35moe (Qwen3.5-MoE): qwen3next's hybrid with in_proj_qkv/z/b/a, value heads grouped
     # by key head in HF (llama.cpp's converter tiles them), interleaved M-RoPE whose sections
     # cover every rotary pair (text positions turn them all). The text config class is
-    # Qwen3_5MoeTextConfig. opt_in until moraine-convert maps it; untested here as glm4moe_odd.
+    # Qwen3_5MoeTextConfig (moraine-convert maps it: tools/convert/arch/qwen35moe.cpp).
     "qwen35moe_odd": dict(
         arch="Qwen3_5MoeForCausalLM", config_cls="Qwen3_5MoeTextConfig", seed=8001,
-        layout="per_expert", shards=1, opt_in=True,
+        layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                     full_attention_interval=2,
