@@ -18,7 +18,9 @@ const model::BackendSupport& cpu_backend_support() {
       // glm4moe's: the router by route_layer, the ungated shared expert by moe_combine, dense
       // leading layers whole on this backend (placement gives their zero-byte experts the device).
       model::Feature::RouterSigmoidGroupTopK, model::Feature::RoutedScaling, model::Feature::SharedExpertUngated,
-      model::Feature::DenseFfn});
+      model::Feature::DenseFfn,
+      // qwen35moe's DeltaNet layout and deepseek2's MLA: the reference's mixer_step.
+      model::Feature::DeltaNetTiledHeads, model::Feature::DeltaNetSplitBa, model::Feature::Mla});
   return s;
 }
 

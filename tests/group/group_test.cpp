@@ -131,10 +131,13 @@ std::vector<Case> cases() {
   v.push_back({"synth:gpt-oss-tiny", "kmix", "zmq"});
   v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell", "doorbell", 10});
   // Every other description the reference runs, on its tiny F32 file: glm4moe (dense leading
-  // layer, sigmoid group-limited router, routed scaling, ungated shared expert), qwen2moe.
-  for (const char* a : {"tiny:glm4moe", "tiny:glm4moe:qknorm_groups", "tiny:qwen2moe", "tiny:gpt-oss"})
+  // layer, sigmoid group-limited router, routed scaling, ungated shared expert), qwen2moe,
+  // qwen35moe (tiled value heads, split beta/alpha), deepseek2 (MLA: its latent cache).
+  for (const char* a : {"tiny:glm4moe", "tiny:glm4moe:qknorm_groups", "tiny:qwen2moe", "tiny:gpt-oss", "tiny:qwen35moe",
+                        "tiny:deepseek2:lite", "tiny:deepseek2:v3", "tiny:deepseek2:kv_b"})
     v.push_back({a, "f32", "doorbell"});
   v.push_back({"tiny:glm4moe", "f32", "doorbell", "doorbell", 10});
+  v.push_back({"tiny:deepseek2:v3", "f32", "doorbell", "doorbell", 10});
   return v;
 }
 

@@ -358,6 +358,8 @@ std::vector<Case> cases() {
   // SwiGLU): Q4_K experts through the cpu workers' production kernels, the device's own and taken.
   v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell", false, 1});
   v.push_back({"tiny:glm4moe", "f32", "doorbell", false, 1});
+  v.push_back({"tiny:deepseek2:v3", "f32", "doorbell", false, 1});
+  v.push_back({"tiny:qwen35moe", "f32", "zmq", true});
   return v;
 }
 
