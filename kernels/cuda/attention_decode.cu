@@ -75,7 +75,14 @@ struct DecodeArgs {
   float eps;
   KV* k_store;   // the caches, writable (k / v above are the same memory)
   KV* v_store;
+  const float* sinks;   // AttentionShape::sinks (nullable) and ::window (0: full attention)
+  int64_t window;
 };
+
+// The first position a row sees: the one at position p sees p - window + 1 .. p (window > 0).
+__device__ __forceinline__ int64_t window_first(int64_t window, int64_t seen) {
+  return window > 0 && seen > window ? seen - window : 0;
+}
 
 // Two stages of the cp.async ring: a third gave nothing (H200, 2026-11-30: 21.4 vs 20.5 us at 4096
 // positions, 71.6 vs 70.8 at 32768) and fits fewer CTAs per SM (2 instead of 3 for 8 query heads
@@ -226,13 +233,21 @@ __device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int
       for (int i = 0; i < DPL; ++i) acc[i] = fmaf(f, x[b][i], acc[i]);
     }
   }
+  // A sink (gpt-oss): one more logit in the softmax, its exp in the denominator only. m_s is the
+  // max of the splits and the sink; without a sink m_s = mx and the factor is exactly 1.
+  float inv_l = 1.0f / l, rescale = 1.0f;
+  if (a.sinks != nullptr) {
+    const float sink = a.sinks[h], m_s = fmaxf(mx, sink);
+    rescale = expf(mx - m_s);
+    inv_l = 1.0f / (l * rescale + expf(sink - m_s));
+  }
   float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
   const float* g = a.gate != nullptr ? a.gate + r * a.gate_row_stride + h * a.gate_head_stride : nullptr;
   float v[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
     const int d = LaneDims<DPL>::dim(i, lane);
-    v[i] = acc[i] / l;
+    v[i] = a.sinks != nullptr ? acc[i] * rescale * inv_l : acc[i] / l;
     if (g != nullptr) v[i] *= 1.0f / (1.0f + expf(-g[d]));
     o[d] = v[i];
   }
@@ -458,7 +473,9 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
   }
   const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
-  const int64_t seen = p0 + r + 1, tiles = (seen + kTile - 1) / kTile;
+  // The row sees positions lo .. p0 + r (lo > 0 only in a sliding window); tiles count from lo.
+  const int64_t lo = window_first(a.window, p0 + r + 1);
+  const int64_t seen = p0 + r + 1 - lo, tiles = (seen + kTile - 1) / kTile;
   const int64_t S = p0 < 0 ? 0 : attention_decode_splits(seen);
   if (p0 < 0 || slot >= S) {
     if constexpr (kFusedQk) wait_for_prior_grids();   // completion stays transitive (launch.h)
@@ -483,7 +500,7 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     const int from_global = has_new ? live - 1 : live;
     for (int i = threadIdx.x; i < from_global * kCopies; i += blockDim.x) {
       const int p = i / kCopies, e = (i % kCopies) * KvSmem<KV>::kPerCopy;
-      const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
+      const int64_t src = (lo + t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
       cp_async16(ks + p * kRowK + e, a.k + src);
       cp_async16(vs + p * hd + e, a.v + src);
     }
@@ -570,7 +587,7 @@ __global__ void decode_merge_kernel(const DecodeArgs<KV> a) {
     write_nan_head<DPL>(a, r, h, DPL * 32, lane);
     return;
   }
-  merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1), lane);
+  merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1 - window_first(a.window, p0 + r + 1)), lane);
 }
 
 // fused: room for the norm weights, the raw and stored new k and v, and the RoPE table.
@@ -647,7 +664,9 @@ bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const At
          qk.head_dim == s.head_dim && qk.n_rot >= 2 && qk.n_rot % 2 == 0 && qk.n_rot <= qk.head_dim &&
          qk.q_head_stride >= qk.head_dim && qk.k_row_stride >= qk.n_head_kv * qk.head_dim &&
          qk.v_row_stride >= qk.n_head_kv * qk.head_dim && qk.max_pos >= 1 && qk.q_head_stride % 4 == 0 &&
-         aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm);
+         aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm) &&
+         qk.q_norm != nullptr && qk.k_norm != nullptr && qk.q_bias == nullptr && qk.k_bias == nullptr &&
+         qk.v_bias == nullptr && !qk.yarn.on;   // the norms' form only (gpt-oss: qk_norm_rope_store's plain kernel)
 }
 
 namespace {
@@ -695,6 +714,9 @@ void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_
   a.gate_head_stride = gate_head_stride;
   a.out = out;
   a.act = static_cast<BlockQ8_0*>(out_q8_0);
+  if (s.window < 0) throw std::invalid_argument("attention_decode: negative sliding window");
+  a.sinks = s.sinks;
+  a.window = s.window;
   if (qk != nullptr) {
     a.q_raw = qk->q;
     a.q_head_stride = qk->q_head_stride;

@@ -325,8 +325,9 @@ bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0
 }  // namespace
 
 bool attention_prefill_tc_supports(const AttentionShape& s, const __half* k_cache, const __half* v_cache) {
+  // No sinks or sliding window yet (gpt-oss's head_dim 64 never comes here): attention_prefill takes them.
   return (s.head_dim == 128 || s.head_dim == 256) && s.kv_stride % 8 == 0 && aligned_16(k_cache) &&
-         aligned_16(v_cache);
+         aligned_16(v_cache) && s.sinks == nullptr && s.window == 0;
 }
 
 void attention_prefill_tc(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache,
@@ -341,7 +342,7 @@ void attention_prefill_tc(const AttentionShape& s, const float* q, const __half*
   if (!attention_prefill_tc_supports(s, k_cache, v_cache))
     throw std::invalid_argument("attention_prefill_tc: unsupported (head_dim=" + std::to_string(s.head_dim) +
                                 " must be 128 or 256, kv_stride=" + std::to_string(s.kv_stride) +
-                                " a multiple of 8, both caches 16-byte aligned); use attention_prefill");
+                                " a multiple of 8, both caches 16-byte aligned, no sinks or window); use attention_prefill");
   if (s.head_dim == 128)
     launch<128>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
   else
