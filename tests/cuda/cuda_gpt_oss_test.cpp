@@ -303,6 +303,15 @@ TEST_P(CudaGptOss, SplitExpertsMatchTheReference) {
   EXPECT_LE(g.max_diff, b.bound * g.max_ref);
 }
 
+// Without a device too: every file's recipes use only parts the CUDA backend lists (the load-time
+// refusal, model::check_supported, would name the first one it lacks).
+TEST(CudaGptOssSupport, BackendListsEveryPartOfTheFiles) {
+  for (const Case& c : {Case{"synth_q4k", "--map _exps.=q4_k --default q8_0", true}, Case{"tiny_f32", "", false}}) {
+    const model::Model m = model::Model::load(model_file(c).string());
+    EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cuda_backend_support())) << c.name;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Files, CudaGptOss,
     ::testing::Values(Case{"synth_q4k", "--map _exps.=q4_k --default q8_0", true},
