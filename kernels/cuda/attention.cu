@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(kThreads)
 // chunk's positions in order. The records land where attention_chunk_kernel puts them. KV: the
 // cache element (float or __half), widened exactly on load, so a half cache gives the float
 // cache's bits for the same values.
-template <class KV>
+// kOss (gpt-oss, a separate instantiation: the others' code is unchanged): the sliding window.
+template <class KV, bool kOss = false>
 __global__ void __launch_bounds__(kThreads)
     attention_chunk_shared_kernel(const float* __restrict__ q, const KV* __restrict__ kc,
                                   const KV* __restrict__ vc, int64_t n_head, int64_t group, int64_t hd,
@@ -131,11 +132,11 @@ __global__ void __launch_bounds__(kThreads)
   if (cmax <= 0) return;  // past every query's live length: the merge reads no record here
   // A sliding window (window > 0): query qq sees positions from n_past + qq / group + 1 - window on,
   // growing along qq; a chunk wholly below the slice's first query's is read by no merge.
-  if (window > 0 && j0 + kAttentionChunk <= n_past + q0 / group + 1 - window) return;
+  if (kOss && window > 0 && j0 + kAttentionChunk <= n_past + q0 / group + 1 - window) return;
   float* qs = smem;                        // [nq][hd]
   float* sc = qs + per_cta * hd;           // [nq][kAttentionChunk]
   __shared__ int cnt[kSharedQueryFloats / (kAttentionChunk + 1)];
-  __shared__ int first[kSharedQueryFloats / (kAttentionChunk + 1)];   // the window's first position - j0 (<= 0: none masked)
+  __shared__ int first[kOss ? kSharedQueryFloats / (kAttentionChunk + 1) : 1];   // the window's first position - j0 (<= 0: none masked)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t i = threadIdx.x; i < nq * hd; i += kThreads) {
     const int64_t qq = q0 + i / hd, t = qq / group, h = g * group + qq % group;
@@ -143,7 +144,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t i = threadIdx.x; i < nq; i += kThreads) {
     cnt[i] = static_cast<int>(min(kAttentionChunk, n_past + (q0 + i) / group + 1 - j0));  // <= 0: no positions
-    first[i] = window > 0 ? static_cast<int>(max(int64_t{-1}, min(int64_t{kAttentionChunk}, n_past + (q0 + i) / group + 1 - window - j0))) : -1;
+    if constexpr (kOss) {
+      const int64_t f = n_past + (q0 + i) / group + 1 - window - j0;
+      first[i] = window > 0 ? static_cast<int>(max(int64_t{-1}, min(int64_t{kAttentionChunk}, f))) : -1;
+    }
   }
   __syncthreads();
 
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < kQueryBlock; ++i)
           if (ib + i <= last && j < cnt[ib + i])
-            sc[(ib + i) * kAttentionChunk + j] = j >= first[ib + i] ? sv[i] * scale : -INFINITY;
+            sc[(ib + i) * kAttentionChunk + j] = !kOss || j >= first[ib + i] ? sv[i] * scale : -INFINITY;
       }
     }
 #pragma unroll
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t j = lane; j < c; j += 32) mx = fmaxf(mx, si[j]);
     for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     // A chunk wholly outside the query's window: every p is 0 (not NaN), the record's max -inf.
-    const float mx_e = mx == -INFINITY ? 0.0f : mx;
+    const float mx_e = kOss && mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f;
     for (int w = 0; w < kWarps; ++w) {  // the partials of attention_chunk_kernel's warp w
       float part_w = 0.0f;
@@ -263,6 +267,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <bool kOss = false>   // sinks and the window (gpt-oss): a separate instantiation
 __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_head, int64_t hd, PastSource past,
                                        int64_t n_rows, int64_t max_chunks, const float* __restrict__ gate,
                                        int64_t gate_row_stride, int64_t gate_head_stride, const float* __restrict__ sinks,
@@ -276,14 +281,14 @@ __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n
   }
   const int64_t chunks = (n_past + t + 1 + kAttentionChunk - 1) / kAttentionChunk;
   // A sliding window: the chunks below the one holding the window's first position have no records.
-  const int64_t c0 = window > 0 ? max(int64_t{0}, n_past + t + 1 - window) / kAttentionChunk : 0;
+  const int64_t c0 = kOss && window > 0 ? max(int64_t{0}, n_past + t + 1 - window) / kAttentionChunk : 0;
   const float* base = part + qi * max_chunks * (hd + 2);
   float m = -INFINITY;
   for (int64_t c = c0; c < chunks; ++c) m = fmaxf(m, base[c * (hd + 2)]);
-  if (sinks != nullptr) m = fmaxf(m, sinks[h]);
+  if (kOss && sinks != nullptr) m = fmaxf(m, sinks[h]);
   float l = 0.0f;
   for (int64_t c = c0; c < chunks; ++c) l += base[c * (hd + 2) + 1] * expf(base[c * (hd + 2)] - m);
-  if (sinks != nullptr) l += expf(sinks[h] - m);   // the sink's share of the mass, no value row
+  if (kOss && sinks != nullptr) l += expf(sinks[h] - m);   // the sink's share of the mass, no value row
   const float inv = 1.0f / l;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
@@ -292,6 +297,10 @@ __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n
     if (gate != nullptr) o *= 1.0f / (1.0f + expf(-gate[t * gate_row_stride + h * gate_head_stride + d]));
     out[qi * hd + d] = o;
   }
+}
+
+auto merge_kernel(const AttentionShape& s) {
+  return s.sinks != nullptr || s.window > 0 ? attention_merge_kernel<true> : attention_merge_kernel<false>;
 }
 
 std::string describe(const AttentionShape& s, int64_t n, const std::string& past) {
@@ -336,9 +345,10 @@ void launch_shared(const AttentionShape& s, const float* q, const KV* k_cache, c
                                 std::to_string(max_chunks) + " CTAs is too large");
   const size_t smem = static_cast<size_t>(per * (s.head_dim + kAttentionChunk)) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(s.n_head_kv * slices), static_cast<unsigned>(max_chunks));
-  attention_chunk_shared_kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
-                                                                  s.kv_stride, s.scale, past, rows, per, slices,
-                                                                  max_chunks, s.window, scratch);
+  const auto kernel = s.sinks != nullptr || s.window > 0 ? attention_chunk_shared_kernel<KV, true>
+                                                         : attention_chunk_shared_kernel<KV, false>;
+  kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim, s.kv_stride, s.scale, past,
+                                           rows, per, slices, max_chunks, s.window, scratch);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -379,7 +389,7 @@ void attention_host(bool shared, const AttentionShape& s, const float* q, const 
     } else {
       throw std::invalid_argument("attention_unshared: float caches only");
     }
-    attention_merge_kernel<<<static_cast<unsigned>(m * s.n_head), 128, 0, stream>>>(
+    merge_kernel(s)<<<static_cast<unsigned>(m * s.n_head), 128, 0, stream>>>(
         scratch, s.n_head, s.head_dim, past, m, max_chunks, gate != nullptr ? gate + t0 * gate_row_stride : nullptr,
         gate_row_stride, gate_head_stride, s.sinks, s.window, out + t0 * qd);
     CUDA_CHECK(cudaGetLastError());
@@ -425,7 +435,7 @@ void attention_at_impl(const AttentionShape& s, const float* q, const KV* k_cach
   const int64_t max_chunks = (max_ctx + kAttentionChunk - 1) / kAttentionChunk;
   // The grid covers max_ctx, so the query split is sized for it (a fixed launch for every step).
   launch_shared(s, q, k_cache, v_cache, n, past, max_chunks, max_chunks, scratch, stream);
-  attention_merge_kernel<<<static_cast<unsigned>(n * s.n_head), 128, 0, stream>>>(
+  merge_kernel(s)<<<static_cast<unsigned>(n * s.n_head), 128, 0, stream>>>(
       scratch, s.n_head, s.head_dim, past, n, max_chunks, gate, gate_row_stride, gate_head_stride, s.sinks, s.window, out);
   CUDA_CHECK(cudaGetLastError());
 }

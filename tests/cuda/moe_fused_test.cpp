@@ -720,6 +720,10 @@ TEST(CudaMoeFusedOss, BiasedClampedSwigluMatchesReference) {
     run_case({t, t, t, 5, 32, 4, 256, 512, true, 62, false, true});
   }
   run_case({TensorType::MXFP4, TensorType::MXFP4, TensorType::Q8_0, 16, 8, 2, 256, 256, true, 63, false, true});
+  // gpt-oss-20b's row width (2880: 90 MXFP4 blocks, kernel 1's per-row dot_staged path) and gate /
+  // up of different formats (the same path).
+  run_case({TensorType::MXFP4, TensorType::MXFP4, TensorType::MXFP4, 2, 32, 4, 2880, 256, false, 64, false, true});
+  run_case({TensorType::MXFP4, TensorType::Q8_0, TensorType::Q4_K, 3, 9, 4, 512, 256, true, 65, false, true});
 }
 
 // Every form with plain launches (what devices below sm_90 run, and what compute-sanitizer can
