@@ -7,8 +7,9 @@
 // attention_decode (flash decoding; a row's bits do not depend on the call that serves it).
 // Tolerances: each kernel's own first-order bound, derived in its test file (attention_prefill_test,
 // attention_test, attention_decode_test), with n_kv replaced by the positions the window leaves,
-// plus 6u for the sink (its exp, the rescale of the running sum by exp(m - max(m, sink)), the add
-// to the denominator and the division), all relative to sum_j p_j |v_jd| with the sink's share in
+// plus, for the sink, 2u (|sink - m| + |max_j s_j - m|) + 8u, m = max(sink, max_j s_j): its exp and
+// the running sum's rescale exp(max s - m) (expf's 2u and u of the argument each), the products, the
+// add to the denominator and the division; all relative to sum_j p_j |v_jd| with the sink's share in
 // the p's. Sinks are drawn wide (sd 3) so that some heads give the sink most of the mass.
 #include <gtest/gtest.h>
 
@@ -114,7 +115,7 @@ void check(Kernel kernel, const Case& c) {
       const int64_t lo = s.window > 0 ? std::max<int64_t>(0, n_kv - s.window) : 0, seen = n_kv - lo;
       const float* qh = in.q.data() + (t * s.n_head + h) * hd;
       std::vector<double> sc(static_cast<size_t>(seen));
-      double mx = in.sinks.empty() ? -INFINITY : in.sinks[h], max_ds = 0, max_s = 0;
+      double smax = -INFINITY, max_ds = 0, max_s = 0;
       const double dot_terms = kernel == Kernel::Prefill ? double(hd) : kernel == Kernel::Split ? double(hd) / 32 + 5 : double(hd / 4 + 3);
       for (int64_t j = 0; j < seen; ++j) {
         double dot = 0, mag = 0;
@@ -126,8 +127,9 @@ void check(Kernel kernel, const Case& c) {
         sc[j] = dot * s.scale;
         max_ds = std::max(max_ds, dot_terms * u * s.scale * mag + u * std::fabs(sc[j]));
         max_s = std::max(max_s, std::fabs(sc[j]));
-        mx = std::max(mx, sc[j]);
+        smax = std::max(smax, sc[j]);
       }
+      const double mx = in.sinks.empty() ? smax : std::max(smax, double(in.sinks[h]));
       double sum = in.sinks.empty() ? 0.0 : std::exp(in.sinks[h] - mx);
       for (double& v : sc) sum += (v = std::exp(v - mx));
       double rel = 0;
@@ -144,7 +146,9 @@ void check(Kernel kernel, const Case& c) {
         rel = 2 * max_ds + double(8 + 2 * split_tiles + splits) * u +
               double(std::min(seen, split_tiles * cuda::kDecodeTile) + splits + 8) * u;
       }
-      if (!in.sinks.empty()) rel += 6 * u;
+      // The sink: exp(sink - m) and the running sum's rescale exp(smax - m) (m = max(smax, sink)), each
+      // 2u for expf plus u of its argument's size, then the products, the add and the division.
+      if (!in.sinks.empty()) rel += 2 * u * (std::fabs(in.sinks[h] - mx) + std::fabs(smax - mx)) + 8 * u;
       for (int64_t d = 0; d < hd; ++d) {
         double o = 0, mag = 0;
         for (int64_t j = 0; j < seen; ++j) {

@@ -140,7 +140,7 @@ void check(const Case& c, uint32_t seed, bool f16 = false) {
 TEST(CudaQkRopeYarn, MatchesReferenceSteps) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   check({64, 8, 64, 64, 3, 0, true, true, true}, 1);      // gpt-oss-20b, the first positions, q | k | v rows
-  check({64, 8, 64, 64, 2, 100000, true, true, false}, 2);   // far positions (the scaled low frequencies matter)
+  check({64, 8, 64, 64, 2, 20000, true, true, false}, 2);    // far positions (the scaled low frequencies matter)
   check({8, 2, 32, 32, 16, 37, true, true, true}, 3);     // gpt-oss-tiny, a prefill's rows
   check({8, 2, 64, 32, 4, 500, true, false, false}, 4);   // partial rotary, no biases
   check({8, 2, 64, 64, 4, 500, false, true, false}, 5);   // biases with plain RoPE
