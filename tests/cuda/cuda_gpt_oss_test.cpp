@@ -38,6 +38,7 @@
 #include "coordinator/group_layout.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/cuda_backend.h"
+#include "kernels/cuda/embed_rows.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
 #include "tests/reference/tiny_arch_model.h"
@@ -99,6 +100,24 @@ group::ExpertPlan plan_of(const std::vector<int32_t>& chosen, int64_t n_expert) 
 
 enum class Drive { kLayers, kGraph, kSplit };
 
+// The experts of layer il not in `here`, by reference::routed_expert (biases, clamped SwiGLU) into
+// packed rows in plan order, as the cpu workers compute them.
+void host_experts(const model::Model& m, int64_t il, const group::ExpertPlan& plan, const float* h,
+                  const std::vector<int32_t>& here, float* host_rows) {
+  const int64_t d = m.hp.n_embd, k = m.hp.n_expert_used;
+  reference::ExpertScratch scratch;
+  scratch.reserve(plan.start.back(), m.hp.n_ff_exp);
+  reference::ThreadPool pool(1);
+  std::vector<float> gathered(static_cast<size_t>(plan.start.back() * d));
+  for (int32_t e = 0; e < m.hp.n_expert; ++e) {
+    if (plan.count(e) == 0 || std::binary_search(here.begin(), here.end(), e)) continue;
+    for (int32_t j = 0; j < plan.count(e); ++j)
+      std::copy_n(h + (plan.slot_of[plan.start[e] + j] / k) * d, d, gathered.data() + j * d);
+    reference::routed_expert(m.layers[il].moe, e, m.layers[il].recipe.ffn.experts, gathered.data(), plan.count(e),
+                             host_rows + int64_t{plan.start[e]} * d, scratch, pool);
+  }
+}
+
 // One step; logits of every row when all_logits, else the last. kSplit: layer_begin / layer_end
 // with the experts not in device_experts[il] computed here by reference::routed_expert.
 std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const std::vector<int32_t>& tokens,
@@ -122,18 +141,7 @@ std::vector<float> run_step(gpu_worker::Backend& b, const model::Model& m, const
     }
     b.layer_begin(il, n, chosen.data(), weight.data(), h.data());
     const group::ExpertPlan plan = plan_of(chosen, hp.n_expert);
-    reference::ExpertScratch scratch;
-    scratch.reserve(plan.start.back(), hp.n_ff_exp);
-    reference::ThreadPool pool(1);
-    std::vector<float> gathered(static_cast<size_t>(plan.start.back() * d));
-    const std::vector<int32_t>& here = device_experts->at(il);
-    for (int32_t e = 0; e < hp.n_expert; ++e) {
-      if (plan.count(e) == 0 || std::binary_search(here.begin(), here.end(), e)) continue;
-      for (int32_t j = 0; j < plan.count(e); ++j)
-        std::copy_n(h.data() + (plan.slot_of[plan.start[e] + j] / k) * d, d, gathered.data() + j * d);
-      reference::routed_expert(m.layers[il].moe, e, m.layers[il].recipe.ffn.experts, gathered.data(), plan.count(e),
-                               host_rows.data() + int64_t{plan.start[e]} * d, scratch, pool);
-    }
+    host_experts(m, il, plan, h.data(), device_experts->at(il), host_rows.data());
     b.layer_end(il, n, plan, host_rows.data());
   }
   b.advance(n);
@@ -353,6 +361,63 @@ TEST(CudaGptOssSupport, BackendListsEveryPartOfTheFiles) {
   for (const Case& c : {Case{"synth_q4k", "--map _exps.=q4_k --default q8_0", true}, Case{"tiny_f32", "", false}}) {
     const model::Model m = model::Model::load(model_file(c).string());
     EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cuda_backend_support())) << c.name;
+  }
+}
+
+// Host memory of a hand-off step (backend.h HandoffIo), pinned with the backend (it must outlive it).
+struct HandoffBuffers {
+  std::vector<int32_t> chosen;
+  std::vector<float> weight, h, host_rows;
+  HandoffBuffers(const model::HParams& hp, int64_t max_tokens)
+      : chosen(max_tokens * hp.n_expert_used), weight(chosen.size()), h(max_tokens * hp.n_embd),
+        host_rows(chosen.size() * hp.n_embd) {}
+  void pin(gpu_worker::Backend& b) {
+    b.pin_host_memory(chosen.data(), chosen.size() * sizeof(int32_t));
+    b.pin_host_memory(weight.data(), weight.size() * sizeof(float));
+    b.pin_host_memory(h.data(), h.size() * sizeof(float));
+    b.pin_host_memory(host_rows.data(), host_rows.size() * sizeof(float));
+  }
+  gpu_worker::Backend::HandoffIo io() { return {chosen.data(), weight.data(), h.data(), host_rows.data()}; }
+};
+
+// The group's decode step (the gpu_worker with cpu workers): one launch with in-graph hand-offs
+// (handoff_begin), the odd experts computed here at each layer the device hands over, gives the
+// layer-by-layer split's logits bit for bit (the golden test's HandoffStepEqualsLayerByLayer).
+TEST_P(CudaGptOss, HandoffStepEqualsLayerByLayer) {
+  const Case& c = GetParam();
+  const model::HParams& hp = model_->hp;
+  const int64_t V = hp.n_vocab;
+  std::vector<std::vector<int32_t>> even(static_cast<size_t>(hp.n_layer));
+  for (auto& l : even)
+    for (int32_t e = 0; e < hp.n_expert; e += 2) l.push_back(e);
+  HandoffBuffers io(hp, kMaxTokens);
+  auto by_layer = cuda_backend(*model_, c, &even);
+  auto handoff = cuda_backend(*model_, c, &even);
+  io.pin(*handoff);
+  // moe_fused (the only expert path of a hand-off step) takes the quantized experts, not F32; the
+  // step embeds on the device (embed_rows.h).
+  const bool fused = c.quantized && cuda::embed_rows_supported(model_->tok_embd.type);
+  ASSERT_EQ(handoff->handoff_supported(1), fused);
+  if (!fused) return;
+  const std::vector<int32_t> p = prompt(*model_, 20, 5);
+  std::vector<float> want = run_step(*by_layer, *model_, p, false, Drive::kSplit, &even);
+  const std::vector<float> first = run_step(*handoff, *model_, p, false, Drive::kSplit, &even);
+  ASSERT_EQ(0, std::memcmp(first.data(), want.data(), want.size() * sizeof(float)));
+  for (int i = 0; i < 5; ++i) {
+    int32_t next = sampling::argmax(std::span<const float>(want.data(), V));
+    want = run_step(*by_layer, *model_, {next}, false, Drive::kSplit, &even);
+    std::vector<float> got(V, NAN);
+    ASSERT_TRUE(handoff->handoff_begin(&next, 1, 1, io.io())) << "step " << i;
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+      if (handoff->layer_on_device(il)) continue;
+      handoff->handoff_wait_routed(il);
+      const group::ExpertPlan plan =
+          plan_of(std::vector<int32_t>(io.chosen.begin(), io.chosen.begin() + hp.n_expert_used), hp.n_expert);
+      host_experts(*model_, il, plan, io.h.data(), even[il], io.host_rows.data());
+      handoff->handoff_release(il, plan);
+    }
+    handoff->handoff_finish(got.data(), nullptr, 0);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float))) << "decode step " << i;
   }
 }
 
