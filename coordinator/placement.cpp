@@ -102,6 +102,7 @@ ModelSizes model_sizes(const model::Model& m, std::int64_t context, model::KvTyp
   for (const model::LayerWeights& L : m.layers) {
     std::uint64_t one = 0, slot = 0;
     for (const model::ExpertTensor* t : {&L.moe.gate, &L.moe.up, &L.moe.down}) {
+      if (t->all.info == nullptr) continue;   // a dense layer: zero-byte "experts", all placed on the device
       experts += t->all.info->n_bytes;
       const std::uint64_t part = static_cast<std::uint64_t>(t->rows_per_expert) * t->all.row_bytes;
       one += part;

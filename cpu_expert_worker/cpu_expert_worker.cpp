@@ -212,7 +212,7 @@ class ExpertWorker {
         if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
         const std::array<model::Matrix, 3> t = in_memory(next, e, tier);
         if (!production_kernel_for(t)) continue;
-        guessed_weights_.push_back(expert_weights(t));
+        guessed_weights_.push_back(expert_weights(next, e, t));
         guessed_.push_back(e);
       }
       for (const cpu::ExpertWeights& w : guessed_weights_) prefetch_ptrs_.push_back(&w);
@@ -316,7 +316,7 @@ class ExpertWorker {
     for (const Work& w : work_) {
       const group::Tier tier = plan_.at(il, w.expert);
       if (tier == group::Tier::kFile) continue;
-      add_compute(in_memory(il, w.expert, tier), w, hidden);
+      add_compute(il, in_memory(il, w.expert, tier), w, hidden);
       ++experts_ram_;
     }
     finish_compute();
@@ -362,7 +362,7 @@ class ExpertWorker {
     begin_compute();
     for (size_t j = 0; j < batch_.size(); ++j) {
       const Work& w = *batch_[j];
-      add_compute(bind(il, w.expert, al_.staging_slot(model_, il, index_, static_cast<int64_t>(j))), w, hidden);
+      add_compute(il, bind(il, w.expert, al_.staging_slot(model_, il, index_, static_cast<int64_t>(j))), w, hidden);
       ++experts_file_;
     }
     finish_compute();
@@ -403,8 +403,20 @@ class ExpertWorker {
   std::array<model::Matrix, 3> in_memory(int64_t il, int64_t e, group::Tier tier) const {
     return tier == group::Tier::kRam ? bind(il, e, al_.ram_slot(il, e)) : mapped(il, e);
   }
-  static cpu::ExpertWeights expert_weights(const std::array<model::Matrix, 3>& t) {
-    return {t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows};
+  // Expert e of layer il on its bytes t, with the layer's expert biases and activation (gpt-oss).
+  cpu::ExpertWeights expert_weights(int64_t il, int64_t e, const std::array<model::Matrix, 3>& t) const {
+    cpu::ExpertWeights w{t[0].type, t[1].type, t[2].type, t[0].data, t[1].data, t[2].data, t[0].n_cols, t[0].n_rows};
+    const model::LayerWeights& L = model_.layers[static_cast<size_t>(il)];
+    const model::ExpertsPart& part = L.recipe.ffn.experts;
+    if (part.biases && !L.moe.gate_bias.empty()) {
+      w.gate_bias = L.moe.gate_bias.data() + e * w.ffn;
+      w.up_bias = L.moe.up_bias.data() + e * w.ffn;
+      w.down_bias = L.moe.down_bias.data() + e * w.hidden;
+    }
+    w.clamped_swiglu = part.act == model::Activation::SwiGluClamped;
+    w.swiglu_alpha = static_cast<float>(part.swiglu_alpha);
+    w.swiglu_limit = static_cast<float>(part.swiglu_limit);
+    return w;
   }
 
   // Quantized experts go to the production kernels (kernels/cpu/expert_ffn.h), all of one pass
@@ -429,18 +441,19 @@ class ExpertWorker {
     fast_rows_ = 0;
   }
 
-  void add_compute(const std::array<model::Matrix, 3>& t, const Work& w, const float* hidden) {
+  void add_compute(int64_t il, const std::array<model::Matrix, 3>& t, const Work& w, const float* hidden) {
     const int32_t* rows = rows_.data() + w.first;
     if (!production_kernel_for(t)) {
       // The reference kernel takes contiguous rows: gather them.
       const int64_t d = model_.hp.n_embd;
       float* x = xg_.data();
       for (int32_t j = 0; j < w.m; ++j) std::copy_n(hidden + int64_t{rows[j]} * d, d, x + j * d);
-      reference::swiglu_expert(t[0], t[1], t[2], x, w.m, w.y, scratch_, pool_);
+      const model::LayerWeights& L = model_.layers[static_cast<size_t>(il)];
+      reference::routed_expert(t, L.moe, w.expert, L.recipe.ffn.experts, x, w.m, w.y, scratch_, pool_);
       return;
     }
     // fast_weights_ has capacity n_expert (reserved), so the pointers jobs hold stay valid.
-    fast_weights_.push_back(expert_weights(t));
+    fast_weights_.push_back(expert_weights(il, w.expert, t));
     fast_ids_.push_back(w.expert);
     fast_jobs_.push_back({&fast_weights_.back(), rows, w.m, w.y});
     fast_x_ = hidden;

@@ -15,11 +15,21 @@ NextLayerGuess::NextLayerGuess(const model::Model& m)
   const int64_t folds = n_layer_ - 1;
   q_.resize(static_cast<size_t>(folds * n_expert_ * n_embd_));
   scale_.resize(static_cast<size_t>(folds * n_expert_));
+  choice_bias_.assign(static_cast<size_t>(folds * n_expert_), 0.0f);
+  sigmoid_choice_.assign(static_cast<size_t>(folds), false);
   std::vector<float> w(static_cast<size_t>(n_embd_)), ratio(static_cast<size_t>(n_embd_));
   for (int64_t il = 0; il < folds; ++il) {
     const model::LayerWeights& from = m.layers[static_cast<size_t>(il)];
     const model::LayerWeights& to = m.layers[static_cast<size_t>(il + 1)];
     const model::Matrix& router = to.moe.router;
+    if (to.recipe.ffn.kind != model::FfnKind::Moe) continue;   // a dense layer: nothing to guess (scale 0)
+    // The choice's own biases (gpt-oss's on the logits, the sigmoid routers' score bias after it).
+    sigmoid_choice_[static_cast<size_t>(il)] = to.recipe.ffn.router.kind == model::RouterKind::SigmoidGroupTopK;
+    for (int64_t e = 0; e < n_expert_; ++e) {
+      float& b = choice_bias_[static_cast<size_t>(il * n_expert_ + e)];
+      if (!to.moe.router_bias.empty()) b += to.moe.router_bias[static_cast<size_t>(e)];
+      if (!to.moe.score_bias.empty()) b += to.moe.score_bias[static_cast<size_t>(e)];
+    }
     if (from.ffn_norm.size() != static_cast<size_t>(n_embd_) || to.ffn_norm.size() != static_cast<size_t>(n_embd_) ||
         router.n_cols != n_embd_ || router.n_rows != n_expert_) {
       throw std::invalid_argument("next-layer guess: layer " + std::to_string(il + 1) + "'s router or the ffn norms have unexpected sizes");
@@ -78,6 +88,11 @@ void NextLayerGuess::guess(int64_t il, const float* h, int64_t n, cpu::ThreadPoo
   const size_t first = out.size();
   for (int64_t t = 0; t < n; ++t) {
     logits(il, h + t * n_embd_, pool, logits_);
+    const float* bias = choice_bias_.data() + il * n_expert_;
+    for (int64_t e = 0; e < n_expert_; ++e) {
+      float& l = logits_[static_cast<size_t>(e)];
+      l = (sigmoid_choice_[static_cast<size_t>(il)] ? 1.0f / (1.0f + std::exp(-l)) : l) + bias[e];
+    }
     for (int64_t e = 0; e < n_expert_; ++e) order_[static_cast<size_t>(e)] = static_cast<int32_t>(e);
     std::partial_sort(order_.begin(), order_.begin() + k, order_.end(), [&](int32_t a, int32_t b) {
       const float la = logits_[static_cast<size_t>(a)], lb = logits_[static_cast<size_t>(b)];

@@ -50,6 +50,8 @@ class NextLayerGuess {
   int64_t n_layer_, n_embd_, n_expert_, k_;
   std::vector<int8_t> q_;       // [n_layer - 1][n_expert][n_embd]: entry il holds layer il + 1's fold
   std::vector<float> scale_;    // [n_layer - 1][n_expert]
+  std::vector<float> choice_bias_;    // [n_layer - 1][n_expert]: router bias + score bias of layer il + 1
+  std::vector<bool> sigmoid_choice_;  // [n_layer - 1]: layer il + 1 chooses by sigmoid(logit) + bias
   mutable std::vector<float> logits_;
   std::vector<int32_t> order_;
 };

@@ -47,6 +47,9 @@ struct BackendOptions {
   // sums: kernels/cuda/gemm_prefill.h) instead of the per-row matvec, the resident experts too;
   // 0: never. Within BF16 rounding of the matvec path, not equal to it.
   int64_t gemm_prefill_rows = 64;
+  // The cuBLAS path's 16-bit inputs: BF16 (the default: no overflow) or F16 (8x finer rounding,
+  // range 65504): the golden tests measure how far the BF16 rounding alone moves a model's logits.
+  bool prefill_gemm_f16 = false;
   // The hand-off (gpu_worker): at a layer where one cpu worker has at least this many experts to
   // compute, the device copies one of them in from the RAM tier over PCIe and computes it itself
   // (handoff_take_expert), beside the worker's share; 0: never (then the CUDA backend allocates

@@ -9,7 +9,16 @@ const model::BackendSupport& cpu_backend_support() {
   static const model::BackendSupport s("gpu_worker CPU backend", {
       model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
       model::Feature::GatedDeltaNet, model::Feature::RouterSoftmaxTopK, model::Feature::RouterNoRenormalize,
-      model::Feature::SwiGlu, model::Feature::SharedExpertGated});
+      model::Feature::SwiGlu, model::Feature::SharedExpertGated,
+      // gpt-oss's: the mixer is the reference's; router and experts by reference::route_layer /
+      // routed_expert here and the cpu workers' expert kernels (biases, clamped SwiGLU).
+      model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::AttnSinks, model::Feature::SlidingWindow,
+      model::Feature::YarnRope, model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
+      model::Feature::SwiGluClamped, model::Feature::ExpertBiases,
+      // glm4moe's: the router by route_layer, the ungated shared expert by moe_combine, dense
+      // leading layers whole on this backend (placement gives their zero-byte experts the device).
+      model::Feature::RouterSigmoidGroupTopK, model::Feature::RoutedScaling, model::Feature::SharedExpertUngated,
+      model::Feature::DenseFfn});
   return s;
 }
 

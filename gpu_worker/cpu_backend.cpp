@@ -31,6 +31,10 @@ class CpuBackend final : public Backend {
     const int64_t T = o.max_tokens, d = m.hp.n_embd, k = m.hp.n_expert_used;
     router_.reserve(m.hp, T);
     if (m.hp.n_ff_shexp > 0) shared_scratch_.reserve(T, m.hp.n_ff_shexp);
+    int64_t dense_ff = 0;
+    for (int64_t il = 0; il < m.hp.n_layer; ++il)
+      if (dense(il)) dense_ff = std::max(dense_ff, m.layers[il].dense.gate.n_rows);
+    if (dense_ff > 0) dense_scratch_.reserve(T, dense_ff);
     shared_.resize(static_cast<size_t>(T * d));
     norm_.resize(static_cast<size_t>(T * d));
     x_.resize(static_cast<size_t>(max_step_rows_ * d));   // the residual of a whole (long) step
@@ -77,10 +81,18 @@ class CpuBackend final : public Backend {
     exec_.set_window(first);
   }
   int64_t n_layer() const override { return m_.hp.n_layer; }
-  bool layer_on_device(int64_t il) const override { return whole_.at(static_cast<size_t>(il)); }
+  bool layer_on_device(int64_t il) const override { return whole_.at(static_cast<size_t>(il)) || dense(il); }
 
   void layer_whole(int64_t il, int64_t n, int32_t* chosen_out) override {
     if (!layer_on_device(il)) throw std::logic_error("CPU backend: layer " + std::to_string(il) + " has experts off this device");
+    if (dense(il)) {   // no routing: the layer's FFN here, nothing for the census (-1 slots)
+      check_rows(n);
+      exec_.mixer_step(il, window_x(), n, h_.data());
+      reference::dense_ffn(m_.layers[il].dense, h_.data(), n, window_x(), shared_.data(), dense_scratch_, exec_.pool());
+      if (chosen_out != nullptr) std::fill_n(chosen_out, n * m_.hp.n_expert_used, -1);
+      last_n_ = window_first_ + n;
+      return;
+    }
     layer_begin(il, n, chosen_.data(), weight_.data(), nullptr);
     if (chosen_out != nullptr) std::copy_n(chosen_.data(), n * m_.hp.n_expert_used, chosen_out);
     plan_.build(chosen_.data(), n * m_.hp.n_expert_used, m_.hp.n_expert);
@@ -284,6 +296,7 @@ class CpuBackend final : public Backend {
     handoff_cv_.notify_all();
   }
 
+  bool dense(int64_t il) const { return m_.layers[static_cast<size_t>(il)].recipe.ffn.kind == model::FfnKind::Dense; }
   void check_rows(int64_t n) const {
     if (n <= 0 || n > max_tokens_)
       throw std::invalid_argument("CPU backend: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_tokens_));
@@ -295,7 +308,7 @@ class CpuBackend final : public Backend {
   int64_t step_rows_ = 0, window_first_ = 0;   // embed's rows; set_window's first row
   int64_t last_n_ = 0;   // rows of the step up to the end of the last layer_end's window
   reference::RouterScratch router_;
-  reference::ExpertScratch shared_scratch_, routed_scratch_;
+  reference::ExpertScratch shared_scratch_, routed_scratch_, dense_scratch_;
   std::vector<float> shared_, norm_, gathered_, x_, h_, weight_, own_rows_;
   std::vector<int32_t> chosen_;
   std::vector<const float*> slot_rows_;

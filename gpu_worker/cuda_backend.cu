@@ -329,7 +329,8 @@ void CudaBackend::setup_experts() {
   // Long steps multiply quantized weights through cuBLAS (and run the resident experts per
   // expert, from the host's plan, instead of moe_fused's 16-token groups).
   if (cuda_scratch_prefill_gemm(scratch_options())) {
-    gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, cuda_scratch_prefill_gemm_limits(hp, scratch_options()));
+    gemm_ = std::make_unique<cuda::PrefillGemm>(stream_, cuda_scratch_prefill_gemm_limits(hp, scratch_options()),
+                                                prefill_gemm_f16_ ? cuda::GemmInput::F16 : cuda::GemmInput::BF16);
   }
   if (scratch_.has("stage_experts")) {
     stage_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("stage_experts"));

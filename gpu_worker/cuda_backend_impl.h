@@ -327,6 +327,7 @@ class CudaBackend final : public Backend {
   const model::Model& m_;
   const int device_;
   const int64_t max_tokens_, tiled_prefill_rows_, gemm_prefill_rows_;
+  const bool prefill_gemm_f16_;       // BackendOptions::prefill_gemm_f16
   const int take_expert_from_;        // BackendOptions::take_expert_from
   const int stage_slots_;             // BackendOptions::stage_experts (0 without off-device experts)
   const int64_t long_step_rows_;      // BackendOptions::long_step_rows

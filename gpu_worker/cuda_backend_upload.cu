@@ -145,7 +145,7 @@ void legacy_qkvz_orders(const model::HParams& hp, std::vector<int64_t>& qkv, std
 
 CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
     : m_(m), device_(o.device), max_tokens_(o.max_tokens), tiled_prefill_rows_(o.tiled_prefill_rows),
-      gemm_prefill_rows_(o.gemm_prefill_rows), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
+      gemm_prefill_rows_(o.gemm_prefill_rows), prefill_gemm_f16_(o.prefill_gemm_f16), take_expert_from_(o.all_experts ? 0 : o.take_expert_from),
       stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
       long_step_rows_(std::max(0, o.long_step_rows)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),

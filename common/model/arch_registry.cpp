@@ -56,7 +56,7 @@ const std::vector<KeySpec>& common_keys() {
       {"attention.head_count", nullptr, "query heads"},
       {"attention.head_count_kv", "head_count", "key/value heads (GQA)"},
       {"attention.key_length", "n_embd / head_count", "head dim"},
-      {"attention.value_length", "key_length", "must equal key_length"},
+      {"attention.value_length", "key_length", "must equal key_length (MLA: kv_lora_rank)"},
       {"rope.dimension_count", "key_length", "rotary dims (even, <= head dim)"},
       {"rope.freq_base", "10000", "RoPE theta"},
       {"attention.layer_norm_rms_epsilon", nullptr, "RMSNorm epsilon"},
@@ -84,8 +84,9 @@ std::string ArchDesc::gguf_name(TensorRole role, int64_t il) const {
 const char* tensor_role_name(TensorRole r) {
   static const char* const names[] = {
       "TokEmbd", "OutputNorm", "Output", "AttnNorm", "FfnNorm", "AttnQ", "AttnK", "AttnV", "AttnO",
-      "AttnQNorm", "AttnKNorm", "AttnQBias", "AttnKBias", "AttnVBias", "AttnOBias", "AttnSinks", "DnQkv",
-      "DnGate", "DnQkvzLegacy", "DnBa", "DnConv", "DnDtBias", "DnA", "DnNorm", "DnOut", "Router",
+      "AttnQNorm", "AttnKNorm", "AttnQBias", "AttnKBias", "AttnVBias", "AttnOBias", "AttnSinks",
+      "MlaQA", "MlaQANorm", "MlaQB", "MlaKvAMqa", "MlaKvANorm", "MlaKvB", "MlaKB", "MlaVB", "DnQkv",
+      "DnGate", "DnQkvzLegacy", "DnBa", "DnBeta", "DnAlpha", "DnConv", "DnDtBias", "DnA", "DnNorm", "DnOut", "Router",
       "RouterBias", "ScoreBias", "GateExps", "UpExps", "DownExps", "GateExpsBias", "UpExpsBias",
       "DownExpsBias", "SharedRouter", "GateShexp", "UpShexp", "DownShexp", "FfnGate", "FfnUp", "FfnDown",
       "NextnEhProj", "NextnEnorm", "NextnHnorm", "NextnEmbedTokens", "NextnSharedHeadHead",
@@ -115,6 +116,8 @@ bool KeyReader::has(const char* suffix) const {
   declared(suffix);
   return f_.find(key(suffix)) != nullptr;
 }
+
+bool KeyReader::has_tensor(const std::string& name) const { return f_.find_tensor(name) != nullptr; }
 
 int64_t KeyReader::count(const char* suffix, int64_t fallback, bool allow_zero) const {
   declared(suffix);

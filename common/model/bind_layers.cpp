@@ -22,6 +22,8 @@ std::vector<float>* vector_field(TensorRole r, LayerWeights& L, NextnWeights* n)
     case TensorRole::AttnVBias: return &L.attn.v_bias;
     case TensorRole::AttnOBias: return &L.attn.o_bias;
     case TensorRole::AttnSinks: return &L.attn.sinks;
+    case TensorRole::MlaQANorm: return &L.mla.q_a_norm;
+    case TensorRole::MlaKvANorm: return &L.mla.kv_a_norm;
     case TensorRole::DnDtBias: return &L.delta.dt_bias;
     case TensorRole::DnA: return &L.delta.a;
     case TensorRole::DnNorm: return &L.delta.norm;
@@ -39,14 +41,21 @@ std::vector<float>* vector_field(TensorRole r, LayerWeights& L, NextnWeights* n)
 }
 
 Matrix* matrix_field(TensorRole r, LayerWeights& L, NextnWeights* n) {
+  const bool mla = L.recipe.mixer.kind == MixerKind::Mla;
   switch (r) {
-    case TensorRole::AttnQ: return &L.attn.q;
+    case TensorRole::AttnQ: return mla ? &L.mla.q : &L.attn.q;
+    case TensorRole::AttnO: return mla ? &L.mla.o : &L.attn.o;
+    case TensorRole::MlaQA: return &L.mla.q_a;
+    case TensorRole::MlaQB: return &L.mla.q_b;
+    case TensorRole::MlaKvAMqa: return &L.mla.kv_a_mqa;
+    case TensorRole::MlaKvB: return &L.mla.kv_b;
     case TensorRole::AttnK: return &L.attn.k;
     case TensorRole::AttnV: return &L.attn.v;
-    case TensorRole::AttnO: return &L.attn.o;
     case TensorRole::DnQkv: return &L.delta.qkv;
     case TensorRole::DnGate: return &L.delta.z;
     case TensorRole::DnBa: return &L.delta.ba;
+    case TensorRole::DnBeta: return &L.delta.beta;
+    case TensorRole::DnAlpha: return &L.delta.alpha;
     case TensorRole::DnOut: return &L.delta.out;
     case TensorRole::Router: return &L.moe.router;
     case TensorRole::GateShexp: return &L.moe.shared_gate;
@@ -67,13 +76,16 @@ ExpertTensor* experts_field(TensorRole r, LayerWeights& L) {
     case TensorRole::GateExps: return &L.moe.gate;
     case TensorRole::UpExps: return &L.moe.up;
     case TensorRole::DownExps: return &L.moe.down;
+    case TensorRole::MlaKB: return &L.mla.k_b;   // one "expert" per head
+    case TensorRole::MlaVB: return &L.mla.v_b;
     default: return nullptr;
   }
 }
 
 void bind_slot(const HParams& hp, TensorBinder& b, const TensorSlot& s, LayerWeights& L, NextnWeights* n) {
   if (s.optional && !b.has(s.name)) return;
-  if (s.role == TensorRole::DnQkv && !b.has(s.name) && b.has(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer))) {
+  if (s.role == TensorRole::DnQkv && !b.has(s.name) && hp.desc->find(TensorRole::DnQkvzLegacy) != nullptr &&
+      b.has(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer))) {
     // The legacy fused ssm_in, grouped per key head as [q | k | v_group | z_group].
     L.delta.qkvz = b.matrix(hp.desc->gguf_name(TensorRole::DnQkvzLegacy, s.layer), hp.n_embd,
                             hp.ssm_conv_dim() + hp.ssm_value_dim());

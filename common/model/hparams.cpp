@@ -51,11 +51,7 @@ void read_common(const KeyReader& r, HParams& hp) {
                                                  std::to_string(hp.n_head_kv));
   }
   hp.head_dim = r.count("attention.key_length", hp.n_embd / hp.n_head);
-  const int64_t v_len = r.count("attention.value_length", hp.head_dim);
-  if (v_len != hp.head_dim) {
-    r.fail(r.key("attention.value_length"), "differs from key_length (" + std::to_string(v_len) +
-                                                " vs " + std::to_string(hp.head_dim) + ")");
-  }
+  hp.head_dim_v = r.count("attention.value_length", hp.head_dim);
   hp.n_rot = r.count("rope.dimension_count", hp.head_dim);
   if (hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0) {
     r.fail(r.key("rope.dimension_count"), "must be even and at most the head dim " +
@@ -89,6 +85,11 @@ HParams read_hparams(const gguf::GgufFile& file) {
   KeyReader r(file, *arch, &desc->keys);
   read_common(r, hp);
   desc->read_keys(r, hp);
+  // Only MLA (its latent is the value) has values of another width than the keys.
+  if (hp.kv_lora_rank == 0 && hp.head_dim_v != hp.head_dim) {
+    r.fail(r.key("attention.value_length"), "differs from key_length (" + std::to_string(hp.head_dim_v) +
+                                                " vs " + std::to_string(hp.head_dim) + ")");
+  }
   if (hp.recurrent.empty()) hp.recurrent.assign(static_cast<size_t>(hp.n_layer), false);
   for (int64_t il = 0; il < hp.n_layer + hp.n_nextn; ++il) hp.recipes.push_back(desc->layer_recipe(hp, il));
   return hp;

@@ -60,9 +60,25 @@ struct HParams {
   RopeScaling rope_scaling = RopeScaling::None;
   double rope_scaling_factor = 1.0;
   int64_t rope_orig_ctx = 0;        // rope.scaling.original_context_length
+  bool rope_yarn_truncate = true;   // rope.scaling.yarn_truncate (moraine's key; llama.cpp always rounds)
   double expert_weights_scale = 1.0;  // routed output's factor
+  int64_t n_expert_groups = 1;      // expert_group_count: group-limited routing (1: no groups)
+  int64_t n_group_used = 1;         // expert_group_used_count: the groups a token's top-k comes from
+  bool attn_qk_norm = false;        // q/k norm tensors present (glm4moe: GLM-4.5 has them, Air not)
   int64_t n_ff = 0;                 // feed_forward_length (dense layers)
   int64_t n_dense_lead = 0;         // leading_dense_block_count
+
+  // Multi-head latent attention (deepseek2; its description reads the keys).
+  int64_t head_dim_v = 0;           // attention.value_length: head_dim, except under MLA (kv_lora_rank)
+  int64_t q_lora_rank = 0;          // 0: q projected directly
+  int64_t kv_lora_rank = 0;         // > 0: the model's mixers are MLA
+  int64_t mla_head_k = 0;           // per-head q.k dims once decompressed (nope + rope)
+  int64_t mla_head_v = 0;           // per-head value dims once decompressed
+  bool mla_split_kv_b = false;      // attention.key_length_mla present: attn_k_b / attn_v_b, else attn_kv_b
+  double rope_yarn_log_mul = 0.0;   // DeepSeek's mscale_all_dim (the key holds 0.1 times it)
+  double rope_attn_factor = 1.0;    // rope.scaling.attn_factor
+  bool sigmoid_gating = false;      // deepseek2's expert_gating_func 2: the sigmoid router
+  bool expert_score_bias = false;   // deepseek2: exp_probs_b present (llama.cpp takes it when there)
 
   const char* arch_string() const;  // general.architecture of desc (or of arch when desc is null)
   // The recipe of layer il; a hand-built HParams without recipes gets the one its flat fields

@@ -22,7 +22,7 @@ inline uint64_t layer_state_bytes(const HParams& hp, int64_t il, int64_t context
       // A sliding layer still keeps every position: no backend holds a window-sized ring yet.
       return 2 * ctx * static_cast<uint64_t>(hp.n_head_kv * hp.head_dim) * kv_type_bytes(kv_type);
     case MixerKind::Mla:
-      // The compressed latent and the rotary key per position (deepseek2); declared, not run yet.
+      // The compressed latent and the rotary key per position (deepseek2), as the reference caches them.
       return ctx * static_cast<uint64_t>(r.mixer.mla.kv_lora_rank + r.mixer.mla.rope_dim) * kv_type_bytes(kv_type);
   }
   throw std::logic_error("layer_state_bytes: layer " + std::to_string(il) + " has an unknown mixer");

@@ -38,11 +38,38 @@ void attention(const HParams& hp, const AttentionPart& a, SlotList& s) {
   if (a.sinks) s.add(TensorRole::AttnSinks, {hp.n_head});
 }
 
-void delta_net(const HParams& hp, SlotList& s) {
+// llama.cpp's deepseek2 tensors: k_b is stored per head transposed ({nope, rank, n_head}), so
+// k_b's head h, as a matrix, maps a query's nope part to the latent (the absorbed form).
+void mla(const HParams& hp, const MlaPart& m, SlotList& s) {
+  const int64_t E = hp.n_embd, H = hp.n_head, qk = m.nope_dim + m.rope_dim;
+  if (m.q_lora_rank > 0) {
+    s.add(TensorRole::MlaQA, {E, m.q_lora_rank});
+    s.add(TensorRole::MlaQANorm, {m.q_lora_rank});
+    s.add(TensorRole::MlaQB, {m.q_lora_rank, H * qk});
+  } else {
+    s.add(TensorRole::AttnQ, {E, H * qk});
+  }
+  s.add(TensorRole::MlaKvAMqa, {E, m.kv_lora_rank + m.rope_dim});
+  s.add(TensorRole::MlaKvANorm, {m.kv_lora_rank});
+  if (m.split_kv_b) {
+    s.add(TensorRole::MlaKB, {m.nope_dim, m.kv_lora_rank, H});
+    s.add(TensorRole::MlaVB, {m.kv_lora_rank, m.v_dim, H});
+  } else {
+    s.add(TensorRole::MlaKvB, {m.kv_lora_rank, H * (m.nope_dim + m.v_dim)});
+  }
+  s.add(TensorRole::AttnO, {H * m.v_dim, E});
+}
+
+void delta_net(const HParams& hp, const DeltaNetPart& p, SlotList& s) {
   const int64_t E = hp.n_embd, conv_dim = hp.ssm_conv_dim(), v_dim = hp.ssm_value_dim(), nv = hp.ssm_n_v_heads;
   s.add(TensorRole::DnQkv, {E, conv_dim});
   s.add(TensorRole::DnGate, {E, v_dim});
-  s.add(TensorRole::DnBa, {E, 2 * nv});
+  if (p.split_ba) {
+    s.add(TensorRole::DnBeta, {E, nv});
+    s.add(TensorRole::DnAlpha, {E, nv});
+  } else {
+    s.add(TensorRole::DnBa, {E, 2 * nv});
+  }
   s.add(TensorRole::DnConv, {hp.ssm_conv_kernel, conv_dim});
   s.add(TensorRole::DnDtBias, {nv});
   s.add(TensorRole::DnA, {nv});
@@ -90,8 +117,8 @@ std::vector<TensorSlot> layer_tensors(const HParams& hp, int64_t il) {
   s.add(TensorRole::AttnNorm, {E});
   switch (r.mixer.kind) {
     case MixerKind::Attention: attention(hp, r.mixer.attn, s); break;
-    case MixerKind::GatedDeltaNet: delta_net(hp, s); break;
-    case MixerKind::Mla: throw std::logic_error(std::string(hp.desc->name) + ": MLA tensors are not laid out yet");
+    case MixerKind::GatedDeltaNet: delta_net(hp, r.mixer.delta, s); break;
+    case MixerKind::Mla: mla(hp, r.mixer.mla, s); break;
   }
   s.add(TensorRole::FfnNorm, {E});
   ffn(hp, r.ffn, s);

@@ -23,6 +23,16 @@ struct AttentionWeights {
   std::vector<float> sinks;            // [n_head] learned softmax sink logits (gpt-oss)
 };
 
+// Multi-head latent attention (deepseek2; parts.h's MlaPart). q directly, or through its LoRA
+// (q_a, q_a_norm, q_b); kv_a_mqa gives [latent | rotary key]; the latent is decompressed per
+// head by k_b / v_b (one matrix per head: k_b's maps the nope dims to the latent, v_b's the
+// latent to the value) or by the older fused kv_b (rows per head: nope dims, then value dims).
+struct MlaWeights {
+  Matrix q, q_a, q_b, kv_a_mqa, kv_b, o;
+  ExpertTensor k_b, v_b;
+  std::vector<float> q_a_norm, kv_a_norm;
+};
+
 // Gated DeltaNet (qwen3next linear attention). The projections are stored either as
 // llama.cpp's current pair (qkv: [q all heads | k all heads | v all heads], gate: z) or as the
 // legacy fused ssm_in, grouped per key head as [q | k | v_group | z_group].
@@ -30,6 +40,7 @@ struct DeltaNetWeights {
   Matrix qkv, z;          // current layout
   Matrix qkvz;            // legacy layout (ssm_in); used when qkv is absent
   Matrix ba;              // grouped per key head: [beta x r | alpha x r], r = v_heads / k_heads
+  Matrix beta, alpha;     // split_ba (qwen35moe): one row per value head each, instead of ba
   std::vector<float> conv;  // [conv_dim][kernel]: channel c's taps, oldest input first
   std::vector<float> dt_bias;  // [n_v_heads]
   std::vector<float> a;        // [n_v_heads] = -exp(A_log), as converters store it
@@ -60,6 +71,7 @@ struct LayerWeights {
   std::vector<float> attn_norm;  // before the token mixer
   std::vector<float> ffn_norm;   // before the MoE (qwen3next: post_attention_norm)
   AttentionWeights attn;
+  MlaWeights mla;
   DeltaNetWeights delta;
   MoeWeights moe;
   DenseFfnWeights dense;

@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "common/model/arch/parts.h"
@@ -16,6 +18,8 @@ const char* feature_name(Feature f) {
       "partial RoPE",
       "YaRN RoPE scaling",
       "Gated DeltaNet",
+      "Gated DeltaNet with value heads tiled over key heads",
+      "Gated DeltaNet with separate beta and alpha projections",
       "multi-head latent attention (MLA)",
       "router softmax-then-top-k",
       "router top-k-then-softmax",
@@ -53,8 +57,15 @@ std::vector<Feature> layer_features(const LayerRecipe& r, int64_t head_dim) {
       rope(a.rope);
       break;
     }
-    case MixerKind::GatedDeltaNet: f.push_back(Feature::GatedDeltaNet); break;
-    case MixerKind::Mla: f.push_back(Feature::Mla); break;
+    case MixerKind::GatedDeltaNet:
+      f.push_back(Feature::GatedDeltaNet);
+      if (r.mixer.delta.v_heads_tiled) f.push_back(Feature::DeltaNetTiledHeads);
+      if (r.mixer.delta.split_ba) f.push_back(Feature::DeltaNetSplitBa);
+      break;
+    case MixerKind::Mla:
+      f.push_back(Feature::Mla);
+      if (r.mixer.attn.rope.scaling == RopeScaling::Yarn) f.push_back(Feature::YarnRope);
+      break;
   }
   const FfnPart& ffn = r.ffn;
   if (ffn.kind == FfnKind::Dense) {
@@ -81,6 +92,20 @@ BackendSupport::BackendSupport(std::string backend_name, std::initializer_list<F
   for (Feature f : features) bits_ |= uint64_t{1} << static_cast<int>(f);
 }
 
+YarnRamp yarn_ramp(const RopePart& rope, int64_t n_rot) {
+  const double pi = 3.14159265358979323846;
+  const auto corr_dim = [&](double rotations) {
+    return static_cast<double>(n_rot) * std::log(static_cast<double>(rope.yarn_orig_ctx) / (rotations * 2 * pi)) /
+           (2 * std::log(rope.freq_base));
+  };
+  YarnRamp r;
+  const double low = corr_dim(rope.yarn_beta_fast), high = corr_dim(rope.yarn_beta_slow);
+  r.low = std::max(0.0, rope.yarn_truncate ? std::floor(low) : low);
+  r.high = std::min(static_cast<double>(n_rot - 1), rope.yarn_truncate ? std::ceil(high) : high);
+  r.mscale = rope.attn_factor * (1.0 + 0.1 * std::log(rope.yarn_factor));
+  return r;
+}
+
 const BackendSupport& reference_support() {
   // The CPU reference's attention (attention_block.cpp), DeltaNet, router and experts (moe_parts.cpp).
   static const BackendSupport s("CPU reference",
@@ -90,7 +115,14 @@ const BackendSupport& reference_support() {
                                  // gpt-oss's parts
                                  Feature::AttnQkvBias, Feature::AttnOutputBias, Feature::AttnSinks, Feature::SlidingWindow,
                                  Feature::YarnRope, Feature::RouterTopKSoftmax, Feature::RouterLogitBias,
-                                 Feature::SwiGluClamped, Feature::ExpertBiases});
+                                 Feature::SwiGluClamped, Feature::ExpertBiases,
+                                 // deepseek v3 / glm4moe's FFN parts
+                                 Feature::RouterSigmoidGroupTopK, Feature::RoutedScaling, Feature::SharedExpertUngated,
+                                 Feature::DenseFfn,
+                                 // qwen35moe's DeltaNet layout
+                                 Feature::DeltaNetTiledHeads, Feature::DeltaNetSplitBa,
+                                 // deepseek2's attention (mla_block.cpp)
+                                 Feature::Mla});
   return s;
 }
 

@@ -27,10 +27,9 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
   const float eps = static_cast<float>(hp.rms_eps);
   const model::AttentionPart& part = m_.layers[il].recipe.mixer.attn;
   const bool yarn = part.rope.scaling == model::RopeScaling::Yarn;
-  const YarnParams yarn_params{part.rope.yarn_factor, part.rope.yarn_orig_ctx, part.rope.yarn_beta_fast,
-                               part.rope.yarn_beta_slow};
+
   const auto rotate = [&](float* head, int64_t pos) {
-    if (yarn) rope_neox_yarn(head, hp.n_rot, pos, hp.rope_freq_base, yarn_params);
+    if (yarn) rope_neox_yarn(head, hp.n_rot, pos, part.rope);
     else rope_neox(head, hp.n_rot, pos, hp.rope_freq_base);
   };
   const auto add_bias = [](float* rows, int64_t n_rows, const std::vector<float>& b) {
@@ -84,7 +83,7 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
         // 2^-20 relative covers ~8 ulps. Without this the F16 golden bound missed the H200's
         // qwen3moe_odd q8_0 gap (0.0065 of max against an order-only gap of 0.0031).
         const float r = half::fp16_to_fp32(code);
-        if (order_ != 0 && std::isfinite(r) && (code & 0x7fffu) != 0 && std::fabs(e) != std::fabs(r)) {
+        if (order_ != 0 && order_ != kFloatDots && std::isfinite(r) && (code & 0x7fffu) != 0 && std::fabs(e) != std::fabs(r)) {
           const uint16_t other = static_cast<uint16_t>(std::fabs(e) > std::fabs(r) ? code + 1 : code - 1);   // the neighbour on e's side
           const float mid = 0.5f * (r + half::fp16_to_fp32(other));
           if (std::fabs(e - mid) <= 0x1p-20f * std::fabs(e) && draw(order_, i, w) != 0) code = other;

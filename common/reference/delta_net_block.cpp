@@ -1,4 +1,5 @@
-// Gated DeltaNet token mixer of qwen3next (see common/model/qwen3next.cpp for the formulas).
+// Gated DeltaNet token mixer of qwen3next (see common/model/qwen3next.cpp for the formulas), and
+// qwen35moe's layout of it (value heads tiled over key heads, beta and alpha projected apart).
 // Projections run batched; the causal conv1d and the delta-rule recurrence run token by token
 // (the chunked parallel form is mathematically the same and belongs in faster paths).
 #include <cmath>
@@ -46,17 +47,30 @@ void ReferenceExecutor::delta_net_block(int64_t il, const float* h, int64_t n, f
     }
   }
 
-  // ba: per key head g, [b(r) | a(r)]; value head g*r+i takes b[i] and a[i] of its group.
+  const model::DeltaNetPart& part = m_.layers[il].recipe.mixer.delta;
   std::vector<float> ba(n * 2 * nv), beta(n * nv), gdecay(n * nv);
-  matmul(W.ba, h, n, ba.data(), pool_, order_);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t g = 0; g < nk; ++g) {
-      for (int64_t i = 0; i < r; ++i) {
-        const int64_t hv = g * r + i;
-        const float b = ba[t * 2 * nv + g * 2 * r + i];
-        const float a = ba[t * 2 * nv + g * 2 * r + r + i];
-        beta[t * nv + hv] = sigmoid(b);
-        gdecay[t * nv + hv] = W.a[hv] * softplus(a + W.dt_bias[hv]);
+  if (part.split_ba) {
+    // ssm_beta then ssm_alpha, each one row per value head: ba = [t][b(nv)] then [t][a(nv)].
+    matmul(W.beta, h, n, ba.data(), pool_, order_);
+    matmul(W.alpha, h, n, ba.data() + n * nv, pool_, order_);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t hv = 0; hv < nv; ++hv) {
+        beta[t * nv + hv] = sigmoid(ba[t * nv + hv]);
+        gdecay[t * nv + hv] = W.a[hv] * softplus(ba[n * nv + t * nv + hv] + W.dt_bias[hv]);
+      }
+    }
+  } else {
+    // ba: per key head g, [b(r) | a(r)]; value head g*r+i takes b[i] and a[i] of its group.
+    matmul(W.ba, h, n, ba.data(), pool_, order_);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t g = 0; g < nk; ++g) {
+        for (int64_t i = 0; i < r; ++i) {
+          const int64_t hv = g * r + i;
+          const float b = ba[t * 2 * nv + g * 2 * r + i];
+          const float a = ba[t * 2 * nv + g * 2 * r + r + i];
+          beta[t * nv + hv] = sigmoid(b);
+          gdecay[t * nv + hv] = W.a[hv] * softplus(a + W.dt_bias[hv]);
+        }
       }
     }
   }
@@ -75,7 +89,7 @@ void ReferenceExecutor::delta_net_block(int64_t il, const float* h, int64_t n, f
     }
     pool_.parallel_for(nv, dk * dv * 4, [&](int64_t h0, int64_t h1) {
       for (int64_t hv = h0; hv < h1; ++hv) {
-        const int64_t g = hv / r;
+        const int64_t g = part.v_heads_tiled ? hv % nk : hv / r;   // the key head this value head reads
         float* o = core.data() + t * v_dim + hv * dv;
         delta_rule_step(S.ssm_state.data() + hv * dk * dv, q + g * dk, k + g * dk, v + hv * dv,
                         gdecay[t * nv + hv], beta[t * nv + hv], dk, dv, scale, o);

@@ -12,7 +12,7 @@ namespace moraine::reference {
 
 ReferenceExecutor::ReferenceExecutor(const model::Model& model, ExecutorOptions opt)
     : m_(model), pool_(opt.n_threads, opt.min_parallel_work), order_(opt.dot_order), kv_type_(opt.kv_type),
-      kv_perturb_seed_(opt.kv_perturb_seed) {
+      kv_perturb_seed_(opt.kv_perturb_seed), mla_form_(opt.mla_form) {
   model::check_supported(m_, model::reference_support());
   reset();
 }
@@ -28,6 +28,17 @@ void ReferenceExecutor::reset() {
   n_past_ = 0;
   window_first_ = 0;
   snapshot_pos_ = -1;
+}
+
+int64_t ReferenceExecutor::k_width(int64_t il) const {
+  const model::LayerWeights& L = m_.layers[il];
+  if (L.recurrent) return 0;
+  if (L.recipe.mixer.kind == model::MixerKind::Mla) return L.recipe.mixer.mla.kv_lora_rank + L.recipe.mixer.mla.rope_dim;
+  return m_.hp.n_head_kv * m_.hp.head_dim;
+}
+
+int64_t ReferenceExecutor::v_width(int64_t il) const {
+  return m_.layers[il].recipe.mixer.kind == model::MixerKind::Mla ? 0 : k_width(il);
 }
 
 bool ReferenceExecutor::has_recurrent() const {
@@ -53,7 +64,6 @@ void ReferenceExecutor::rewind(int64_t n_past) {
     throw std::logic_error("reference executor: a model with recurrent (DeltaNet) layers rewinds only to its snapshot (" +
                            (snapshot_pos_ < 0 ? std::string("none taken") : "at " + std::to_string(snapshot_pos_)) +
                            "), not to " + std::to_string(n_past));
-  const int64_t kv_dim = m_.hp.n_head_kv * m_.hp.head_dim;
   for (size_t il = 0; il < state_.size(); ++il) {
     LayerState& S = state_[il];
     if (m_.layers[il].recurrent) {
@@ -61,8 +71,8 @@ void ReferenceExecutor::rewind(int64_t n_past) {
       S.ssm_state = snapshot_[il].ssm_state;
       continue;
     }
-    S.k_cache.resize(static_cast<size_t>(n_past * kv_dim));
-    S.v_cache.resize(static_cast<size_t>(n_past * kv_dim));
+    S.k_cache.resize(static_cast<size_t>(n_past * k_width(static_cast<int64_t>(il))));
+    S.v_cache.resize(static_cast<size_t>(n_past * v_width(static_cast<int64_t>(il))));
   }
   n_past_ = n_past;
   window_first_ = 0;
@@ -90,6 +100,8 @@ void ReferenceExecutor::mixer_step(int64_t il, float* x, int64_t n, float* h) {
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.attn_norm.data(), d, eps, h + t * d);
   if (L.recurrent) {
     delta_net_block(il, h, n, x);
+  } else if (L.recipe.mixer.kind == model::MixerKind::Mla) {
+    mla_block(il, h, n, x);
   } else {
     attention_block(il, h, n, x);
   }
@@ -115,7 +127,7 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   std::vector<float> h(n * d);
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     mixer_step(il, x.data(), n, h.data());
-    moe_block(il, h.data(), n, x.data());
+    ffn_block(il, h.data(), n, x.data());
   }
   advance(n);
 
@@ -144,13 +156,11 @@ void ReferenceExecutor::save_state(std::span<uint8_t> out) const {
 void ReferenceExecutor::load_state(std::span<const uint8_t> in) {
   model::SequenceStateReader r(in, static_cast<int64_t>(state_.size()));
   const int64_t n = r.n_past();
-  const size_t kv = static_cast<size_t>(n * m_.hp.n_head_kv * m_.hp.head_dim);
   std::vector<LayerState> loaded(state_.size());
   for (size_t il = 0; il < state_.size(); ++il) {
-    const bool rec = m_.layers[il].recurrent;
     LayerState& L = loaded[il];
-    L.k_cache.resize(rec ? 0 : kv);
-    L.v_cache.resize(rec ? 0 : kv);
+    L.k_cache.resize(static_cast<size_t>(n * k_width(static_cast<int64_t>(il))));
+    L.v_cache.resize(static_cast<size_t>(n * v_width(static_cast<int64_t>(il))));
     L.conv_state.resize(state_[il].conv_state.size());   // reset() sized the recurrent ones
     L.ssm_state.resize(state_[il].ssm_state.size());
     for (std::vector<float>* v : {&L.k_cache, &L.v_cache, &L.conv_state, &L.ssm_state}) r.part(v->data(), v->size() * sizeof(float));

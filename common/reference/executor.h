@@ -15,6 +15,10 @@
 
 namespace moraine::reference {
 
+// How an MLA layer (deepseek2) computes its attention; mla_block.cpp. Auto: the form llama.cpp
+// uses for the file's layout (absorbed with attn_k_b / attn_v_b, expanded with attn_kv_b).
+enum class MlaForm { Auto, Absorbed, Expanded };
+
 struct ExecutorOptions {
   int n_threads = 0;  // <= 0: all hardware threads
   int64_t min_parallel_work = ThreadPool::kDefaultMinParallelWork;  // see ThreadPool
@@ -31,6 +35,7 @@ struct ExecutorOptions {
   // the F16 rounding makes (at most 2^-11 relative for normal halves), to measure how far such a
   // change of the cache moves the logits (tests/reference/kv_f16_test.cpp).
   uint64_t kv_perturb_seed = 0;
+  MlaForm mla_form = MlaForm::Auto;   // the two forms differ in float order only (tests compare them)
 };
 
 class ReferenceExecutor {
@@ -86,7 +91,8 @@ class ReferenceExecutor {
 
  private:
   struct LayerState {
-    // [n_past][n_head_kv * head_dim], post-norm, post-RoPE; half values when kv_type is F16
+    // [n_past][n_head_kv * head_dim], post-norm, post-RoPE; half values when kv_type is F16.
+    // An MLA layer: k_cache [n_past][kv_lora_rank + rope_dim] = [normed latent | rotated key], no v_cache.
     std::vector<float> k_cache, v_cache;
     std::vector<float> conv_state;        // [conv_kernel - 1][conv_dim], oldest first
     std::vector<float> ssm_state;         // [n_v_heads][head_k_dim][head_v_dim]
@@ -95,13 +101,21 @@ class ReferenceExecutor {
   // Each adds its block's output for n tokens of normalised input h to the residual x.
   void attention_block(int64_t il, const float* h, int64_t n, float* x);  // attention_block.cpp
   void delta_net_block(int64_t il, const float* h, int64_t n, float* x);  // delta_net_block.cpp
+  void mla_block(int64_t il, const float* h, int64_t n, float* x);        // mla_block.cpp
+  // Floats per cached position of layer il's k_cache and v_cache (0 for a recurrent layer).
+  int64_t k_width(int64_t il) const;
+  int64_t v_width(int64_t il) const;
   void moe_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
+  void dense_ffn_block(int64_t il, const float* h, int64_t n, float* x);  // moe_block.cpp
+  // The layer's FFN as its recipe says: a dense SwiGLU FFN or the MoE block.
+  void ffn_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
 
   const model::Model& m_;
   ThreadPool pool_;
   DotOrderSeed order_;
   model::KvType kv_type_;
   uint64_t kv_perturb_seed_;
+  MlaForm mla_form_;
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
   int64_t window_first_ = 0;   // set_window: the first row's position is n_past_ + window_first_

@@ -78,9 +78,9 @@ float dot_row_in_order(TensorType weight_type, int64_t n, const void* w_row, con
 }
 
 PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
-                                   int64_t n_cols) {
+                                   int64_t n_cols, DotOrderSeed order) {
   PackedActivations p;
-  p.type = dot_activation_type(weight_type);
+  p.type = order == kFloatDots ? TensorType::F32 : dot_activation_type(weight_type);
   p.n_cols = n_cols;
   p.n_tokens = n_tokens;
   p.row_bytes = row_bytes(p.type, n_cols);
@@ -102,12 +102,24 @@ PackedActivations pack_activations(TensorType weight_type, const float* x, int64
 }
 
 void matmul(const model::Matrix& w, const PackedActivations& x, float* y, ThreadPool& pool, DotOrderSeed order) {
-  if (x.n_cols != w.n_cols || x.type != dot_activation_type(w.type)) {
+  const bool float_dots = order == kFloatDots;
+  if (x.n_cols != w.n_cols || x.type != (float_dots ? TensorType::F32 : dot_activation_type(w.type))) {
     throw std::invalid_argument("matmul: activations (" + std::to_string(x.n_cols) +
                                 " cols) do not fit weight " + std::to_string(w.n_cols) + " cols");
   }
   const int64_t n_rows = w.n_rows;
   const int64_t n_tokens = x.n_tokens;
+  if (float_dots && w.type != TensorType::F32) {
+    pool.parallel_for(n_rows, w.n_cols * n_tokens, [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(static_cast<size_t>(w.n_cols));
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row(w.type, w.row(r), row.data(), w.n_cols);
+        for (int64_t t = 0; t < n_tokens; ++t) y[t * n_rows + r] = dot_f32(row.data(), x.f32 + t * x.n_cols, w.n_cols);
+      }
+    });
+    return;
+  }
+  if (float_dots) order = 0;
   // Split over rows: every thread streams a disjoint slice of the weight once for all tokens.
   pool.parallel_for(n_rows, w.n_cols * n_tokens, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -122,7 +134,7 @@ void matmul(const model::Matrix& w, const PackedActivations& x, float* y, Thread
 
 void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,
             DotOrderSeed order) {
-  matmul(w, pack_activations(w.type, x, n_tokens, w.n_cols), y, pool, order);
+  matmul(w, pack_activations(w.type, x, n_tokens, w.n_cols, order), y, pool, order);
 }
 
 }  // namespace moraine::reference

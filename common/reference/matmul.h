@@ -28,8 +28,9 @@ struct PackedActivations {
   }
 };
 
+// order kFloatDots: the float rows themselves, whatever the weight type.
 PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
-                                   int64_t n_cols);
+                                   int64_t n_cols, DotOrderSeed order = 0);
 
 // The float order a dot adds its terms in. 0: the kernel's own (vec_dot, dot_f32), what every
 // caller gets by default. Any other value: another order, equally valid, drawn from the seed:
@@ -40,6 +41,12 @@ PackedActivations pack_activations(TensorType weight_type, const float* x, int64
 // activation or a top-k choice on a rounding edge) is how far apart two correct engines may be
 // (tests/reference/float_order_bound.h, tools/float_order_gap.cpp).
 using DotOrderSeed = uint64_t;
+// The seed of no quantized activations: every dot multiplies the weight row dequantized to
+// float by the float activations (dot_f32's order), the arithmetic of the CUDA backend's cuBLAS
+// prefill before its 16-bit input rounding. The oracle of that path: it moved from the default
+// reference by 0.07-0.20 of max |logit| on the quantized goldens, BF16 rounding or not (the F16
+// inputs changed it by < 5%: docs/formats.md, session 20).
+inline constexpr DotOrderSeed kFloatDots = ~DotOrderSeed{0};
 
 // y[t * w.n_rows + r] = dot(w.row(r), x_t) for t < n_tokens.
 void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,

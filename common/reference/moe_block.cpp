@@ -1,7 +1,9 @@
 // Mixture of experts: softmax router, top-k (ties to the lower expert id), weights renormalised
 // when norm_topk_prob, SwiGLU experts (gpt-oss: top-k then softmax, biased clamped-SwiGLU
 // experts, as the layer's FfnPart says); qwen3next adds a shared expert scaled by
-// sigmoid(dot(h, shared_router)). Tokens routed to one expert are gathered so its weights are
+// sigmoid(dot(h, shared_router)) (glm4moe's ungated; its router: sigmoid scores, a choice bias,
+// group-limited top-k, routed scaling). Dense layers (glm4moe's leading ones) run one SwiGLU
+// FFN instead. Tokens routed to one expert are gathered so its weights are
 // read once per batch; each token's outputs are summed in its own top-k order, so a token gets
 // the same sum whatever else is in the batch. The pieces live in moe_parts.cpp, where the process
 // group (gpu_worker, cpu_expert_worker) runs them in different processes.
@@ -59,6 +61,22 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
   std::vector<const float*> slot_rows(n * k);
   for (int64_t i = 0; i < n * k; ++i) slot_rows[i] = slot_out.data() + i * d;
   moe_combine(hp, W, h, n, weight.data(), slot_rows.data(), W.shared_up ? shared.data() : nullptr, x);
+}
+
+void ReferenceExecutor::dense_ffn_block(int64_t il, const float* h, int64_t n, float* x) {
+  const model::DenseFfnWeights& W = m_.layers[il].dense;
+  std::vector<float> y(n * m_.hp.n_embd);
+  ExpertScratch scratch;
+  scratch.reserve(n, W.gate.n_rows);
+  dense_ffn(W, h, n, x, y.data(), scratch, pool_, order_);
+}
+
+void ReferenceExecutor::ffn_block(int64_t il, const float* h, int64_t n, float* x) {
+  if (m_.layers[il].recipe.ffn.kind == model::FfnKind::Dense) {
+    dense_ffn_block(il, h, n, x);
+  } else {
+    moe_block(il, h, n, x);
+  }
 }
 
 }  // namespace moraine::reference

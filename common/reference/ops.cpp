@@ -36,28 +36,51 @@ void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base) {
   }
 }
 
-void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn) {
-  const double pi = 3.14159265358979323846;
-  const auto corr_dim = [&](double rotations) {
-    return static_cast<double>(n_rot) * std::log(static_cast<double>(yarn.orig_ctx) / (rotations * 2 * pi)) /
-           (2 * std::log(freq_base));
-  };
-  const double low = std::max(0.0, std::floor(corr_dim(yarn.beta_fast)));
-  const double high = std::min(static_cast<double>(n_rot - 1), std::ceil(corr_dim(yarn.beta_slow)));
-  const double mscale = 1.0 + 0.1 * std::log(yarn.factor);
+namespace {
+
+// Pair i's rotation under YaRN as ggml_rope_ext computes it; pairs(i, c, s) applies it.
+template <class Pairs>
+void rope_yarn_pairs(int64_t n_rot, int64_t pos, const model::RopePart& rope, Pairs pairs) {
+  const model::YarnRamp r = model::yarn_ramp(rope, n_rot);
+  const double freq_base = rope.freq_base, low = r.low, high = r.high, mscale = r.mscale;
   const int64_t half = n_rot / 2;
   for (int64_t i = 0; i < half; ++i) {
     const double extrap = static_cast<double>(pos) *
                           std::pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot));
     const double y = (static_cast<double>(i) - low) / std::max(0.001, high - low);
     const double ramp = 1.0 - std::min(1.0, std::max(0.0, y));   // 1: keep the unscaled frequency
-    const double theta = extrap / yarn.factor * (1.0 - ramp) + extrap * ramp;
-    const float c = static_cast<float>(std::cos(theta) * mscale);
-    const float s = static_cast<float>(std::sin(theta) * mscale);
+    const double theta = extrap / rope.yarn_factor * (1.0 - ramp) + extrap * ramp;
+    pairs(i, static_cast<float>(std::cos(theta) * mscale), static_cast<float>(std::sin(theta) * mscale));
+  }
+}
+
+}  // namespace
+
+void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, const model::RopePart& rope) {
+  const int64_t half = n_rot / 2;
+  rope_yarn_pairs(n_rot, pos, rope, [&](int64_t i, float c, float s) {
     const float x0 = head[i];
     const float x1 = head[i + half];
     head[i] = x0 * c - x1 * s;
     head[i + half] = x0 * s + x1 * c;
+  });
+}
+
+void rope_norm(float* head, int64_t n_rot, int64_t pos, double freq_base, const model::RopePart* yarn) {
+  const auto rotate = [&](int64_t i, float c, float s) {
+    const float x0 = head[2 * i];
+    const float x1 = head[2 * i + 1];
+    head[2 * i] = x0 * c - x1 * s;
+    head[2 * i + 1] = x0 * s + x1 * c;
+  };
+  if (yarn != nullptr) {
+    rope_yarn_pairs(n_rot, pos, *yarn, rotate);
+    return;
+  }
+  for (int64_t i = 0; i < n_rot / 2; ++i) {
+    const double theta = static_cast<double>(pos) *
+                         std::pow(freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(n_rot));
+    rotate(i, static_cast<float>(std::cos(theta)), static_cast<float>(std::sin(theta)));
   }
 }
 

@@ -2,6 +2,7 @@
 // float with a fixed summation order (rms_norm's sum of squares in double, as llama.cpp).
 // Written for clarity; tests check each against a direct formula (tests/reference/ops_test.cpp).
 #pragma once
+#include "common/model/arch/parts.h"
 #include <cstdint>
 
 namespace moraine::reference {
@@ -18,14 +19,15 @@ void rope_neox(float* head, int64_t n_rot, int64_t pos, double freq_base);
 
 // YaRN (NTK-by-parts) scaling of rope_neox's frequencies, as llama.cpp's ggml_rope_ext applies
 // it: pair i's frequency mixes base^(-2i/n_rot) / factor (interpolated) and the unscaled one by
-// a ramp between the correction dims of beta_fast and beta_slow (floored / ceiled), and cos and
-// sin are scaled by 1 + 0.1 ln(factor).
-struct YarnParams {
-  double factor = 1.0;
-  int64_t orig_ctx = 0;
-  double beta_fast = 32.0, beta_slow = 1.0;
-};
-void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, double freq_base, const YarnParams& yarn);
+// a ramp between the correction dims of beta_fast and beta_slow (model::yarn_ramp: floored /
+// ceiled unless the part keeps them fractional), and cos and sin are scaled by attn_factor
+// (1 + 0.1 ln(factor)) (attn_factor is ggml_rope_ext's: deepseek2 cancels the YaRN factor with it).
+void rope_neox_yarn(float* head, int64_t n_rot, int64_t pos, const model::RopePart& rope);
+
+// The NORM pairing llama.cpp uses for deepseek2 (and llama): dims 2i and 2i + 1 rotate by
+// pos * base^(-2i/n_rot); yarn null: unscaled frequencies and magnitude 1, else YaRN as
+// rope_neox_yarn applies it (yarn's freq_base is used then).
+void rope_norm(float* head, int64_t n_rot, int64_t pos, double freq_base, const model::RopePart* yarn);
 
 inline float silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }

@@ -58,6 +58,38 @@ void check_weight(TensorType t, int64_t cols, const char* what) {
 
 // reference::silu's expression (common/reference/ops.h), so the k-quant paths stay bitwise.
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+// The gated activation of gate/up rows [r0, r1) of one token, into h: plain SwiGLU, or
+// biased_expert's biases and clamp in its order (+ bias, clamp, act), so results stay bitwise.
+inline void glu_rows(const ExpertWeights& w, float* h, const float* u, int64_t r0, int64_t r1) {
+  if (w.gate_bias == nullptr && w.up_bias == nullptr && !w.clamped_swiglu) {
+    for (int64_t j = r0; j < r1; ++j) h[j] = silu(h[j]) * u[j];
+    return;
+  }
+  const float alpha = w.swiglu_alpha, limit = w.swiglu_limit;
+  for (int64_t j = r0; j < r1; ++j) {
+    float g = h[j] + (w.gate_bias ? w.gate_bias[j] : 0.0f);
+    float v = u[j] + (w.up_bias ? w.up_bias[j] : 0.0f);
+    if (w.clamped_swiglu) {
+      g = std::fmin(g, limit);
+      v = std::fmax(-limit, std::fmin(v, limit));
+      h[j] = g * sigmoid(alpha * g) * (v + 1.0f);
+    } else {
+      h[j] = silu(g) * v;
+    }
+  }
+}
+
+// down's bias on output rows [r0, r1) of n_tok rows of width hidden (biased_expert adds it to y
+// before the route weight).
+inline void add_down_bias(const ExpertWeights& w, float* y, int n_tok, int64_t hidden, int64_t r0, int64_t r1) {
+  if (w.down_bias == nullptr) return;
+  for (int i = 0; i < n_tok; ++i) {
+    float* row = y + static_cast<int64_t>(i) * hidden;
+    for (int64_t r = r0; r < r1; ++r) row[r] += w.down_bias[r];
+  }
+}
 
 // Activation rounding of the production expert path: llama.cpp's x86 rule (127/amax, ties to
 // even, for q8_0; q8_K is the reference rule up to the sign of a zero scale), not ggml's
@@ -309,7 +341,7 @@ void MoeFfn::run_gate_up(const Span& sp, std::span<const ExpertAssignment> exper
   for (int i = 0; i < a.n_tok; ++i) {
     float* h = gy + static_cast<int64_t>(i) * w.ffn;
     const float* u = uy + static_cast<int64_t>(i) * w.ffn;
-    for (int64_t j = r0; j < r1; ++j) h[j] = silu(h[j]) * u[j];
+    glu_rows(w, h, u, r0, r1);
   }
   // The job finishing an expert's last chunk (acq_rel: the other chunks' rows are visible to
   // it) quantizes the intermediate.
@@ -343,6 +375,7 @@ void MoeFfn::run_down(const Span& sp, std::span<const ExpertAssignment> experts,
   if (float* out = out_[e]) {
     // This expert's own output rows: y = 0 + w * FFN, the accumulate below on a zeroed y.
     matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq, p.q_row_bytes, nullptr, a.n_tok, out, hidden, mt);
+    add_down_bias(w, out, a.n_tok, hidden, r0, r1);
     for (int i = 0; i < a.n_tok; ++i) {
       float* row = out + static_cast<int64_t>(i) * hidden;
       for (int64_t r = r0; r < r1; ++r) row[r] = 0.0f + a.route_weight[i] * row[r];
@@ -350,6 +383,7 @@ void MoeFfn::run_down(const Span& sp, std::span<const ExpertAssignment> experts,
     return;
   }
   matvec_tokens(w.down_type, w.ffn, w.down, r0, r1, hq, p.q_row_bytes, nullptr, a.n_tok, part_.data() + p.y_offset, hidden, mt);
+  add_down_bias(w, part_.data() + p.y_offset, a.n_tok, hidden, r0, r1);
   // Each chunk of kSumChunkRows rows this span covers.
   for (int64_t c = r0 / kSumChunkRows; c <= (r1 - 1) / kSumChunkRows; ++c) {
     if (chunk_left_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;

@@ -20,6 +20,14 @@ struct ExpertWeights {
   const void* up = nullptr;    // [ffn rows][hidden]
   const void* down = nullptr;  // [hidden rows][ffn]
   int64_t hidden = 0, ffn = 0;
+  // gpt-oss's experts (model::ExpertsPart): per-expert F32 biases (nullptr: none) added to the
+  // gate, up and down outputs, and its clamped SwiGLU, g = min(gate, limit), u = clamp(up, +-limit),
+  // act = g * sigmoid(alpha g) * (u + 1): reference::biased_expert's arithmetic, bit for bit.
+  const float* gate_bias = nullptr;  // [ffn]
+  const float* up_bias = nullptr;    // [ffn]
+  const float* down_bias = nullptr;  // [hidden]
+  bool clamped_swiglu = false;
+  float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;
 };
 
 // One expert's share of a layer's tokens: it adds route_weight[i] * FFN(x[tokens[i]]) into

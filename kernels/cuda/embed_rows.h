@@ -1,12 +1,12 @@
 // Embedding lookup: out[t] = dequantize(table row ids[t]) for n token ids, straight from the
-// token_embd tensor in its GGUF format. Formats: F32, F16, BF16, Q8_0 (what converters and
-// quantizers leave token_embd in); embed_rows_supported says which. Scalar reference:
-// moraine::dequantize_row (common/formats/quant.h); every value is one exact conversion (Q8_0:
-// the fp16 scale times the int8, one float rounding, as there), so the rows are bit-identical.
+// token_embd tensor in its GGUF format: every format the GPU decodes (dequantize_blocks.cuh, the
+// prefill GEMM's decoders: F32/F16/BF16, Q8_0, the k-quants, the legacy and IQ hub types), so a
+// hub file's quantized token_embd keeps the captured decode graph. Scalar reference:
+// moraine::dequantize_row (common/formats/quant.h); the rows are bit-identical to it.
 //
-// Memory contract (device): table holds n_vocab rows of row_bytes bytes (Q8_0: 34-byte blocks,
-// read as bytes: no alignment needed); ids [n] int32 in 0..n_vocab-1 (checked on the host by
-// the caller: an id out of range reads outside the table); out [n][n_cols] floats.
+// Memory contract (device or mapped pinned host memory): table holds n_vocab rows of row_bytes
+// bytes (blocks read at 2-byte alignment, F32 at 4); ids [n] int32 in 0..n_vocab-1 (checked on
+// the host by the caller: an id out of range reads outside the table); out [n][n_cols] floats.
 #pragma once
 #include <cuda_runtime.h>
 

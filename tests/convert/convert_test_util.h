@@ -9,6 +9,8 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+
+#include "common/model/model.h"
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -16,15 +18,51 @@
 
 namespace moraine::convert::test {
 
-namespace fs = std::filesystem;
-
-inline const std::vector<std::string>& golden_models() {
-  static const std::vector<std::string> names = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
-  return names;
+// llama.cpp rounds YaRN's correction dims whatever the checkpoint says: it has no key for HF's
+// truncate=false (gpt-oss's config), which moraine-convert writes as rope.scaling.yarn_truncate
+// and the reference honours. This makes the reference compute what llama.cpp computes on such a
+// file, so a comparison with llama.cpp checks the conversion, not that known difference (0.26%
+// of max |logit| on gpt_oss_odd). Returns whether any layer changed.
+inline bool round_yarn_as_llama_cpp(model::Model& m) {
+  bool changed = false;
+  for (model::LayerWeights& L : m.layers) {
+    model::RopePart& r = L.recipe.mixer.attn.rope;
+    if (r.scaling == model::RopeScaling::Yarn && !r.yarn_truncate) {
+      r.yarn_truncate = true;
+      changed = true;
+    }
+  }
+  return changed;
 }
+
+
+namespace fs = std::filesystem;
 
 inline std::string golden_dir(const std::string& model) {
   return std::string(MORAINE_SOURCE_DIR) + "/tests/golden/" + model;
+}
+
+// The fixtures the converter tests run on: the Qwen ones always, and gpt_oss_odd / qwen2moe_odd
+// once make_golden.py has made them (their folder with config.json and transformers' logits).
+inline const std::vector<std::string>& golden_models() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
+    for (const char* m : {"gpt_oss_odd", "qwen2moe_odd"}) {
+      if (fs::exists(golden_dir(m) + "/config.json") && fs::exists(golden_dir(m) + "/logits.f32")) v.push_back(m);
+    }
+    return v;
+  }();
+  return names;
+}
+
+// general.architecture of a fixture's config.json "architectures".
+inline std::string golden_arch(const nlohmann::json& cfg) {
+  const std::string hf = cfg.at("architectures").at(0).get<std::string>();
+  if (hf == "Qwen3MoeForCausalLM") return "qwen3moe";
+  if (hf == "Qwen3NextForCausalLM") return "qwen3next";
+  if (hf == "GptOssForCausalLM") return "gpt-oss";
+  if (hf == "Qwen2MoeForCausalLM") return "qwen2moe";
+  throw std::runtime_error("golden fixture of unknown architecture " + hf);
 }
 
 inline nlohmann::json read_json(const std::string& path) {

@@ -11,6 +11,7 @@
 // the sum of the experts, and the result must not depend on the pool's size.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <iterator>
@@ -437,6 +438,84 @@ TEST(MoeFfn, RunExpertsOnRowIndicesEqualsGatheredRows) {
   EXPECT_THROW(b.run_experts(std::span(&bad, 1), x.data(), kRows, big), std::invalid_argument);
   const cpu::MoeFfn::RowsJob no_rows{&experts[0].w, nullptr, 2, y.data()};
   EXPECT_THROW(b.run_experts(std::span(&no_rows, 1), x.data(), kRows, big), std::invalid_argument);
+}
+
+// gpt-oss's experts: per-expert biases on gate, up and down and the clamped SwiGLU, through the
+// cpu worker's call (rows in place, several experts in one job list), equal reference::
+// biased_expert bitwise for the k-quants, with and without the clamp; the clamp and each bias
+// change the result (a mutation check: the test would see them missing).
+TEST(MoeFfn, BiasedClampedExpertsEqualReferenceBiasedExpert) {
+  const std::vector<int> cpus = cpu::allowed_cpus();
+  cpu::ThreadPool pool(cpus);
+  reference::ThreadPool ref_pool(2, 0);
+  reference::ExpertScratch scratch;
+  scratch.reserve(16, kFfn);
+  constexpr int kRows = 9;
+  std::vector<float> x(kRows * kHidden);
+  for (int t = 0; t < kRows; ++t) {
+    std::vector<float> r = test::random_row(test::kAllDists[t % 3], kHidden, 900 + static_cast<uint32_t>(t));
+    for (float& v : r) v *= 4.0f;   // gate/up values past the clamp's limit of 7
+    std::copy(r.begin(), r.end(), x.begin() + t * kHidden);
+  }
+  const FormatPair pairs[] = {{TensorType::Q4_K, TensorType::Q4_K}, {TensorType::Q5_K, TensorType::Q6_K}, {TensorType::Q3_K, TensorType::Q2_K}};
+  int clamped_values = 0;
+  for (const FormatPair& fp : pairs) {
+    const Expert e = make_expert(fp.gate_up, fp.down, 8100 + static_cast<uint32_t>(fp.gate_up));
+    model::MoeWeights W;
+    std::mt19937 rng(77 + static_cast<uint32_t>(fp.down));
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    W.gate_bias.resize(kFfn);
+    W.up_bias.resize(kFfn);
+    W.down_bias.resize(kHidden);
+    for (float& b : W.gate_bias) b = nd(rng);
+    for (float& b : W.up_bias) b = nd(rng);
+    for (float& b : W.down_bias) b = nd(rng);
+    const std::array<model::Matrix, 3> mats = {as_matrix(e.gate), as_matrix(e.up), as_matrix(e.down)};
+    const std::vector<int32_t> rows = {4, 0, 8, 2, 7};
+    const int m = static_cast<int>(rows.size());
+    std::vector<float> xg(static_cast<size_t>(m) * kHidden);
+    for (int j = 0; j < m; ++j) std::copy_n(x.begin() + rows[static_cast<size_t>(j)] * kHidden, kHidden, xg.begin() + j * kHidden);
+    std::vector<float> unlimited;
+    // 0: biased SwiGLU; 1: gpt-oss's activation without a reachable limit; 2: with its limit 7.
+    for (const int variant : {0, 1, 2}) {
+      const bool clamp = variant > 0;
+      model::ExpertsPart part;
+      part.biases = true;
+      part.act = clamp ? model::Activation::SwiGluClamped : model::Activation::SwiGlu;
+      if (variant == 1) part.swiglu_limit = 1e30;
+      std::vector<float> want(xg.size(), NAN), got(xg.size(), NAN), plain(xg.size(), NAN);
+      reference::biased_expert(mats, W, 0, part, xg.data(), m, want.data(), scratch, ref_pool);
+      cpu::ExpertWeights w = e.w;
+      w.gate_bias = W.gate_bias.data();
+      w.up_bias = W.up_bias.data();
+      w.down_bias = W.down_bias.data();
+      w.clamped_swiglu = clamp;
+      w.swiglu_limit = static_cast<float>(part.swiglu_limit);
+      // A second expert without biases in the same job list keeps its plain SwiGLU.
+      const std::vector<int32_t> rows2 = {1, 3};
+      std::vector<float> y2(2 * kHidden, NAN), y2_alone(2 * kHidden, NAN);
+      const cpu::MoeFfn::RowsJob jobs[] = {{&w, rows.data(), m, got.data()}, {&e.w, rows2.data(), 2, y2.data()}};
+      cpu::MoeFfn ffn;
+      ffn.run_experts(jobs, x.data(), kRows, pool);
+      const cpu::MoeFfn::RowsJob plain_jobs[] = {{&e.w, rows.data(), m, plain.data()}, {&e.w, rows2.data(), 2, y2_alone.data()}};
+      cpu::MoeFfn().run_experts(plain_jobs, x.data(), kRows, pool);
+      const std::string where = std::string(type_name(fp.gate_up)) + "/" + std::string(type_name(fp.down)) + " variant " +
+                                std::to_string(variant);
+      for (size_t k = 0; k < got.size(); ++k) ASSERT_EQ(got[k], want[k]) << where << " element " << k;
+      EXPECT_EQ(y2, y2_alone) << where << ": the unbiased expert beside it";
+      size_t moved = 0;
+      for (size_t k = 0; k < got.size(); ++k) moved += std::fabs(got[k] - plain[k]) > 1e-3f * (1.0f + std::fabs(plain[k]));
+      EXPECT_GT(moved, got.size() / 2) << where << ": the biases change most outputs";
+      if (variant == 1) unlimited = got;
+      if (variant == 2) {
+        size_t differ = 0;
+        for (size_t k = 0; k < got.size(); ++k) differ += got[k] != unlimited[k];
+        EXPECT_GT(differ, got.size() / 2) << where << ": the clamp changes the outputs";
+        clamped_values += static_cast<int>(differ);
+      }
+    }
+  }
+  EXPECT_GT(clamped_values, 0);
 }
 
 // The prefetch distances move lines into caches earlier; they must not change a single bit of

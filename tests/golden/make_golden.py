@@ -97,12 +97,11 @@ MODELS = {
                                      "partial_rotary_factor": 0.25})),
     # gpt-oss: attention biases and sinks, sliding (8, so the 24-token prompt crosses it) and
     # full layers alternating, YaRN, top-k-then-softmax router with bias, clamped-SwiGLU experts
-    # with biases. opt_in: made only with --only gpt_oss_odd, since moraine-convert cannot map
-    # GptOssForCausalLM yet and reference_golden_test converts every manifest model.
+    # with biases (moraine-convert maps GptOssForCausalLM: tools/convert/arch/gpt_oss.cpp).
     # HF's yarn here has truncate=False; llama.cpp (and a GGUF, which has no key for it) floors
     # and ceils the correction dims: this fixture measures that gap too.
     "gpt_oss_odd": dict(
-        arch="GptOssForCausalLM", seed=3001, layout="fused", shards=1, opt_in=True,
+        arch="GptOssForCausalLM", seed=3001, layout="fused", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=40, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                     num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
@@ -113,9 +112,9 @@ MODELS = {
                                      "beta_fast": 32.0, "beta_slow": 1.0,
                                      "original_max_position_embeddings": 4096, "truncate": False})),
     # qwen2moe: the architecture made only of existing parts (q/k/v biases, softmax router
-    # without renormalisation, gated shared expert). opt_in until moraine-convert maps it.
+    # without renormalisation, gated shared expert).
     "qwen2moe_odd": dict(
-        arch="Qwen2MoeForCausalLM", seed=4001, layout="per_expert", shards=1, opt_in=True,
+        arch="Qwen2MoeForCausalLM", seed=4001, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=3,
                     num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
@@ -123,6 +122,69 @@ MODELS = {
                     decoder_sparse_step=1, rms_norm_eps=1e-6, max_position_embeddings=512,
                     tie_word_embeddings=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # glm4moe (GLM-4.5): a leading dense layer, partial RoPE, q/k/v biases and q/k norm, sigmoid
+    # router with its e_score_correction_bias (a buffer: init_weights fills it), routed scaling,
+    # an ungated shared expert. opt_in until moraine-convert maps Glm4MoeForCausalLM. Untested
+    # here (no transformers on the CPU box): the first run on the GPU machine checks it.
+    "glm4moe_odd": dict(
+        arch="Glm4MoeForCausalLM", seed=5001, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                    n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=True,
+                    attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=512,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                     "partial_rotary_factor": 0.5})),
+    # qwen35moe (Qwen3.5-MoE): qwen3next's hybrid with in_proj_qkv/z/b/a, value heads grouped
+    # by key head in HF (llama.cpp's converter tiles them), interleaved M-RoPE whose sections
+    # cover every rotary pair (text positions turn them all). The text config class is
+    # Qwen3_5MoeTextConfig. opt_in until moraine-convert maps it; untested here as glm4moe_odd.
+    "qwen35moe_odd": dict(
+        arch="Qwen3_5MoeForCausalLM", config_cls="Qwen3_5MoeTextConfig", seed=6001,
+        layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    full_attention_interval=2,
+                    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                    shared_expert_intermediate_size=48, norm_topk_prob=True,
+                    rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True})),
+    # deepseek2 (MLA): the latent, the decoupled rotary key, DeepSeek's YaRN (mscale_all_dim),
+    # a leading dense layer, shared experts. deepseek_v2: V2-Lite-like (q directly, softmax
+    # router, no renormalisation, 2 shared experts); deepseek_v3: V3-like (q LoRA, sigmoid router
+    # with e_score_correction_bias over 4 groups of which 2 are used, renormalised, scale 2.5).
+    # opt_in until moraine-convert maps them; not yet run against transformers (made on the GPU
+    # machine: check the loading info and the routing spread it prints).
+    "deepseek_v2": dict(
+        arch="DeepseekV2ForCausalLM", seed=7001, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, first_k_dense_replace=1, n_routed_experts=6, n_shared_experts=2,
+                    num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+                    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+                    rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek_v3": dict(
+        arch="DeepseekV3ForCausalLM", seed=7002, layout="per_expert", shards=1, opt_in=True,
+        config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                    num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
+                    routed_scaling_factor=2.5, n_group=4, topk_group=2, rope_interleave=True,
+                    rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                     "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 N_PROMPT = 24
@@ -247,7 +309,7 @@ def init_weights(model, model_type, gen):
             elif name.endswith("conv1d.weight"):
                 normal(0.5)
             elif "norm" in name and p.dim() == 1:
-                if model_type == "qwen3_next" and not name.endswith("linear_attn.norm.weight"):
+                if model_type in ("qwen3_next", "qwen3_5_moe_text") and not name.endswith("linear_attn.norm.weight"):
                     normal(0.2)            # Qwen3NextRMSNorm scales by (1 + w)
                 else:
                     uniform(0.6, 1.4)      # plain RMSNorm scales by w
@@ -259,6 +321,11 @@ def init_weights(model, model_type, gen):
                 raise RuntimeError(f"no init rule for {name} {tuple(p.shape)}")
             # Real checkpoints are bf16: the fixture's weights are exactly bf16 values.
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    for name, b in model.named_buffers():
+        # glm4moe / DeepSeek-V3: a choice bias (a buffer, saved with the checkpoint) that changes choices
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                b.copy_((torch.randn(b.shape, generator=gen) * 0.5).to(torch.bfloat16).to(b.dtype))
 
 
 def checkpoint_tensors(model, layout):
@@ -407,7 +474,7 @@ def one_model(args, name, spec, manifest):
     added = {a["content"]: a["id"] for a in json.load(open(tok_path))["added_tokens"]}
 
     cls = getattr(transformers, spec["arch"])
-    cfg_cls = getattr(transformers, spec["arch"].replace("ForCausalLM", "Config"))
+    cfg_cls = getattr(transformers, spec.get("config_cls", spec["arch"].replace("ForCausalLM", "Config")))
     cfg = cfg_cls(**spec["config"], bos_token_id=added["<|endoftext|>"],
                   eos_token_id=added["<|im_end|>"], pad_token_id=added["<|endoftext|>"])
     cfg.architectures = [spec["arch"]]
@@ -447,16 +514,26 @@ def one_model(args, name, spec, manifest):
     # Expert routing spread: distinct top-k expert sets across positions, per MoE layer,
     # read from the routers' own outputs (an integer tensor of chosen expert ids).
     picked = []
-    routers = [layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.mlp.router   # qwen / gpt-oss
-               for layer in ref.model.layers]
-    hooks = [router.register_forward_hook(
-                 lambda mod, inp, out: picked.append(
-                     [o for o in (out if isinstance(out, tuple) else (out,))
-                      if not o.is_floating_point()][-1]))
-             for router in routers]
+
+    def record(out):
+        ints = [o for o in (out if isinstance(out, tuple) else (out,)) if not o.is_floating_point()]
+        if ints:
+            picked.append(ints[-1])
+
+    # Dense layers (glm4moe's leading ones) have no router.
+    moe = [layer.mlp for layer in ref.model.layers if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
+    routers = [mlp.gate if hasattr(mlp, "gate") else mlp.router for mlp in moe]   # qwen, glm / gpt-oss
+    hooks = [router.register_forward_hook(lambda mod, inp, out: record(out)) for router in routers]
+    # glm4moe's router returns logits only; the choice comes from the block's route_tokens_to_experts.
+    patched = [mlp for mlp in moe if hasattr(mlp, "route_tokens_to_experts")]
+    for mlp in patched:
+        orig = mlp.route_tokens_to_experts
+        mlp.route_tokens_to_experts = lambda *a, _orig=orig, **k: (lambda r: (record(r), r)[1])(_orig(*a, **k))
     ref(torch.tensor([prompt]), use_cache=False)
     for h in hooks:
         h.remove()
+    for mlp in patched:
+        del mlp.route_tokens_to_experts
     routing = [len({tuple(sorted(row)) for row in idx.reshape(-1, idx.shape[-1]).tolist()})
                for idx in picked]
     if any(r < 2 for r in routing):

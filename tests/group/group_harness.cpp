@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/model/model.h"
+#include "tests/reference/tiny_arch_model.h"
 #include "common/reference/executor.h"
 #include "common/sampling/sampler.h"
 #include "common/tokenizer/tokenizer.h"
@@ -181,12 +183,42 @@ Generation generate(const std::string& socket_dir, const std::vector<int32_t>& p
   return g;
 }
 
+std::string synth_model(const std::string& shape, const std::string& weights, const std::string& dir) {
+  const std::string out = dir + "/" + shape + "-" + weights + ".gguf";
+  // kmix: moraine-synth's own types (Q4_K experts, F32 biases and routers, Q8_0 the rest).
+  const std::string types = weights == "f32" ? " --default f32 --map _exps.=f32" : weights == "kmix" ? "" : "?";
+  if (types == "?") throw std::invalid_argument("synth_model: weights " + weights + ", expected f32 or kmix");
+  auto [rc, out_text] = run_command(shell_quote((kBuild / "tools" / "synth" / "moraine-synth").string()) + " --shape " +
+                                    shell_quote(shape) + " --vocab-size " + std::to_string(kSynthVocab) + types +
+                                    " --seed 7 --threads 2 -o " + shell_quote(out));
+  if (rc != 0) throw std::runtime_error("moraine-synth " + shape + ":\n" + out_text);
+  return out;
+}
+
+std::string param_name(std::string s) {
+  for (char& c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return s;
+}
+
 GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n,
                        model::KvType kv) {
   GoldenCase g;
   g.dir = temp_dir(tag);
-  g.model = convert_golden(name, golden_quant_args(weights), g.dir);
-  g.prompt = golden_prompt(name);
+  if (name.rfind(kSynthPrefix, 0) == 0) {
+    g.model = synth_model(name.substr(std::string(kSynthPrefix).size()), weights, g.dir);
+    for (int i = 0; i < 24; ++i) g.prompt.push_back((37 + 101 * i) % kSynthVocab);
+  } else if (name.rfind(kTinyPrefix, 0) == 0) {
+    if (weights != "f32") throw std::invalid_argument("golden_case: tiny files are F32, not " + weights);
+    const model::HParams spec = test::tiny_hparams(name.substr(std::string(kTinyPrefix).size()));
+    std::vector<std::vector<float>> data;
+    g.model = g.dir + "/tiny.gguf";
+    test::tiny_writer(spec, 11, data).write(g.model);
+    for (int i = 0; i < 24; ++i) g.prompt.push_back(static_cast<int32_t>((37 + 101 * i) % spec.n_vocab));
+  } else {
+    g.model = convert_golden(name, golden_quant_args(weights), g.dir);
+    g.prompt = golden_prompt(name);
+  }
   g.ref = reference_greedy(g.model, g.prompt, n, kv);
   return g;
 }

@@ -105,8 +105,19 @@ struct GoldenCase {
   std::vector<int32_t> prompt;
   ReferenceRun ref;
 };
+// name "synth:SHAPE": a moraine-synth file of that shape instead (weights f32 or kmix, a vocabulary
+// of kSynthVocab rows), for architectures with no transformers golden here (gpt-oss), and a
+// fixed prompt of 24 tokens.
 GoldenCase golden_case(const std::string& name, const std::string& weights, const std::string& tag, int n,
                        model::KvType kv = model::KvType::F32);
+inline constexpr const char* kSynthPrefix = "synth:";
+// name "tiny:ARCH[:VARIANT]": tests/reference/tiny_arch_model.h's F32 file of that architecture
+// (every part of its description, the one llama.cpp checks the reference on).
+inline constexpr const char* kTinyPrefix = "tiny:";
+inline constexpr int kSynthVocab = 512;
+std::string synth_model(const std::string& shape, const std::string& weights, const std::string& dir);
+// A test-parameter name from a case's text (gtest takes only letters, digits and '_').
+std::string param_name(std::string s);
 
 std::vector<std::string> shm_files(const std::string& prefix);   // /dev/shm entries with prefix
 

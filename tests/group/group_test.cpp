@@ -26,7 +26,7 @@ struct Case {
   // gpu_worker runs each layer over the windows (10-row steps: windows of 4, 4 and 2).
   int long_step_rows = 0;
   std::string name() const {
-    return model + "_" + weights + "_" + handoff + (step_channel == "zmq" ? "_zmqsteps" : "") +
+    return param_name(model) + "_" + weights + "_" + handoff + (step_channel == "zmq" ? "_zmqsteps" : "") +
            (long_step_rows > 0 ? "_long_steps" : "");
   }
 };
@@ -124,12 +124,23 @@ std::vector<Case> cases() {
   v.push_back({"qwen3next_k256", "kmix", "doorbell", "doorbell", 10});
   // Steps as LayerStep round trips over ZeroMQ (--step-channel zmq).
   v.push_back({"qwen3next_odd", "f32", "doorbell", "zmq"});
+  // gpt-oss: F32 experts (the reference kernel in the cpu workers), Q4_K ones (their production
+  // kernels, biased clamped SwiGLU), and a long step over windows (sliding-window layers).
+  v.push_back({"synth:gpt-oss-tiny", "f32", "doorbell"});
+  v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell"});
+  v.push_back({"synth:gpt-oss-tiny", "kmix", "zmq"});
+  v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell", "doorbell", 10});
+  // Every other description the reference runs, on its tiny F32 file: glm4moe (dense leading
+  // layer, sigmoid group-limited router, routed scaling, ungated shared expert), qwen2moe.
+  for (const char* a : {"tiny:glm4moe", "tiny:glm4moe:qknorm_groups", "tiny:qwen2moe", "tiny:gpt-oss"})
+    v.push_back({a, "f32", "doorbell"});
+  v.push_back({"tiny:glm4moe", "f32", "doorbell", "doorbell", 10});
   return v;
 }
 
 std::vector<Case> greedy_cases() {
   return {{"qwen3moe_odd", "f32", "doorbell", "doorbell"}, {"qwen3next_k256", "kmix", "doorbell", "doorbell"},
-          {"qwen3moe_odd", "q8_0", "zmq", "zmq"}};
+          {"qwen3moe_odd", "q8_0", "zmq", "zmq"}, {"synth:gpt-oss-tiny", "kmix", "doorbell", "doorbell"}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupMatchesReference, ::testing::ValuesIn(cases()),

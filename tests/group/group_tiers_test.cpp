@@ -37,7 +37,7 @@ struct Case {
   // from the arena bytes it is given), so the protocol runs on every decode step.
   int device_takes_from = 0;
   std::string name() const {
-    return model + "_" + weights + "_" + handoff + (census ? "_census" : "") + (device_takes_from > 0 ? "_device_takes" : "");
+    return param_name(model) + "_" + weights + "_" + handoff + (census ? "_census" : "") + (device_takes_from > 0 ? "_device_takes" : "");
   }
 };
 
@@ -354,6 +354,10 @@ std::vector<Case> cases() {
   v.push_back({"qwen3next_odd", "f32", "zmq", true});
   v.push_back({"qwen3moe_k256", "kmix", "doorbell", false, 1});
   v.push_back({"qwen3next_odd", "f32", "doorbell", true, 1});
+  // gpt-oss (sinks, sliding window, biases, YaRN, top-k-then-softmax router, biased clamped
+  // SwiGLU): Q4_K experts through the cpu workers' production kernels, the device's own and taken.
+  v.push_back({"synth:gpt-oss-tiny", "kmix", "doorbell", false, 1});
+  v.push_back({"tiny:glm4moe", "f32", "doorbell", false, 1});
   return v;
 }
 

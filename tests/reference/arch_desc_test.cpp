@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -43,7 +44,7 @@ TEST(ArchDesc, RegistryListsEveryDescriptionWithConsistentTables) {
       EXPECT_TRUE(gguf_names.insert(t.gguf).second) << t.gguf;
     }
   }
-  EXPECT_EQ(model::known_arch_names(), "gpt-oss, qwen2moe, qwen3moe, qwen3next");
+  EXPECT_EQ(model::known_arch_names(), "deepseek2, glm4moe, gpt-oss, qwen2moe, qwen35moe, qwen3moe, qwen3next");
   EXPECT_EQ(model::find_arch("llama"), nullptr);
 }
 
@@ -71,8 +72,10 @@ TEST(ArchDesc, GptOssLoadsWithItsPartsAndTheReferenceRefusesWhatItLacks) {
   EXPECT_EQ(m.layers[3].recipe.mixer.attn.sliding_window, 0);
   EXPECT_FALSE(m.layers[0].attn.q_has_gate);
   EXPECT_FALSE(m.layers[0].recurrent);
-  // The gpu_worker's CPU backend and the CUDA backend lack gpt-oss's parts: refused, naming them.
-  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+  // The gpu_worker's CPU backend runs them (the reference's parts); the CUDA backend lacks them:
+  // refused, naming them.
+  EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cpu_backend_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cuda_backend_support()}) {
     try {
       model::check_supported(m, *b);
       FAIL() << b->name() << " accepted a gpt-oss model";
@@ -111,6 +114,259 @@ TEST(ArchDesc, KeyTablesAreEnforcedAndBadYarnIsNamed) {
     EXPECT_NE(std::string(e.what()).find("gpt-oss.rope.scaling.type: 'longrope'"), std::string::npos) << e.what();
   }
   std::filesystem::remove(path);
+}
+
+std::string write_tiny(const std::string& name, std::vector<std::vector<float>>& data,
+                       void (*edit)(gguf::GgufWriter&) = nullptr) {
+  std::string stem = name;
+  for (char& c : stem) c = c == ':' ? '_' : c;
+  const std::string path = (std::filesystem::temp_directory_path() / ("arch_desc_" + stem + ".gguf")).string();
+  gguf::GgufWriter w = test::tiny_writer(test::tiny_hparams(name), 7, data);
+  if (edit != nullptr) edit(w);
+  w.write(path);
+  return path;
+}
+
+// The tiny file of `name` (tiny_hparams) at a path named by tag, with one key set when `key` is given.
+std::string tiny_file_with_key(const std::string& name, const std::string& tag, const std::string& key = "",
+                       Value value = Value::u32(0)) {
+  std::vector<std::vector<float>> data;
+  gguf::GgufWriter w = test::tiny_writer(test::tiny_hparams(name), 7, data);
+  if (!key.empty()) w.set(key, std::move(value));
+  const std::string path = (std::filesystem::temp_directory_path() / ("arch_desc_" + tag + ".gguf")).string();
+  w.write(path);
+  return path;
+}
+
+// deepseek2's keys pick its parts as llama.cpp's do: q LoRA or not, attn_k_b / attn_v_b (with
+// key_length_mla) or the fused attn_kv_b, the router from expert_gating_func, leading dense
+// layers, ungated shared experts, DeepSeek's YaRN scale.
+TEST(ArchDesc, Deepseek2VariantsLoadWithTheirParts) {
+  {
+    std::vector<std::vector<float>> data;
+    const std::string path = write_tiny("deepseek2:lite", data);
+    const model::Model m = model::Model::load(path);
+    EXPECT_EQ(m.hp.arch_string(), std::string("deepseek2"));
+    const model::LayerRecipe& r0 = m.layers[0].recipe;
+    const model::LayerRecipe& r1 = m.layers[1].recipe;
+    EXPECT_EQ(r0.mixer.kind, model::MixerKind::Mla);
+    EXPECT_EQ(r0.ffn.kind, model::FfnKind::Dense);
+    EXPECT_EQ(r0.ffn.dense_ff, 48);
+    EXPECT_EQ(r1.ffn.kind, model::FfnKind::Moe);
+    EXPECT_EQ(r1.ffn.router.kind, model::RouterKind::SoftmaxTopK);
+    EXPECT_FALSE(r1.ffn.router.renormalize);
+    EXPECT_TRUE(r1.ffn.shared.present && !r1.ffn.shared.gated);
+    EXPECT_EQ(r1.ffn.shared.n_ff, 64);
+    const model::MlaPart& p = r1.mixer.mla;
+    EXPECT_EQ(p.q_lora_rank, 0);
+    EXPECT_EQ(p.kv_lora_rank, 32);
+    EXPECT_EQ(p.rope_dim, 8);
+    EXPECT_EQ(p.nope_dim, 16);
+    EXPECT_EQ(p.v_dim, 16);
+    EXPECT_TRUE(p.split_kv_b);
+    // mscale = 1 + 0.1 * mscale_all_dim * ln(factor), squared over sqrt(nope + rope); cos and sin unscaled.
+    const double mscale = 1.0 + 0.1 * 0.707 * std::log(40.0);
+    EXPECT_NEAR(p.kq_scale, mscale * mscale / std::sqrt(24.0), 1e-6);
+    EXPECT_NEAR(r1.mixer.attn.rope.attn_factor * (1.0 + 0.1 * std::log(40.0)), 1.0, 1e-12);
+    EXPECT_TRUE(m.layers[1].mla.q && !m.layers[1].mla.q_a && !m.layers[1].mla.kv_b);
+    EXPECT_EQ(m.layers[1].mla.k_b.n_expert, 4);   // one matrix per head
+    EXPECT_EQ(m.layers[1].mla.k_b.expert(0).n_cols, 16);
+    EXPECT_EQ(m.layers[1].mla.v_b.expert(0).n_rows, 16);
+    EXPECT_TRUE(m.layers[0].dense.gate && !m.layers[0].moe.router);
+    EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+    // The GPU backends have no MLA: refused, naming it.
+    for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+      try {
+        model::check_supported(m, *b);
+        FAIL() << b->name() << " accepted a deepseek2 model";
+      } catch (const model::ModelError& e) {
+        EXPECT_NE(std::string(e.what()).find("deepseek2 layer 0 uses multi-head latent attention (MLA)"), std::string::npos)
+            << e.what();
+      }
+    }
+    std::filesystem::remove(path);
+  }
+  {
+    std::vector<std::vector<float>> data;
+    const std::string path = write_tiny("deepseek2:kv_b", data);
+    const model::Model m = model::Model::load(path);
+    EXPECT_FALSE(m.layers[1].recipe.mixer.mla.split_kv_b);
+    EXPECT_TRUE(m.layers[1].mla.kv_b && !m.layers[1].mla.k_b);
+    EXPECT_EQ(m.layers[1].mla.kv_b.n_rows, 4 * (16 + 16));
+    std::filesystem::remove(path);
+  }
+  {
+    std::vector<std::vector<float>> data;
+    const std::string path = write_tiny("deepseek2:v3", data);
+    const model::Model m = model::Model::load(path);
+    const model::LayerRecipe& r1 = m.layers[1].recipe;
+    EXPECT_EQ(r1.mixer.mla.q_lora_rank, 24);
+    EXPECT_TRUE(m.layers[1].mla.q_a && m.layers[1].mla.q_b && !m.layers[1].mla.q);
+    EXPECT_EQ(m.layers[1].mla.q_a_norm.size(), 24u);
+    EXPECT_EQ(r1.ffn.router.kind, model::RouterKind::SigmoidGroupTopK);
+    EXPECT_TRUE(r1.ffn.router.renormalize && r1.ffn.router.score_bias);
+    EXPECT_DOUBLE_EQ(r1.ffn.router.routed_scale, 2.5);
+    EXPECT_EQ(m.layers[1].moe.score_bias.size(), 8u);
+    const double mscale = 1.0 + 0.1 * std::log(40.0);
+    EXPECT_NEAR(r1.mixer.mla.kq_scale, mscale * mscale / std::sqrt(24.0), 1e-6);
+    std::filesystem::remove(path);
+  }
+  {
+    // A sigmoid router without exp_probs_b in the file (llama.cpp's tensor is optional): no choice bias.
+    model::HParams hp = test::tiny_hparams("deepseek2:v3");
+    hp.expert_score_bias = false;
+    for (int64_t il = 0; il < hp.n_layer; ++il) hp.recipes[static_cast<size_t>(il)] = hp.desc->layer_recipe(hp, il);
+    std::vector<std::vector<float>> data;
+    const std::string path = (std::filesystem::temp_directory_path() / "arch_desc_deepseek2_nobias.gguf").string();
+    test::tiny_writer(hp, 7, data).write(path);
+    const model::Model m = model::Model::load(path);
+    EXPECT_EQ(m.layers[1].recipe.ffn.router.kind, model::RouterKind::SigmoidGroupTopK);
+    EXPECT_FALSE(m.layers[1].recipe.ffn.router.score_bias);
+    EXPECT_TRUE(m.layers[1].moe.score_bias.empty());
+    std::filesystem::remove(path);
+  }
+}
+
+TEST(ArchDesc, Deepseek2BadKeysAreNamed) {
+  const auto refused = [](const std::string& name, void (*edit)(gguf::GgufWriter&), const std::string& want) {
+    std::vector<std::vector<float>> data;
+    const std::string path = write_tiny(name, data, edit);
+    try {
+      (void)model::Model::load(path);
+      ADD_FAILURE() << "loaded: " << want;
+    } catch (const model::ModelError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    std::filesystem::remove(path);
+  };
+  refused("deepseek2:lite", [](gguf::GgufWriter& w) { w.set("deepseek2.attention.key_length", Value::u32(24)); },
+          "deepseek2.attention.key_length: must be kv_lora_rank + rope.dimension_count");
+  refused("deepseek2:lite", [](gguf::GgufWriter& w) { w.set("deepseek2.expert_gating_func", Value::u32(3)); },
+          "deepseek2.expert_gating_func: only softmax (1) and sigmoid (2)");
+  refused("deepseek2:kv_b", [](gguf::GgufWriter& w) { w.set("deepseek2.attention.value_length_mla", Value::u32(16)); },
+          "key_length_mla and value_length_mla come together");
+  refused("deepseek2:v3", [](gguf::GgufWriter& w) { w.set("deepseek2.attention.temperature_scale", Value::f32(0.1f)); },
+          "deepseek2.attention.temperature_scale: attention temperature scaling is not implemented");
+  refused("deepseek2:lite", [](gguf::GgufWriter& w) { w.set("deepseek2.expert_group_count", Value::u32(2)); },
+          "group-limited softmax routing (DeepSeek-V2 236B) is not implemented");
+  // Without MLA the value width must still be the key width.
+  refused("qwen3moe", [](gguf::GgufWriter& w) { w.set("qwen3moe.attention.value_length", Value::u32(8)); },
+          "qwen3moe.attention.value_length: differs from key_length (8 vs 16)");
+}
+
+// The message of the ModelError that loading path throws ("" when it loads).
+std::string load_error(const std::string& path) {
+  try {
+    (void)model::Model::load(path);
+  } catch (const model::ModelError& e) {
+    std::filesystem::remove(path);
+    return e.what();
+  }
+  std::filesystem::remove(path);
+  return "";
+}
+
+TEST(ArchDesc, Glm4MoeBindsDenseMoeAndNextnLayers) {
+  const std::string path = tiny_file_with_key("glm4moe", "glm4moe");
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(m.layers.size(), 4u);
+  EXPECT_EQ(m.hp.n_dense_lead, 1);
+  EXPECT_EQ(m.hp.n_nextn, 1);
+  EXPECT_FALSE(m.hp.attn_qk_norm);
+  // Layer 0: a dense SwiGLU FFN of feed_forward_length, no router.
+  const model::LayerWeights& L0 = m.layers[0];
+  EXPECT_EQ(L0.recipe.ffn.kind, model::FfnKind::Dense);
+  EXPECT_EQ(L0.dense.gate.n_rows, 48);
+  EXPECT_EQ(L0.dense.down.n_rows, 64);
+  EXPECT_FALSE(L0.moe.router);
+  // Layers 1..3: the sigmoid router with its score bias, scaled, an ungated shared expert.
+  const model::LayerWeights& L1 = m.layers[1];
+  EXPECT_EQ(L1.recipe.ffn.kind, model::FfnKind::Moe);
+  EXPECT_EQ(L1.recipe.ffn.router.kind, model::RouterKind::SigmoidGroupTopK);
+  EXPECT_TRUE(L1.recipe.ffn.router.renormalize);
+  EXPECT_DOUBLE_EQ(L1.recipe.ffn.router.routed_scale, 2.5);
+  EXPECT_EQ(L1.moe.score_bias.size(), 4u);
+  EXPECT_TRUE(L1.moe.shared_up);
+  EXPECT_TRUE(L1.moe.shared_router.empty());
+  EXPECT_TRUE(L1.recipe.mixer.attn.qkv_bias && !L1.recipe.mixer.attn.qk_norm);
+  EXPECT_EQ(L1.attn.q_bias.size(), 64u);
+  const std::vector<model::Feature> f = model::layer_features(L1.recipe, m.hp.head_dim);
+  for (model::Feature want : {model::Feature::PartialRope, model::Feature::RouterSigmoidGroupTopK,
+                              model::Feature::RoutedScaling, model::Feature::SharedExpertUngated})
+    EXPECT_NE(std::find(f.begin(), f.end(), want), f.end()) << model::feature_name(want);
+  // The nextn block: a MoE layer's tensors and the nextn projections, bound (not run).
+  ASSERT_EQ(m.nextn.size(), 1u);
+  EXPECT_EQ(m.nextn[0].eh_proj.n_cols, 128);
+  EXPECT_EQ(m.nextn[0].enorm.size(), 64u);
+  EXPECT_TRUE(m.nextn[0].block.moe.router);
+  EXPECT_EQ(m.nextn[0].block.moe.score_bias.size(), 4u);
+  EXPECT_TRUE(m.nextn[0].shared_head_head);
+  EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+  // The gpu_worker's CPU backend runs them; the CUDA backend lacks them: refused at layer 0,
+  // naming its first missing part.
+  EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cpu_backend_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cuda_backend_support()}) {
+    try {
+      model::check_supported(m, *b);
+      FAIL() << b->name() << " accepted a glm4moe model";
+    } catch (const model::ModelError& e) {
+      EXPECT_NE(std::string(e.what()).find("glm4moe layer 0 uses attention q/k/v biases"), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(ArchDesc, Glm4MoeQkNormComesFromTheTensorsAndBadRoutingKeysAreNamed) {
+  {
+    const std::string path = tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_qk");
+    const model::Model m = model::Model::load(path);
+    EXPECT_TRUE(m.hp.attn_qk_norm);
+    EXPECT_TRUE(m.layers[2].recipe.mixer.attn.qk_norm);
+    EXPECT_EQ(m.layers[2].attn.q_norm.size(), 16u);
+    EXPECT_EQ(m.layers[2].recipe.ffn.router.n_group, 4);
+    EXPECT_EQ(m.layers[2].recipe.ffn.router.topk_group, 1);
+    EXPECT_FALSE(m.layers[2].recipe.ffn.router.renormalize);
+    std::filesystem::remove(path);
+  }
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_gating", "glm4moe.expert_gating_func", Value::u32(1)))
+                .find("glm4moe.expert_gating_func: 1 is not sigmoid"), std::string::npos);
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe:qknorm_groups", "glm4moe_groups", "glm4moe.expert_group_count", Value::u32(5)))
+                .find("glm4moe.expert_group_count: does not divide expert_count 12"), std::string::npos);
+  EXPECT_NE(load_error(tiny_file_with_key("glm4moe", "glm4moe_dense", "glm4moe.leading_dense_block_count", Value::u32(5)))
+                .find("leading_dense_block_count: exceeds"), std::string::npos);
+  EXPECT_EQ(load_error(tiny_file_with_key("glm4moe", "glm4moe_ok")), "");
+}
+
+TEST(ArchDesc, Qwen35MoeBindsItsDeltaNetLayoutAndRefusesSectionsItCannotTurn) {
+  const std::string path = tiny_file_with_key("qwen35moe", "qwen35moe");
+  const model::Model m = model::Model::load(path);
+  ASSERT_EQ(m.layers.size(), 4u);
+  ASSERT_EQ(m.nextn.size(), 1u);
+  const model::LayerWeights& L0 = m.layers[0];
+  EXPECT_TRUE(L0.recurrent);
+  EXPECT_TRUE(L0.recipe.mixer.delta.v_heads_tiled && L0.recipe.mixer.delta.split_ba);
+  EXPECT_EQ(L0.delta.beta.n_rows, 4);
+  EXPECT_EQ(L0.delta.alpha.n_rows, 4);
+  EXPECT_FALSE(L0.delta.ba);
+  EXPECT_FALSE(m.layers[3].recurrent);
+  EXPECT_TRUE(m.layers[3].attn.q_has_gate);
+  EXPECT_FALSE(m.nextn[0].block.recurrent);
+  EXPECT_NO_THROW(model::check_supported(m, model::reference_support()));
+  for (const model::BackendSupport* b : {&gpu_worker::cpu_backend_support(), &gpu_worker::cuda_backend_support()}) {
+    try {
+      model::check_supported(m, *b);
+      FAIL() << b->name() << " accepted a qwen35moe model";
+    } catch (const model::ModelError& e) {
+      EXPECT_NE(std::string(e.what()).find("qwen35moe layer 0 uses Gated DeltaNet with value heads tiled"), std::string::npos)
+          << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+  // Pair 1 of 4 falls to the fourth (image) position part under sections [1, 0, 0, 3].
+  std::vector<Value> sec = {Value::i32(1), Value::i32(0), Value::i32(0), Value::i32(3)};
+  EXPECT_NE(load_error(tiny_file_with_key("qwen35moe", "qwen35moe_sec", "qwen35moe.rope.dimension_sections",
+                                  Value::array(gguf::ValueType::INT32, std::move(sec))))
+                .find("rotary pair 1 falls to the fourth position part"), std::string::npos);
 }
 
 TEST(ArchDesc, FeaturesOfTheQwenRecipesAreTheReferencesOwn) {

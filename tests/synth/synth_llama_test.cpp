@@ -3,8 +3,10 @@
 // logits of O(1) size.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "synth_run.h"
@@ -66,6 +68,41 @@ TEST(SynthLlama, LoadsAndEvaluatesBothArchitectures) {
       EXPECT_GT(v_final, 0.85);
       EXPECT_LT(v_final, 1.6);
     }
+  }
+}
+
+// The real layer structure of GLM-4.5-Air (layer 0 dense, then MoE with exp_probs_b and a shared
+// expert) and of Qwen3.5-35B-A3B (3 DeltaNet layers with ssm_beta/ssm_alpha, then gated
+// attention with M-RoPE sections), cut to a few layers and experts: llama.cpp loads them and
+// evaluates to finite logits. (Their agreement with the reference: arch_llama_test's tiny shapes.)
+TEST(SynthLlama, LoadsGlmAirAndQwen35Layouts) {
+  llama_oracle_dir();
+  ScratchDir dir("synth-llama-glm-q35");
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"glm4moe", "--shape glm4.5-air --layers 2 --experts 16 --vocab-size 1024"},
+      {"qwen35moe", "--shape qwen35moe-35b-a3b --layers 4 --experts 16 --vocab-size 1024"},
+  };
+  std::vector<std::string> paths;
+  for (const auto& [arch, args] : files) {
+    paths.push_back(dir.file(arch + ".gguf"));
+    const SynthRun r = run_synth(args + " --seed 9 -o " + paths.back(), dir.path());
+    ASSERT_EQ(r.status, 0) << arch << ": " << r.err;
+  }
+  constexpr int kTokens = 4;
+  const auto reports = run_llama_oracle(paths, kTokens, dir.path());
+  for (size_t i = 0; i < files.size(); ++i) {
+    SCOPED_TRACE(files[i].first);
+    const LlamaReport& rep = reports.at(paths[i]);
+    ASSERT_TRUE(rep.loaded) << rep.error;
+    EXPECT_NE(rep.type_description.find(files[i].first), std::string::npos) << rep.type_description;
+    ASSERT_EQ(rep.n_vocab, 1024);
+    ASSERT_EQ(rep.logits.size(), static_cast<size_t>(kTokens * rep.n_vocab));
+    double mx = 0;
+    for (float x : rep.logits) {
+      ASSERT_TRUE(std::isfinite(x));
+      mx = std::max(mx, std::fabs(static_cast<double>(x)));
+    }
+    EXPECT_GT(mx, 0.1) << "flat logits";
   }
 }
 

@@ -166,6 +166,79 @@ TEST(SynthShapes, EveryNamedShapeHasLlamaCppTensorsAndMetadata) {
   }
 }
 
+// GLM-4.5-Air and Qwen3.5-35B-A3B: the published config.json numbers (written out here), on
+// files cut to a few layers and 16 experts; the tensor layouts are llama.cpp's (synth_llama_test,
+// arch_llama_test).
+TEST(SynthShapes, GlmAirAndQwen35CarryTheirPublishedHyperparameters) {
+  ScratchDir dir("synth-glm-q35");
+  const auto shape_of = [](const GgufFile& f, const std::string& name) {
+    const auto* t = f.find_tensor(name);
+    return t == nullptr ? std::vector<int64_t>{} : t->shape;
+  };
+  {
+    SynthRun r = run_synth("--shape glm4.5-air --layers 2 --experts 16 --vocab-size 1024 -o " + dir.file("air.gguf"), dir.path());
+    ASSERT_EQ(r.status, 0) << r.err;
+    const GgufFile f = GgufFile::open(dir.file("air.gguf"));
+    const std::string a = "glm4moe.";
+    EXPECT_EQ(f.get_string("general.architecture"), "glm4moe");
+    EXPECT_EQ(u(f, a + "embedding_length"), 4096u);
+    EXPECT_EQ(u(f, a + "context_length"), 131072u);
+    EXPECT_EQ(u(f, a + "feed_forward_length"), 10944u);
+    EXPECT_EQ(u(f, a + "attention.head_count"), 96u);
+    EXPECT_EQ(u(f, a + "attention.head_count_kv"), 8u);
+    EXPECT_EQ(u(f, a + "attention.key_length"), 128u);
+    EXPECT_EQ(u(f, a + "rope.dimension_count"), 64u);
+    EXPECT_EQ(u(f, a + "expert_used_count"), 8u);
+    EXPECT_EQ(u(f, a + "expert_feed_forward_length"), 1408u);
+    EXPECT_EQ(u(f, a + "expert_shared_count"), 1u);
+    EXPECT_EQ(u(f, a + "leading_dense_block_count"), 1u);
+    EXPECT_EQ(f.find(a + "expert_weights_norm")->as_bool(), true);
+    EXPECT_FLOAT_EQ(static_cast<float>(f.get_f64(a + "expert_weights_scale").value_or(0)), 1.0f);
+    EXPECT_FLOAT_EQ(static_cast<float>(f.get_f64(a + "rope.freq_base").value_or(0)), 1e6f);
+    EXPECT_FLOAT_EQ(static_cast<float>(f.get_f64(a + "attention.layer_norm_rms_epsilon").value_or(0)), 1e-5f);
+    EXPECT_EQ(shape_of(f, "blk.0.ffn_gate.weight"), (std::vector<int64_t>{4096, 10944}));
+    EXPECT_EQ(shape_of(f, "blk.0.attn_q.bias"), (std::vector<int64_t>{96 * 128}));
+    EXPECT_EQ(shape_of(f, "blk.1.exp_probs_b.bias"), (std::vector<int64_t>{16}));
+    EXPECT_EQ(shape_of(f, "blk.1.ffn_up_shexp.weight"), (std::vector<int64_t>{4096, 1408}));
+    EXPECT_EQ(f.find_tensor("blk.1.ffn_gate_inp_shexp.weight"), nullptr);   // the shared expert has no gate
+    EXPECT_EQ(f.find_tensor("blk.0.attn_q_norm.weight"), nullptr);          // Air has no q/k norm
+    EXPECT_EQ(f.find_tensor("blk.0.ffn_gate_inp.weight"), nullptr);         // layer 0 is dense
+  }
+  {
+    SynthRun r = run_synth("--shape qwen35moe-35b-a3b --layers 4 --experts 16 --vocab-size 1024 -o " + dir.file("q35.gguf"),
+                           dir.path());
+    ASSERT_EQ(r.status, 0) << r.err;
+    const GgufFile f = GgufFile::open(dir.file("q35.gguf"));
+    const std::string a = "qwen35moe.";
+    EXPECT_EQ(f.get_string("general.architecture"), "qwen35moe");
+    EXPECT_EQ(u(f, a + "embedding_length"), 2048u);
+    EXPECT_EQ(u(f, a + "context_length"), 262144u);
+    EXPECT_EQ(u(f, a + "attention.head_count"), 16u);
+    EXPECT_EQ(u(f, a + "attention.head_count_kv"), 2u);
+    EXPECT_EQ(u(f, a + "attention.key_length"), 256u);
+    EXPECT_EQ(u(f, a + "rope.dimension_count"), 64u);
+    EXPECT_EQ(u(f, a + "expert_used_count"), 8u);
+    EXPECT_EQ(u(f, a + "expert_feed_forward_length"), 512u);
+    EXPECT_EQ(u(f, a + "expert_shared_feed_forward_length"), 512u);
+    EXPECT_EQ(u(f, a + "ssm.conv_kernel"), 4u);
+    EXPECT_EQ(u(f, a + "ssm.state_size"), 128u);
+    EXPECT_EQ(u(f, a + "ssm.group_count"), 16u);
+    EXPECT_EQ(u(f, a + "ssm.time_step_rank"), 32u);
+    EXPECT_EQ(u(f, a + "ssm.inner_size"), 32u * 128u);
+    EXPECT_EQ(u(f, a + "full_attention_interval"), 4u);
+    EXPECT_FLOAT_EQ(static_cast<float>(f.get_f64(a + "rope.freq_base").value_or(0)), 1e7f);
+    const gguf::Array* sec = f.get_array(a + "rope.dimension_sections");
+    ASSERT_NE(sec, nullptr);
+    ASSERT_EQ(sec->items.size(), 4u);
+    const int64_t want[4] = {11, 11, 10, 0};
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(sec->items[i].as_i64(), want[i]) << i;
+    EXPECT_EQ(shape_of(f, "blk.0.ssm_beta.weight"), (std::vector<int64_t>{2048, 32}));
+    EXPECT_EQ(shape_of(f, "blk.0.ssm_alpha.weight"), (std::vector<int64_t>{2048, 32}));
+    EXPECT_EQ(f.find_tensor("blk.0.ssm_ba.weight"), nullptr);
+    EXPECT_EQ(shape_of(f, "blk.3.attn_q.weight"), (std::vector<int64_t>{2048, 2 * 16 * 256}));
+  }
+}
+
 TEST(SynthShapes, ShapeVocabByDefaultAndVocabFromGgufCopiedAndPadded) {
   ScratchDir dir("synth-vocab");
   const GgufFile vocab = GgufFile::open(qwen2_vocab_gguf());

@@ -8,7 +8,7 @@
 #include "common/formats/quant.h"
 #include "common/gguf/gguf.h"
 #include "tools/convert/hf_tokenizer.h"
-#include "tools/convert/qwen_plan.h"
+#include "tools/convert/arch_converter.h"
 #include "tools/convert/safetensors.h"
 
 namespace moraine::convert {
@@ -41,6 +41,46 @@ void apply(ElemOp op, float* x, int64_t n) {
   }
 }
 
+// Every planned row has the tensor's row length and lies inside its source.
+void check_rows(const PlannedTensor& t) {
+  const int64_t row_len = t.shape.at(0);
+  int64_t n_elems = 1;
+  for (int64_t d : t.shape) n_elems *= d;
+  if (t.n_rows() * row_len != n_elems) {
+    throw ConvertError(t.name + ": planned rows (" + std::to_string(t.n_rows()) + " of " + std::to_string(row_len) +
+                       ") do not fill its shape");
+  }
+  for (const RowSpan& r : t.rows) {
+    if (r.elem_stride > 0) {
+      const int64_t last = r.first_row + (r.n_rows - 1) * r.row_stride + (row_len - 1) * r.elem_stride;
+      if (r.n_rows > 0 && (r.first_row < 0 || last >= r.src->n_elements())) {
+        throw ConvertError(t.name + ": gathered rows run outside source '" + r.src->name + "'");
+      }
+    } else if (r.src->row_len() != row_len) {
+      throw ConvertError(t.name + ": source '" + r.src->name + "' has rows of " + std::to_string(r.src->row_len()) +
+                         ", the GGUF tensor needs " + std::to_string(row_len));
+    }
+  }
+}
+
+// A tensor copied in the block format the checkpoint holds it in (whatever the output type).
+void add_raw_tensor(gguf::GgufWriter& w, const ConvertOptions& opt, const PlannedTensor& t, size_t i, size_t n) {
+  const int64_t row_len = t.shape.at(0);
+  if (row_len % type_traits(t.raw_type).block_elems != 0) {
+    throw ConvertError(t.name + ": rows of " + std::to_string(row_len) + " are not whole " +
+                       std::string(type_name(t.raw_type)) + " blocks");
+  }
+  const uint64_t want_bytes = static_cast<uint64_t>(row_bytes(t.raw_type, row_len)) * static_cast<uint64_t>(t.n_rows());
+  w.add_tensor(t.name, t.shape, t.raw_type, [&opt, &t, i, n, want_bytes](uint8_t* dst, uint64_t n_bytes) {
+    if (n_bytes != want_bytes) {
+      throw ConvertError(t.name + ": the writer asks for " + std::to_string(n_bytes) + " bytes, the blocks make " +
+                         std::to_string(want_bytes));
+    }
+    if (opt.progress) opt.progress(i + 1, n, t.name);
+    t.raw_fill(dst);
+  });
+}
+
 }  // namespace
 
 ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
@@ -59,10 +99,11 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
   if (!config.is_object()) throw ConvertError(cfg_path.string() + ": is not a JSON object");
 
   const Checkpoint ckpt = Checkpoint::open(opt.hf_dir);
-  ConvertPlan plan = plan_qwen(config, ckpt);
+  ConvertPlan plan = plan_checkpoint(config, ckpt);
   ConvertResult result;
   result.arch = plan.arch;
   result.n_tensors = plan.tensors.size();
+  result.notes = plan.notes;
 
   gguf::GgufWriter w;
   w.set("general.architecture", Value::string(plan.arch));
@@ -75,7 +116,7 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
   w.set("general.file_type", Value::u32(ftype));
   w.set("general.quantization_version", Value::u32(2));  // ggml's GGML_QNT_VERSION
 
-  const int64_t vocab = config.at("vocab_size").get<int64_t>();  // checked by plan_qwen
+  const int64_t vocab = config.at("vocab_size").get<int64_t>();  // checked by plan_checkpoint
   if (fs::exists(fs::path(opt.hf_dir) / "tokenizer.json")) {
     for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab)) w.set(k, std::move(v));
   } else {
@@ -85,6 +126,10 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
   const size_t n = plan.tensors.size();
   for (size_t i = 0; i < n; ++i) {
     const PlannedTensor& t = plan.tensors[i];
+    if (t.raw_fill) {
+      add_raw_tensor(w, opt, t, i, n);
+      continue;
+    }
     TensorType type = t.keep_f32 ? TensorType::F32 : opt.outtype;
     const int64_t row_len = t.shape.at(0);
     if (row_len % type_traits(type).block_elems != 0) {
@@ -93,18 +138,7 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
                              std::string(type_name(type)) + " blocks; written as f16");
       type = TensorType::F16;
     }
-    int64_t n_elems = 1;
-    for (int64_t d : t.shape) n_elems *= d;
-    if (t.n_rows() * row_len != n_elems) {
-      throw ConvertError(t.name + ": planned rows (" + std::to_string(t.n_rows()) + " of " + std::to_string(row_len) +
-                         ") do not fill its shape");
-    }
-    for (const RowSpan& r : t.rows) {
-      if (r.src->row_len() != row_len) {
-        throw ConvertError(t.name + ": source '" + r.src->name + "' has rows of " + std::to_string(r.src->row_len()) +
-                           ", the GGUF tensor needs " + std::to_string(row_len));
-      }
-    }
+    check_rows(t);
     const size_t rb = row_bytes(type, row_len);
     const uint64_t want_bytes = static_cast<uint64_t>(rb) * static_cast<uint64_t>(t.n_rows());
     w.add_tensor(t.name, t.shape, type, [&opt, &t, i, n, type, row_len, rb, want_bytes](uint8_t* dst, uint64_t n_bytes) {
@@ -117,7 +151,8 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
       uint8_t* out = dst;
       for (const RowSpan& r : t.rows) {
         for (int64_t k = 0; k < r.n_rows; ++k) {
-          r.src->read_row(r.first_row + k, row.data());
+          if (r.elem_stride > 0) r.src->read_strided(r.first_row + k * r.row_stride, r.elem_stride, row_len, row.data());
+          else r.src->read_row(r.first_row + k, row.data());
           apply(t.op, row.data(), row_len);
           quantize_row(type, row.data(), out, row_len);
           out += rb;

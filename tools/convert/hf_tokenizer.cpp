@@ -20,6 +20,9 @@ namespace {
 // by regex, so each pattern we accept is paired with the name llama.cpp gives it.
 constexpr const char* kQwen2Regex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// o200k (gpt-oss, GPT-4o): llama.cpp's "gpt-4o" pre-tokenizer (llama4's and others' too).
+constexpr const char* kO200kRegex =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 json read_json(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -44,8 +47,9 @@ std::string pre_tokenizer_name(const json& tok, const std::string& where) {
   std::vector<std::string> regexes;
   if (tok.contains("pre_tokenizer")) collect_split_regexes(tok["pre_tokenizer"], regexes);
   if (regexes.size() == 1 && regexes[0] == kQwen2Regex) return "qwen2";
+  if (regexes.size() == 1 && regexes[0] == kO200kRegex) return "gpt-4o";
   std::string got = regexes.empty() ? std::string("no Split regex") : "regex " + json(regexes).dump();
-  throw ConvertError(where + ": pre_tokenizer has " + got + ", which is not one moraine-convert knows (qwen2)");
+  throw ConvertError(where + ": pre_tokenizer has " + got + ", which is not one moraine-convert knows (qwen2, gpt-4o)");
 }
 
 // Byte-level BPE merges as "left right" strings. The newer pair form may hold spaces inside a

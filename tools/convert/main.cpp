@@ -1,6 +1,6 @@
-// moraine-convert HF_DIR OUT.gguf [--outtype f32|bf16|f16|q8_0]: a Hugging Face Qwen3-MoE or
-// Qwen3-Next checkpoint (safetensors + config.json + tokenizer.json) to a GGUF file that
-// llama.cpp and moraine load.
+// moraine-convert HF_DIR OUT.gguf [--outtype f32|bf16|f16|q8_0]: a Hugging Face checkpoint
+// (safetensors + config.json + tokenizer.json) of an architecture tools/convert/arch/ knows
+// (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, gpt-oss) to a GGUF file that llama.cpp and moraine load.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -12,13 +12,13 @@
 #include "tools/convert/convert.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"Convert a Hugging Face Qwen3-MoE / Qwen3-Next checkpoint to GGUF"};
+  CLI::App app{"Convert a Hugging Face MoE checkpoint (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, gpt-oss) to GGUF"};
   moraine::convert::ConvertOptions opt;
   std::string outtype = "bf16";
   app.add_option("hf_dir", opt.hf_dir, "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
       ->required();
   app.add_option("out", opt.out_path, "GGUF file to write")->required();
-  app.add_option("--outtype", outtype, "type of the weight matrices (norms, routers stay f32)")
+  app.add_option("--outtype", outtype, "type of the weight matrices (norms, routers stay f32; MXFP4 experts stay MXFP4)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "q8_0"}))
       ->capture_default_str();
   app.add_option("--name", opt.name, "general.name (default: the directory's name)");

@@ -13,6 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 
 #include "common/formats/quant.h"
 
@@ -65,8 +66,34 @@ int64_t StTensor::n_elements() const {
   return n;
 }
 
+namespace {
+
+float element(StDtype dtype, const uint8_t* p) {
+  uint16_t h;
+  switch (dtype) {
+    case StDtype::F32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case StDtype::F16: std::memcpy(&h, p, 2); return fp16_to_fp32(h);
+    case StDtype::BF16: std::memcpy(&h, p, 2); return bf16_to_fp32(h);
+    case StDtype::U8: break;
+  }
+  throw std::logic_error("safetensors: a U8 tensor read as floats");
+}
+
+}  // namespace
+
+void StTensor::read_strided(int64_t first, int64_t stride, int64_t n, float* dst) const {
+  const uint64_t elem = dtype == StDtype::F32 ? 4 : 2;
+  if (!is_float()) throw std::logic_error("safetensors: " + name + " (U8) read as floats");
+  for (int64_t i = 0; i < n; ++i) dst[i] = element(dtype, data + static_cast<uint64_t>(first + i * stride) * elem);
+}
+
 void StTensor::read_row(int64_t row, float* dst) const {
   const int64_t n = row_len();
+  if (!is_float()) throw std::logic_error("safetensors: " + name + " (U8) read as floats");
   const uint64_t elem = dtype == StDtype::F32 ? 4 : 2;
   const uint8_t* p = data + static_cast<uint64_t>(row) * static_cast<uint64_t>(n) * elem;
   switch (dtype) {
@@ -85,6 +112,7 @@ void StTensor::read_row(int64_t row, float* dst) const {
         dst[i] = bf16_to_fp32(h);
       }
       return;
+    case StDtype::U8: return;  // refused above
   }
 }
 
@@ -96,10 +124,12 @@ Checkpoint::~Checkpoint() = default;
 namespace {
 
 // Safetensors dtype names this converter reads; any other (F8_E4M3, I64, ...) is refused by name.
+// U8 holds packed blocks (MXFP4); a U8 tensor where floats are expected is refused by the planner.
 bool parse_dtype(const std::string& s, StDtype& out, uint64_t& elem_bytes) {
   if (s == "F32") { out = StDtype::F32; elem_bytes = 4; return true; }
   if (s == "F16") { out = StDtype::F16; elem_bytes = 2; return true; }
   if (s == "BF16") { out = StDtype::BF16; elem_bytes = 2; return true; }
+  if (s == "U8") { out = StDtype::U8; elem_bytes = 1; return true; }
   return false;
 }
 
@@ -146,7 +176,7 @@ void Checkpoint::add_file(const std::string& path) {
     t.file = path;
     uint64_t elem = 0;
     if (!v["dtype"].is_string() || !parse_dtype(v["dtype"].get<std::string>(), t.dtype, elem)) {
-      throw ConvertError(where + ": dtype " + v["dtype"].dump() + " is not supported (F32, F16 and BF16 are)");
+      throw ConvertError(where + ": dtype " + v["dtype"].dump() + " is not supported (F32, F16, BF16 and U8 are)");
     }
     if (!v["shape"].is_array()) throw ConvertError(where + ": shape is not an array");
     uint64_t n = 1;

@@ -17,7 +17,8 @@ class ConvertError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class StDtype { F32, F16, BF16 };
+// U8: packed block data (gpt-oss's MXFP4 `_blocks` and `_scales`), read as bytes, never as floats.
+enum class StDtype { F32, F16, BF16, U8 };
 
 struct StTensor {
   std::string name;
@@ -31,8 +32,11 @@ struct StTensor {
   // The tensor viewed as a matrix of rows of its innermost dimension (a 1-D tensor is one row).
   int64_t row_len() const { return shape.empty() ? 1 : shape.back(); }
   int64_t n_rows() const { return row_len() == 0 ? 0 : n_elements() / row_len(); }
-  // Row `row` of that view, converted to float.
+  bool is_float() const { return dtype != StDtype::U8; }
+  // Row `row` of that view, converted to float (a float dtype only).
   void read_row(int64_t row, float* dst) const;
+  // n elements from flat index first, stride apart, converted to float (a float dtype only).
+  void read_strided(int64_t first, int64_t stride, int64_t n, float* dst) const;
 };
 
 class MappedFile;

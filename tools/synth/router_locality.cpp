@@ -31,6 +31,13 @@ std::vector<double> recency_weights(const ShapeSpec& s, double amp, int64_t t) {
 
 RecencyDesign design_recency(const ShapeSpec& s, int64_t massive_dim) {
   RecencyDesign d;
+  if (s.mla()) {
+    // MLA has no per-head keys of its own to build recency heads from: no slow subspace.
+    d.heads = 0;
+    d.out_gain.assign(static_cast<size_t>(s.n_layer), 0.0);
+    d.slow_var.assign(static_cast<size_t>(s.n_layer), 0.0);
+    return d;
+  }
   // S has as many coordinates as there are experts (up to a quarter of the residual): the slow
   // logits of all experts are W_S x_S, and with far fewer coordinates than experts they are
   // strongly correlated across experts, which skews uniform routing (measured with the router

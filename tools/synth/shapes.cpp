@@ -134,6 +134,129 @@ const std::vector<ShapeSpec>& named_shapes() {
     tiny_oss.ff_exp = 256;
     tiny_oss.sliding_window = 8;
     v.push_back(tiny_oss);
+
+    // GLM-4.5-Air (Glm4MoeForCausalLM config.json; its one nextn block is not written).
+    ShapeSpec air;
+    air.name = "glm4.5-air";
+    air.arch = "glm4moe";
+    air.n_layer = 46;
+    air.hidden = 4096;
+    air.vocab = 151552;
+    air.context_length = 131072;
+    air.n_head = 96;
+    air.n_head_kv = 8;
+    air.head_dim = 128;
+    air.n_rot = 64;  // partial_rotary_factor 0.5
+    air.dense_ff = 10944;
+    air.n_expert = 128;
+    air.n_expert_used = 8;
+    air.ff_exp = 1408;
+    air.n_shared = 1;
+    air.rope_theta = 1e6;
+    air.rms_eps = 1e-5;
+    air.n_dense_lead = 1;
+    air.norm_topk = true;
+    v.push_back(air);
+    ShapeSpec tiny_air = air;
+    tiny_air.name = "glm4moe-tiny";
+    tiny_air.n_layer = 4;
+    tiny_air.hidden = 256;
+    tiny_air.context_length = 4096;
+    tiny_air.n_head = 8;
+    tiny_air.n_head_kv = 2;
+    tiny_air.head_dim = 32;
+    tiny_air.n_rot = 16;
+    tiny_air.dense_ff = 512;
+    tiny_air.n_expert = 8;
+    tiny_air.n_expert_used = 2;
+    tiny_air.ff_exp = 256;
+    v.push_back(tiny_air);
+
+    // Qwen3.5-35B-A3B (Qwen3_5MoeForCausalLM text config).
+    ShapeSpec q35 = next;
+    q35.name = "qwen35moe-35b-a3b";
+    q35.arch = "qwen35moe";
+    q35.n_layer = 40;
+    q35.vocab = 248320;
+    q35.n_expert = 256;
+    q35.n_expert_used = 8;
+    q35.ff_exp = 512;
+    q35.ff_shexp = 512;
+    q35.dense_ff = 0;
+    v.push_back(q35);
+    ShapeSpec tiny_q35 = tiny_next;
+    tiny_q35.name = "qwen35moe-tiny";
+    tiny_q35.arch = "qwen35moe";
+    tiny_q35.dense_ff = 0;
+    v.push_back(tiny_q35);
+
+    // DeepSeek-V2-Lite (DeepseekV2ForCausalLM config.json): q directly, softmax router.
+    ShapeSpec lite;
+    lite.name = "deepseek-v2-lite";
+    lite.arch = "deepseek2";
+    lite.n_layer = 27;
+    lite.hidden = 2048;
+    lite.vocab = 102400;
+    lite.context_length = 163840;
+    lite.n_head = 16;
+    lite.n_head_kv = 1;
+    lite.kv_lora_rank = 512;
+    lite.n_rot = 64;
+    lite.head_dim = lite.kv_lora_rank + lite.n_rot;
+    lite.qk_nope = 128;
+    lite.v_head = 128;
+    lite.dense_ff = 10944;
+    lite.n_expert = 64;
+    lite.n_expert_used = 6;
+    lite.ff_exp = 1408;
+    lite.n_dense_lead = 1;
+    lite.n_shared = 2;
+    lite.rope_theta = 10000;
+    lite.yarn_factor = 40;
+    lite.yarn_orig_ctx = 4096;
+    lite.mscale_all_dim = 0.707;
+    v.push_back(lite);
+    // DeepSeek-V3 (DeepseekV3ForCausalLM config.json; R1 has the same shape): q LoRA, sigmoid
+    // router with the choice bias over 8 groups of which 4 are used, routed scale 2.5.
+    ShapeSpec v3 = lite;
+    v3.name = "deepseek-v3";
+    v3.n_layer = 61;
+    v3.hidden = 7168;
+    v3.vocab = 129280;
+    v3.n_head = 128;
+    v3.q_lora_rank = 1536;
+    v3.dense_ff = 18432;
+    v3.n_expert = 256;
+    v3.n_expert_used = 8;
+    v3.ff_exp = 2048;
+    v3.n_dense_lead = 3;
+    v3.n_shared = 1;
+    v3.n_group = 8;
+    v3.topk_group = 4;
+    v3.sigmoid_router = true;
+    v3.norm_topk = true;
+    v3.routed_scale = 2.5;
+    v3.mscale_all_dim = 1.0;
+    v.push_back(v3);
+    ShapeSpec tiny_v3 = v3;
+    tiny_v3.name = "deepseek-v3-tiny";
+    tiny_v3.n_layer = 4;
+    tiny_v3.hidden = 256;
+    tiny_v3.n_head = 4;
+    tiny_v3.q_lora_rank = 96;
+    tiny_v3.kv_lora_rank = 64;
+    tiny_v3.n_rot = 16;
+    tiny_v3.head_dim = tiny_v3.kv_lora_rank + tiny_v3.n_rot;
+    tiny_v3.qk_nope = 32;
+    tiny_v3.v_head = 32;
+    tiny_v3.dense_ff = 512;
+    tiny_v3.n_expert = 8;
+    tiny_v3.n_expert_used = 2;
+    tiny_v3.ff_exp = 128;
+    tiny_v3.n_dense_lead = 1;
+    tiny_v3.n_group = 4;
+    tiny_v3.topk_group = 2;
+    v.push_back(tiny_v3);
     return v;
   }();
   return shapes;
@@ -180,6 +303,29 @@ model::HParams to_hparams(const ShapeSpec& s) {
     hp.rope_scaling_factor = s.yarn_factor;
     hp.rope_orig_ctx = s.yarn_orig_ctx;
   }
+  if (s.arch == "glm4moe") {
+    hp.n_dense_lead = s.n_dense_lead;
+    hp.n_ff_shexp = s.n_shared * s.ff_exp;
+    hp.norm_topk_prob = s.norm_topk;
+    hp.expert_weights_scale = s.routed_scale;
+    hp.attn_qk_norm = s.qk_norm;
+  }
+  if (s.mla()) {
+    hp.head_dim_v = s.kv_lora_rank;
+    hp.q_lora_rank = s.q_lora_rank;
+    hp.kv_lora_rank = s.kv_lora_rank;
+    hp.mla_head_k = s.qk_nope + s.n_rot;
+    hp.mla_head_v = s.v_head;
+    hp.mla_split_kv_b = true;   // what llama.cpp's converter writes
+    hp.rope_yarn_log_mul = s.mscale_all_dim;
+    hp.n_dense_lead = s.n_dense_lead;
+    hp.n_ff_shexp = s.n_shared * s.ff_exp;
+    hp.sigmoid_gating = hp.expert_score_bias = s.sigmoid_router;
+    hp.norm_topk_prob = s.norm_topk;
+    hp.expert_weights_scale = s.routed_scale;
+    hp.n_expert_groups = s.n_group;
+    hp.n_group_used = s.topk_group;
+  }
   for (int64_t il = 0; il < s.n_layer; ++il) hp.recipes.push_back(hp.desc->layer_recipe(hp, il));
   return hp;
 }
@@ -201,11 +347,16 @@ Role role_of(model::TensorRole r) {
     case T::DnConv: return Role::Conv;
     case T::DnDtBias: return Role::DtBias;
     case T::DnA: return Role::Decay;
-    case T::AttnQ: case T::AttnK: case T::AttnV: case T::DnQkv: case T::DnGate: case T::DnBa: case T::GateExps:
+    case T::MlaQANorm: case T::MlaKvANorm: return Role::HeadNorm;
+    // MLA: q (or its LoRA), kv_a, and the per-head decompressions read a normalised input.
+    case T::MlaQA: case T::MlaQB: case T::MlaKvAMqa: case T::MlaKvB: case T::MlaKB: case T::MlaVB:
+      return Role::InProj;
+    case T::AttnQ: case T::AttnK: case T::AttnV: case T::DnQkv: case T::DnGate: case T::DnBa: case T::DnBeta:
+    case T::DnAlpha: case T::GateExps:
     case T::UpExps: case T::GateShexp: case T::UpShexp: case T::FfnGate: case T::FfnUp: case T::NextnEhProj:
       return Role::InProj;
     case T::AttnQBias: case T::AttnKBias: case T::AttnVBias: case T::AttnOBias: case T::RouterBias:
-    case T::GateExpsBias: case T::UpExpsBias: case T::DownExpsBias:
+    case T::GateExpsBias: case T::UpExpsBias: case T::DownExpsBias: case T::ScoreBias:
       return Role::Bias;
     case T::AttnSinks: return Role::Sink;
     default: break;

@@ -1,6 +1,6 @@
-// The model shapes moraine-synth writes: real Qwen MoE configurations and tiny variants, and
-// the GGUF tensor list and architecture keys each implies, named and laid out as llama.cpp
-// loads the "qwen3moe" and "qwen3next" architectures.
+// The model shapes moraine-synth writes: real MoE configurations (Qwen3, Qwen3-Next, Qwen3.5,
+// gpt-oss, GLM-4.5-Air) and tiny variants, and the GGUF tensor list and architecture keys each
+// implies, named and laid out as llama.cpp loads those architectures.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,7 +14,7 @@ namespace moraine::synth {
 
 struct ShapeSpec {
   std::string name;  // e.g. "qwen3moe-30b-a3b"
-  std::string arch;  // general.architecture: "qwen3moe" or "qwen3next"
+  std::string arch;  // general.architecture: "qwen3moe", "qwen3next", "qwen35moe", "gpt-oss", "glm4moe"
   int64_t n_layer = 0, hidden = 0, vocab = 0, context_length = 0;
   int64_t n_head = 0, n_head_kv = 0, head_dim = 0, n_rot = 0;
   int64_t dense_ff = 0;  // the config's intermediate_size (written as feed_forward_length; no dense layer uses it)
@@ -25,8 +25,21 @@ struct ShapeSpec {
   // gpt-oss: every swa_period-th layer full attention, the others slide over sliding_window; YaRN.
   int64_t sliding_window = 0, swa_period = 0, yarn_orig_ctx = 0;
   double yarn_factor = 1.0;
+  // glm4moe: the first n_dense_lead layers run a dense FFN of dense_ff; n_shared shared experts
+  // of ff_exp; the sigmoid router's weights times routed_scale, renormalised when norm_topk; q/k
+  // norm when qk_norm. deepseek2's shapes use the same FFN fields, plus multi-head latent
+  // attention (head_dim is then kv_lora_rank + n_rot, the cached row; n_head_kv 1) and its router:
+  // softmax, or sigmoid over n_group groups of which topk_group are used.
+  int64_t n_dense_lead = 0, n_shared = 0;
+  bool norm_topk = false, qk_norm = false;
+  double routed_scale = 1.0;
+  int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_nope = 0, v_head = 0, n_group = 1, topk_group = 1;
+  bool sigmoid_router = false;
+  double mscale_all_dim = 0.0;
 
-  bool next() const { return arch == "qwen3next"; }
+  // The DeltaNet hybrids (qwen3next, qwen35moe): gated q projection, recurrent layers.
+  bool next() const { return arch == "qwen3next" || arch == "qwen35moe"; }
+  bool mla() const { return arch == "deepseek2"; }
   bool recurrent(int64_t layer) const { return next() && (layer + 1) % full_attn_interval != 0; }
 };
 

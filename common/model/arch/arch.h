@@ -29,7 +29,8 @@ enum class TensorRole {
   AttnNorm, FfnNorm,
   AttnQ, AttnK, AttnV, AttnO, AttnQNorm, AttnKNorm,
   AttnQBias, AttnKBias, AttnVBias, AttnOBias, AttnSinks,
-  DnQkv, DnGate, DnQkvzLegacy, DnBa, DnConv, DnDtBias, DnA, DnNorm, DnOut,
+  MlaQA, MlaQANorm, MlaQB, MlaKvAMqa, MlaKvANorm, MlaKvB, MlaKB, MlaVB,
+  DnQkv, DnGate, DnQkvzLegacy, DnBa, DnBeta, DnAlpha, DnConv, DnDtBias, DnA, DnNorm, DnOut,
   Router, RouterBias, ScoreBias,
   GateExps, UpExps, DownExps, GateExpsBias, UpExpsBias, DownExpsBias,
   SharedRouter, GateShexp, UpShexp, DownShexp,
@@ -74,6 +75,8 @@ class KeyReader {
   std::string text(const char* suffix, const std::string& fallback) const;
   const gguf::Array* array(const char* suffix) const;
   bool has(const char* suffix) const;
+  // Whether the file holds a tensor of this (whole GGUF) name: for parts only the tensors tell.
+  bool has_tensor(const std::string& name) const;
 
  private:
   void declared(const char* suffix) const;

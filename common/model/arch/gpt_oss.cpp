@@ -26,6 +26,7 @@ void read_keys(const KeyReader& r, HParams& hp) {
     hp.rope_scaling = RopeScaling::Yarn;
     hp.rope_scaling_factor = r.real("rope.scaling.factor", 1.0, true);
     hp.rope_orig_ctx = r.count("rope.scaling.original_context_length");
+    hp.rope_yarn_truncate = r.flag("rope.scaling.yarn_truncate", true);
   } else if (scaling != "none") {
     r.fail(r.key("rope.scaling.type"), "'" + scaling + "' is not a RoPE scaling gpt-oss uses (yarn or none)");
   }
@@ -44,6 +45,7 @@ LayerRecipe layer_recipe(const HParams& hp, int64_t il) {
   a.rope.scaling = hp.rope_scaling;
   a.rope.yarn_factor = hp.rope_scaling_factor;
   a.rope.yarn_orig_ctx = hp.rope_orig_ctx;
+  a.rope.yarn_truncate = hp.rope_yarn_truncate;
   L.ffn.kind = FfnKind::Moe;
   L.ffn.router.kind = RouterKind::TopKSoftmax;
   L.ffn.router.logit_bias = true;
@@ -60,6 +62,8 @@ void write_keys(const HParams& hp, const std::string& a, KeyList& m) {
     m.emplace_back(a + "rope.scaling.type", gguf::Value::string("yarn"));
     m.emplace_back(a + "rope.scaling.factor", gguf::Value::f32(static_cast<float>(hp.rope_scaling_factor)));
     m.emplace_back(a + "rope.scaling.original_context_length", gguf::Value::u32(static_cast<uint32_t>(hp.rope_orig_ctx)));
+    // Only when off: a file keeps llama.cpp's keys exactly otherwise.
+    if (!hp.rope_yarn_truncate) m.emplace_back(a + "rope.scaling.yarn_truncate", gguf::Value::boolean(false));
   }
 }
 
@@ -75,6 +79,7 @@ const ArchDesc& arch_gpt_oss() {
           {"rope.scaling.type", "none", "yarn for gpt-oss"},
           {"rope.scaling.factor", nullptr, "YaRN factor (required with yarn)"},
           {"rope.scaling.original_context_length", nullptr, "YaRN's trained context (required with yarn)"},
+          {"rope.scaling.yarn_truncate", "true", "moraine's: false keeps YaRN's correction dims fractional (HF truncate=false)"},
           {"expert_weights_scale", "1", "routed output's factor"},
       },
       {

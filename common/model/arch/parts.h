@@ -19,7 +19,22 @@ struct RopePart {
   double yarn_factor = 1.0;       // rope.scaling.factor
   int64_t yarn_orig_ctx = 0;      // rope.scaling.original_context_length
   double yarn_beta_fast = 32.0, yarn_beta_slow = 1.0;
+  // The correction dims floored / ceiled to whole dims (llama.cpp, and every GGUF without
+  // moraine's rope.scaling.yarn_truncate key); false keeps them fractional as HF's
+  // truncate=false does (gpt-oss's own config: 0.26% of max |logit| apart on gpt_oss_odd).
+  bool yarn_truncate = true;
+  // ggml_rope_ext's attn_factor: cos and sin are scaled by it (times 1 + 0.1 ln factor under YaRN).
+  double attn_factor = 1.0;
 };
+
+// YaRN's ramp over n_rot rotary dims: pair i keeps its unscaled frequency by
+// 1 - clamp((i - low) / max(0.001, high - low), 0, 1), low / high the correction dims of
+// beta_fast / beta_slow (rounded when yarn_truncate), and cos / sin are scaled by mscale =
+// attn_factor (1 + 0.1 ln(factor)). The one computation the reference and the CUDA rope share.
+struct YarnRamp {
+  double low = 0, high = 0, mscale = 1;
+};
+YarnRamp yarn_ramp(const RopePart& rope, int64_t n_rot);
 
 struct AttentionPart {
   bool qk_norm = false;       // per-head RMSNorm on q and k before RoPE
@@ -31,11 +46,26 @@ struct AttentionPart {
   RopePart rope;
 };
 
-// Multi-head latent attention (deepseek2): declared; no backend implements it yet.
+// Multi-head latent attention (deepseek2), as llama.cpp's deepseek2 graph computes it. Per head
+// q = [nope | rope]; one shared kv_a projection gives the latent (kv_lora_rank, RMS-normed) and
+// the rotary key (rope_dim, shared by every head): the cache holds those two per position. The
+// per-head keys' nope part and the values come from the latent (k_b / v_b, or the older fused
+// kv_b). RoPE on the rope dims is NORM pairing (x[2i], x[2i+1]); its YaRN options are the
+// MixerPart's attn.rope (n_rot = rope_dim).
 struct MlaPart {
-  int64_t q_lora_rank = 0;     // 0: q projected directly
+  int64_t q_lora_rank = 0;     // 0: q projected directly (attn_q); else attn_q_a, its norm, attn_q_b
   int64_t kv_lora_rank = 0;    // the compressed latent cached per position
   int64_t rope_dim = 0;        // the decoupled rotary key dims
+  int64_t nope_dim = 0;        // per-head key dims without RoPE (qk_nope_head_dim)
+  int64_t v_dim = 0;           // per-head value dims (v_head_dim)
+  bool split_kv_b = true;      // attn_k_b + attn_v_b (current converter); false: attn_kv_b (older files)
+  double kq_scale = 0.0;       // the attention scale (DeepSeek's YaRN mscale squared / sqrt(nope + rope))
+};
+
+// Gated DeltaNet: where value heads find their key head, and how beta and alpha are projected.
+struct DeltaNetPart {
+  bool v_heads_tiled = false;  // value head j reads key head j % n_k (qwen35moe); else j / (n_v / n_k) (qwen3next)
+  bool split_ba = false;       // ssm_beta and ssm_alpha, value-head order (qwen35moe); else ssm_ba grouped per key head
 };
 
 enum class MixerKind { Attention, GatedDeltaNet, Mla };
@@ -44,6 +74,7 @@ struct MixerPart {
   MixerKind kind = MixerKind::Attention;
   AttentionPart attn;   // kind == Attention (and the RoPE of Mla)
   MlaPart mla;          // kind == Mla
+  DeltaNetPart delta;   // kind == GatedDeltaNet
 };
 
 enum class RouterKind {
@@ -108,6 +139,8 @@ enum class Feature {
   PartialRope,
   YarnRope,
   GatedDeltaNet,
+  DeltaNetTiledHeads,
+  DeltaNetSplitBa,
   Mla,
   RouterSoftmaxTopK,
   RouterTopKSoftmax,

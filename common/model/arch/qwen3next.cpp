@@ -90,7 +90,8 @@ void write_keys(const HParams& hp, const std::string& a, KeyList& m) {
   m.emplace_back(a + "ssm.time_step_rank", u32(hp.ssm_n_v_heads));
   m.emplace_back(a + "ssm.inner_size", u32(hp.ssm_head_v_dim * hp.ssm_n_v_heads));
   std::vector<gguf::Value> rec;
-  for (int64_t i = 0; i < hp.n_layer; ++i) rec.push_back(gguf::Value::boolean(hp.is_recurrent(i)));
+  // llama.cpp wants one entry per block, nextn blocks included (as its converter writes).
+  for (int64_t i = 0; i < hp.n_layer + hp.n_nextn; ++i) rec.push_back(gguf::Value::boolean(hp.is_recurrent(i)));
   m.emplace_back(a + "attention.recurrent_layers", gguf::Value::array(gguf::ValueType::BOOL, std::move(rec)));
   m.emplace_back(a + "full_attention_interval", u32(hp.full_attention_interval));
 }
