@@ -65,6 +65,7 @@ struct DevLayer {
   DeviceBuffer<float> q_bias, k_bias, v_bias, o_bias, sinks, router_bias, gate_bias, up_bias, down_bias;
   int64_t window = 0;   // sliding window (0: full attention)
   cuda::RopeYarn yarn;  // the layer's YaRN rotation (yarn.on false: plain RoPE)
+  double rope_base = 0; // with YaRN: the RopePart's frequency base (reference::rope_neox_yarn's)
   bool clamped = false; // the routed experts' activation is the clamped SwiGLU
   DevMatrix q, k, v, o, router, shared_gate, shared_up, shared_down;
   DevMatrix attn_qkv;     // q | k | v stacked (upload_stacked); then q, k, v stay empty

@@ -215,6 +215,7 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   a.k_bias = L.k_bias.size() != 0 ? L.k_bias.get() : nullptr;
   a.v_bias = L.v_bias.size() != 0 ? L.v_bias.get() : nullptr;
   a.yarn = L.yarn;
+  if (L.yarn.on) a.freq_base = L.rope_base;
   if (kv_f16_) {
     a.k_cache_f16 = L.k_cache_f16.get();
     a.v_cache_f16 = L.v_cache_f16.get();

@@ -266,9 +266,11 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
   D.sinks = upload_vector(weights_arena_, L.attn.sinks);
   D.window = L.recipe.mixer.attn.sliding_window;
   const model::RopePart& rope = L.recipe.mixer.attn.rope;
-  if (rope.scaling == model::RopeScaling::Yarn)
-    D.yarn = cuda::rope_yarn(hp.n_rot, hp.rope_freq_base, rope.yarn_factor, rope.yarn_orig_ctx, rope.yarn_beta_fast,
-                             rope.yarn_beta_slow);
+  if (rope.scaling == model::RopeScaling::Yarn) {   // the reference's ramp (model::yarn_ramp), its base
+    const model::YarnRamp r = model::yarn_ramp(rope, hp.n_rot);
+    D.yarn = {true, rope.yarn_factor, r.low, r.high, r.mscale};
+    D.rope_base = rope.freq_base;
+  }
   D.k_norm = upload_vector(weights_arena_, L.attn.k_norm);
   D.attn_qkv = upload_stacked(weights_arena_, {&L.attn.q, &L.attn.k, &L.attn.v});
   if (!D.attn_qkv) {

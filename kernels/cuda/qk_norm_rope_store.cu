@@ -283,22 +283,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_rope_store_plain_kernel(
 
 }  // namespace
 
-RopeYarn rope_yarn(int64_t n_rot, double freq_base, double factor, int64_t orig_ctx, double beta_fast,
-                   double beta_slow) {
-  const double pi = 3.14159265358979323846;
-  const auto corr_dim = [&](double rotations) {
-    return static_cast<double>(n_rot) * std::log(static_cast<double>(orig_ctx) / (rotations * 2 * pi)) /
-           (2 * std::log(freq_base));
-  };
-  RopeYarn y;
-  y.on = true;
-  y.factor = factor;
-  y.low = std::max(0.0, std::floor(corr_dim(beta_fast)));
-  y.high = std::min(static_cast<double>(n_rot - 1), std::ceil(corr_dim(beta_slow)));
-  y.mscale = 1.0 + 0.1 * std::log(factor);
-  return y;
-}
-
 void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
   const std::string shape = "rows=" + std::to_string(a.rows) + ", n_head=" + std::to_string(a.n_head) +
                             ", n_head_kv=" + std::to_string(a.n_head_kv) + ", head_dim=" + std::to_string(a.head_dim) +

@@ -31,14 +31,13 @@ namespace moraine::cuda {
 
 // YaRN's rotation (gpt-oss), as reference::rope_neox_yarn computes it: pair i's angle is
 // pos * base^(-2i/n_rot) divided by factor where the ramp is 0, kept where it is 1, blended
-// between the correction dims low and high; cos and sin are scaled by mscale = 1 + 0.1 ln factor.
+// between the correction dims low and high; cos and sin are scaled by mscale. low, high and
+// mscale are model::yarn_ramp's (common/model/arch/parts.h: the one computation of them, which
+// follows RopePart::yarn_truncate and attn_factor); the caller copies them here.
 struct RopeYarn {
   bool on = false;
   double factor = 1.0, low = 0.0, high = 0.0, mscale = 1.0;
 };
-// low, high and mscale with the reference's double expressions (host).
-RopeYarn rope_yarn(int64_t n_rot, double freq_base, double factor, int64_t orig_ctx, double beta_fast,
-                   double beta_slow);
 
 struct QkNormRopeStoreArgs {
   const float* q = nullptr;

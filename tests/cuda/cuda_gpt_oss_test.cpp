@@ -7,7 +7,8 @@
 //    fused MoE kernel's gpt-oss build serves the experts), MXFP4 experts (as the released files),
 //    the Q4_K file with an F16 KV cache, and all F32;
 //  - tests/reference/tiny_arch_model.h's F32 gpt-oss (heads of 16, window 4, F32 experts: the
-//    per-expert matvec path with swiglu_experts).
+//    per-expert matvec path with swiglu_experts), with YaRN's correction dims rounded (llama.cpp)
+//    and fractional (rope.scaling.yarn_truncate false: gpt-oss's own config).
 // Bounds: the golden tests' (tests/cuda/cuda_backend_golden_test.cpp, tests/reference/
 // float_order_bound.h): F32 weights 1e-4 of max |logit|; quantized weights (or an F16 cache)
 // max(floor, 2 x the reference's own gap over 32 other float orders of its dots on the same rows).
@@ -56,6 +57,7 @@ struct Case {
   std::string synth;    // moraine-synth's type arguments; empty: tiny_arch_model's F32 file
   bool quantized;
   model::KvType kv = model::KvType::F32;
+  bool yarn_truncate = true;   // the tiny file's rope.scaling.yarn_truncate (false: HF's fractional dims)
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -63,12 +65,15 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 fs::path model_file(const Case& c) {
   static const fs::path dir = fs::temp_directory_path() / ("moraine-cuda-gpt-oss-" + std::to_string(getpid()));
   fs::create_directories(dir);
-  const std::string stem = c.synth.empty() ? "tiny_f32" : c.synth;
+  const std::string stem = c.synth.empty() ? (c.yarn_truncate ? "tiny_f32" : "tiny_f32_fractional") : c.synth;
   fs::path p = dir / (std::to_string(std::hash<std::string>{}(stem)) + ".gguf");
   if (fs::exists(p)) return p;
   if (c.synth.empty()) {
     std::vector<std::vector<float>> data;
-    test::tiny_writer(test::tiny_hparams("gpt-oss"), 7, data).write(p.string());
+    model::HParams hp = test::tiny_hparams("gpt-oss");
+    hp.rope_yarn_truncate = c.yarn_truncate;
+    for (int64_t il = 0; il < hp.n_layer; ++il) hp.recipes[il] = hp.desc->layer_recipe(hp, il);
+    test::tiny_writer(hp, 7, data).write(p.string());
     return p;
   }
   const test::SynthRun r = test::run_synth("--shape gpt-oss-tiny --vocab-size 512 --seed 5 " + c.synth + " -o " + p.string(),
@@ -206,6 +211,7 @@ TEST_P(CudaGptOss, LoadsWithEveryPart) {
   EXPECT_EQ(model_->layers[1].recipe.mixer.attn.sliding_window, 0);
   EXPECT_TRUE(r0.mixer.attn.sinks && r0.mixer.attn.qkv_bias && r0.mixer.attn.o_bias);
   EXPECT_EQ(r0.mixer.attn.rope.scaling, model::RopeScaling::Yarn);
+  EXPECT_EQ(r0.mixer.attn.rope.yarn_truncate, GetParam().yarn_truncate);
   EXPECT_EQ(r0.ffn.router.kind, model::RouterKind::TopKSoftmax);
   EXPECT_EQ(r0.ffn.experts.act, model::Activation::SwiGluClamped);
   EXPECT_TRUE(r0.ffn.experts.biases);
@@ -222,7 +228,8 @@ TEST_P(CudaGptOss, PrefillLogitsMatchAtEveryPosition) {
 // per-row matmuls within the bound at every position (the split-KV kernel on the same rows printed
 // beside it); with the cuBLAS matmuls (BF16 inputs: not the reference's quantized dots, their bound
 // is gemm_prefill_test's per product; the experts' GEMM path with swiglu_experts and the down bias)
-// finite logits and the reference's top token wherever its top two are clearly apart.
+// finite logits and the top token of the reference with float activations (kFloatDots: cuBLAS's
+// arithmetic before its 16-bit rounding) wherever that reference's top two are clearly apart.
 TEST_P(CudaGptOss, LongPromptThroughTiledPrefill) {
   const Case& c = GetParam();
   const int64_t V = model_->hp.n_vocab;
@@ -243,12 +250,17 @@ TEST_P(CudaGptOss, LongPromptThroughTiledPrefill) {
   const test_support::OrderBound b = bound(want, [&](reference::DotOrderSeed s) {
     return reference::ReferenceExecutor(*model_, ref_options(c, s)).forward(tokens, true);
   });
-  std::printf("[ %s ] 100-row prefill vs reference: tiled attention %.3g of max, split-KV %.3g, tiled + cuBLAS %.3g; %s\n",
-              c.name.c_str(), g.rel(), u.rel(), f.rel(), b.describe().c_str());
+  // The cuBLAS path's oracle: the reference with float activations (kFloatDots), as the golden test.
+  const std::vector<float> want_float =
+      reference::ReferenceExecutor(*model_, ref_options(c, reference::kFloatDots)).forward(tokens, true);
+  const test_support::LogitGap ff = test_support::logit_gap(fast, want_float);
+  std::printf("[ %s ] 100-row prefill vs reference: tiled attention %.3g of max, split-KV %.3g, tiled + cuBLAS %.3g "
+              "(vs the float-activation reference %.3g); %s\n",
+              c.name.c_str(), g.rel(), u.rel(), f.rel(), ff.rel(), b.describe().c_str());
   EXPECT_LE(g.max_diff, b.bound * g.max_ref) << "worst at position " << g.worst / V;
   EXPECT_LE(u.max_diff, b.bound * u.max_ref) << "split-KV, worst at position " << u.worst / V;
   for (size_t t = 0; t < tokens.size(); ++t) {
-    const float* r = want.data() + t * V;
+    const float* r = want_float.data() + t * V;
     const float* got = fast.data() + t * V;
     int64_t best = 0, second = -1;
     for (int64_t v = 1; v < V; ++v) {
@@ -427,7 +439,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"synth_mxfp4", "--map _exps.=mxfp4 --default q8_0", true},
                       Case{"synth_q4k_f16kv", "--map _exps.=q4_k --default q8_0", true, model::KvType::F16},
                       Case{"synth_f32", "--map _exps.=f32 --map ffn_gate_inp=f32 --default f32", false},
-                      Case{"tiny_f32", "", false}),
+                      Case{"tiny_f32", "", false},
+                      Case{"tiny_f32_fractional", "", false, model::KvType::F32, false}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 }  // namespace

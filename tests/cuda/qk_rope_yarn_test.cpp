@@ -3,8 +3,9 @@
 // position, against the reference's own steps (attention_block: the float bias add, then
 // reference::rope_neox_yarn / rope_neox) on fresh random inputs: gpt-oss-20b's rotation (head 64,
 // base 150000, YaRN factor 32 over 4096 positions), gpt-oss-tiny's heads, partial rotary, without
-// biases, one concatenated q | k | v row and positions far from zero; a half cache; and
-// rope_yarn's correction dims against the closed form.
+// biases, one concatenated q | k | v row and positions far from zero, the correction dims rounded
+// (llama.cpp) and fractional (HF's truncate=false, gpt-oss's config); a half cache. The kernel takes
+// low / high / mscale from model::yarn_ramp, as the backend gives them.
 // Tolerance (rope_test.cpp's, scaled by mscale): theta, cos and sin are double on both sides, so
 // c and s agree unless a double differing in its last bits rounds across a float boundary (one
 // float ulp of c or s, <= 2^-24 mscale); the rotation is the same two products and one sum each
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "common/formats/half_float.h"
+#include "common/model/arch/parts.h"
 #include "common/reference/ops.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_buffer.h"
@@ -34,6 +36,7 @@ struct Case {
   bool yarn, biases, concat;
   double base = 150000.0, factor = 32.0;
   int64_t orig_ctx = 4096;
+  bool truncate = true;   // RopePart::yarn_truncate
 };
 
 void check(const Case& c, uint32_t seed, bool f16 = false) {
@@ -87,8 +90,17 @@ void check(const Case& c, uint32_t seed, bool f16 = false) {
     a.k_bias = db.get() + qd;
     a.v_bias = db.get() + qd + kv;
   }
-  const reference::YarnParams yp{c.factor, c.orig_ctx, 32.0, 1.0};
-  if (c.yarn) a.yarn = cuda::rope_yarn(c.n_rot, c.base, c.factor, c.orig_ctx, 32.0, 1.0);
+  model::RopePart rope;
+  rope.n_rot = c.n_rot;
+  rope.freq_base = c.base;
+  rope.scaling = model::RopeScaling::Yarn;
+  rope.yarn_factor = c.factor;
+  rope.yarn_orig_ctx = c.orig_ctx;
+  rope.yarn_truncate = c.truncate;
+  if (c.yarn) {
+    const model::YarnRamp r = model::yarn_ramp(rope, c.n_rot);
+    a.yarn = {true, c.factor, r.low, r.high, r.mscale};
+  }
   cuda::qk_norm_rope_store(a);
   CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> q(dq.size()), kc(dk.size()), vc(dv.size());
@@ -109,7 +121,7 @@ void check(const Case& c, uint32_t seed, bool f16 = false) {
                                const std::string& what) {
     std::vector<float> want(static_cast<size_t>(c.hd)), biased(static_cast<size_t>(c.hd));
     for (int64_t i = 0; i < c.hd; ++i) want[i] = biased[i] = c.biases ? raw[i] + b[i] : raw[i];
-    if (c.yarn) reference::rope_neox_yarn(want.data(), c.n_rot, pos, c.base, yp);
+    if (c.yarn) reference::rope_neox_yarn(want.data(), c.n_rot, pos, rope);
     else reference::rope_neox(want.data(), c.n_rot, pos, c.base);
     for (int64_t i = 0; i < c.hd; ++i) {
       const int64_t p = i < half ? i : i - half;
@@ -144,6 +156,9 @@ TEST(CudaQkRopeYarn, MatchesReferenceSteps) {
   check({8, 2, 32, 32, 16, 37, true, true, true}, 3);     // gpt-oss-tiny, a prefill's rows
   check({8, 2, 64, 32, 4, 500, true, false, false}, 4);   // partial rotary, no biases
   check({8, 2, 64, 64, 4, 500, false, true, false}, 5);   // biases with plain RoPE
+  Case fractional{64, 8, 64, 64, 3, 3000, true, true, true};
+  fractional.truncate = false;   // gpt-oss's own config (HF truncate=false)
+  check(fractional, 6);
 }
 
 TEST(CudaQkRopeYarn, HalfCacheGetsTheRoundedValues) {
@@ -151,19 +166,10 @@ TEST(CudaQkRopeYarn, HalfCacheGetsTheRoundedValues) {
   check({64, 8, 64, 64, 3, 4000, true, true, true}, 11, true);
 }
 
-// low, high and mscale as reference::rope_neox_yarn derives them: for gpt-oss-20b (n_rot 64, base
-// 150000, 4096 positions, beta 32 / 1) the closed form gives low = floor(8.09...) = 8 and
-// high = ceil(17.39...) = 18.
-TEST(CudaQkRopeYarnArguments, CorrectionDims) {
-  const cuda::RopeYarn y = cuda::rope_yarn(64, 150000.0, 32.0, 4096, 32.0, 1.0);
-  const double pi = 3.14159265358979323846;
-  const auto dim = [&](double r) { return 64 * std::log(4096 / (r * 2 * pi)) / (2 * std::log(150000.0)); };
-  EXPECT_TRUE(y.on);
-  EXPECT_EQ(y.low, std::floor(dim(32.0)));
-  EXPECT_EQ(y.high, std::ceil(dim(1.0)));
-  EXPECT_GT(y.high, y.low);
-  EXPECT_DOUBLE_EQ(y.mscale, 1.0 + 0.1 * std::log(32.0));
-  // Biases or YaRN with a q / k norm: refused (no kernel does both).
+// Biases or YaRN with a q / k norm: refused (no kernel does both).
+TEST(CudaQkRopeYarnArguments, RefusesYarnWithNorms) {
+  const model::YarnRamp r = model::yarn_ramp(model::RopePart{64, 150000.0, model::RopeScaling::Yarn, 32.0, 4096}, 64);
+  const cuda::RopeYarn y{true, 32.0, r.low, r.high, r.mscale};
   cuda::QkNormRopeStoreArgs a;
   a.rows = 1, a.n_head = 1, a.n_head_kv = 1, a.head_dim = 64, a.n_rot = 64, a.max_pos = 4;
   a.q_head_stride = a.q_row_stride = a.k_row_stride = a.v_row_stride = 64;
