@@ -252,7 +252,8 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   };
   // One decode row: the split kernel normalises, rotates and stores q / k / v itself (the bits
   // of qk_norm_rope_store, one link less in the chain).
-  if (n == 1 && !tiled && cuda::attention_decode_fused_qk_supported(a, shape)) {
+  const bool norms = a.q_norm != nullptr && a.k_norm != nullptr;   // the fused kernel normalises (gpt-oss has none)
+  if (n == 1 && !tiled && norms && cuda::attention_decode_fused_qk_supported(a, shape)) {
     cuda::attention_decode_fused_qk(a, shape, gate, row_stride, q_stride, attn_.get(),
                                     quantize_out ? static_cast<void*>(act_.get()) : nullptr, attn_scratch_.get(),
                                     scratch, stream_);

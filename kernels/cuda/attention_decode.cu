@@ -680,9 +680,8 @@ bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const At
          qk.q_head_stride >= qk.head_dim && qk.k_row_stride >= qk.n_head_kv * qk.head_dim &&
          qk.v_row_stride >= qk.n_head_kv * qk.head_dim && qk.max_pos >= 1 && qk.q_head_stride % 4 == 0 &&
          aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm) &&
-         qk.q_norm != nullptr && qk.k_norm != nullptr && qk.q_bias == nullptr && qk.k_bias == nullptr &&
-         qk.v_bias == nullptr && !qk.yarn.on && s.sinks == nullptr &&
-         s.window == 0;   // the norms' form only (gpt-oss: qk_norm_rope_store's plain kernel, then attention_decode)
+         qk.q_bias == nullptr && qk.k_bias == nullptr && qk.v_bias == nullptr && !qk.yarn.on && s.sinks == nullptr &&
+         s.window == 0;   // not gpt-oss's options (qk_norm_rope_store's plain kernel, then attention_decode)
 }
 
 namespace {
