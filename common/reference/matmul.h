@@ -13,6 +13,22 @@
 
 namespace moraine::reference {
 
+// The float order a dot adds its terms in. 0: the kernel's own (vec_dot, dot_f32), what every
+// caller gets by default. Any other value: another order, equally valid, drawn from the seed:
+// each block's term (32 elements for the float types) is its own kernel call, and the terms are
+// added in a permutation of the blocks picked per weight row from (seed, row, shape) - the
+// same for every token, as a GPU kernel's order is. The integer block sums are exact either way,
+// so two seeds differ by float rounding only; what that moves downstream (a re-quantized
+// activation or a top-k choice on a rounding edge) is how far apart two correct engines may be
+// (tests/reference/float_order_bound.h, tools/float_order_gap.cpp).
+using DotOrderSeed = uint64_t;
+// The seed of no quantized activations: every dot multiplies the weight row dequantized to
+// float by the float activations (dot_f32's order), the arithmetic of the CUDA backend's cuBLAS
+// prefill before its 16-bit input rounding. The oracle of that path: it moved from the default
+// reference by 0.07-0.20 of max |logit| on the quantized goldens, BF16 rounding or not (the F16
+// inputs changed it by < 5%: docs/formats.md, session 20).
+inline constexpr DotOrderSeed kFloatDots = ~DotOrderSeed{0};
+
 // Activations converted once for one weight type; reused across the matrices of that type.
 struct PackedActivations {
   TensorType type = TensorType::F32;
@@ -32,21 +48,6 @@ struct PackedActivations {
 PackedActivations pack_activations(TensorType weight_type, const float* x, int64_t n_tokens,
                                    int64_t n_cols, DotOrderSeed order = 0);
 
-// The float order a dot adds its terms in. 0: the kernel's own (vec_dot, dot_f32), what every
-// caller gets by default. Any other value: another order, equally valid, drawn from the seed:
-// each block's term (32 elements for the float types) is its own kernel call, and the terms are
-// added in a permutation of the blocks picked per weight row from (seed, row, shape) - the
-// same for every token, as a GPU kernel's order is. The integer block sums are exact either way,
-// so two seeds differ by float rounding only; what that moves downstream (a re-quantized
-// activation or a top-k choice on a rounding edge) is how far apart two correct engines may be
-// (tests/reference/float_order_bound.h, tools/float_order_gap.cpp).
-using DotOrderSeed = uint64_t;
-// The seed of no quantized activations: every dot multiplies the weight row dequantized to
-// float by the float activations (dot_f32's order), the arithmetic of the CUDA backend's cuBLAS
-// prefill before its 16-bit input rounding. The oracle of that path: it moved from the default
-// reference by 0.07-0.20 of max |logit| on the quantized goldens, BF16 rounding or not (the F16
-// inputs changed it by < 5%: docs/formats.md, session 20).
-inline constexpr DotOrderSeed kFloatDots = ~DotOrderSeed{0};
 
 // y[t * w.n_rows + r] = dot(w.row(r), x_t) for t < n_tokens.
 void matmul(const model::Matrix& w, const float* x, int64_t n_tokens, float* y, ThreadPool& pool,

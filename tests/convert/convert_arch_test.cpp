@@ -1,6 +1,8 @@
-// moraine-convert on tiny gpt-oss and qwen2moe checkpoints this test writes itself (the names,
-// shapes and dtypes transformers saves; no torch in CI): gpt-oss in bf16 and in the released
-// checkpoints' MXFP4, qwen2moe per expert and in transformers v5's fused layout. Checks:
+// moraine-convert on tiny gpt-oss, qwen2moe and glm4moe checkpoints this test writes itself (the
+// names, shapes and dtypes transformers saves; no torch in CI): gpt-oss in bf16 and in the released
+// checkpoints' MXFP4, qwen2moe per expert and in transformers v5's fused layout, glm4moe and
+// qwen35moe with their multi-token-prediction layers (which transformers does not save, so no
+// golden fixture has one). Checks:
 //  - the metadata says what config.json says;
 //  - moraine's loader binds each file, and every tensor's values are where the architecture
 //    description says (gpt-oss gate/up de-interleaved and transposed, the bias split, MXFP4
@@ -43,6 +45,15 @@ struct GptOss {
 };
 struct Qwen2Moe {
   static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, E = 4, k = 2, F = 40, Fs = 48, Fd = 96;
+};
+// Layer 0 DeltaNet, layer 1 gated attention, layer 2 the MTP (nextn) layer; value heads 2 per key head.
+struct Q35 {
+  static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, hd = 32, nk = 2, nv = 4, dk = 16, K = 4, E = 4, F = 32;
+  static constexpr int64_t C = 2 * nk * dk + nv * dk;
+};
+// Layer 0 dense, layer 1 MoE, layer 2 the MTP (nextn) layer.
+struct Glm {
+  static constexpr int64_t H = 64, L = 2, nh = 4, nkv = 2, hd = 16, E = 4, k = 2, F = 32, Fd = 96, n_rot = 8;
 };
 
 json gpt_oss_config(bool mxfp4) {
@@ -152,6 +163,127 @@ TinyCheckpoint qwen2moe_checkpoint(bool fused) {
   return c;
 }
 
+json glm4moe_config() {
+  return {{"architectures", {"Glm4MoeForCausalLM"}}, {"model_type", "glm4_moe"}, {"vocab_size", kVocab},
+          {"hidden_size", Glm::H}, {"intermediate_size", Glm::Fd}, {"num_hidden_layers", Glm::L},
+          {"num_attention_heads", Glm::nh}, {"num_key_value_heads", Glm::nkv}, {"head_dim", Glm::hd},
+          {"n_routed_experts", Glm::E}, {"num_experts_per_tok", Glm::k}, {"moe_intermediate_size", Glm::F},
+          {"n_shared_experts", 1}, {"first_k_dense_replace", 1}, {"routed_scaling_factor", 2.5}, {"n_group", 1},
+          {"topk_group", 1}, {"norm_topk_prob", true}, {"use_qk_norm", true}, {"attention_bias", true},
+          {"hidden_act", "silu"}, {"num_nextn_predict_layers", 1}, {"rms_norm_eps", 1e-5},
+          {"max_position_embeddings", 512}, {"tie_word_embeddings", false},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000000.0}, {"partial_rotary_factor", 0.5}}}};
+}
+
+// glm4moe as the hub's GLM-4.5 files hold it: per-expert tensors, and the MTP layer as
+// model.layers.{L} (a MoE layer plus eh_proj, enorm, hnorm, shared_head.*, embed_tokens).
+TinyCheckpoint glm4moe_checkpoint() {
+  using S = Glm;
+  TinyCheckpoint c(5001);
+  common_tensors(c, S::H);
+  const float sh = 1.0f / std::sqrt(float(S::H));
+  for (int64_t il = 0; il <= S::L; ++il) {
+    const std::string p = layer(il);
+    c.normal(p + "input_layernorm.weight", {S::H}, 0.2f, 1.0f);
+    c.normal(p + "post_attention_layernorm.weight", {S::H}, 0.2f, 1.0f);
+    for (const auto& [n, rows] : std::vector<std::pair<std::string, int64_t>>{
+             {"q_proj", S::nh * S::hd}, {"k_proj", S::nkv * S::hd}, {"v_proj", S::nkv * S::hd}}) {
+      c.normal(p + "self_attn." + n + ".weight", {rows, S::H}, sh);
+      c.normal(p + "self_attn." + n + ".bias", {rows}, 0.1f);
+    }
+    c.normal(p + "self_attn.q_norm.weight", {S::hd}, 0.2f, 1.0f);
+    c.normal(p + "self_attn.k_norm.weight", {S::hd}, 0.2f, 1.0f);
+    c.normal(p + "self_attn.o_proj.weight", {S::H, S::nh * S::hd}, sh);
+    if (il == 0) {
+      c.normal(p + "mlp.gate_proj.weight", {S::Fd, S::H}, sh);
+      c.normal(p + "mlp.up_proj.weight", {S::Fd, S::H}, sh);
+      c.normal(p + "mlp.down_proj.weight", {S::H, S::Fd}, 1.0f / std::sqrt(float(S::Fd)));
+      continue;
+    }
+    c.normal(p + "mlp.gate.weight", {S::E, S::H}, 3.0f * sh);
+    c.normal(p + "mlp.gate.e_score_correction_bias", {S::E}, 0.3f);
+    for (int64_t e = 0; e < S::E; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      c.normal(x + "gate_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "up_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+    }
+    c.normal(p + "mlp.shared_experts.gate_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_experts.up_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_experts.down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+  }
+  const std::string m = layer(S::L);
+  c.normal(m + "eh_proj.weight", {S::H, 2 * S::H}, 1.0f / std::sqrt(float(2 * S::H)));
+  c.normal(m + "enorm.weight", {S::H}, 0.2f, 1.0f);
+  c.normal(m + "hnorm.weight", {S::H}, 0.2f, 1.0f);
+  c.normal(m + "shared_head.norm.weight", {S::H}, 0.2f, 1.0f);
+  c.normal(m + "shared_head.head.weight", {kVocab, S::H}, sh);
+  c.normal(m + "embed_tokens.weight", {kVocab, S::H}, 1.0f);
+  return c;
+}
+
+json qwen35moe_config() {
+  return {{"architectures", {"Qwen3_5MoeForCausalLM"}}, {"model_type", "qwen3_5_moe_text"}, {"vocab_size", kVocab},
+          {"hidden_size", Q35::H}, {"num_hidden_layers", Q35::L}, {"num_attention_heads", Q35::nh},
+          {"num_key_value_heads", Q35::nkv}, {"head_dim", Q35::hd}, {"layer_types", {"linear_attention", "full_attention"}},
+          {"linear_conv_kernel_dim", Q35::K}, {"linear_key_head_dim", Q35::dk}, {"linear_value_head_dim", Q35::dk},
+          {"linear_num_key_heads", Q35::nk}, {"linear_num_value_heads", Q35::nv}, {"num_experts", Q35::E},
+          {"num_experts_per_tok", 2}, {"moe_intermediate_size", Q35::F}, {"shared_expert_intermediate_size", Q35::F},
+          {"norm_topk_prob", true}, {"rms_norm_eps", 1e-6}, {"max_position_embeddings", 512}, {"mtp_num_hidden_layers", 1},
+          {"tie_word_embeddings", false},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25},
+                               {"mrope_section", {2, 1, 1}}, {"mrope_interleaved", true}}}};
+}
+
+// Qwen3.5-MoE with its MTP block (mtp.layers.0 plus mtp.fc / pre_fc_norm_* / norm). Its RMSNorm
+// weights are offsets from one (mean 0 here).
+TinyCheckpoint qwen35moe_checkpoint() {
+  using S = Q35;
+  TinyCheckpoint c(6001);
+  common_tensors(c, S::H);
+  const float sh = 1.0f / std::sqrt(float(S::H));
+  for (int64_t il = 0; il <= S::L; ++il) {
+    const std::string p = il < S::L ? layer(il) : "mtp.layers.0.";
+    c.normal(p + "input_layernorm.weight", {S::H}, 0.2f);
+    c.normal(p + "post_attention_layernorm.weight", {S::H}, 0.2f);
+    if (il == 0) {
+      const std::string a = p + "linear_attn.";
+      c.normal(a + "in_proj_qkv.weight", {S::C, S::H}, sh);
+      c.normal(a + "in_proj_z.weight", {S::nv * S::dk, S::H}, sh);
+      c.normal(a + "in_proj_b.weight", {S::nv, S::H}, sh);
+      c.normal(a + "in_proj_a.weight", {S::nv, S::H}, sh);
+      c.normal(a + "conv1d.weight", {S::C, 1, S::K}, 0.5f);
+      c.normal(a + "dt_bias", {S::nv}, 0.5f);
+      c.normal(a + "A_log", {S::nv}, 0.5f);
+      c.normal(a + "norm.weight", {S::dk}, 0.2f, 1.0f);
+      c.normal(a + "out_proj.weight", {S::H, S::nv * S::dk}, 1.0f / std::sqrt(float(S::nv * S::dk)));
+    } else {
+      c.normal(p + "self_attn.q_proj.weight", {2 * S::nh * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.k_proj.weight", {S::nkv * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.v_proj.weight", {S::nkv * S::hd, S::H}, sh);
+      c.normal(p + "self_attn.o_proj.weight", {S::H, S::nh * S::hd}, 1.0f / std::sqrt(float(S::nh * S::hd)));
+      c.normal(p + "self_attn.q_norm.weight", {S::hd}, 0.2f);
+      c.normal(p + "self_attn.k_norm.weight", {S::hd}, 0.2f);
+    }
+    c.normal(p + "mlp.gate.weight", {S::E, S::H}, 3.0f * sh);
+    for (int64_t e = 0; e < S::E; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      c.normal(x + "gate_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "up_proj.weight", {S::F, S::H}, sh);
+      c.normal(x + "down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+    }
+    c.normal(p + "mlp.shared_expert.gate_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_expert.up_proj.weight", {S::F, S::H}, sh);
+    c.normal(p + "mlp.shared_expert.down_proj.weight", {S::H, S::F}, 1.0f / std::sqrt(float(S::F)));
+    c.normal(p + "mlp.shared_expert_gate.weight", {1, S::H}, sh);
+  }
+  c.normal("mtp.fc.weight", {S::H, 2 * S::H}, 1.0f / std::sqrt(float(2 * S::H)));
+  c.normal("mtp.pre_fc_norm_embedding.weight", {S::H}, 0.2f);
+  c.normal("mtp.pre_fc_norm_hidden.weight", {S::H}, 0.2f);
+  c.normal("mtp.norm.weight", {S::H}, 0.2f);
+  return c;
+}
+
 // A checkpoint folder: config.json, model.safetensors, the tiny tokenizer.
 void write_dir(const std::string& dir, const json& cfg, const TinyCheckpoint& c, bool o200k) {
   fs::create_directories(dir);
@@ -160,6 +292,9 @@ void write_dir(const std::string& dir, const json& cfg, const TinyCheckpoint& c,
   if (o200k) {
     write_tiny_tokenizer(dir, kVocab, o200k_regex(), {"<|start|>", "<|message|>", "<|end|>", "<|return|>"}, "<|return|>",
                          kTemplate);
+  } else if (cfg.value("model_type", "") == "glm4_moe") {   // GLM-4.5's own special tokens
+    write_tiny_tokenizer(dir, kVocab, qwen2_regex(), {"<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"},
+                         "<|endoftext|>", kTemplate);
   } else {
     write_tiny_tokenizer(dir, kVocab, qwen2_regex(), {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}, "<|im_end|>", kTemplate);
   }
@@ -178,6 +313,8 @@ std::vector<Case> make_cases() {
   v.push_back({"gpt_oss_mxfp4", gpt_oss_config(true), gpt_oss_checkpoint(true), true});
   v.push_back({"qwen2moe_split", qwen2moe_config(), qwen2moe_checkpoint(false), false});
   v.push_back({"qwen2moe_fused", qwen2moe_config(), qwen2moe_checkpoint(true), false});
+  v.push_back({"glm4moe_mtp", glm4moe_config(), glm4moe_checkpoint(), false});
+  v.push_back({"qwen35moe_mtp", qwen35moe_config(), qwen35moe_checkpoint(), false});
   return v;
 }
 
@@ -430,6 +567,78 @@ TEST_F(ConvertArch, Qwen2MoeTensorsLandWhereTheDescriptionSays) {
   }
 }
 
+TEST_F(ConvertArch, Glm4MoeKeysAndItsMtpLayerAreLlamaCpps) {
+  using S = Glm;
+  const Case& c = find_case("glm4moe_mtp");
+  const GgufFile f = GgufFile::open(gguf_path(c.name));
+  const std::string a = "glm4moe.";
+  EXPECT_EQ(f.get_string("general.architecture"), "glm4moe");
+  EXPECT_EQ(f.get_u64(a + "block_count"), uint64_t(S::L + 1));   // the trunk and the nextn layer
+  EXPECT_EQ(f.get_u64(a + "nextn_predict_layers"), 1u);
+  EXPECT_EQ(f.get_u64(a + "expert_count"), uint64_t(S::E));
+  EXPECT_EQ(f.get_u64(a + "expert_feed_forward_length"), uint64_t(S::F));
+  EXPECT_EQ(f.get_u64(a + "feed_forward_length"), uint64_t(S::Fd));
+  EXPECT_EQ(f.get_u64(a + "expert_shared_count"), 1u);
+  EXPECT_EQ(f.get_u64(a + "leading_dense_block_count"), 1u);
+  EXPECT_EQ(f.get_u64(a + "expert_gating_func"), 2u);
+  EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + "expert_weights_scale")), 2.5f);
+  EXPECT_EQ(f.get_bool(a + "expert_weights_norm"), true);
+  EXPECT_EQ(f.get_u64(a + "expert_group_count"), 1u);
+  EXPECT_EQ(f.get_u64(a + "expert_group_used_count"), 1u);
+  EXPECT_EQ(f.get_u64(a + "rope.dimension_count"), uint64_t(S::n_rot));
+  EXPECT_EQ(f.get_u64(a + "attention.key_length"), uint64_t(S::hd));
+  // The special tokens llama.cpp's GLM vocabulary sets besides the files' eos (the top four ids).
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eos_token_id"), uint64_t(kVocab - 4));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.unknown_token_id"), uint64_t(kVocab - 4));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.bos_token_id"), uint64_t(kVocab - 3));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eot_token_id"), uint64_t(kVocab - 2));
+  EXPECT_EQ(f.get_u64("tokenizer.ggml.eom_token_id"), uint64_t(kVocab - 1));
+  const model::Model m = model::Model::load(gguf_path(c.name));
+  ASSERT_EQ(m.hp.n_layer, S::L);
+  ASSERT_EQ(m.nextn.size(), 1u);
+  EXPECT_TRUE(m.hp.attn_qk_norm);
+  EXPECT_EQ(m.layers[0].recipe.ffn.kind, model::FfnKind::Dense);
+  EXPECT_EQ(row_of(m.layers[0].dense.down, 5), std::vector<float>(c.ckpt.f(layer(0) + "mlp.down_proj.weight").begin() + 5 * S::Fd,
+                                                                   c.ckpt.f(layer(0) + "mlp.down_proj.weight").begin() + 6 * S::Fd));
+  EXPECT_EQ(m.layers[1].moe.score_bias, c.ckpt.f(layer(1) + "mlp.gate.e_score_correction_bias"));
+  EXPECT_EQ(m.layers[1].attn.q_norm, c.ckpt.f(layer(1) + "self_attn.q_norm.weight"));
+  // The nextn layer: its own block, the projections, its embedding and head (no transform).
+  const std::string p = layer(S::L);
+  const model::NextnWeights& n = m.nextn[0];
+  EXPECT_EQ(n.enorm, c.ckpt.f(p + "enorm.weight"));
+  EXPECT_EQ(n.hnorm, c.ckpt.f(p + "hnorm.weight"));
+  EXPECT_EQ(n.shared_head_norm, c.ckpt.f(p + "shared_head.norm.weight"));
+  const auto rows = [](const std::vector<float>& v, int64_t r, int64_t w) {
+    return std::vector<float>(v.begin() + r * w, v.begin() + (r + 1) * w);
+  };
+  EXPECT_EQ(row_of(n.eh_proj, 7), rows(c.ckpt.f(p + "eh_proj.weight"), 7, 2 * S::H));
+  EXPECT_EQ(row_of(n.embed_tokens, 123), rows(c.ckpt.f(p + "embed_tokens.weight"), 123, S::H));
+  EXPECT_EQ(row_of(n.shared_head_head, 9), rows(c.ckpt.f(p + "shared_head.head.weight"), 9, S::H));
+  EXPECT_EQ(n.block.moe.score_bias, c.ckpt.f(p + "mlp.gate.e_score_correction_bias"));
+  EXPECT_EQ(n.block.attn.k_bias, c.ckpt.f(p + "self_attn.k_proj.bias"));
+  for (int64_t e = 0; e < S::E; ++e) {
+    EXPECT_EQ(row_of(n.block.moe.up.expert(e), 3), rows(c.ckpt.f(p + "mlp.experts." + std::to_string(e) + ".up_proj.weight"), 3, S::H))
+        << "expert " << e;
+  }
+  EXPECT_EQ(row_of(n.block.moe.shared_down, 2), rows(c.ckpt.f(p + "mlp.shared_experts.down_proj.weight"), 2, S::F));
+}
+
+TEST_F(ConvertArch, Qwen35MoeMtpBlockIsLlamaCpps) {
+  const Case& c = find_case("qwen35moe_mtp");
+  const GgufFile f = GgufFile::open(gguf_path(c.name));
+  EXPECT_EQ(f.get_u64("qwen35moe.block_count"), uint64_t(Q35::L + 1));
+  EXPECT_EQ(f.get_u64("qwen35moe.nextn_predict_layers"), 1u);
+  const model::Model m = model::Model::load(gguf_path(c.name));
+  ASSERT_EQ(m.nextn.size(), 1u);
+  EXPECT_TRUE(m.layers[0].recurrent);
+  std::vector<float> want = c.ckpt.f("mtp.pre_fc_norm_embedding.weight");
+  for (float& x : want) x += 1.0f;
+  EXPECT_EQ(m.nextn[0].enorm, want);
+  const std::vector<float>& fc = c.ckpt.f("mtp.fc.weight");
+  EXPECT_EQ(row_of(m.nextn[0].eh_proj, 5), std::vector<float>(fc.begin() + 5 * 2 * Q35::H, fc.begin() + 6 * 2 * Q35::H));
+  EXPECT_EQ(m.nextn[0].block.attn.q_norm.size(), size_t(Q35::hd));
+}
+
 // max over positions of max |ours - llama| / max |llama|.
 double worst_gap(const std::vector<float>& ours, const std::vector<float>& llama, int64_t n_vocab) {
   double worst = 0;
@@ -582,6 +791,33 @@ TEST(ConvertArchRefusal, Qwen2MoeSettingsTheGgufCannotHoldAreNamed) {
   EXPECT_NE(e.find("rope_theta"), std::string::npos) << e;
 }
 
+TEST(ConvertArchRefusal, Glm4MoeAndQwen35MoeSettingsTheGgufCannotHoldAreNamed) {
+  const auto g = [](const std::function<void(json&)>& edit) {
+    json cfg = glm4moe_config();
+    edit(cfg);
+    return refusal(cfg, glm4moe_checkpoint(), false);
+  };
+  const auto has = [](const std::string& e, const char* w) { EXPECT_NE(e.find(w), std::string::npos) << "missing '" << w << "' in: " << e; };
+  has(g([](json& c) { c["rope_parameters"]["rope_type"] = "yarn"; }), "rope_parameters.rope_type");
+  has(g([](json& c) { c["attention_bias"] = false; }), "attention_bias");
+  has(g([](json& c) { c["hidden_act"] = "gelu"; }), "hidden_act");
+  has(g([](json& c) { c.erase("n_shared_experts"); }), "n_shared_experts");
+  has(g([](json& c) { c["num_nextn_predict_layers"] = 2; }), "num_nextn_predict_layers");
+  has(g([](json& c) { c["first_k_dense_replace"] = 3; }), "first_k_dense_replace");
+  has(g([](json& c) { c["n_group"] = 3; }), "n_group");
+  has(g([](json& c) { c["scoring_func"] = "softmax"; }), "scoring_func");
+  // qwen35moe's settings, each refused before any tensor is read.
+  const auto q = [](const std::function<void(json&)>& edit) {
+    json cfg = qwen35moe_config();
+    edit(cfg);
+    return refusal(cfg, qwen35moe_checkpoint(), false);
+  };
+  has(q([](json& c) { c["rope_parameters"]["mrope_interleaved"] = false; }), "rope_parameters.mrope_interleaved");
+  has(q([](json& c) { c["rope_parameters"]["mrope_section"] = {1, 1, 1, 1, 1}; }), "rope_parameters.mrope_section");
+  has(q([](json& c) { c["norm_topk_prob"] = false; }), "norm_topk_prob");
+  has(q([](json& c) { c["linear_num_value_heads"] = 3; }), "linear_num_value_heads");
+}
+
 TEST(ConvertArchConfig, GptOssTransformersV4ConfigGivesTheSameKeys) {
   // The released config.json: rope_theta at the top, YaRN under rope_scaling.
   json v4 = gpt_oss_config(false);
@@ -629,7 +865,7 @@ TEST(ConvertArchConfig, ModelTypeStandsInForArchitecturesAndUnknownOnesAreListed
   cfg["architectures"] = {"MixtralForCausalLM"};
   const std::string e = refusal(cfg, qwen2moe_checkpoint(false), false);
   for (const char* w : {"MixtralForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                        "Qwen3NextForCausalLM"}) {
+                        "Qwen3NextForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM"}) {
     EXPECT_NE(e.find(w), std::string::npos) << "missing '" << w << "' in: " << e;
   }
 }

@@ -1,5 +1,5 @@
 // moraine-convert on the golden fixtures (tiny random Qwen3-MoE / Qwen3-Next models, and gpt-oss /
-// Qwen2-MoE ones once made, saved and run by Hugging Face transformers,
+// Qwen2-MoE / GLM-4.5 / Qwen3.5-MoE ones once made, saved and run by Hugging Face transformers,
 // tests/golden/make_golden.py): the GGUF metadata says what
 // config.json says, every tensor llama.cpp expects is there with its shape and the
 // transformation llama.cpp's converter applies, and - the proof of the conversion - llama.cpp
@@ -95,7 +95,7 @@ TEST_F(ConvertGolden, MetadataSaysWhatConfigSays) {
     const Checkpoint ckpt = Checkpoint::open(golden_dir(m));
     const GgufFile f = GgufFile::open(gguf_path(m));
     const std::string a = golden_arch(cfg);
-    const bool next = a == "qwen3next";
+    const bool next = a == "qwen3next" || a == "qwen35moe";
     const int64_t n_mtp = mtp_layers(ckpt);
     EXPECT_EQ(f.get_string("general.architecture"), a);
     EXPECT_EQ(f.get_u64("general.file_type"), 0u);  // ALL_F32
@@ -115,8 +115,9 @@ TEST_F(ConvertGolden, MetadataSaysWhatConfigSays) {
                     cfg["rope_parameters"]["rope_theta"].get<float>());
     EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + ".attention.layer_norm_rms_epsilon")),
                     cfg["rms_norm_eps"].get<float>());
-    const uint64_t n_expert = cfg.contains("num_experts") ? cfg["num_experts"].get<uint64_t>()
-                                                          : cfg["num_local_experts"].get<uint64_t>();
+    const uint64_t n_expert = cfg.contains("num_experts")       ? cfg["num_experts"].get<uint64_t>()
+                              : cfg.contains("n_routed_experts") ? cfg["n_routed_experts"].get<uint64_t>()
+                                                                 : cfg["num_local_experts"].get<uint64_t>();
     EXPECT_EQ(f.get_u64(a + ".expert_count"), n_expert);
     EXPECT_EQ(f.get_u64(a + ".expert_used_count"), cfg["num_experts_per_tok"].get<uint64_t>());
     // gpt-oss sizes its experts by intermediate_size.
@@ -134,9 +135,32 @@ TEST_F(ConvertGolden, MetadataSaysWhatConfigSays) {
       EXPECT_EQ(f.get_u64(a + ".expert_shared_feed_forward_length"),
                 cfg["shared_expert_intermediate_size"].get<uint64_t>());
     }
+    if (a == "glm4moe") {
+      const json& rope = cfg["rope_parameters"];
+      EXPECT_EQ(f.get_u64(a + ".rope.dimension_count"),
+                static_cast<uint64_t>(cfg["head_dim"].get<double>() * rope["partial_rotary_factor"].get<double>()));
+      EXPECT_EQ(f.get_u64(a + ".expert_shared_count"), cfg["n_shared_experts"].get<uint64_t>());
+      EXPECT_EQ(f.get_u64(a + ".leading_dense_block_count"), cfg["first_k_dense_replace"].get<uint64_t>());
+      EXPECT_EQ(f.get_u64(a + ".expert_gating_func"), 2u);  // sigmoid
+      EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + ".expert_weights_scale")), cfg["routed_scaling_factor"].get<float>());
+      EXPECT_EQ(f.get_bool(a + ".expert_weights_norm"), cfg["norm_topk_prob"].get<bool>());
+      EXPECT_EQ(f.get_u64(a + ".expert_group_count"), cfg["n_group"].get<uint64_t>());
+      EXPECT_EQ(f.get_u64(a + ".expert_group_used_count"), cfg["topk_group"].get<uint64_t>());
+      // transformers saves no MTP layer (it builds none): the file is llama.cpp's --no-mtp one.
+      ASSERT_EQ(ckpt.find("model.layers." + std::to_string(cfg["num_hidden_layers"].get<int>()) + ".eh_proj.weight"), nullptr);
+      EXPECT_EQ(f.get_u64(a + ".block_count"), cfg["num_hidden_layers"].get<uint64_t>());
+      EXPECT_EQ(f.find(a + ".nextn_predict_layers"), nullptr);
+    }
     if (!next) {
       EXPECT_EQ(f.find(a + ".ssm.conv_kernel"), nullptr);
       continue;
+    }
+    if (a == "qwen35moe") {
+      const gguf::Array* sec = f.get_array(a + ".rope.dimension_sections");
+      ASSERT_NE(sec, nullptr);
+      const json& want = cfg["rope_parameters"]["mrope_section"];
+      ASSERT_EQ(sec->items.size(), 4u);
+      for (size_t i = 0; i < 4; ++i) EXPECT_EQ(sec->items[i].as_i64(), i < want.size() ? want[i].get<int64_t>() : 0) << i;
     }
     EXPECT_EQ(f.get_u64(a + ".expert_shared_feed_forward_length"),
               cfg["shared_expert_intermediate_size"].get<uint64_t>());
@@ -246,9 +270,46 @@ void expected_other_layer(const json& cfg, const std::string& a, const std::stri
   }
 }
 
+// glm4moe's layers as llama.cpp's loader asks for them: q/k/v biases, q/k norms (use_qk_norm),
+// dense FFNs in the first first_k_dense_replace layers, else a sigmoid router with its
+// exp_probs_b bias, routed experts and an ungated shared expert.
+void expected_glm_layer(const json& cfg, int64_t il, const std::string& b, std::map<std::string, std::vector<int64_t>>& t) {
+  const int64_t H = cfg["hidden_size"], nh = cfg["num_attention_heads"], nkv = cfg["num_key_value_heads"];
+  const int64_t hd = cfg["head_dim"], E = cfg["n_routed_experts"], F = cfg["moe_intermediate_size"];
+  t[b + "attn_norm.weight"] = {H};
+  t[b + "post_attention_norm.weight"] = {H};
+  t[b + "attn_q.weight"] = {H, nh * hd};
+  t[b + "attn_k.weight"] = {H, nkv * hd};
+  t[b + "attn_v.weight"] = {H, nkv * hd};
+  t[b + "attn_output.weight"] = {nh * hd, H};
+  t[b + "attn_q.bias"] = {nh * hd};
+  t[b + "attn_k.bias"] = {nkv * hd};
+  t[b + "attn_v.bias"] = {nkv * hd};
+  if (cfg.value("use_qk_norm", false)) {
+    t[b + "attn_q_norm.weight"] = {hd};
+    t[b + "attn_k_norm.weight"] = {hd};
+  }
+  if (il < cfg["first_k_dense_replace"].get<int64_t>()) {
+    const int64_t Fd = cfg["intermediate_size"];
+    t[b + "ffn_gate.weight"] = {H, Fd};
+    t[b + "ffn_up.weight"] = {H, Fd};
+    t[b + "ffn_down.weight"] = {Fd, H};
+    return;
+  }
+  const int64_t Fs = F * cfg["n_shared_experts"].get<int64_t>();
+  t[b + "ffn_gate_inp.weight"] = {H, E};
+  t[b + "exp_probs_b.bias"] = {E};
+  t[b + "ffn_gate_exps.weight"] = {H, F, E};
+  t[b + "ffn_up_exps.weight"] = {H, F, E};
+  t[b + "ffn_down_exps.weight"] = {F, H, E};
+  t[b + "ffn_gate_shexp.weight"] = {H, Fs};
+  t[b + "ffn_up_shexp.weight"] = {H, Fs};
+  t[b + "ffn_down_shexp.weight"] = {Fs, H};
+}
+
 std::map<std::string, std::vector<int64_t>> expected_tensors(const json& cfg, int64_t n_mtp) {
   const std::string a = golden_arch(cfg);
-  const bool next = a == "qwen3next";
+  const bool next = a == "qwen3next" || a == "qwen35moe";
   const int64_t H = cfg["hidden_size"], V = cfg["vocab_size"], L = cfg["num_hidden_layers"];
   std::map<std::string, std::vector<int64_t>> t = {
       {"token_embd.weight", {H, V}}, {"output_norm.weight", {H}}, {"output.weight", {H, V}}};
@@ -256,6 +317,11 @@ std::map<std::string, std::vector<int64_t>> expected_tensors(const json& cfg, in
     for (int64_t il = 0; il < L; ++il) expected_other_layer(cfg, a, "blk." + std::to_string(il) + ".", t);
     return t;
   }
+  if (a == "glm4moe") {
+    for (int64_t il = 0; il < L; ++il) expected_glm_layer(cfg, il, "blk." + std::to_string(il) + ".", t);
+    return t;
+  }
+  const bool split_ba = a == "qwen35moe";
   const int64_t hd = cfg["head_dim"], nh = cfg["num_attention_heads"], nkv = cfg["num_key_value_heads"];
   const int64_t E = cfg.contains("num_experts") ? cfg["num_experts"].get<int64_t>() : cfg["num_local_experts"].get<int64_t>();
   const int64_t F = cfg["moe_intermediate_size"];
@@ -270,7 +336,12 @@ std::map<std::string, std::vector<int64_t>> expected_tensors(const json& cfg, in
       const int64_t K = cfg["linear_conv_kernel_dim"];
       t[b + "attn_qkv.weight"] = {H, 2 * nk * dk + nv * dv};
       t[b + "attn_gate.weight"] = {H, nv * dv};
-      t[b + "ssm_ba.weight"] = {H, 2 * nv};
+      if (split_ba) {
+        t[b + "ssm_beta.weight"] = {H, nv};
+        t[b + "ssm_alpha.weight"] = {H, nv};
+      } else {
+        t[b + "ssm_ba.weight"] = {H, 2 * nv};
+      }
       t[b + "ssm_conv1d.weight"] = {K, 2 * nk * dk + nv * dv};
       t[b + "ssm_dt.bias"] = {nv};
       t[b + "ssm_a"] = {nv};
@@ -383,6 +454,78 @@ TEST_F(ConvertGolden, Qwen3NextTransformsMatchTheirDefinitions) {
       EXPECT_EQ(std::vector<float>(down.begin() + e * F * H, down.begin() + (e + 1) * F * H),
                 source_all(src(p + "down_proj.weight"))) << blk << " expert " << e;
     }
+  }
+}
+
+// Qwen3.5-MoE: HF groups the value heads by key head (head g * r + i reads key head g); the GGUF
+// holds them tiled (head i * n_k + g), as llama.cpp's converter writes them. Checked on every
+// tensor that has value heads, with the norms' 1 + w and A = -exp(A_log) besides.
+TEST_F(ConvertGolden, Qwen35MoeValueHeadsAreTiled) {
+  const std::string m = "qwen35moe_odd";
+  if (std::find(golden_models().begin(), golden_models().end(), m) == golden_models().end()) GTEST_SKIP() << "no " << m;
+  const json cfg = read_json(golden_dir(m) + "/config.json");
+  const Checkpoint c = Checkpoint::open(golden_dir(m));
+  const GgufFile f = GgufFile::open(gguf_path(m));
+  const auto src = [&](const std::string& n) { return source_all(*c.find(n)); };
+  const int64_t nk = cfg["linear_num_key_heads"], nv = cfg["linear_num_value_heads"], dk = cfg["linear_key_head_dim"];
+  const int64_t dv = cfg["linear_value_head_dim"], r = nv / nk, H = cfg["hidden_size"], K = cfg["linear_conv_kernel_dim"];
+  ASSERT_GT(r, 1) << "the fixture must have more value heads than key heads to test the reorder";
+  const int64_t qk = 2 * nk * dk;
+  const std::string la = "model.layers.0.linear_attn.";
+  const auto hf_head = [&](int64_t j) { return (j % nk) * r + j / nk; };  // GGUF head j <- HF head
+  // Row-major [rows, width] tensors: GGUF row block (head j) against HF's.
+  const auto check_rows = [&](const std::vector<float>& got, const std::vector<float>& hf, int64_t base, int64_t per_head,
+                              int64_t width, const std::string& what) {
+    for (int64_t j = 0; j < nv; ++j) {
+      const int64_t g0 = (base + j * per_head) * width, h0 = (base + hf_head(j) * per_head) * width;
+      ASSERT_EQ(std::vector<float>(got.begin() + g0, got.begin() + g0 + per_head * width),
+                std::vector<float>(hf.begin() + h0, hf.begin() + h0 + per_head * width)) << what << " head " << j;
+    }
+  };
+  const std::vector<float> qkv = tensor_f32(f, "blk.0.attn_qkv.weight"), qkv_hf = src(la + "in_proj_qkv.weight");
+  EXPECT_EQ(std::vector<float>(qkv.begin(), qkv.begin() + qk * H), std::vector<float>(qkv_hf.begin(), qkv_hf.begin() + qk * H));
+  check_rows(qkv, qkv_hf, qk, dv, H, "qkv v");
+  check_rows(tensor_f32(f, "blk.0.attn_gate.weight"), src(la + "in_proj_z.weight"), 0, dv, H, "z");
+  check_rows(tensor_f32(f, "blk.0.ssm_beta.weight"), src(la + "in_proj_b.weight"), 0, 1, H, "b");
+  check_rows(tensor_f32(f, "blk.0.ssm_alpha.weight"), src(la + "in_proj_a.weight"), 0, 1, H, "a");
+  const std::vector<float> conv = tensor_f32(f, "blk.0.ssm_conv1d.weight"), conv_hf = src(la + "conv1d.weight");
+  EXPECT_EQ(std::vector<float>(conv.begin(), conv.begin() + qk * K), std::vector<float>(conv_hf.begin(), conv_hf.begin() + qk * K));
+  check_rows(conv, conv_hf, qk, dv, K, "conv1d v");
+  std::vector<float> a_log = src(la + "A_log");
+  for (float& x : a_log) x = -std::exp(x);
+  check_rows(tensor_f32(f, "blk.0.ssm_a"), a_log, 0, 1, 1, "ssm_a");
+  check_rows(tensor_f32(f, "blk.0.ssm_dt.bias"), src(la + "dt_bias"), 0, 1, 1, "dt_bias");
+  // out_proj [H, n_v * dv]: its columns are the value heads.
+  const std::vector<float> out = tensor_f32(f, "blk.0.ssm_out.weight"), out_hf = src(la + "out_proj.weight");
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < nv; ++j)
+      for (int64_t d = 0; d < dv; ++d)
+        ASSERT_EQ(out[(h * nv + j) * dv + d], out_hf[(h * nv + hf_head(j)) * dv + d]) << h << " " << j << " " << d;
+  // The gated norm is shared by the heads and multiplies by w; the other RMSNorms store 1 + w.
+  EXPECT_EQ(tensor_f32(f, "blk.0.ssm_norm.weight"), src(la + "norm.weight"));
+  std::vector<float> qn = src("model.layers.1.self_attn.q_norm.weight");
+  for (float& x : qn) x += 1.0f;
+  EXPECT_EQ(tensor_f32(f, "blk.1.attn_q_norm.weight"), qn);
+}
+
+// glm4moe: no transform anywhere (GLM's RMSNorms scale by w); the router's score-correction bias
+// becomes exp_probs_b, the dense layer's FFN and the shared expert map by name.
+TEST_F(ConvertGolden, Glm4MoeTensorsAreTheCheckpoints) {
+  const std::string m = "glm4moe_odd";
+  if (std::find(golden_models().begin(), golden_models().end(), m) == golden_models().end()) GTEST_SKIP() << "no " << m;
+  const Checkpoint c = Checkpoint::open(golden_dir(m));
+  const GgufFile f = GgufFile::open(gguf_path(m));
+  for (const auto& [g, hf] : std::vector<std::pair<std::string, std::string>>{
+           {"output_norm.weight", "model.norm.weight"},
+           {"blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"},
+           {"blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight"},
+           {"blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"},
+           {"blk.1.attn_q_norm.weight", "model.layers.1.self_attn.q_norm.weight"},
+           {"blk.1.attn_k.bias", "model.layers.1.self_attn.k_proj.bias"},
+           {"blk.1.exp_probs_b.bias", "model.layers.1.mlp.gate.e_score_correction_bias"},
+           {"blk.1.ffn_gate_inp.weight", "model.layers.1.mlp.gate.weight"},
+           {"blk.2.ffn_up_shexp.weight", "model.layers.2.mlp.shared_experts.up_proj.weight"}}) {
+    EXPECT_EQ(tensor_f32(f, g), source_all(*c.find(hf))) << g;
   }
 }
 

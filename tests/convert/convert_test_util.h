@@ -42,12 +42,13 @@ inline std::string golden_dir(const std::string& model) {
   return std::string(MORAINE_SOURCE_DIR) + "/tests/golden/" + model;
 }
 
-// The fixtures the converter tests run on: the Qwen ones always, and gpt_oss_odd / qwen2moe_odd
-// once make_golden.py has made them (their folder with config.json and transformers' logits).
+// The fixtures the converter tests run on: the Qwen ones always, and gpt_oss_odd, qwen2moe_odd,
+// glm4moe_odd, qwen35moe_odd once make_golden.py has made them (their folder with config.json and
+// transformers' logits).
 inline const std::vector<std::string>& golden_models() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> v = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
-    for (const char* m : {"gpt_oss_odd", "qwen2moe_odd"}) {
+    for (const char* m : {"gpt_oss_odd", "qwen2moe_odd", "glm4moe_odd", "qwen35moe_odd"}) {
       if (fs::exists(golden_dir(m) + "/config.json") && fs::exists(golden_dir(m) + "/logits.f32")) v.push_back(m);
     }
     return v;
@@ -62,6 +63,8 @@ inline std::string golden_arch(const nlohmann::json& cfg) {
   if (hf == "Qwen3NextForCausalLM") return "qwen3next";
   if (hf == "GptOssForCausalLM") return "gpt-oss";
   if (hf == "Qwen2MoeForCausalLM") return "qwen2moe";
+  if (hf == "Glm4MoeForCausalLM") return "glm4moe";
+  if (hf == "Qwen3_5MoeForCausalLM") return "qwen35moe";
   throw std::runtime_error("golden fixture of unknown architecture " + hf);
 }
 

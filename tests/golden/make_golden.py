@@ -124,10 +124,10 @@ MODELS = {
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # glm4moe (GLM-4.5): a leading dense layer, partial RoPE, q/k/v biases and q/k norm, sigmoid
     # router with its e_score_correction_bias (a buffer: init_weights fills it), routed scaling,
-    # an ungated shared expert. opt_in until moraine-convert maps Glm4MoeForCausalLM. Untested
-    # here (no transformers on the CPU box): the first run on the GPU machine checks it.
+    # an ungated shared expert (moraine-convert maps Glm4MoeForCausalLM: tools/convert/arch/glm4moe.cpp;
+    # transformers saves no MTP layer, so the file is llama.cpp's --no-mtp one).
     "glm4moe_odd": dict(
-        arch="Glm4MoeForCausalLM", seed=5001, layout="per_expert", shards=1, opt_in=True,
+        arch="Glm4MoeForCausalLM", seed=7001, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
@@ -140,10 +140,10 @@ MODELS = {
     # qwen35moe (Qwen3.5-MoE): qwen3next's hybrid with in_proj_qkv/z/b/a, value heads grouped
     # by key head in HF (llama.cpp's converter tiles them), interleaved M-RoPE whose sections
     # cover every rotary pair (text positions turn them all). The text config class is
-    # Qwen3_5MoeTextConfig. opt_in until moraine-convert maps it; untested here as glm4moe_odd.
+    # Qwen3_5MoeTextConfig (moraine-convert maps it: tools/convert/arch/qwen35moe.cpp).
     "qwen35moe_odd": dict(
-        arch="Qwen3_5MoeForCausalLM", config_cls="Qwen3_5MoeTextConfig", seed=6001,
-        layout="per_expert", shards=1, opt_in=True,
+        arch="Qwen3_5MoeForCausalLM", config_cls="Qwen3_5MoeTextConfig", seed=8001,
+        layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                     full_attention_interval=2,
@@ -321,8 +321,8 @@ def init_weights(model, model_type, gen):
                 raise RuntimeError(f"no init rule for {name} {tuple(p.shape)}")
             # Real checkpoints are bf16: the fixture's weights are exactly bf16 values.
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    # glm4moe's and DeepSeek-V3's choice bias is a buffer (saved with the checkpoint): spread like the scores.
     for name, b in model.named_buffers():
-        # glm4moe / DeepSeek-V3: a choice bias (a buffer, saved with the checkpoint) that changes choices
         if name.endswith("e_score_correction_bias"):
             with torch.no_grad():
                 b.copy_((torch.randn(b.shape, generator=gen) * 0.5).to(torch.bfloat16).to(b.dtype))
@@ -514,26 +514,21 @@ def one_model(args, name, spec, manifest):
     # Expert routing spread: distinct top-k expert sets across positions, per MoE layer,
     # read from the routers' own outputs (an integer tensor of chosen expert ids).
     picked = []
+    # (dense layers have no router; a router that returns only its logits, as DeepSeek-V3's,
+    # is judged by its top-k logits)
+    routers = [layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.mlp.router   # qwen / gpt-oss
+               for layer in ref.model.layers if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
+    k_used = spec["config"].get("num_experts_per_tok", 2)
 
-    def record(out):
-        ints = [o for o in (out if isinstance(out, tuple) else (out,)) if not o.is_floating_point()]
-        if ints:
-            picked.append(ints[-1])
-
-    # Dense layers (glm4moe's leading ones) have no router.
-    moe = [layer.mlp for layer in ref.model.layers if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
-    routers = [mlp.gate if hasattr(mlp, "gate") else mlp.router for mlp in moe]   # qwen, glm / gpt-oss
-    hooks = [router.register_forward_hook(lambda mod, inp, out: record(out)) for router in routers]
-    # glm4moe's router returns logits only; the choice comes from the block's route_tokens_to_experts.
-    patched = [mlp for mlp in moe if hasattr(mlp, "route_tokens_to_experts")]
-    for mlp in patched:
-        orig = mlp.route_tokens_to_experts
-        mlp.route_tokens_to_experts = lambda *a, _orig=orig, **k: (lambda r: (record(r), r)[1])(_orig(*a, **k))
+    def chosen(out):
+        outs = out if isinstance(out, tuple) else (out,)
+        ints = [o for o in outs if torch.is_tensor(o) and not o.is_floating_point()]
+        return ints[-1] if ints else outs[0].topk(k_used, dim=-1).indices
+    hooks = [router.register_forward_hook(lambda mod, inp, out: picked.append(chosen(out)))
+             for router in routers]
     ref(torch.tensor([prompt]), use_cache=False)
     for h in hooks:
         h.remove()
-    for mlp in patched:
-        del mlp.route_tokens_to_experts
     routing = [len({tuple(sorted(row)) for row in idx.reshape(-1, idx.shape[-1]).tolist()})
                for idx in picked]
     if any(r < 2 for r in routing):

@@ -30,6 +30,7 @@ struct HfModel {
   std::optional<int64_t> head_dim_cfg;   // head_dim, when config.json states it
   bool tied = false;                     // tie_word_embeddings
   std::string mtp_prefix;                // where multi-token-prediction blocks live ("" none)
+  int64_t mtp_first = 0;                 // the index of the first of them under mtp_prefix + "layers."
   model::KeyList keys;                   // the architecture's own keys, after the common ones
   std::vector<std::string> notes;        // what the GGUF cannot carry over exactly
 
@@ -69,8 +70,10 @@ class Planner {
   bool has(const std::string& name) const { return ckpt_.find(name) != nullptr; }
   void ignore(const std::string& name);
 
-  // One output tensor of the given source rows.
-  void add(const std::string& name, std::vector<int64_t> shape, std::vector<RowSpan> rows, ElemOp op);
+  // One output tensor of the given source rows; col_perm (when given) reorders every row: element i
+  // is element col_perm[i] of its source row.
+  void add(const std::string& name, std::vector<int64_t> shape, std::vector<RowSpan> rows, ElemOp op,
+           std::vector<int64_t> col_perm = {});
   // One output tensor in a block format, filled by bytes (n_rows * row_bytes(type, shape[0])).
   void add_raw(const std::string& name, std::vector<int64_t> shape, TensorType type,
                std::function<void(uint8_t*)> fill);

@@ -50,6 +50,11 @@ void check_rows(const PlannedTensor& t) {
     throw ConvertError(t.name + ": planned rows (" + std::to_string(t.n_rows()) + " of " + std::to_string(row_len) +
                        ") do not fill its shape");
   }
+  if (!t.col_perm.empty()) {
+    if (static_cast<int64_t>(t.col_perm.size()) != row_len) throw ConvertError(t.name + ": column order has the wrong length");
+    for (int64_t c : t.col_perm)
+      if (c < 0 || c >= row_len) throw ConvertError(t.name + ": column order points outside the row");
+  }
   for (const RowSpan& r : t.rows) {
     if (r.elem_stride > 0) {
       const int64_t last = r.first_row + (r.n_rows - 1) * r.row_stride + (row_len - 1) * r.elem_stride;
@@ -118,7 +123,7 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
 
   const int64_t vocab = config.at("vocab_size").get<int64_t>();  // checked by plan_checkpoint
   if (fs::exists(fs::path(opt.hf_dir) / "tokenizer.json")) {
-    for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab)) w.set(k, std::move(v));
+    for (auto& [k, v] : import_hf_tokenizer(opt.hf_dir, config, vocab, plan.arch)) w.set(k, std::move(v));
   } else {
     result.notes.push_back("no tokenizer.json in " + opt.hf_dir + ": the GGUF has no vocabulary");
   }
@@ -147,12 +152,16 @@ ConvertResult convert_hf_to_gguf(const ConvertOptions& opt) {
                            std::to_string(want_bytes));
       }
       if (opt.progress) opt.progress(i + 1, n, t.name);
-      std::vector<float> row(static_cast<size_t>(row_len));
+      std::vector<float> row(static_cast<size_t>(row_len)), src_row;
       uint8_t* out = dst;
       for (const RowSpan& r : t.rows) {
         for (int64_t k = 0; k < r.n_rows; ++k) {
           if (r.elem_stride > 0) r.src->read_strided(r.first_row + k * r.row_stride, r.elem_stride, row_len, row.data());
           else r.src->read_row(r.first_row + k, row.data());
+          if (!t.col_perm.empty()) {
+            src_row = row;
+            for (int64_t c = 0; c < row_len; ++c) row[c] = src_row[t.col_perm[c]];
+          }
           apply(t.op, row.data(), row_len);
           quantize_row(type, row.data(), out, row_len);
           out += rb;

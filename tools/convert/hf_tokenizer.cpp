@@ -85,7 +85,7 @@ bool looks_special(const std::string& t) {
 }  // namespace
 
 std::vector<std::pair<std::string, Value>> import_hf_tokenizer(const std::string& dir, const json& config,
-                                                               int64_t vocab_size) {
+                                                               int64_t vocab_size, const std::string& arch) {
   const fs::path tok_path = fs::path(dir) / "tokenizer.json";
   const std::string where = tok_path.string();
   const json tok = read_json(tok_path);
@@ -186,6 +186,14 @@ std::vector<std::pair<std::string, Value>> import_hf_tokenizer(const std::string
   for (const auto& [typ, key] : kTypes) {
     const std::string field = std::string(typ) + "_token_id";
     if (config.contains(field) && config[field].is_number_integer()) set_special(key, config[field].get<int64_t>());
+  }
+  // llama.cpp's GLM vocabulary (_set_vocab_glm): these after the files' own, where still unset.
+  if (arch == "glm4moe") {
+    for (const auto& [key, content] : std::initializer_list<std::pair<const char*, const char*>>{
+             {"tokenizer.ggml.bos_token_id", "[gMASK]"}, {"tokenizer.ggml.eot_token_id", "<|user|>"},
+             {"tokenizer.ggml.unknown_token_id", "<|endoftext|>"}, {"tokenizer.ggml.eom_token_id", "<|observation|>"}}) {
+      if (auto it = added_ids.find(content); it != added_ids.end()) set_special(key, it->second);
+    }
   }
   for (const auto& [key, id] : special) kv.emplace_back(key, Value::u32(static_cast<uint32_t>(id)));
   for (auto& f : add_flags) kv.push_back(std::move(f));

@@ -18,8 +18,11 @@ enum class TokenType : int32_t { Normal = 1, Unknown = 2, Control = 3, UserDefin
 // the tokenizer does not cover become "[PAD<id>]" entries of type Unused. Throws ConvertError
 // naming the file and field for anything it cannot represent (a non-BPE model, a pre-tokenizer
 // regex it does not know, an id outside the vocabulary).
+// `arch` (general.architecture) adds the special tokens llama.cpp's converter sets for that
+// family (glm4moe: bos [gMASK], eot <|user|>, unk <|endoftext|>, eom <|observation|>) where
+// the tokenizer has them and the files named none of that type.
 std::vector<std::pair<std::string, gguf::Value>> import_hf_tokenizer(const std::string& dir,
                                                                      const nlohmann::json& config,
-                                                                     int64_t vocab_size);
+                                                                     int64_t vocab_size, const std::string& arch = "");
 
 }  // namespace moraine::convert

@@ -1,6 +1,6 @@
 // moraine-convert HF_DIR OUT.gguf [--outtype f32|bf16|f16|q8_0]: a Hugging Face checkpoint
 // (safetensors + config.json + tokenizer.json) of an architecture tools/convert/arch/ knows
-// (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, gpt-oss) to a GGUF file that llama.cpp and moraine load.
+// (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Qwen2-MoE, GLM-4.5, gpt-oss) to a GGUF file that llama.cpp and moraine load.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -12,7 +12,7 @@
 #include "tools/convert/convert.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"Convert a Hugging Face MoE checkpoint (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, gpt-oss) to GGUF"};
+  CLI::App app{"Convert a Hugging Face MoE checkpoint (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Qwen2-MoE, GLM-4.5, gpt-oss) to GGUF"};
   moraine::convert::ConvertOptions opt;
   std::string outtype = "bf16";
   app.add_option("hf_dir", opt.hf_dir, "checkpoint directory (config.json, *.safetensors, tokenizer.json)")

@@ -71,12 +71,14 @@ const StTensor& Planner::take(const std::string& name, const std::vector<int64_t
 
 void Planner::ignore(const std::string& name) { used_.insert(name); }
 
-void Planner::add(const std::string& name, std::vector<int64_t> shape, std::vector<RowSpan> rows, ElemOp op) {
+void Planner::add(const std::string& name, std::vector<int64_t> shape, std::vector<RowSpan> rows, ElemOp op,
+                  std::vector<int64_t> col_perm) {
   PlannedTensor p;
   p.name = name;
   p.shape = std::move(shape);
   p.rows = std::move(rows);
   p.op = op;
+  p.col_perm = std::move(col_perm);
   const bool is_weight = name.ends_with(".weight");
   const auto ends = [&](const char* s) { return name.ends_with(s); };
   // The tensors llama.cpp's converter keeps in F32 whatever the output type.
@@ -175,7 +177,7 @@ void Planner::run() {
   const model::HParams& hp = m_.hp;
   for (const model::TensorSlot& t : model::model_tensors(hp)) {
     std::string prefix;
-    if (t.layer >= hp.n_layer) prefix = m_.mtp_prefix + "layers." + std::to_string(t.layer - hp.n_layer) + ".";
+    if (t.layer >= hp.n_layer) prefix = m_.mtp_prefix + "layers." + std::to_string(t.layer - hp.n_layer + m_.mtp_first) + ".";
     else if (t.layer >= 0) prefix = "model.layers." + std::to_string(t.layer) + ".";
     slot(t, prefix);
   }
@@ -238,7 +240,7 @@ void read_common(const HfConfig& cfg, HfModel& m) {
   m.tied = cfg.flag("tie_word_embeddings", false);
   hp.rope_freq_base = cfg.rope_theta();
 
-  auto ne = cfg.opt_integer({"num_local_experts", "num_experts"});
+  auto ne = cfg.opt_integer({"num_local_experts", "num_experts", "n_routed_experts"});
   if (!ne || *ne == 0) throw ConvertError("config.json: missing 'num_experts' (this is a mixture-of-experts family)");
   hp.n_expert = *ne;
   hp.n_expert_used = cfg.integer("num_experts_per_tok");

@@ -40,6 +40,7 @@ struct PlannedTensor {
   bool keep_f32 = false;        // norms, routers, conv kernels, 1-D tensors: never narrowed
   ElemOp op = ElemOp::None;
   std::vector<RowSpan> rows;    // concatenated in order; every source row has shape[0] elements
+  std::vector<int64_t> col_perm;  // empty, or: element i of each row is element col_perm[i] of its source row
   // Set for a tensor copied in its block format: raw_type is written whatever the output type,
   // and raw_fill writes all n_rows() * row_bytes(raw_type, shape[0]) bytes (rows stays empty).
   TensorType raw_type = TensorType::F32;
