@@ -25,11 +25,17 @@ const model::BackendSupport& cpu_backend_support() {
 }
 
 const model::BackendSupport& cuda_backend_support() {
-  // gpu_worker/cuda_backend*.cu and kernels/cuda: gated attention, Gated DeltaNet, softmax router.
+  // gpu_worker/cuda_backend*.cu and kernels/cuda: gated attention, Gated DeltaNet, softmax router;
+  // gpt-oss's attention (q/k/v/o biases, sinks, sliding window, YaRN), top-k-then-softmax router
+  // with its logit bias, and biased clamped-SwiGLU experts.
   static const model::BackendSupport s("CUDA backend", {
       model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
+      model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::AttnSinks,
+      model::Feature::SlidingWindow, model::Feature::YarnRope,
       model::Feature::GatedDeltaNet, model::Feature::RouterSoftmaxTopK, model::Feature::RouterNoRenormalize,
-      model::Feature::SwiGlu, model::Feature::SharedExpertGated});
+      model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
+      model::Feature::SwiGlu, model::Feature::SwiGluClamped, model::Feature::ExpertBiases,
+      model::Feature::SharedExpertGated});
   return s;
 }
 

@@ -390,6 +390,14 @@ cuda::MoeLayerWeights CudaBackend::fused_weights(int64_t il) const {
   w.n_ff = m_.hp.n_ff_exp;
   w.n_expert = m_.hp.n_expert;
   w.slots = slot_table_.get() + il * slot_stride();
+  // gpt-oss: the experts' biases (by expert id) and the clamped SwiGLU.
+  const model::ExpertsPart& part = m_.layers[il].recipe.ffn.experts;
+  w.gate_bias = L.gate_bias.size() != 0 ? L.gate_bias.get() : nullptr;
+  w.up_bias = L.up_bias.size() != 0 ? L.up_bias.get() : nullptr;
+  w.down_bias = L.down_bias.size() != 0 ? L.down_bias.get() : nullptr;
+  w.swiglu_clamped = L.clamped;
+  w.swiglu_alpha = static_cast<float>(part.swiglu_alpha);
+  w.swiglu_limit = static_cast<float>(part.swiglu_limit);
   // The form (MoeLayerWeights::Form): kBest, the default, the staged kernels where they measured
   // faster and the tiled ones elsewhere.
   return w;

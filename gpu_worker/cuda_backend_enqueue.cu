@@ -63,8 +63,8 @@ namespace {
 // 1394 at 8192 (30B all in VRAM, H200, bench/side-by-side run D, session 8); decode-sized only:
 // 2240 / 1815 (run E; session 7's table had 2561 / 1819).
 constexpr int64_t kNormRouteFusedMaxRows = 4;
-bool norm_route_fused(const DevLayer& L, const model::HParams& hp, int64_t n) {
-  return n <= kNormRouteFusedMaxRows && !L.shared_gate && L.router && L.router.cols == hp.n_embd &&
+bool norm_route_fused(const DevLayer& L, const model::HParams& hp, const model::RouterPart& router, int64_t n) {
+  return router.kind == model::RouterKind::SoftmaxTopK && n <= kNormRouteFusedMaxRows && !L.shared_gate && L.router && L.router.cols == hp.n_embd &&
          L.router.rows == hp.n_expert &&
          cuda::rms_norm_router_fused_supported(L.router.type, L.router.rows, L.router.cols);
 }
@@ -79,7 +79,7 @@ void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
   } else {
     attention_block(L, n);
   }
-  if (norm_route_fused(L, m_.hp, n)) {   // enqueue_route normalises as well
+  if (norm_route_fused(L, m_.hp, m_.layers[il].recipe.ffn.router, n)) {   // enqueue_route normalises as well
     act_of_h_ = TensorType::F32;
     return;
   }
@@ -116,13 +116,19 @@ void CudaBackend::norm_h(const float* x, const float* w, int64_t n, const DevMat
 void CudaBackend::enqueue_route(int64_t il, int64_t n) {
   const model::HParams& hp = m_.hp;
   const DevLayer& L = layers_[il];
-  if (norm_route_fused(L, hp, n)) {
+  const model::RouterPart& router = m_.layers[il].recipe.ffn.router;
+  if (norm_route_fused(L, hp, router, n)) {
     cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, xw(), L.ffn_norm.get(),
                                 static_cast<float>(hp.rms_eps), n, h_.get(), hp.n_expert_used, hp.norm_topk_prob,
                                 router_logits_.get(), chosen_of(il, n), weight_.get(), route_arrivals_.get(), stream_);
     return;
   }
   matmul(L.router, h_.get(), n, router_logits_.get());
+  if (router.kind == model::RouterKind::TopKSoftmax) {   // gpt-oss: top-k of the biased logits, softmax over k
+    cuda::route_top_k_softmax(router_logits_.get(), L.router_bias.size() != 0 ? L.router_bias.get() : nullptr, n,
+                              hp.n_expert, hp.n_expert_used, chosen_of(il, n), weight_.get(), stream_);
+    return;
+  }
   cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
                             chosen_of(il, n), weight_.get(), stream_);
 }
@@ -168,6 +174,7 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
   int32_t* token = idx_pinned_.get();
   int32_t* slab = token + slots;
   int32_t* slot = slab + slots;
+  int32_t* expert = slot + slots;   // the row's expert id (gpt-oss's per-expert biases)
   int64_t rows = 0;
   const auto add_rows = [&](int64_t e, int32_t slab_id) {
     for (int32_t r = plan.start[e]; r < plan.start[e + 1]; ++r) {
@@ -177,6 +184,7 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
       token[rows] = plan.slot_of[r] / static_cast<int32_t>(k);
       slab[rows] = slab_id;
       slot[rows] = plan.slot_of[r];
+      expert[rows] = static_cast<int32_t>(e);
       ++rows;
     }
   };
@@ -193,6 +201,7 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
   CUDA_CHECK(cudaMemcpyAsync(dev, token, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaMemcpyAsync(dev + S, slab, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaMemcpyAsync(dev + 2 * S, slot, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (oss_experts(L)) CUDA_CHECK(cudaMemcpyAsync(dev + 3 * S, expert, rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   cuda::gather_rows(h_.get(), dev, expert_in_.get(), rows, d, stream_);
   if (resident_rows == 0) {
     // only staged experts
@@ -212,21 +221,47 @@ void CudaBackend::enqueue_matvec_experts(int64_t il, int64_t n, const group::Exp
     // up reuses the 16-bit X that gate's call rounded (same expert_in_ rows): one rounding a layer.
     run(L.gate, expert_in_.get(), expert_g_.get(), false);
     run(L.up, expert_in_.get(), expert_u_.get(), true);
-    cuda::swiglu(expert_g_.get(), expert_u_.get(), resident_rows * ff, stream_);
+    expert_activation(il, 0, resident_rows);
     run(L.down, expert_g_.get(), expert_out_.get(), false);
   } else {
     expert_matmul(L.gate, expert_in_.get(), resident_rows, dev + S, expert_g_.get());
     expert_matmul(L.up, expert_in_.get(), resident_rows, dev + S, expert_u_.get());
-    cuda::swiglu(expert_g_.get(), expert_u_.get(), resident_rows * ff, stream_);
+    expert_activation(il, 0, resident_rows);
     expert_matmul(L.down, expert_g_.get(), resident_rows, dev + S, expert_out_.get());
   }
+  expert_down_bias(il, 0, resident_rows);
   if (rows > resident_rows) enqueue_staged_experts(il, plan, resident_rows);
   cuda::scatter_rows(expert_out_.get(), dev + 2 * S, dev_slots_.get(), rows, d, stream_);
 }
 
+// Rows [first, first + rows) of expert_g_ / expert_u_ (enqueue_matvec_experts' order): SwiGLU, or
+// for gpt-oss the biases and the clamped SwiGLU (the row's expert id in expert_idx_'s fourth part).
+void CudaBackend::expert_activation(int64_t il, int64_t first, int64_t rows) {
+  const int64_t ff = m_.hp.n_ff_exp;
+  const DevLayer& L = layers_[il];
+  if (!oss_experts(L)) {
+    cuda::swiglu(expert_g_.get() + first * ff, expert_u_.get() + first * ff, rows * ff, stream_);
+    return;
+  }
+  const model::ExpertsPart& part = m_.layers[il].recipe.ffn.experts;
+  const int32_t* expert = expert_idx_.get() + 3 * max_tokens_ * m_.hp.n_expert_used + first;
+  cuda::swiglu_experts(expert_g_.get() + first * ff, expert_u_.get() + first * ff, rows, ff, expert,
+                       L.gate_bias.size() != 0 ? L.gate_bias.get() : nullptr, L.up_bias.size() != 0 ? L.up_bias.get() : nullptr,
+                       part.act == model::Activation::SwiGluClamped, static_cast<float>(part.swiglu_alpha),
+                       static_cast<float>(part.swiglu_limit), stream_);
+}
+
+// The experts' down bias (gpt-oss) on rows [first, first + rows) of expert_out_.
+void CudaBackend::expert_down_bias(int64_t il, int64_t first, int64_t rows) {
+  const DevLayer& L = layers_[il];
+  if (L.down_bias.size() == 0 || rows == 0) return;
+  const int64_t d = m_.hp.n_embd;
+  cuda::add_expert_bias(expert_out_.get() + first * d, rows, d,
+                        expert_idx_.get() + 3 * max_tokens_ * m_.hp.n_expert_used + first, L.down_bias.get(), stream_);
+}
+
 void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& plan, int64_t first_row) {
   const model::MoeWeights& W = m_.layers[il].moe;
-  const int64_t ff = m_.hp.n_ff_exp;
   const std::array<size_t, 3> off = group::ArenaLayout::part_offsets(W);
   const model::ExpertTensor* parts[3] = {&W.gate, &W.up, &W.down};
   std::vector<cuda::ExpertRows>& g = gemm_groups_;
@@ -239,8 +274,9 @@ void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& pl
     };
     run(0, expert_in_.get(), expert_g_.get(), false);
     run(1, expert_in_.get(), expert_u_.get(), true);
-    cuda::swiglu(expert_g_.get() + round_first * ff, expert_u_.get() + round_first * ff, (round_end - round_first) * ff, stream_);
+    expert_activation(il, round_first, round_end - round_first);
     run(2, expert_g_.get(), expert_out_.get(), false);
+    expert_down_bias(il, round_first, round_end - round_first);
   };
   int64_t r = first_row;
   // A long step's windows of one layer (set_window) keep the layer's copies: each expert crosses

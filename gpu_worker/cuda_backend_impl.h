@@ -34,6 +34,7 @@
 #include "kernels/cuda/gemm_prefill.h"
 #include "kernels/cuda/matvec.h"
 #include "kernels/cuda/moe_fused.h"
+#include "kernels/cuda/qk_norm_rope_store.h"
 
 namespace moraine::gpu_worker::cuda_impl {
 
@@ -59,6 +60,13 @@ struct DevMatrix {
 struct DevLayer {
   bool recurrent = false;
   DeviceBuffer<float> attn_norm, ffn_norm, q_norm, k_norm, shared_router;
+  // gpt-oss (empty when the recipe has none): q / k / v / o biases, a sink logit per head, the
+  // router's logit bias, per-expert biases [n_expert][n_ff] (gate, up) and [n_expert][n_embd] (down).
+  DeviceBuffer<float> q_bias, k_bias, v_bias, o_bias, sinks, router_bias, gate_bias, up_bias, down_bias;
+  int64_t window = 0;   // sliding window (0: full attention)
+  cuda::RopeYarn yarn;  // the layer's YaRN rotation (yarn.on false: plain RoPE)
+  double rope_base = 0; // with YaRN: the RopePart's frequency base (reference::rope_neox_yarn's)
+  bool clamped = false; // the routed experts' activation is the clamped SwiGLU
   DevMatrix q, k, v, o, router, shared_gate, shared_up, shared_down;
   DevMatrix attn_qkv;     // q | k | v stacked (upload_stacked); then q, k, v stay empty
   int64_t q_rows = 0;     // rows of the q projection (with the gate beside each head, if any)
@@ -279,6 +287,12 @@ class CudaBackend final : public Backend {
   // ArenaLayout::part_offsets), on stream_.
   void copy_staged(const StagedExpert& x, uint8_t* to, const std::array<size_t, 3>& off, cudaStream_t stream);
   void check_staged(int64_t il, const StagedExpert& x) const;
+  // The per-expert path's activation and down bias (SwiGLU; gpt-oss's biases and clamped SwiGLU).
+  static bool oss_experts(const DevLayer& L) {
+    return L.gate_bias.size() != 0 || L.up_bias.size() != 0 || L.down_bias.size() != 0 || L.clamped;
+  }
+  void expert_activation(int64_t il, int64_t first, int64_t rows);
+  void expert_down_bias(int64_t il, int64_t first, int64_t rows);
   void enqueue_shared(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
   // The head over `rows` rows of the step starting at row `first` (default: the step's last

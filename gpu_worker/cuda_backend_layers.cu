@@ -13,6 +13,7 @@
 #include "kernels/cuda/attention_prefill.h"
 #include "kernels/cuda/attention_prefill_tc.h"
 #include "kernels/cuda/qk_norm_rope_store.h"
+#include "kernels/cuda/residual_add.h"
 
 namespace moraine::gpu_worker::cuda_impl {
 
@@ -209,6 +210,12 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   a.eps = eps;
   a.max_pos = max_context_;
   a.q_out = q_.get();
+  // gpt-oss: the projections' biases join in the rotation's kernel, YaRN in its table.
+  a.q_bias = L.q_bias.size() != 0 ? L.q_bias.get() : nullptr;
+  a.k_bias = L.k_bias.size() != 0 ? L.k_bias.get() : nullptr;
+  a.v_bias = L.v_bias.size() != 0 ? L.v_bias.get() : nullptr;
+  a.yarn = L.yarn;
+  if (L.yarn.on) a.freq_base = L.rope_base;
   if (kv_f16_) {
     a.k_cache_f16 = L.k_cache_f16.get();
     a.v_cache_f16 = L.v_cache_f16.get();
@@ -217,7 +224,9 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
     a.v_cache = L.v_cache.get();
   }
   const float* gate = L.q_has_gate ? qg_.get() + hd : nullptr;
-  const cuda::AttentionShape shape = attention_shape();
+  cuda::AttentionShape shape = attention_shape();
+  shape.sinks = L.sinks.size() != 0 ? L.sinks.get() : nullptr;
+  shape.window = L.window;
   const int64_t scratch = static_cast<int64_t>(attn_scratch_.size());
   const bool tiled = tiled_prefill_rows_ > 0 && n >= tiled_prefill_rows_;
   const int64_t qd = hp.n_head * hd;
@@ -234,11 +243,17 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
       act_of_h_rows_ = n;
       act_src_ = attn_.get();
     }
-    matmul_into_residual(L.o, attn_.get(), n);
+    if (L.o_bias.size() == 0) {
+      matmul_into_residual(L.o, attn_.get(), n);
+      return;
+    }
+    matmul(L.o, attn_.get(), n, y_.get());   // gpt-oss: x += (o(attn) + bo), as the reference rounds it
+    cuda::residual_add_bias(xw(), y_.get(), L.o_bias.get(), n, m_.hp.n_embd, stream_);
   };
   // One decode row: the split kernel normalises, rotates and stores q / k / v itself (the bits
   // of qk_norm_rope_store, one link less in the chain).
-  if (n == 1 && !tiled && cuda::attention_decode_fused_qk_supported(a, shape)) {
+  const bool norms = a.q_norm != nullptr && a.k_norm != nullptr;   // the fused kernel normalises (gpt-oss has none)
+  if (n == 1 && !tiled && norms && cuda::attention_decode_fused_qk_supported(a, shape)) {
     cuda::attention_decode_fused_qk(a, shape, gate, row_stride, q_stride, attn_.get(),
                                     quantize_out ? static_cast<void*>(act_.get()) : nullptr, attn_scratch_.get(),
                                     scratch, stream_);

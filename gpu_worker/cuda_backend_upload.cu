@@ -207,7 +207,7 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   tok_pinned_ = PinnedBuffer<int32_t>(step_rows);
   pos_pinned_ = PinnedBuffer<int32_t>((step_rows + T - 1) / T);   // a word per window of a long step
   alt_pinned_ = PinnedBuffer<int32_t>(slots);
-  idx_pinned_ = PinnedBuffer<int32_t>(3 * slots);
+  idx_pinned_ = PinnedBuffer<int32_t>(4 * slots);   // token, slab, slot, expert per row
   chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * step_rows * static_cast<size_t>(hp.n_expert_used));
   handoff_flags_ = PinnedBuffer<uint64_t>(static_cast<size_t>(2 * hp.n_layer));
   std::fill_n(handoff_flags_.get(), 2 * hp.n_layer, uint64_t{0});
@@ -230,6 +230,13 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
   D.attn_norm = upload_vector(weights_arena_, L.attn_norm);
   D.ffn_norm = upload_vector(weights_arena_, L.ffn_norm);
   D.router = upload_matrix(weights_arena_, L.moe.router);
+  D.router_bias = upload_vector(weights_arena_, L.moe.router_bias);
+  D.clamped = L.recipe.ffn.experts.act == model::Activation::SwiGluClamped;
+  if (L.recipe.ffn.experts.biases) {
+    D.gate_bias = upload_vector(weights_arena_, L.moe.gate_bias);
+    D.up_bias = upload_vector(weights_arena_, L.moe.up_bias);
+    D.down_bias = upload_vector(weights_arena_, L.moe.down_bias);
+  }
   D.slab_of.assign(static_cast<size_t>(hp.n_expert), -1);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= hp.n_expert || (i > 0 && ids[i] <= ids[i - 1]))
@@ -252,6 +259,18 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
     return;
   }
   D.q_norm = upload_vector(weights_arena_, L.attn.q_norm);
+  D.q_bias = upload_vector(weights_arena_, L.attn.q_bias);
+  D.k_bias = upload_vector(weights_arena_, L.attn.k_bias);
+  D.v_bias = upload_vector(weights_arena_, L.attn.v_bias);
+  D.o_bias = upload_vector(weights_arena_, L.attn.o_bias);
+  D.sinks = upload_vector(weights_arena_, L.attn.sinks);
+  D.window = L.recipe.mixer.attn.sliding_window;
+  const model::RopePart& rope = L.recipe.mixer.attn.rope;
+  if (rope.scaling == model::RopeScaling::Yarn) {   // the reference's ramp (model::yarn_ramp), its base
+    const model::YarnRamp r = model::yarn_ramp(rope, hp.n_rot);
+    D.yarn = {true, rope.yarn_factor, r.low, r.high, r.mscale};
+    D.rope_base = rope.freq_base;
+  }
   D.k_norm = upload_vector(weights_arena_, L.attn.k_norm);
   D.attn_qkv = upload_stacked(weights_arena_, {&L.attn.q, &L.attn.k, &L.attn.v});
   if (!D.attn_qkv) {

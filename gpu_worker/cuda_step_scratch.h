@@ -234,7 +234,7 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
     s.add("expert_g", S * ff * f);
     s.add("expert_u", S * ff * f);
     s.add("expert_out", S * d * f);
-    s.add("expert_idx", 3 * S * i32);
+    s.add("expert_idx", 4 * S * i32);   // token, slab, slot and expert id per row
   }
   return s;
 }

@@ -114,12 +114,13 @@ __global__ void __launch_bounds__(kThreads)
 // chunk's positions in order. The records land where attention_chunk_kernel puts them. KV: the
 // cache element (float or __half), widened exactly on load, so a half cache gives the float
 // cache's bits for the same values.
-template <class KV>
+// kOss (gpt-oss, a separate instantiation: the others' code is unchanged): the sliding window.
+template <class KV, bool kOss = false>
 __global__ void __launch_bounds__(kThreads)
     attention_chunk_shared_kernel(const float* __restrict__ q, const KV* __restrict__ kc,
                                   const KV* __restrict__ vc, int64_t n_head, int64_t group, int64_t hd,
                                   int64_t kv_stride, float scale, PastSource past, int64_t n_rows, int64_t per_cta,
-                                  int64_t slices, int64_t max_chunks, float* __restrict__ part) {
+                                  int64_t slices, int64_t max_chunks, int64_t window, float* __restrict__ part) {
   extern __shared__ float smem[];
   const int64_t g = blockIdx.x / slices, q0 = (blockIdx.x % slices) * per_cta;
   const int64_t chunk = blockIdx.y, j0 = chunk * kAttentionChunk;
@@ -129,16 +130,25 @@ __global__ void __launch_bounds__(kThreads)
   // Rows grow along qq, so the slice's last query sees the most positions.
   const int64_t cmax = min(kAttentionChunk, n_past + (q0 + nq - 1) / group + 1 - j0);
   if (cmax <= 0) return;  // past every query's live length: the merge reads no record here
+  // A sliding window (window > 0): query qq sees positions from n_past + qq / group + 1 - window on,
+  // growing along qq; a chunk wholly below the slice's first query's is read by no merge.
+  if (kOss && window > 0 && j0 + kAttentionChunk <= n_past + q0 / group + 1 - window) return;
   float* qs = smem;                        // [nq][hd]
   float* sc = qs + per_cta * hd;           // [nq][kAttentionChunk]
   __shared__ int cnt[kSharedQueryFloats / (kAttentionChunk + 1)];
+  __shared__ int first[kOss ? kSharedQueryFloats / (kAttentionChunk + 1) : 1];   // the window's first position - j0 (<= 0: none masked)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t i = threadIdx.x; i < nq * hd; i += kThreads) {
     const int64_t qq = q0 + i / hd, t = qq / group, h = g * group + qq % group;
     qs[i] = q[(t * n_head + h) * hd + i % hd];
   }
-  for (int64_t i = threadIdx.x; i < nq; i += kThreads)
+  for (int64_t i = threadIdx.x; i < nq; i += kThreads) {
     cnt[i] = static_cast<int>(min(kAttentionChunk, n_past + (q0 + i) / group + 1 - j0));  // <= 0: no positions
+    if constexpr (kOss) {
+      const int64_t f = n_past + (q0 + i) / group + 1 - window - j0;
+      first[i] = window > 0 ? static_cast<int>(max(int64_t{-1}, min(int64_t{kAttentionChunk}, f))) : -1;
+    }
+  }
   __syncthreads();
 
   // Scores: warp w takes positions w, w + 4, ...; lane l holds K dims l, l + 32, ... in registers
@@ -183,7 +193,8 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < kQueryBlock; ++i)
-          if (ib + i <= last && j < cnt[ib + i]) sc[(ib + i) * kAttentionChunk + j] = sv[i] * scale;
+          if (ib + i <= last && j < cnt[ib + i])
+            sc[(ib + i) * kAttentionChunk + j] = !kOss || j >= first[ib + i] ? sv[i] * scale : -INFINITY;
       }
     }
 #pragma unroll
@@ -199,11 +210,13 @@ __global__ void __launch_bounds__(kThreads)
     float mx = -INFINITY;
     for (int64_t j = lane; j < c; j += 32) mx = fmaxf(mx, si[j]);
     for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    // A chunk wholly outside the query's window: every p is 0 (not NaN), the record's max -inf.
+    const float mx_e = kOss && mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f;
     for (int w = 0; w < kWarps; ++w) {  // the partials of attention_chunk_kernel's warp w
       float part_w = 0.0f;
       for (int64_t j = 32 * w + lane; j < c; j += kThreads) {
-        const float p = expf(si[j] - mx);
+        const float p = expf(si[j] - mx_e);
         si[j] = p;
         part_w += p;
       }
@@ -254,9 +267,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <bool kOss = false>   // sinks and the window (gpt-oss): a separate instantiation
 __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_head, int64_t hd, PastSource past,
                                        int64_t n_rows, int64_t max_chunks, const float* __restrict__ gate,
-                                       int64_t gate_row_stride, int64_t gate_head_stride, float* __restrict__ out) {
+                                       int64_t gate_row_stride, int64_t gate_head_stride, const float* __restrict__ sinks,
+                                       int64_t window, float* __restrict__ out) {
   const int64_t qi = blockIdx.x;
   const int64_t t = qi / n_head, h = qi % n_head;
   const int64_t n_past = live_n_past(past, n_rows);
@@ -265,19 +280,27 @@ __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n
     return;
   }
   const int64_t chunks = (n_past + t + 1 + kAttentionChunk - 1) / kAttentionChunk;
+  // A sliding window: the chunks below the one holding the window's first position have no records.
+  const int64_t c0 = kOss && window > 0 ? max(int64_t{0}, n_past + t + 1 - window) / kAttentionChunk : 0;
   const float* base = part + qi * max_chunks * (hd + 2);
   float m = -INFINITY;
-  for (int64_t c = 0; c < chunks; ++c) m = fmaxf(m, base[c * (hd + 2)]);
+  for (int64_t c = c0; c < chunks; ++c) m = fmaxf(m, base[c * (hd + 2)]);
+  if (kOss && sinks != nullptr) m = fmaxf(m, sinks[h]);
   float l = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) l += base[c * (hd + 2) + 1] * expf(base[c * (hd + 2)] - m);
+  for (int64_t c = c0; c < chunks; ++c) l += base[c * (hd + 2) + 1] * expf(base[c * (hd + 2)] - m);
+  if (kOss && sinks != nullptr) l += expf(sinks[h] - m);   // the sink's share of the mass, no value row
   const float inv = 1.0f / l;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) o += base[c * (hd + 2) + 2 + d] * expf(base[c * (hd + 2)] - m);
+    for (int64_t c = c0; c < chunks; ++c) o += base[c * (hd + 2) + 2 + d] * expf(base[c * (hd + 2)] - m);
     o *= inv;
     if (gate != nullptr) o *= 1.0f / (1.0f + expf(-gate[t * gate_row_stride + h * gate_head_stride + d]));
     out[qi * hd + d] = o;
   }
+}
+
+auto merge_kernel(const AttentionShape& s) {
+  return s.sinks != nullptr || s.window > 0 ? attention_merge_kernel<true> : attention_merge_kernel<false>;
 }
 
 std::string describe(const AttentionShape& s, int64_t n, const std::string& past) {
@@ -291,6 +314,7 @@ void check_shape(const char* what, const AttentionShape& s, int64_t n, const std
       s.head_dim > kAttentionMaxHeadDim || s.kv_stride < s.n_head_kv * s.head_dim || n <= 0)
     throw std::invalid_argument(std::string(what) + ": bad shape" + where);
   if (s.n_head > 0x7fffffff / kAttentionChunk) throw std::invalid_argument(std::string(what) + ": too many heads" + where);
+  if (s.window < 0) throw std::invalid_argument(std::string(what) + ": negative sliding window" + where);
 }
 
 // Queries per CTA of the shared kernel for `queries` queries per kv head over `chunks` chunks:
@@ -321,9 +345,10 @@ void launch_shared(const AttentionShape& s, const float* q, const KV* k_cache, c
                                 std::to_string(max_chunks) + " CTAs is too large");
   const size_t smem = static_cast<size_t>(per * (s.head_dim + kAttentionChunk)) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(s.n_head_kv * slices), static_cast<unsigned>(max_chunks));
-  attention_chunk_shared_kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
-                                                                  s.kv_stride, s.scale, past, rows, per, slices,
-                                                                  max_chunks, scratch);
+  const auto kernel = s.sinks != nullptr || s.window > 0 ? attention_chunk_shared_kernel<KV, true>
+                                                         : attention_chunk_shared_kernel<KV, false>;
+  kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim, s.kv_stride, s.scale, past,
+                                           rows, per, slices, max_chunks, s.window, scratch);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -336,6 +361,8 @@ void attention_host(bool shared, const AttentionShape& s, const float* q, const 
   const std::string where = describe(s, n, "n_past=" + std::to_string(n_past));
   check_shape(what, s, n, where);
   if (n_past < 0) throw std::invalid_argument(std::string(what) + ": negative n_past" + where);
+  if (!shared && (s.sinks != nullptr || s.window > 0))
+    throw std::invalid_argument("attention_unshared: no sinks or sliding window (the spec kernel predates them)" + where);
   const int64_t n_ctx = n_past + n;
   const int64_t max_chunks = (n_ctx + kAttentionChunk - 1) / kAttentionChunk;
   const int64_t per_row = attention_scratch_floats(s, 1, n_ctx);
@@ -362,9 +389,9 @@ void attention_host(bool shared, const AttentionShape& s, const float* q, const 
     } else {
       throw std::invalid_argument("attention_unshared: float caches only");
     }
-    attention_merge_kernel<<<static_cast<unsigned>(m * s.n_head), 128, 0, stream>>>(
+    merge_kernel(s)<<<static_cast<unsigned>(m * s.n_head), 128, 0, stream>>>(
         scratch, s.n_head, s.head_dim, past, m, max_chunks, gate != nullptr ? gate + t0 * gate_row_stride : nullptr,
-        gate_row_stride, gate_head_stride, out + t0 * qd);
+        gate_row_stride, gate_head_stride, s.sinks, s.window, out + t0 * qd);
     CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -408,8 +435,8 @@ void attention_at_impl(const AttentionShape& s, const float* q, const KV* k_cach
   const int64_t max_chunks = (max_ctx + kAttentionChunk - 1) / kAttentionChunk;
   // The grid covers max_ctx, so the query split is sized for it (a fixed launch for every step).
   launch_shared(s, q, k_cache, v_cache, n, past, max_chunks, max_chunks, scratch, stream);
-  attention_merge_kernel<<<static_cast<unsigned>(n * s.n_head), 128, 0, stream>>>(
-      scratch, s.n_head, s.head_dim, past, n, max_chunks, gate, gate_row_stride, gate_head_stride, out);
+  merge_kernel(s)<<<static_cast<unsigned>(n * s.n_head), 128, 0, stream>>>(
+      scratch, s.n_head, s.head_dim, past, n, max_chunks, gate, gate_row_stride, gate_head_stride, s.sinks, s.window, out);
   CUDA_CHECK(cudaGetLastError());
 }
 

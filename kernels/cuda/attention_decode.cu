@@ -75,7 +75,14 @@ struct DecodeArgs {
   float eps;
   KV* k_store;   // the caches, writable (k / v above are the same memory)
   KV* v_store;
+  const float* sinks;   // AttentionShape::sinks (nullable) and ::window (0: full attention)
+  int64_t window;
 };
+
+// The first position a row sees: the one at position p sees p - window + 1 .. p (window > 0).
+__device__ __forceinline__ int64_t window_first(int64_t window, int64_t seen) {
+  return window > 0 && seen > window ? seen - window : 0;
+}
 
 // Two stages of the cp.async ring: a third gave nothing (H200, 2026-11-30: 21.4 vs 20.5 us at 4096
 // positions, 71.6 vs 70.8 at 32768) and fits fewer CTAs per SM (2 instead of 3 for 8 query heads
@@ -184,7 +191,8 @@ __device__ void write_nan_head(const DecodeArgs<KV>& a, int r, int h, int hd, in
 
 // Combines the S split records of (row r, head h) in split order (one warp). Records:
 // [out[hd], max, sum, pad, pad] at part + ((r * n_head + h) * slots + split) * (hd + 4).
-template <int DPL, class KV>
+// kOss (gpt-oss, a separate instantiation: the others' code is unchanged): the head's sink logit.
+template <int DPL, class KV, bool kOss>
 __device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int lane) {
   constexpr int hd = DPL * 32, kRec = hd + 4, kPerLane = kSplitsPerLane;
   const float* base = a.part + (static_cast<int64_t>(r) * a.n_head + h) * a.slots * kRec;
@@ -226,13 +234,25 @@ __device__ void merge_head(const DecodeArgs<KV>& a, int r, int h, int64_t S, int
       for (int i = 0; i < DPL; ++i) acc[i] = fmaf(f, x[b][i], acc[i]);
     }
   }
+  // A sink (gpt-oss): one more logit in the softmax, its exp in the denominator only. m_s is the
+  // max of the splits and the sink; without a sink m_s = mx and the factor is exactly 1.
+  [[maybe_unused]] float inv_l = 1.0f, rescale = 1.0f;
+  if constexpr (kOss) {
+    inv_l = 1.0f / l;
+    if (a.sinks != nullptr) {
+      const float sink = a.sinks[h], m_s = fmaxf(mx, sink);
+      rescale = expf(mx - m_s);
+      inv_l = 1.0f / (l * rescale + expf(sink - m_s));
+    }
+  }
   float* o = a.out + (static_cast<int64_t>(r) * a.n_head + h) * hd;
   const float* g = a.gate != nullptr ? a.gate + r * a.gate_row_stride + h * a.gate_head_stride : nullptr;
   float v[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
     const int d = LaneDims<DPL>::dim(i, lane);
-    v[i] = acc[i] / l;
+    if constexpr (kOss) v[i] = a.sinks != nullptr ? acc[i] * rescale * inv_l : acc[i] * inv_l;
+    else v[i] = acc[i] / l;
     if (g != nullptr) v[i] *= 1.0f / (1.0f + expf(-g[d]));
     o[d] = v[i];
   }
@@ -416,7 +436,8 @@ __device__ __forceinline__ void decode_tile(const float* qs, const KV* ks, const
 // the same ring as halves (half the bytes) and is widened on the shared-memory reads; the float
 // arithmetic and its order are those of the float cache, so a half cache gives the float cache's
 // bits for the same (half-representable) values.
-template <int DPL, int HPW, class KV, bool kFusedQk>
+// kOss (gpt-oss, a separate instantiation): the row's tiles start at its sliding window's first position.
+template <int DPL, int HPW, class KV, bool kFusedQk, bool kOss = false>
 __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(const DecodeArgs<KV> a) {
   constexpr int STAGES = kStages;
   constexpr int hd = DPL * 32, kRowK = hd + KvSmem<KV>::kPad, kRec = hd + 4;
@@ -458,7 +479,9 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     for (int i = threadIdx.x; i < a.group * hd / 4; i += blockDim.x) cp_async16(qs + 4 * i, qg + 4 * i);
   }
   const int64_t p0 = first_position(a.pos, a.row_offset, a.n, a.max_ctx);
-  const int64_t seen = p0 + r + 1, tiles = (seen + kTile - 1) / kTile;
+  // The row sees positions lo .. p0 + r (lo > 0 only in a sliding window); tiles count from lo.
+  const int64_t lo = kOss ? window_first(a.window, p0 + r + 1) : 0;
+  const int64_t seen = p0 + r + 1 - lo, tiles = (seen + kTile - 1) / kTile;
   const int64_t S = p0 < 0 ? 0 : attention_decode_splits(seen);
   if (p0 < 0 || slot >= S) {
     if constexpr (kFusedQk) wait_for_prior_grids();   // completion stays transitive (launch.h)
@@ -483,7 +506,7 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
     const int from_global = has_new ? live - 1 : live;
     for (int i = threadIdx.x; i < from_global * kCopies; i += blockDim.x) {
       const int p = i / kCopies, e = (i % kCopies) * KvSmem<KV>::kPerCopy;
-      const int64_t src = (t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
+      const int64_t src = (lo + t * kTile + p) * a.kv_stride + static_cast<int64_t>(kvh) * hd + e;
       cp_async16(ks + p * kRowK + e, a.k + src);
       cp_async16(vs + p * hd + e, a.v + src);
     }
@@ -560,7 +583,7 @@ __global__ void __launch_bounds__(HPW == 1 ? 1024 : 512) decode_split_kernel(con
 }
 
 // One warp per (row, head): the merges of a step spread over n * n_head CTAs.
-template <int DPL, class KV>
+template <int DPL, class KV, bool kOss = false>
 __global__ void decode_merge_kernel(const DecodeArgs<KV> a) {
   const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   wait_for_prior_grids();
@@ -570,7 +593,8 @@ __global__ void decode_merge_kernel(const DecodeArgs<KV> a) {
     write_nan_head<DPL>(a, r, h, DPL * 32, lane);
     return;
   }
-  merge_head<DPL>(a, r, h, attention_decode_splits(p0 + r + 1), lane);
+  const int64_t seen = p0 + r + 1 - (kOss ? window_first(a.window, p0 + r + 1) : 0);
+  merge_head<DPL, KV, kOss>(a, r, h, attention_decode_splits(seen), lane);
 }
 
 // fused: room for the norm weights, the raw and stored new k and v, and the RoPE table.
@@ -583,14 +607,14 @@ size_t split_smem_bytes(int hd, int group, bool fused) {
 
 // Above 48 KB of shared memory a kernel needs an opt-in (per device): given once, for the largest
 // group (32 query heads per kv head), it serves every shape.
-template <int DPL, int HPW, class KV, bool kFusedQk>
+template <int DPL, int HPW, class KV, bool kFusedQk, bool kOss>
 void opt_in_shared_memory() {
   static std::atomic<uint64_t> devices_done{0};
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (devices_done.load(std::memory_order_relaxed) & bit) != 0) return;
-  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW, KV, kFusedQk>,
+  CUDA_CHECK(cudaFuncSetAttribute(decode_split_kernel<DPL, HPW, KV, kFusedQk, kOss>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(split_smem_bytes<KV>(DPL * 32, 32, kFusedQk))));
   devices_done.fetch_or(bit);
@@ -600,10 +624,10 @@ void opt_in_shared_memory() {
 // merge kernel launch at once (its CTAs wait in wait_for_prior_grids for the split kernel's
 // completion and memory), and waits itself for whatever ran before it before reading q, K/V or
 // the position.
-template <int DPL, int HPW, class KV, bool kFusedQk>
+template <int DPL, int HPW, class KV, bool kFusedQk, bool kOss = false>
 void launch_split(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
   const size_t smem = split_smem_bytes<KV>(DPL * 32, a.group, kFusedQk);
-  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW, KV, kFusedQk>();
+  if (smem > 48 * 1024) opt_in_shared_memory<DPL, HPW, KV, kFusedQk, kOss>();
   const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(a.slots), static_cast<unsigned>(n_kv));
   // Warps: the group's heads / HPW compute, at least 4 load; fused, one per q head and one for the
   // new k and v where that stays within 16 (the kernel's q pass; H200 decode chain at 600
@@ -611,12 +635,20 @@ void launch_split(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
   // layer against the unfused pair; this way, with the tiles loaded before the wait, -0.54).
   int warps = std::max(a.group / HPW, 4);
   if (kFusedQk) warps = std::max(warps, std::min(a.group + 1, 16));
-  launch_kernel(decode_split_kernel<DPL, HPW, KV, kFusedQk>, grid, dim3(32 * warps), smem, stream, a);
+  launch_kernel(decode_split_kernel<DPL, HPW, KV, kFusedQk, kOss>, grid, dim3(32 * warps), smem, stream, a);
 }
 
 template <int DPL, class KV>
 void launch(const DecodeArgs<KV>& a, int n_kv, cudaStream_t stream) {
   const bool fused = a.q_raw != nullptr;
+  if (a.sinks != nullptr || a.window > 0) {   // gpt-oss's instantiations (never fused: no q / k norm)
+    if (fused) throw std::invalid_argument("attention_decode_fused_qk: no sinks or sliding window");
+    if (a.group % 2 == 0) launch_split<DPL, 2, KV, false, true>(a, n_kv, stream);
+    else launch_split<DPL, 1, KV, false, true>(a, n_kv, stream);
+    launch_kernel(decode_merge_kernel<DPL, KV, true>, dim3(static_cast<unsigned>(a.n), static_cast<unsigned>(a.n_head)),
+                  dim3(32), 0, stream, a);
+    return;
+  }
   if (a.group % 2 == 0) {
     if (fused) launch_split<DPL, 2, KV, true>(a, n_kv, stream);
     else launch_split<DPL, 2, KV, false>(a, n_kv, stream);
@@ -647,7 +679,9 @@ bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const At
          qk.head_dim == s.head_dim && qk.n_rot >= 2 && qk.n_rot % 2 == 0 && qk.n_rot <= qk.head_dim &&
          qk.q_head_stride >= qk.head_dim && qk.k_row_stride >= qk.n_head_kv * qk.head_dim &&
          qk.v_row_stride >= qk.n_head_kv * qk.head_dim && qk.max_pos >= 1 && qk.q_head_stride % 4 == 0 &&
-         aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm);
+         aligned16(qk.q) && aligned16(qk.k) && aligned16(qk.v) && aligned16(qk.q_norm) && aligned16(qk.k_norm) &&
+         qk.q_bias == nullptr && qk.k_bias == nullptr && qk.v_bias == nullptr && !qk.yarn.on && s.sinks == nullptr &&
+         s.window == 0;   // not gpt-oss's options (qk_norm_rope_store's plain kernel, then attention_decode)
 }
 
 namespace {
@@ -695,6 +729,9 @@ void attention_decode_impl(const AttentionShape& s, const float* q, const KV* k_
   a.gate_head_stride = gate_head_stride;
   a.out = out;
   a.act = static_cast<BlockQ8_0*>(out_q8_0);
+  if (s.window < 0) throw std::invalid_argument("attention_decode: negative sliding window");
+  a.sinks = s.sinks;
+  a.window = s.window;
   if (qk != nullptr) {
     a.q_raw = qk->q;
     a.q_head_stride = qk->q_head_stride;

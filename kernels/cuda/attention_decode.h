@@ -90,7 +90,8 @@ void attention_decode_quantized(const AttentionShape& s, const float* q, const _
 // -0.54 at 600 (the K / V tiles below the new position load before the wait on the q | k | v
 // matvec; the fused CTAs then normalise their q heads, ~0.5 us more on the split's path).
 // Supported: one row, attention_decode's shape with qk's heads, an even n_rot in 2..head_dim, q /
-// k / v / q_norm / k_norm 16-byte aligned (cp.async) and the q head stride a multiple of 4.
+// k / v / q_norm / k_norm 16-byte aligned (cp.async) and the q head stride a multiple of 4; none of
+// gpt-oss's options (q / k / v biases, YaRN, sinks, a window). The norms are required (null throws).
 // Throws std::invalid_argument naming the problem when !attention_decode_fused_qk_supported, a
 // pointer is null, or as attention_decode.
 bool attention_decode_fused_qk_supported(const QkNormRopeStoreArgs& qk, const AttentionShape& s);

@@ -40,12 +40,14 @@ struct Tile {
 // and between rows. Online softmax per query: running max m and sum l, output rescaled by
 // exp(m_old - m_new) whenever a KV tile raises the max. KV: the cache element (float or __half),
 // widened to float when staged, so a half cache gives the float cache's bits for the same values.
-template <int HDM, class KV>
+// kOss (gpt-oss, a separate instantiation: the others' code is unchanged): sinks and the window.
+template <int HDM, class KV, bool kOss = false>
 __global__ void __launch_bounds__(kThreads)
     attention_prefill_kernel(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                              int64_t n_head, int64_t group, int64_t hd, int64_t kv_stride, float scale, int64_t n,
                              int64_t n_past, const float* __restrict__ gate, int64_t gate_row_stride,
-                             int64_t gate_head_stride, float* __restrict__ out) {
+                             int64_t gate_head_stride, const float* __restrict__ sinks, int64_t window,
+                             float* __restrict__ out) {
   using T = Tile<HDM>;
   extern __shared__ float smem[];
   float* qs = smem;                                   // [kQueries][kQStride]
@@ -68,11 +70,16 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t n_kv = n_past + (min(q0 + T::kQueries, total) - 1) / group + 1;  // the tile's last query
   int64_t limit[T::kQ];  // positions visible to the score thread's queries (0 past the last query)
+  int64_t from[T::kQ];   // and the first of them (a sliding window's; 0 without)
 #pragma unroll
   for (int i = 0; i < T::kQ; ++i) {
     const int64_t gq = q0 + tq + 16 * i;
     limit[i] = gq < total ? n_past + gq / group + 1 : 0;
+    from[i] = kOss && window > 0 ? max(int64_t{0}, limit[i] - window) : 0;
   }
+  // A sliding window: the KV tiles start at the one holding the tile's first query's first position.
+  const int64_t kb0 =
+      kOss && window > 0 ? max(int64_t{0}, n_past + q0 / group + 1 - window) / T::kPositions * T::kPositions : 0;
   float m[T::kQW], l[T::kQW], acc[T::kQW][T::kDims];
   bool live[T::kQW];
 #pragma unroll
@@ -84,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < T::kDims; ++e) acc[i][e] = 0.0f;
   }
 
-  for (int64_t kb = 0; kb < n_kv; kb += T::kPositions) {
+  for (int64_t kb = kb0; kb < n_kv; kb += T::kPositions) {
     __syncthreads();  // the previous tile's K, V and p are consumed (and, first, Q is stored)
     for (int i = tid; i < T::kPositions * HDM; i += kThreads) {
       const int r = i / HDM, d = i % HDM;
@@ -117,7 +124,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < T::kQ; ++i)
 #pragma unroll
       for (int k = 0; k < T::kP; ++k)
-        ss[(tq + 16 * i) * T::kPositions + tk + 16 * k] = kb + tk + 16 * k < limit[i] ? a[i][k] * scale : -INFINITY;
+        ss[(tq + 16 * i) * T::kPositions + tk + 16 * k] =
+            kb + tk + 16 * k < limit[i] && (!kOss || kb + tk + 16 * k >= from[i]) ? a[i][k] * scale : -INFINITY;
     __syncthreads();
 
 #pragma unroll
@@ -130,12 +138,14 @@ __global__ void __launch_bounds__(kThreads)
       const float s = lane < T::kPositions ? row[lane] : -INFINITY;
       float tmax = s;
       for (int off = 16; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-      // Finite: the first KV tile holds position 0, visible to every live query.
+      // Finite without a window: the first KV tile holds position 0, visible to every live query.
+      // In a sliding window a query's first tiles may all be masked: mn stays -inf, p 0, corr 1.
       const float mn = fmaxf(m[i], tmax);
-      const float p = expf(s - mn);  // 0 for a masked position
+      const float mn_e = kOss && mn == -INFINITY ? 0.0f : mn;
+      const float p = expf(s - mn_e);  // 0 for a masked position
       float ps = p;
       for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffffu, ps, off);
-      const float corr = expf(m[i] - mn);  // 0 on the first tile (m = -inf)
+      const float corr = kOss && mn == -INFINITY ? 1.0f : expf(m[i] - mn);  // 0 on the first tile (m = -inf)
       l[i] = l[i] * corr + ps;
       m[i] = mn;
       if (lane < T::kPositions) row[lane] = p;
@@ -162,12 +172,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < T::kQW; ++i) {
     if (!live[i]) continue;
     const int64_t gq = q0 + warp * T::kQW + i, t = gq / group, h = g * group + gq % group;
-    const float inv = 1.0f / l[i];
+    float inv = 1.0f / l[i], rescale = 1.0f;
+    if (kOss && sinks != nullptr) {   // the sink's logit joins the softmax: its exp in the denominator only
+      const float m_s = fmaxf(m[i], sinks[h]);
+      rescale = expf(m[i] - m_s);
+      inv = 1.0f / (l[i] * rescale + expf(sinks[h] - m_s));
+    }
 #pragma unroll
     for (int e = 0; e < T::kDims; ++e) {
       const int64_t d = lane + 32 * e;
       if (d >= hd) continue;
-      float o = acc[i][e] * inv;
+      float o = kOss && sinks != nullptr ? acc[i][e] * rescale * inv : acc[i][e] * inv;
       if (gate != nullptr) o *= 1.0f / (1.0f + expf(-gate[t * gate_row_stride + h * gate_head_stride + d]));
       out[(t * n_head + h) * hd + d] = o;
     }
@@ -186,11 +201,14 @@ void launch(const AttentionShape& s, const float* q, const KV* k_cache, const KV
                                 std::to_string(s.n_head_kv) + " CTAs is too large");
   const int smem = static_cast<int>(T::kFloats * sizeof(float));
   // Above the default 48 KB: opt in (a host-side attribute, cheap enough per call).
-  CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<HDM, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const bool oss = s.sinks != nullptr || s.window > 0;
+  const auto kernel = oss ? attention_prefill_kernel<HDM, KV, true> : attention_prefill_kernel<HDM, KV, false>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(s.n_head_kv));
-  attention_prefill_kernel<HDM, KV><<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
+  kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.head_dim,
                                                                   s.kv_stride, s.scale, n, n_past, gate,
-                                                                  gate_row_stride, gate_head_stride, out);
+                                                                  gate_row_stride, gate_head_stride, s.sinks, s.window,
+                                                                  out);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -199,7 +217,8 @@ void attention_prefill_impl(const AttentionShape& s, const float* q, const KV* k
                             int64_t n_past, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride,
                             float* out, cudaStream_t stream) {
   if (s.n_head <= 0 || s.n_head_kv <= 0 || s.n_head % s.n_head_kv != 0 || s.head_dim <= 0 ||
-      s.head_dim > kAttentionPrefillMaxHeadDim || s.kv_stride < s.n_head_kv * s.head_dim || n <= 0 || n_past < 0)
+      s.head_dim > kAttentionPrefillMaxHeadDim || s.kv_stride < s.n_head_kv * s.head_dim || n <= 0 || n_past < 0 ||
+      s.window < 0)
     throw std::invalid_argument("attention_prefill: bad shape (n_head=" + std::to_string(s.n_head) +
                                 ", n_head_kv=" + std::to_string(s.n_head_kv) + ", head_dim=" +
                                 std::to_string(s.head_dim) + ", kv_stride=" + std::to_string(s.kv_stride) +

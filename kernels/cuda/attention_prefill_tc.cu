@@ -112,10 +112,12 @@ __device__ __forceinline__ float stage_q_split(const float* __restrict__ q, int6
 // row quad_row + 8): positions at or past the row's limit masked, the scores scaled back by q_down
 // (2^-e first: exact) and then by scale, m and l carried on, corr the factor for the rows'
 // earlier O; s becomes P.
-template <int kNt>
+// kOss (gpt-oss): positions below from[r] (the row's sliding window) masked too; a row whose tile is
+// all masked keeps m = -inf, p = 0 and corr = 1.
+template <int kNt, bool kOss = false>
 __device__ __forceinline__ void online_softmax(float (&s)[kNt][4], int64_t kb, int quad_col, const int64_t (&limit)[2],
-                                               float q_down, float scale, float (&m)[2], float (&l)[2],
-                                               float (&corr)[2]) {
+                                               const int64_t (&from)[2], float q_down, float scale, float (&m)[2],
+                                               float (&l)[2], float (&corr)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int j = 0; j < kNt; ++j)
@@ -123,7 +125,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNt][4], int64_t kb, i
     for (int c = 0; c < 4; ++c) {
       const int r = c / 2;
       const int64_t pos = kb + j * 8 + 2 * quad_col + (c & 1);
-      s[j][c] = pos < limit[r] ? s[j][c] * q_down * scale : -INFINITY;
+      s[j][c] = pos < limit[r] && (!kOss || pos >= from[r]) ? s[j][c] * q_down * scale : -INFINITY;
       mx[r] = fmaxf(mx[r], s[j][c]);
     }
   float ps[2] = {0.0f, 0.0f};
@@ -133,14 +135,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNt][4], int64_t kb, i
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     // Finite: the first tile holds position 0, visible to every row.
     const float mn = fmaxf(m[r], mx[r]);
-    corr[r] = expf(m[r] - mn);  // 0 on the first tile (m = -inf)
+    corr[r] = kOss && mn == -INFINITY ? 1.0f : expf(m[r] - mn);  // 0 on the first tile (m = -inf)
     m[r] = mn;
   }
+  float m_e[2] = {m[0], m[1]};   // kOss: 0 for a row with nothing seen yet (every p then exp(-inf) = 0)
+  if constexpr (kOss)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m_e[r] = m[r] == -INFINITY ? 0.0f : m[r];
 #pragma unroll
   for (int j = 0; j < kNt; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float p = expf(s[j][c] - m[c / 2]);  // 0 for a masked position
+      const float p = expf(s[j][c] - m_e[c / 2]);  // 0 for a masked position
       ps[c / 2] += p;
       s[j][c] = p;
     }
@@ -152,12 +158,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNt][4], int64_t kb, i
   }
 }
 
-template <int HD>
+// kOss (gpt-oss, a separate instantiation: the others' code is unchanged): sinks and the window.
+template <int HD, bool kOss = false>
 __global__ void __launch_bounds__(kThreads)
     attention_prefill_tc_kernel(const float* __restrict__ q, const __half* __restrict__ kc,
                                 const __half* __restrict__ vc, int64_t n_head, int64_t group, int64_t kv_stride,
                                 float scale, int64_t n, int64_t n_past, const float* __restrict__ gate,
-                                int64_t gate_row_stride, int64_t gate_head_stride, float* __restrict__ out) {
+                                int64_t gate_row_stride, int64_t gate_head_stride, const float* __restrict__ sinks,
+                                int64_t window, float* __restrict__ out) {
   using T = TcTile<HD>;
   constexpr int kBc = T::kBc, kStride = T::kStride, kNt = kBc / 8, kDt = HD / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -187,20 +195,23 @@ __global__ void __launch_bounds__(kThreads)
     }
     commit_group();
   };
-  stage(0, 0);
+  // A sliding window: the KV tiles start at the one holding the CTA's first query's first position.
+  const int64_t kb0 = kOss && window > 0 ? max(int64_t{0}, n_past + q0 / group + 1 - window) / kBc * kBc : 0;
+  stage(kb0, 0);
 
   __shared__ float warp_max[kWarps];
   const float q_down = stage_q_split<HD>(q, n_head, group, q0, total, g, qhi, qlo, warp_max);
 
   // This lane's two rows (quad_row and quad_row + 8 of the warp's 16): positions visible to each.
   // A row past the last query sees every staged position, so its max stays finite.
-  int64_t limit[2];
+  int64_t limit[2], from[2] = {0, 0};
   bool live[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t gq = q0 + warp * 16 + quad_row + 8 * r;
     live[r] = gq < total;
     limit[r] = live[r] ? n_past + gq / group + 1 : n_kv;
+    if constexpr (kOss) from[r] = live[r] && window > 0 ? max(int64_t{0}, limit[r] - window) : 0;
   }
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[kDt][4];
@@ -215,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
   const int v_lane_off = ((lane % 8) + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
 
   int buf = 0;
-  for (int64_t kb = 0; kb < n_kv; kb += kBc, buf ^= 1) {
+  for (int64_t kb = kb0; kb < n_kv; kb += kBc, buf ^= 1) {
     if (kb + kBc < n_kv) {  // the next tile into the other buffer (free: the loop's last barrier)
       stage(kb + kBc, buf ^ 1);
       wait_group<1>();
@@ -250,7 +261,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // Online softmax on the fragments: s becomes P (0 at masked positions), m and l move on.
     float corr[2];
-    online_softmax<kNt>(s, kb, quad_col, limit, q_down, scale, m, l, corr);
+    online_softmax<kNt, kOss>(s, kb, quad_col, limit, from, q_down, scale, m, l, corr);
 
     // P 2^15 as hi and lo A fragments: k step kk covers positions 16 kk .. 16 kk + 15 = S tiles 2kk, 2kk+1.
     unsigned ph[kBc / 16][4], pl[kBc / 16][4];
@@ -288,13 +299,18 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < 2; ++r) {
     if (!live[r]) continue;
     const int64_t gq = q0 + warp * 16 + quad_row + 8 * r, t = gq / group, h = g * group + gq % group;
-    const float inv = 1.0f / l[r];
+    float inv = 1.0f / l[r], rescale = 1.0f;
+    if (kOss && sinks != nullptr) {   // the sink's logit joins the softmax: its exp in the denominator only
+      const float m_s = fmaxf(m[r], sinks[h]);
+      rescale = expf(m[r] - m_s);
+      inv = 1.0f / (l[r] * rescale + expf(sinks[h] - m_s));
+    }
 #pragma unroll
     for (int i = 0; i < kDt; ++i)
 #pragma unroll
       for (int c = 2 * r; c < 2 * r + 2; ++c) {
         const int64_t d = i * 8 + 2 * quad_col + (c & 1);
-        float v = o[i][c] * inv * kPUnscale;
+        float v = kOss && sinks != nullptr ? o[i][c] * rescale * inv * kPUnscale : o[i][c] * inv * kPUnscale;
         if (gate != nullptr) v *= 1.0f / (1.0f + expf(-gate[t * gate_row_stride + h * gate_head_stride + d]));
         out[(t * n_head + h) * HD + d] = v;
       }
@@ -312,11 +328,12 @@ void launch(const AttentionShape& s, const float* q, const __half* k_cache, cons
                                 std::to_string(s.n_head_kv) + " CTAs is too large");
   const int smem = static_cast<int>(TcTile<HD>::kHalves * sizeof(__half));
   // Above the default 48 KB: opt in (a host-side attribute, cheap enough per call).
-  CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_tc_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const auto kernel = s.sinks != nullptr || s.window > 0 ? attention_prefill_tc_kernel<HD, true>
+                                                         : attention_prefill_tc_kernel<HD, false>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(s.n_head_kv));
-  attention_prefill_tc_kernel<HD><<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.kv_stride,
-                                                                  s.scale, n, n_past, gate, gate_row_stride,
-                                                                  gate_head_stride, out);
+  kernel<<<grid, kThreads, smem, stream>>>(q, k_cache, v_cache, s.n_head, group, s.kv_stride, s.scale, n, n_past, gate,
+                                           gate_row_stride, gate_head_stride, s.sinks, s.window, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -326,7 +343,7 @@ bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0
 
 bool attention_prefill_tc_supports(const AttentionShape& s, const __half* k_cache, const __half* v_cache) {
   return (s.head_dim == 128 || s.head_dim == 256) && s.kv_stride % 8 == 0 && aligned_16(k_cache) &&
-         aligned_16(v_cache);
+         aligned_16(v_cache) && s.window >= 0;
 }
 
 void attention_prefill_tc(const AttentionShape& s, const float* q, const __half* k_cache, const __half* v_cache,
@@ -341,7 +358,7 @@ void attention_prefill_tc(const AttentionShape& s, const float* q, const __half*
   if (!attention_prefill_tc_supports(s, k_cache, v_cache))
     throw std::invalid_argument("attention_prefill_tc: unsupported (head_dim=" + std::to_string(s.head_dim) +
                                 " must be 128 or 256, kv_stride=" + std::to_string(s.kv_stride) +
-                                " a multiple of 8, both caches 16-byte aligned); use attention_prefill");
+                                " a multiple of 8, both caches 16-byte aligned, window >= 0); use attention_prefill");
   if (s.head_dim == 128)
     launch<128>(s, q, k_cache, v_cache, n, n_past, gate, gate_row_stride, gate_head_stride, out, stream);
   else

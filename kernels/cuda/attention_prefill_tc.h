@@ -11,6 +11,8 @@
 // both caches 16-byte aligned (each K/V row moves by 16-byte cp.async). Anything else throws
 // std::invalid_argument so the caller can keep attention_prefill; attention_prefill_tc_supports says
 // so beforehand. q has no range limit: a CTA scales its query tile by a power of two before the split.
+// AttentionShape::sinks / ::window (gpt-oss) go to a separate instantiation: KV tiles from the CTA's
+// first query's window, positions below a row's window masked, the sink in the final normalisation.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

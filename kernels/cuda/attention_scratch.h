@@ -18,6 +18,11 @@ struct AttentionShape {
   int64_t n_head = 0, n_head_kv = 0, head_dim = 0;
   int64_t kv_stride = 0;  // floats per cached position (n_head_kv * head_dim when packed)
   float scale = 1.0f;
+  // gpt-oss: sinks (device [n_head], nullable): head h's softmax gets one more logit sinks[h],
+  // exp(sinks[h] - max) added to its denominator, no value row; window > 0: the query at position
+  // p sees positions > p - window only (reference::attention_block).
+  const float* sinks = nullptr;
+  int64_t window = 0;
 };
 
 // attention.h's split-KV kernels: positions cut into chunks of kAttentionChunk; a record per

@@ -21,6 +21,7 @@
 #include "kernels/cuda/moe_fused_dots.cuh"
 #include "kernels/cuda/moe_fused_internal.cuh"
 #include "kernels/cuda/moe_staged.cuh"
+#include "kernels/cuda/swiglu_clamped.cuh"
 
 namespace moraine::cuda {
 namespace moe_detail {
@@ -71,10 +72,20 @@ __device__ int list_slots(const MoeParams& p, SlotTables& st, int e) {
   return cta_compact<kWarps>(i < p.n_slots && st.chosen[i] == e, st.list, st.warp_count);
 }
 
+// gpt-oss's h of one row (index r = e * n_ff + row into the biases): reference::biased_expert's
+// g + bg, u + bu (one rounded add each), then the clamped SwiGLU or plain silu(g) * u.
+__device__ __forceinline__ float oss_h(const MoeParams& p, float g, float u, int64_t r) {
+  if (p.gate_bias != nullptr) g = __fadd_rn(g, p.gate_bias[r]);
+  if (p.up_bias != nullptr) u = __fadd_rn(u, p.up_bias[r]);
+  if (p.clamped) return swiglu_clamped(g, u, p.alpha, p.limit);
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
 // Kernel 1: h[slot][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the rows r of this CTA's
 // tile, for every slot (t, s) of each expert e this CTA serves; then the last CTA to finish a
 // whole activation block of h (of one expert) quantizes it for down.
-template <int kExtra>  // dot_rows' extra case sets (moe_fused_dots.cuh)
+// kOss (gpt-oss): gate and up get expert e's biases, h is the clamped SwiGLU (swiglu_clamped.cuh).
+template <int kExtra, bool kOss = false>  // dot_rows' extra case sets (moe_fused_dots.cuh)
 __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
@@ -137,9 +148,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
         const float u = __shfl_down_sync(0xffffffffu, v, lanes);  // up j, from the next group
         const int c = lane / lanes;
         if (lane % lanes == 0 && c % 2 == 0 && c / 2 < np) {
-          // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
-          const float h = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), u);
-          p.h[static_cast<int64_t>(slot) * p.n_ff + row0 + j0 + c / 2] = h;
+          if constexpr (kOss) {
+            const int64_t r = static_cast<int64_t>(e) * p.n_ff + row0 + j0 + c / 2;
+            p.h[static_cast<int64_t>(slot) * p.n_ff + row0 + j0 + c / 2] = oss_h(p, v, u, r);
+          } else {
+            // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+            const float h = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), u);
+            p.h[static_cast<int64_t>(slot) * p.n_ff + row0 + j0 + c / 2] = h;
+          }
         }
       }
     }
@@ -152,9 +168,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
         const int slot = st.list[i], t = slot / p.k;
         const float g = dot_staged<kExtra != 0>(p.gate_type, gate_row, p.n_embd, xg + t * p.xg_stride, lane);
         const float u = dot_staged<kExtra != 0>(p.up_type, up_row, p.n_embd, xu + t * p.xu_stride, lane);
-        // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
-        const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-        if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
+        if constexpr (kOss) {
+          const float h = oss_h(p, g, u, static_cast<int64_t>(e) * p.n_ff + row);
+          if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
+        } else {
+          // reference::silu(g) * u, with the reference's operations and rounding (expf aside).
+          const float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+          if (lane == 0) p.h[static_cast<int64_t>(slot) * p.n_ff + row] = h;
+        }
       }
     }
     __syncwarp();
@@ -182,7 +203,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gate_up_kernel(const MoeParam
 
 
 // Kernel 2: y(slot)[r] = down_e[r] . hq(slot) for the rows r of this CTA's tile; then the last CTA
-// of the tile adds sum[t][r] over the token's present slots in top-k order.
+// of the tile adds sum[t][r] over the token's present slots in top-k order. kOss: y gets expert e's
+// down bias (one rounded add) before it is written, as reference::biased_expert adds it.
+template <bool kOss = false>
 __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const MoeParams p) {
   extern __shared__ uint4 smem[];
   __shared__ SlotTables st;
@@ -228,7 +251,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_kernel(const MoeParams p
             return staged(stage + (j0 + r) * p.down_seg_words, d_base + (row0 + j0 + r) * p.down_row_bytes);
           };
           const uint8_t* ht = act + t * p.hq_stride;
-          const float y = dot_rows(p.down_type, row_of, [&](int) { return ht; }, nr, p.n_ff, lane);
+          float y = dot_rows(p.down_type, row_of, [&](int) { return ht; }, nr, p.n_ff, lane);
+          if constexpr (kOss) {
+            if (p.down_bias != nullptr && lane % lanes == 0 && lane / lanes < nr)
+              y = __fadd_rn(y, p.down_bias[static_cast<int64_t>(e) * p.n_embd + row0 + j0 + lane / lanes]);
+          }
           if (lane % lanes == 0 && lane / lanes < nr) slot_output_row(p, st.list[g0 + t])[row0 + j0 + lane / lanes] = y;
         }
       }
@@ -347,6 +374,12 @@ void fill_moe_params(MoeParams& p, const MoeLayerWeights& w, int n_tokens, int k
   p.gate_seg_words = seg_words(p.gate_row_bytes);
   p.up_seg_words = seg_words(p.up_row_bytes);
   p.down_seg_words = seg_words(p.down_row_bytes);
+  p.gate_bias = w.gate_bias;
+  p.up_bias = w.up_bias;
+  p.down_bias = w.down_bias;
+  p.clamped = w.swiglu_clamped;
+  p.alpha = w.swiglu_alpha;
+  p.limit = w.swiglu_limit;
 }
 
 // moe_fused's checks and the call's parameters but the launch shape.
@@ -420,7 +453,9 @@ void launch_tiled_gate_up(const MoeParams& p, const KernelPlan& plan, const MoeD
   // cases; those copies also have dot_staged's IQ cases, which an IQ up type needs (gate of
   // another format: dot_staged per row).
   const bool iq = is_iq_grid_format(p.gate_type) || is_iq_grid_format(p.up_type);
-  const auto kernel = is_issue26_format(p.gate_type) ? moe_gate_up_kernel<kRowsIssue26>
+  const bool oss = p.gate_bias != nullptr || p.up_bias != nullptr || p.down_bias != nullptr || p.clamped;
+  const auto kernel = oss                            ? moe_gate_up_kernel<0, true>   // moe_fused_check: no issue 26 / IQ
+                      : is_issue26_format(p.gate_type) ? moe_gate_up_kernel<kRowsIssue26>
                       : iq                           ? moe_gate_up_kernel<kRowsIq>
                                                      : moe_gate_up_kernel<0>;
   ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), dev.device, plan.smem);
@@ -434,7 +469,9 @@ void launch_tiled_gate_up(const MoeParams& p, const KernelPlan& plan, const MoeD
 
 void launch_tiled_down(const MoeParams& p, const KernelPlan& plan, const MoeDeviceInfo& dev, bool pdl,
                        cudaStream_t stream) {
-  ensure_dynamic_smem(reinterpret_cast<const void*>(moe_down_kernel), dev.device, plan.smem);
+  const bool oss = p.gate_bias != nullptr || p.up_bias != nullptr || p.down_bias != nullptr || p.clamped;
+  const auto kernel = oss ? moe_down_kernel<true> : moe_down_kernel<false>;
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), dev.device, plan.smem);
   // A programmatic dependent launch where asked: its CTAs start as kernel 1's leave room, fetch
   // their down rows, and wait for kernel 1 inside.
   cudaLaunchAttribute attr[1];
@@ -447,7 +484,7 @@ void launch_tiled_down(const MoeParams& p, const KernelPlan& plan, const MoeDevi
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_down_kernel, p));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 }  // namespace moe_detail
@@ -472,6 +509,9 @@ void moe_fused_check(const MoeLayerWeights& w) {
       w.n_ff % type_traits(dot_activation_type(w.down_type)).block_elems != 0)
     throw std::invalid_argument("moe_fused: n_ff must be a multiple of the down block size " +
                                 std::to_string(type_traits(w.down_type).block_elems) + where(w));
+  if (w.oss() && (is_issue26_format(static_cast<int>(w.gate_type)) || is_iq_grid_format(static_cast<int>(w.gate_type)) ||
+                  is_issue26_format(static_cast<int>(w.up_type)) || is_iq_grid_format(static_cast<int>(w.up_type))))
+    throw std::invalid_argument("moe_fused: expert biases / clamped SwiGLU with issue 26's or IQ gate/up formats" + where(w));
   if (w.slots == nullptr && (w.gate == nullptr || w.up == nullptr || w.down == nullptr))
     throw std::invalid_argument("moe_fused: give either a slot table or all three expert tensors" + where(w));
   const uintptr_t mis = reinterpret_cast<uintptr_t>(w.gate) | reinterpret_cast<uintptr_t>(w.up) |
@@ -481,7 +521,8 @@ void moe_fused_check(const MoeLayerWeights& w) {
 
 bool moe_fused_staged_applies(const MoeLayerWeights& w, int n_tokens, int k) {
   moe_fused_check(w);
-  if (w.form == MoeLayerWeights::Form::kTiled || n_tokens < 1 || k < 1 || k > kMoeMaxTopK) return false;
+  // gpt-oss's biases and activation: the tiled kernels only (the staged form has no kOss build).
+  if (w.form == MoeLayerWeights::Form::kTiled || w.oss() || n_tokens < 1 || k < 1 || k > kMoeMaxTopK) return false;
   StagedParams sp{};
   fill_moe_params(sp, w, n_tokens, k);
   sp.only_where_faster = w.form == MoeLayerWeights::Form::kBest;
@@ -509,7 +550,7 @@ void moe_fused(const MoeLayerWeights& w, const float* x, const MoeRouting& routi
   const bool pdl = w.programmatic_launch && dev.cc_major >= 9;
   // The staged form (moe_staged.cu) where the form asks for it and its planner takes the call;
   // otherwise the tiled kernels.
-  if (w.form != MoeLayerWeights::Form::kTiled) {
+  if (w.form != MoeLayerWeights::Form::kTiled && !w.oss()) {
     StagedParams sp{};
     static_cast<MoeParams&>(sp) = p;
     sp.only_where_faster = w.form == MoeLayerWeights::Form::kBest;

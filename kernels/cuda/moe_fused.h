@@ -99,6 +99,17 @@ struct MoeLayerWeights {
   // launches, what a device below sm_90 runs, for the tests (compute-sanitizer refused
   // programmatic launches).
   bool programmatic_launch = true;
+  // gpt-oss (ExpertsPart::biases, Activation::SwiGluClamped): per-expert biases by expert id (device
+  // [n_expert][n_ff] for gate and up, [n_expert][n_embd] for down; nullable), and the clamped SwiGLU
+  // g = min(gate + bg, limit), u = clamp(up + bu, -limit, limit), h = g sigmoid(alpha g) (u + 1);
+  // y = down h + bd (reference::biased_expert). Such a layer runs the tiled kernels built for it
+  // (the other instantiations are untouched); its gate / up formats must not be issue 26's or IQ.
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
+  bool swiglu_clamped = false;
+  float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;
+  bool oss() const { return gate_bias != nullptr || up_bias != nullptr || down_bias != nullptr || swiglu_clamped; }
 };
 
 struct MoeRouting {

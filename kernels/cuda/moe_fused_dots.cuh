@@ -56,6 +56,12 @@ struct MoeParams {
   // shared-memory layout (padded bytes per token of x for gate / up, 16-byte words per staged row:
   // moe_fused.cu's act_stride, seg_words)
   int xg_stride, xu_stride, gate_seg_words, up_seg_words, down_seg_words;
+  // gpt-oss (MoeLayerWeights' biases and clamped SwiGLU; read only by the kernels built with kOss)
+  const float* gate_bias;
+  const float* up_bias;
+  const float* down_bias;
+  bool clamped;
+  float alpha, limit;
 };
 
 // MoeParams::q81's bits.

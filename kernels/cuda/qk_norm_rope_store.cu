@@ -9,6 +9,8 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -206,6 +208,79 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
   else store_head(ok);
 }
 
+// The plain form (no q / k norm, gpt-oss): one warp per head as above; x = raw + bias (one rounded
+// add, as the reference adds the projection's bias), rotated by the table, stored. The table is
+// rope.cu's double expression, or YaRN's (reference::rope_neox_yarn: every double operation
+// explicitly rounded, so no contraction into fma changes it).
+struct PlainExtras {
+  const float* q_bias;
+  const float* k_bias;
+  const float* v_bias;
+  RopeYarn yarn;
+};
+
+__device__ __forceinline__ float add_bias(const float* x, const float* b, int64_t i) {
+  return b != nullptr ? __fadd_rn(x[i], b[i]) : x[i];
+}
+
+template <class KV>
+__global__ void __launch_bounds__(32 * kWarpsPerCta) qk_rope_store_plain_kernel(const Params<KV> p, const PlainExtras e) {
+  extern __shared__ float table[];
+  wait_for_prior_grids();   // PDL (launch.h): before any global access
+  allow_dependent_grids();
+  const int64_t half = p.n_rot / 2;
+  const int64_t t = blockIdx.y;
+  const int64_t pos0 = *p.pos0_dev;
+  const bool rope_nan = pos0 < 0;
+  const bool store = !rope_nan && pos0 + p.rows <= p.max_pos;
+  const int64_t head = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t hd = p.hd, kv_dim = p.n_head_kv * hd;
+  for (int64_t k = threadIdx.x; k < 2 * half && !rope_nan; k += blockDim.x) {
+    const int64_t i = k < half ? k : k - half;
+    const double freq = pow(p.freq_base, -2.0 * static_cast<double>(i) / static_cast<double>(p.n_rot));
+    double theta = static_cast<double>(pos0 + t) * freq;
+    if (e.yarn.on) {
+      const double y = __ddiv_rn(__dsub_rn(static_cast<double>(i), e.yarn.low), fmax(0.001, __dsub_rn(e.yarn.high, e.yarn.low)));
+      const double ramp = __dsub_rn(1.0, fmin(1.0, fmax(0.0, y)));   // 1: keep the unscaled frequency
+      theta = __dadd_rn(__dmul_rn(__ddiv_rn(theta, e.yarn.factor), __dsub_rn(1.0, ramp)), __dmul_rn(theta, ramp));
+      table[k] = static_cast<float>(__dmul_rn(k < half ? cos(theta) : sin(theta), e.yarn.mscale));
+    } else {
+      table[k] = static_cast<float>(k < half ? cos(theta) : sin(theta));
+    }
+  }
+  __syncthreads();
+  const bool is_q = head < p.n_head;
+  const int64_t kh = head - p.n_head;
+  if (head >= p.n_head + p.n_head_kv || (!is_q && !store)) return;
+  const float* xh = is_q ? p.q + t * p.q_row_stride + head * p.q_head_stride : p.k + t * p.k_row_stride + kh * hd;
+  const float* b = is_q ? (e.q_bias != nullptr ? e.q_bias + head * hd : nullptr)
+                        : (e.k_bias != nullptr ? e.k_bias + kh * hd : nullptr);
+  auto rotate_into = [&](auto* oh) {
+    for (int64_t i = lane; i < half; i += 32) {
+      if (rope_nan) {
+        put(oh + i, __int_as_float(0x7fc00000));
+        put(oh + i + half, __int_as_float(0x7fc00000));
+        continue;
+      }
+      const float x0 = add_bias(xh, b, i), x1 = add_bias(xh, b, i + half);
+      const float cs = table[i], sn = table[half + i];
+      put(oh + i, __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn)));
+      put(oh + i + half, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs)));
+    }
+    for (int64_t i = p.n_rot + lane; i < hd; i += 32) put(oh + i, add_bias(xh, b, i));
+  };
+  if (is_q) {
+    rotate_into(p.q_out + (t * p.n_head + head) * hd);
+    return;
+  }
+  rotate_into(p.k_cache + (pos0 + t) * kv_dim + kh * hd);
+  const float* vh = p.v + t * p.v_row_stride + kh * hd;
+  const float* vb = e.v_bias != nullptr ? e.v_bias + kh * hd : nullptr;
+  KV* vo = p.v_cache + (pos0 + t) * kv_dim + kh * hd;
+  for (int64_t i = lane; i < hd; i += 32) put(vo + i, add_bias(vh, vb, i));
+}
+
 }  // namespace
 
 void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
@@ -224,7 +299,12 @@ void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
                                 ", v row " + std::to_string(a.v_row_stride) + " too small for " + shape);
   const bool f32_cache = a.k_cache != nullptr && a.v_cache != nullptr;
   const bool f16_cache = a.k_cache_f16 != nullptr && a.v_cache_f16 != nullptr;
-  if (a.q == nullptr || a.k == nullptr || a.v == nullptr || a.q_norm == nullptr || a.k_norm == nullptr ||
+  const bool plain = a.q_norm == nullptr && a.k_norm == nullptr;
+  if (!plain && (a.q_bias != nullptr || a.k_bias != nullptr || a.v_bias != nullptr || a.yarn.on))
+    throw std::invalid_argument("qk_norm_rope_store: q/k/v biases and YaRN only without q_norm and k_norm (" + shape + ")");
+  if (a.yarn.on && !(a.yarn.factor > 0.0))
+    throw std::invalid_argument("qk_norm_rope_store: YaRN factor must be positive (" + shape + ")");
+  if (a.q == nullptr || a.k == nullptr || a.v == nullptr || (!plain && (a.q_norm == nullptr || a.k_norm == nullptr)) ||
       a.pos0_dev == nullptr || a.q_out == nullptr || f32_cache == f16_cache)
     throw std::invalid_argument("qk_norm_rope_store: a null pointer among q, k, v, q_norm, k_norm, pos0_dev, q_out, "
                                 "or not exactly one of (k_cache, v_cache) and (k_cache_f16, v_cache_f16) set (" +
@@ -237,6 +317,11 @@ void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
     const Params<KV> p{a.q,      a.q_row_stride, a.q_head_stride, a.k,         a.k_row_stride, a.v,      a.v_row_stride,
                        a.q_norm, a.k_norm,       a.n_head,        a.n_head_kv, a.head_dim,     a.n_rot,  a.pos0_dev,
                        a.freq_base, a.eps,       a.rows,          a.max_pos,   a.q_out,        k_cache,  v_cache};
+    if (plain) {
+      const PlainExtras e{a.q_bias, a.k_bias, a.v_bias, a.yarn};
+      launch_kernel(qk_rope_store_plain_kernel<KV>, grid, dim3(32 * kWarpsPerCta), smem, stream, p, e);
+      return;
+    }
     launch_kernel(qk_norm_rope_store_kernel<KV>, grid, dim3(32 * kWarpsPerCta), smem, stream, p);
   };
   if (f32_cache) go(a.k_cache, a.v_cache);

@@ -29,6 +29,16 @@
 
 namespace moraine::cuda {
 
+// YaRN's rotation (gpt-oss), as reference::rope_neox_yarn computes it: pair i's angle is
+// pos * base^(-2i/n_rot) divided by factor where the ramp is 0, kept where it is 1, blended
+// between the correction dims low and high; cos and sin are scaled by mscale. low, high and
+// mscale are model::yarn_ramp's (common/model/arch/parts.h: the one computation of them, which
+// follows RopePart::yarn_truncate and attn_factor); the caller copies them here.
+struct RopeYarn {
+  bool on = false;
+  double factor = 1.0, low = 0.0, high = 0.0, mscale = 1.0;
+};
+
 struct QkNormRopeStoreArgs {
   const float* q = nullptr;
   int64_t q_row_stride = 0, q_head_stride = 0;
@@ -49,9 +59,17 @@ struct QkNormRopeStoreArgs {
   float* v_cache = nullptr;
   __half* k_cache_f16 = nullptr;
   __half* v_cache_f16 = nullptr;
+  // gpt-oss: biases added to the raw q / k / v heads first ([n_head * head_dim], [kv_dim], [kv_dim];
+  // nullable) and YaRN's rotation. Only without q_norm and k_norm (both null: the heads are
+  // rotated as they are, no RMSNorm); with norms they throw.
+  const float* q_bias = nullptr;
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
+  RopeYarn yarn;
 };
 
-// Throws std::invalid_argument naming the problem for a bad shape or a null pointer.
+// Throws std::invalid_argument naming the problem for a bad shape or a null pointer. q_norm and
+// k_norm both null: no RMSNorm (a separate kernel: q / k / v + their biases, RoPE or YaRN, store).
 void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream = nullptr);
 
 }  // namespace moraine::cuda

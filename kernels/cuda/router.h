@@ -19,4 +19,10 @@ namespace moraine::cuda {
 void route_softmax_top_k(const float* logits, int64_t n, int64_t n_expert, int64_t k, bool renormalize,
                          int32_t* chosen, float* weight, cudaStream_t stream = nullptr);
 
+// gpt-oss's router (RouterKind::TopKSoftmax): l = logits + bias (bias nullable, [n_expert]), the k
+// largest l (ties to the lower id), softmax over those k: weight[s] = exp(l_s - l_0) / sum in
+// slot order. Scalar reference: moraine::reference::route_top_k_softmax. Same limits as above.
+void route_top_k_softmax(const float* logits, const float* bias, int64_t n, int64_t n_expert, int64_t k,
+                         int32_t* chosen, float* weight, cudaStream_t stream = nullptr);
+
 }  // namespace moraine::cuda

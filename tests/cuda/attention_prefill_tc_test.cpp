@@ -52,10 +52,25 @@ namespace {
 
 constexpr double kMaxTile = 64, kMinTile = 32;  // the kernel's KV tiles (positions), see the top
 
-void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated, uint32_t seed) {
+// window / sinks (gpt-oss's options, AttentionShape): a sliding window over the positions (the
+// exact attention over the window's positions, tiles counted over them plus one for the partial
+// first) and a sink logit per head (sd 3), adding 2u (|sink - m| + |max s - m|) + 8u as in
+// attention_sinks_test.cpp (the sink's exp and the sum's rescale, each expf's 2u and u of its
+// argument; the products, the add, the division).
+void check(const cuda::AttentionShape& s0, int64_t n, int64_t n_past, bool gated, uint32_t seed, int64_t window = 0,
+           bool with_sinks = false) {
   std::mt19937 rng(seed);
+  cuda::AttentionShape s = s0;
+  s.window = window;
   const int64_t hd = s.head_dim, group = s.n_head / s.n_head_kv, qd = s.n_head * hd;
   cuda_test::PrefillInputs in = cuda_test::prefill_inputs(rng, s, n, n_past, gated);
+  const std::vector<float> sinks = with_sinks ? cuda_test::normal_values(rng, static_cast<size_t>(s.n_head), 3.0f)
+                                              : std::vector<float>();
+  cuda::DeviceBuffer<float> dsinks(std::max<size_t>(sinks.size(), 1));
+  if (with_sinks) {
+    dsinks.upload(sinks.data(), sinks.size());
+    s.sinks = dsinks.get();
+  }
   const std::vector<float>& q = in.q;
   std::vector<float>&kc = in.kc, &vc = in.vc, &gate = in.gate;
   const std::vector<uint16_t> k16 = cuda_test::round_to_half(kc), v16 = cuda_test::round_to_half(vc);
@@ -79,13 +94,14 @@ void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated,
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < s.n_head; ++h) {
       const int64_t n_kv = n_past + t + 1, g = h / group;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n_kv - window) : 0, seen = n_kv - lo;
       const float* qh = q.data() + (t * s.n_head + h) * hd;
-      std::vector<double> sc(static_cast<size_t>(n_kv));
-      double mx = -INFINITY, max_ds = 0, max_s = 0;
-      for (int64_t j = 0; j < n_kv; ++j) {
+      std::vector<double> sc(static_cast<size_t>(seen));
+      double smax = -INFINITY, max_ds = 0, max_s = 0;
+      for (int64_t j = 0; j < seen; ++j) {
         double dot = 0, mag = 0, k1 = 0;
         for (int64_t d = 0; d < hd; ++d) {
-          const double kv = kc[j * s.kv_stride + g * hd + d];
+          const double kv = kc[(lo + j) * s.kv_stride + g * hd + d];
           const double p = double(qh[d]) * kv;
           dot += p;
           mag += std::fabs(p);
@@ -96,19 +112,21 @@ void check(const cuda::AttentionShape& s, int64_t n, int64_t n_past, bool gated,
                           std::ldexp(1.0, -28) * q_max * s.scale * k1 + u * std::fabs(sc[j]);
         max_ds = std::max(max_ds, ds);
         max_s = std::max(max_s, std::fabs(sc[j]));
-        mx = std::max(mx, sc[j]);
+        smax = std::max(smax, sc[j]);
       }
-      double sum = 0;
+      const double mx = with_sinks ? std::max(smax, double(sinks[h])) : smax;
+      double sum = with_sinks ? std::exp(sinks[h] - mx) : 0.0;
       for (double& v : sc) sum += (v = std::exp(v - mx));
-      const double tiles = std::ceil(double(n_kv) / kMinTile);
+      const double tiles = std::ceil(double(seen) / kMinTile) + (window > 0 ? 1 : 0);
       const double e_p = 2 * max_ds + 4 * u * max_s + (2 + 3 * tiles) * u;
       const double numerator = (4 * kMaxTile * grow + 2 * tiles) * u + split;
       const double denominator = (kMaxTile / 4 + 2 + 2 * tiles) * u;
-      const double rel = 2 * e_p + numerator + denominator + 2 * u;
+      double rel = 2 * e_p + numerator + denominator + 2 * u;
+      if (with_sinks) rel += 2 * u * (std::fabs(sinks[h] - mx) + std::fabs(smax - mx)) + 8 * u;
       for (int64_t d = 0; d < hd; ++d) {
         double o = 0, mag = 0, v1 = 0;
-        for (int64_t j = 0; j < n_kv; ++j) {
-          const double v = vc[j * s.kv_stride + g * hd + d];
+        for (int64_t j = 0; j < seen; ++j) {
+          const double v = vc[(lo + j) * s.kv_stride + g * hd + d];
           const double pv = sc[j] / sum * v;
           o += pv;
           mag += std::fabs(pv);
@@ -210,6 +228,17 @@ TEST(CudaAttentionPrefillTc, MatchesExactAttentionOnTheHalfValues) {
   check(cuda_test::attention_shape(4, 4, 256, 8), 40, 20, false, 205);    // no grouping
   check(cuda_test::attention_shape(32, 4, 128, 8), 1, 0, false, 206);     // a single row and position
   check(cuda_test::attention_shape(8, 1, 128, 8), 150, 900, false, 207);  // ~30 KV tiles, both buffers many times
+}
+
+// gpt-oss's options at the tensor-core kernel's head sizes: windows shorter than the prefill and
+// than a KV tile, after a past longer than the window, sinks with and without a window.
+TEST(CudaAttentionPrefillTc, SinksAndSlidingWindowMatchExactAttention) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  check(cuda_test::attention_shape(32, 4, 128, 8), 200, 0, false, 301, 128, true);
+  check(cuda_test::attention_shape(32, 4, 128, 8), 70, 333, false, 302, 40, true);
+  check(cuda_test::attention_shape(16, 2, 256, 8), 90, 40, true, 303, 0, true);
+  check(cuda_test::attention_shape(6, 2, 128, 8), 75, 5, false, 304, 8, false);
+  check(cuda_test::attention_shape(8, 1, 128, 8), 150, 900, false, 305, 300, true);
 }
 
 TEST(CudaAttentionPrefillTc, SplitOperandsKeepF32Accuracy) {

@@ -259,7 +259,16 @@ struct Case {
   bool slot_table;  // slot-table mode with every third expert absent, and slot_rows out
   uint32_t seed;
   bool plain_launches = false;  // every form with both kernels launched plainly (no PDL), as below sm_90
+  bool oss = false;   // gpt-oss: per-expert biases and the clamped SwiGLU (reference::biased_expert)
 };
+
+// gpt-oss's constants (parts.h ExpertsPart) and its h, as reference::biased_expert computes it.
+constexpr float kAlpha = 1.702f, kLimit = 7.0f;
+float oss_h(float g, float u) {
+  g = std::fmin(g, kLimit);
+  u = std::fmax(-kLimit, std::fmin(u, kLimit));
+  return g * reference::sigmoid(kAlpha * g) * (u + 1.0f);
+}
 
 // Host reference for one slot: the expert's output row and its tolerance.
 struct SlotRef {
@@ -272,7 +281,13 @@ struct ExpectedSum {
   double tolerance;
 };
 
-SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64_t e, const float* x) {
+// bg / bu / bd: expert e's biases (null: plain SwiGLU, no biases). With them (gpt-oss) h is
+// reference::biased_expert's: g + bg, u + bu (each side rounds the add of values tg / tu apart:
+// 2u more), clamped (1-Lipschitz), g sigmoid(alpha g) (derivative <= 1.23 for any g: 1 + max x
+// sigmoid(x)(1 - sigmoid(x)); the device's expf and the alpha product: 10u relative where silu had
+// 8u) times (u + 1) (one more rounding each side); y = down h + bd (2u of |y| more).
+SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64_t e, const float* x,
+                       const float* bg = nullptr, const float* bu = nullptr, const float* bd = nullptr) {
   const int64_t n_embd = gate.cols, n_ff = gate.rows;
   const TensorType ah = dot_activation_type(down.type);
   const std::vector<uint8_t> xg = reference::pack_activations(gate.type, x, 1, n_embd).bytes;
@@ -283,6 +298,17 @@ SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64
     const Dot g = reference_dot(gate.type, gate.row(e, r), xg.data(), n_embd);
     const Dot u = reference_dot(up.type, up.row(e, r), xu.data(), n_embd);
     const double tg = 2.0 * gamma(g.terms) * g.abs_terms, tu = 2.0 * gamma(u.terms) * u.abs_terms;
+    if (bg != nullptr) {
+      const float gb = g.value + bg[r], ub = u.value + bu[r];
+      const float gc = std::fmin(gb, kLimit), uc = std::fmax(-kLimit, std::fmin(ub, kLimit)) + 1.0f;
+      const float s = gc * reference::sigmoid(kAlpha * gc);
+      h[static_cast<size_t>(r)] = oss_h(gb, ub);
+      const double tg2 = tg + 2.0 * kU * std::fabs(gb), tu2 = tu + 2.0 * kU * std::fabs(ub) + 2.0 * kU * std::fabs(uc);
+      const double ds = 1.23 * tg2 + 10.0 * kU * (std::fabs(s) + 1.23 * tg2);
+      dh[static_cast<size_t>(r)] = ds * (std::fabs(uc) + tu2) + std::fabs(s) * tu2 +
+                                   2.0 * kU * (std::fabs(s) + ds) * (std::fabs(uc) + tu2);
+      continue;
+    }
     const float s = reference::silu(g.value);
     h[static_cast<size_t>(r)] = s * u.value;
     const double ds = 1.1 * tg + 8.0 * kU * (std::fabs(s) + 1.1 * tg);
@@ -325,9 +351,10 @@ SlotRef reference_slot(const Kind& gate, const Kind& up, const Kind& down, int64
         }
       }
     }
-    out.y[static_cast<size_t>(r)] = y.value;
+    out.y[static_cast<size_t>(r)] = bd != nullptr ? y.value + bd[r] : y.value;
     out.tol[static_cast<size_t>(r)] =
         flips * (1.0 + 1e-3) + (2.0 * gamma(y.terms) + 8.0 * kU) * y.abs_terms + 8.0 * kU * parts;
+    if (bd != nullptr) out.tol[static_cast<size_t>(r)] += 2.0 * kU * std::fabs(out.y[static_cast<size_t>(r)]);
   }
   return out;
 }
@@ -341,6 +368,7 @@ struct HostCase {
   std::vector<bool> present;
   std::vector<SlotRef> ref;
   std::mt19937 rng;  // where the case's random stream stands after the inputs
+  std::vector<float> bg, bu, bd;   // Case::oss: [n_expert][n_ff], [n_expert][n_ff], [n_expert][n_embd]
 };
 
 HostCase make_host_case(const Case& c) {
@@ -368,16 +396,26 @@ HostCase make_host_case(const Case& c) {
   Kind up = make_kind(c.up, c.n_expert, c.n_ff, c.n_embd, routed, rng);
   Kind down = make_kind(c.down, c.n_expert, c.n_embd, c.n_ff, routed, rng);
   std::vector<float> x = scaled_values(rng, static_cast<size_t>(c.n_tokens * c.n_embd), 1e-1f);
+  // gpt-oss's biases: wide (sd 5) so that gate and up cross the clamp at +-7 in many rows.
+  std::vector<float> bg, bu, bd;
+  if (c.oss) {
+    bg = cuda_test::normal_values(rng, static_cast<size_t>(c.n_expert * c.n_ff), 5.0f);
+    bu = cuda_test::normal_values(rng, static_cast<size_t>(c.n_expert * c.n_ff), 5.0f);
+    bd = cuda_test::normal_values(rng, static_cast<size_t>(c.n_expert * c.n_embd), 1.0f);
+  }
 
   // Host reference, once per slot whose expert is present.
   std::vector<SlotRef> ref(static_cast<size_t>(n_slots));
   parallel_for(n_slots, [&](int64_t i) {
     const int e = chosen[static_cast<size_t>(i)];
-    if (present[static_cast<size_t>(e)])
-      ref[static_cast<size_t>(i)] = reference_slot(gate, up, down, e, x.data() + (i / c.k) * c.n_embd);
+    if (!present[static_cast<size_t>(e)]) return;
+    const float* xt = x.data() + (i / c.k) * c.n_embd;
+    ref[static_cast<size_t>(i)] =
+        c.oss ? reference_slot(gate, up, down, e, xt, bg.data() + e * c.n_ff, bu.data() + e * c.n_ff, bd.data() + e * c.n_embd)
+              : reference_slot(gate, up, down, e, xt);
   });
   return {std::move(gate), std::move(up), std::move(down), std::move(x), std::move(chosen), std::move(weight),
-          std::move(present), std::move(ref), rng};
+          std::move(present), std::move(ref), rng, std::move(bg), std::move(bu), std::move(bd)};
 }
 
 // The weighted sum's reference (reference::moe_combine's accumulation) and its tolerance.
@@ -467,6 +505,18 @@ void run_case(const Case& c) {
     w.slots = dtable.get();
   }
 
+  cuda::DeviceBuffer<float> dbg(host.bg.size()), dbu(host.bu.size()), dbd(host.bd.size());
+  if (c.oss) {
+    dbg.upload(host.bg.data(), host.bg.size());
+    dbu.upload(host.bu.data(), host.bu.size());
+    dbd.upload(host.bd.data(), host.bd.size());
+    w.gate_bias = dbg.get();
+    w.up_bias = dbu.get();
+    w.down_bias = dbd.get();
+    w.swiglu_clamped = true;
+    w.swiglu_alpha = kAlpha;
+    w.swiglu_limit = kLimit;
+  }
   cuda::DeviceBuffer<float> dx(x.size()), dweight(weight.size()), dsum(static_cast<size_t>(c.n_tokens * c.n_embd));
   cuda::DeviceBuffer<int32_t> dchosen(chosen.size());
   dx.upload(x.data(), x.size());
@@ -519,6 +569,7 @@ void run_case(const Case& c) {
   };
   for (int call = 0; call < 2 * static_cast<int>(std::size(forms)); ++call) {
     const FormCase& form = forms[call / 2];
+    if (c.oss && form.units) continue;   // the bench's warp units have no biases or clamped SwiGLU
     dsum.fill_bytes(0xff);
     dslot_rows.fill_bytes(0xff);
     call_form(form);
@@ -550,6 +601,7 @@ void run_case(const Case& c) {
   std::vector<float> base(dsum.size());
   for (float& v : base) v = std::normal_distribution<float>(0.0f, 4.0f)(rng);
   for (const FormCase& form : forms) {
+    if (c.oss && form.units) continue;
     out.sum_accumulate = true;
     dsum.upload(base.data(), base.size());
     call_form(form);
@@ -656,6 +708,22 @@ TEST(CudaMoeFusedMixed, PerShapeStagedKernelsMatchReference) {
   run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 1, 24, 8, 2048, 768, true, 43});
   run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q6_K, 2, 24, 8, 2048, 768, false, 44});
   run_case({TensorType::Q4_K, TensorType::Q4_K, TensorType::Q4_K, 2, 24, 10, 2048, 512, true, 45});
+}
+
+// gpt-oss's experts (biases on gate, up and down, the clamped SwiGLU: moe_fused's kOss kernels) in
+// the formats its files carry (MXFP4 as released, Q4_K / Q8_0 requantized), the 20b shape's k = 4
+// of 32 experts at decode and verify sizes, slot table with absent experts and whole tensors.
+TEST(CudaMoeFusedOss, BiasedClampedSwigluMatchesReference) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  for (const TensorType t : {TensorType::MXFP4, TensorType::Q4_K, TensorType::Q8_0}) {
+    run_case({t, t, t, 1, 32, 4, 512, 256, false, 61, false, true});
+    run_case({t, t, t, 5, 32, 4, 256, 512, true, 62, false, true});
+  }
+  run_case({TensorType::MXFP4, TensorType::MXFP4, TensorType::Q8_0, 16, 8, 2, 256, 256, true, 63, false, true});
+  // gpt-oss-20b's row width (2880: 90 MXFP4 blocks, kernel 1's per-row dot_staged path) and gate /
+  // up of different formats (the same path).
+  run_case({TensorType::MXFP4, TensorType::MXFP4, TensorType::MXFP4, 2, 32, 4, 2880, 256, false, 64, false, true});
+  run_case({TensorType::MXFP4, TensorType::Q8_0, TensorType::Q4_K, 3, 9, 4, 512, 256, true, 65, false, true});
 }
 
 // Every form with plain launches (what devices below sm_90 run, and what compute-sanitizer can

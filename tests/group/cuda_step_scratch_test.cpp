@@ -155,7 +155,7 @@ TEST(CudaStepScratch, ExpertPathRowsAtEveryStepLength) {
       EXPECT_EQ(reserve.bytes("expert_g"), S * static_cast<uint64_t>(hp.n_ff_exp) * 4);
       EXPECT_EQ(reserve.bytes("expert_u"), S * static_cast<uint64_t>(hp.n_ff_exp) * 4);
       EXPECT_EQ(reserve.bytes("expert_out"), S * static_cast<uint64_t>(hp.n_embd) * 4);
-      EXPECT_EQ(reserve.bytes("expert_idx"), 3 * S * 4);
+      EXPECT_EQ(reserve.bytes("expert_idx"), 4 * S * 4);   // token, slab, slot, expert id
       CudaStepScratchOptions o;
       o.max_tokens = T;
       o.max_context = 4096;
