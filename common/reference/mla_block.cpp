@@ -21,30 +21,6 @@ namespace moraine::reference {
 
 namespace {
 
-// softmax(q . k_j * scale) over n_kv positions, then the weighted sum of v_j (vdim wide).
-void attend(const float* q, int64_t kdim, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-            int64_t vdim, int64_t n_kv, float scale, float* scores, float* out) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n_kv; ++j) {
-    const float* kj = k + j * k_stride;
-    float s = 0.0f;
-    for (int64_t d = 0; d < kdim; ++d) s += q[d] * kj[d];
-    scores[j] = s * scale;
-    mx = std::fmax(mx, scores[j]);
-  }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n_kv; ++j) {
-    scores[j] = std::exp(scores[j] - mx);
-    sum += scores[j];
-  }
-  const float inv = 1.0f / sum;
-  for (int64_t d = 0; d < vdim; ++d) out[d] = 0.0f;
-  for (int64_t j = 0; j < n_kv; ++j) {
-    const float p = scores[j] * inv;
-    const float* vj = v + j * v_stride;
-    for (int64_t d = 0; d < vdim; ++d) out[d] += p * vj[d];
-  }
-}
 
 std::vector<float> dequantized(const model::Matrix& m) {
   std::vector<float> f(static_cast<size_t>(m.n_rows * m.n_cols));
@@ -127,7 +103,7 @@ void absorbed_attention(const MlaStep& st, float* out) {
     std::vector<float> scores(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n_kv = pos0 + i / H + 1;
-      attend(qcat.data() + i * kw, kw, cache, kw, cache, kw, R, n_kv, static_cast<float>(P.kq_scale), scores.data(),
+      attend_rows(qcat.data() + i * kw, kw, cache, kw, cache, kw, R, n_kv, static_cast<float>(P.kq_scale), scores.data(),
              olat.data() + i * R);
     }
   });
@@ -194,7 +170,7 @@ void expanded_attention(const MlaStep& st, float* out) {
     std::vector<float> scores(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n_kv = pos0 + i / H + 1, hd = i % H;
-      attend(q + i * qk, qk, kx.data() + hd * qk, H * qk, vx.data() + hd * Vd, H * Vd, Vd, n_kv,
+      attend_rows(q + i * qk, qk, kx.data() + hd * qk, H * qk, vx.data() + hd * Vd, H * Vd, Vd, n_kv,
              static_cast<float>(P.kq_scale), scores.data(), out + i * Vd);
     }
   });

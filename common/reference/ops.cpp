@@ -110,13 +110,13 @@ void attend_one_head_sink(const float* q, const float* k, const float* v, int64_
 
 float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
-void attend_one_head(const float* q, const float* k, const float* v, int64_t n_kv,
-                     int64_t kv_stride, int64_t head_dim, float scale, float* scores, float* out) {
+void attend_rows(const float* q, int64_t kdim, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                 int64_t vdim, int64_t n_kv, float scale, float* scores, float* out) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < n_kv; ++j) {
-    const float* kj = k + j * kv_stride;
+    const float* kj = k + j * k_stride;
     float s = 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) s += q[d] * kj[d];
+    for (int64_t d = 0; d < kdim; ++d) s += q[d] * kj[d];
     scores[j] = s * scale;
     mx = std::fmax(mx, scores[j]);
   }
@@ -126,12 +126,17 @@ void attend_one_head(const float* q, const float* k, const float* v, int64_t n_k
     sum += scores[j];
   }
   const float inv = 1.0f / sum;
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+  for (int64_t d = 0; d < vdim; ++d) out[d] = 0.0f;
   for (int64_t j = 0; j < n_kv; ++j) {
     const float p = scores[j] * inv;
-    const float* vj = v + j * kv_stride;
-    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
+    const float* vj = v + j * v_stride;
+    for (int64_t d = 0; d < vdim; ++d) out[d] += p * vj[d];
   }
+}
+
+void attend_one_head(const float* q, const float* k, const float* v, int64_t n_kv,
+                     int64_t kv_stride, int64_t head_dim, float scale, float* scores, float* out) {
+  attend_rows(q, head_dim, k, kv_stride, v, kv_stride, head_dim, n_kv, scale, scores, out);
 }
 
 void conv1d_silu_step(const float* w, int64_t kernel, int64_t channels, float* state,

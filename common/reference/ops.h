@@ -34,6 +34,11 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }
 // log(1 + e^x), linear above 20 as torch.nn.functional.softplus does.
 float softplus(float x);
 
+// softmax(q . k_j * scale) over n_kv positions (kdim wide), then the weighted sum of v_j (vdim
+// wide): attend_one_head's arithmetic with keys and values of their own widths and strides (MLA).
+void attend_rows(const float* q, int64_t kdim, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                 int64_t vdim, int64_t n_kv, float scale, float* scores, float* out);
+
 // Causal attention of one query head over n_kv cached positions.
 // k and v are strided: position j of this kv head starts at k + j * kv_stride.
 // scores_tmp must hold n_kv floats. out gets head_dim floats.
