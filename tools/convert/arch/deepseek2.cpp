@@ -1,7 +1,7 @@
 // DeepseekV2ForCausalLM / DeepseekV3ForCausalLM -> deepseek2, with the keys and tensors llama.cpp's
 // converter writes today: MLA as MQA over the latent (head_count_kv 1, key_length kv_lora_rank +
 // qk_rope_head_dim, value_length kv_lora_rank, key_length_mla / value_length_mla the decompressed
-// head dims), q_lora_rank (absent: q projected directly), leading_dense_block_count
+// head dims), q_lora_rank (0: q projected directly), leading_dense_block_count
 // (first_k_dense_replace), expert_shared_count, expert_weights_scale (routed_scaling_factor),
 // expert_weights_norm (norm_topk_prob, only when true), expert groups (n_group / topk_group),
 // the router (V2 softmax, V3 sigmoid with e_score_correction_bias -> exp_probs_b), DeepSeek's
@@ -92,7 +92,8 @@ void read_attention(const HfConfig& cfg, HfModel& m) {
   hp.head_dim = hp.kv_lora_rank + rope;
   hp.head_dim_v = hp.kv_lora_rank;
   m.head_dim_cfg.reset();
-  if (hp.q_lora_rank > 0) m.put_u32("attention.q_lora_rank", hp.q_lora_rank);
+  // llama.cpp's converter omits it for direct q, but its loader then needs it unless the layer count is V2-Lite's.
+  m.put_u32("attention.q_lora_rank", hp.q_lora_rank);
   m.put_u32("attention.kv_lora_rank", hp.kv_lora_rank);
   m.put_u32("attention.key_length", hp.head_dim);
   m.put_u32("attention.value_length", hp.head_dim_v);
