@@ -88,6 +88,34 @@ std::vector<float> source_rows(const StTensor& t, int64_t first, int64_t n) {
 
 std::vector<float> source_all(const StTensor& t) { return source_rows(t, 0, t.n_rows()); }
 
+// deepseek2's own keys: the MLA sizes, the router, DeepSeek's YaRN, no MTP layer (llama.cpp skips it).
+void expect_deepseek2_keys(const json& cfg, const GgufFile& f) {
+  const std::string a = "deepseek2.";
+  const bool v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM";
+  const json& rope = cfg["rope_parameters"];
+  EXPECT_EQ(f.get_u64(a + "attention.q_lora_rank"), cfg["q_lora_rank"].is_null() ? 0u : cfg["q_lora_rank"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "attention.kv_lora_rank"), cfg["kv_lora_rank"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "attention.key_length_mla"), cfg["qk_nope_head_dim"].get<uint64_t>() + cfg["qk_rope_head_dim"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "attention.value_length_mla"), cfg["v_head_dim"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "rope.dimension_count"), cfg["qk_rope_head_dim"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "leading_dense_block_count"), cfg["first_k_dense_replace"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "expert_shared_count"), cfg["n_shared_experts"].get<uint64_t>());
+  EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + "expert_weights_scale")), cfg["routed_scaling_factor"].get<float>());
+  EXPECT_EQ(f.get_bool(a + "expert_weights_norm").value_or(false), cfg["norm_topk_prob"].get<bool>());
+  // V3 states its sigmoid router; V2's softmax is llama.cpp's default (config.json names no scoring_func).
+  if (v3) EXPECT_EQ(f.get_u64(a + "expert_gating_func"), 2u);
+  else EXPECT_EQ(f.find(a + "expert_gating_func"), nullptr);
+  EXPECT_EQ(f.get_u64(a + "expert_group_count"), cfg["n_group"].get<uint64_t>());
+  EXPECT_EQ(f.get_u64(a + "expert_group_used_count"), cfg["topk_group"].get<uint64_t>());
+  EXPECT_EQ(f.get_string(a + "rope.scaling.type"), "yarn");
+  EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + "rope.scaling.factor")), rope["factor"].get<float>());
+  EXPECT_EQ(f.get_u64(a + "rope.scaling.original_context_length"), rope["original_max_position_embeddings"].get<uint64_t>());
+  EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + "rope.scaling.yarn_log_multiplier")),
+                  static_cast<float>(0.1 * rope["mscale_all_dim"].get<double>()));
+  EXPECT_EQ(f.get_u64(a + "block_count"), cfg["num_hidden_layers"].get<uint64_t>());
+  EXPECT_EQ(f.find(a + "nextn_predict_layers"), nullptr);
+}
+
 TEST_F(ConvertGolden, MetadataSaysWhatConfigSays) {
   for (const std::string& m : golden_models()) {
     SCOPED_TRACE(m);
@@ -104,11 +132,19 @@ TEST_F(ConvertGolden, MetadataSaysWhatConfigSays) {
     EXPECT_EQ(f.get_u64(a + ".embedding_length"), cfg["hidden_size"].get<uint64_t>());
     EXPECT_EQ(f.get_u64(a + ".feed_forward_length"), cfg["intermediate_size"].get<uint64_t>());
     EXPECT_EQ(f.get_u64(a + ".attention.head_count"), cfg["num_attention_heads"].get<uint64_t>());
-    EXPECT_EQ(f.get_u64(a + ".attention.head_count_kv"), cfg["num_key_value_heads"].get<uint64_t>());
-    if (cfg.contains("head_dim") && !cfg["head_dim"].is_null()) {
+    if (a == "deepseek2") {   // MQA over the cached [latent | rotary key], as llama.cpp writes it
+      const uint64_t rank = cfg["kv_lora_rank"], rope = cfg["qk_rope_head_dim"];
+      EXPECT_EQ(f.get_u64(a + ".attention.head_count_kv"), 1u);
+      EXPECT_EQ(f.get_u64(a + ".attention.key_length"), rank + rope);
+      EXPECT_EQ(f.get_u64(a + ".attention.value_length"), rank);
+      expect_deepseek2_keys(cfg, f);
+    } else {
+      EXPECT_EQ(f.get_u64(a + ".attention.head_count_kv"), cfg["num_key_value_heads"].get<uint64_t>());
+    }
+    if (a != "deepseek2" && cfg.contains("head_dim") && !cfg["head_dim"].is_null()) {
       EXPECT_EQ(f.get_u64(a + ".attention.key_length"), cfg["head_dim"].get<uint64_t>());
       EXPECT_EQ(f.get_u64(a + ".attention.value_length"), cfg["head_dim"].get<uint64_t>());
-    } else {
+    } else if (a != "deepseek2") {
       EXPECT_EQ(f.find(a + ".attention.key_length"), nullptr);
     }
     EXPECT_FLOAT_EQ(static_cast<float>(*f.get_f64(a + ".rope.freq_base")),
@@ -307,6 +343,46 @@ void expected_glm_layer(const json& cfg, int64_t il, const std::string& b, std::
   t[b + "ffn_down_shexp.weight"] = {Fs, H};
 }
 
+// deepseek2's layers as llama.cpp's loader asks for them: q directly or through its LoRA, the
+// latent's projection and norm, kv_b_proj split into attn_k_b / attn_v_b, dense FFNs first, then
+// the router (V3: with exp_probs_b), routed experts and the ungated shared experts.
+void expected_deepseek2_layer(const json& cfg, int64_t il, const std::string& b, std::map<std::string, std::vector<int64_t>>& t) {
+  const int64_t H = cfg["hidden_size"], nh = cfg["num_attention_heads"], E = cfg["n_routed_experts"];
+  const int64_t R = cfg["kv_lora_rank"], nope = cfg["qk_nope_head_dim"], rope = cfg["qk_rope_head_dim"], v = cfg["v_head_dim"];
+  const int64_t F = cfg["moe_intermediate_size"];
+  t[b + "attn_norm.weight"] = {H};
+  t[b + "ffn_norm.weight"] = {H};
+  if (cfg["q_lora_rank"].is_null()) {
+    t[b + "attn_q.weight"] = {H, nh * (nope + rope)};
+  } else {
+    const int64_t Q = cfg["q_lora_rank"];
+    t[b + "attn_q_a.weight"] = {H, Q};
+    t[b + "attn_q_a_norm.weight"] = {Q};
+    t[b + "attn_q_b.weight"] = {Q, nh * (nope + rope)};
+  }
+  t[b + "attn_kv_a_mqa.weight"] = {H, R + rope};
+  t[b + "attn_kv_a_norm.weight"] = {R};
+  t[b + "attn_k_b.weight"] = {nope, R, nh};
+  t[b + "attn_v_b.weight"] = {R, v, nh};
+  t[b + "attn_output.weight"] = {nh * v, H};
+  if (il < cfg["first_k_dense_replace"].get<int64_t>()) {
+    const int64_t Fd = cfg["intermediate_size"];
+    t[b + "ffn_gate.weight"] = {H, Fd};
+    t[b + "ffn_up.weight"] = {H, Fd};
+    t[b + "ffn_down.weight"] = {Fd, H};
+    return;
+  }
+  const int64_t Fs = F * cfg["n_shared_experts"].get<int64_t>();
+  t[b + "ffn_gate_inp.weight"] = {H, E};
+  if (cfg["architectures"][0] == "DeepseekV3ForCausalLM") t[b + "exp_probs_b.bias"] = {E};
+  t[b + "ffn_gate_exps.weight"] = {H, F, E};
+  t[b + "ffn_up_exps.weight"] = {H, F, E};
+  t[b + "ffn_down_exps.weight"] = {F, H, E};
+  t[b + "ffn_gate_shexp.weight"] = {H, Fs};
+  t[b + "ffn_up_shexp.weight"] = {H, Fs};
+  t[b + "ffn_down_shexp.weight"] = {Fs, H};
+}
+
 std::map<std::string, std::vector<int64_t>> expected_tensors(const json& cfg, int64_t n_mtp) {
   const std::string a = golden_arch(cfg);
   const bool next = a == "qwen3next" || a == "qwen35moe";
@@ -319,6 +395,10 @@ std::map<std::string, std::vector<int64_t>> expected_tensors(const json& cfg, in
   }
   if (a == "glm4moe") {
     for (int64_t il = 0; il < L; ++il) expected_glm_layer(cfg, il, "blk." + std::to_string(il) + ".", t);
+    return t;
+  }
+  if (a == "deepseek2") {
+    for (int64_t il = 0; il < L; ++il) expected_deepseek2_layer(cfg, il, "blk." + std::to_string(il) + ".", t);
     return t;
   }
   const bool split_ba = a == "qwen35moe";
@@ -389,6 +469,33 @@ TEST_F(ConvertGolden, TensorsAreExactlyTheOnesLlamaCppExpects) {
       EXPECT_EQ(t.type, TensorType::F32) << t.name;
     }
     EXPECT_EQ(got, want);
+  }
+}
+
+// llama.cpp's split of kv_b_proj [n_head * (nope + v), rank]: per head, attn_k_b {nope, rank} is
+// the nope rows transposed, attn_v_b {rank, v} the v rows as they are.
+TEST_F(ConvertGolden, Deepseek2KvBIsSplitPerHeadWithKbTransposed) {
+  for (const std::string& m : {std::string("deepseek_v2"), std::string("deepseek_v3")}) {
+    SCOPED_TRACE(m);
+    const json cfg = read_json(golden_dir(m) + "/config.json");
+    const Checkpoint c = Checkpoint::open(golden_dir(m));
+    const GgufFile f = GgufFile::open(gguf_path(m));
+    const int64_t nh = cfg["num_attention_heads"], R = cfg["kv_lora_rank"], nope = cfg["qk_nope_head_dim"], v = cfg["v_head_dim"];
+    for (int64_t il = 0; il < cfg["num_hidden_layers"].get<int64_t>(); ++il) {
+      const StTensor* kv = c.find("model.layers." + std::to_string(il) + ".self_attn.kv_b_proj.weight");
+      ASSERT_NE(kv, nullptr);
+      const std::vector<float> src = source_all(*kv);
+      const std::vector<float> kb = tensor_f32(f, "blk." + std::to_string(il) + ".attn_k_b.weight");
+      const std::vector<float> vb = tensor_f32(f, "blk." + std::to_string(il) + ".attn_v_b.weight");
+      ASSERT_EQ(kb.size(), static_cast<size_t>(nh * R * nope));
+      ASSERT_EQ(vb.size(), static_cast<size_t>(nh * R * v));
+      for (int64_t h = 0; h < nh; ++h) {
+        for (int64_t r = 0; r < R; ++r) {
+          for (int64_t j = 0; j < nope; ++j) ASSERT_EQ(kb[(h * R + r) * nope + j], src[(h * (nope + v) + j) * R + r]) << h << " " << r << " " << j;
+          for (int64_t i = 0; i < v; ++i) ASSERT_EQ(vb[(h * v + i) * R + r], src[(h * (nope + v) + nope + i) * R + r]) << h << " " << i << " " << r;
+        }
+      }
+    }
   }
 }
 

@@ -17,9 +17,9 @@ namespace {
 
 using nlohmann::json;
 
-// The golden qwen3moe_odd checkpoint's tensors as raw bytes (so a case can add, drop or reshape).
-std::vector<RawTensor> golden_tensors() {
-  const Checkpoint c = Checkpoint::open(golden_dir("qwen3moe_odd"));
+// A golden checkpoint's tensors as raw bytes (so a case can add, drop or reshape).
+std::vector<RawTensor> golden_tensors(const std::string& model = "qwen3moe_odd") {
+  const Checkpoint c = Checkpoint::open(golden_dir(model));
   std::vector<RawTensor> out;
   for (const StTensor& t : c.tensors()) {
     RawTensor r{t.name, "BF16", t.shape, std::vector<uint8_t>(t.data, t.data + t.n_bytes)};
@@ -32,17 +32,27 @@ std::vector<RawTensor> golden_tensors() {
 // A checkpoint folder: the golden config and tokenizer (after `edit_config`), and `tensors`.
 class Case {
  public:
-  Case(const std::vector<RawTensor>& tensors, const std::function<void(json&)>& edit_config = {})
+  Case(const std::vector<RawTensor>& tensors, const std::function<void(json&)>& edit_config = {},
+       const std::string& model = "qwen3moe_odd")
       : dir_("convert-refusal") {
-    json cfg = read_json(golden_dir("qwen3moe_odd") + "/config.json");
+    json cfg = read_json(golden_dir(model) + "/config.json");
     if (edit_config) edit_config(cfg);
     std::ofstream(dir_.file("config.json")) << cfg.dump(1);
     for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
-      fs::copy_file(golden_dir("qwen3moe_odd") + "/" + f, dir_.file(f));
+      fs::copy_file(golden_dir(model) + "/" + f, dir_.file(f));
     }
     write_safetensors(dir_.file("model.safetensors"), tensors);
   }
   const Scratch& dir() const { return dir_; }
+
+  // Converts; the converter's error, if any, fails the test.
+  void converts() const {
+    ConvertOptions opt;
+    opt.hf_dir = dir_.path();
+    opt.out_path = dir_.file("out.gguf");
+    opt.outtype = TensorType::F32;
+    EXPECT_NO_THROW(convert_hf_to_gguf(opt));
+  }
 
   // The converter's error message; fails the test when it converts instead.
   std::string error() const {
@@ -125,6 +135,41 @@ TEST(ConvertRefusal, InexpressibleConfigIsNamed) {
     const std::string e = Case(golden_tensors(), [](json& c) { c.erase("hidden_size"); }).error();
     EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
   }
+}
+
+// deepseek2: settings where transformers and llama.cpp's deepseek2 would compute different models.
+TEST(ConvertRefusal, Deepseek2SettingsTheGgufCannotHoldAreNamed) {
+  const auto err = [](const char* model, const std::function<void(json&)>& edit) {
+    return Case(golden_tensors(model), edit, model).error();
+  };
+  const auto has = [](const std::string& e, const char* w) { EXPECT_NE(e.find(w), std::string::npos) << "missing '" << w << "' in: " << e; };
+  has(err("deepseek_v3", [](json& c) { c["scoring_func"] = "softmax"; }), "scoring_func");
+  has(err("deepseek_v2", [](json& c) { c["scoring_func"] = "sigmoid"; }), "scoring_func");
+  has(err("deepseek_v2", [](json& c) { c["topk_method"] = "group_limited_greedy"; }), "topk_method");
+  has(err("deepseek_v2", [](json& c) { c["n_group"] = 2; c["topk_group"] = 1; }), "n_group");
+  has(err("deepseek_v3", [](json& c) { c["topk_group"] = 4; }), "topk_group");
+  has(err("deepseek_v3", [](json& c) { c["rope_parameters"]["mscale"] = 0.5; }), "rope_parameters.mscale");
+  has(err("deepseek_v3", [](json& c) { c["rope_parameters"].erase("mscale_all_dim"); }), "mscale_all_dim");
+  has(err("deepseek_v3", [](json& c) { c["rope_parameters"]["factor"] = 20.0; }), "rope_parameters.factor");
+  has(err("deepseek_v3", [](json& c) { c["rope_parameters"]["beta_fast"] = 16.0; }), "beta_fast");
+  has(err("deepseek_v3", [](json& c) { c["rope_parameters"]["rope_type"] = "linear"; }), "rope_type");
+  has(err("deepseek_v3", [](json& c) { c["num_key_value_heads"] = 2; }), "num_key_value_heads");
+  has(err("deepseek_v3", [](json& c) { c["attention_bias"] = true; }), "attention_bias");
+  has(err("deepseek_v2", [](json& c) { c.erase("kv_lora_rank"); }), "kv_lora_rank");
+  // A checkpoint of the wrong q path: q LoRA tensors where config.json says q directly.
+  has(err("deepseek_v3", [](json& c) { c["q_lora_rank"] = nullptr; }), "self_attn.q_proj.weight");
+}
+
+// MTP layers (model.layers.{n_layer}) are dropped as llama.cpp's converter drops them, but only
+// where config.json declares them.
+TEST(ConvertRefusal, Deepseek2MtpLayersAreDroppedOnlyWhereDeclared) {
+  std::vector<RawTensor> t = golden_tensors("deepseek_v3");
+  RawTensor extra = t.front();
+  extra.name = "model.layers.3.eh_proj.weight";
+  t.push_back(extra);
+  Case(t, {}, "deepseek_v3").converts();
+  const std::string e = Case(t, [](json& c) { c.erase("num_nextn_predict_layers"); }, "deepseek_v3").error();
+  EXPECT_NE(e.find("model.layers.3.eh_proj.weight"), std::string::npos) << e;
 }
 
 TEST(ConvertRefusal, UnsupportedDtypeIsNamed) {

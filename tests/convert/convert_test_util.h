@@ -48,7 +48,7 @@ inline std::string golden_dir(const std::string& model) {
 inline const std::vector<std::string>& golden_models() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> v = {"qwen3moe_odd", "qwen3moe_k256", "qwen3next_odd", "qwen3next_k256"};
-    for (const char* m : {"gpt_oss_odd", "qwen2moe_odd", "glm4moe_odd", "qwen35moe_odd"}) {
+    for (const char* m : {"gpt_oss_odd", "qwen2moe_odd", "glm4moe_odd", "qwen35moe_odd", "deepseek_v2", "deepseek_v3"}) {
       if (fs::exists(golden_dir(m) + "/config.json") && fs::exists(golden_dir(m) + "/logits.f32")) v.push_back(m);
     }
     return v;
@@ -65,6 +65,7 @@ inline std::string golden_arch(const nlohmann::json& cfg) {
   if (hf == "Qwen2MoeForCausalLM") return "qwen2moe";
   if (hf == "Glm4MoeForCausalLM") return "glm4moe";
   if (hf == "Qwen3_5MoeForCausalLM") return "qwen35moe";
+  if (hf == "DeepseekV2ForCausalLM" || hf == "DeepseekV3ForCausalLM") return "deepseek2";
   throw std::runtime_error("golden fixture of unknown architecture " + hf);
 }
 

@@ -159,10 +159,8 @@ MODELS = {
     # a leading dense layer, shared experts. deepseek_v2: V2-Lite-like (q directly, softmax
     # router, no renormalisation, 2 shared experts); deepseek_v3: V3-like (q LoRA, sigmoid router
     # with e_score_correction_bias over 4 groups of which 2 are used, renormalised, scale 2.5).
-    # opt_in until moraine-convert maps them; not yet run against transformers (made on the GPU
-    # machine: check the loading info and the routing spread it prints).
     "deepseek_v2": dict(
-        arch="DeepseekV2ForCausalLM", seed=7001, layout="per_expert", shards=1, opt_in=True,
+        arch="DeepseekV2ForCausalLM", seed=7001, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=4,
                     q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -174,7 +172,7 @@ MODELS = {
                                      "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "deepseek_v3": dict(
-        arch="DeepseekV3ForCausalLM", seed=7002, layout="per_expert", shards=1, opt_in=True,
+        arch="DeepseekV3ForCausalLM", seed=7002, layout="per_expert", shards=1,
         config=dict(vocab_size=643, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=4,
                     q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,

@@ -100,6 +100,9 @@ TEST_P(KvF16, LogitsDifferFromF32WithinTheCacheChangeBound) {
   ExecutorOptions half_cache;
   half_cache.kv_type = model::KvType::F16;
   const std::vector<float> f16 = prefill(half_cache);
+  EXPECT_GT(rel_gap(f16, f32), 0.0) << "the F16 cache gave the F32 cache's logits: the option did nothing";
+  // kv_perturb_seed does not reach the MLA latent cache (mla_block.cpp has no probe): no bound to hold it to.
+  if (model_->hp.kv_lora_rank > 0) GTEST_SKIP() << "F16 gap " << rel_gap(f16, f32) << ": the cache probe is not implemented for MLA";
   double probe_gap = 0;
   for (int s = 1; s <= kProbes; ++s) {
     ExecutorOptions probe;
@@ -109,7 +112,6 @@ TEST_P(KvF16, LogitsDifferFromF32WithinTheCacheChangeBound) {
   const double gap = rel_gap(f16, f32);
   std::printf("[ %s ] F16 KV vs F32 KV: %.3g of max |logit|; +-2^-11 cache probes: largest %.3g (bound %.3g)\n",
               GetParam().c_str(), gap, probe_gap, kProbeFactor * probe_gap);
-  EXPECT_GT(gap, 0.0) << "the F16 cache gave the F32 cache's logits: the option did nothing";
   EXPECT_LE(gap, kProbeFactor * probe_gap);
 }
 

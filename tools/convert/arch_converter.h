@@ -31,6 +31,7 @@ struct HfModel {
   bool tied = false;                     // tie_word_embeddings
   std::string mtp_prefix;                // where multi-token-prediction blocks live ("" none)
   int64_t mtp_first = 0;                 // the index of the first of them under mtp_prefix + "layers."
+  std::vector<std::string> drop_prefixes;  // checkpoint tensors under these are not written
   model::KeyList keys;                   // the architecture's own keys, after the common ones
   std::vector<std::string> notes;        // what the GGUF cannot carry over exactly
 

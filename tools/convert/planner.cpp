@@ -184,6 +184,8 @@ void Planner::run() {
   // Precomputed rotary tables are derived data, not weights (llama.cpp drops them too).
   for (const StTensor& t : ckpt_.tensors()) {
     if (t.name.ends_with(".rotary_emb.inv_freq")) ignore(t.name);
+    for (const std::string& d : m_.drop_prefixes)
+      if (t.name.starts_with(d)) ignore(t.name);
   }
   // The first checkpoint tensor nothing claimed: a checkpoint we do not fully understand is refused.
   for (const StTensor& t : ckpt_.tensors()) {
