@@ -64,13 +64,9 @@ void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, f
       rotate(kh, pos);
     }
   }
-  // A draw per (seed, layer, position, element, K or V): splitmix64 of those.
+  // A draw per (seed, layer, position, element, K or V).
   const auto draw = [&](uint64_t seed, int64_t i, int w) {
-    const uint64_t at = (static_cast<uint64_t>(il) << 48) ^ static_cast<uint64_t>((pos0 + i / kv_dim) * kv_dim + i % kv_dim);
-    uint64_t z = seed * 0x9e3779b97f4a7c15ull + at * 2 + static_cast<uint64_t>(w);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return (z ^ (z >> 31)) & 1u;
+    return cache_draw(seed, il, static_cast<uint64_t>((pos0 + i / kv_dim) * kv_dim + i % kv_dim), w);
   };
   if (kv_type_ == model::KvType::F16) {   // the cache holds halves: attention reads their floats
     for (int64_t i = 0; i < n * kv_dim; ++i) {

@@ -219,6 +219,10 @@ void ReferenceExecutor::mla_block(int64_t il, const float* h, int64_t n, float* 
   if (kv_type_ == model::KvType::F16) {   // the cache holds halves
     for (float& e : kv) e = half::fp16_to_fp32(half::fp32_to_fp16(e));
   }
+  if (kv_perturb_seed_ != 0) {   // ExecutorOptions::kv_perturb_seed on the latent + rotary-key row, as on K and V
+    for (int64_t i = 0; i < n * kw; ++i)
+      kv[i] *= cache_draw(kv_perturb_seed_, il, static_cast<uint64_t>(pos0 * kw + i), 0) != 0 ? 1.0f + 0x1p-11f : 1.0f - 0x1p-11f;
+  }
   S.k_cache.insert(S.k_cache.end(), kv.begin(), kv.end());
 
   const bool absorbed = mla_form_ == MlaForm::Absorbed || (mla_form_ == MlaForm::Auto && P.split_kv_b);

@@ -34,6 +34,15 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }
 // log(1 + e^x), linear above 20 as torch.nn.functional.softplus does.
 float softplus(float x);
 
+// One bit drawn from (seed, layer, element index `at` of the layer's cache, K or V as w): splitmix64
+// of them. The cache tests' draws (ExecutorOptions::dot_order's rounding edges, kv_perturb_seed).
+inline uint64_t cache_draw(uint64_t seed, int64_t il, uint64_t at, int w) {
+  uint64_t z = seed * 0x9e3779b97f4a7c15ull + (((static_cast<uint64_t>(il) << 48) ^ at) * 2 + static_cast<uint64_t>(w));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return (z ^ (z >> 31)) & 1u;
+}
+
 // softmax(q . k_j * scale) over n_kv positions (kdim wide), then the weighted sum of v_j (vdim
 // wide): attend_one_head's arithmetic with keys and values of their own widths and strides (MLA).
 void attend_rows(const float* q, int64_t kdim, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
