@@ -1,10 +1,26 @@
 #include "coordinator/control_server.h"
 
-#include <algorithm>
-#include <stdexcept>
-#include <thread>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include <grpcpp/server_posix.h>
+
+#include "coordinator/private_socket.h"
 
 namespace moraine::group {
 
@@ -70,8 +86,15 @@ void StageRecorder::fill(moraine::control::StageStats& out, bool reset) {
   }
 }
 
+namespace {
+std::string unix_path(const std::string& address) { return address.rfind("unix:", 0) == 0 ? address.substr(5) : std::string(); }
+}  // namespace
+
 ControlServer::ControlServer(moraine::control::Role role, std::string instance, std::string address)
-    : role_(role), instance_(std::move(instance)), address_(std::move(address)) {}
+    : role_(role), instance_(std::move(instance)), address_(std::move(address)) {
+  const std::string path = unix_path(address_);
+  if (!path.empty()) ensure_private_dir(std::filesystem::path(path).parent_path().string());
+}
 
 ControlServer::~ControlServer() { stop(); }
 
@@ -86,21 +109,71 @@ void ControlServer::set_stats_hook(std::function<void(moraine::control::StatsRep
 }
 
 void ControlServer::start() {
-  // A socket file left by a killed predecessor would make the bind fail.
-  if (address_.rfind("unix:", 0) == 0) ::unlink(address_.substr(5).c_str());
+  const std::string path = unix_path(address_);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address_, grpc::InsecureServerCredentials());
+  // Not a unix socket (a test's TCP port): gRPC listens itself, without the peer check.
+  if (path.empty()) builder.AddListeningPort(address_, grpc::InsecureServerCredentials());
   builder.RegisterService(this);
   for (grpc::Service* s : extra_services_) builder.RegisterService(s);
   server_ = builder.BuildAndStart();
   if (!server_) throw std::runtime_error(instance_ + ": cannot serve gRPC on " + address_);
+  if (!path.empty()) listen_unix(path);
+}
+
+void ControlServer::listen_unix(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) throw std::runtime_error(instance_ + ": socket path too long: " + path);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ::unlink(path.c_str());   // a socket file left by a killed predecessor would make the bind fail
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (listen_fd_ < 0 || wake_fd_ < 0 || ::bind(listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::chmod(path.c_str(), 0600) != 0 || ::listen(listen_fd_, 128) != 0) {
+    const std::string err = std::strerror(errno);
+    stop();
+    throw std::runtime_error(instance_ + ": cannot serve gRPC on " + address_ + ": " + err);
+  }
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+// gRPC's own unix listener gives a server no way to see a connection's peer: this loop accepts,
+// checks SO_PEERCRED and hands the accepted socket to gRPC (AddInsecureChannelFromFd).
+void ControlServer::accept_loop() {
+  const uid_t self = ::geteuid();
+  while (true) {
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      std::cerr << instance_ << ": control socket poll: " << std::strerror(errno) << std::endl;
+      return;
+    }
+    if (p[1].revents) return;
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;   // EAGAIN, or a peer that went away before it was accepted
+    if (const std::string why = peer_problem(fd, self); !why.empty()) {
+      ++refused_;
+      std::cerr << instance_ << ": refused a control connection: " << why << std::endl;
+      ::close(fd);
+      continue;
+    }
+    grpc::AddInsecureChannelFromFd(server_.get(), fd);   // gRPC owns fd from here
+  }
 }
 
 void ControlServer::stop() {
-  if (!server_) return;
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-  server_.reset();
-  if (address_.rfind("unix:", 0) == 0) ::unlink(address_.substr(5).c_str());
+  if (wake_fd_ >= 0) {
+    const std::uint64_t one = 1;
+    if (::write(wake_fd_, &one, sizeof one) < 0) std::perror("control server: eventfd write");
+  }
+  if (acceptor_.joinable()) acceptor_.join();
+  for (int* fd : {&listen_fd_, &wake_fd_})
+    if (*fd >= 0) ::close(std::exchange(*fd, -1));
+  if (server_) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    server_.reset();
+  }
+  if (const std::string path = unix_path(address_); !path.empty()) ::unlink(path.c_str());
 }
 
 void ControlServer::set_state(ServingState state, std::string detail) {

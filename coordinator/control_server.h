@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -46,6 +47,10 @@ class StageRecorder {
   std::vector<double> sort_scratch_;
 };
 
+// On a "unix:" address the server listens on its own socket and hands gRPC only the connections
+// of peers that run as this process's uid (SO_PEERCRED); another user's is closed unanswered.
+// The constructor makes the socket directory 0700 or refuses one that is not private
+// (private_socket.h), before the process writes anything into it.
 class ControlServer final : public moraine::control::Control::Service {
  public:
   ControlServer(moraine::control::Role role, std::string instance, std::string address);
@@ -58,6 +63,7 @@ class ControlServer final : public moraine::control::Control::Service {
   void set_stats_hook(std::function<void(moraine::control::StatsReply&)> hook);
   void start();   // throws std::runtime_error when the socket cannot be bound
   void stop();
+  std::uint64_t refused_peers() const { return refused_.load(); }   // connections of another uid closed
 
   void set_state(moraine::control::ServingState state, std::string detail = {});
   // Drain: the process stops taking new work (accepting() turns false: DRAINING) and the reply
@@ -86,6 +92,8 @@ class ControlServer final : public moraine::control::Control::Service {
 
  private:
   std::uint64_t uptime_us() const;
+  void listen_unix(const std::string& path);   // binds path; accept_loop() hands gRPC the peers
+  void accept_loop();
 
   moraine::control::Role role_;
   std::string instance_;
@@ -101,6 +109,9 @@ class ControlServer final : public moraine::control::Control::Service {
   moraine::control::ServingState state_ = moraine::control::STARTING;
   std::string detail_;
   std::atomic<bool> shutdown_{false};
+  int listen_fd_ = -1, wake_fd_ = -1;   // the unix listener and the eventfd that stops accept_loop
+  std::thread acceptor_;
+  std::atomic<std::uint64_t> refused_{0};
 };
 
 // Client side: Health of `address` until SERVING or the deadline. Empty string when serving,

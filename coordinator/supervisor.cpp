@@ -26,6 +26,7 @@
 #include "common/shm/shm_segment.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/private_socket.h"
 #include "coordinator/process_util.h"
 
 namespace {
@@ -133,8 +134,7 @@ void stop_children(std::vector<Child*> order) {
 int start(const Options& o) {
   if (o.model.empty()) throw std::invalid_argument("start: -m MODEL is required");
   if (o.cpu_workers < 1) throw std::invalid_argument("--cpu-workers must be >= 1");
-  fs::create_directories(o.socket_dir);
-  fs::permissions(o.socket_dir, fs::perms::owner_all, fs::perm_options::replace);
+  group::ensure_private_dir(o.socket_dir);
   const std::string log_dir = o.log_dir.empty() ? o.socket_dir : o.log_dir;
   const std::string pid_file = o.socket_dir + "/supervisor.pid";
   {

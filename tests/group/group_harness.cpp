@@ -46,6 +46,7 @@ std::string temp_dir(const std::string& tag) {
                      ("moraine-group-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
   fs::remove_all(d);
   fs::create_directories(d);
+  fs::permissions(d, fs::perms::owner_all, fs::perm_options::replace);   // a group refuses a socket directory others may enter
   return d.string();
 }
 

@@ -303,6 +303,7 @@ TEST(GroupTiersDefault, TooSmallVramIsAClearStartError) {
   o.vram = "1K";
   o.socket_dir = dir + "/sock";
   fs::create_directories(o.socket_dir);
+  fs::permissions(o.socket_dir, fs::perms::owner_all, fs::perm_options::replace);   // the group's: 0700
   EXPECT_THROW(Group g(o), std::runtime_error);
   std::ifstream log(o.socket_dir + "/coordinator.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());

@@ -9,6 +9,7 @@
 
 #include "coordinator/census.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/private_socket.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
 #include "tools/bench/bench_run.h"
@@ -79,9 +80,7 @@ GroupEngine::GroupEngine(GroupEngineOptions o, std::unique_ptr<model::Model> m)
     own_socket_dir_ = true;
   } else {
     socket_dir_ = o_.socket_dir;
-    std::error_code ec;
-    fs::create_directories(socket_dir_, ec);
-    if (ec) throw std::runtime_error("engine group: cannot make --socket-dir " + socket_dir_ + ": " + ec.message());
+    group::ensure_private_dir(socket_dir_);
   }
   // The bench's own census, never the model's MODEL.census.json: a number must not depend on
   // what earlier runs of the model happened to route.
