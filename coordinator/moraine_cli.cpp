@@ -248,8 +248,13 @@ int main(int argc, char** argv) {
                     "requests admitted at once, taking turns on the GPU (1); the group runs as many")
       ->check(CLI::PositiveNumber);
   serve->add_option("--queue", so.http.queue, "requests waiting beyond --parallel before 429 (64)")->check(CLI::NonNegativeNumber);
-  serve->add_option("--api-key", so.http.api_key, "require Authorization: Bearer KEY on /v1/*");
-  serve->add_option("--max-body", so.http.max_body_bytes, "largest request body in bytes (8 MiB)");
+  serve->add_option("--api-key", so.http.api_key, "require Authorization: Bearer KEY on every endpoint but /health");
+  serve->add_option("--max-body", so.http.max_body_bytes, "largest request body in bytes (8 MiB); larger: 413")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--max-connections", so.http.max_connections,
+                    "connections served at once; a request on one beyond them gets 429 with Retry-After "
+                    "(default --parallel + --queue + 32)")
+      ->check(CLI::NonNegativeNumber);
   serve->add_option("--log", so.group.log_path, "the group's log (default SOCKET_DIR/supervisor.log)");
   server::ChatOptions co;
   server::ServeOptions chat_serve;

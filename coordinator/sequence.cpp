@@ -36,6 +36,8 @@ Sequence::Sequence(const generate::SamplingParams& sp, const tokenizer::Tokenize
   if (sp.top_logprobs() > kMaxTopLogprobs)
     throw std::invalid_argument("top_logprobs must be at most " + std::to_string(kMaxTopLogprobs));
   if (stop_.active() && !tok_) throw std::invalid_argument("stop strings need the model's tokenizer");
+  if (const std::string why = stop_limit_problem({sp.stop().begin(), sp.stop().end()}); !why.empty())
+    throw std::invalid_argument(why);
   const int64_t p = static_cast<int64_t>(prompt_tokens_);
   if (p >= context_positions) {
     throw std::out_of_range("the prompt has " + std::to_string(p) + " tokens, but the context holds " +

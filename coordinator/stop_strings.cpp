@@ -5,6 +5,16 @@
 
 namespace moraine::group {
 
+std::string stop_limit_problem(const std::vector<std::string>& stops) {
+  if (stops.size() > kMaxStopStrings)
+    return std::to_string(stops.size()) + " stop strings; at most " + std::to_string(kMaxStopStrings) + " are accepted";
+  for (size_t i = 0; i < stops.size(); ++i)
+    if (stops[i].size() > kMaxStopBytes)
+      return "stop string " + std::to_string(i) + " has " + std::to_string(stops[i].size()) + " bytes; at most " +
+             std::to_string(kMaxStopBytes) + " are accepted";
+  return {};
+}
+
 StopMatcher::StopMatcher(std::vector<std::string> stops) {
   for (std::string& s : stops)
     if (!s.empty()) stops_.push_back(std::move(s));

@@ -8,6 +8,12 @@
 
 namespace moraine::group {
 
+// A request's stop strings: the text held back grows with the longest, the matching with all.
+inline constexpr size_t kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopBytes = 512;
+// Why `stops` are over those limits (naming the limit and the value); empty when within them.
+std::string stop_limit_problem(const std::vector<std::string>& stops);
+
 class StopMatcher {
  public:
   explicit StopMatcher(std::vector<std::string> stops);   // empty strings are ignored

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -44,7 +45,60 @@ void send_json(httplib::Response& res, int status, const json& body) {
   res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
 }
 
-void send_error(httplib::Response& res, const ApiError& e) { send_json(res, e.status, e.body()); }
+void send_error(httplib::Response& res, const ApiError& e) {
+  if (e.retry_after_s > 0) res.set_header("Retry-After", std::to_string(e.retry_after_s));
+  send_json(res, e.status, e.body());
+}
+
+ApiError retry_later(int status, const std::string& message, std::string code) {
+  ApiError e(status, message, {}, {}, std::move(code));
+  e.retry_after_s = 1;
+  return e;
+}
+
+// Whether `given` is `expected` in a time that depends on expected's length only, not on where
+// they first differ: the API key must not leak a byte at a time through response timing.
+bool constant_time_equal(const std::string& given, const std::string& expected) {
+  volatile unsigned char diff = given.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i)
+    diff = diff | static_cast<unsigned char>((i < given.size() ? given[i] : 0) ^ expected[i]);
+  return diff == 0;
+}
+
+// Set on a thread of ConnectionPool's refusal pool: the connection it serves is over the limit.
+thread_local bool t_over_connection_limit = false;
+
+// httplib serves each accepted connection as one task until the connection closes, so counting
+// running tasks counts open connections: up to `limit` go to the pool, one beyond it to a few
+// refusal threads, where each request is answered 429 with Connection: close.
+class ConnectionPool : public httplib::TaskQueue {
+ public:
+  ConnectionPool(size_t limit, size_t refusers) : limit_(limit), pool_(limit), refusers_(refusers) {}
+  void enqueue(std::function<void()> fn) override {
+    if (open_.fetch_add(1) >= limit_) {   // only the listening thread enqueues
+      --open_;
+      refusers_.enqueue([fn = std::move(fn)] {
+        t_over_connection_limit = true;
+        fn();
+        t_over_connection_limit = false;
+      });
+      return;
+    }
+    pool_.enqueue([this, fn = std::move(fn)] {
+      fn();
+      --open_;
+    });
+  }
+  void shutdown() override {
+    pool_.shutdown();
+    refusers_.shutdown();
+  }
+
+ private:
+  std::atomic<size_t> open_{0};
+  size_t limit_;
+  httplib::ThreadPool pool_, refusers_;
+};
 
 std::string random_id(const char* prefix) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -222,10 +276,14 @@ HttpServer::HttpServer(HttpOptions o)
     : o_(std::move(o)), http_(std::make_unique<BackloggedServer>()), admission_(o_.parallel, o_.queue) {
   if (o_.parallel < 1 || o_.queue < 0) throw std::invalid_argument("--parallel must be >= 1 and --queue >= 0");
   if (o_.model_ids.empty()) throw std::invalid_argument("the server needs a model id");
-  // Threads for every admitted and queued request plus some for /health, /metrics and refusals:
-  // a connection beyond them waits in httplib's own queue, unanswered.
-  const size_t threads = static_cast<size_t>(o_.parallel + o_.queue) + 8;
-  http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  if (o_.max_connections == 0) o_.max_connections = o_.parallel + o_.queue + kSpareConnections;
+  // Fewer would refuse connections while the request queue still had room.
+  if (o_.max_connections < o_.parallel + o_.queue + 1)
+    throw std::invalid_argument("--max-connections " + std::to_string(o_.max_connections) + " must be above --parallel + --queue (" +
+                                std::to_string(o_.parallel + o_.queue) + ")");
+  // A thread per connection (httplib serves a connection on one thread until it closes).
+  const size_t limit = static_cast<size_t>(o_.max_connections);
+  http_->new_task_queue = [limit] { return new ConnectionPool(limit, 4); };
   http_->set_payload_max_length(o_.max_body_bytes);
   http_->set_read_timeout(30, 0);
   http_->set_write_timeout(30, 0);
@@ -261,19 +319,15 @@ void HttpServer::routes() {
   stub_ = generate::Coordinator::NewStub(grpc::CreateChannel(
       group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
 
+  // Before the body is read: a refused request costs no more than its headers.
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (o_.api_key.empty() || req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
-    if (req.get_header_value("Authorization") == "Bearer " + o_.api_key) return httplib::Server::HandlerResponse::Unhandled;
-    send_error(res, ApiError(401, "a valid API key is required: Authorization: Bearer KEY", {}, {}, "invalid_api_key"));
-    metrics_.request_done(req.path, 401);
-    return httplib::Server::HandlerResponse::Handled;
+    return admit_connection(req, res) ? httplib::Server::HandlerResponse::Unhandled : httplib::Server::HandlerResponse::Handled;
   });
   // Errors httplib answers itself (unknown path, a body over the limit) in OpenAI's shape too.
-  http_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+  http_->set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
-    const std::string what = res.status == 404   ? "no such endpoint: " + req.method + " " + req.path
-                             : res.status == 413 ? "the request body is larger than the server accepts"
-                                                 : "the request could not be handled";
+    if (res.status == 413) return send_error(res, body_too_large());
+    const std::string what = res.status == 404 ? "no such endpoint: " + req.method + " " + req.path : "the request could not be handled";
     send_error(res, ApiError(res.status, what));
   });
   http_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
@@ -306,10 +360,57 @@ void HttpServer::routes() {
   http_->Get("/v1/models", models);
   http_->Get("/models", models);
 
-  http_->Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kChat); });
-  http_->Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kCompletions); });
-  http_->Post("/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kChat); });
-  http_->Post("/completions", [this](const httplib::Request& q, httplib::Response& r) { generate(q, r, Endpoint::kCompletions); });
+  // The body read here, not by httplib: httplib 0.11 bounds a body by Content-Length only, and
+  // would buffer a chunked one of any size.
+  const auto post = [this](const char* path, Endpoint endpoint) {
+    http_->Post(path, [this, endpoint](const httplib::Request& q, httplib::Response& r, const httplib::ContentReader& read) {
+      std::string body;
+      bool over = false;
+      const bool ok = read([&](const char* data, size_t n) {
+        over = body.size() + n > o_.max_body_bytes;
+        if (!over) body.append(data, n);
+        return !over;
+      });
+      if (over || r.status == 413) return send_error(r, body_too_large());
+      if (!ok) return send_error(r, ApiError(400, "the request body could not be read"));
+      if (t_over_connection_limit) return refuse_connection(q, r);
+      generate(q, body, r, endpoint);
+    });
+  };
+  post("/v1/chat/completions", Endpoint::kChat);
+  post("/v1/completions", Endpoint::kCompletions);
+  post("/chat/completions", Endpoint::kChat);
+  post("/completions", Endpoint::kCompletions);
+}
+
+ApiError HttpServer::body_too_large() const {
+  return ApiError(413, "the request body is larger than the server accepts (--max-body " + std::to_string(o_.max_body_bytes) + " bytes)",
+                  {}, {}, "request_too_large");
+}
+
+void HttpServer::refuse_connection(const httplib::Request& req, httplib::Response& res) {
+  // The client closes on this (httplib 0.11 lets a handler close no connection), and its retry
+  // comes on a new connection, which the pool may have room for. Only once the request is read
+  // whole: bytes left unread would be taken for the next request.
+  res.set_header("Connection", "close");
+  metrics_.request_done(req.path, 429);
+  send_error(res, retry_later(429, "the server is busy: " + std::to_string(o_.max_connections) +
+                                       " connections are open (--max-connections); retry later", "too_many_connections"));
+}
+
+bool HttpServer::admit_connection(const httplib::Request& req, httplib::Response& res) {
+  // /health is cheap, and what a load balancer asks when the server is busy. A request with a
+  // body is refused once its body is read (routes()).
+  const bool has_body = req.has_header("Transfer-Encoding") || req.get_header_value<uint64_t>("Content-Length") > 0;
+  if (t_over_connection_limit && req.path != "/health" && !has_body) {
+    refuse_connection(req, res);
+    return false;
+  }
+  if (o_.api_key.empty() || req.path == "/health") return true;
+  if (constant_time_equal(req.get_header_value("Authorization"), "Bearer " + o_.api_key)) return true;
+  send_error(res, ApiError(401, "a valid API key is required: Authorization: Bearer KEY", {}, {}, "invalid_api_key"));
+  metrics_.request_done(req.path, 401);
+  return false;
 }
 
 // One generation request from the HTTP side: what it asked, its Generate call, its ids.
@@ -322,7 +423,7 @@ struct Exchange {
   std::shared_ptr<void> slot;   // the admission slot, released when the last copy goes
 };
 
-void HttpServer::generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {
+void HttpServer::generate(const httplib::Request& req, const std::string& body, httplib::Response& res, Endpoint endpoint) {
   auto x = std::make_shared<Exchange>();
   x->t0 = Clock::now();
   x->name = endpoint == Endpoint::kChat ? "/v1/chat/completions" : "/v1/completions";
@@ -333,7 +434,7 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   };
   if (!ready_ || draining_) return answer_error(ApiError(503, draining_ ? "the server is stopping" : "the model is still loading"));
   try {
-    x->api = parse_request(req.body, endpoint, o_.model_ids);
+    x->api = parse_request(body, endpoint, o_.model_ids);
     if (endpoint == Endpoint::kChat) {
       x->api.output = chat_output_format(o_.chat_template.get(), x->api.has_tools, x->api.generate.chat_json(),
                                          random_id("call_") + "_");
@@ -351,8 +452,9 @@ void HttpServer::generate(const httplib::Request& req, httplib::Response& res, E
   }
   if (admitted == Admission::Result::kQueueFull) {
     metrics_.rejected_queue_full();
-    return answer_error(ApiError(429, "the server is busy: " + std::to_string(o_.parallel) + " requests running and " +
-                                          std::to_string(o_.queue) + " queued; retry later"));
+    return answer_error(retry_later(429, "the server is busy: " + std::to_string(o_.parallel) + " requests running and " +
+                                             std::to_string(o_.queue) + " queued (--parallel, --queue); retry later",
+                                    "queue_full"));
   }
   if (admitted == Admission::Result::kDraining) return answer_error(ApiError(503, "the server is stopping"));
   x->slot = std::shared_ptr<void>(nullptr, [this](void*) { admission_.leave(); });

@@ -1,7 +1,9 @@
 // The OpenAI-compatible HTTP front end (cpp-httplib) of a running group: /v1/chat/completions,
 // /v1/completions (whole or streamed as server-sent events), /v1/models, /health, /metrics.
 // Each request becomes one Generate call on the coordinator's socket. At most `parallel`
-// requests are admitted at once and `queue` more wait for a slot; beyond that a 429. A request
+// requests are admitted at once and `queue` more wait for a slot; beyond that a 429. At most
+// `max_connections` connections are served at once; a request on one beyond them gets a 429
+// (Retry-After, Connection: close). A request
 // whose client goes away (streamed or not) cancels its Generate call (the coordinator stops at
 // its next step).
 #pragma once
@@ -30,13 +32,18 @@ class DataSink;
 
 namespace moraine::server {
 
+// Connections beyond the admitted and queued requests' for /health, /metrics and the 429s of a
+// full queue (--max-connections' default).
+inline constexpr int kSpareConnections = 32;
+
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8080;              // 0: any free port (bind() says which)
   int parallel = 1;             // requests admitted at once
   int queue = 64;               // requests waiting for a slot; more get 429
-  std::string api_key;          // non-empty: /v1/* needs "Authorization: Bearer KEY"
-  size_t max_body_bytes = 8u << 20;
+  std::string api_key;          // non-empty: every endpoint but /health needs "Authorization: Bearer KEY"
+  size_t max_body_bytes = 8u << 20;   // a larger request body (chunked or not) gets 413
+  int max_connections = 0;      // connections served at once; 0: parallel + queue + kSpareConnections
   std::vector<std::string> model_ids;   // the names the model answers to; the first is reported
   std::string socket_dir;       // the group's (the coordinator's Generate socket is there)
   // The GGUF's chat template (the coordinator renders with the same): which tool-call format the
@@ -82,7 +89,11 @@ class HttpServer {
   void routes();
   // POST /v1/chat/completions and /v1/completions: parse, admit, start the Generate call, then
   // answer whole or stream (the chunk is the call's first).
-  void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void generate(const httplib::Request& req, const std::string& body, httplib::Response& res, Endpoint endpoint);
+  // Whether the request may go on (the key, the connection limit); else the refusal is in res.
+  bool admit_connection(const httplib::Request& req, httplib::Response& res);
+  ApiError body_too_large() const;   // the 413 that names --max-body
+  void refuse_connection(const httplib::Request& req, httplib::Response& res);   // 429: over --max-connections
   void answer_whole(Exchange& x, generate::GenerateChunk& chunk, ConnectionWatch& client, httplib::Response& res);
   bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
   HttpOptions o_;

@@ -5,6 +5,8 @@
 #include <optional>
 #include <random>
 
+#include "coordinator/stop_strings.h"
+
 namespace moraine::server {
 namespace {
 
@@ -176,17 +178,19 @@ void set_sampling(const json& body, ApiRequest& r) {
   }
   if (const auto ie = boolean(body, "ignore_eos")) sp.set_ignore_eos(*ie);
   if (const json* stop = field(body, "stop")) {
+    std::vector<std::string> stops;
     if (stop->is_string()) {
-      sp.add_stop(stop->get<std::string>());
+      stops.push_back(stop->get<std::string>());
     } else if (stop->is_array()) {
-      if (stop->size() > 16) throw bad("stop", "at most 16 stop strings");
       for (size_t i = 0; i < stop->size(); ++i) {
         if (!(*stop)[i].is_string()) throw bad("stop[" + std::to_string(i) + "]", "expected a string");
-        sp.add_stop((*stop)[i].get<std::string>());
+        stops.push_back((*stop)[i].get<std::string>());
       }
     } else {
       throw bad("stop", "expected a string or an array of strings, got " + std::string(stop->type_name()));
     }
+    if (const std::string why = group::stop_limit_problem(stops); !why.empty()) throw bad("stop", why);
+    for (const std::string& s : stops) sp.add_stop(s);
   }
   if (r.endpoint == Endpoint::kChat) {
     r.logprobs = boolean(body, "logprobs").value_or(false);

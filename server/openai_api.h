@@ -19,6 +19,7 @@ struct ApiError : std::runtime_error {
   ApiError(int status, const std::string& message, std::string param = {}, std::string type = {}, std::string code = {});
   int status;
   std::string param, type, code;
+  int retry_after_s = 0;       // > 0: the response's Retry-After header (a 429 or 503 worth retrying)
   nlohmann::json body() const;
 };
 

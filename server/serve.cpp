@@ -14,6 +14,7 @@
 #include "common/chat/tool_call_parser.h"
 #include "common/gguf/gguf.h"
 #include "common/tokenizer/tokenizer.h"
+#include "coordinator/private_socket.h"
 #include "coordinator/process_util.h"
 
 namespace moraine::server {
@@ -89,7 +90,7 @@ ServeSession::ServeSession(ServeOptions o) : o_(std::move(o)) {
     o_.group.socket_dir = tmpl;
     own_socket_dir_ = true;
   }
-  fs::create_directories(o_.group.socket_dir);
+  group::ensure_private_dir(o_.group.socket_dir);
   const fs::path model(o_.group.model);
   if (o_.http.model_ids.empty()) o_.http.model_ids = {model.stem().string(), model.filename().string(), o_.group.model};
   o_.http.socket_dir = o_.group.socket_dir;

@@ -7,6 +7,7 @@
 
 #include "common/tokenizer/tokenizer.h"
 #include "coordinator/sequence.h"
+#include "coordinator/stop_strings.h"
 
 namespace moraine::group {
 namespace {
@@ -34,6 +35,31 @@ TEST(Sequence, SpecialTokensTextOnlyWhenAsked) {
     EXPECT_EQ(text, special ? "<|im_start|>" + tok.decode(std::span<const int32_t>(hello.data(), 1)) :
                               tok.decode(std::span<const int32_t>(hello.data(), 1)));
   }
+}
+
+// The stop-string limits hold for a request that comes over gRPC, not only through the server:
+// the error names the limit and the value.
+TEST(Sequence, StopStringLimits) {
+  const std::filesystem::path vocab =
+      std::filesystem::path(MORAINE_SOURCE_DIR) / ".cache/oracle/llama.cpp/models/ggml-vocab-qwen2.gguf";
+  ASSERT_TRUE(std::filesystem::exists(vocab)) << "no " << vocab << ": run tests/oracle/setup";
+  const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_gguf_path(vocab.string());
+  const auto refusal = [&](const std::vector<std::string>& stops) -> std::string {
+    generate::SamplingParams sp;
+    sp.set_max_tokens(8);
+    for (const std::string& s : stops) sp.add_stop(s);
+    try {
+      Sequence seq(sp, &tok, {1, 2, 3}, 64);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return {};
+  };
+  EXPECT_EQ(refusal(std::vector<std::string>(kMaxStopStrings, std::string(kMaxStopBytes, 'x'))), "");
+  const std::string many = refusal(std::vector<std::string>(kMaxStopStrings + 1, "x"));
+  EXPECT_NE(many.find("17 stop strings; at most 16"), std::string::npos) << many;
+  const std::string longer = refusal({"a", std::string(kMaxStopBytes + 1, 'x')});
+  EXPECT_NE(longer.find("stop string 1 has 513 bytes; at most 512"), std::string::npos) << longer;
 }
 
 }  // namespace

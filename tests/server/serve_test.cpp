@@ -185,17 +185,18 @@ TEST_F(ServeTest, HealthIs503WhileLoading) {
 }
 
 TEST_F(ServeTest, HealthModelsAndMetrics) {
-  httplib::Client open("127.0.0.1", g_serve->port);   // no key: /health and /metrics stay open
+  httplib::Client open("127.0.0.1", g_serve->port);   // no key: /health only
   auto h = open.Get("/health");
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, 200);
   EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  EXPECT_EQ(open.Get("/metrics")->status, 401);
   httplib::Client c = client();
   auto m = c.Get("/v1/models");
   ASSERT_TRUE(m);
   EXPECT_EQ(json::parse(m->body)["data"][0]["id"], g_serve->model_id);
   ASSERT_EQ(post("/v1/chat/completions", chat("hello")).status, 200);
-  auto met = open.Get("/metrics");
+  auto met = c.Get("/metrics");
   ASSERT_TRUE(met);
   for (const char* want : {"moraine_time_to_first_token_seconds_bucket", "moraine_inter_token_latency_seconds_count",
                            "moraine_queue_depth", "moraine_prompt_tokens_total", "moraine_completion_tokens_total",
@@ -250,6 +251,12 @@ TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
   expect_error(over, 400, "messages", "256");
   EXPECT_NE(over.body["error"]["message"].get<std::string>().find("1000"), std::string::npos);
   EXPECT_EQ(over.body["error"]["code"], "context_length_exceeded");
+  // A text prompt over it, counted in tokens after the template.
+  std::string words;
+  for (int i = 0; i < 400; ++i) words += "word" + std::to_string(i) + " ";
+  const Answer long_text = post("/v1/chat/completions", chat(words, 1));
+  expect_error(long_text, 400, "messages", "tokens, but the context holds 256");
+  EXPECT_EQ(long_text.body["error"]["code"], "context_length_exceeded");
   std::vector<int> ids(300, 5);
   const Answer long_prompt = post("/v1/completions", json{{"prompt", ids}, {"max_tokens", 1}});
   expect_error(long_prompt, 400, "prompt", "300");
@@ -259,7 +266,13 @@ TEST_F(ServeTest, MalformedRequestsGetOpenAiErrors) {
   expect_error(post("/v1/chat/completions", j), 400, "messages", "256");
   // A body over --max-body (256 KiB).
   const std::string huge = json{{"messages", {{{"role", "user"}, {"content", std::string(300 * 1024, 'a')}}}}}.dump();
-  expect_error(post("/v1/chat/completions", huge, c), 413, "", "larger");
+  expect_error(post("/v1/chat/completions", huge, c), 413, "", "--max-body 262144 bytes");
+  // Stop strings over their limits (16, of at most 512 bytes).
+  j = chat("x");
+  j["stop"] = std::vector<std::string>(17, "s");
+  expect_error(post("/v1/chat/completions", j), 400, "stop", "at most 16");
+  j["stop"] = std::string(513, 's');
+  expect_error(post("/v1/chat/completions", j), 400, "stop", "at most 512");
   // Authentication.
   httplib::Client none("127.0.0.1", g_serve->port);
   const auto r1 = none.Post("/v1/chat/completions", chat("x").dump(), "application/json");
@@ -292,7 +305,7 @@ uint64_t metric(const std::string& text, const std::string& name) {
 }
 
 TEST_F(ServeTest, DisconnectCancelsTheRequest) {
-  httplib::Client open("127.0.0.1", g_serve->port);
+  httplib::Client open = client();   // /metrics needs the key
   const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
   const uint64_t before = metric(open.Get("/metrics")->body, counter);
   json j = chat("a long answer please", 200);
@@ -317,7 +330,7 @@ TEST_F(ServeTest, DisconnectCancelsTheRequest) {
 }
 
 TEST_F(ServeTest, DisconnectCancelsANonStreamingRequest) {
-  httplib::Client open("127.0.0.1", g_serve->port);
+  httplib::Client open = client();   // /metrics needs the key
   const std::string counter = "moraine_group_counter{instance=\"coordinator\",name=\"cancelled_requests\"}";
   const uint64_t before = metric(open.Get("/metrics")->body, counter);
   // A frozen cpu worker holds the request's first step while the client gives up (0.3 s) and
@@ -342,7 +355,7 @@ TEST_F(ServeTest, DisconnectCancelsANonStreamingRequest) {
 // A client that gives up while its request waits in the queue leaves the queue (499, counted),
 // without ever reaching the coordinator.
 TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
-  httplib::Client open("127.0.0.1", g_serve->port);
+  httplib::Client open = client();
   const std::string gone = "moraine_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"499\"}";
   const uint64_t gone_before = metric(open.Get("/metrics")->body, gone);
   const pid_t worker = instance_pid(group::cpu_worker_instance(1));
@@ -377,6 +390,7 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   std::mutex mu;
   std::map<int, int> statuses;
   json refusal;
+  std::string retry_after;
   std::vector<std::thread> clients;
   for (int i = 0; i < 64; ++i) {
     clients.emplace_back([&, i] {
@@ -388,7 +402,10 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
         {
           std::lock_guard l(mu);
           ++statuses[r ? r->status : -100 - static_cast<int>(r.error())];
-          if (r && r->status == 429 && refusal.is_null()) refusal = json::parse(r->body, nullptr, false);
+          if (r && r->status == 429 && refusal.is_null()) {
+            refusal = json::parse(r->body, nullptr, false);
+            retry_after = r->get_header_value("Retry-After");
+          }
         }
         if (r && r->status == 429) std::this_thread::sleep_for(std::chrono::milliseconds(20));   // a client backs off
       }
@@ -411,6 +428,7 @@ TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
   if (!refusal.is_null()) {
     EXPECT_EQ(refusal["error"]["type"], "rate_limit_error") << refusal.dump();
     EXPECT_NE(refusal["error"]["message"].get<std::string>().find("busy"), std::string::npos) << refusal.dump();
+    EXPECT_EQ(retry_after, "1") << refusal.dump();
   }
   std::printf("load: server RSS %lld KiB before, %lld KiB after\n", static_cast<long long>(rss_before),
               static_cast<long long>(rss_after));
