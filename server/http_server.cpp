@@ -361,17 +361,22 @@ void HttpServer::routes() {
   http_->Get("/models", models);
 
   // The body read here, not by httplib: httplib 0.11 bounds a body by Content-Length only, and
-  // would buffer a chunked one of any size.
+  // would buffer a chunked one of any size. One over the limit is read on (not kept) up to
+  // kDrainBytes more, so that its client, still sending, reads the 413 instead of a reset.
   const auto post = [this](const char* path, Endpoint endpoint) {
     http_->Post(path, [this, endpoint](const httplib::Request& q, httplib::Response& r, const httplib::ContentReader& read) {
+      constexpr size_t kDrainBytes = 16u << 20;
       std::string body;
-      bool over = false;
+      size_t total = 0;
       const bool ok = read([&](const char* data, size_t n) {
-        over = body.size() + n > o_.max_body_bytes;
-        if (!over) body.append(data, n);
-        return !over;
+        total += n;
+        if (total <= o_.max_body_bytes) body.append(data, n);
+        return total <= o_.max_body_bytes + kDrainBytes;
       });
-      if (over || r.status == 413) return send_error(r, body_too_large());
+      if (total > o_.max_body_bytes || r.status == 413) {
+        if (!ok) r.set_header("Connection", "close");   // the rest of the body is still coming
+        return send_error(r, body_too_large());
+      }
       if (!ok) return send_error(r, ApiError(400, "the request body could not be read"));
       if (t_over_connection_limit) return refuse_connection(q, r);
       generate(q, body, r, endpoint);
