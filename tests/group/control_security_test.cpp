@@ -208,5 +208,22 @@ TEST(ControlSocket, EveryProcessStartedByHandChecksItsDirectory) {
   fs::remove_all(base);
 }
 
+// The supervisor and `moraine serve` check a given --socket-dir before they start anything.
+TEST(ControlSocket, TheSupervisorAndServeRefuseAnOpenDirectory) {
+  const std::string base = temp_dir("byhand");
+  const std::string open_dir = base + "/open", model = base + "/model.gguf";
+  fs::create_directories(open_dir);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0755), 0);
+  std::ofstream(model) << "not read";
+  for (const std::string& cmd : std::vector<std::string>{"coordinator/moraine-supervisor start -m " + model + " --bin-dir " + (kBuild / "coordinator").string(),
+                                "coordinator/moraine serve --port 0 -m " + model}) {
+    const auto [rc, out] = run_command((kBuild / cmd).string() + " --socket-dir " + shell_quote(open_dir) + " 2>&1");
+    EXPECT_NE(rc, 0) << cmd << ": " << out;
+    EXPECT_NE(out.find("refusing the socket directory " + open_dir + ": its mode is 0755"), std::string::npos) << cmd << ": " << out;
+    EXPECT_TRUE(fs::is_empty(open_dir)) << cmd << " wrote into a refused directory";
+  }
+  fs::remove_all(base);
+}
+
 }  // namespace
 }  // namespace moraine::group_test
