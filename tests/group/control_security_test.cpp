@@ -135,7 +135,8 @@ ssize_t preface_answer(const std::string& path) {
     return -1;
   }
   const char preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
-  if (::write(fd, preface, sizeof preface - 1) < 0) {
+  // MSG_NOSIGNAL: a server that already closed the connection is an answer, not a SIGPIPE.
+  if (::send(fd, preface, sizeof preface - 1, MSG_NOSIGNAL) < 0) {
     ::close(fd);
     return 0;
   }
