@@ -554,6 +554,19 @@ TEST(ServeTools, QwenTemplateModelAnswersToolRequests) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
+// --max-connections reaches the server, which refuses one that leaves the queue no room, before
+// the group starts (the model file is not read for it).
+TEST(ServeFlags, MaxConnectionsBelowTheQueueIsRefused) {
+  const std::string dir = group_test::temp_dir("serve-flags");
+  std::ofstream(dir + "/model.gguf") << "not read";
+  const auto [rc, out] = group_test::run_command(
+      shell_quote((kBuild / "coordinator" / "moraine").string()) + " serve --port 0 -m " + shell_quote(dir + "/model.gguf") +
+      " --socket-dir " + shell_quote(dir + "/sock") + " --parallel 2 --queue 8 --max-connections 10 2>&1");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("--max-connections 10 must be above --parallel + --queue (10)"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
 // A serve killed with SIGKILL cannot stop its group: the supervisor sees its pid gone
 // (--exit-with) and stops every process, and the shared memory goes with them.
 TEST_F(ServeTest, SigkillOfServeStopsItsGroupToo) {
