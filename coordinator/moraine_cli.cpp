@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   serve->add_option("--max-connections", so.http.max_connections,
                     "connections served at once; a request on one beyond them gets 429 with Retry-After "
-                    "(default --parallel + --queue + 32)")
+                    "(default --parallel + --queue + 8)")
       ->check(CLI::NonNegativeNumber);
   serve->add_option("--log", so.group.log_path, "the group's log (default SOCKET_DIR/supervisor.log)");
   server::ChatOptions co;

@@ -34,7 +34,7 @@ namespace moraine::server {
 
 // Connections beyond the admitted and queued requests' for /health, /metrics and the 429s of a
 // full queue (--max-connections' default).
-inline constexpr int kSpareConnections = 32;
+inline constexpr int kSpareConnections = 8;
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
