@@ -83,7 +83,7 @@ TEST(PrivateDir, ASymlinkOrAFileIsRefused) {
 TEST(PrivateDir, AnotherUsersIsRefused) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a directory of another uid";
   const std::string dir = temp_dir("private");
-  ASSERT_EQ(::chown(dir.c_str(), kOtherUid, static_cast<gid_t>(-1)), 0);
+  if (::chown(dir.c_str(), kOtherUid, static_cast<gid_t>(-1)) != 0) GTEST_SKIP() << "root without CAP_CHOWN here";
   const std::string why = message_of([&] { group::ensure_private_dir(dir); });
   EXPECT_NE(why.find(dir), std::string::npos) << why;
   EXPECT_NE(why.find("owned by uid " + std::to_string(kOtherUid)), std::string::npos) << why;
@@ -171,8 +171,9 @@ TEST(ControlSocket, APeerOfAnotherUidIsClosedUnanswered) {
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: could not drop to uid " << kOtherUid << ", 3: could not connect, 4: answered";
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "root without CAP_SETUID here: no second uid";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: could not connect, 4: answered";
   EXPECT_EQ(server.refused_peers(), 1u);
   EXPECT_TRUE(health_ok(address)) << "the server still serves its own user";
   server.stop();
