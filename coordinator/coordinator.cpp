@@ -59,10 +59,11 @@ struct Options {
   bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
-  // 512 rows a step, llama.cpp's default ubatch: prefill in 64-row steps (the old default) gave the
-  // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
+  // Rows of a step, or of a long step's window; 0: window_rows_for's choice (512, llama.cpp's
+  // default ubatch, except for CUDA long steps). 64-row steps (the old default) gave the experts
+  // ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
   // docs/perf-log.md#session-9-what-moved).
-  int cpu_workers = 2, max_tokens = 512, step_retries = 2;
+  int cpu_workers = 2, max_tokens = 0, step_retries = 2;
   // Rows of a long step (GroupManifest::long_step_rows; -1: long_step_rows_for's default).
   int long_step_rows = -1;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
@@ -106,8 +107,8 @@ int long_step_rows_for(const Options& o, const model::Model& m) {
   return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
 }
 
-// The placement every process of the group follows: planned once, here.
-group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
+// The placement every process of the group follows: planned once, here (`log`: its lines to stderr).
+group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
   if (o.backend == "cuda") {
@@ -124,15 +125,15 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   if (std::ifstream(census).good()) {
     try {
       in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
-      std::cerr << "coordinator: expert popularity from " << census << "\n";
+      if (log) std::cerr << "coordinator: expert popularity from " << census << "\n";
     } catch (const std::exception& e) {
       // A census named on the command line is the user's input: refuse it. The default one is
       // ours (the gpu_worker writes it and replaces a bad one), so a bad one must not stop the
       // group from starting.
       if (!o.census.empty()) throw;
-      std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
+      if (log) std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
     }
-  } else {
+  } else if (log) {
     std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
   }
   group::PlacementPlan plan = group::plan_placement(in);
@@ -153,8 +154,34 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
       plan = group::plan_placement(in);
     }
   }
-  std::cerr << "coordinator: " << plan.table();
+  if (log) std::cerr << "coordinator: " << plan.table();
   return plan;
+}
+
+// --max-tokens 0: 512 rows, except where long steps stage the RAM tier on the device (CUDA):
+// there a window's expert GEMMs get more rows each the longer it is (30B shape, 12G, pp8192:
+// 7,246 tok/s at 512-row windows, 9,665 at 2048, 11,561 at 4096; session 18), while its scratch
+// (~0.4 MB a row) takes VRAM from the experts, which decode reads. So the longest of 4096, 2048
+// and 1024 whose scratch beyond 512 rows' is at most 1/16 of --vram, or that still leaves every
+// expert on the device.
+int window_rows_for(const Options& o, const model::Model& m) {
+  Options at = o;
+  at.max_tokens = 512;
+  if (o.backend != "cuda" || long_step_rows_for(at, m) == 0) return 512;
+  const group::PlacementPlan base = plan_for(at, m, false);
+  for (const int rows : {4096, 2048, 1024}) {
+    at.max_tokens = rows;
+    if (long_step_rows_for(at, m) == 0) continue;   // not below the long step's rows
+    group::PlacementPlan p;
+    try {
+      p = plan_for(at, m, false);
+    } catch (const std::invalid_argument&) {
+      continue;   // this window's scratch does not fit --vram beside the dense weights and KV
+    }
+    const bool every_expert_on_device = p.ram.experts == 0 && p.file.experts == 0;
+    if (every_expert_on_device || (p.device_reserve_bytes - base.device_reserve_bytes) * 16 <= p.vram_budget) return rows;
+  }
+  return 512;
 }
 
 class Coordinator final : public generate::Coordinator::Service {
@@ -814,9 +841,15 @@ class Coordinator final : public generate::Coordinator::Service {
   std::ofstream logits_dump_;
 };
 
-int run(const Options& o) {
+int run(const Options& given) {
   group::install_stop_signals();
-  if (o.cpu_workers < 1 || o.max_tokens < 1) throw std::invalid_argument("--cpu-workers and --max-tokens must be >= 1");
+  if (given.cpu_workers < 1 || given.max_tokens < 0)
+    throw std::invalid_argument("--cpu-workers must be >= 1 and --max-tokens >= 0");
+  Options o = given;
+  if (o.max_tokens == 0) {
+    o.max_tokens = window_rows_for(o, model::Model::load(o.model));
+    std::cerr << "coordinator: steps (long steps' windows) of " << o.max_tokens << " rows\n";
+  }
   if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
   group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
                                group::control_address(o.socket_dir, group::kCoordinatorInstance));
@@ -841,7 +874,9 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
   app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
   app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
-  app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512); sizes the exchange segment and the device scratch");
+  app.add_option("--max-tokens", o.max_tokens,
+                 "rows of one step (prefill chunk), or of a long step's window; sizes the exchange segment and the device "
+                 "scratch (default 0: 512, or with --backend cuda's long steps up to 4096 as --vram allows)");
   app.add_option("--long-step-rows", o.long_step_rows,
                  "rows of a long prefill step, run by the gpu_worker layer by layer over windows of --max-tokens rows "
                  "(default: 8192 with --backend cuda, none with cpu; 0: none)");
