@@ -84,6 +84,7 @@ struct Options {
   // Requests that take turns on the gpu_worker (coordinator/turn_queue.h), and the tokens a turn
   // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
   int parallel = 1, turn_tokens = 16;
+  bool print_plan = false;   // print the window and the placement, then exit (no group)
 };
 
 // --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
@@ -158,12 +159,13 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log 
   return plan;
 }
 
-// --max-tokens 0: 512 rows, except where long steps stage the RAM tier on the device (CUDA):
-// there a window's expert GEMMs get more rows each the longer it is (30B shape, 12G, pp8192:
-// 7,246 tok/s at 512-row windows, 9,665 at 2048, 11,561 at 4096; session 18), while its scratch
-// (~0.4 MB a row) takes VRAM from the experts, which decode reads. So the longest of 4096, 2048
-// and 1024 whose scratch beyond 512 rows' is at most 1/16 of --vram, or that still leaves every
-// expert on the device.
+// --max-tokens 0: 512 rows, except where long steps stage the RAM tier on the device (CUDA) and
+// a longer window costs no expert its VRAM: the longest of 4096, 2048 and 1024 that leaves the
+// device as many experts as 512 rows do. A window's GEMMs get more rows per expert the longer it
+// is, but its scratch (~0.4 MB a row) takes VRAM the experts would hold, and decode and short
+// prompts read those (30B shape, --vram 12G, one H200 run, windows 512 / 2048 / 4096: pp8192
+// 7,170 / 9,554 / 11,811 tok/s, pp512 2,712 / 2,498 / 2,327, tg 124 / 104 / 109, VRAM hit
+// 0.57 / 0.53 / 0.48; docs/perf-log.md#session-21-windows). --max-tokens 4096 is the long-prompt setting.
 int window_rows_for(const Options& o, const model::Model& m) {
   Options at = o;
   at.max_tokens = 512;
@@ -178,8 +180,7 @@ int window_rows_for(const Options& o, const model::Model& m) {
     } catch (const std::invalid_argument&) {
       continue;   // this window's scratch does not fit --vram beside the dense weights and KV
     }
-    const bool every_expert_on_device = p.ram.experts == 0 && p.file.experts == 0;
-    if (every_expert_on_device || (p.device_reserve_bytes - base.device_reserve_bytes) * 16 <= p.vram_budget) return rows;
+    if (p.vram.experts >= base.vram.experts) return rows;
   }
   return 512;
 }
@@ -850,6 +851,14 @@ int run(const Options& given) {
     o.max_tokens = window_rows_for(o, model::Model::load(o.model));
     std::cerr << "coordinator: steps (long steps' windows) of " << o.max_tokens << " rows\n";
   }
+  if (o.print_plan) {
+    const model::Model m = model::Model::load(o.model);
+    const int long_rows = long_step_rows_for(o, m);
+    std::cout << "steps of " << o.max_tokens << " rows";
+    if (long_rows > 0) std::cout << ", long steps of " << long_rows << " rows";
+    std::cout << "\n" << plan_for(o, m, false).table();
+    return 0;
+  }
   if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
   group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
                                group::control_address(o.socket_dir, group::kCoordinatorInstance));
@@ -880,6 +889,8 @@ int main(int argc, char** argv) {
   app.add_option("--long-step-rows", o.long_step_rows,
                  "rows of a long prefill step, run by the gpu_worker layer by layer over windows of --max-tokens rows "
                  "(default: 8192 with --backend cuda, none with cpu; 0: none)");
+  app.add_flag("--print-plan", o.print_plan,
+               "print the step rows and the placement these options give (to stdout), then exit without starting");
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
