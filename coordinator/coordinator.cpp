@@ -59,10 +59,11 @@ struct Options {
   bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
-  // 512 rows a step, llama.cpp's default ubatch: prefill in 64-row steps (the old default) gave the
-  // experts ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
+  // Rows of a step, or of a long step's window; 0: window_rows_for's choice (512, llama.cpp's
+  // default ubatch, except for CUDA long steps). 64-row steps (the old default) gave the experts
+  // ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
   // docs/perf-log.md#session-9-what-moved).
-  int cpu_workers = 2, max_tokens = 512, step_retries = 2;
+  int cpu_workers = 2, max_tokens = 0, step_retries = 2;
   // Rows of a long step (GroupManifest::long_step_rows; -1: long_step_rows_for's default).
   int long_step_rows = -1;
   std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
@@ -83,6 +84,7 @@ struct Options {
   // Requests that take turns on the gpu_worker (coordinator/turn_queue.h), and the tokens a turn
   // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
   int parallel = 1, turn_tokens = 16;
+  bool print_plan = false;   // print the window and the placement, then exit (no group)
 };
 
 // --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
@@ -106,8 +108,8 @@ int long_step_rows_for(const Options& o, const model::Model& m) {
   return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
 }
 
-// The placement every process of the group follows: planned once, here.
-group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
+// The placement every process of the group follows: planned once, here (`log`: its lines to stderr).
+group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
   if (o.backend == "cuda") {
@@ -124,15 +126,15 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
   if (std::ifstream(census).good()) {
     try {
       in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
-      std::cerr << "coordinator: expert popularity from " << census << "\n";
+      if (log) std::cerr << "coordinator: expert popularity from " << census << "\n";
     } catch (const std::exception& e) {
       // A census named on the command line is the user's input: refuse it. The default one is
       // ours (the gpu_worker writes it and replaces a bad one), so a bad one must not stop the
       // group from starting.
       if (!o.census.empty()) throw;
-      std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
+      if (log) std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
     }
-  } else {
+  } else if (log) {
     std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
   }
   group::PlacementPlan plan = group::plan_placement(in);
@@ -153,8 +155,34 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m) {
       plan = group::plan_placement(in);
     }
   }
-  std::cerr << "coordinator: " << plan.table();
+  if (log) std::cerr << "coordinator: " << plan.table();
   return plan;
+}
+
+// --max-tokens 0: 512 rows, except where long steps stage the RAM tier on the device (CUDA) and
+// a longer window costs no expert its VRAM: the longest of 4096, 2048 and 1024 that leaves the
+// device as many experts as 512 rows do. A window's GEMMs get more rows per expert the longer it
+// is, but its scratch (~0.4 MB a row) takes VRAM the experts would hold, and decode and short
+// prompts read those (30B shape, --vram 12G, one H200 run, windows 512 / 2048 / 4096: pp8192
+// 7,170 / 9,554 / 11,811 tok/s, pp512 2,712 / 2,498 / 2,327, tg 124 / 104 / 109, VRAM hit
+// 0.57 / 0.53 / 0.48; docs/perf-log.md#session-21-windows). --max-tokens 4096 is the long-prompt setting.
+int window_rows_for(const Options& o, const model::Model& m) {
+  Options at = o;
+  at.max_tokens = 512;
+  if (o.backend != "cuda" || long_step_rows_for(at, m) == 0) return 512;
+  const group::PlacementPlan base = plan_for(at, m, false);
+  for (const int rows : {4096, 2048, 1024}) {
+    at.max_tokens = rows;
+    if (long_step_rows_for(at, m) == 0) continue;   // not below the long step's rows
+    group::PlacementPlan p;
+    try {
+      p = plan_for(at, m, false);
+    } catch (const std::invalid_argument&) {
+      continue;   // this window's scratch does not fit --vram beside the dense weights and KV
+    }
+    if (p.vram.experts >= base.vram.experts) return rows;
+  }
+  return 512;
 }
 
 class Coordinator final : public generate::Coordinator::Service {
@@ -814,9 +842,23 @@ class Coordinator final : public generate::Coordinator::Service {
   std::ofstream logits_dump_;
 };
 
-int run(const Options& o) {
+int run(const Options& given) {
   group::install_stop_signals();
-  if (o.cpu_workers < 1 || o.max_tokens < 1) throw std::invalid_argument("--cpu-workers and --max-tokens must be >= 1");
+  if (given.cpu_workers < 1 || given.max_tokens < 0)
+    throw std::invalid_argument("--cpu-workers must be >= 1 and --max-tokens >= 0");
+  Options o = given;
+  if (o.max_tokens == 0) {
+    o.max_tokens = window_rows_for(o, model::Model::load(o.model));
+    std::cerr << "coordinator: steps (long steps' windows) of " << o.max_tokens << " rows\n";
+  }
+  if (o.print_plan) {
+    const model::Model m = model::Model::load(o.model);
+    const int long_rows = long_step_rows_for(o, m);
+    std::cout << "steps of " << o.max_tokens << " rows";
+    if (long_rows > 0) std::cout << ", long steps of " << long_rows << " rows";
+    std::cout << "\n" << plan_for(o, m, false).table();
+    return 0;
+  }
   if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
   group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
                                group::control_address(o.socket_dir, group::kCoordinatorInstance));
@@ -841,10 +883,14 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", o.model, "GGUF model file")->required();
   app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
   app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
-  app.add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512); sizes the exchange segment and the device scratch");
+  app.add_option("--max-tokens", o.max_tokens,
+                 "rows of one step (prefill chunk), or of a long step's window; sizes the exchange segment and the device "
+                 "scratch (default 0: 512, or with --backend cuda's long steps up to 4096 as --vram allows)");
   app.add_option("--long-step-rows", o.long_step_rows,
                  "rows of a long prefill step, run by the gpu_worker layer by layer over windows of --max-tokens rows "
                  "(default: 8192 with --backend cuda, none with cpu; 0: none)");
+  app.add_flag("--print-plan", o.print_plan,
+               "print the step rows and the placement these options give (to stdout), then exit without starting");
   app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");

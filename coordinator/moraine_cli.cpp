@@ -224,7 +224,7 @@ void add_group_options(CLI::App* c, server::GroupStartOptions& g) {
   c->add_option("--kv-type", g.kv_type, "KV cache element type (f16 with cuda, f32 with cpu)");
   c->add_option("--cache-ram", g.cache_ram,
                 "host memory for earlier conversations' saved KV cache and state (8G; 0: only the last is reused)");
-  c->add_option("--max-tokens", g.max_tokens, "rows of one step (prefill chunk; 512)");
+  c->add_option("--max-tokens", g.max_tokens, "rows of one step (prefill chunk, or a long step's window; default: the coordinator's choice)");
   c->add_option("--socket-dir", g.socket_dir, "the group's socket directory (default: a fresh one, removed at exit)");
   c->add_option("--supervisor-arg", g.supervisor_args,
                 "an extra argument for moraine-supervisor start (repeat; e.g. --supervisor-arg=--gpu-threads=1)")

@@ -49,7 +49,7 @@ struct Options {
   std::vector<std::string> gpu_worker_args;   // appended to the gpu_worker's
   std::vector<std::string> coordinator_args;  // appended to the coordinator's
   int64_t ctx = 0;
-  int cpu_workers = 2, max_tokens = 512, gpu_threads = 0, device = 0;   // max_tokens: the coordinator's default
+  int cpu_workers = 2, max_tokens = 0, gpu_threads = 0, device = 0;   // max_tokens 0: the coordinator's choice
   int long_step_rows = -1;   // -1: the coordinator's default (8192 with --backend cuda, none with cpu)
   std::string backend = "cpu";
   std::string kv_type;   // the coordinator's --kv-type; empty: its default (f16 with cuda, f32 with cpu)
@@ -346,7 +346,8 @@ int main(int argc, char** argv) {
   st->add_option("--bin-dir", o.bin_dir, "where the moraine executables are");
   st->add_option("--handoff", o.handoff, "doorbell or zmq")->check(CLI::IsMember({"doorbell", "zmq"}));
   // A later --max-tokens / --long-step-rows wins (moraine-bench passes its own first).
-  st->add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk; default 512), or of one window of a long step")
+  st->add_option("--max-tokens", o.max_tokens, "rows of one step (prefill chunk), or of one window of a long step (default 0: the coordinator's "
+                 "choice, 512 or with --backend cuda's long steps up to 4096 as --vram allows)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   st->add_option("--long-step-rows", o.long_step_rows,
                  "rows of a long prefill step, which the gpu_worker runs layer by layer over windows of --max-tokens rows "

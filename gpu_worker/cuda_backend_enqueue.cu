@@ -97,7 +97,8 @@ void CudaBackend::norm_h(const float* x, const float* w, int64_t n, const DevMat
   const int64_t d = m_.hp.n_embd;
   const float eps = static_cast<float>(m_.hp.rms_eps);
   act_of_h_ = TensorType::F32;   // none
-  if (consumer && consumer.cols == d && cuda::matvec_supported(consumer.type) && !use_gemm(consumer, n)) {
+  if (consumer && consumer.cols == d && cuda::matvec_supported(consumer.type) && !use_gemm(consumer, n) &&
+      row_bytes(dot_activation_type(consumer.type), d) * static_cast<size_t>(n) <= act_.size()) {
     const TensorType at = dot_activation_type(consumer.type);
     if (at == TensorType::Q8_0) {
       cuda::rms_norm_quantize(x, w, h_.get(), at, act_.get(), d, n, eps, stream_);

@@ -71,14 +71,27 @@ void CudaBackend::run_matvec(const DevMatrix& W, const float* x, int64_t n, floa
   }
   const TensorType at = dot_activation_type(W.type);
   const size_t rb = row_bytes(at, W.cols);
-  if (rb * static_cast<size_t>(n) > act_.size())
-    throw std::logic_error("CUDA backend: activation scratch too small for " + std::to_string(n) + " rows");
-  if (x != act_src_ || at != act_of_h_ || n != act_of_h_rows_) {
-    cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
-    act_of_h_ = TensorType::F32;   // act_ no longer holds h_
-  }
   b.act_stride_bytes = static_cast<int64_t>(rb);
-  cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y, b, stream_);
+  const int64_t fit = static_cast<int64_t>(act_.size() / rb);
+  if (fit < 1) throw std::logic_error("CUDA backend: activation scratch too small for one row of " + std::to_string(W.cols));
+  if (n <= fit) {
+    if (x != act_src_ || at != act_of_h_ || n != act_of_h_rows_) {
+      cuda::quantize_activations_llama(at, x, act_.get(), W.cols, n, stream_);
+      act_of_h_ = TensorType::F32;   // act_ no longer holds h_
+    }
+    cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y, b, stream_);
+    return;
+  }
+  // More rows than act_ holds (a long step's matrix the PrefillGemm does not take): passes of
+  // `fit` rows; each row's dots are its own, so the bits do not depend on the passes.
+  act_of_h_ = TensorType::F32;
+  for (int64_t r0 = 0; r0 < n; r0 += fit) {
+    cuda::MatvecBatch p = b;
+    p.count = static_cast<int>(std::min(fit, n - r0));
+    if (p.expert_ids != nullptr) p.expert_ids += r0;
+    cuda::quantize_activations_llama(at, x + r0 * W.cols, act_.get(), W.cols, p.count, stream_);
+    cuda::matvec_quantized_batched(W.type, W.bytes.get(), W.rows, W.cols, act_.get(), y + r0 * b.out_stride, p, stream_);
+  }
 }
 
 }  // namespace moraine::gpu_worker::cuda_impl

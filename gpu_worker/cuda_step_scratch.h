@@ -129,6 +129,9 @@ inline cuda::PrefillGemmLimits cuda_scratch_prefill_gemm_limits(const model::HPa
   lim.max_cols = cuda_scratch_max_cols(hp);
   lim.max_experts = static_cast<int>(hp.n_expert);
   lim.weight_workspace_elems = kPrefillGemmWeightElems;
+  // A window's dense rows at any width; its expert rows (k per row) at most the experts' width.
+  const int64_t expert_cols = std::max(hp.n_embd, hp.n_ff_exp);
+  lim.input_elems = std::max(o.max_tokens * lim.max_cols, lim.max_tokens * std::min(expert_cols, lim.max_cols));
   return lim;
 }
 
@@ -166,7 +169,12 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
                                                          cuda::attention_at_scratch_floats(as, rows16, o.max_context),
                                                          cuda::attention_decode_scratch_floats(as, rows16, o.max_context)})) *
                             f);
-  s.add("act", S * max_cols * f);   // a quantized row never takes more bytes than its floats
+  // Quantized activations of the matvec path: steps below the PrefillGemm's rows (a quantized
+  // row never takes more bytes than its floats). A longer step's matvec (a matrix the GEMM does
+  // not take) runs in passes of what fits (CudaBackend::run_matvec); sizing act for a whole
+  // window's expert rows cost 512 MiB of experts' VRAM at 4096-row windows of the 30B shape.
+  const uint64_t act_rows = cuda_scratch_prefill_gemm(o) ? std::min<uint64_t>(T, static_cast<uint64_t>(o.gemm_prefill_rows - 1)) : T;
+  s.add("act", std::max<uint64_t>(act_rows, 1) * k * max_cols * f);
   s.add("router_logits", T * static_cast<uint64_t>(hp.n_expert) * f);
   s.add("route_arrivals", T * sizeof(uint32_t));
   s.add("chosen", static_cast<uint64_t>(hp.n_layer) * S * i32);   // every layer's routing

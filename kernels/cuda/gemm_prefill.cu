@@ -56,11 +56,14 @@ PrefillGemm::PrefillGemm(cudaStream_t stream, const PrefillGemmLimits& limits, G
     : stream_(stream), limits_(limits), input_(input) {
   if (limits.max_tokens < 1 || limits.max_tokens > (int64_t{1} << 30) || limits.max_cols < 32 ||
       limits.max_cols % 32 != 0 || limits.max_experts < 1 || limits.max_experts > (1 << 20) ||
-      limits.weight_workspace_elems < limits.max_cols * kSlabRowAlign)
+      limits.weight_workspace_elems < limits.max_cols * kSlabRowAlign || limits.input_elems < 0 ||
+      (limits.input_elems > 0 && limits.input_elems < limits.max_cols))
     throw std::invalid_argument("PrefillGemm: limits need max_tokens in 1..2^30, max_cols a positive multiple of 32, "
-                                "max_experts >= 1 and weight_workspace_elems >= 64 * max_cols (got max_tokens " +
+                                "max_experts >= 1, weight_workspace_elems >= 64 * max_cols and input_elems 0 or at "
+                                "least max_cols (got max_tokens " +
                                 std::to_string(limits.max_tokens) + ", max_cols " + std::to_string(limits.max_cols) +
-                                ", workspace " + std::to_string(limits.weight_workspace_elems) + ")");
+                                ", workspace " + std::to_string(limits.weight_workspace_elems) + ", input_elems " +
+                                std::to_string(limits.input_elems) + ")");
   // The sizes the CUDA backend's scratch list reads too (gemm_prefill_limits.h).
   const PrefillGemmBuffers sizes = prefill_gemm_buffers(limits);
   weights_ = DeviceBuffer<uint16_t>(static_cast<size_t>(sizes.weight_bytes / sizeof(uint16_t)));
@@ -106,6 +109,10 @@ void PrefillGemm::matmul(TensorType weight, const void* w, int64_t rows, int64_t
   if (n < 1 || n > limits_.max_tokens)
     throw std::invalid_argument("PrefillGemm::matmul: n = " + std::to_string(n) + " not in 1..max_tokens " +
                                 std::to_string(limits_.max_tokens) + describe(weight, rows, cols));
+  if (n * cols > limits_.input_capacity())
+    throw std::invalid_argument("PrefillGemm::matmul: " + std::to_string(n) + " rows of " + std::to_string(cols) +
+                                " columns exceed the input buffer's " + std::to_string(limits_.input_capacity()) +
+                                " elements" + describe(weight, rows, cols));
   if (w == nullptr || x == nullptr || y == nullptr)
     throw std::invalid_argument("PrefillGemm::matmul: null weight, input or output pointer" + describe(weight, rows, cols));
   rounded_x_ = nullptr;  // inputs_ now holds this call's X, which matmul_experts must not reuse
@@ -180,6 +187,10 @@ int64_t PrefillGemm::matmul_experts(TensorType weight, std::span<const ExpertRow
                                 std::to_string(computed) + ", more than max_tokens " +
                                 std::to_string(limits_.max_tokens) + " (do the groups overlap?)" +
                                 describe(weight, rows, cols));
+  if (end_row * cols > limits_.input_capacity())
+    throw std::invalid_argument("PrefillGemm::matmul_experts: rows 0.." + std::to_string(end_row) + " of " +
+                                std::to_string(cols) + " columns exceed the input buffer's " +
+                                std::to_string(limits_.input_capacity()) + " elements" + describe(weight, rows, cols));
   if (!reuse_input) {
     convert_gemm_input(x, end_row * cols, input_, inputs_.get(), stream_);
     rounded_x_ = x;

@@ -17,6 +17,12 @@ struct PrefillGemmLimits {
   // experts run in chunks of as many whole matrices as fit (13 of 768 x 2048).
   int64_t weight_workspace_elems = int64_t{20} << 20;
   int max_experts = 256;      // expert groups per matmul_experts call
+  // X elements rounded to 16 bits at once (n x cols of one matmul, end row x cols of one
+  // matmul_experts); 0: max_tokens x max_cols. The CUDA backend's expert rows are at most
+  // n_embd or n_ff wide, its dense rows (a window's) up to max_cols: sizing by both halves the
+  // 30B shape's buffer (256 -> 128 MiB at 4096-row windows).
+  int64_t input_elems = 0;
+  int64_t input_capacity() const { return input_elems > 0 ? input_elems : max_tokens * max_cols; }
 };
 
 // What NVIDIA recommends for Hopper (cuBLAS docs, cublasSetWorkspace): 32 MiB.
@@ -31,7 +37,7 @@ inline constexpr uint64_t kExpertGemmTileBytes = 16;
 
 struct PrefillGemmBuffers {
   uint64_t weight_bytes = 0;   // the 16-bit weight workspace
-  uint64_t input_bytes = 0;    // X rounded to 16 bits, max_tokens x max_cols
+  uint64_t input_bytes = 0;    // X rounded to 16 bits, input_capacity() elements
   uint64_t cublas_bytes = 0;   // cuBLAS workspace
   int64_t tile_capacity = 0;   // tile entries per table part
   uint64_t table_part_bytes = 0;  // tile_capacity entries, then max_experts weight pointers
@@ -42,7 +48,7 @@ struct PrefillGemmBuffers {
 inline PrefillGemmBuffers prefill_gemm_buffers(const PrefillGemmLimits& lim) {
   PrefillGemmBuffers b;
   b.weight_bytes = static_cast<uint64_t>(lim.weight_workspace_elems) * sizeof(uint16_t);
-  b.input_bytes = static_cast<uint64_t>(lim.max_tokens) * static_cast<uint64_t>(lim.max_cols) * sizeof(uint16_t);
+  b.input_bytes = static_cast<uint64_t>(lim.input_capacity()) * sizeof(uint16_t);
   b.cublas_bytes = kPrefillGemmCublasBytes;
   // Each selected group adds at most count / 32 + 1 token tiles; the selected counts sum to at
   // most max_tokens.

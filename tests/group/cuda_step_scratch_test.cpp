@@ -171,7 +171,8 @@ TEST(CudaStepScratch, ExpertPathRowsAtEveryStepLength) {
 
 // The PrefillGemm's buffers (gemm_prefill_limits.h, which gemm_prefill.cu's constructor
 // allocates from), written out from gemm_prefill.h's description: a 20 Mi-element 16-bit weight
-// workspace, X rounded to 16 bits for every expert slot at the widest matrix's columns, cuBLAS's
+// workspace, X rounded to 16 bits for the larger of a window's rows at the widest matrix's
+// columns and every expert slot at the experts' width (n_embd or n_ff), cuBLAS's
 // 32 MiB, and a ring of 4 tile tables of 16-byte entries (one per expert plus one per 32 rows)
 // followed by one weight pointer per expert. Only steps from gemm_prefill_rows have them.
 TEST(CudaStepScratch, PrefillGemmBuffersFollowTheirLayout) {
@@ -189,7 +190,11 @@ TEST(CudaStepScratch, PrefillGemmBuffersFollowTheirLayout) {
       const CudaStepScratch s = cuda_step_scratch(hp, o);
       const uint64_t S = static_cast<uint64_t>(T * hp.n_expert_used), E = static_cast<uint64_t>(hp.n_expert);
       EXPECT_EQ(s.bytes("gemm_weights"), uint64_t{40} << 20);
-      EXPECT_EQ(s.bytes("gemm_inputs"), S * widest * 2);
+      const uint64_t expert_cols = static_cast<uint64_t>(std::max(hp.n_embd, hp.n_ff_exp));
+      EXPECT_EQ(s.bytes("gemm_inputs"), std::max(static_cast<uint64_t>(T) * widest, S * expert_cols) * 2);
+      // The matvec path's activations: only steps below the GEMM's 64 rows (63 rows of k slots at
+      // the widest matrix's floats); longer matvecs run in passes.
+      EXPECT_EQ(s.bytes("act"), 63 * static_cast<uint64_t>(hp.n_expert_used) * widest * 4);
       EXPECT_EQ(s.bytes("gemm_cublas_workspace"), uint64_t{32} << 20);
       EXPECT_EQ(s.bytes("gemm_tile_tables"), 4 * (16 * (E + S / 32 + 1) + sizeof(void*) * E));
       const cuda::PrefillGemmLimits lim = gpu_worker::cuda_scratch_prefill_gemm_limits(hp, o);

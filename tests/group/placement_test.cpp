@@ -20,6 +20,7 @@
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
 #include "tests/group/group_harness.h"
+#include "tests/support/shell.h"
 
 namespace moraine::group {
 namespace {
@@ -444,6 +445,58 @@ TEST(Placement, GoldenModelSizesArenaAndFileRanges) {
     }
   }
   fs::remove_all(dir);
+}
+
+// --max-tokens 0, the default (coordinator.cpp's window_rows_for): 512-row steps, except where a
+// CUDA long step's longer window leaves the device as many experts as 512 rows do. The coordinator
+// binary with --print-plan, as a user runs it.
+TEST(Placement, DefaultWindowRowsKeepEveryDeviceExpert) {
+  const std::string dir = group_test::temp_dir("placement-window");
+  const std::string model = group_test::synth_model("qwen3moe-tiny", "kmix", dir);
+  const auto plan = [&](const std::string& args) {
+    const auto [rc, out] = test_support::run_command(std::string(MORAINE_BUILD_DIR) +
+                                                     "/coordinator/moraine-coordinator --print-plan -m " +
+                                                     test_support::quoted(model) + " --socket-dir " +
+                                                     test_support::quoted(dir + "/sock") + " " + args);
+    EXPECT_EQ(rc, 0) << args << "\n" << out;
+    return out;
+  };
+  const auto vram_experts = [](const std::string& out) {
+    const size_t at = out.find("\n  VRAM ");
+    return at == std::string::npos ? int64_t{-1} : std::stoll(out.substr(at + 8));
+  };
+  const auto has = [](const std::string& out, const std::string& what) { return out.find(what) != std::string::npos; };
+  // Every expert fits: the longest window below the long step (this model's context, 4096
+  // positions, makes long steps of 4096 rows).
+  EXPECT_TRUE(has(plan("--backend cuda"), "steps of 2048 rows, long steps of 4096 rows"));
+  // A budget that holds every expert beside 512 rows' scratch but not beside 1024 rows': 512.
+  // The least budget holding every expert at a window, found by bisection on the binary's plans.
+  const model::Model m = model::Model::load(model);
+  const int64_t all = m.hp.n_layer * m.hp.n_expert;
+  const auto least_budget_for_all = [&](int rows) {
+    uint64_t lo = 1, hi = uint64_t{8} << 30;   // hi holds all: this model is a few MiB
+    while (hi - lo > 4096) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      const auto [rc, out] = test_support::run_command(
+          std::string(MORAINE_BUILD_DIR) + "/coordinator/moraine-coordinator --print-plan --backend cuda -m " +
+          test_support::quoted(model) + " --socket-dir " + test_support::quoted(dir + "/sock") + " --max-tokens " +
+          std::to_string(rows) + " --vram " + std::to_string(mid));
+      (rc == 0 && vram_experts(out) == all ? hi : lo) = mid;
+    }
+    return hi;
+  };
+  const uint64_t b512 = least_budget_for_all(512), b1024 = least_budget_for_all(1024), b2048 = least_budget_for_all(2048);
+  ASSERT_LT(b512 + 8192, b2048);
+  const uint64_t between = b2048 - 8192;   // 2048 rows leave some expert off the device
+  const int expected = between >= b1024 ? 1024 : 512;
+  const std::string at_default = plan("--backend cuda --vram " + std::to_string(between));
+  EXPECT_TRUE(has(at_default, "steps of " + std::to_string(expected) + " rows, long steps of 4096 rows")) << at_default;
+  EXPECT_EQ(vram_experts(at_default), all) << at_default;
+  const std::string at_2048 = plan("--backend cuda --max-tokens 2048 --vram " + std::to_string(between));
+  EXPECT_TRUE(has(at_2048, "steps of 2048 rows")) << "an explicit --max-tokens wins";
+  EXPECT_LT(vram_experts(at_2048), all) << at_2048;
+  // The CPU backend has no long steps: 512.
+  EXPECT_TRUE(has(plan("--backend cpu"), "steps of 512 rows\n"));
 }
 
 }  // namespace

@@ -25,7 +25,7 @@ struct GroupEngineOptions {
   int threads = 0;               // reported only: the supervisor splits every core between the workers
   std::string vram, ram;         // budgets as the supervisor takes them ("12G"; empty: unlimited)
   std::string bin_dir;           // where moraine-supervisor and the workers are
-  int max_tokens = 512;          // rows of one step (prefill chunk)
+  int max_tokens = 0;            // rows of one step (prefill chunk); 0: the coordinator's choice
   int64_t ctx = 0;               // positions the group plans KV memory for (supervisor --ctx; 0: its default)
   // The gpu_worker's adaptive VRAM tier (moraine-supervisor --vram-adapt-every): 0 by default,
   // so the placement stays what the census (or uniform popularity) made it. Swaps move experts

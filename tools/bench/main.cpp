@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
       g.speculate = o.speculate;
       int64_t longest = 1;
       for (int64_t n : o.prompt_lengths) longest = std::max(longest, n);
-      g.max_tokens = static_cast<int>(std::min<int64_t>(longest, 512));
+      // g.max_tokens stays 0: the coordinator's window, as a user's group gets (a --supervisor-arg
+      // --max-tokens=N wins). It was min(longest prompt, 512), which at -p 8192 kept 512-row windows.
       // The longest run is the census warm-up's: the longest prompt, then n + 1 tokens, the
       // last of which is never fed back.
       const int64_t needed = longest + o.n_gen + 1;
