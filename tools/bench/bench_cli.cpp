@@ -45,9 +45,11 @@ void prefill_bounds(BenchReport& r, const TierBandwidth& bw) {
   if (r.stats.staging) {
     // Each matmul_experts call of a long step covers one window: its rows per expert under uniform routing.
     const ExpertStaging& st = *r.stats.staging;
-    const int64_t window = st.window_rows > 0 ? st.window_rows : 1;
-    const int64_t rows = pm.n_expert > 0 ? window * pm.n_expert_used / pm.n_expert : 0;
-    r.gemm = measure_prefill_gemm(pm, std::max<int64_t>(rows, 1));
+    const auto per_expert = [&](int64_t rows) {
+      return std::clamp<int64_t>(pm.n_expert > 0 ? rows * pm.n_expert_used / pm.n_expert : 0, 1, 512);
+    };
+    r.gemm = measure_prefill_gemm(pm, per_expert(st.window_rows));
+    if (st.long_step_rows > st.window_rows) r.gemm_step = measure_prefill_gemm(pm, per_expert(st.long_step_rows), false);
   } else {
     r.gemm.engine_note = r.gemm.cublas_note = "not measured: " + r.stats.staging_none;
   }

@@ -179,7 +179,7 @@ double expert_layer_seconds(const PrefillModel& pm, int64_t rows_per_expert, dou
 
 }  // namespace
 
-GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, double min_ms) {
+GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, bool with_cublas, double min_ms) {
   GemmRates r;
   r.rows_per_expert = rows_per_expert;
   std::string why;
@@ -206,6 +206,10 @@ GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, 
       r.engine_note = std::string("n/a: ") + e.what();
     }
   }
+  if (!with_cublas) {
+    r.cublas_note = "not measured with this shape";
+    return r;
+  }
   try {
     cublasHandle_t h = nullptr;
     kernel_bench::cublas_check(cublasCreate(&h), "cublasCreate");
@@ -223,7 +227,7 @@ GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, 
   return r;
 }
 #else
-GemmRates measure_prefill_gemm(const PrefillModel&, int64_t rows_per_expert, double) {
+GemmRates measure_prefill_gemm(const PrefillModel&, int64_t rows_per_expert, bool, double) {
   GemmRates r;
   r.rows_per_expert = rows_per_expert;
   r.engine_note = r.cublas_note = "n/a: built without CUDA";

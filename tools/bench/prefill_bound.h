@@ -71,7 +71,8 @@ struct GemmRates {
 // over all experts of a layer at the model's expert shape and types (random weights), gate + up +
 // down with rows_per_expert rows each, best over >= min_ms; and a dense cuBLAS BF16 GEMM's rate.
 // Without CUDA or a GPU both are nullopt and the notes say why.
-GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, double min_ms = 200);
+// with_cublas false: only the engine path (a second shape of the same run).
+GemmRates measure_prefill_gemm(const PrefillModel& pm, int64_t rows_per_expert, bool with_cublas = true, double min_ms = 200);
 
 struct PrefillBound {
   int64_t n_prompt = 0;

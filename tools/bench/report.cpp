@@ -45,6 +45,9 @@ void print_prefill_bound(const BenchReport& r, std::ostream& out) {
       << (r.gemm.engine_flops_s ? fmt("%.1f TFLOP/s", *r.gemm.engine_flops_s / 1e12) : "n/a") << " (" << r.gemm.engine_note
       << "); cuBLAS dense BF16 " << (r.gemm.cublas_bf16_flops_s ? fmt("%.1f TFLOP/s", *r.gemm.cublas_bf16_flops_s / 1e12) : "n/a")
       << " (" << r.gemm.cublas_note << ")\n";
+  if (r.gemm_step.engine_flops_s)
+    out << "  the engine path at a whole long step's rows per expert (not used by the bound): "
+        << fmt("%.1f TFLOP/s", *r.gemm_step.engine_flops_s / 1e12) << " (" << r.gemm_step.engine_note << ")\n";
   if (!r.stats.staging) {
     out << "prefill bound: n/a (" << r.stats.staging_none << ")\n";
     return;
@@ -111,7 +114,10 @@ nlohmann::json report_json(const BenchReport& r) {
                        {"engine_note", r.gemm.engine_note},
                        {"cublas_bf16_flops_s", opt_number(r.gemm.cublas_bf16_flops_s)},
                        {"cublas_note", r.gemm.cublas_note},
-                       {"rows_per_expert", r.gemm.rows_per_expert}};
+                       {"rows_per_expert", r.gemm.rows_per_expert},
+                       {"step_engine_flops_s", opt_number(r.gemm_step.engine_flops_s)},
+                       {"step_engine_note", r.gemm_step.engine_note},
+                       {"step_rows_per_expert", r.gemm_step.rows_per_expert}};
   j["prefill_staging"] = r.stats.staging
                              ? nlohmann::json{{"long_step_rows", r.stats.staging->long_step_rows},
                                               {"window_rows", r.stats.staging->window_rows},

@@ -40,7 +40,10 @@ struct BenchReport {
   Measured ram_beside_pcie, pcie_beside_ram;
   Bound bound;
   std::optional<double> share_of_bound;  // decode tok/s over the bound
-  GemmRates gemm;                        // the prefill GEMM probe (engine path and cuBLAS BF16)
+  GemmRates gemm;                        // the prefill GEMM probe (engine path and cuBLAS BF16) at a window's rows
+  // The engine path at a whole long step's rows per expert (what a window as long as the step
+  // would see); not used by the bound, which follows the engine's windows.
+  GemmRates gemm_step;
   std::vector<PrefillBound> prefill_bound;  // one per prefill timing, same order
 };
 
