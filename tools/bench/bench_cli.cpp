@@ -42,7 +42,7 @@ namespace {
 // stages experts for a GPU (what it would time is that engine's path).
 void prefill_bounds(BenchReport& r, const TierBandwidth& bw) {
   const PrefillModel& pm = r.model.prefill;
-  if (r.stats.staging) {
+  if (r.stats.staging && r.stats.staging->device_computes) {
     // Each matmul_experts call of a long step covers one window: its rows per expert under uniform routing.
     const ExpertStaging& st = *r.stats.staging;
     const auto per_expert = [&](int64_t rows) {

@@ -32,6 +32,9 @@ struct ExpertStaging {
   // [layer * n_expert + expert] routing counts of a census; empty: uniform popularity.
   std::vector<double> popularity;
   std::string popularity_note;  // where popularity came from, or why uniform
+  // false: the engine's long steps run on the CPU (the group's CPU backend): nothing crosses
+  // PCIe, no GPU GEMM; the placement is still reported (EngineStats::staging_none says why no bound).
+  bool device_computes = true;
 };
 
 struct EngineStats {

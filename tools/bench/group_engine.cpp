@@ -326,14 +326,13 @@ EngineStats GroupEngine::stats() const {
   s.expert_cpu = expert_cpu;
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
-  if (on_gpu) {
-    try {
-      s.staging = staging();
-    } catch (const std::exception& e) {
-      s.staging_none = std::string("the group's placement could not be read: ") + e.what();
-    }
-  } else {
-    s.staging_none = "the group's CPU backend computes every expert on the CPU (no host->device copies, no GPU GEMMs)";
+  // The CPU backend's placement too (reported, and read by the CPU-only tests), without a bound.
+  if (!on_gpu) s.staging_none = "the group's CPU backend computes every expert on the CPU (no host->device copies, no GPU GEMMs)";
+  try {
+    s.staging = staging();
+    s.staging->device_computes = on_gpu;
+  } catch (const std::exception& e) {
+    s.staging_none = std::string("the group's placement could not be read: ") + e.what();
   }
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
   s.bytes_per_token[static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram)] += bytes_.dense;

@@ -126,6 +126,10 @@ PrefillBound prefill_bound(int64_t n_prompt, const PrefillModel& pm, const std::
     return b;
   }
   const ExpertStaging& s = *staging;
+  if (!s.device_computes) {
+    b.why_none = staging_none;
+    return b;
+  }
   if (s.long_step_rows <= 0) {
     b.why_none = "the engine runs no long prefill steps (long_step_rows 0)";
     return b;

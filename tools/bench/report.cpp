@@ -1,5 +1,7 @@
 #include "tools/bench/report.h"
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
 
 namespace moraine::bench {
@@ -38,6 +40,16 @@ nlohmann::json prefill_bound_json(const PrefillBound& b) {
           {"why_none", b.why_none}};
 }
 
+nlohmann::json staging_json(const ExpertStaging& s) {
+  std::array<int64_t, 3> experts{};   // per tier code: VRAM, RAM, FILE
+  for (const uint8_t t : s.tier) ++experts[std::min<size_t>(t, 2)];
+  return {{"long_step_rows", s.long_step_rows},
+          {"window_rows", s.window_rows},
+          {"device_computes", s.device_computes},
+          {"experts", {{"vram", experts[0]}, {"ram", experts[1]}, {"file", experts[2]}}},
+          {"popularity", s.popularity_note}};
+}
+
 // The prefill bound's section of the table: per test what a long step copies and computes.
 void print_prefill_bound(const BenchReport& r, std::ostream& out) {
   char line[512];
@@ -48,7 +60,7 @@ void print_prefill_bound(const BenchReport& r, std::ostream& out) {
   if (r.gemm_step.engine_flops_s)
     out << "  the engine path at a whole long step's rows per expert (not used by the bound): "
         << fmt("%.1f TFLOP/s", *r.gemm_step.engine_flops_s / 1e12) << " (" << r.gemm_step.engine_note << ")\n";
-  if (!r.stats.staging) {
+  if (!r.stats.staging || !r.stats.staging->device_computes) {
     out << "prefill bound: n/a (" << r.stats.staging_none << ")\n";
     return;
   }
@@ -119,9 +131,7 @@ nlohmann::json report_json(const BenchReport& r) {
                        {"step_engine_note", r.gemm_step.engine_note},
                        {"step_rows_per_expert", r.gemm_step.rows_per_expert}};
   j["prefill_staging"] = r.stats.staging
-                             ? nlohmann::json{{"long_step_rows", r.stats.staging->long_step_rows},
-                                              {"window_rows", r.stats.staging->window_rows},
-                                              {"popularity", r.stats.staging->popularity_note}}
+                             ? staging_json(*r.stats.staging)
                              : nlohmann::json{{"why_none", r.stats.staging_none}};
   j["bandwidth_concurrent"] = {
       {"ram", {{"bytes_per_s", opt_number(r.ram_beside_pcie.bytes_per_s)}, {"note", r.ram_beside_pcie.note}}},
