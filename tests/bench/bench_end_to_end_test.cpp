@@ -130,6 +130,18 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   const nlohmann::json& reads = j.at("expert_reads");
   EXPECT_EQ(reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>(), (6 + 1) * n_layer * k) << reads.dump();
   EXPECT_EQ(reads.at("vram").get<int64_t>(), 0) << reads.dump();
+  // The placement the prefill bound reads (group.json, placement.json): every expert in RAM or
+  // FILE, windows of the bench's 5 rows, no long steps on the CPU backend, so no bound and why.
+  const int64_t n_expert = static_cast<int64_t>(*file.get_u64("qwen3moe.expert_count"));
+  const nlohmann::json& st = j.at("prefill_staging");
+  EXPECT_EQ(st.at("device_computes"), false) << st.dump();
+  EXPECT_EQ(st.at("window_rows"), 5) << st.dump();
+  EXPECT_EQ(st.at("long_step_rows"), 0) << st.dump();
+  EXPECT_GT(st.at("experts").at("file").get<int64_t>(), 0) << st.dump();
+  EXPECT_EQ(st.at("experts").at("ram").get<int64_t>() + st.at("experts").at("file").get<int64_t>(), n_layer * n_expert)
+      << st.dump();
+  EXPECT_NE(j.at("prefill_bound")[0].at("why_none").get<std::string>().find("CPU backend"), std::string::npos)
+      << j.at("prefill_bound")[0].dump();
   // The workers' idle-time prefetch (their default router guess) over the same run: it guessed,
   // and what it got right is part of what the layers asked the workers for.
   const nlohmann::json& pf = j.at("cpu_prefetch");
@@ -184,6 +196,11 @@ TEST(BenchEndToEnd, GroupEngineCensusWarmupPutsTheUsedExpertsInRam) {
   const nlohmann::json warm = run(" --census-warmup", "warm");
   EXPECT_EQ(uniform.at("census").get<std::string>().rfind("none", 0), 0u) << uniform.at("census");
   EXPECT_EQ(warm.at("census").get<std::string>().rfind("warm:", 0), 0u) << warm.at("census");
+  // The prefill bound's popularity follows: the census after a warm-up, uniform without one.
+  EXPECT_EQ(warm.at("prefill_staging").at("popularity").get<std::string>().rfind("the warm-up run's census", 0), 0u)
+      << warm.at("prefill_staging");
+  EXPECT_EQ(uniform.at("prefill_staging").at("popularity").get<std::string>().rfind("uniform", 0), 0u)
+      << uniform.at("prefill_staging");
   const double ram_uniform = uniform.at("hit_rate").at("ram").get<double>();
   const double ram_warm = warm.at("hit_rate").at("ram").get<double>();
   std::printf("RAM hit rate: uniform placement %.3f, after the census warm-up %.3f\n", ram_uniform, ram_warm);

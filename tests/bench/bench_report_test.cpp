@@ -23,7 +23,8 @@ enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun, WorkerRe
 
 class SeededEngine final : public BenchEngine {
  public:
-  explicit SeededEngine(Fault f) : fault_(f), logits_(kVocab) {}
+  // staged: stats() reports a placement as a GPU engine's long steps stage it (kStaging).
+  explicit SeededEngine(Fault f, bool staged = false) : fault_(f), staged_(staged), logits_(kVocab) {}
   std::string name() const override { return "test-seeded"; }
   int64_t n_vocab() const override { return kVocab; }
   int n_threads() const override { return 3; }
@@ -57,6 +58,7 @@ class SeededEngine final : public BenchEngine {
     EngineStats s;
     s.bytes_per_token[static_cast<int>(Tier::Ram)] = kRamBytesPerToken;
     s.hit_rate[static_cast<int>(Tier::Ram)] = 1.0;
+    if (staged_) s.staging = kStaging();
     return s;
   }
 
@@ -70,7 +72,20 @@ class SeededEngine final : public BenchEngine {
     std::normal_distribution<float> d(0.0f, 3.0f);
     for (float& x : logits_) x = d(rng);
   }
+  // One layer of 8 experts top-2, 1 MB each: four in VRAM, four in RAM.
+  static ExpertStaging kStaging() {
+    ExpertStaging st;
+    st.n_expert = 8;
+    st.n_expert_used = 2;
+    st.long_step_rows = 8192;
+    st.window_rows = 16;
+    st.expert_bytes = {1e6};
+    st.tier = {0, 0, 0, 0, 1, 1, 1, 1};
+    st.popularity_note = "uniform (test)";
+    return st;
+  }
   Fault fault_;
+  bool staged_ = false;
   std::vector<float> logits_;
   uint64_t history_ = 0;
   int64_t n_past_ = 0;
@@ -82,15 +97,19 @@ struct CliResult {
   std::string out, err;
 };
 
-CliResult run_cli(Fault f, std::vector<std::string> args) {
+constexpr double kWeightFlops = 5e8;
+
+CliResult run_cli(Fault f, std::vector<std::string> args, bool staged = false) {
   // The disk probe reads -m with O_DIRECT: this source file is a real file under one request.
   std::vector<std::string> argv_s{"moraine-bench", "-m", std::string(MORAINE_SOURCE_DIR) + "/tests/bench/bench_report_test.cpp",
                                   "--dram-probe-mib", "64", "--disk-probe-mib", "8", "--gpu-probe-mib", "8"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& s : argv_s) argv.push_back(s.data());
-  const EngineFactory factory = [f](const BenchOptions& o) {
-    return EngineUnderTest{std::make_unique<SeededEngine>(f), ModelSummary{o.model, "test-arch", 42, 4, 8, 2}};
+  const EngineFactory factory = [f, staged](const BenchOptions& o) {
+    ModelSummary m{o.model, "test-arch", 42, 4, 8, 2};
+    m.prefill.weight_flops = kWeightFlops;   // no experts to time: the GEMM probe says n/a on any machine
+    return EngineUnderTest{std::make_unique<SeededEngine>(f, staged), m};
   };
   std::ostringstream out, err;
   const int status = bench_main(static_cast<int>(argv.size()), argv.data(), factory, out, err);
@@ -195,6 +214,33 @@ TEST(BenchReport, JsonParsesAndCarriesEveryField) {
   EXPECT_TRUE(j.at("bound").contains("why_none"));
   const double decode = j.at("decode").at("tok_s").get<double>();
   EXPECT_NEAR(j.at("share_of_bound").get<double>(), decode / bound, 1e-9 * decode / bound);
+}
+
+TEST(BenchReport, PrefillBoundInJsonAndTable) {
+  const CliResult r = run_cli(Fault::None, {"-n", "4", "-p", "8,32", "--json"}, true);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.at("prefill_bound").size(), 2u);
+  for (const auto& b : j.at("prefill_bound")) {
+    const int64_t n = b.at("n_tokens").get<int64_t>();
+    EXPECT_EQ(b.at("step_rows"), n);
+    EXPECT_EQ(b.at("long_step"), n > 16);
+    // Four RAM experts of 1 MB, each used by an n-row step with 1 - (3/4)^n.
+    EXPECT_NEAR(b.at("pcie_bytes_per_token").get<double>(), 4e6 * (1 - std::pow(0.75, n)) / n, 1e-6);
+    EXPECT_DOUBLE_EQ(b.at("flops_per_token").get<double>(), kWeightFlops);
+    // No expert shape to time: no GEMM rate, so no bound, and why.
+    EXPECT_TRUE(b.at("tok_s").is_null());
+    EXPECT_NE(b.at("why_none").get<std::string>().find("GEMM"), std::string::npos) << b.at("why_none");
+  }
+  EXPECT_EQ(j.at("prefill_gemm").at("engine_note").get<std::string>().rfind("n/a", 0), 0u) << j.at("prefill_gemm");
+  EXPECT_EQ(j.at("prefill_staging").at("long_step_rows"), 8192);
+  const CliResult t = run_cli(Fault::None, {"-n", "4", "-p", "32"}, true);
+  ASSERT_EQ(t.status, 0) << t.err;
+  EXPECT_NE(t.out.find("prefill bound: a long step of min(n, 8192) rows in windows of 16"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("popularity: uniform (test)"), std::string::npos) << t.out;
+  // An engine without staging: n/a with its reason.
+  const CliResult u = run_cli(Fault::None, {"-n", "4", "-p", "32"});
+  EXPECT_NE(u.out.find("prefill bound: n/a (the engine computes on the CPU"), std::string::npos) << u.out;
 }
 
 TEST(BenchReport, TableNamesTheEngineAndTheTests) {

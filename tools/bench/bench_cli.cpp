@@ -1,6 +1,7 @@
 #include "tools/bench/bench_cli.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <tuple>
@@ -8,6 +9,7 @@
 #include "tools/bench/bandwidth_probe.h"
 #include "tools/bench/bench_run.h"
 #include "tools/bench/bound.h"
+#include "tools/bench/prefill_bound.h"
 
 namespace moraine::bench {
 
@@ -35,6 +37,29 @@ uint64_t parse_size(const std::string& text) {
 }
 
 namespace {
+
+// The prefill bound of every timed prompt length; the GEMM probe runs only for an engine that
+// stages experts for a GPU (what it would time is that engine's path).
+void prefill_bounds(BenchReport& r, const TierBandwidth& bw) {
+  const PrefillModel& pm = r.model.prefill;
+  if (r.stats.staging && r.stats.staging->device_computes) {
+    // Each matmul_experts call of a long step covers one window: its rows per expert under uniform routing.
+    const ExpertStaging& st = *r.stats.staging;
+    const auto per_expert = [&](int64_t rows) {
+      return std::clamp<int64_t>(pm.n_expert > 0 ? rows * pm.n_expert_used / pm.n_expert : 0, 1, 512);
+    };
+    r.gemm = measure_prefill_gemm(pm, per_expert(st.window_rows));
+    if (st.long_step_rows > st.window_rows) r.gemm_step = measure_prefill_gemm(pm, per_expert(st.long_step_rows), false);
+  } else {
+    r.gemm.engine_note = r.gemm.cublas_note = "not measured: " + r.stats.staging_none;
+  }
+  for (const Timing& t : r.prefill) {
+    PrefillBound b = prefill_bound(t.n_tokens, pm, r.stats.staging, r.stats.staging_none, bw[static_cast<int>(Tier::Pcie)],
+                                   bw[static_cast<int>(Tier::Disk)], r.gemm);
+    if (b.tok_s) b.share = t.tok_s / *b.tok_s;
+    r.prefill_bound.push_back(b);
+  }
+}
 
 BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   BenchEngine& e = *eut.engine;
@@ -66,6 +91,7 @@ BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   for (int t = 0; t < kTierCount; ++t) bw[t] = r.bandwidth[t].bytes_per_s;
   r.bound = decode_bound(r.stats.bytes_per_token, bw);
   if (r.bound.tok_s) r.share_of_bound = r.decode.tok_s / *r.bound.tok_s;
+  prefill_bounds(r, bw);
   return r;
 }
 

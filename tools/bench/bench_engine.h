@@ -4,6 +4,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -16,6 +17,25 @@ namespace moraine::bench {
 enum class Tier { Vram = 0, Pcie = 1, Ram = 2, Disk = 3 };
 inline constexpr int kTierCount = 4;
 inline constexpr std::array<const char*, kTierCount> kTierNames = {"vram", "pcie", "ram", "disk"};
+
+// What a long prefill step (coordinator --long-step-rows) copies host->device, from the placement
+// the engine follows: the bound of prefill_bound.h estimates from it the distinct experts a step
+// uses. Plain numbers, so engines and tests fill it without the group's headers.
+struct ExpertStaging {
+  int64_t n_expert = 0, n_expert_used = 0;
+  int64_t long_step_rows = 0;   // rows of a long step; 0: the engine runs none
+  int64_t window_rows = 0;      // rows per window of a long step (--max-tokens): each GEMM call's rows
+  std::vector<double> expert_bytes;      // [layer] gate + up + down of one expert
+  // [layer * n_expert + expert]: 1 = RAM tier (staged over PCIe by a long step), 2 = FILE tier
+  // (computed by the cpu workers after a disk read), 0 = VRAM (no copy).
+  std::vector<uint8_t> tier;
+  // [layer * n_expert + expert] routing counts of a census; empty: uniform popularity.
+  std::vector<double> popularity;
+  std::string popularity_note;  // where popularity came from, or why uniform
+  // false: the engine's long steps run on the CPU (the group's CPU backend): nothing crosses
+  // PCIe, no GPU GEMM; the placement is still reported (EngineStats::staging_none says why no bound).
+  bool device_computes = true;
+};
 
 struct EngineStats {
   // Weight bytes one decode token reads from each tier (expected value over the routing).
@@ -58,6 +78,10 @@ struct EngineStats {
     uint64_t samples = 0;
   };
   ChainStage routed_wait, expert_handoff, expert_cpu;
+  // The placement a long prefill step stages from; nullopt with staging_none saying why (an engine
+  // without a GPU, a backend that runs no long steps).
+  std::optional<ExpertStaging> staging;
+  std::string staging_none = "the engine computes on the CPU (no host->device copies, no GPU GEMMs)";
 };
 
 class BenchEngine {

@@ -9,6 +9,7 @@
 
 #include "coordinator/census.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
 #include "coordinator/private_socket.h"
 #include "proto/control.grpc.pb.h"
 #include "proto/generate.grpc.pb.h"
@@ -133,6 +134,7 @@ void GroupEngine::warm_census(std::span<const int32_t> prompt, int64_t n) {
   }
   if (routed == 0) throw std::runtime_error("census warm-up: the census " + census_path_ + " counts no routing");
   start(false);
+  census_warm_ = true;
   census_note_ = "warm: " + std::to_string(routed) + " expert routings recorded by a warm-up run (" +
                  std::to_string(prompt.size()) + "-token prompt + " + std::to_string(n) +
                  " tokens), then the group restarted and placed by them";
@@ -245,6 +247,30 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
 
 std::string GroupEngine::detected_fault() const { return fault_; }
 
+ExpertStaging GroupEngine::staging() const {
+  const group::GroupManifest man = group::GroupManifest::read(group::manifest_path(socket_dir_));
+  const group::ModelSizes sizes = group::model_sizes(*model_, group::planned_context(*model_, o_.ctx));
+  const group::PlacementPlan plan =
+      group::PlacementPlan::read(man.placement_path.empty() ? group::placement_path(socket_dir_) : man.placement_path, sizes);
+  ExpertStaging st;
+  st.n_expert = plan.n_expert;
+  st.n_expert_used = model_->hp.n_expert_used;
+  st.long_step_rows = man.long_step_rows;
+  st.window_rows = man.max_tokens;
+  st.expert_bytes.assign(sizes.expert_bytes.begin(), sizes.expert_bytes.end());
+  for (const group::Tier t : plan.tiers) st.tier.push_back(t == group::Tier::kVram ? 0 : t == group::Tier::kRam ? 1 : 2);
+  if (census_warm_) {
+    const group::Census c = group::Census::read(census_path_, model_->hp.n_layer, model_->hp.n_expert);
+    for (const auto& layer : c.counts)
+      for (const std::uint64_t x : layer) st.popularity.push_back(static_cast<double>(x));
+    st.popularity_note = "the warm-up run's census (the routing placement was made from)";
+  } else {
+    st.popularity_note = "uniform k/E: the bench has no census (--census-warmup records one)";
+  }
+  if (o_.vram_adapt_every > 0) st.popularity_note += "; the VRAM tier adapts while running, the plan's tiers are the start";
+  return st;
+}
+
 EngineStats GroupEngine::stats() const {
   // Experts computed per tier over the last run: the counters since reset() (measured on the
   // H200, 12G Z1 -p 8192: the counts since start, prefill steps included, said 59% VRAM hits
@@ -299,6 +325,14 @@ EngineStats GroupEngine::stats() const {
   s.expert_cpu = expert_cpu;
   const double total = vram + ram + file + taken;
   const bool on_gpu = o_.backend == "cuda";
+  // The CPU backend's placement too (reported, and read by the CPU-only tests), without a bound.
+  if (!on_gpu) s.staging_none = "the group's CPU backend computes every expert on the CPU (no host->device copies, no GPU GEMMs)";
+  try {
+    s.staging = staging();
+    s.staging->device_computes = on_gpu;
+  } catch (const std::exception& e) {
+    s.staging_none = std::string("the group's placement could not be read: ") + e.what();
+  }
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
   s.bytes_per_token[static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram)] += bytes_.dense;
   if (total > 0) {

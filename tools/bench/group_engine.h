@@ -88,6 +88,9 @@ class GroupEngine final : public BenchEngine {
   bool own_socket_dir_ = false;
   std::string census_path_;
   std::string census_note_;
+  bool census_warm_ = false;   // warm_census ran: placement followed census_path_
+  // The placement the group follows, as a long prefill step stages it (manifest, plan, census).
+  ExpertStaging staging() const;
   std::unique_ptr<group::LaunchedGroup> group_;
   std::string fault_;
 };

@@ -18,6 +18,7 @@
 #include "tools/bench/bench_cli.h"
 #include "tools/bench/bench_run.h"
 #include "tools/bench/group_engine.h"
+#include "tools/bench/prefill_bound.h"
 #include "tools/bench/reference_engine.h"
 
 int main(int argc, char** argv) {
@@ -25,7 +26,7 @@ int main(int argc, char** argv) {
   const EngineFactory reference = [](const BenchOptions& o) {
     auto m = std::make_unique<moraine::model::Model>(moraine::model::Model::load(o.model));
     ModelSummary s{o.model, m->hp.arch_string(), m->file.file_bytes(), m->hp.n_layer,
-                   m->hp.n_expert, m->hp.n_expert_used};
+                   m->hp.n_expert, m->hp.n_expert_used, moraine::bench::prefill_model(*m)};
     if (o.engine == "group") {
       GroupEngineOptions g;
       g.model = o.model;

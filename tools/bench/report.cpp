@@ -1,5 +1,7 @@
 #include "tools/bench/report.h"
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
 
 namespace moraine::bench {
@@ -21,6 +23,68 @@ std::string fmt(const char* f, double v) {
 std::string gib(double bytes) { return fmt("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
 std::string mib(double bytes) { return fmt("%.1f MiB", bytes / (1024.0 * 1024.0)); }
 std::string budget(const std::optional<uint64_t>& b) { return b ? gib(static_cast<double>(*b)) : "unlimited"; }
+
+nlohmann::json prefill_bound_json(const PrefillBound& b) {
+  return {{"n_tokens", b.n_prompt},
+          {"step_rows", b.step_rows},
+          {"long_step", b.long_step},
+          {"pcie_bytes_per_token", b.pcie_bytes_per_token},
+          {"disk_bytes_per_token", b.disk_bytes_per_token},
+          {"flops_per_token", b.flops_per_token},
+          {"pcie_s_per_token", opt_number(b.pcie_s)},
+          {"disk_s_per_token", opt_number(b.disk_s)},
+          {"gpu_s_per_token", opt_number(b.gpu_s)},
+          {"tok_s", opt_number(b.tok_s)},
+          {"limiting", b.limiting.empty() ? nlohmann::json(nullptr) : nlohmann::json(b.limiting)},
+          {"share", opt_number(b.share)},
+          {"why_none", b.why_none}};
+}
+
+nlohmann::json staging_json(const ExpertStaging& s) {
+  std::array<int64_t, 3> experts{};   // per tier code: VRAM, RAM, FILE
+  for (const uint8_t t : s.tier) ++experts[std::min<size_t>(t, 2)];
+  return {{"long_step_rows", s.long_step_rows},
+          {"window_rows", s.window_rows},
+          {"device_computes", s.device_computes},
+          {"experts", {{"vram", experts[0]}, {"ram", experts[1]}, {"file", experts[2]}}},
+          {"popularity", s.popularity_note}};
+}
+
+// The prefill bound's section of the table: per test what a long step copies and computes.
+void print_prefill_bound(const BenchReport& r, std::ostream& out) {
+  char line[512];
+  out << "\nprefill GEMM rate: engine path "
+      << (r.gemm.engine_flops_s ? fmt("%.1f TFLOP/s", *r.gemm.engine_flops_s / 1e12) : "n/a") << " (" << r.gemm.engine_note
+      << "); cuBLAS dense BF16 " << (r.gemm.cublas_bf16_flops_s ? fmt("%.1f TFLOP/s", *r.gemm.cublas_bf16_flops_s / 1e12) : "n/a")
+      << " (" << r.gemm.cublas_note << ")\n";
+  if (r.gemm_step.engine_flops_s)
+    out << "  the engine path at a whole long step's rows per expert (not used by the bound): "
+        << fmt("%.1f TFLOP/s", *r.gemm_step.engine_flops_s / 1e12) << " (" << r.gemm_step.engine_note << ")\n";
+  if (!r.stats.staging || !r.stats.staging->device_computes) {
+    out << "prefill bound: n/a (" << r.stats.staging_none << ")\n";
+    return;
+  }
+  const ExpertStaging& st = *r.stats.staging;
+  out << "prefill bound: a long step of min(n, " << st.long_step_rows << ") rows in windows of " << st.window_rows
+      << "; RAM-tier experts cross PCIe once a step, FILE-tier ones are read once a window; popularity: "
+      << st.popularity_note << "\n";
+  out << "|   test | step rows | pcie bytes/token | pcie time/token | GFLOP/token | gpu time/token | bound t/s | limit |\n";
+  out << "| -----: | --------: | ---------------: | --------------: | ----------: | -------------: | --------: | ----- |\n";
+  for (const PrefillBound& b : r.prefill_bound) {
+    const std::string pcie_t = b.pcie_s ? fmt("%.4f ms", 1e3 * *b.pcie_s) : "n/a";
+    const std::string gpu_t = b.gpu_s ? fmt("%.4f ms", 1e3 * *b.gpu_s) : "n/a";
+    const std::string bound = b.tok_s ? fmt("%.1f", *b.tok_s) : "n/a";
+    std::snprintf(line, sizeof line, "| %6s | %9lld | %16s | %15s | %11.3f | %14s | %9s | %5s |%s\n",
+                  ("pp" + std::to_string(b.n_prompt)).c_str(), static_cast<long long>(b.step_rows),
+                  mib(b.pcie_bytes_per_token).c_str(), pcie_t.c_str(), b.flops_per_token / 1e9, gpu_t.c_str(), bound.c_str(),
+                  b.limiting.c_str(), b.long_step ? "" : " (one window: the engine runs it as a short step)");
+    out << line;
+    if (b.disk_bytes_per_token > 0)
+      out << "  FILE tier: " << mib(b.disk_bytes_per_token) << " per token from disk"
+          << (b.disk_s ? fmt(", %.4f ms", 1e3 * *b.disk_s) : "") << "\n";
+    if (!b.tok_s) out << "  n/a: " << b.why_none << "\n";
+  }
+}
 
 }  // namespace
 
@@ -56,6 +120,19 @@ nlohmann::json report_json(const BenchReport& r) {
                                                    : nlohmann::json(nullptr)},
                 {"why_none", r.bound.why_none}};
   j["share_of_bound"] = opt_number(r.share_of_bound);
+  j["prefill_bound"] = nlohmann::json::array();
+  for (const PrefillBound& b : r.prefill_bound) j["prefill_bound"].push_back(prefill_bound_json(b));
+  j["prefill_gemm"] = {{"engine_flops_s", opt_number(r.gemm.engine_flops_s)},
+                       {"engine_note", r.gemm.engine_note},
+                       {"cublas_bf16_flops_s", opt_number(r.gemm.cublas_bf16_flops_s)},
+                       {"cublas_note", r.gemm.cublas_note},
+                       {"rows_per_expert", r.gemm.rows_per_expert},
+                       {"step_engine_flops_s", opt_number(r.gemm_step.engine_flops_s)},
+                       {"step_engine_note", r.gemm_step.engine_note},
+                       {"step_rows_per_expert", r.gemm_step.rows_per_expert}};
+  j["prefill_staging"] = r.stats.staging
+                             ? staging_json(*r.stats.staging)
+                             : nlohmann::json{{"why_none", r.stats.staging_none}};
   j["bandwidth_concurrent"] = {
       {"ram", {{"bytes_per_s", opt_number(r.ram_beside_pcie.bytes_per_s)}, {"note", r.ram_beside_pcie.note}}},
       {"pcie", {{"bytes_per_s", opt_number(r.pcie_beside_ram.bytes_per_s)}, {"note", r.pcie_beside_ram.note}}}};
@@ -110,19 +187,24 @@ void print_table(const BenchReport& r, std::ostream& out) {
   }
   out << "\n";
 
-  out << "| engine        | threads |   test |             t/s |   bound t/s |  share |\n";
-  out << "| ------------- | ------: | -----: | --------------: | ----------: | -----: |\n";
+  out << "| engine        | threads |   test |             t/s |   bound t/s | limit |  share |\n";
+  out << "| ------------- | ------: | -----: | --------------: | ----------: | ----- | -----: |\n";
   char line[512];
-  for (const Timing& t : r.prefill) {
-    std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %6s |\n", r.engine.c_str(), r.threads,
-                  ("pp" + std::to_string(t.n_tokens)).c_str(), t.tok_s, t.stddev, "-", "-");
+  for (size_t i = 0; i < r.prefill.size(); ++i) {
+    const Timing& t = r.prefill[i];
+    const PrefillBound* b = i < r.prefill_bound.size() ? &r.prefill_bound[i] : nullptr;
+    const std::string pb = b && b->tok_s ? fmt("%.2f", *b->tok_s) : "n/a";
+    const std::string ps = b && b->share ? fmt("%.1f%%", 100.0 * *b->share) : "n/a";
+    std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %5s | %6s |\n", r.engine.c_str(), r.threads,
+                  ("pp" + std::to_string(t.n_tokens)).c_str(), t.tok_s, t.stddev, pb.c_str(), b ? b->limiting.c_str() : "",
+                  ps.c_str());
     out << line;
   }
   const std::string bound = r.bound.tok_s ? fmt("%.2f", *r.bound.tok_s) : "n/a";
   const std::string share = r.share_of_bound ? fmt("%.1f%%", 100.0 * *r.share_of_bound) : "n/a";
-  std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %6s |\n", r.engine.c_str(), r.threads,
+  std::snprintf(line, sizeof line, "| %-13s | %7d | %6s | %8.2f ± %5.2f | %11s | %5s | %6s |\n", r.engine.c_str(), r.threads,
                 ("tg" + std::to_string(r.decode.n_tokens)).c_str(), r.decode.tok_s, r.decode.stddev, bound.c_str(),
-                share.c_str());
+                r.bound.limiting ? kTierNames[static_cast<int>(*r.bound.limiting)] : "", share.c_str());
   out << line << "\n";
 
   out << "| tier | bytes/token | hit rate |   bandwidth | time/token | how measured\n";
@@ -148,6 +230,7 @@ void print_table(const BenchReport& r, std::ostream& out) {
   } else {
     out << "\nbound: n/a (" << r.bound.why_none << ")\n";
   }
+  print_prefill_bound(r, out);
 }
 
 }  // namespace moraine::bench

@@ -13,6 +13,7 @@
 #include "tools/bench/bench_engine.h"
 #include "tools/bench/bench_run.h"
 #include "tools/bench/bound.h"
+#include "tools/bench/prefill_bound.h"
 
 namespace moraine::bench {
 
@@ -21,6 +22,7 @@ struct ModelSummary {
   std::string arch;
   uint64_t file_bytes = 0;
   int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
+  PrefillModel prefill{};   // FLOPs per prompt token and the expert shape (prefill_model)
 };
 
 struct BenchReport {
@@ -38,6 +40,11 @@ struct BenchReport {
   Measured ram_beside_pcie, pcie_beside_ram;
   Bound bound;
   std::optional<double> share_of_bound;  // decode tok/s over the bound
+  GemmRates gemm;                        // the prefill GEMM probe (engine path and cuBLAS BF16) at a window's rows
+  // The engine path at a whole long step's rows per expert (what a window as long as the step
+  // would see); not used by the bound, which follows the engine's windows.
+  GemmRates gemm_step;
+  std::vector<PrefillBound> prefill_bound;  // one per prefill timing, same order
 };
 
 nlohmann::json report_json(const BenchReport& r);
