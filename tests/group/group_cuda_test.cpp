@@ -200,11 +200,24 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "hub", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   v.push_back({"qwen3moe_k256", "hub_tq", Experts::kVram});
   v.push_back({"qwen3next_k256", "hub_tq", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  // glm4moe (tests/reference/tiny_arch_model.h's F32 files): the dense leading layer whole on the
+  // device, the sigmoid group router, the routed scale and the ungated shared expert in the
+  // combine over the cpu workers' rows, in every tier.
+  v.push_back({"tiny:glm4moe", "f32", Experts::kCpu});
+  v.push_back({"tiny:glm4moe", "f32", Experts::kVram});
+  v.push_back({"tiny:glm4moe", "f32", Experts::kHalf});
+  v.push_back({"tiny:glm4moe:qknorm_groups", "f32", Experts::kHalf});
+  v.push_back({"tiny:glm4moe:qknorm_groups", "f32", Experts::kVram, {}, model::KvType::F32});
+  // ... and moraine-synth's glm4moe-tiny with quantized experts: moe_fused, the captured step, the
+  // in-graph hand-off and the taken expert.
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kVram});
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf});
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaBackend, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+                         [](const ::testing::TestParamInfo<Case>& i) { return param_name(i.param.name()); });
 
 // Greedy decode without the logits dump: the coordinator asks for tokens only and the gpu_worker
 // takes each from the device's argmax (kernels/cuda/argmax.cu) instead of copying the row; the
