@@ -40,7 +40,7 @@ struct Case {
   bool quantized;
   model::KvType kv = model::KvType::F32;
   std::string tiny = "glm4moe";   // tiny_hparams' name of the tiny file
-  std::string quantize;           // moraine-quantize's arguments for the tiny file (empty: F32)
+  std::string quantize = "";      // moraine-quantize's arguments for the tiny file (empty: F32)
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -132,7 +132,8 @@ INSTANTIATE_TEST_SUITE_P(
 // refusal, model::check_supported, would name the first one it lacks).
 TEST(CudaGlm4MoeSupport, BackendListsEveryPartOfTheFiles) {
   for (const Case& c : {Case{"synth_q4k", "--map _exps.=q4_k --default q8_0", true}, Case{"tiny_f32", "", false},
-                        Case{"tiny_f32_qknorm_groups", "", false, model::KvType::F32, "glm4moe:qknorm_groups"}}) {
+                        Case{"tiny_f32_qknorm_groups", "", false, model::KvType::F32, "glm4moe:qknorm_groups"},
+                        Case{"tiny_q8_qknorm_groups", "", true, model::KvType::F32, "glm4moe:qknorm_groups", "--default q8_0"}}) {
     const model::Model m = model::Model::load(model_file(c).string());
     EXPECT_NO_THROW(model::check_supported(m, gpu_worker::cuda_backend_support())) << c.name;
   }
