@@ -242,8 +242,10 @@ TEST_P(GroupCudaGreedyTokens, TheDevicePicksTheReferenceTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
                          ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
-                                           Case{"qwen3moe_odd", "f32", Experts::kHalf}),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+                                           Case{"qwen3moe_odd", "f32", Experts::kHalf},
+                                           Case{"synth:glm4moe-tiny", "kmix", Experts::kVram},
+                                           Case{"tiny:glm4moe", "f32", Experts::kHalf}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return param_name(i.param.name()); });
 
 // Speculative decode on the device: verify windows of up to 5 rows (the decode kernels' multi-row
 // path), their greedy tokens from the argmax kernel, rejected drafts dropped by moving n_past
