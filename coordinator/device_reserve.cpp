@@ -26,6 +26,7 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
       ++o.recurrent_layers;
     } else
       o.q_rows = std::max(o.q_rows, L.attn.q.n_rows);
+    if (L.dense.gate) o.dense_ff = std::max(o.dense_ff, L.dense.gate.n_rows);
     // Which layers moe_fused takes (formats and shapes its kernels accept, kernels/cuda) and which
     // of them hold experts on the device (placement, decided after this reserve) are not known
     // here: count both paths' buffers for every layer with experts. The batched matvec path's rows

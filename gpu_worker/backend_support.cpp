@@ -27,7 +27,9 @@ const model::BackendSupport& cpu_backend_support() {
 const model::BackendSupport& cuda_backend_support() {
   // gpu_worker/cuda_backend*.cu and kernels/cuda: gated attention, Gated DeltaNet, softmax router;
   // gpt-oss's attention (q/k/v/o biases, sinks, sliding window, YaRN), top-k-then-softmax router
-  // with its logit bias, and biased clamped-SwiGLU experts.
+  // with its logit bias, and biased clamped-SwiGLU experts; glm4moe's sigmoid group router
+  // (route_sigmoid_group_top_k, the routed scale in its weights), the ungated shared expert
+  // (moe_combine without a gate logit) and dense leading layers (matmuls on the device).
   static const model::BackendSupport s("CUDA backend", {
       model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
       model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::AttnSinks,
@@ -35,7 +37,8 @@ const model::BackendSupport& cuda_backend_support() {
       model::Feature::GatedDeltaNet, model::Feature::RouterSoftmaxTopK, model::Feature::RouterNoRenormalize,
       model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
       model::Feature::SwiGlu, model::Feature::SwiGluClamped, model::Feature::ExpertBiases,
-      model::Feature::SharedExpertGated});
+      model::Feature::SharedExpertGated, model::Feature::RouterSigmoidGroupTopK, model::Feature::RoutedScaling,
+      model::Feature::SharedExpertUngated, model::Feature::DenseFfn});
   return s;
 }
 

@@ -87,7 +87,7 @@ void CudaBackend::reset() {
 
 bool CudaBackend::layer_on_device(int64_t il) const {
   check_layer(il);
-  return layers_[il].resident == m_.hp.n_expert;
+  return layers_[il].dense || layers_[il].resident == m_.hp.n_expert;   // a dense layer has no experts to miss
 }
 
 void CudaBackend::embed(const int32_t* tokens, int64_t n) {
@@ -102,7 +102,7 @@ void CudaBackend::layer_whole(int64_t il, int64_t n, int32_t* chosen_out) {
   if (!layer_on_device(il))
     throw std::logic_error("CUDA backend: layer_whole(" + std::to_string(il) + ") but only " +
                            std::to_string(layers_[il].resident) + " of its experts are on the device");
-  if (!layers_[il].fused || gemm_experts(layers_[il], n)) {  // the per-expert path needs the host's plan
+  if (!layers_[il].dense && (!layers_[il].fused || gemm_experts(layers_[il], n))) {  // the per-expert path needs the host's plan
     layer_begin(il, n, host_chosen_.data(), host_weight_.data(), nullptr);
     if (chosen_out != nullptr) std::copy_n(host_chosen_.data(), n * m_.hp.n_expert_used, chosen_out);
     host_plan_.build(host_chosen_.data(), n * m_.hp.n_expert_used, m_.hp.n_expert);
@@ -118,6 +118,9 @@ void CudaBackend::layer_whole(int64_t il, int64_t n, int32_t* chosen_out) {
 void CudaBackend::layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) {
   use_device();
   check_step(il, n);
+  if (layers_[il].dense)
+    throw std::logic_error("CUDA backend: layer_begin(" + std::to_string(il) + ") of a dense FFN layer, which has no "
+                           "routing to hand off (layer_on_device says it runs whole)");
   const auto route = [&] {
     const int64_t d = m_.hp.n_embd, nk = n * m_.hp.n_expert_used;
     enqueue_mixer(il, n);
@@ -261,6 +264,8 @@ void CudaBackend::choose_expert_paths() {
   for (int64_t il = 0; il < hp.n_layer; ++il) {
     DevLayer& L = layers_[il];
     L.fused = false;
+    L.take_layout = -1;
+    if (L.dense) continue;   // no experts: the graph and the hand-off step run it whole (enqueue_dense_ffn)
     if (L.resident > 0 && hp.n_expert_used <= cuda::kMoeMaxTopK && fused_formats(L)) {
       try {
         cuda::moe_fused_check(fused_weights(il));
@@ -269,7 +274,6 @@ void CudaBackend::choose_expert_paths() {
         // a shape the fused kernel does not take: the batched matvec path serves it
       }
     }
-    L.take_layout = -1;
     if (take_expert_from_ > 0 && L.resident < hp.n_expert && hp.n_expert_used <= cuda::kMoeMaxTopK &&
         m_.layers[il].moe.down) {
       try {
@@ -303,8 +307,9 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
       ++o.recurrent_layers;
     } else
       o.q_rows = std::max(o.q_rows, m_.layers[il].attn.q.n_rows);
+    if (L.dense) o.dense_ff = std::max(o.dense_ff, L.dense_gate.rows);
     if (L.fused) o.fused_down_types.push_back(L.down.type);
-    o.expert_matvec = o.expert_matvec || (L.resident > 0 && !L.fused);
+    o.expert_matvec = o.expert_matvec || (!L.dense && L.resident > 0 && !L.fused);
     if (L.take_layout >= 0) {
       o.take_expert_bytes = std::max<uint64_t>(o.take_expert_bytes, group::ArenaLayout::slot_bytes(m_.layers[il].moe));
       o.take_down_types.push_back(m_.layers[il].moe.down.all.type);

@@ -40,10 +40,15 @@ void CudaBackend::enqueue_embed(int64_t n) {
 // layer's at its end instead).
 void CudaBackend::enqueue_layer_whole(int64_t il, int64_t n, bool copy_chosen) {
   enqueue_mixer(il, n);
-  enqueue_route(il, n);
+  if (layers_[il].dense) {
+    enqueue_dense_ffn(il, n);
+  } else {
+    enqueue_route(il, n);
+  }
   if (copy_chosen)
     copy_to_host(chosen_pinned_.get() + (il * step_rows_ + window_first_) * m_.hp.n_expert_used, chosen_of(il, n),
                  static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t));
+  if (layers_[il].dense) return;
   if (!layers_[il].shared_up) {
     enqueue_fused_experts(il, n, true);
     return;
@@ -83,8 +88,8 @@ void CudaBackend::enqueue_mixer(int64_t il, int64_t n) {
     act_of_h_ = TensorType::F32;
     return;
   }
-  // The router is F32 in the files we know; the shared expert's matrices are quantized.
-  norm_h(xw(), L.ffn_norm.get(), n, L.shared_gate ? L.shared_gate : L.router);
+  // The router is F32 in the files we know; the shared expert's (or dense FFN's) matrices are quantized.
+  norm_h(xw(), L.ffn_norm.get(), n, L.dense ? L.dense_gate : L.shared_gate ? L.shared_gate : L.router);
 }
 
 // h_ = RMSNorm(x) * w for n rows, and act_ = h_ quantized for `consumer` when it dots q8
@@ -118,20 +123,36 @@ void CudaBackend::enqueue_route(int64_t il, int64_t n) {
   const model::HParams& hp = m_.hp;
   const DevLayer& L = layers_[il];
   const model::RouterPart& router = m_.layers[il].recipe.ffn.router;
+  const int64_t k = hp.n_expert_used;
   if (norm_route_fused(L, hp, router, n)) {
     cuda::rms_norm_router_fused(L.router.type, L.router.bytes.get(), hp.n_expert, hp.n_embd, xw(), L.ffn_norm.get(),
-                                static_cast<float>(hp.rms_eps), n, h_.get(), hp.n_expert_used, hp.norm_topk_prob,
+                                static_cast<float>(hp.rms_eps), n, h_.get(), k, hp.norm_topk_prob,
                                 router_logits_.get(), chosen_of(il, n), weight_.get(), route_arrivals_.get(), stream_);
-    return;
+  } else {
+    matmul(L.router, h_.get(), n, router_logits_.get());
+    switch (router.kind) {
+      case model::RouterKind::SoftmaxTopK:
+        cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, k, hp.norm_topk_prob, chosen_of(il, n),
+                                  weight_.get(), stream_);
+        break;
+      case model::RouterKind::TopKSoftmax:   // gpt-oss: top-k of the biased logits, softmax over k
+        cuda::route_top_k_softmax(router_logits_.get(), L.router_bias.size() != 0 ? L.router_bias.get() : nullptr, n,
+                                  hp.n_expert, k, chosen_of(il, n), weight_.get(), stream_);
+        break;
+      case model::RouterKind::SigmoidGroupTopK:   // glm4moe, deepseek v3: the routed scale in its weights
+        cuda::route_sigmoid_group_top_k(router_logits_.get(), L.score_bias.size() != 0 ? L.score_bias.get() : nullptr,
+                                        n, hp.n_expert, k, router.n_group, router.topk_group, router.renormalize,
+                                        static_cast<float>(router.routed_scale), chosen_of(il, n), weight_.get(),
+                                        stream_);
+        return;
+      default:
+        throw std::logic_error("CUDA backend: router kind " + std::to_string(static_cast<int>(router.kind)) +
+                               " has no kernel (cuda_backend_support should have refused the model)");
+    }
   }
-  matmul(L.router, h_.get(), n, router_logits_.get());
-  if (router.kind == model::RouterKind::TopKSoftmax) {   // gpt-oss: top-k of the biased logits, softmax over k
-    cuda::route_top_k_softmax(router_logits_.get(), L.router_bias.size() != 0 ? L.router_bias.get() : nullptr, n,
-                              hp.n_expert, hp.n_expert_used, chosen_of(il, n), weight_.get(), stream_);
-    return;
-  }
-  cuda::route_softmax_top_k(router_logits_.get(), n, hp.n_expert, hp.n_expert_used, hp.norm_topk_prob,
-                            chosen_of(il, n), weight_.get(), stream_);
+  // route_layer's routed_scale for the softmax routers (no launch at 1: qwen3, gpt-oss unchanged).
+  if (router.routed_scale != 1.0)
+    cuda::scale_router_weights(weight_.get(), n * k, static_cast<float>(router.routed_scale), stream_);
 }
 
 // The resident experts' unweighted rows into dev_slots_ (slot order), through moe_fused in
@@ -418,6 +439,7 @@ void CudaBackend::enqueue_shared(int64_t il, int64_t n) {
   matmul(L.shared_up, h_.get(), n, shared_u_.get());
   cuda::swiglu(shared_g_.get(), shared_u_.get(), n * m_.hp.n_ff_shexp, stream_);
   matmul(L.shared_down, shared_g_.get(), n, shared_out_.get());
+  if (L.shared_router.size() == 0) return;   // ungated (glm4moe): enqueue_combine adds it as it is
   cuda::MatvecBatch b;  // the shared router: one F32 row dotted with each token's h
   b.count = static_cast<int>(n);
   b.act_stride_bytes = d * static_cast<int64_t>(sizeof(float));
@@ -427,11 +449,22 @@ void CudaBackend::enqueue_shared(int64_t il, int64_t n) {
 
 void CudaBackend::enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows) {
   const DevLayer& L = layers_[il];
-  const bool shared = static_cast<bool>(L.shared_up);
+  const bool shared = static_cast<bool>(L.shared_up), gated = shared && L.shared_router.size() != 0;
   cuda::moe_combine_mixed(xw(), dev_slots_.get(), with_cpu_rows ? cpu_rows_.get() : nullptr,
                           with_cpu_rows ? alt_row_.get() : nullptr, weight_.get(),
-                          shared ? shared_out_.get() : nullptr, shared ? shared_logit_.get() : nullptr, n,
+                          shared ? shared_out_.get() : nullptr, gated ? shared_logit_.get() : nullptr, n,
                           m_.hp.n_expert_used, m_.hp.n_embd, stream_);
+}
+
+// reference::dense_ffn on the device: gate and up from h_ (its quantized rows from norm_h), SwiGLU,
+// down added into the residual; the layer's routing slots are -1 (no expert), as the CPU backend's.
+void CudaBackend::enqueue_dense_ffn(int64_t il, int64_t n) {
+  const DevLayer& L = layers_[il];
+  matmul(L.dense_gate, h_.get(), n, dense_g_.get());
+  matmul(L.dense_up, h_.get(), n, dense_u_.get());
+  cuda::swiglu(dense_g_.get(), dense_u_.get(), n * L.dense_gate.rows, stream_);
+  matmul_into_residual(L.dense_down, dense_g_.get(), n);
+  CUDA_CHECK(cudaMemsetAsync(chosen_of(il, n), 0xff, static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t), stream_));
 }
 
 void CudaBackend::enqueue_logits(int64_t first, int64_t rows) {

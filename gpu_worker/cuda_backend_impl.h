@@ -63,6 +63,10 @@ struct DevLayer {
   // gpt-oss (empty when the recipe has none): q / k / v / o biases, a sink logit per head, the
   // router's logit bias, per-expert biases [n_expert][n_ff] (gate, up) and [n_expert][n_embd] (down).
   DeviceBuffer<float> q_bias, k_bias, v_bias, o_bias, sinks, router_bias, gate_bias, up_bias, down_bias;
+  DeviceBuffer<float> score_bias;   // the sigmoid router's choice bias (exp_probs_b; empty: none)
+  // A dense FFN layer (glm4moe's leading ones): its SwiGLU matrices; no router, no experts.
+  bool dense = false;
+  DevMatrix dense_gate, dense_up, dense_down;
   int64_t window = 0;   // sliding window (0: full attention)
   cuda::RopeYarn yarn;  // the layer's YaRN rotation (yarn.on false: plain RoPE)
   double rope_base = 0; // with YaRN: the RopePart's frequency base (reference::rope_neox_yarn's)
@@ -294,6 +298,8 @@ class CudaBackend final : public Backend {
   void expert_activation(int64_t il, int64_t first, int64_t rows);
   void expert_down_bias(int64_t il, int64_t first, int64_t rows);
   void enqueue_shared(int64_t il, int64_t n);
+  // A dense layer's FFN into the residual (x_ += down(silu(gate h) * up h)), its routing slots -1.
+  void enqueue_dense_ffn(int64_t il, int64_t n);
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
   // The head over `rows` rows of the step starting at row `first` (default: the step's last
   // rows), into logits_ (at most logits_rows_ rows).
@@ -375,6 +381,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer<float> dev_slots_, cpu_rows_;
   DeviceBuffer<float> expert_in_, expert_g_, expert_u_, expert_out_;
   DeviceBuffer<float> shared_g_, shared_u_, shared_out_, shared_logit_, logits_;
+  DeviceBuffer<float> dense_g_, dense_u_;   // dense FFN layers' gate / up rows (empty without them)
   DeviceBuffer<float> mixed_, z_, ba_, core_, delta_ws_;  // Gated DeltaNet scratch
   DeviceBuffer<float> delta_snapshot_;   // the recurrent layers' conv and ssm states, in layer order
   DeviceBuffer<uint8_t> fused_ws_;

@@ -231,6 +231,13 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
   D.ffn_norm = upload_vector(weights_arena_, L.ffn_norm);
   D.router = upload_matrix(weights_arena_, L.moe.router);
   D.router_bias = upload_vector(weights_arena_, L.moe.router_bias);
+  D.score_bias = upload_vector(weights_arena_, L.moe.score_bias);
+  D.dense = L.recipe.ffn.kind == model::FfnKind::Dense;
+  if (D.dense) {   // placement gives its zero-byte experts the device: the slabs below stay empty
+    D.dense_gate = upload_matrix(weights_arena_, L.dense.gate);
+    D.dense_up = upload_matrix(weights_arena_, L.dense.up);
+    D.dense_down = upload_matrix(weights_arena_, L.dense.down);
+  }
   D.clamped = L.recipe.ffn.experts.act == model::Activation::SwiGluClamped;
   if (L.recipe.ffn.experts.biases) {
     D.gate_bias = upload_vector(weights_arena_, L.moe.gate_bias);
@@ -321,6 +328,8 @@ void CudaBackend::allocate_scratch() {
   shared_u_ = DeviceBuffer<float>(s.count<float>("shared_u"));
   shared_out_ = DeviceBuffer<float>(s.count<float>("shared_out"));
   shared_logit_ = DeviceBuffer<float>(s.count<float>("shared_logit"));
+  dense_g_ = DeviceBuffer<float>(s.count<float>("dense_g"));   // empty without dense layers
+  dense_u_ = DeviceBuffer<float>(s.count<float>("dense_u"));
   // Logits for one decode-sized step at a time (longer requests go in passes: CudaBackend::logits).
   logits_rows_ = std::min<int64_t>(max_tokens_, kDecodeRows);
   logits_ = DeviceBuffer<float>(s.count<float>("logits"));

@@ -45,6 +45,7 @@ struct CudaStepScratchOptions {
   // Long steps' staged experts (Backend::stage_experts): BackendOptions::stage_experts slots of
   // the largest arena slot (0: none); listed only with the PrefillGemm, which runs them.
   uint64_t stage_expert_bytes = 0;
+  int64_t dense_ff = 0;             // the widest dense FFN layer's hidden width (glm4moe's leading layers; 0: none)
 };
 
 // The workspace of expanded weights the backend gives its PrefillGemm: PrefillGemmLimits'
@@ -111,8 +112,8 @@ inline cuda::DeltaNetShape delta_net_shape_of(const model::HParams& hp) {
 
 // Columns of the widest matrix a step multiplies: the activation staging holds every expert row
 // of a step at this width.
-inline int64_t cuda_scratch_max_cols(const model::HParams& hp) {
-  return std::max({hp.n_embd, hp.n_head * hp.head_dim, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim()});
+inline int64_t cuda_scratch_max_cols(const model::HParams& hp, int64_t dense_ff = 0) {
+  return std::max({hp.n_embd, hp.n_head * hp.head_dim, hp.n_ff_exp, hp.n_ff_shexp, hp.ssm_value_dim(), dense_ff});
 }
 
 // Whether the backend builds a PrefillGemm (and with it the per-expert path's buffers).
@@ -126,7 +127,7 @@ inline cuda::PrefillGemmLimits cuda_scratch_prefill_gemm_limits(const model::HPa
                                                                 const CudaStepScratchOptions& o) {
   cuda::PrefillGemmLimits lim;
   lim.max_tokens = o.max_tokens * hp.n_expert_used;
-  lim.max_cols = cuda_scratch_max_cols(hp);
+  lim.max_cols = cuda_scratch_max_cols(hp, o.dense_ff);
   lim.max_experts = static_cast<int>(hp.n_expert);
   lim.weight_workspace_elems = kPrefillGemmWeightElems;
   // A window's dense rows at any width; its expert rows (k per row) at most the experts' width.
@@ -145,7 +146,7 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   const uint64_t d = static_cast<uint64_t>(hp.n_embd), ff = static_cast<uint64_t>(hp.n_ff_exp);
   const uint64_t q_dim = static_cast<uint64_t>(hp.n_head * hp.head_dim);
   const uint64_t kv = static_cast<uint64_t>(hp.n_head_kv * hp.head_dim);
-  const uint64_t max_cols = static_cast<uint64_t>(cuda_scratch_max_cols(hp));
+  const uint64_t max_cols = static_cast<uint64_t>(cuda_scratch_max_cols(hp, o.dense_ff));
   // Steps of at most kAttentionAtMaxRows rows take the graph-safe decode kernels; longer ones
   // reuse the same records in passes, and the logits go 16 rows a pass (297 MiB for 512 rows of a
   // 151936-token vocabulary would be VRAM the experts can use).
@@ -190,6 +191,10 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
     s.add("shared_u", T * sh * f);
     s.add("shared_out", T * d * f);
     s.add("shared_logit", T * f);
+  }
+  if (o.dense_ff > 0) {   // the dense FFN layers' gate and up rows
+    s.add("dense_g", T * static_cast<uint64_t>(o.dense_ff) * f);
+    s.add("dense_u", T * static_cast<uint64_t>(o.dense_ff) * f);
   }
   s.add("logits", static_cast<uint64_t>(rows16) * static_cast<uint64_t>(hp.n_vocab) * f);
   if (o.recurrent) {

@@ -25,9 +25,11 @@ __global__ void moe_combine_kernel(float* __restrict__ x, const float* __restric
     const float y = alt >= 0 ? host_rows[alt * d + i] : slots[slot * d + i];
     acc = __fadd_rn(acc, __fmul_rn(weight[slot], y));
   }
-  if (shared != nullptr) {
+  if (shared != nullptr && gate_logit != nullptr) {
     const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate_logit[t])));
     acc = __fadd_rn(acc, __fmul_rn(g, shared[t * d + i]));
+  } else if (shared != nullptr) {   // ungated (glm4moe): the reference's 1.0f * shared, exactly shared
+    acc = __fadd_rn(acc, shared[t * d + i]);
   }
   x[t * d + i] = __fadd_rn(x[t * d + i], acc);
 }
@@ -44,10 +46,10 @@ void moe_combine_mixed(float* x, const float* slots, const float* host_rows, con
                        int64_t d, cudaStream_t stream) {
   if ((host_rows == nullptr) != (host_row_of == nullptr))
     throw std::invalid_argument("moe_combine_mixed: host_rows and host_row_of must be given together");
-  if (n <= 0 || n > 65535 || k <= 0 || d <= 0 || (shared == nullptr) != (gate_logit == nullptr))
+  if (n <= 0 || n > 65535 || k <= 0 || d <= 0 || (shared == nullptr && gate_logit != nullptr))
     throw std::invalid_argument("moe_combine: n=" + std::to_string(n) + ", k=" + std::to_string(k) + ", d=" +
-                                std::to_string(d) + " (need n in 1..65535, k, d > 0, shared and gate_logit both "
-                                "given or both null)");
+                                std::to_string(d) + " (need n in 1..65535, k, d > 0, and no gate_logit without "
+                                "shared)");
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads), static_cast<unsigned>(n));
   launch_kernel(moe_combine_kernel, grid, dim3(kThreads), 0, stream, x, slots, host_rows, host_row_of, weight, shared,

@@ -44,7 +44,15 @@ struct Params {
   float* q_out;
   KV* k_cache;
   KV* v_cache;
+  const float* q_bias;   // the normed form's (glm4moe: bias, then q/k norm); nullable
+  const float* k_bias;
+  const float* v_bias;
 };
+
+// x[i] + b[i], one rounded add as the reference adds a projection's bias; x[i] itself without one.
+__device__ __forceinline__ float add_bias(const float* x, const float* b, int64_t i) {
+  return b != nullptr ? __fadd_rn(x[i], b[i]) : x[i];
+}
 
 __device__ __forceinline__ void put(float* p, float x) { *p = x; }
 __device__ __forceinline__ void put(__half* p, float x) { *p = __float2half_rn(x); }
@@ -55,15 +63,15 @@ struct RopeChunk {
   float x0[kPerLane], x1[kPerLane], w0[kPerLane], w1[kPerLane];
 };
 
-__device__ __forceinline__ void load_rope_chunk(RopeChunk& r, const float* xh, const float* w, int64_t c, int lane,
-                                                int64_t half, int64_t n_rot, int64_t hd) {
+__device__ __forceinline__ void load_rope_chunk(RopeChunk& r, const float* xh, const float* bh, const float* w, int64_t c,
+                                                int lane, int64_t half, int64_t n_rot, int64_t hd) {
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int64_t i = c + lane + 32 * j;
     const bool pair = i < half, tail = i >= n_rot && i < hd;
-    r.x0[j] = pair || tail ? xh[i] : 0.0f;
+    r.x0[j] = pair || tail ? add_bias(xh, bh, i) : 0.0f;
     r.w0[j] = pair || tail ? w[i] : 0.0f;
-    r.x1[j] = pair ? xh[i + half] : 0.0f;
+    r.x1[j] = pair ? add_bias(xh, bh, i + half) : 0.0f;
     r.w1[j] = pair ? w[i + half] : 0.0f;
   }
 }
@@ -117,6 +125,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
   const float* xh = is_q ? p.q + t * p.q_row_stride + head * p.q_head_stride : p.k + t * p.k_row_stride + kh * hd;
   const float* vh = p.v + t * p.v_row_stride + kh * hd;
   const float* w = is_q ? p.q_norm : p.k_norm;
+  const float* bh = is_q ? (p.q_bias != nullptr ? p.q_bias + head * hd : nullptr)
+                         : (p.k_bias != nullptr ? p.k_bias + kh * hd : nullptr);
+  const float* vbh = p.v_bias != nullptr ? p.v_bias + kh * hd : nullptr;
   // The head's first kChunk elements, a k head's v and the rotation's inputs for that chunk
   // (the norm weights: one more L2 round trip after the barrier otherwise) go in flight first,
   // in registers, with no dependence on the position: their latency overlaps the position load
@@ -127,11 +138,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int64_t i = lane + 32 * j;
-    x_first[j] = in_head && i < hd ? xh[i] : 0.0f;
-    v_first[j] = in_head && !is_q && i < hd ? vh[i] : 0.0f;
+    x_first[j] = in_head && i < hd ? add_bias(xh, bh, i) : 0.0f;
+    v_first[j] = in_head && !is_q && i < hd ? add_bias(vh, vbh, i) : 0.0f;
   }
   RopeChunk first_chunk;
-  if (in_head) load_rope_chunk(first_chunk, xh, w, 0, lane, half, p.n_rot, hd);
+  if (in_head) load_rope_chunk(first_chunk, xh, bh, w, 0, lane, half, p.n_rot, hd);
   // The table, entry k by thread k: cos of pair k for k < half, sin of pair k - half above (one
   // double trigonometric function per thread instead of two in a row on half the threads). The
   // frequency (pow) does not depend on the position, so it is computed while the position load
@@ -160,7 +171,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
       for (int64_t c = kChunk; c < hd; c += kChunk) {
         float vv[kPerLane];
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) vv[j] = c + lane + 32 * j < hd ? vh[c + lane + 32 * j] : 0.0f;
+        for (int j = 0; j < kPerLane; ++j) vv[j] = c + lane + 32 * j < hd ? add_bias(vh, vbh, c + lane + 32 * j) : 0.0f;
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j) {
           if (c + lane + 32 * j < hd) put(vo + c + lane + 32 * j, vv[j]);
@@ -179,7 +190,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
     for (int64_t c = kChunk; c < hd; c += kChunk) {
       float xv[kPerLane];
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) xv[j] = c + lane + 32 * j < hd ? xh[c + lane + 32 * j] : 0.0f;
+      for (int j = 0; j < kPerLane; ++j) xv[j] = c + lane + 32 * j < hd ? add_bias(xh, bh, c + lane + 32 * j) : 0.0f;
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) {
         if (c + lane + 32 * j < hd) {
@@ -200,7 +211,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_norm_rope_store_kernel(c
     store_rope_chunk(first_chunk, oh, table, inv, rope_nan, 0, lane, half, p.n_rot, hd);
     for (int64_t c = kChunk; c < hd; c += kChunk) {
       RopeChunk r;
-      load_rope_chunk(r, xh, w, c, lane, half, p.n_rot, hd);
+      load_rope_chunk(r, xh, bh, w, c, lane, half, p.n_rot, hd);
       store_rope_chunk(r, oh, table, inv, rope_nan, c, lane, half, p.n_rot, hd);
     }
   };
@@ -218,10 +229,6 @@ struct PlainExtras {
   const float* v_bias;
   RopeYarn yarn;
 };
-
-__device__ __forceinline__ float add_bias(const float* x, const float* b, int64_t i) {
-  return b != nullptr ? __fadd_rn(x[i], b[i]) : x[i];
-}
 
 template <class KV>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) qk_rope_store_plain_kernel(const Params<KV> p, const PlainExtras e) {
@@ -300,8 +307,8 @@ void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
   const bool f32_cache = a.k_cache != nullptr && a.v_cache != nullptr;
   const bool f16_cache = a.k_cache_f16 != nullptr && a.v_cache_f16 != nullptr;
   const bool plain = a.q_norm == nullptr && a.k_norm == nullptr;
-  if (!plain && (a.q_bias != nullptr || a.k_bias != nullptr || a.v_bias != nullptr || a.yarn.on))
-    throw std::invalid_argument("qk_norm_rope_store: q/k/v biases and YaRN only without q_norm and k_norm (" + shape + ")");
+  if (!plain && a.yarn.on)
+    throw std::invalid_argument("qk_norm_rope_store: YaRN only without q_norm and k_norm (" + shape + ")");
   if (a.yarn.on && !(a.yarn.factor > 0.0))
     throw std::invalid_argument("qk_norm_rope_store: YaRN factor must be positive (" + shape + ")");
   if (a.q == nullptr || a.k == nullptr || a.v == nullptr || (!plain && (a.q_norm == nullptr || a.k_norm == nullptr)) ||
@@ -316,7 +323,8 @@ void qk_norm_rope_store(const QkNormRopeStoreArgs& a, cudaStream_t stream) {
     using KV = std::remove_pointer_t<decltype(k_cache)>;
     const Params<KV> p{a.q,      a.q_row_stride, a.q_head_stride, a.k,         a.k_row_stride, a.v,      a.v_row_stride,
                        a.q_norm, a.k_norm,       a.n_head,        a.n_head_kv, a.head_dim,     a.n_rot,  a.pos0_dev,
-                       a.freq_base, a.eps,       a.rows,          a.max_pos,   a.q_out,        k_cache,  v_cache};
+                       a.freq_base, a.eps,       a.rows,          a.max_pos,   a.q_out,        k_cache,  v_cache,
+                       a.q_bias,    a.k_bias,    a.v_bias};
     if (plain) {
       const PlainExtras e{a.q_bias, a.k_bias, a.v_bias, a.yarn};
       launch_kernel(qk_rope_store_plain_kernel<KV>, grid, dim3(32 * kWarpsPerCta), smem, stream, p, e);

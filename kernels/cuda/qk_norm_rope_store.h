@@ -59,9 +59,10 @@ struct QkNormRopeStoreArgs {
   float* v_cache = nullptr;
   __half* k_cache_f16 = nullptr;
   __half* v_cache_f16 = nullptr;
-  // gpt-oss: biases added to the raw q / k / v heads first ([n_head * head_dim], [kv_dim], [kv_dim];
-  // nullable) and YaRN's rotation. Only without q_norm and k_norm (both null: the heads are
-  // rotated as they are, no RMSNorm); with norms they throw.
+  // Biases added to the raw q / k / v heads first ([n_head * head_dim], [kv_dim], [kv_dim]; nullable;
+  // gpt-oss without norms, glm4moe with them: one rounded add before the RMSNorm) and YaRN's
+  // rotation, only without q_norm and k_norm (both null: the heads are rotated as they are, no
+  // RMSNorm); YaRN with norms throws.
   const float* q_bias = nullptr;
   const float* k_bias = nullptr;
   const float* v_bias = nullptr;

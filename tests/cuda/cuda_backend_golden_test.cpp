@@ -62,6 +62,7 @@
 #include "gpu_worker/cuda_backend.h"
 #include "gpu_worker/cuda_backend_impl.h"
 #include "kernels/cuda/embed_rows.h"
+#include "tests/cuda/cuda_arch_test.h"
 #include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
 #include "tests/support/shell.h"
@@ -141,23 +142,11 @@ fs::path golden_gguf(const std::string& model, const std::string& variant) {
   return q;
 }
 
-// The slot grouping the coordinator computes (group_layout.h ExpertPlan), built here directly:
-// slots grouped by expert in ascending id, each expert's rows in ascending slot order.
-group::ExpertPlan plan_of(const std::vector<int32_t>& chosen, int64_t n_expert) {
-  group::ExpertPlan p;
-  p.start.assign(static_cast<size_t>(n_expert + 1), 0);
-  for (int32_t e : chosen) ++p.start[e + 1];
-  for (int64_t e = 0; e < n_expert; ++e) p.start[e + 1] += p.start[e];
-  p.slot_of.assign(chosen.size(), -1);
-  p.row_of.assign(chosen.size(), -1);
-  std::vector<int32_t> fill(p.start.begin(), p.start.end() - 1);
-  for (size_t s = 0; s < chosen.size(); ++s) {
-    const int32_t r = fill[chosen[s]]++;
-    p.slot_of[r] = static_cast<int32_t>(s);
-    p.row_of[s] = r;
-  }
-  return p;
-}
+// The slot grouping (group_layout.h ExpertPlan), the experts the device lacks computed by the
+// reference kernel as the cpu workers do, a hand-off step's pinned host memory: cuda_arch_test.h's.
+using cuda_arch_test::HandoffBuffers;
+using cuda_arch_test::host_experts;
+using cuda_arch_test::plan_of;
 
 // How a test drives a step through the backend (backend.h).
 enum class Drive {
@@ -165,42 +154,6 @@ enum class Drive {
   kGraph,   // step_whole: a captured graph for steps of up to 16 rows
   kSplit,   // layer_begin / layer_end, the experts the device lacks computed here by the
             // reference kernel into packed rows, as the cpu workers do
-};
-
-// The experts of layer il the device lacks (not in `here`), computed by the reference kernel
-// into packed rows in plan order, as the cpu workers do.
-void host_experts(const model::Model& m, int64_t il, const group::ExpertPlan& plan, const float* h,
-                  const std::vector<int32_t>& here, float* host_rows) {
-  const int64_t d = m.hp.n_embd, k = m.hp.n_expert_used;
-  reference::ExpertScratch scratch;
-  scratch.reserve(plan.start.back(), m.hp.n_ff_exp);
-  reference::ThreadPool pool(1);
-  std::vector<float> gathered(static_cast<size_t>(plan.start.back() * d));
-  const model::MoeWeights& W = m.layers[il].moe;
-  for (int32_t e = 0; e < m.hp.n_expert; ++e) {
-    if (plan.count(e) == 0 || std::binary_search(here.begin(), here.end(), e)) continue;
-    for (int32_t j = 0; j < plan.count(e); ++j)
-      std::copy_n(h + (plan.slot_of[plan.start[e] + j] / k) * d, d, gathered.data() + j * d);
-    reference::swiglu_expert(W.gate.expert(e), W.up.expert(e), W.down.expert(e), gathered.data(), plan.count(e),
-                             host_rows + int64_t{plan.start[e]} * d, scratch, pool);
-  }
-}
-
-// Host memory a hand-off step reads and writes (backend.h HandoffIo), registered with the backend
-// (pin_host_memory): it must outlive the backend, which unregisters it.
-struct HandoffBuffers {
-  std::vector<int32_t> chosen;
-  std::vector<float> weight, h, host_rows;
-  HandoffBuffers(const model::HParams& hp, int64_t max_tokens)
-      : chosen(max_tokens * hp.n_expert_used), weight(chosen.size()), h(max_tokens * hp.n_embd),
-        host_rows(chosen.size() * hp.n_embd) {}
-  void pin(gpu_worker::Backend& b) {
-    b.pin_host_memory(chosen.data(), chosen.size() * sizeof(int32_t));
-    b.pin_host_memory(weight.data(), weight.size() * sizeof(float));
-    b.pin_host_memory(h.data(), h.size() * sizeof(float));
-    b.pin_host_memory(host_rows.data(), host_rows.size() * sizeof(float));
-  }
-  gpu_worker::Backend::HandoffIo io() { return {chosen.data(), weight.data(), h.data(), host_rows.data()}; }
 };
 
 // One step of n tokens; logits of every row when all_logits, else the last. kSplit passes the
@@ -599,24 +552,8 @@ TEST_P(CudaBackendGolden, LongPrefillMatchesTheReference) {
               c.name().c_str(), g.max_diff / g.max_ref, u.max_diff / u.max_ref, f.max_diff / f.max_ref,
               f16.max_diff / f16.max_ref, ff.max_diff / ff.max_ref, amx.max_diff / amx.max_ref, b.describe().c_str());
   EXPECT_LE(g.max_diff, b.bound * g.max_ref);
-  for (int64_t t = 0; t < 80; ++t) {
-    const float* r = want_float.data() + t * V;
-    const float* got = fast.data() + t * V;
-    int64_t best = 0, second = -1;
-    for (int64_t v = 1; v < V; ++v) {
-      if (r[v] > r[best]) {
-        second = best;
-        best = v;
-      } else if (second < 0 || r[v] > r[second]) {
-        second = v;
-      }
-    }
-    for (int64_t v = 0; v < V; ++v) ASSERT_TRUE(std::isfinite(got[v])) << "position " << t << " logit " << v;
-    // A clear choice: a margin above 1% of max and above what the reference moves by itself.
-    if (r[best] - r[second] > std::max(0.01, b.bound) * g.max_ref) {
-      EXPECT_EQ(sampling::argmax(std::span<const float>(got, V)), best) << "cuBLAS prefill, position " << t;
-    }
-  }
+  // A clear choice: a margin above 1% of max and above what the reference moves by itself.
+  cuda_arch_test::expect_clear_top_tokens(fast, want_float, V, std::max(0.01, b.bound) * g.max_ref);
 }
 
 // Long steps' staged experts (Backend::stage_experts): a backend holding the even experts of

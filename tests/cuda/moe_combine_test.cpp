@@ -3,7 +3,8 @@
 // once: bit-identical. With a shared expert the gate logit is given (the reference dots h with
 // the router itself; here the test passes that same dot, computed in the reference's order), and
 // only the device exp in the sigmoid may differ (2 ulp of exp -> at most 4 ulp of the gate), so
-// x is within 4 ulp of the gate times |shared| plus one ulp of the result.
+// x is within 4 ulp of the gate times |shared| plus one ulp of the result. An ungated shared
+// expert (glm4moe: no router row, no gate logit) is added as it is: bit-identical again.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,7 +21,10 @@
 namespace moraine {
 namespace {
 
-void check(int64_t n, int64_t k, int64_t d, bool with_shared, uint32_t seed) {
+enum class Shared { kNone, kGated, kUngated };
+
+void check(int64_t n, int64_t k, int64_t d, Shared kind, uint32_t seed) {
+  const bool with_shared = kind != Shared::kNone, gated = kind == Shared::kGated;
   std::mt19937 rng(seed);
   const std::vector<float> x = cuda_test::random_values(rng, static_cast<size_t>(n * d));
   const std::vector<float> slots = cuda_test::random_values(rng, static_cast<size_t>(n * k * d));
@@ -37,7 +41,7 @@ void check(int64_t n, int64_t k, int64_t d, bool with_shared, uint32_t seed) {
   hp.n_embd = d;
   hp.n_expert_used = k;
   model::MoeWeights W;
-  W.shared_router = router;
+  if (gated) W.shared_router = router;
   std::vector<const float*> rows(static_cast<size_t>(n * k));
   for (int64_t i = 0; i < n * k; ++i) rows[i] = slots.data() + i * d;
   std::vector<float> want = x;
@@ -57,11 +61,11 @@ void check(int64_t n, int64_t k, int64_t d, bool with_shared, uint32_t seed) {
   dw.upload(weight.data(), weight.size());
   if (with_shared) dsh.upload(shared.data(), shared.size());
   dlog.upload(logit.data(), logit.size());
-  cuda::moe_combine(dx.get(), ds.get(), dw.get(), with_shared ? dsh.get() : nullptr, with_shared ? dlog.get() : nullptr,
+  cuda::moe_combine(dx.get(), ds.get(), dw.get(), with_shared ? dsh.get() : nullptr, gated ? dlog.get() : nullptr,
                     n, k, d);
   std::vector<float> got(x.size());
   dx.download(got.data(), got.size());
-  if (!with_shared) {
+  if (!gated) {
     EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
     return;
   }
@@ -75,14 +79,16 @@ void check(int64_t n, int64_t k, int64_t d, bool with_shared, uint32_t seed) {
 
 TEST(CudaMoeCombine, MatchesReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  check(5, 8, 2048, false, 1);
-  check(3, 10, 300, true, 2);
-  check(1, 1, 64, false, 3);
+  check(5, 8, 2048, Shared::kNone, 1);
+  check(3, 10, 300, Shared::kGated, 2);
+  check(1, 1, 64, Shared::kNone, 3);
+  check(4, 8, 4096, Shared::kUngated, 4);   // GLM-4.5-Air's width and top-8
+  check(3, 3, 64, Shared::kUngated, 5);
 }
 
-TEST(CudaMoeCombineArguments, RejectsHalfAShared) {
+TEST(CudaMoeCombineArguments, RejectsAGateWithoutAShared) {
   float dummy = 0;
-  EXPECT_THROW(cuda::moe_combine(nullptr, nullptr, nullptr, &dummy, nullptr, 1, 1, 1), std::invalid_argument);
+  EXPECT_THROW(cuda::moe_combine(nullptr, nullptr, nullptr, nullptr, &dummy, 1, 1, 1), std::invalid_argument);
 }
 
 }  // namespace

@@ -291,6 +291,58 @@ TEST(CudaQkNormRopeStore, GraphReplayAtSeveralPositions) {
   cudaStreamDestroy(stream);
 }
 
+// glm4moe's order: the projections' biases, then the q/k norms and RoPE. With biases the kernel
+// gives the bits of the kernel without them on inputs biased on the host (one rounded float add
+// each, as reference::attention_block adds them), for separate and concatenated q / k / v.
+TEST(CudaQkNormRopeStore, BiasesBeforeTheNormsEqualBiasedInputs) {
+  MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 300;
+  for (const Case& c : {Case{4, 2, 16, 8, false, false, 3, 5}, Case{4, 2, 16, 8, false, true, 1, 40},
+                        Case{12, 2, 128, 64, false, true, 16, 517}, Case{6, 2, 40, 24, false, false, 5, 33, 1e4}}) {
+    SCOPED_TRACE(c.name());
+    const uint32_t input_seed = seed++;
+    const Inputs in(c, input_seed);
+    std::mt19937 rng(seed++);
+    const std::vector<float> qb = cuda_test::random_values(rng, static_cast<size_t>(c.n_head * c.hd));
+    const std::vector<float> kb = cuda_test::random_values(rng, static_cast<size_t>(in.kv_dim));
+    const std::vector<float> vb = cuda_test::random_values(rng, static_cast<size_t>(in.kv_dim));
+    cuda::DeviceBuffer<float> dqb(qb.size()), dkb(kb.size()), dvb(vb.size());
+    dqb.upload(qb.data(), qb.size());
+    dkb.upload(kb.data(), kb.size());
+    dvb.upload(vb.data(), vb.size());
+    cuda::DeviceBuffer<float> q(static_cast<size_t>(c.rows * c.n_head * c.hd)), kc(in.cache0.size()), vc(in.cache0.size());
+    q.fill_bytes(0xff);
+    kc.upload(in.cache0.data(), in.cache0.size());
+    vc.upload(in.cache0.data(), in.cache0.size());
+    cuda::QkNormRopeStoreArgs a = in.args(q.get(), kc.get(), vc.get());
+    a.q_bias = dqb.get();
+    a.k_bias = dkb.get();
+    a.v_bias = dvb.get();
+    cuda::qk_norm_rope_store(a);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Outputs got = download(q, kc, vc);
+    // The same random inputs, biased on the host.
+    Inputs biased(c, input_seed);
+    const auto add = [&](cuda::DeviceBuffer<float>& buf, int64_t stride, int64_t offset, const std::vector<float>& b) {
+      std::vector<float> h(buf.size());
+      buf.download(h.data(), h.size());
+      for (int64_t t = 0; t < c.rows; ++t)
+        for (size_t i = 0; i < b.size(); ++i) h[t * stride + offset + static_cast<int64_t>(i)] += b[i];
+      buf.upload(h.data(), h.size());
+    };
+    if (c.concat) {
+      add(biased.qkv, biased.row_stride(), 0, qb);
+      add(biased.qkv, biased.row_stride(), biased.q_rows, kb);
+      add(biased.qkv, biased.row_stride(), biased.q_rows + biased.kv_dim, vb);
+    } else {
+      add(biased.q, biased.q_rows, 0, qb);
+      add(biased.k, biased.kv_dim, 0, kb);
+      add(biased.v, biased.kv_dim, 0, vb);
+    }
+    expect_same(got, fused(biased), c.name() + " with biases");
+  }
+}
+
 // Argument checks come before any CUDA call, so this runs without a device too.
 TEST(CudaQkNormRopeStoreArguments, RejectsBadShapes) {
   float f = 0;

@@ -261,6 +261,27 @@ TEST(CudaStepScratch, FamilyBuffers) {
   EXPECT_EQ(m.bytes("qg"), static_cast<uint64_t>(T * (moe->hp.n_head + 2 * moe->hp.n_head_kv) * moe->hp.head_dim) * 4);
 }
 
+// glm4moe's leading dense layers (GLM-4.5-Air: one of width 10944): their gate and up rows, and the
+// activation staging wide enough for the dense down projection's inputs; none for qwen3moe.
+TEST(CudaStepScratch, DenseLayerBuffers) {
+  const auto air = shape_model("glm4.5-air", {TensorType::Q4_K});
+  const synth::ShapeSpec spec = synth::find_shape("glm4.5-air");
+  for (int64_t il = 0; il < spec.n_dense_lead; ++il) {
+    model::LayerWeights& L = air->layers[il];
+    L.moe.down = {};
+    L.dense.gate.info = &air->info;
+    L.dense.gate.n_rows = spec.dense_ff;
+  }
+  const int64_t T = 64, S = T * air->hp.n_expert_used;
+  const CudaStepScratch s = cuda_step_scratch(air->hp, cuda_reserve_scratch_options(air->layers, T, 4096));
+  EXPECT_EQ(s.bytes("dense_g"), static_cast<uint64_t>(T * spec.dense_ff) * 4);
+  EXPECT_EQ(s.bytes("dense_u"), static_cast<uint64_t>(T * spec.dense_ff) * 4);
+  EXPECT_EQ(s.bytes("act"), static_cast<uint64_t>(S * std::max(spec.dense_ff, air->hp.n_head * air->hp.head_dim)) * 4);
+  const auto moe = shape_model("qwen3moe-30b-a3b", {TensorType::Q4_K});
+  const CudaStepScratch m = cuda_step_scratch(moe->hp, cuda_reserve_scratch_options(moe->layers, T, 4096));
+  EXPECT_FALSE(m.has("dense_g") || m.has("dense_u"));
+}
+
 // Gives every layer's expert tensors their shapes (gate and up Q4_K, down as shape_model made it)
 // and returns the largest arena slot (group::ArenaLayout::slot_bytes) among them.
 uint64_t shape_experts(ShapeModel& sm) {

@@ -80,14 +80,24 @@ uint64_t gpu_worker_counter(const std::string& socket_dir, const char* name) {
 
 // A VRAM budget of the dense part (less the embedding table, kept in host memory), the KV cache,
 // the device's context and scratch (charged by the coordinator for the supervisor's default
-// 64-row steps) and half of the experts' bytes, for the context the group plans by default.
+// 64-row steps) and half of the experts' bytes, for the context the group plans by default. The
+// coordinator plans again with the long steps' scratch (up to 8192 rows within the context,
+// staging a layer's RAM tier, about half its experts) once some experts are in RAM: where that
+// growth is not below half the experts' bytes (synth glm4moe-tiny: 2.6 MB of experts, its
+// long-step residual 2 MiB more), half of it joins the budget, else the second plan cannot hold
+// the dense part (with all of it the first plan puts every expert in VRAM).
 std::string half_the_experts(const std::string& path) {
   const model::Model m = model::Model::load(path);
   const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0), model::KvType::F16);
   uint64_t experts = 0;
   for (uint64_t b : s.expert_bytes) experts += b * static_cast<uint64_t>(s.n_expert);
-  return std::to_string(s.dense_bytes - group::cuda_host_resident_bytes(m) + s.kv_bytes +
-                        group::cuda_device_reserve_bytes(m, 64, s.context) + experts / 2);
+  const uint64_t short_steps = group::cuda_device_reserve_bytes(m, 64, s.context);
+  const int64_t long_rows = std::min<int64_t>(8192, s.context);
+  const uint64_t long_steps =
+      long_rows > 64 ? group::cuda_device_reserve_bytes(m, 64, s.context, long_rows, s.n_expert / 2 + 1) : short_steps;
+  const uint64_t growth = long_steps > short_steps ? long_steps - short_steps : 0;
+  const uint64_t share = growth >= experts / 2 ? (experts + growth) / 2 : experts / 2;
+  return std::to_string(s.dense_bytes - group::cuda_host_resident_bytes(m) + s.kv_bytes + short_steps + share);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
@@ -200,11 +210,24 @@ std::vector<Case> cases() {
   v.push_back({"qwen3moe_k256", "hub", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   v.push_back({"qwen3moe_k256", "hub_tq", Experts::kVram});
   v.push_back({"qwen3next_k256", "hub_tq", Experts::kHalf, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  // glm4moe (tests/reference/tiny_arch_model.h's F32 files): the dense leading layer whole on the
+  // device, the sigmoid group router, the routed scale and the ungated shared expert in the
+  // combine over the cpu workers' rows, in every tier.
+  v.push_back({"tiny:glm4moe", "f32", Experts::kCpu});
+  v.push_back({"tiny:glm4moe", "f32", Experts::kVram});
+  v.push_back({"tiny:glm4moe", "f32", Experts::kHalf});
+  v.push_back({"tiny:glm4moe:qknorm_groups", "f32", Experts::kHalf});
+  v.push_back({"tiny:glm4moe:qknorm_groups", "f32", Experts::kVram, {}, model::KvType::F32});
+  // ... and moraine-synth's glm4moe-tiny with quantized experts: moe_fused, the captured step, the
+  // in-graph hand-off and the taken expert.
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kVram});
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf});
+  v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaBackend, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+                         [](const ::testing::TestParamInfo<Case>& i) { return param_name(i.param.name()); });
 
 // Greedy decode without the logits dump: the coordinator asks for tokens only and the gpu_worker
 // takes each from the device's argmax (kernels/cuda/argmax.cu) instead of copying the row; the
@@ -229,8 +252,10 @@ TEST_P(GroupCudaGreedyTokens, TheDevicePicksTheReferenceTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
                          ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
-                                           Case{"qwen3moe_odd", "f32", Experts::kHalf}),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name(); });
+                                           Case{"qwen3moe_odd", "f32", Experts::kHalf},
+                                           Case{"synth:glm4moe-tiny", "kmix", Experts::kVram},
+                                           Case{"tiny:glm4moe", "f32", Experts::kHalf}),
+                         [](const ::testing::TestParamInfo<Case>& i) { return param_name(i.param.name()); });
 
 // Speculative decode on the device: verify windows of up to 5 rows (the decode kernels' multi-row
 // path), their greedy tokens from the argmax kernel, rejected drafts dropped by moving n_past
