@@ -847,11 +847,14 @@ int run(const Options& given) {
   if (given.cpu_workers < 1 || given.max_tokens < 0)
     throw std::invalid_argument("--cpu-workers must be >= 1 and --max-tokens >= 0");
   Options o = given;
-  if (o.max_tokens == 0) {
+  if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
+  const auto resolve_window = [&] {
+    if (o.max_tokens != 0) return;
     o.max_tokens = window_rows_for(o, model::Model::load(o.model));
     std::cerr << "coordinator: steps (long steps' windows) of " << o.max_tokens << " rows\n";
-  }
+  };
   if (o.print_plan) {
+    resolve_window();
     const model::Model m = model::Model::load(o.model);
     const int long_rows = long_step_rows_for(o, m);
     std::cout << "steps of " << o.max_tokens << " rows";
@@ -859,9 +862,10 @@ int run(const Options& given) {
     std::cout << "\n" << plan_for(o, m, false).table();
     return 0;
   }
-  if (o.long_step_rows < -1) throw std::invalid_argument("--long-step-rows must be >= 0");
+  // The control server first: it checks the socket directory before anything reads the model.
   group::ControlServer control(control::ROLE_COORDINATOR, group::kCoordinatorInstance,
                                group::control_address(o.socket_dir, group::kCoordinatorInstance));
+  resolve_window();
   control.set_state(control::LOADING);
   auto coordinator = std::make_unique<Coordinator>(o, control);
   control.add_service(coordinator.get());

@@ -131,11 +131,12 @@ TEST(BenchEndToEnd, GroupEngineSplitsExpertReadsOverRamAndFile) {
   EXPECT_EQ(reads.at("ram").get<int64_t>() + reads.at("disk").get<int64_t>(), (6 + 1) * n_layer * k) << reads.dump();
   EXPECT_EQ(reads.at("vram").get<int64_t>(), 0) << reads.dump();
   // The placement the prefill bound reads (group.json, placement.json): every expert in RAM or
-  // FILE, windows of the bench's 5 rows, no long steps on the CPU backend, so no bound and why.
+  // FILE, steps of the coordinator's default 512 rows (the bench leaves --max-tokens to it, as a
+  // user's group does), no long steps on the CPU backend, so no bound and why.
   const int64_t n_expert = static_cast<int64_t>(*file.get_u64("qwen3moe.expert_count"));
   const nlohmann::json& st = j.at("prefill_staging");
   EXPECT_EQ(st.at("device_computes"), false) << st.dump();
-  EXPECT_EQ(st.at("window_rows"), 5) << st.dump();
+  EXPECT_EQ(st.at("window_rows"), 512) << st.dump();
   EXPECT_EQ(st.at("long_step_rows"), 0) << st.dump();
   EXPECT_GT(st.at("experts").at("file").get<int64_t>(), 0) << st.dump();
   EXPECT_EQ(st.at("experts").at("ram").get<int64_t>() + st.at("experts").at("file").get<int64_t>(), n_layer * n_expert)

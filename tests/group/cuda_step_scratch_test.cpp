@@ -276,7 +276,8 @@ TEST(CudaStepScratch, DenseLayerBuffers) {
   const CudaStepScratch s = cuda_step_scratch(air->hp, cuda_reserve_scratch_options(air->layers, T, 4096));
   EXPECT_EQ(s.bytes("dense_g"), static_cast<uint64_t>(T * spec.dense_ff) * 4);
   EXPECT_EQ(s.bytes("dense_u"), static_cast<uint64_t>(T * spec.dense_ff) * 4);
-  EXPECT_EQ(s.bytes("act"), static_cast<uint64_t>(S * std::max(spec.dense_ff, air->hp.n_head * air->hp.head_dim)) * 4);
+  // act holds the matvec path's rows: steps below the GEMM's 64 rows, k slots each, at the widest input.
+  EXPECT_EQ(s.bytes("act"), static_cast<uint64_t>((S - air->hp.n_expert_used) * std::max(spec.dense_ff, air->hp.n_head * air->hp.head_dim)) * 4);
   const auto moe = shape_model("qwen3moe-30b-a3b", {TensorType::Q4_K});
   const CudaStepScratch m = cuda_step_scratch(moe->hp, cuda_reserve_scratch_options(moe->layers, T, 4096));
   EXPECT_FALSE(m.has("dense_g") || m.has("dense_u"));
