@@ -92,8 +92,10 @@ def cut(src, counts, n_vocab):
 
 
 def tokenizer_config(src_cfg, tok):
-    """Qwen3's tokenizer_config.json with the added tokens' new ids."""
+    """Qwen3's tokenizer_config.json with the added tokens' new ids; the end of text is the document
+    separator the model is trained on (as Qwen3's base models have it), not the chat turn's end."""
     cfg = json.loads(json.dumps(src_cfg))
+    cfg["eos_token"] = DOC_SEPARATOR
     cfg["added_tokens_decoder"] = {str(a["id"]): {k: a[k] for k in a if k != "id"} for a in tok["added_tokens"]}
     return cfg
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """model.py against its references, on CPU (torch 1.13 or later, no transformers needed):
-  1. the chunked gated delta rule against the step-by-step recurrence it rewrites, over lengths that
-     are and are not multiples of the chunk;
+  1. the chunked gated delta rule against the step-by-step recurrence it rewrites (outputs and the
+     gradients of every input), over lengths that are and are not multiples of the chunk;
   2. the whole forward against transformers' own float32 logits of the tiny Qwen3-Next golden models
      (tests/golden/qwen3next_*: transformers 5.17, per tests/golden/manifest.json): argmax at every
      position and max |logit difference| / max |logit|. Float32 reordering moves logits by ~1e-6 of
@@ -48,13 +48,19 @@ def check_delta_rule():
         v = torch.randn(B, T, Hh, dv, generator=gen)
         g = -torch.rand(B, T, Hh, generator=gen) * 2
         beta = torch.rand(B, T, Hh, generator=gen)
-        got = gated_delta_rule(q, k, v, g, beta).double()
-        want = recurrent_delta_rule(q, k, v, g, beta)
-        err = float((got - want).abs().max() / want.abs().max())
+        inputs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        probe = torch.randn(B, T, Hh, dv, generator=gen)
+        with torch.enable_grad():
+            got = gated_delta_rule(*inputs)
+            got_grads = torch.autograd.grad((got * probe).sum(), inputs)
+            want = recurrent_delta_rule(*inputs)
+            want_grads = torch.autograd.grad((want * probe.double()).sum(), inputs)
+        pairs = [(got.double(), want)] + [(a.double(), b) for a, b in zip(got_grads, want_grads)]
+        err = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
         worst = max(worst, err)
         if err > BOUND:
-            return f"delta rule T={T}: relative error {err:.2e} > {BOUND}"
-    print(f"delta rule: chunked == recurrent (worst relative error {worst:.2e})")
+            return f"delta rule T={T}: relative error {err:.2e} > {BOUND} (output or a gradient)"
+    print(f"delta rule: chunked == recurrent, output and gradients (worst relative error {worst:.2e})")
     return None
 
 
