@@ -7,15 +7,17 @@ step's top1 - top2 logit margin so a comparison can tell a real disagreement fro
 
 Without prompts it uses PROMPTS. Prints the text; --json writes [{prompt, prompt_ids, ids, margins, text}].
 With --moraine-run, moraine-run (the CPU reference executor) generates greedily from the same text on
-FILE.gguf too, and the prompt ids and generated ids must equal ours (exit 1 if not, with our margin
-at the first difference).
+FILE.gguf too: its prompt ids and greedy ids must equal ours, and its logits at every position ours
+(exit 1 if not, with our margin at the first differing token).
 """
-import subprocess
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
+import numpy
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +25,7 @@ import ckpt  # noqa: E402
 from bpe import ByteLevelBpe  # noqa: E402
 from model import Qwen3Next  # noqa: E402
 
+LOGITS_BOUND = 1e-4
 PROMPTS = [
     "The glacier carried the stones down to the valley,",
     "A list is a mutable sequence",
@@ -46,22 +49,38 @@ def greedy(model, prompt_ids, n, device):
 
 
 def moraine_greedy(binary, gguf, prompt, n):
-    r = subprocess.run([binary, "-m", gguf, "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos", "--json"],
-                       capture_output=True, check=True)
-    j = json.loads(r.stdout)
-    return j["prompt_ids"], j["generated_ids"]
+    """moraine-run's prompt ids, greedy ids and the logits of every position (prompt and generated)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        npy = os.path.join(tmp, "logits.npy")
+        r = subprocess.run([binary, "-m", gguf, "-p", prompt, "-n", str(n), "--temp", "0", "--ignore-eos", "--json",
+                            "--logits-out", npy], capture_output=True, check=True)
+        j = json.loads(r.stdout)
+        return j["prompt_ids"], j["generated_ids"], numpy.load(npy)
 
 
-def compare(rows, binary, gguf, n):
-    failed = 0
+@torch.no_grad()
+def compare(model, rows, binary, gguf, n):
+    """Per prompt: the same prompt ids and greedy ids, and moraine's logits at every position within
+    LOGITS_BOUND of max |logit| of ours with the same argmax (float32 both: reordering gives ~1e-6)."""
+    failed, worst = 0, 0.0
     for r in rows:
-        pid, ids = moraine_greedy(binary, gguf, r["prompt"], n)
+        pid, ids, theirs = moraine_greedy(binary, gguf, r["prompt"], n)
         k = next((i for i in range(n) if ids[i] != r["ids"][i]), None)
-        if pid != r["prompt_ids"] or k is not None:
+        ours = model(torch.tensor([pid + ids]))[0].numpy()[: len(theirs)]
+        rel = float(numpy.abs(ours - theirs).max() / numpy.abs(ours).max())
+        worst = max(worst, rel)
+        problems = []
+        if pid != r["prompt_ids"]:
+            problems.append("prompt ids")
+        if k is not None:
+            problems.append(f"greedy token {k} (our top1-top2 margin {r['margins'][k]:.4f})")
+        if rel > LOGITS_BOUND or not (ours.argmax(-1) == theirs.argmax(-1)).all():
+            problems.append(f"logits (max difference {rel:.2e} of max |logit|)")
+        if problems:
             failed += 1
-            where = "prompt ids" if pid != r["prompt_ids"] else f"token {k} (our top1-top2 margin {r['margins'][k]:.4f})"
-            print(f"FAIL: {r['prompt']!r}: moraine-run differs at {where}")
-    print(f"moraine-run vs model.py greedy on {gguf}: {len(rows) - failed} passed, {failed} failed")
+            print(f"FAIL: {r['prompt']!r}: moraine-run differs in " + ", ".join(problems))
+    print(f"moraine-run vs model.py on {gguf}: ids and logits (worst {worst:.2e} of max |logit|): "
+          f"{len(rows) - failed} passed, {failed} failed")
     return failed
 
 
@@ -91,7 +110,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, ensure_ascii=False, indent=1)
-    if args.moraine_run and compare(out, args.moraine_run, args.gguf, args.n):
+    if args.moraine_run and compare(model.cpu(), out, args.moraine_run, args.gguf, args.n):
         sys.exit(1)
 
 

@@ -18,7 +18,7 @@ work=$(mktemp -d /tmp/moraine-train.XXXXXX)
 started=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$work/gpu.txt" || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-  >> "$work/gpu.txt"
+  >> "$work/gpu.txt" 2>&1 || true
 cat "$work/gpu.txt"
 python3 "$here/test_model.py" 2>&1 | tee "$work/test_model.log"
 train_status=0

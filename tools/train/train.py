@@ -152,13 +152,14 @@ def train(args):
     limit = args.minutes * 60.0
     horizon = args.max_steps or 10 ** 9
     counts = torch.zeros(len(cfg["layer_types"]) + 1, cfg["num_experts"], dtype=torch.float64)
+    window = torch.arange(args.seq + 1)[None, :]
     start, step, timed_from = time.time(), 0, None
     while step < horizon and time.time() - start < limit:
         lr = lr_at(step, horizon, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        offs = torch.randint(0, len(train_ids) - args.seq - 1, (args.batch,), generator=gen)
-        ids = torch.stack([train_dev[o:o + args.seq + 1] for o in offs.tolist()])
+        offs = torch.randint(0, len(train_ids) - args.seq - 1, (args.batch, 1), generator=gen)
+        ids = train_dev[(offs + window).to(device)]
         with autocast(device):
             total, main, mtp, balance, chosen = step_fn(ids)
         opt.zero_grad(set_to_none=True)
