@@ -111,7 +111,11 @@ def gated_delta_rule(q, k, v, g, beta, chunk=64):
     S_0 = 0, by chunks: within a chunk the corrections U solve the unit lower-triangular system
     (I + A) U = beta V - (beta e^G K) S_0, A_ij = beta_i e^{G_i - G_j} k_i.k_j (j < i), G the
     in-chunk cumulative g. q, k: [B, T, Hv, dk] (L2-normalised); v: [B, T, Hv, dv]; g, beta: [B, T, Hv]."""
-    out_dtype = v.dtype
+    with torch.autocast(device_type=v.device.type, enabled=False):  # float32 throughout: bf16 products would blur the decays
+        return _chunked_delta_rule(q, k, v, g, beta, chunk).to(v.dtype)
+
+
+def _chunked_delta_rule(q, k, v, g, beta, chunk):
     q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
     B, Hh, T, dk = k.shape
     dv = v.shape[-1]
@@ -142,7 +146,7 @@ def gated_delta_rule(q, k, v, g, beta, chunk=64):
         last = Gc[..., -1:]
         S = S * last.exp()[..., None] + (k[:, :, c] * (last - Gc).exp()[..., None]).transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2).reshape(B, Hh, n * chunk, dv)[:, :, :T]
-    return o.transpose(1, 2).to(out_dtype)
+    return o.transpose(1, 2)
 
 
 def l2norm(x, eps=1e-6):
