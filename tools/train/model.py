@@ -337,8 +337,9 @@ class Qwen3Next(nn.Module):
 
 def init_weights(model, seed, std=0.02):
     """Seeded init: normal(0, std) matrices and embeddings, the residual outputs scaled by
-    1/sqrt(2 * layers) (GPT-2's), norms as their modules start them, DeltaNet's A_log = log U(1, 16)
-    and dt_bias = 1 (transformers' init draws A from U(0, 16))."""
+    1/sqrt(2 * layers) (GPT-2's), norms as their modules start them; DeltaNet's A_log = log U(1, 16)
+    and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba-2's and the Gated DeltaNet
+    paper's: slow decays at the start; transformers' dt_bias = 1 makes every state forget at once)."""
     gen = torch.Generator().manual_seed(seed)
     n_layers = len(model.model.layers) + (1 if hasattr(model, "mtp") else 0)
     with torch.no_grad():
@@ -346,7 +347,8 @@ def init_weights(model, seed, std=0.02):
             if name.endswith("A_log"):
                 p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
             elif name.endswith("dt_bias"):
-                p.fill_(1.0)
+                dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(p.shape, generator=gen))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif name.endswith("linear_attn.norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 1:
