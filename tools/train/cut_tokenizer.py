@@ -81,8 +81,12 @@ def cut(src, counts, n_vocab):
     vocab = src["model"]["vocab"]
     if any(vocab[t] >= N_BYTES for t in sorted(vocab, key=vocab.get)[:N_BYTES]):
         raise ValueError("the tokenizer's first 256 ids are not its byte alphabet")
-    kept = choose_tokens(counts, vocab, producing_merge(src["model"]["merges"]), n_regular)
+    parts = producing_merge(src["model"]["merges"])
+    kept = choose_tokens(counts, vocab, parts, n_regular)
     new_vocab = {t: i for i, t in enumerate(kept)}
+    unreachable = [t for t in kept[N_BYTES:] if not all(p in new_vocab for p in parts[t])]
+    if unreachable:
+        raise ValueError(f"cut: kept tokens whose merge parts are not kept: {unreachable[:5]}")
     merges = [m for m in src["model"]["merges"] if all(t in new_vocab for t in merge_tokens(m))]
     out = json.loads(json.dumps(src))
     out["model"]["vocab"] = new_vocab
