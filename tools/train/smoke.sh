@@ -25,7 +25,8 @@ echo "== moraine-convert (f32) and moraine-quantize (q4_k experts, q8_0 rest)"
 size=$(stat -c %s "$out/model-q4_k.gguf")
 echo "model-q4_k.gguf: $size bytes"
 [ "$size" -le 10000000 ] || { echo "FAIL: the Q4_K/Q8_0 file is over 10 MB" >&2; exit 1; }
-"$bin/moraine-inspect" "$out/model-q4_k.gguf" | head -n 30
+"$bin/moraine-inspect" "$out/model-q4_k.gguf" > "$out/inspect.txt"   # whole: a closed pipe would stop the script
+head -n 30 "$out/inspect.txt"
 echo "== greedy: moraine-run on the F32 file vs model.py"
 python3 "$here/generate.py" --checkpoint "$out/train/checkpoint" -n 24 --json "$out/greedy.json" \
   --moraine-run "$bin/moraine-run" --gguf "$out/model-f32.gguf"

@@ -10,7 +10,8 @@ first timed steps say fit in --minutes); bf16 autocast on CUDA; loss = next-toke
 Logs every --log-every steps (OUT/loss.tsv and stdout) and the held-out loss every --eval-every;
 stops at the horizon or the wall-clock limit, whichever comes first. Writes OUT/checkpoint
 (config.json, model.safetensors in float32, the tokenizer files: what moraine-convert reads) and
-OUT/train_log.json (settings, steps, tokens, wall time, final losses, the router's expert shares).
+OUT/train_log.json (settings, steps, tokens, wall time, final losses, each MoE layer's expert shares
+over the whole run, most used first).
 """
 import argparse
 import json
@@ -122,7 +123,7 @@ class Log:
 
 def expert_shares(counts):
     """Per MoE layer, each expert's share of the routed slots, most used first."""
-    return [[round(float(c) / float(row.sum()), 4) for c in sorted(row.tolist(), reverse=True)] for row in counts]
+    return [[round(c / max(1, sum(row)), 4) for c in sorted(row, reverse=True)] for row in counts.tolist()]
 
 
 def train(args):
@@ -151,7 +152,7 @@ def train(args):
           f"batch {args.batch} x {args.seq}, device {device}", flush=True)
     limit = args.minutes * 60.0
     horizon = args.max_steps or 10 ** 9
-    counts = torch.zeros(len(cfg["layer_types"]) + 1, cfg["num_experts"], dtype=torch.float64)
+    counts = torch.zeros(len(cfg["layer_types"]) + 1, cfg["num_experts"], dtype=torch.long, device=device)
     window = torch.arange(args.seq + 1)[None, :]
     start, step, timed_from = time.time(), 0, None
     while step < horizon and time.time() - start < limit:
@@ -166,6 +167,8 @@ def train(args):
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
+        for i, ch in enumerate(chosen):  # on the device: no sync
+            counts[i] += torch.bincount(ch.reshape(-1), minlength=cfg["num_experts"])
         step += 1
         if step == 3:  # the first steps carry allocator and compile warm-up: time from here
             if device.type == "cuda":
@@ -177,11 +180,9 @@ def train(args):
             per = (time.time() - timed_from[1]) / (step - timed_from[0])
             horizon = step + int((limit - (time.time() - start)) / per * 0.97)  # margin for the evals
             print(f"train: {per * 1000:.1f} ms a step: horizon {horizon} steps", flush=True)
-        if step % args.log_every == 0 or step == horizon:
-            for i, ch in enumerate(chosen):
-                counts[i] += torch.bincount(ch.reshape(-1).cpu(), minlength=cfg["num_experts"]).double()
+        if step % args.log_every == 0 and step < horizon:
             held_l = None
-            if step % args.eval_every == 0 or step == horizon:
+            if step % args.eval_every == 0:
                 model.eval()
                 held_l = heldout_loss(model, held, args, device)
                 model.train()
@@ -190,6 +191,8 @@ def train(args):
     wall = time.time() - start
     model.eval()
     final_held = heldout_loss(model, held, args, device)
+    if step:  # the last step's row, with the final held-out loss
+        log.row(step, wall, lr, step * args.batch * args.seq, float(main), float(mtp), float(balance), final_held)
     ck = os.path.join(args.out, "checkpoint")
     ckpt.save(model.cpu(), cfg, ck)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -198,7 +201,7 @@ def train(args):
                "tokens": step * args.batch * args.seq, "wall_seconds": round(wall, 1),
                "heldout_loss": round(final_held[0], 4), "heldout_mtp_loss": round(final_held[1], 4),
                "heldout_perplexity": round(math.exp(final_held[0]), 2),
-               "expert_shares_sampled": expert_shares(counts), "settings": vars(args),
+               "expert_shares": expert_shares(counts), "settings": vars(args),
                "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(summary, f, indent=1)
