@@ -279,6 +279,16 @@ grpc::Status ControlServer::Load(grpc::ServerContext*, const moraine::control::L
   return {grpc::StatusCode::UNIMPLEMENTED, instance_ + " loads the model given by -m / the group manifest at start"};
 }
 
+grpc::Status probe_health(const std::string& address, std::chrono::milliseconds timeout,
+                          moraine::control::HealthReply& reply) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto stub = moraine::control::Control::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  return stub->Health(&ctx, {}, &reply);
+}
+
 std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline, int child) {
   const auto until = std::chrono::steady_clock::now() + deadline;
   const std::string path = address.rfind("unix:", 0) == 0 ? address.substr(5) : std::string();
@@ -299,14 +309,8 @@ std::string wait_serving(const std::string& address, std::chrono::milliseconds d
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
       continue;
     }
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    auto stub = moraine::control::Control::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     moraine::control::HealthReply reply;
-    const grpc::Status st = stub->Health(&ctx, {}, &reply);
+    const grpc::Status st = probe_health(address, std::chrono::milliseconds(500), reply);
     if (st.ok() && reply.state() == moraine::control::SERVING) return {};
     last = st.ok() ? "state " + moraine::control::ServingState_Name(reply.state()) + " " + reply.detail()
                    : st.error_message();

@@ -118,5 +118,9 @@ class ControlServer final : public moraine::control::Control::Service {
 // else the last reason it was not. With `child` (> 0, a child of the caller), it also stops
 // waiting when that process has exited (it is not reaped: the caller still waits for it).
 std::string wait_serving(const std::string& address, std::chrono::milliseconds deadline, int child = -1);
+// One Health call on a fresh channel (its own subchannel, so no reconnect back-off carries over
+// from an earlier probe of a process that was not there yet).
+grpc::Status probe_health(const std::string& address, std::chrono::milliseconds timeout,
+                          moraine::control::HealthReply& reply);
 
 }  // namespace moraine::group

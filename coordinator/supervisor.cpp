@@ -1,6 +1,8 @@
 // moraine-supervisor: starts the group (coordinator first: it creates the shared memory and the
 // manifest the workers start from; then the gpu_worker, the cpu_expert_workers and the
-// io_worker), waits for every Health to say SERVING, restarts a worker that dies, and on
+// io_worker), waits for every Health to say SERVING, probes Health every --health-interval and
+// kills a process silent for --health-timeout, restarts a worker that dies (the whole group when
+// it is the coordinator, whose shared memory the workers map), and on
 // SIGINT/SIGTERM (what `moraine-supervisor stop` sends) stops everything: workers, then the
 // coordinator, which removes its shared memory; anything a killed coordinator left is reclaimed
 // here too.
@@ -26,6 +28,7 @@
 #include "common/shm/shm_segment.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
+#include "coordinator/health_watch.h"
 #include "coordinator/private_socket.h"
 #include "coordinator/process_util.h"
 
@@ -59,6 +62,10 @@ struct Options {
   // with SIGKILL cannot stop its group, which otherwise kept running with its shared memory).
   int exit_with = 0;
   double ready_timeout_s = 120;
+  // Health probes of every process (0: none); one silent for health_timeout_s is killed and
+  // restarted. max_restarts: restarts of one process within a minute before the group stops.
+  double health_interval_s = 1, health_timeout_s = 10;
+  int max_restarts = 5;
 };
 
 struct Child {
@@ -239,30 +246,88 @@ int start(const Options& o) {
   };
   const auto t0 = Clock::now();
   auto started = [&] { starts.record(0, 0, 0, std::chrono::duration<double, std::micro>(Clock::now() - t0).count()); };
-  coord.pid = spawn(coord, log_dir);
-  if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline, coord.pid); !e.empty()) {
-    return fail(e);
-  }
-  started();
-  for (Child* c : workers) c->pid = spawn(*c, log_dir);
-  for (Child* c : workers) {
-    if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline, c->pid); !e.empty()) {
-      return fail(e);
+  group::HealthWatch health(std::chrono::milliseconds(static_cast<int64_t>(o.health_interval_s * 1000)),
+                            std::chrono::milliseconds(static_cast<int64_t>(o.health_timeout_s * 1000)));
+  auto watch = [&](const Child& c) {
+    health.watch(c.name, group::control_address(o.socket_dir, c.name), Clock::now() + deadline);
+  };
+  // The coordinator first (it makes the shared memory and the manifest), then the workers;
+  // the empty string when every process serves.
+  auto launch_group = [&]() -> std::string {
+    coord.pid = spawn(coord, log_dir);
+    if (std::string e = group::wait_serving(group::control_address(o.socket_dir, coord.name), deadline, coord.pid); !e.empty()) {
+      return e;
     }
     started();
-  }
+    watch(coord);
+    for (Child* c : workers) c->pid = spawn(*c, log_dir);
+    for (Child* c : workers) {
+      if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline, c->pid); !e.empty()) {
+        return e;
+      }
+      started();
+      watch(*c);
+    }
+    return {};
+  };
+  if (std::string e = launch_group(); !e.empty()) return fail(e);
   control.set_state(control::SERVING);
   std::cout << "supervisor: group serving in " << o.socket_dir << " (" << o.cpu_workers << " cpu workers)" << std::endl;
 
+  // A restart counted against the process's limit; false (and said) when it is used up.
+  auto may_restart = [&](Child& c) {
+    const auto now = Clock::now();
+    std::erase_if(c.restarts, [&](Clock::time_point t) { return now - t > std::chrono::minutes(1); });
+    if (static_cast<int>(c.restarts.size()) >= o.max_restarts) {
+      std::cerr << "supervisor: " << c.name << " died " << c.restarts.size()
+                << " times within a minute (--max-restarts); stopping the group\n";
+      return false;
+    }
+    c.restarts.push_back(now);
+    restarts_total.fetch_add(1);
+    return true;
+  };
+  // The coordinator owns the shared memory the workers map, so its restart is the group's:
+  // workers stopped, its segments reclaimed, then a fresh start that plans again from the census.
+  auto restart_group = [&]() -> bool {
+    control.set_state(control::STARTING, "restarting the group after the coordinator died");
+    for (Child* c : workers) health.unwatch(c->name);
+    health.unwatch(coord.name);
+    stop_children(workers);
+    shm::reclaim_dead_segments(group::group_prefix_for(o.socket_dir));
+    std::remove(group::manifest_path(o.socket_dir).c_str());
+    if (std::string e = launch_group(); !e.empty()) {
+      std::cerr << "supervisor: the group did not restart: " << e << "\n";
+      return false;
+    }
+    control.set_state(control::SERVING);
+    std::cerr << "supervisor: group serving again after the coordinator's restart\n";
+    return true;
+  };
+
   int rc = 0;
   const uint64_t exit_with_ticks = o.exit_with > 0 ? shm::process_start_ticks(static_cast<uint32_t>(o.exit_with)) : 0;
-  auto next_owner_check = Clock::now();
+  auto next_owner_check = Clock::now(), next_health_check = Clock::now();
+  std::vector<Child*> everyone = workers;
+  everyone.push_back(&coord);
   while (!group::signal_received()) {
     if (o.exit_with > 0 && Clock::now() >= next_owner_check) {
       next_owner_check = Clock::now() + std::chrono::milliseconds(250);
       if (!shm::process_alive(static_cast<uint32_t>(o.exit_with), exit_with_ticks)) {
         std::cerr << "supervisor: pid " << o.exit_with << " (--exit-with) is gone; stopping the group\n";
         break;
+      }
+    }
+    if (Clock::now() >= next_health_check) {
+      next_health_check = Clock::now() + std::chrono::milliseconds(100);
+      for (const group::HealthWatch::Silent& q : health.silent()) {
+        auto it = std::find_if(everyone.begin(), everyone.end(), [&](Child* c) { return c->name == q.name; });
+        if (it == everyone.end() || (*it)->pid <= 0) continue;
+        std::cerr << "supervisor: " << q.name << " (pid " << (*it)->pid << ") "
+                  << (q.never_answered ? "never answered Health in " : "has not answered Health for ") << q.seconds
+                  << " s; killing it\n";
+        health.unwatch(q.name);
+        kill((*it)->pid, SIGKILL);   // reaped below, and restarted like any death
       }
     }
     int status = 0;
@@ -273,24 +338,31 @@ int start(const Options& o) {
     }
     if (dead == coord.pid) {
       coord.pid = -1;
-      std::cerr << "supervisor: the coordinator died (status " << status << "); stopping the group\n";
-      rc = 1;
-      break;
-    }
-    for (Child* c : workers) {
-      if (c->pid != dead) continue;
-      const auto now = Clock::now();
-      std::erase_if(c->restarts, [&](Clock::time_point t) { return now - t > std::chrono::minutes(1); });
-      if (c->restarts.size() >= 5) {
-        std::cerr << "supervisor: " << c->name << " died 5 times within a minute; stopping the group\n";
-        c->pid = -1;
+      std::cerr << "supervisor: the coordinator died (status " << status << "); restarting the group\n";
+      if (!may_restart(coord) || !restart_group()) {
         rc = 1;
         break;
       }
-      c->restarts.push_back(now);
-      restarts_total.fetch_add(1);
+      continue;
+    }
+    for (Child* c : workers) {
+      if (c->pid != dead) continue;
+      c->pid = -1;
+      health.unwatch(c->name);
+      // A worker that saw its coordinator go first: the group's restart below starts it again.
+      siginfo_t info{};
+      if (coord.pid > 0 && waitid(P_PID, static_cast<id_t>(coord.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+          info.si_pid == coord.pid) {
+        std::cerr << "supervisor: " << c->name << " (pid " << dead << ") exited after the coordinator\n";
+        continue;
+      }
+      if (!may_restart(*c)) {
+        rc = 1;
+        break;
+      }
       std::cerr << "supervisor: " << c->name << " (pid " << dead << ") died (status " << status << "); restarting\n";
       c->pid = spawn(*c, log_dir);
+      watch(*c);
       started();
     }
     if (rc != 0) break;
@@ -396,6 +468,15 @@ int main(int argc, char** argv) {
   st->add_option("--log-dir", o.log_dir, "per-process logs (default: the socket dir)");
   st->add_option("--logits-dump", o.logits_dump, "coordinator writes each sampled row's logits here (tests)");
   st->add_option("--ready-timeout", o.ready_timeout_s, "seconds to wait for every Health");
+  st->add_option("--health-interval", o.health_interval_s,
+                 "seconds between Health probes of every process of the group (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  st->add_option("--health-timeout", o.health_timeout_s,
+                 "seconds a process may leave Health unanswered before it is killed and restarted")
+      ->check(CLI::PositiveNumber);
+  st->add_option("--max-restarts", o.max_restarts,
+                 "restarts of one process within a minute before the group is stopped and the failure reported")
+      ->check(CLI::Range(0, 1000));
   CLI::App* sp = app.add_subcommand("stop", "stop the group started in --socket-dir");
   sp->add_option("--socket-dir", o.socket_dir, "group socket directory");
   CLI11_PARSE(app, argc, argv);

@@ -32,10 +32,11 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
-GroupOptions options(const std::string& model, const std::string& socket_dir = "") {
+GroupOptions options(const std::string& model, const std::string& socket_dir = "", std::vector<std::string> extra = {}) {
   GroupOptions o;
   o.model = model;
   o.socket_dir = socket_dir;
+  o.extra_args = std::move(extra);
   return o;
 }
 
@@ -344,7 +345,8 @@ TEST_F(GroupFaults, DrainStopsNewRequestsAndReportsDrained) {
 }
 
 TEST_F(GroupFaults, KilledCpuWorkerMidStepIsRestartedAndTokensMatch) {
-  Group g(options(*model_));
+  // The test freezes and kills by hand: no Health watch racing it (group_health_test has that).
+  Group g(options(*model_, "", {"--health-interval", "0"}));
   const pid_t victim = g.instance_pid(group::cpu_worker_instance(1));
   // Freeze the worker, start generating, and wait until the gpu_worker has rung it for a layer
   // it has not answered: the step is in flight and needs this worker. Then kill it.
@@ -384,7 +386,8 @@ TEST_F(GroupFaults, KilledCpuWorkerMidStepIsRestartedAndTokensMatch) {
 // restarts it, the new one answers the orphaned step with an error before it registers, and the
 // coordinator's re-issue from a reset completes with the reference's tokens.
 TEST_F(GroupFaults, KilledGpuWorkerMidStepIsDetectedAndTheStepReissued) {
-  Group g(options(*model_));
+  // The test freezes and kills by hand: no Health watch racing it (group_health_test has that).
+  Group g(options(*model_, "", {"--health-interval", "0"}));
   const pid_t victim = g.instance_pid(group::kGpuWorkerInstance);
   const pid_t holder = g.instance_pid(group::cpu_worker_instance(1));
   ASSERT_EQ(kill(holder, SIGSTOP), 0);
