@@ -741,6 +741,33 @@ TEST(CudaDeltaNet, MixEqualsItsStages) {
   }
 }
 
+// ------------------------------------------------------------------ head maps
+
+// The kernels' head maps (delta_net_shape.h, also compiled for the device) against this file's,
+// which follow delta_net_block: each value head's key head and its b and alpha in the ba row.
+TEST(CudaDeltaNetHeads, MapsAreTheReferences) {
+  for (const DeltaNetShape& g : {shape_of(3, 3, 8, 8, 4), shape_of(2, 8, 8, 8, 4), shape_of(5, 20, 8, 8, 4)}) {
+    for (const DeltaNetShape& s : {g, qwen35(g)}) {
+      SCOPED_TRACE(name(s));
+      std::vector<float> row(static_cast<size_t>(2 * s.n_v_heads));
+      for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<float>(i);
+      std::vector<int> uses(row.size(), 0);
+      for (int64_t hv = 0; hv < s.n_v_heads; ++hv) {
+        EXPECT_EQ(cuda::delta_net_key_head(hv, s.n_k_heads, s.n_v_heads, s.v_heads_tiled), key_head(s, hv)) << hv;
+        const int64_t b = cuda::delta_net_b_index(hv, s.n_k_heads, s.n_v_heads, s.split_ba);
+        const int64_t al = cuda::delta_net_alpha_index(hv, s.n_k_heads, s.n_v_heads, s.split_ba);
+        EXPECT_EQ(row[b], b_of(s, row.data(), hv)) << hv;
+        EXPECT_EQ(row[al], alpha_of(s, row.data(), hv)) << hv;
+        ++uses[b];
+        ++uses[al];
+      }
+      EXPECT_EQ(std::count(uses.begin(), uses.end(), 1), static_cast<long>(row.size())) << "every entry read once";
+    }
+  }
+  // n_v > n_k: tiled and grouped differ (value head 1 of 2 key heads, 8 value heads: 1 vs 0).
+  EXPECT_NE(cuda::delta_net_key_head(1, 2, 8, true), cuda::delta_net_key_head(1, 2, 8, false));
+}
+
 // ------------------------------------------------------------------ arguments
 
 TEST(CudaDeltaNetArguments, RejectsBadShapes) {
