@@ -29,7 +29,9 @@ const model::BackendSupport& cuda_backend_support() {
   // gpt-oss's attention (q/k/v/o biases, sinks, sliding window, YaRN), top-k-then-softmax router
   // with its logit bias, and biased clamped-SwiGLU experts; glm4moe's sigmoid group router
   // (route_sigmoid_group_top_k, the routed scale in its weights), the ungated shared expert
-  // (moe_combine without a gate logit) and dense leading layers (matmuls on the device).
+  // (moe_combine without a gate logit) and dense leading layers (matmuls on the device); qwen35moe's
+  // DeltaNet layout (DeltaNetShape's v_heads_tiled and split_ba: the kernels pick the key head and
+  // read beta / alpha in value-head order, ssm_beta and ssm_alpha stacked at upload).
   static const model::BackendSupport s("CUDA backend", {
       model::Feature::Attention, model::Feature::AttnQkNorm, model::Feature::AttnOutputGate, model::Feature::PartialRope,
       model::Feature::AttnQkvBias, model::Feature::AttnOutputBias, model::Feature::AttnSinks,
@@ -38,7 +40,8 @@ const model::BackendSupport& cuda_backend_support() {
       model::Feature::RouterTopKSoftmax, model::Feature::RouterLogitBias,
       model::Feature::SwiGlu, model::Feature::SwiGluClamped, model::Feature::ExpertBiases,
       model::Feature::SharedExpertGated, model::Feature::RouterSigmoidGroupTopK, model::Feature::RoutedScaling,
-      model::Feature::SharedExpertUngated, model::Feature::DenseFfn});
+      model::Feature::SharedExpertUngated, model::Feature::DenseFfn,
+      model::Feature::DeltaNetTiledHeads, model::Feature::DeltaNetSplitBa});
   return s;
 }
 

@@ -86,8 +86,11 @@ struct DevLayer {
   // [max_context][n_head_kv * head_dim]: floats, or halves with an F16 cache (the other pair empty)
   DeviceBuffer<float> k_cache, v_cache;
   DeviceBuffer<__half> k_cache_f16, v_cache_f16;
-  // Gated DeltaNet (qwen3next): projections, small weights, and the recurrent state.
-  DevMatrix qkv, z, ba, ssm_out;
+  // Gated DeltaNet (qwen3next, qwen35moe): the layer's kernel shape (its head layout), projections
+  // (qwen35moe: ssm_beta over ssm_alpha stacked in ba; beta and alpha apart only when their
+  // formats differ), small weights, and the recurrent state.
+  cuda::DeltaNetShape delta_net_shape;
+  DevMatrix qkv, z, ba, beta, alpha, ssm_out;
   DeviceBuffer<float> conv_w, ssm_a, dt_bias, ssm_norm, conv_state, ssm_state;
 };
 
@@ -311,7 +314,8 @@ class CudaBackend final : public Backend {
   cuda::DeltaNetShape delta_shape() const;
   void upload_layer(int64_t il, const std::vector<int32_t>& ids, std::vector<cuda::MoeExpertSlot>& table);
   void allocate_scratch();
-  void upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D);
+  void upload_delta_net(const model::DeltaNetWeights& W, const model::DeltaNetPart& part, DevLayer& D);
+  void delta_net_gate_rows(const DevLayer& L, int64_t n);
   void zero_states();
   void copy_states(bool save);   // the recurrent states to (save) or from delta_snapshot_
   void delta_net_block(DevLayer& L, int64_t n);

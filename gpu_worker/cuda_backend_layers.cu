@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "common/formats/quant.h"
 #include "common/model/sequence_state.h"
@@ -140,10 +141,10 @@ void CudaBackend::load_state(std::span<const uint8_t> in) {
 // matvecs, the conv / gates / recurrence / gated norm by delta_net_mix, then the out projection.
 void CudaBackend::delta_net_block(DevLayer& L, int64_t n) {
   const model::HParams& hp = m_.hp;
-  const cuda::DeltaNetShape s = delta_shape();
+  const cuda::DeltaNetShape& s = L.delta_net_shape;
   matmul(L.qkv, h_.get(), n, mixed_.get());
   matmul(L.z, h_.get(), n, z_.get());
-  matmul(L.ba, h_.get(), n, ba_.get());
+  delta_net_gate_rows(L, n);
   cuda::DeltaNetWeightsDevice w;
   w.conv_w = L.conv_w.get();
   w.a = L.ssm_a.get();
@@ -155,6 +156,22 @@ void CudaBackend::delta_net_block(DevLayer& L, int64_t n) {
   cuda::delta_net_mix(s, w, st, mixed_.get(), z_.get(), ba_.get(), n, static_cast<float>(hp.rms_eps),
                       delta_ws_.get(), core_.get(), stream_);
   matmul_into_residual(L.ssm_out, core_.get(), n);
+}
+
+// ba_'s rows [n][2 * n_v_heads] (delta_net.h's ba): one matmul, or, for ssm_beta and ssm_alpha in
+// different formats, each into core_ (free until delta_net_mix writes it) and copied into its half.
+void CudaBackend::delta_net_gate_rows(const DevLayer& L, int64_t n) {
+  if (L.ba) {
+    matmul(L.ba, h_.get(), n, ba_.get());
+    return;
+  }
+  const int64_t nv = L.delta_net_shape.n_v_heads;
+  const size_t row = static_cast<size_t>(nv) * sizeof(float);
+  for (const auto& [W, column] : {std::pair{&L.beta, int64_t{0}}, std::pair{&L.alpha, nv}}) {
+    matmul(*W, h_.get(), n, core_.get());
+    CUDA_CHECK(cudaMemcpy2DAsync(ba_.get() + column, 2 * row, core_.get(), row, row, static_cast<size_t>(n),
+                                 cudaMemcpyDeviceToDevice, stream_));
+  }
 }
 
 cuda::AttentionShape CudaBackend::attention_shape() const {

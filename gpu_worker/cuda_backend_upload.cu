@@ -262,7 +262,7 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
     D.shared_router = upload_vector(weights_arena_, L.moe.shared_router);
   }
   if (L.recurrent) {
-    upload_delta_net(L.delta, D);
+    upload_delta_net(L.delta, L.recipe.mixer.delta, D);
     return;
   }
   D.q_norm = upload_vector(weights_arena_, L.attn.q_norm);
@@ -344,9 +344,10 @@ void CudaBackend::allocate_scratch() {
   CUDA_CHECK(cudaMemsetAsync(handoff_error_.get(), 0, sizeof(int32_t), stream_));
 }
 
-void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D) {
-  const cuda::DeltaNetShape s = delta_shape();
+void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, const model::DeltaNetPart& part, DevLayer& D) {
+  const cuda::DeltaNetShape s = delta_net_shape_of(m_.hp, part);
   D.recurrent = true;
+  D.delta_net_shape = s;
   if (W.qkv) {
     D.qkv = upload_matrix(weights_arena_, W.qkv);
     D.z = upload_matrix(weights_arena_, W.z);
@@ -356,7 +357,17 @@ void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, DevLayer& D)
     D.qkv = upload_rows(weights_arena_, W.qkvz, qkv_rows);
     D.z = upload_rows(weights_arena_, W.qkvz, z_rows);
   }
-  D.ba = upload_matrix(weights_arena_, W.ba);
+  if (part.split_ba) {
+    // One matvec of ssm_beta over ssm_alpha gives a token's [b(n_v) | alpha(n_v)] row, the
+    // kernels' split_ba layout; formats that differ cannot stack (delta_net_gate_rows).
+    D.ba = upload_stacked(weights_arena_, {&W.beta, &W.alpha});
+    if (!D.ba) {
+      D.beta = upload_matrix(weights_arena_, W.beta);
+      D.alpha = upload_matrix(weights_arena_, W.alpha);
+    }
+  } else {
+    D.ba = upload_matrix(weights_arena_, W.ba);
+  }
   D.ssm_out = upload_matrix(weights_arena_, W.out);
   D.conv_w = upload_vector(weights_arena_, W.conv);
   D.ssm_a = upload_vector(weights_arena_, W.a);

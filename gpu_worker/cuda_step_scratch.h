@@ -100,13 +100,17 @@ inline cuda::AttentionShape attention_shape_of(const model::HParams& hp) {
   return s;
 }
 
-inline cuda::DeltaNetShape delta_net_shape_of(const model::HParams& hp) {
+// The DeltaNet kernels' shape of hp with a layer's layout (qwen35moe's tiled value heads and
+// split beta / alpha; the default part is qwen3next's, which sizes every buffer the same).
+inline cuda::DeltaNetShape delta_net_shape_of(const model::HParams& hp, const model::DeltaNetPart& part = {}) {
   cuda::DeltaNetShape s;
   s.n_k_heads = hp.ssm_n_k_heads;
   s.n_v_heads = hp.ssm_n_v_heads;
   s.head_k_dim = hp.ssm_head_k_dim;
   s.head_v_dim = hp.ssm_head_v_dim;
   s.conv_kernel = hp.ssm_conv_kernel;
+  s.v_heads_tiled = part.v_heads_tiled;
+  s.split_ba = part.split_ba;
   return s;
 }
 

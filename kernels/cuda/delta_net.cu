@@ -150,14 +150,14 @@ constexpr int kGateThreads = 256;
 
 __global__ void __launch_bounds__(kGateThreads)
     gates_kernel(const float* __restrict__ ba, const float* __restrict__ a, const float* __restrict__ dt_bias,
-                 float* __restrict__ beta, float* __restrict__ gate, int64_t n_v_heads, int64_t r, int64_t total) {
+                 float* __restrict__ beta, float* __restrict__ gate, int64_t n_k_heads, int64_t n_v_heads,
+                 bool split, int64_t total) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kGateThreads + threadIdx.x;
   if (idx >= total) return;
   const int64_t t = idx / n_v_heads, hv = idx % n_v_heads;
-  const int64_t g = hv / r, i = hv % r;
-  const float* row = ba + t * 2 * n_v_heads + g * 2 * r;
-  const float b = row[i];
-  const float al = row[r + i];
+  const float* row = ba + t * 2 * n_v_heads;
+  const float b = row[delta_net_b_index(hv, n_k_heads, n_v_heads, split)];
+  const float al = row[delta_net_alpha_index(hv, n_k_heads, n_v_heads, split)];
   beta[idx] = beta_of(b);
   gate[idx] = gate_of(al, a[hv], dt_bias[hv]);
 }
@@ -191,7 +191,8 @@ struct RecurrenceArgs {
   const float* a;
   const float* dt_bias;
   float scale;
-  int64_t n, n_v_heads, r, dk, dv, key_dim, conv_dim, value_dim;
+  int64_t n, n_k_heads, n_v_heads, dk, dv, key_dim, conv_dim, value_dim;
+  bool tiled, split_ba;  // DeltaNetShape's v_heads_tiled and split_ba
   int columns;  // per CTA
 };
 
@@ -212,7 +213,9 @@ __global__ void __launch_bounds__(kMaxRecurrenceThreads)
   const int lane_in_col = tid % kLanesPerColumn;
   const int col_local = tid / kLanesPerColumn;
   const int64_t hv = blockIdx.x;
-  const int64_t g = hv / p.r;
+  const int64_t g = delta_net_key_head(hv, p.n_k_heads, p.n_v_heads, p.tiled);
+  const int64_t b_at = delta_net_b_index(hv, p.n_k_heads, p.n_v_heads, p.split_ba);
+  const int64_t alpha_at = delta_net_alpha_index(hv, p.n_k_heads, p.n_v_heads, p.split_ba);
   const int64_t col0 = static_cast<int64_t>(blockIdx.y) * p.columns;
   const int64_t j = col0 + col_local;
   const bool active = col_local < p.columns && j < p.dv;
@@ -234,10 +237,10 @@ __global__ void __launch_bounds__(kMaxRecurrenceThreads)
       if (e < dk) v = row[g * dk + e];
       else if (e < 2 * dk) v = row[p.key_dim + g * dk + (e - dk)];
       else if (e < 2 * dk + ncols) v = row[2 * p.key_dim + hv * p.dv + col0 + (e - 2 * dk)];
-      else if (e == 2 * dk + ncols)  // b of this head (group g, member hv % r), or beta
-        v = kFusePrep ? p.ba[t * 2 * p.n_v_heads + g * 2 * p.r + hv % p.r] : p.beta[t * p.n_v_heads + hv];
+      else if (e == 2 * dk + ncols)  // b of this head, or beta
+        v = kFusePrep ? p.ba[t * 2 * p.n_v_heads + b_at] : p.beta[t * p.n_v_heads + hv];
       else if (e == 2 * dk + ncols + 1)  // alpha, or gate
-        v = kFusePrep ? p.ba[t * 2 * p.n_v_heads + g * 2 * p.r + p.r + hv % p.r] : p.gate[t * p.n_v_heads + hv];
+        v = kFusePrep ? p.ba[t * 2 * p.n_v_heads + alpha_at] : p.gate[t * p.n_v_heads + hv];
       vals[s] = v;
     }
   };
@@ -374,8 +377,10 @@ RecurrenceArgs recurrence_args(const DeltaNetShape& s, float* ssm_state, const f
   a.beta = beta;
   a.out = out;
   a.n = n;
+  a.n_k_heads = s.n_k_heads;
   a.n_v_heads = s.n_v_heads;
-  a.r = s.n_v_heads / s.n_k_heads;
+  a.tiled = s.v_heads_tiled;
+  a.split_ba = s.split_ba;
   a.dk = s.head_k_dim;
   a.dv = s.head_v_dim;
   a.key_dim = s.key_dim();
@@ -483,8 +488,8 @@ void delta_net_gates(const DeltaNetShape& s, const float* ba, const float* a, co
   check_n(fn, n);
   require(ba && a && dt_bias && beta && gate, fn, "ba, a, dt_bias, beta and gate must be device pointers (one is null)");
   const int64_t total = n * s.n_v_heads;
-  gates_kernel<<<blocks_for(total, kGateThreads), kGateThreads, 0, stream>>>(ba, a, dt_bias, beta, gate, s.n_v_heads,
-                                                                             s.n_v_heads / s.n_k_heads, total);
+  gates_kernel<<<blocks_for(total, kGateThreads), kGateThreads, 0, stream>>>(ba, a, dt_bias, beta, gate, s.n_k_heads,
+                                                                             s.n_v_heads, s.split_ba, total);
   CUDA_CHECK(cudaGetLastError());
 }
 

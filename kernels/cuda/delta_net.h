@@ -1,11 +1,12 @@
-// Gated DeltaNet token mixer of qwen3next on the GPU: everything between the input projections
-// (qkv, z, ba: matvecs / GEMMs the backend runs) and the output projection. Scalar reference:
+// Gated DeltaNet token mixer of qwen3next and qwen35moe on the GPU: everything between the input
+// projections (qkv, z, ba: matvecs / GEMMs the backend runs) and the output projection. Scalar reference:
 // ReferenceExecutor::delta_net_block (common/reference/delta_net_block.cpp) with the ops of
 // common/reference/ops.h; the kernels compute the same formulas in the same order per element,
 // only the order of float additions inside dot products and norms differs.
 //
 // Per token t (one sequence), with r = n_v_heads / n_k_heads value heads per key head and value
-// head hv reading key head hv / r (grouped, as the reference):
+// head hv reading key head hv / r (grouped, qwen3next) or hv % n_k_heads (tiled, qwen35moe:
+// DeltaNetShape::v_heads_tiled), as the reference:
 //   x      = silu(causal depthwise conv over the K last qkv columns)       delta_net_conv_silu
 //   q, k   = x's q and k heads, each L2-normalised; q then times 1/sqrt(d_k) delta_net_l2_norm_qk
 //   beta   = sigmoid(b),  gate = a * softplus(alpha + dt_bias)              delta_net_gates
@@ -17,7 +18,8 @@
 // Layouts (all F32, row-major, device pointers, one sequence):
 //   mixed   [n][conv_dim]  conv_dim = 2 * key_dim + value_dim: [q all heads | k all heads | v all heads]
 //   z       [n][value_dim]
-//   ba      [n][2 * n_v_heads], grouped per key head g: [b of its r value heads | alpha of them]
+//   ba      [n][2 * n_v_heads], grouped per key head g: [b of its r value heads | alpha of them];
+//           with split_ba (qwen35moe: ssm_beta and ssm_alpha stacked) [b of every value head | alpha of every one]
 //   conv_w  [conv_dim][K]   channel c's taps, oldest input first (model::DeltaNetWeights::conv)
 //   a, dt_bias [n_v_heads]  (a = -exp(A_log) as converters store it); norm_w [head_v_dim]
 //   conv_state [K-1][conv_dim]      the previous K-1 inputs, oldest first (the reference's)

@@ -58,7 +58,8 @@ struct ChunkArgs {
   float* e;     // [chunks][n_v_heads][kChunk]  exp(G_last - G_t)
   float* state;
   float* out;
-  int64_t n, n_v_heads, r, dk, dv, key_dim, conv_dim, value_dim;
+  int64_t n, n_k_heads, n_v_heads, dk, dv, key_dim, conv_dim, value_dim;
+  bool tiled;  // DeltaNetShape::v_heads_tiled
 };
 
 size_t prep_smem_bytes(int dk, int dv) {
@@ -72,7 +73,7 @@ size_t state_smem_bytes(int dk) {
 __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(ChunkArgs a) {
   extern __shared__ double smem_d[];
   const int dk = static_cast<int>(a.dk), dv = static_cast<int>(a.dv);
-  const int64_t chunk = blockIdx.x, hv = blockIdx.y, g = hv / a.r;
+  const int64_t chunk = blockIdx.x, hv = blockIdx.y, g = delta_net_key_head(hv, a.n_k_heads, a.n_v_heads, a.tiled);
   const int64_t t0 = chunk * kChunk;
   const int L = static_cast<int>(min(static_cast<int64_t>(kChunk), a.n - t0));
   double* G = smem_d;                                     // [kChunk]
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kStateThreads) chunk_state_kernel(ChunkArgs a)
   float* Ds = Ps + kChunk * kChunk;    // [kChunk]
   const int tid = threadIdx.x;
   const int lane = tid % kLanes, col = tid / kLanes;
-  const int64_t hv = blockIdx.x, g = hv / a.r;
+  const int64_t hv = blockIdx.x, g = delta_net_key_head(hv, a.n_k_heads, a.n_v_heads, a.tiled);
   const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kColumns;
   const int64_t j = col0 + col;
   const bool active = j < dv;
@@ -357,8 +358,9 @@ void delta_net_recurrence_chunked(const DeltaNetShape& s, float* ssm_state, cons
     a.state = ssm_state;
     a.out = out + t0 * s.value_dim();
     a.n = len;
+    a.n_k_heads = s.n_k_heads;
     a.n_v_heads = s.n_v_heads;
-    a.r = s.n_v_heads / s.n_k_heads;
+    a.tiled = s.v_heads_tiled;
     a.dk = dk;
     a.dv = dv;
     a.key_dim = s.key_dim();

@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
@@ -27,12 +29,47 @@
 #include "gpu_worker/backend.h"
 #include "gpu_worker/cuda_backend.h"
 #include "kernels/cuda/embed_rows.h"
+#include "tests/cuda/cuda_test_support.h"
 #include "tests/reference/float_order_bound.h"
+#include "tests/reference/tiny_arch_model.h"
+#include "tests/synth/synth_run.h"
+
+#include <unistd.h>
 
 namespace moraine::cuda_arch_test {
 
 inline constexpr int kMaxTokens = 112;
 inline constexpr int64_t kContext = 256;
+
+// A test's model file, made once per process in a folder of its own (`tag`): moraine-synth's
+// `shape` (vocabulary 512, seed 5) with type arguments `synth_args` when shape is given, else
+// tests/reference/tiny_arch_model.h's F32 file of `tiny` (an architecture[:variant], seed 7),
+// quantized by moraine-quantize with `quantize` when that is given.
+inline std::filesystem::path arch_file(const std::string& tag, const std::string& shape, const std::string& synth_args,
+                                       const std::string& tiny, const std::string& quantize) {
+  namespace fs = std::filesystem;
+  static const fs::path root = fs::temp_directory_path() / ("moraine-cuda-arch-" + std::to_string(getpid()));
+  const fs::path dir = root / tag;
+  fs::create_directories(dir);
+  const std::string stem = shape.empty() ? tiny + "|" + quantize : shape + "|" + synth_args;
+  fs::path p = dir / (std::to_string(std::hash<std::string>{}(stem)) + ".gguf");
+  if (fs::exists(p)) return p;
+  if (!shape.empty()) {
+    const test::SynthRun r = test::run_synth("--shape " + shape + " --vocab-size 512 --seed 5 " + synth_args + " -o " +
+                                             p.string(), dir.string());
+    if (r.status != 0) throw std::runtime_error("moraine-synth " + synth_args + " failed:\n" + r.err);
+    return p;
+  }
+  std::vector<std::vector<float>> data;
+  const fs::path f32 = quantize.empty() ? p : fs::path(p.string() + ".f32.gguf");
+  test::tiny_writer(test::tiny_hparams(tiny), 7, data).write(f32.string());
+  if (quantize.empty()) return p;
+  const fs::path tool = fs::path(MORAINE_BUILD_DIR) / "tools" / "moraine-quantize";
+  const std::string cmd = tool.string() + " " + f32.string() + " " + p.string() + " " + quantize + " > " +
+                          (dir / "quantize.log").string() + " 2>&1";
+  if (std::system(cmd.c_str()) != 0) throw std::runtime_error("moraine-quantize failed: " + cmd);
+  return p;
+}
 
 // The slot grouping of group_layout.h's ExpertPlan: by expert in ascending id, slots ascending.
 inline group::ExpertPlan plan_of(const std::vector<int32_t>& chosen, int64_t n_expert) {
@@ -354,6 +391,24 @@ struct ArchChecks {
       ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float))) << "decode step " << i;
     }
   }
+};
+
+// The per-architecture tests' fixture over their Case (name, quantized, kv): the case's file,
+// model_file(case) (found in the test's own namespace), loaded, and a backend holding every expert.
+template <typename Case>
+class ArchTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
+    model_ = std::make_unique<model::Model>(model::Model::load(model_file(this->GetParam()).string()));
+    backend_ = cuda_backend(*model_, this->GetParam().kv);
+  }
+  ArchChecks checks() const {
+    const Case& c = this->GetParam();
+    return {*model_, c.name, c.quantized, c.kv};
+  }
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<gpu_worker::Backend> backend_;
 };
 
 }  // namespace moraine::cuda_arch_test

@@ -1,8 +1,8 @@
 // The CUDA backend (gpu_worker/cuda_backend.h) driven step by step as the gpu_worker drives a
 // backend (embed, then per layer layer_whole or layer_begin / layer_end; advance; logits), on the
-// golden qwen3moe and qwen3next checkpoints of tests/golden/ converted by moraine-convert, in
-// three weight variants: F32, Q8_0 everywhere, and a K-quant mix of the formats the CUDA matvec
-// has (its experts Q4_K, so the fused MoE kernel serves them).
+// golden qwen3moe, qwen3next and qwen35moe checkpoints of tests/golden/ converted by
+// moraine-convert, in three weight variants: F32, Q8_0 everywhere, and a K-quant mix of the
+// formats the CUDA matvec has (its experts Q4_K, so the fused MoE kernel serves them).
 //  - F32: logits at every prompt position within the reference's own bound against transformers
 //    (max |diff| <= 1e-4 * max |logit|, tests/reference/golden_test.cpp); the 32-token greedy
 //    continuation identical to transformers'.
@@ -355,7 +355,9 @@ std::vector<Case> golden_cases(model::KvType kv) {
            // The real head sizes (128; 256 gated): the tensor-core prefill attention takes only these.
            {"qwen3moe_hd128", "f32"}, {"qwen3moe_hd128", "kmix"}, {"qwen3next_hd256", "f32"},
            {"qwen3next_hd256", "kmix"},
-           {"qwen3moe_k256", "hub"}, {"qwen3next_k256", "hub"}, {"qwen3moe_k256", "hub_tq"}, {"qwen3next_k256", "hub_tq"}})
+           {"qwen3moe_k256", "hub"}, {"qwen3next_k256", "hub"}, {"qwen3moe_k256", "hub_tq"}, {"qwen3next_k256", "hub_tq"},
+           // Qwen3.5-MoE: qwen3next's hybrid with tiled value heads and split beta / alpha.
+           {"qwen35moe_odd", "f32"}, {"qwen35moe_odd", "q8_0"}})
     cases.push_back({m, v, kv});
   return cases;
 }

@@ -16,7 +16,6 @@
 // and the ungated shared expert over the cpu workers' rows), and the in-graph hand-off.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -26,8 +25,6 @@
 #include "gpu_worker/backend.h"
 #include "tests/cuda/cuda_arch_test.h"
 #include "tests/cuda/cuda_test_support.h"
-#include "tests/reference/tiny_arch_model.h"
-#include "tests/synth/synth_run.h"
 
 namespace moraine {
 namespace {
@@ -46,39 +43,10 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 fs::path model_file(const Case& c) {
-  static const fs::path dir = fs::temp_directory_path() / ("moraine-cuda-glm4moe-" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  const std::string stem = c.synth.empty() ? c.tiny + "|" + c.quantize : c.synth;
-  fs::path p = dir / (std::to_string(std::hash<std::string>{}(stem)) + ".gguf");
-  if (fs::exists(p)) return p;
-  if (!c.synth.empty()) {
-    const test::SynthRun r = test::run_synth("--shape glm4moe-tiny --vocab-size 512 --seed 5 " + c.synth + " -o " +
-                                             p.string(), dir.string());
-    if (r.status != 0) throw std::runtime_error("moraine-synth " + c.synth + " failed:\n" + r.err);
-    return p;
-  }
-  std::vector<std::vector<float>> data;
-  const fs::path f32 = c.quantize.empty() ? p : fs::path(p.string() + ".f32.gguf");
-  test::tiny_writer(test::tiny_hparams(c.tiny), 7, data).write(f32.string());
-  if (c.quantize.empty()) return p;
-  const fs::path tool = fs::path(MORAINE_BUILD_DIR) / "tools" / "moraine-quantize";
-  const std::string cmd = tool.string() + " " + f32.string() + " " + p.string() + " " + c.quantize + " > " +
-                          (dir / "quantize.log").string() + " 2>&1";
-  if (std::system(cmd.c_str()) != 0) throw std::runtime_error("moraine-quantize failed: " + cmd);
-  return p;
+  return cuda_arch_test::arch_file("glm4moe", c.synth.empty() ? "" : "glm4moe-tiny", c.synth, c.tiny, c.quantize);
 }
 
-class CudaGlm4Moe : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-    model_ = std::make_unique<model::Model>(model::Model::load(model_file(GetParam()).string()));
-    backend_ = cuda_arch_test::cuda_backend(*model_, GetParam().kv);
-  }
-  cuda_arch_test::ArchChecks checks() const { return {*model_, GetParam().name, GetParam().quantized, GetParam().kv}; }
-  std::unique_ptr<model::Model> model_;
-  std::unique_ptr<gpu_worker::Backend> backend_;
-};
+class CudaGlm4Moe : public cuda_arch_test::ArchTest<Case> {};
 
 TEST_P(CudaGlm4Moe, LoadsWithEveryPart) {
   const model::LayerRecipe& r0 = model_->layers[0].recipe;

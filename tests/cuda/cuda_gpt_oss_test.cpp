@@ -68,17 +68,7 @@ fs::path model_file(const Case& c) {
   return p;
 }
 
-class CudaGptOss : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-    model_ = std::make_unique<model::Model>(model::Model::load(model_file(GetParam()).string()));
-    backend_ = cuda_arch_test::cuda_backend(*model_, GetParam().kv);
-  }
-  cuda_arch_test::ArchChecks checks() const { return {*model_, GetParam().name, GetParam().quantized, GetParam().kv}; }
-  std::unique_ptr<model::Model> model_;
-  std::unique_ptr<gpu_worker::Backend> backend_;
-};
+class CudaGptOss : public cuda_arch_test::ArchTest<Case> {};
 
 TEST_P(CudaGptOss, LoadsWithEveryPart) {
   const model::LayerRecipe& r0 = model_->layers[0].recipe;

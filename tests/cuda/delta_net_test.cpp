@@ -1,7 +1,9 @@
 // Gated DeltaNet kernels (kernels/cuda/delta_net.cu) against the scalar reference's ops
 // (common/reference/ops.h: conv1d_silu_step, l2_norm, sigmoid, softplus, delta_rule_step,
 // rms_norm, silu) composed as ReferenceExecutor::delta_net_block composes them, on fresh random
-// inputs with every output NaN-poisoned before the call.
+// inputs with every output NaN-poisoned before the call; in qwen3next's layout and in qwen35moe's
+// (qwen35: value head j reads key head j % n_k, b and alpha in value-head order), always with
+// n_v > n_k there so the tiled and grouped heads differ.
 //
 // Tolerances are derived, with u = 2^-24 (the unit roundoff; an ulp is at most 2u relative):
 //  - conv: the taps are added in the reference's order with the same roundings, so only SiLU's
@@ -55,9 +57,32 @@ DeltaNetShape shape_of(int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t k
   return s;
 }
 
+// The same shape in qwen35moe's layout: tiled value heads, split beta / alpha.
+DeltaNetShape qwen35(DeltaNetShape s) {
+  s.v_heads_tiled = s.split_ba = true;
+  return s;
+}
+
 std::string name(const DeltaNetShape& s) {
   return "nk=" + std::to_string(s.n_k_heads) + " nv=" + std::to_string(s.n_v_heads) + " dk=" +
-         std::to_string(s.head_k_dim) + " dv=" + std::to_string(s.head_v_dim) + " K=" + std::to_string(s.conv_kernel);
+         std::to_string(s.head_k_dim) + " dv=" + std::to_string(s.head_v_dim) + " K=" + std::to_string(s.conv_kernel) +
+         (s.v_heads_tiled ? " tiled" : "") + (s.split_ba ? " split_ba" : "");
+}
+
+// The key head value head hv reads, as delta_net_block picks it.
+int64_t key_head(const DeltaNetShape& s, int64_t hv) {
+  return s.v_heads_tiled ? hv % s.n_k_heads : hv / (s.n_v_heads / s.n_k_heads);
+}
+
+// Value head hv's b and alpha in a token's ba row: split_ba, ssm_beta's rows then ssm_alpha's
+// (the backend stacks them); else grouped per key head g as [b of its r heads | alpha of them].
+float b_of(const DeltaNetShape& s, const float* row, int64_t hv) {
+  const int64_t r = s.n_v_heads / s.n_k_heads;
+  return s.split_ba ? row[hv] : row[hv / r * 2 * r + hv % r];
+}
+float alpha_of(const DeltaNetShape& s, const float* row, int64_t hv) {
+  const int64_t r = s.n_v_heads / s.n_k_heads;
+  return s.split_ba ? row[s.n_v_heads + hv] : row[hv / r * 2 * r + r + hv % r];
 }
 
 std::vector<float> normal(std::mt19937& rng, size_t n, float mean, float sd) {
@@ -176,10 +201,11 @@ TEST(CudaDeltaNet, L2NormMatchesReference) {
 TEST(CudaDeltaNet, GatesMatchReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   for (const DeltaNetShape& s : {shape_of(3, 3, 8, 8, 4), shape_of(3, 6, 8, 8, 4), shape_of(5, 20, 8, 8, 4),
-                                 shape_of(16, 32, 128, 128, 4)}) {
+                                 shape_of(16, 32, 128, 128, 4), qwen35(shape_of(5, 20, 8, 8, 4)),
+                                 qwen35(shape_of(16, 64, 128, 128, 4))}) {
     SCOPED_TRACE(name(s));
     std::mt19937 rng(static_cast<uint32_t>(s.n_v_heads));
-    const int64_t n = 23, nv = s.n_v_heads, nk = s.n_k_heads, r = nv / nk;
+    const int64_t n = 23, nv = s.n_v_heads;
     // alpha spread so some alpha + dt_bias pass 20 (softplus' linear branch).
     const auto ba = normal(rng, static_cast<size_t>(n * 2 * nv), 0.0f, 8.0f);
     std::vector<float> a = normal(rng, static_cast<size_t>(nv), 0.0f, 1.0f);
@@ -190,12 +216,10 @@ TEST(CudaDeltaNet, GatesMatchReference) {
     cuda::delta_net_gates(s, dba.get(), da.get(), ddt.get(), dbeta.get(), dgate.get(), n);
     std::vector<float> beta(static_cast<size_t>(n * nv)), gate(static_cast<size_t>(n * nv));
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t g = 0; g < nk; ++g)
-        for (int64_t i = 0; i < r; ++i) {
-          const int64_t hv = g * r + i;
-          beta[t * nv + hv] = reference::sigmoid(ba[t * 2 * nv + g * 2 * r + i]);
-          gate[t * nv + hv] = a[hv] * reference::softplus(ba[t * 2 * nv + g * 2 * r + r + i] + dt_bias[hv]);
-        }
+      for (int64_t hv = 0; hv < nv; ++hv) {
+        beta[t * nv + hv] = reference::sigmoid(b_of(s, ba.data() + t * 2 * nv, hv));
+        gate[t * nv + hv] = a[hv] * reference::softplus(alpha_of(s, ba.data() + t * 2 * nv, hv) + dt_bias[hv]);
+      }
     expect_close_rel(download(dbeta, beta.size()), beta, 16 * kU, "beta");
     expect_close_rel(download(dgate, gate.size()), gate, 16 * kU, "gate");
   }
@@ -238,11 +262,11 @@ struct HostRecurrence {
   // `out_c`).
   void step(const float* row, const float* gate, const float* beta, double step_c, double out_c, float* o,
             double* o_bound) {
-    const int64_t dk = s.head_k_dim, dv = s.head_v_dim, r = s.n_v_heads / s.n_k_heads;
+    const int64_t dk = s.head_k_dim, dv = s.head_v_dim;
     c += step_c;
     std::vector<double> W(static_cast<size_t>(dv)), U(static_cast<size_t>(dv));
     for (int64_t hv = 0; hv < s.n_v_heads; ++hv) {
-      const int64_t g = hv / r;
+      const int64_t g = key_head(s, hv);
       const float* q = row + g * dk;
       const float* k = row + s.key_dim() + g * dk;
       const float* v = row + 2 * s.key_dim() + hv * dv;
@@ -335,6 +359,8 @@ TEST(CudaDeltaNet, RecurrenceDecodeStepsMatchReference) {
   check_recurrence(shape_of(3, 6, 64, 72, 4), decode, 12);     // r = 2, d_v not a multiple of 32
   check_recurrence(shape_of(1, 4, 128, 128, 4), decode, 13);   // r = 4, full dims
   check_recurrence(shape_of(5, 20, 33, 160, 4), decode, 14);   // r = 4, odd d_k, d_v > 128
+  check_recurrence(qwen35(shape_of(3, 6, 64, 72, 4)), decode, 15);
+  check_recurrence(qwen35(shape_of(2, 8, 128, 128, 4)), decode, 16);
 }
 
 TEST(CudaDeltaNet, RecurrencePrefillMatchesReference) {
@@ -343,6 +369,7 @@ TEST(CudaDeltaNet, RecurrencePrefillMatchesReference) {
   check_recurrence(shape_of(3, 3, 40, 24, 4), calls, 21);
   check_recurrence(shape_of(3, 6, 64, 72, 4), calls, 22);
   check_recurrence(shape_of(2, 8, 128, 128, 4), calls, 23);
+  check_recurrence(qwen35(shape_of(3, 12, 40, 24, 4)), calls, 24);
 }
 
 // ------------------------------------------------------------------ chunked recurrence
@@ -364,7 +391,7 @@ struct ChunkedHost {
   double c = 0.0;
 
   void run(const RecurrenceInputs& in, int64_t n, std::vector<double>& o, std::vector<double>& bound) {
-    const int64_t dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_heads, r = nv / s.n_k_heads;
+    const int64_t dk = s.head_k_dim, dv = s.head_v_dim, nv = s.n_v_heads;
     const int64_t C = s.conv_dim(), V = s.value_dim();
     o.assign(static_cast<size_t>(n * V), 0.0);
     bound.assign(o.size(), 0.0);
@@ -373,7 +400,7 @@ struct ChunkedHost {
       c += static_cast<double>(3 * dk + 2 * L + 16);
       const double gam = gamma_u(c);
       for (int64_t hv = 0; hv < nv; ++hv) {
-        const int64_t g = hv / r;
+        const int64_t g = key_head(s, hv);
         auto q = [&](int64_t t, int64_t i) { return static_cast<double>(in.qkv[(t0 + t) * C + g * dk + i]); };
         auto k = [&](int64_t t, int64_t i) { return static_cast<double>(in.qkv[(t0 + t) * C + s.key_dim() + g * dk + i]); };
         auto v = [&](int64_t t, int64_t j) {
@@ -498,6 +525,8 @@ TEST(CudaDeltaNet, RecurrenceChunkedMatchesExact) {
   check_chunked(shape_of(2, 8, 128, 128, 4), {200, 70}, 53);         // r = 4, full dims
   check_chunked(shape_of(5, 20, 33, 100, 4), {65}, 54);              // odd dims
   check_chunked(shape_of(1, 2, 16, 16, 4), {2100, 5}, 55);           // two passes of 2048
+  check_chunked(qwen35(shape_of(3, 6, 64, 72, 4)), {130, 64}, 56);   // tiled value heads
+  check_chunked(qwen35(shape_of(2, 8, 128, 128, 4)), {200, 1}, 57);
 }
 
 // ------------------------------------------------------------------ whole mixer
@@ -525,7 +554,7 @@ struct HostMixer {
   // n tokens; want [n][value_dim] and the bound per element.
   void run(const std::vector<float>& mixed, const std::vector<float>& z, const std::vector<float>& ba, int64_t n,
            std::vector<float>& want, std::vector<double>& bound) {
-    const int64_t C = s.conv_dim(), V = s.value_dim(), nv = s.n_v_heads, r = nv / s.n_k_heads;
+    const int64_t C = s.conv_dim(), V = s.value_dim(), nv = s.n_v_heads;
     const int64_t dk = s.head_k_dim, dv = s.head_v_dim;
     want.assign(static_cast<size_t>(n * V), 0.0f);
     bound.assign(want.size(), 0.0);
@@ -540,13 +569,11 @@ struct HostMixer {
           for (int64_t i = 0; i < dk; ++i) x[h * dk + i] *= scale;  // delta_rule_step's q * scale
       }
       double gmax = 0.0;
-      for (int64_t g = 0; g < s.n_k_heads; ++g)
-        for (int64_t i = 0; i < r; ++i) {
-          const int64_t hv = g * r + i;
-          beta[hv] = reference::sigmoid(ba[t * 2 * nv + g * 2 * r + i]);
-          gate[hv] = a[hv] * reference::softplus(ba[t * 2 * nv + g * 2 * r + r + i] + dt_bias[hv]);
-          gmax = std::max(gmax, std::fabs(static_cast<double>(gate[hv])));
-        }
+      for (int64_t hv = 0; hv < nv; ++hv) {
+        beta[hv] = reference::sigmoid(b_of(s, ba.data() + t * 2 * nv, hv));
+        gate[hv] = a[hv] * reference::softplus(alpha_of(s, ba.data() + t * 2 * nv, hv) + dt_bias[hv]);
+        gmax = std::max(gmax, std::fabs(static_cast<double>(gate[hv])));
+      }
       // Input differences (both sides, in u, relative to the magnitudes they feed): q and k
       // (d_k + 8 from the norm, 20 from the conv through it), v 10, beta 16, and the decay
       // exp(gate) 16 |gate|.
@@ -637,12 +664,17 @@ TEST(CudaDeltaNet, MixDecodeStepsMatchReference) {
   check_mix(shape_of(3, 6, 64, 72, 4), decode, 32);
   check_mix(shape_of(3, 12, 128, 128, 4), decode, 33);
   check_mix(shape_of(5, 20, 33, 160, 3), decode, 34);  // d_v > 128: norm not fused
+  check_mix(qwen35(shape_of(3, 6, 64, 72, 4)), decode, 35);
+  check_mix(qwen35(shape_of(4, 12, 128, 128, 4)), decode, 36);
+  check_mix(qwen35(shape_of(5, 20, 33, 160, 3)), decode, 37);
 }
 
 TEST(CudaDeltaNet, MixPrefillMatchesReference) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
   check_mix(shape_of(3, 6, 64, 72, 4), {40, 1, 1, 17}, 41);
   check_mix(shape_of(16, 32, 128, 128, 4), {33, 1, 2}, 42);  // Qwen3-Next-80B's layer shape
+  check_mix(qwen35(shape_of(16, 32, 128, 128, 4)), {33, 1, 2}, 43);   // Qwen3.5-35B-A3B's
+  check_mix(qwen35(shape_of(3, 6, 64, 72, 4)), {40, 1, 17}, 44);
 }
 
 // Prefill of n tokens leaves the same states and outputs as n decode calls, bit for bit: both
@@ -651,7 +683,8 @@ TEST(CudaDeltaNet, MixPrefillMatchesReference) {
 // used by delta_net_mix, is equal to rounding: RecurrenceChunkedMatchesExact.)
 TEST(CudaDeltaNet, PrefillEqualsDecodeSteps) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  for (const DeltaNetShape& s : {shape_of(3, 6, 64, 72, 4), shape_of(5, 20, 33, 160, 3), shape_of(4, 16, 128, 128, 4)}) {
+  for (const DeltaNetShape& s : {shape_of(3, 6, 64, 72, 4), shape_of(5, 20, 33, 160, 3), shape_of(4, 16, 128, 128, 4),
+                                 qwen35(shape_of(4, 16, 128, 128, 4))}) {
     SCOPED_TRACE(name(s));
     std::mt19937 rng(static_cast<uint32_t>(s.n_v_heads));
     HostMixer host(s, rng);
@@ -682,7 +715,8 @@ TEST(CudaDeltaNet, PrefillEqualsDecodeSteps) {
 // device functions and adds the norm's squares in the standalone kernel's order).
 TEST(CudaDeltaNet, MixEqualsItsStages) {
   MORAINE_SKIP_WITHOUT_CUDA_DEVICE();
-  for (const DeltaNetShape& s : {shape_of(3, 6, 64, 72, 4), shape_of(16, 32, 128, 128, 4), shape_of(5, 20, 33, 160, 3)}) {
+  for (const DeltaNetShape& s : {shape_of(3, 6, 64, 72, 4), shape_of(16, 32, 128, 128, 4), shape_of(5, 20, 33, 160, 3),
+                                 qwen35(shape_of(16, 32, 128, 128, 4)), qwen35(shape_of(5, 20, 33, 160, 3))}) {
     SCOPED_TRACE(name(s));
     std::mt19937 rng(static_cast<uint32_t>(s.head_v_dim));
     HostMixer host(s, rng);
@@ -705,6 +739,33 @@ TEST(CudaDeltaNet, MixEqualsItsStages) {
                      download(stages.ssm_state, static_cast<size_t>(s.ssm_state_floats())), "ssm state");
     }
   }
+}
+
+// ------------------------------------------------------------------ head maps
+
+// The kernels' head maps (delta_net_shape.h, also compiled for the device) against this file's,
+// which follow delta_net_block: each value head's key head and its b and alpha in the ba row.
+TEST(CudaDeltaNetHeads, MapsAreTheReferences) {
+  for (const DeltaNetShape& g : {shape_of(3, 3, 8, 8, 4), shape_of(2, 8, 8, 8, 4), shape_of(5, 20, 8, 8, 4)}) {
+    for (const DeltaNetShape& s : {g, qwen35(g)}) {
+      SCOPED_TRACE(name(s));
+      std::vector<float> row(static_cast<size_t>(2 * s.n_v_heads));
+      for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<float>(i);
+      std::vector<int> uses(row.size(), 0);
+      for (int64_t hv = 0; hv < s.n_v_heads; ++hv) {
+        EXPECT_EQ(cuda::delta_net_key_head(hv, s.n_k_heads, s.n_v_heads, s.v_heads_tiled), key_head(s, hv)) << hv;
+        const int64_t b = cuda::delta_net_b_index(hv, s.n_k_heads, s.n_v_heads, s.split_ba);
+        const int64_t al = cuda::delta_net_alpha_index(hv, s.n_k_heads, s.n_v_heads, s.split_ba);
+        EXPECT_EQ(row[b], b_of(s, row.data(), hv)) << hv;
+        EXPECT_EQ(row[al], alpha_of(s, row.data(), hv)) << hv;
+        ++uses[b];
+        ++uses[al];
+      }
+      EXPECT_EQ(std::count(uses.begin(), uses.end(), 1), static_cast<long>(row.size())) << "every entry read once";
+    }
+  }
+  // n_v > n_k: tiled and grouped differ (value head 1 of 2 key heads, 8 value heads: 1 vs 0).
+  EXPECT_NE(cuda::delta_net_key_head(1, 2, 8, true), cuda::delta_net_key_head(1, 2, 8, false));
 }
 
 // ------------------------------------------------------------------ arguments

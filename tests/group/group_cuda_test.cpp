@@ -223,6 +223,15 @@ std::vector<Case> cases() {
   v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kVram});
   v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf});
   v.push_back({"synth:glm4moe-tiny", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
+  // qwen35moe (qwen3next's hybrid, its DeltaNet value heads tiled over the key heads and beta /
+  // alpha from ssm_beta and ssm_alpha): the golden checkpoint, the tiny F32 file, and moraine-synth's
+  // tiny shape with quantized experts (moe_fused, the captured step, the hand-off, the taken expert).
+  v.push_back({"qwen35moe_odd", "f32", Experts::kCpu});
+  v.push_back({"qwen35moe_odd", "f32", Experts::kVram});
+  v.push_back({"qwen35moe_odd", "q8_0", Experts::kHalf});
+  v.push_back({"tiny:qwen35moe", "f32", Experts::kHalf});
+  v.push_back({"synth:qwen35moe-tiny", "kmix", Experts::kVram});
+  v.push_back({"synth:qwen35moe-tiny", "kmix", Experts::kHalf, {"--device-takes-from=1"}});
   return v;
 }
 
@@ -254,7 +263,8 @@ INSTANTIATE_TEST_SUITE_P(Golden, GroupCudaGreedyTokens,
                          ::testing::Values(Case{"qwen3moe_k256", "kmix", Experts::kVram},
                                            Case{"qwen3moe_odd", "f32", Experts::kHalf},
                                            Case{"synth:glm4moe-tiny", "kmix", Experts::kVram},
-                                           Case{"tiny:glm4moe", "f32", Experts::kHalf}),
+                                           Case{"tiny:glm4moe", "f32", Experts::kHalf},
+                                           Case{"synth:qwen35moe-tiny", "kmix", Experts::kHalf}),
                          [](const ::testing::TestParamInfo<Case>& i) { return param_name(i.param.name()); });
 
 // Speculative decode on the device: verify windows of up to 5 rows (the decode kernels' multi-row

@@ -29,7 +29,7 @@ ModelReadBytes decode_read_bytes(const model::Model& m) {
                floats_bytes(a.v_bias) + floats_bytes(a.o_bias) + floats_bytes(a.sinks);
     const model::DeltaNetWeights& d = l.delta;
     r.dense += matrix_bytes(d.qkv) + matrix_bytes(d.z) + matrix_bytes(d.qkvz) + matrix_bytes(d.ba) +
-               matrix_bytes(d.out) + floats_bytes(d.conv) + floats_bytes(d.dt_bias) + floats_bytes(d.a) +
+               matrix_bytes(d.beta) + matrix_bytes(d.alpha) + matrix_bytes(d.out) + floats_bytes(d.conv) + floats_bytes(d.dt_bias) + floats_bytes(d.a) +
                floats_bytes(d.norm);
     const model::MoeWeights& e = l.moe;
     r.dense += matrix_bytes(e.router) + matrix_bytes(e.shared_gate) + matrix_bytes(e.shared_up) +
