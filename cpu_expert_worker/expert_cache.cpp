@@ -56,7 +56,7 @@ ExpertCache::Found ExpertCache::find(std::int64_t il, std::int64_t e) const {
   return token == 0 ? Found{} : Found{s, token};
 }
 
-std::int64_t ExpertCache::victim(std::int64_t il, std::int64_t e, bool only_colder) const {
+std::int64_t ExpertCache::victim(std::int64_t il, std::int64_t e, bool read_ahead) const {
   std::int64_t best = -1;
   double coldest = 0;
   for (std::int64_t s = 0; s < dir_.size(); ++s) {
@@ -69,7 +69,7 @@ std::int64_t ExpertCache::victim(std::int64_t il, std::int64_t e, bool only_cold
       coldest = h;
     }
   }
-  if (best >= 0 && only_colder && !(coldest < heat(il, e))) return -1;
+  if (best >= 0 && read_ahead && coldest > heat(il, e) + 1.0) return -1;
   return best;
 }
 

@@ -3,8 +3,8 @@
 // Which expert a slot holds is decided here, by heat: each FILE-tier expert's uses, halved every
 // aging period, seeded from the census the placement read (so the first tokens keep what earlier
 // runs used most). A miss evicts the coldest slot not in use (LFU); a read-ahead only takes a
-// slot whose expert is colder than the one it reads (an admission test: a wrong guess must not
-// push out what is known to be hot). A worker owns its experts (expert_owner), so only it fills
+// slot whose expert is no hotter than the one it reads with that read's use counted (an
+// admission test: a wrong guess must not push out what is known to be hot). A worker owns its experts (expert_owner), so only it fills
 // its slots; the directory makes every slot checkable by anyone mapping the arena.
 #pragma once
 #include <cstdint>
@@ -39,8 +39,9 @@ class ExpertCache {
   Found find(std::int64_t il, std::int64_t e) const;
   bool still_valid(const Found& f) const { return dir_.still_valid(f.slot, f.token); }
   // A slot to read (il, e) into: an empty one, else the coldest not pinned and not being filled;
-  // with only_colder, only one whose expert is colder than (il, e). -1: none.
-  std::int64_t victim(std::int64_t il, std::int64_t e, bool only_colder) const;
+  // for a read-ahead, only one whose expert's heat is at most (il, e)'s plus the use the read
+  // expects. -1: none.
+  std::int64_t victim(std::int64_t il, std::int64_t e, bool read_ahead) const;
 
   // Slot s is refilled with (il, e) (pinned until unpin_all: nothing evicts it before its use).
   void begin_fill(std::int64_t s, std::int64_t il, std::int64_t e);

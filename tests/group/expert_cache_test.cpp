@@ -195,18 +195,21 @@ TEST(ExpertCache, MissEvictsTheColdestSlotNotPinned) {
   EXPECT_EQ(f.cache->filled(), 3);
 }
 
-// The read-ahead only takes a slot whose expert is colder than the one it would read.
-TEST(ExpertCache, ReadAheadAdmitsOnlyHotterExperts) {
+// The read-ahead only takes a slot whose expert is no hotter than the one it would read, counting
+// the use it reads for.
+TEST(ExpertCache, ReadAheadAdmitsOnlyExpertsAsHot) {
   CacheFixture f(1);
   for (int i = 0; i < 4; ++i) f.cache->touch(2, 0);
   f.cache->touch(2, 1);
   EXPECT_EQ(f.cache->victim(2, 1, true), 0) << "an empty slot takes anything";
   f.fill(0, 2, 0);
   f.cache->unpin_all();
-  EXPECT_EQ(f.cache->victim(2, 1, true), -1) << "expert 1 (heat 1) would evict expert 0 (heat 4)";
+  EXPECT_EQ(f.cache->victim(2, 1, true), -1) << "expert 1 (heat 1, +1 for the read) would evict expert 0 (heat 4)";
   EXPECT_EQ(f.cache->victim(2, 1, false), 0) << "a miss takes it anyway";
-  for (int i = 0; i < 4; ++i) f.cache->touch(2, 1);
-  EXPECT_EQ(f.cache->victim(2, 1, true), 0);
+  f.cache->touch(2, 1);
+  EXPECT_EQ(f.cache->victim(2, 1, true), -1) << "heat 2 + 1 < 4";
+  f.cache->touch(2, 1);
+  EXPECT_EQ(f.cache->victim(2, 1, true), 0) << "heat 3 + 1 = 4";
 }
 
 // Heat starts from the census (kSeedHeat for a layer's most routed) and halves every aging period.
