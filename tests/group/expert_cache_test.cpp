@@ -150,15 +150,14 @@ TEST(CacheDirectory, ValidatedReadsAreNeverTornAcrossProcesses) {
 
 // A directory of n slots and one worker's cache over it (3 layers x 6 experts).
 struct CacheFixture {
-  explicit CacheFixture(int n, group::Census seed = {}) : mem(static_cast<size_t>(n) * group::kCacheSlotHeaderBytes), n(n) {
-    cache = std::make_unique<ExpertCache>(CacheDirectory(mem.p, n), 3, 6, seed, 1000);
+  explicit CacheFixture(int slots, group::Census seed = {}) : mem(static_cast<size_t>(slots) * group::kCacheSlotHeaderBytes) {
+    cache = std::make_unique<ExpertCache>(CacheDirectory(mem.p, slots), 3, 6, seed, 1000);
   }
   void fill(int64_t slot, int64_t il, int64_t e) {
     cache->begin_fill(slot, il, e);
     cache->end_fill(slot);
   }
   SharedMemory mem;
-  int n;
   std::unique_ptr<ExpertCache> cache;
 };
 
