@@ -53,10 +53,12 @@ struct Budgets {
   group::PlacementPlan plan;
 };
 
-// No expert in VRAM ("dense"); RAM for about a quarter of the experts; the file cache either
-// large enough for every FILE-tier expert its worker owns (hold_all) or only the staging slots
-// (file cache 0: it must evict). Found with the planner itself; the group's plan is the same.
-Budgets file_budgets(const std::string& model_path, int n_cpu_workers, bool hold_all) {
+// No expert in VRAM ("dense"), and either (hold_most) no RAM tier and a file cache one slot short
+// of every expert a worker owns (a cache that holds the whole FILE tier would be a budget that
+// fits the model: nothing would be FILE), or RAM for about a quarter of the experts and a file
+// cache of only the staging slots (file cache 0: it must evict). Found with the planner itself;
+// the group's plan is the same.
+Budgets file_budgets(const std::string& model_path, int n_cpu_workers, bool hold_most) {
   const model::Model m = model::Model::load(model_path);
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, 0));
@@ -66,9 +68,14 @@ Budgets file_budgets(const std::string& model_path, int n_cpu_workers, bool hold
   const uint64_t slot = *std::max_element(s.expert_slot_bytes.begin(), s.expert_slot_bytes.end());
   const int64_t all = s.n_layer * s.n_expert;
   const int64_t per_worker = (all + n_cpu_workers - 1) / n_cpu_workers;
-  in.file_cache_budget = hold_all ? group::PlacementPlan::cache_region_bytes(n_cpu_workers, per_worker, slot) : 0;
-  const uint64_t staging = group::PlacementPlan::cache_region_bytes(n_cpu_workers, s.n_expert_used, slot);
-  in.ram_budget = std::max(in.file_cache_budget, staging) + static_cast<uint64_t>(all / 4) * slot + slot / 2;
+  if (hold_most) {
+    in.file_cache_budget = group::PlacementPlan::cache_region_bytes(n_cpu_workers, per_worker - 1, slot);
+    in.ram_budget = in.file_cache_budget + slot / 2;
+  } else {
+    in.file_cache_budget = 0;
+    in.ram_budget = group::PlacementPlan::cache_region_bytes(n_cpu_workers, s.n_expert_used, slot) +
+                    static_cast<uint64_t>(all / 4) * slot + slot / 2;
+  }
   Budgets b{std::to_string(in.ram_budget), std::to_string(in.file_cache_budget), group::plan_placement(in)};
   return b;
 }
@@ -92,15 +99,15 @@ int64_t most_file_experts_owned(const group::PlacementPlan& p) {
   return *std::max_element(per.begin(), per.end());
 }
 
-// A cache that holds every FILE-tier expert: the first request reads what it uses (misses and
-// read-ahead), the second identical one reads nothing: every FILE-tier use is a hit.
+// A cache that holds all but one of each worker's FILE-tier experts: the first request reads
+// what it uses (misses and read-ahead), the second identical one finds them: it hits, and misses
+// fewer than the first did.
 TEST(GroupFileCache, ARepeatedRequestHitsInTheCache) {
   constexpr int kTokens = 8;
   const auto [dir, model, prompt, ref] = golden_case("qwen3moe_odd", "f32", "filecache-hits", kTokens);
   const Budgets b = file_budgets(model, 2, true);
   ASSERT_GT(b.plan.file.experts, 0);
-  ASSERT_GT(b.plan.ram.experts, 0);
-  ASSERT_GE(b.plan.cache_slots, most_file_experts_owned(b.plan)) << b.plan.table();
+  ASSERT_GE(b.plan.cache_slots, most_file_experts_owned(b.plan) - 1) << b.plan.table();
   GroupOptions o = file_cache_group(model, b, "doorbell");
   o.logits_dump = dir + "/logits.f32";
   Group g(o);
@@ -118,7 +125,6 @@ TEST(GroupFileCache, ARepeatedRequestHitsInTheCache) {
   EXPECT_GT(first.at("cache_misses") + first.at("read_ahead_experts"), 0u);
   EXPECT_GT(first.at("file_bytes_fetched"), 0u);
   EXPECT_EQ(first.at("cache_slots"), static_cast<uint64_t>(2 * plan.cache_slots));
-  EXPECT_EQ(first.at("cache_evictions"), 0u) << "a cache that holds the FILE tier evicted";
   EXPECT_EQ(first.at("cache_stale"), 0u);
   // The prefill step's rows route to about every expert: the next layer's FILE experts were
   // read ahead, and its layer used some of them.
@@ -132,8 +138,8 @@ TEST(GroupFileCache, ARepeatedRequestHitsInTheCache) {
   EXPECT_EQ(gen.ids, ref.ids);
   const auto second = cpu_counters(g.socket_dir());
   EXPECT_GT(second.at("cache_hits"), first.at("cache_hits"));
-  EXPECT_EQ(second.at("cache_misses"), first.at("cache_misses")) << "the second request missed";
-  EXPECT_EQ(second.at("cache_evictions"), 0u);
+  EXPECT_LT(second.at("cache_misses") - first.at("cache_misses"), first.at("cache_misses"));
+  EXPECT_GT(second.at("cache_filled"), 0u);
   g.stop();
   fs::remove_all(dir);
 }
