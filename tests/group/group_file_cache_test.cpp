@@ -192,29 +192,37 @@ INSTANTIATE_TEST_SUITE_P(Golden, GroupFileCacheSmall,
                                            SmallCase{"qwen3next_odd", "f32", "zmq"}),
                          [](const ::testing::TestParamInfo<SmallCase>& i) { return i.param.name(); });
 
-// io_worker-0 killed in the middle of a read: it is stopped (SIGSTOP) before the generation, so
-// the first read a cpu worker sends stays in flight; once the worker has sent it, the process is
-// killed. The worker's wait times out, the request goes again to the restarted process, and the
-// generation completes with the reference's tokens.
+// io_worker-0 killed in the middle of a read: a first generation connects the workers to it,
+// then it is stopped (SIGSTOP), so the next read a cpu worker sends lands in its socket unread;
+// once the worker has sent it, the process is killed. The request is lost with it: the worker's
+// wait times out (10 s), the request goes again to the restarted process, and the generation
+// completes with the reference's tokens.
 TEST(GroupFileCache, IoWorkerKilledMidReadIsRestartedAndTheStepCompletes) {
   constexpr int kTokens = 6;
   const GoldenCase gc = golden_case("qwen3moe_odd", "f32", "filecache-iokill", kTokens);
   const Budgets b = file_budgets(gc.model, 2, false);
   Group g(file_cache_group(gc.model, b, "doorbell"));
+  Generation gen = generate(g.socket_dir(), gc.prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  const uint64_t before = cpu_counters(g.socket_dir()).at("file_fetches");
   const pid_t io = g.instance_pid(group::kIoWorkerInstance);
   ASSERT_EQ(kill(io, SIGSTOP), 0);
-  Generation gen;
-  std::thread client([&] { gen = generate(g.socket_dir(), gc.prompt, kTokens); });
+  const auto t0 = std::chrono::steady_clock::now();
+  // A prompt of its own (the first one's prefix is cached): its prefill misses in the small cache.
+  std::vector<int32_t> prompt(gc.prompt.rbegin(), gc.prompt.rend());
+  const ReferenceRun ref = reference_greedy(gc.model, prompt, kTokens);
+  std::thread client([&] { gen = generate(g.socket_dir(), prompt, kTokens); });
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  uint64_t sent = 0;
-  while ((sent = cpu_counters(g.socket_dir()).at("file_fetches")) == 0 && std::chrono::steady_clock::now() < until) {
+  uint64_t sent = before;
+  while ((sent = cpu_counters(g.socket_dir()).at("file_fetches")) == before && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_GT(sent, 0u) << "no read was sent to the stopped io_worker";
+  EXPECT_GT(sent, before) << "no read was sent to the stopped io_worker";
   ASSERT_EQ(kill(io, SIGKILL), 0);
   client.join();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "the lost request was not waited for";
   ASSERT_TRUE(gen.error.empty()) << gen.error;
-  EXPECT_EQ(gen.ids, gc.ref.ids);
+  EXPECT_EQ(gen.ids, ref.ids);
   EXPECT_NE(g.instance_pid(group::kIoWorkerInstance), io) << "io_worker-0 was not restarted";
   EXPECT_EQ(cpu_counters(g.socket_dir()).at("cache_stale"), 0u);
   g.stop();
