@@ -286,6 +286,7 @@ class Coordinator final : public generate::Coordinator::Service {
     man.zmq_handoff = o.handoff == "zmq";
     man.placement_path = group::placement_path(o.socket_dir);
     man.census_path = o.no_census ? "" : o.census.empty() ? group::default_census_path(o.model) : o.census;
+    man.placement_census_path = o.census.empty() ? group::default_census_path(o.model) : o.census;
     man.vram_adapt_every = o.vram_adapt_every;
     man.step_channel = o.step_channel;
     plan_.write(man.placement_path);

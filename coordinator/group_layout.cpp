@@ -30,6 +30,7 @@ void GroupManifest::write(const std::string& path) const {
   j["zmq_handoff"] = zmq_handoff;
   j["placement_path"] = placement_path;
   j["census_path"] = census_path;
+  j["placement_census_path"] = placement_census_path;
   j["vram_adapt_every"] = vram_adapt_every;
   j["step_channel"] = step_channel;
   const std::string tmp = path + ".tmp";
@@ -59,6 +60,7 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
     m.placement_path = j.at("placement_path").get<std::string>();
     m.census_path = j.at("census_path").get<std::string>();
+    m.placement_census_path = j.value("placement_census_path", std::string());
     m.vram_adapt_every = j.value("vram_adapt_every", 0);
     m.step_channel = j.value("step_channel", std::string("doorbell"));
     if (m.step_channel != "doorbell" && m.step_channel != "zmq")

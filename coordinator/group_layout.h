@@ -34,6 +34,9 @@ struct GroupManifest {
   // Where the gpu_worker merges the routing counts it records (coordinator/census.h): the
   // coordinator's --census, else default_census_path(model); empty with --no-census (no writing).
   std::string census_path;
+  // The census file the placement looked for popularity in (written or not: --no-census empties
+  // census_path only); the cpu workers seed their file caches' heat from it when it is there.
+  std::string placement_census_path;
   // The VRAM tier adapts while running: every this many steps the gpu_worker swaps experts used
   // more than a resident one (by a margin) into the device; 0 = the placement's set stays.
   int vram_adapt_every = 8;

@@ -500,9 +500,10 @@ class ExpertWorker {
   void open_file_cache() {
     const model::HParams& hp = model_.hp;
     group::Census seed;
-    if (!man_.census_path.empty() && std::ifstream(man_.census_path).good()) {
+    const std::string& census = man_.placement_census_path;
+    if (!census.empty() && std::ifstream(census).good()) {
       try {
-        seed = group::Census::read(man_.census_path, hp.n_layer, hp.n_expert);
+        seed = group::Census::read(census, hp.n_layer, hp.n_expert);
       } catch (const std::exception& e) {
         std::cerr << "cpu_expert_worker " << index_ << ": file cache starts without heat: " << e.what() << "\n";
       }
