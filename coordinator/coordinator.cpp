@@ -56,6 +56,7 @@ double us_since(Clock::time_point t0) {
 struct Options {
   std::string model, socket_dir, handoff = "doorbell", logits_dump;
   std::string vram = "unlimited", ram = "unlimited", census;   // placement (coordinator/placement.h)
+  std::string file_cache = "auto";   // PlacementInput::file_cache_budget ("auto": a quarter of --ram)
   bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
@@ -121,6 +122,7 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log 
   in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes + in.sizes.device_reserve_bytes
                                      : group::parse_byte_budget(o.vram, "--vram");
   in.ram_budget = group::parse_byte_budget(o.ram, "--ram");
+  if (o.file_cache != "auto") in.file_cache_budget = group::parse_byte_budget(o.file_cache, "--file-cache");
   in.n_cpu_workers = o.cpu_workers;
   const std::string census = o.census.empty() ? group::default_census_path(o.model) : o.census;
   if (std::ifstream(census).good()) {
@@ -227,7 +229,8 @@ class Coordinator final : public generate::Coordinator::Service {
       }
     }
     std::cerr << "coordinator: arena " << al_.total_bytes << " bytes (" << al_.ram_slots.size() << " RAM-tier experts, "
-              << plan_.staging_bytes() << " bytes of staging), " << arena_.page_report().describe() << "\n";
+              << plan_.cache_region_bytes() << " bytes of file cache: " << plan_.n_cpu_workers << " x " << plan_.cache_slots
+              << " slots), " << arena_.page_report().describe() << "\n";
     const shm::Region& bells = xl_.region("bells");
     for (size_t i = 0; i < bells.bytes / sizeof(shm::Doorbell); ++i) shm::Doorbell::init_at(exchange_.data() + bells.offset + i * sizeof(shm::Doorbell));
     bells_.init();
@@ -267,7 +270,8 @@ class Coordinator final : public generate::Coordinator::Service {
       }
       c["placement_dense_bytes"] = plan_.dense_bytes;
       c["placement_kv_bytes"] = plan_.kv_bytes;
-      c["placement_staging_bytes"] = plan_.staging_bytes();
+      c["placement_file_cache_bytes"] = plan_.cache_region_bytes();
+      c["placement_file_cache_slots"] = static_cast<uint64_t>(plan_.n_cpu_workers * plan_.cache_slots);
     });
     group::GroupManifest man;
     man.model_path = o.model;
@@ -282,6 +286,7 @@ class Coordinator final : public generate::Coordinator::Service {
     man.zmq_handoff = o.handoff == "zmq";
     man.placement_path = group::placement_path(o.socket_dir);
     man.census_path = o.no_census ? "" : o.census.empty() ? group::default_census_path(o.model) : o.census;
+    man.placement_census_path = o.census.empty() ? group::default_census_path(o.model) : o.census;
     man.vram_adapt_every = o.vram_adapt_every;
     man.step_channel = o.step_channel;
     plan_.write(man.placement_path);
@@ -899,7 +904,10 @@ int main(int argc, char** argv) {
   app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
   app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
   app.add_option("--vram", o.vram, "GPU memory for dense weights, KV, the CUDA context and scratch (--backend cuda) and experts (12G, 512M, ..., unlimited; dense: no experts)");
-  app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + staging for file-resident ones (unlimited)");
+  app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + the file cache for file-resident ones (unlimited)");
+  app.add_option("--file-cache", o.file_cache,
+                 "of --ram, what the cache of file-resident experts takes when some stay in the file (at least the slots one "
+                 "layer needs; default auto: a quarter of --ram)");
   app.add_option("--census", o.census,
                  "expert popularity counts (JSON), read for placement and merged into by the gpu_worker "
                  "(default MODEL.census.json)");

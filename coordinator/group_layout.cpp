@@ -30,6 +30,7 @@ void GroupManifest::write(const std::string& path) const {
   j["zmq_handoff"] = zmq_handoff;
   j["placement_path"] = placement_path;
   j["census_path"] = census_path;
+  j["placement_census_path"] = placement_census_path;
   j["vram_adapt_every"] = vram_adapt_every;
   j["step_channel"] = step_channel;
   const std::string tmp = path + ".tmp";
@@ -59,6 +60,7 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
     m.placement_path = j.at("placement_path").get<std::string>();
     m.census_path = j.at("census_path").get<std::string>();
+    m.placement_census_path = j.value("placement_census_path", std::string());
     m.vram_adapt_every = j.value("vram_adapt_every", 0);
     m.step_channel = j.value("step_channel", std::string("doorbell"));
     if (m.step_channel != "doorbell" && m.step_channel != "zmq")
@@ -110,6 +112,7 @@ ExchangeLayout ExchangeLayout::build(const model::HParams& hp, int max_tokens, i
       .add("expert_out", T * k * d * sizeof(float))
       .add("logits", T * static_cast<std::size_t>(hp.n_vocab) * sizeof(float))
       .add("resident", static_cast<std::size_t>(hp.n_layer * hp.n_expert))
+      .add("worker_errors", static_cast<std::size_t>(n_cpu_workers) * sizeof(WorkerError))
       .add_doorbells("bells", 2 * static_cast<std::size_t>(n_cpu_workers));
   return x;
 }
@@ -153,10 +156,12 @@ ArenaLayout ArenaLayout::build(const model::Model& m, const PlacementPlan& plan)
       a.ram_slots.push_back(s);
     }
   }
-  a.staging_offset = at;
-  a.staging_slots = plan.staging_slots;
-  a.staging_slot_bytes = static_cast<std::size_t>(plan.staging_slot_bytes);
-  at += static_cast<std::size_t>(plan.staging_bytes());
+  a.cache_offset = at;
+  a.cache_slots = plan.cache_slots;
+  a.cache_slot_bytes = static_cast<std::size_t>(plan.staging_slot_bytes);
+  const std::size_t slots = static_cast<std::size_t>(plan.n_cpu_workers) * static_cast<std::size_t>(plan.cache_slots);
+  a.directory_offset = at + slots * a.cache_slot_bytes;
+  at += static_cast<std::size_t>(plan.cache_region_bytes());
   a.total_bytes = at;
   return a;
 }
@@ -176,11 +181,11 @@ std::size_t ArenaLayout::slot_bytes(const model::MoeWeights& moe) {
   return part_offsets(moe)[2] + arena_align(static_cast<std::size_t>(moe.down.rows_per_expert) * moe.down.all.row_bytes);
 }
 
-ArenaLayout::ExpertSlot ArenaLayout::staging_slot(const model::Model& m, std::int64_t il, int worker,
-                                                  std::int64_t slot) const {
+ArenaLayout::ExpertSlot ArenaLayout::cache_slot(const model::Model& m, std::int64_t il, int worker,
+                                                std::int64_t slot) const {
   ExpertSlot s;
-  const std::size_t base = staging_offset + (static_cast<std::size_t>(worker) * static_cast<std::size_t>(staging_slots) +
-                                             static_cast<std::size_t>(slot)) * staging_slot_bytes;
+  const std::size_t base = cache_offset + (static_cast<std::size_t>(worker) * static_cast<std::size_t>(cache_slots) +
+                                           static_cast<std::size_t>(slot)) * cache_slot_bytes;
   lay_parts(m, il, base, s);
   return s;
 }

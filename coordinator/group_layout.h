@@ -34,6 +34,9 @@ struct GroupManifest {
   // Where the gpu_worker merges the routing counts it records (coordinator/census.h): the
   // coordinator's --census, else default_census_path(model); empty with --no-census (no writing).
   std::string census_path;
+  // The census file the placement looked for popularity in (written or not: --no-census empties
+  // census_path only); the cpu workers seed their file caches' heat from it when it is there.
+  std::string placement_census_path;
   // The VRAM tier adapts while running: every this many steps the gpu_worker swaps experts used
   // more than a resident one (by a margin) into the device; 0 = the placement's set stays.
   int vram_adapt_every = 8;
@@ -134,6 +137,15 @@ struct ExpertRequest {
   std::uint32_t device_stages_from_rows;
 };
 
+// Written by a cpu worker that cannot compute request `seq` (its FILE-tier reads failed: a read
+// error, a truncated shard) before it rings its done doorbell with that seq: the gpu_worker then
+// fails the step with this text instead of waiting out its deadline. A later seq means no error.
+struct WorkerError {
+  std::uint64_t seq;
+  std::uint32_t bytes;   // of text, at most kStepErrorBytes
+  char text[kStepErrorBytes];
+};
+
 // ExpertRequest::device_stages_from_rows' rule, one place for both sides (the gpu_worker stages by
 // it, the cpu workers skip by it): a RAM-tier expert with `rows` rows in the step is the device's.
 // It reads the placement's tier, which every process has whatever its backend and options (the
@@ -161,13 +173,16 @@ struct ExchangeLayout {
 // two doorbells (step request, step done), "weights" float[max_tokens][k], "expert_out" float[max_tokens * k][n_embd] (packed per expert,
 // see ExpertPlan), "logits" float[max_tokens][n_vocab], "resident" uint8[n_layer][n_expert] (1:
 // the gpu_worker computes that expert now; it writes this between steps, the cpu workers skip
-// those experts), "bells" doorbells.
+// those experts), "worker_errors" WorkerError[n_cpu_workers], "bells" doorbells.
 
 // The expert arena (coordinator/placement.h decides what is in it): one compact slot per
-// RAM-tier expert, in (layer, expert) order, then per cpu worker plan.staging_slots slots that
-// FILE-tier experts are read into for the step that needs them. An expert's gate, up and down
-// parts each start on a 4 KiB boundary (the bracket O_DIRECT reads need when the io_worker fills
-// them). Every process derives it from the model and the plan file, so offsets agree.
+// RAM-tier expert, in (layer, expert) order, then per cpu worker plan.cache_slots file-cache
+// slots that FILE-tier experts are read into and kept in (cpu_expert_worker/expert_cache.h), then
+// the cache's directory: a CacheSlotHeader (coordinator/expert_cache_directory.h) per cache slot,
+// worker by worker, so any process mapping the arena can find and check a cached expert. An
+// expert's gate, up and down parts each start on a 4 KiB boundary (the bracket O_DIRECT reads
+// need when the io_worker fills them). Every process derives it from the model and the plan
+// file, so offsets agree.
 struct ArenaLayout {
   struct ExpertSlot {
     std::array<std::size_t, 3> offset{};   // gate, up, down: byte offset in the arena
@@ -176,17 +191,22 @@ struct ArenaLayout {
   std::int64_t n_expert = 0;
   std::vector<std::int32_t> ram_index;   // [layer * n_expert + expert]: index into ram_slots, -1 unless RAM
   std::vector<ExpertSlot> ram_slots;
-  std::size_t staging_offset = 0;        // first staging slot (worker 0, slot 0)
-  std::size_t staging_slot_bytes = 0;
-  std::int64_t staging_slots = 0;        // per worker
+  std::size_t cache_offset = 0;          // first cache slot (worker 0, slot 0)
+  std::size_t cache_slot_bytes = 0;
+  std::int64_t cache_slots = 0;          // per worker
+  std::size_t directory_offset = 0;      // CacheSlotHeader of worker 0's slot 0; worker w's start at w * cache_slots
   std::size_t total_bytes = 0;
 
   static ArenaLayout build(const model::Model& m, const PlacementPlan& plan);
   const ExpertSlot& ram_slot(std::int64_t il, std::int64_t e) const {
     return ram_slots[static_cast<std::size_t>(ram_index[static_cast<std::size_t>(il * n_expert + e)])];
   }
-  // Where layer il's expert parts go in staging slot `slot` of cpu worker `worker`.
-  ExpertSlot staging_slot(const model::Model& m, std::int64_t il, int worker, std::int64_t slot) const;
+  // Where layer il's expert parts go in cache slot `slot` of cpu worker `worker`.
+  ExpertSlot cache_slot(const model::Model& m, std::int64_t il, int worker, std::int64_t slot) const;
+  // Byte offset of cpu worker `worker`'s first directory entry.
+  std::size_t directory_of(int worker) const {
+    return directory_offset + static_cast<std::size_t>(worker) * static_cast<std::size_t>(cache_slots) * kCacheSlotHeaderBytes;
+  }
   // Bytes of one arena slot of layer il: its three parts, each rounded up to 4 KiB (the span from
   // the gate's offset to the end of the down part's rounding).
   static std::size_t slot_bytes(const model::MoeWeights& moe);

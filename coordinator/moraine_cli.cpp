@@ -184,8 +184,9 @@ int stats_cmd(const std::string& dir, bool json) {
                     << c["placement_" + std::string(t) + "_bytes"].get<uint64_t>() << "\n";
         }
         std::cout << "  VRAM also holds dense " << c["placement_dense_bytes"].get<uint64_t>() << " + KV/state "
-                  << c["placement_kv_bytes"].get<uint64_t>() << " bytes; RAM also staging "
-                  << c["placement_staging_bytes"].get<uint64_t>() << " bytes\n";
+                  << c["placement_kv_bytes"].get<uint64_t>() << " bytes; RAM also the file cache "
+                  << c.value("placement_file_cache_bytes", uint64_t{0}) << " bytes ("
+                  << c.value("placement_file_cache_slots", uint64_t{0}) << " slots)\n";
       }
       std::cout << "  counters:";
       for (const auto& [k, v] : c.items()) {

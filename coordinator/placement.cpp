@@ -198,6 +198,17 @@ std::int64_t staging_slots_needed(const PlacementPlan& p, std::int64_t n_expert_
   return std::min(most, n_expert_used);
 }
 
+// Cache slots per worker that the file-cache share of the RAM budget buys (slots and their
+// directory entries); the staging slots are the floor, applied by the caller.
+std::int64_t cache_share_slots(const PlacementInput& in, std::uint64_t slot_bytes) {
+  const std::uint64_t share = in.file_cache_budget == kAutoFileCache ? in.ram_budget / 4 : in.file_cache_budget;
+  if (share >= in.ram_budget) return 0;   // "unlimited" or all of it: the floor (RAM experts would get nothing)
+  const std::uint64_t per_slot = static_cast<std::uint64_t>(in.n_cpu_workers) * (slot_bytes + kCacheSlotHeaderBytes);
+  std::int64_t n = static_cast<std::int64_t>(share / per_slot);
+  while (n > 0 && PlacementPlan::cache_region_bytes(in.n_cpu_workers, n, slot_bytes) > share) --n;
+  return n;
+}
+
 }  // namespace
 
 PlacementPlan plan_placement(const PlacementInput& in) {
@@ -240,10 +251,10 @@ PlacementPlan plan_placement(const PlacementInput& in) {
   const std::uint64_t vram_left = in.vram_budget == kUnlimitedBytes ? kUnlimitedBytes : in.vram_budget - fixed;
   fill_tier(Tier::kVram, vram_left, s.expert_bytes, census, c, p);
 
-  // Does everything left fit in RAM? Otherwise FILE experts need staging slots: S per worker,
-  // taken from the RAM budget before RAM experts are placed. S must cover what one worker owns
-  // of the FILE tier in any layer (up to k); try every S and keep the one that leaves the most
-  // experts in RAM (ties: fewer slots).
+  // Does everything left fit in RAM? Otherwise the FILE tier needs its cache: per worker at least
+  // S staging slots (what one worker owns of the FILE tier in a layer, up to k), or as many as
+  // the file-cache share buys, taken from the RAM budget before RAM experts are placed; try every
+  // S and keep the one that leaves the most experts in RAM (ties: fewer slots).
   std::uint64_t rest = 0;
   for (std::int64_t il = 0; il < s.n_layer; ++il) {
     rest += (static_cast<std::uint64_t>(s.n_expert) - c.next[il]) * s.expert_slot_bytes[il];
@@ -256,8 +267,9 @@ PlacementPlan plan_placement(const PlacementInput& in) {
   }
   const std::int64_t owned = (s.n_expert + in.n_cpu_workers - 1) / in.n_cpu_workers;
   const std::int64_t max_slots = std::min(owned, s.n_expert_used);
+  const std::int64_t share_slots = cache_share_slots(in, slot_bytes);
   const auto reserve = [&](std::int64_t slots) {
-    return static_cast<std::uint64_t>(in.n_cpu_workers) * static_cast<std::uint64_t>(slots) * slot_bytes;
+    return PlacementPlan::cache_region_bytes(in.n_cpu_workers, std::max(slots, share_slots), slot_bytes);
   };
   std::optional<PlacementPlan> best;
   std::int64_t needed = 1;
@@ -268,6 +280,7 @@ PlacementPlan plan_placement(const PlacementInput& in) {
     needed = staging_slots_needed(trial, s.n_expert_used);
     if (needed > slots) continue;
     trial.staging_slots = slots;
+    trial.cache_slots = std::max(slots, share_slots);
     trial.staging_slot_bytes = slot_bytes;
     add_totals(trial, s);
     if (!best || trial.ram.experts > best->ram.experts) best = std::move(trial);
@@ -276,14 +289,20 @@ PlacementPlan plan_placement(const PlacementInput& in) {
     throw std::invalid_argument("--ram " + format_bytes(in.ram_budget) + " (" + std::to_string(in.ram_budget) +
                                 " bytes) is too small for the staging slots file-resident experts need: " +
                                 std::to_string(in.n_cpu_workers) + " workers x " + std::to_string(needed) + " slots x " +
-                                std::to_string(slot_bytes) + " bytes = " + std::to_string(reserve(needed)) + " bytes");
+                                std::to_string(slot_bytes) + " bytes + their directory = " +
+                                std::to_string(PlacementPlan::cache_region_bytes(in.n_cpu_workers, needed, slot_bytes)) + " bytes");
   }
   return *best;
 }
 
+std::uint64_t PlacementPlan::cache_region_bytes(int n_cpu_workers, std::int64_t slots_per_worker, std::uint64_t slot_bytes) {
+  const std::uint64_t slots = static_cast<std::uint64_t>(n_cpu_workers) * static_cast<std::uint64_t>(slots_per_worker);
+  return slots == 0 ? 0 : slots * slot_bytes + arena_align(slots * kCacheSlotHeaderBytes);
+}
+
 std::string PlacementPlan::table() const {
   std::ostringstream o;
-  char line[160];
+  char line[256];
   std::snprintf(line, sizeof line, "placement: %lld layers x %lld experts, %d cpu workers, context %lld (%s KV)\n",
                 static_cast<long long>(n_layer), static_cast<long long>(n_expert), n_cpu_workers,
                 static_cast<long long>(context), model::kv_type_name(kv_type));
@@ -294,13 +313,19 @@ std::string PlacementPlan::table() const {
                 std::to_string(vram.experts).c_str(), format_bytes(vram.bytes).c_str(), format_bytes(vram_budget).c_str(),
                 format_bytes(dense_bytes).c_str(), format_bytes(kv_bytes).c_str(), format_bytes(device_reserve_bytes).c_str());
   o << line;
-  std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (+ staging %d workers x %lld slots = %s)\n", "RAM",
-                std::to_string(ram.experts).c_str(), format_bytes(ram.bytes).c_str(), format_bytes(ram_budget).c_str(),
-                n_cpu_workers, static_cast<long long>(staging_slots), format_bytes(staging_bytes()).c_str());
+  std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (+ file cache %s)\n", "RAM", std::to_string(ram.experts).c_str(),
+                format_bytes(ram.bytes).c_str(), format_bytes(ram_budget).c_str(), format_bytes(cache_region_bytes()).c_str());
   o << line;
-  std::snprintf(line, sizeof line, "  %-5s %8s %14s  model file, read on demand\n", "FILE",
+  std::snprintf(line, sizeof line, "  %-5s %8s %14s  model file, read into the file cache\n", "FILE",
                 std::to_string(file.experts).c_str(), format_bytes(file.bytes).c_str());
   o << line;
+  if (cache_slots > 0) {
+    std::snprintf(line, sizeof line, "  file cache: %d workers x %lld slots of %s (%lld staging: a layer's most), %.1f%% of FILE experts\n",
+                  n_cpu_workers, static_cast<long long>(cache_slots), format_bytes(staging_slot_bytes).c_str(),
+                  static_cast<long long>(staging_slots),
+                  100.0 * static_cast<double>(n_cpu_workers * cache_slots) / static_cast<double>(std::max<std::int64_t>(1, file.experts)));
+    o << line;
+  }
   return o.str();
 }
 
@@ -311,6 +336,7 @@ void PlacementPlan::write(const std::string& path) const {
   j["n_expert"] = n_expert;
   j["n_cpu_workers"] = n_cpu_workers;
   j["staging_slots"] = staging_slots;
+  j["cache_slots"] = cache_slots;
   j["staging_slot_bytes"] = staging_slot_bytes;
   j["vram_budget"] = vram_budget;
   j["ram_budget"] = ram_budget;
@@ -351,6 +377,7 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
     }
     p.n_cpu_workers = j.at("n_cpu_workers").get<int>();
     p.staging_slots = j.at("staging_slots").get<std::int64_t>();
+    p.cache_slots = j.value("cache_slots", p.staging_slots);
     p.staging_slot_bytes = j.at("staging_slot_bytes").get<std::uint64_t>();
     p.vram_budget = j.at("vram_budget").get<std::uint64_t>();
     p.ram_budget = j.at("ram_budget").get<std::uint64_t>();
@@ -359,8 +386,8 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
     p.kv_type = model::parse_kv_type(j.value("kv_type", std::string("f32")), "kv_type");
     p.device_reserve_bytes = j.value("device_reserve_bytes", std::uint64_t{0});
     p.context = j.at("context").get<std::int64_t>();
-    if (p.n_cpu_workers < 1 || p.staging_slots < 0 || p.staging_slots > s.n_expert_used) {
-      throw std::runtime_error("n_cpu_workers or staging_slots out of range");
+    if (p.n_cpu_workers < 1 || p.staging_slots < 0 || p.staging_slots > s.n_expert_used || p.cache_slots < p.staging_slots) {
+      throw std::runtime_error("n_cpu_workers, staging_slots or cache_slots out of range");
     }
     const auto rows = j.at("tiers").get<std::vector<std::string>>();
     if (static_cast<std::int64_t>(rows.size()) != p.n_layer) throw std::runtime_error("tiers has the wrong number of layers");

@@ -4,7 +4,9 @@
 //   VRAM: the gpu_worker computes it (Backend::routed_experts) from its own copy of the weights.
 //   RAM:  copied into a compact slot of the shared arena; its owning cpu_expert_worker computes it.
 //   FILE: stays in the model file; the owning cpu_expert_worker has the io_worker read it into one
-//         of its staging slots in the arena when a step routes a token to it, then computes it.
+//         of its file-cache slots in the arena (when a step routes a token to it, or ahead of the
+//         layer from the next-layer guess), computes it, and keeps it there until a hotter expert
+//         needs the slot (cpu_expert_worker/expert_cache.h).
 // Order of filling: dense weights + KV/recurrent state for the context first in VRAM (a budget
 // too small for that is an error), then the most popular experts of every layer into VRAM, then
 // RAM, the rest FILE. Each tier gives every layer an equal share of its budget first, so one
@@ -25,6 +27,7 @@ enum class Tier : std::uint8_t { kVram, kRam, kFile };
 const char* tier_name(Tier t);   // "VRAM", "RAM", "FILE"
 
 inline constexpr std::uint64_t kUnlimitedBytes = std::numeric_limits<std::uint64_t>::max();
+inline constexpr std::uint64_t kAutoFileCache = kUnlimitedBytes - 1;
 // "12G", "512M", "1.5GiB", "4096", "unlimited" (K/M/G/T are powers of 1024). Throws
 // std::invalid_argument naming `what` (the flag) and the text.
 std::uint64_t parse_byte_budget(const std::string& text, const std::string& what);
@@ -58,9 +61,12 @@ std::int64_t planned_context(const model::Model& m, std::int64_t requested);
 struct PlacementInput {
   ModelSizes sizes;
   std::uint64_t vram_budget = kUnlimitedBytes;
-  std::uint64_t ram_budget = kUnlimitedBytes;   // the arena: RAM-tier slots + staging slots
+  std::uint64_t ram_budget = kUnlimitedBytes;   // the arena: RAM-tier slots + the FILE tier's cache
   int n_cpu_workers = 1;
   Census census;                                // empty: uniform
+  // Of ram_budget, what the FILE tier's cache takes when anything is left in the file (at least
+  // the staging slots a layer needs); kAutoFileCache: a quarter of ram_budget.
+  std::uint64_t file_cache_budget = kAutoFileCache;
 };
 
 struct TierTotals {
@@ -71,9 +77,11 @@ struct TierTotals {
 struct PlacementPlan {
   std::int64_t n_layer = 0, n_expert = 0;
   int n_cpu_workers = 1;
-  // FILE-tier experts one worker fetches and computes at a time (0 when nothing is FILE); each
-  // worker has this many staging slots of staging_slot_bytes in the arena.
+  // FILE-tier experts one worker must hold at once to compute a layer (0 when nothing is FILE),
+  // and the file-cache slots of staging_slot_bytes each worker has in the arena (>= staging_slots:
+  // the rest keep what was read for later tokens).
   std::int64_t staging_slots = 0;
+  std::int64_t cache_slots = 0;
   std::uint64_t staging_slot_bytes = 0;
   std::vector<Tier> tiers;   // [layer * n_expert + expert]
   // Inputs, kept for the log and the stats table.
@@ -89,9 +97,10 @@ struct PlacementPlan {
   }
   // Experts of `layer` in `tier`, ascending.
   std::vector<std::int32_t> experts_in(std::int64_t layer, Tier tier) const;
-  std::uint64_t staging_bytes() const {
-    return static_cast<std::uint64_t>(n_cpu_workers) * static_cast<std::uint64_t>(staging_slots) * staging_slot_bytes;
-  }
+  // The FILE tier's part of the arena: every worker's cache slots and their directory
+  // (group::CacheSlotHeader each, 4 KiB aligned).
+  std::uint64_t cache_region_bytes() const { return cache_region_bytes(n_cpu_workers, cache_slots, staging_slot_bytes); }
+  static std::uint64_t cache_region_bytes(int n_cpu_workers, std::int64_t slots_per_worker, std::uint64_t slot_bytes);
   // A few lines: per tier experts and bytes, the budgets, dense and KV (log and `moraine stats`).
   std::string table() const;
 
@@ -99,6 +108,8 @@ struct PlacementPlan {
   // Throws std::runtime_error naming the file when it is malformed or not for this model.
   static PlacementPlan read(const std::string& path, const ModelSizes& sizes);
 };
+
+inline constexpr std::uint64_t kCacheSlotHeaderBytes = 64;   // sizeof(group::CacheSlotHeader)
 
 // Throws std::invalid_argument naming the numbers when the VRAM budget cannot hold the dense
 // part, or the RAM budget cannot hold the staging slots that FILE-tier experts need.

@@ -44,6 +44,7 @@ struct Options {
   // (no experts on the gpu_worker) with the CPU backend, whose "VRAM" is the same RAM the
   // cpu_expert_workers compute from.
   std::string vram, ram = "unlimited", census;
+  std::string file_cache;   // the coordinator's --file-cache; empty: its default
   bool no_census = false;
   int vram_adapt_every = 8;
   int reserve_cores = -1;   // cores left out of the cpu workers' pins; -1: 1 with --backend cuda, else 0
@@ -175,6 +176,7 @@ int start(const Options& o) {
     coord.argv.push_back(o.census);
   }
   if (o.no_census) coord.argv.push_back("--no-census");
+  if (!o.file_cache.empty()) coord.argv.insert(coord.argv.end(), {"--file-cache", o.file_cache});
   if (o.long_step_rows >= 0) coord.argv.insert(coord.argv.end(), {"--long-step-rows", std::to_string(o.long_step_rows)});
   for (auto [flag, v] : {std::pair{"--parallel", o.parallel}, std::pair{"--turn-tokens", o.turn_tokens}}) {
     if (v <= 0) continue;
@@ -428,6 +430,8 @@ int main(int argc, char** argv) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   st->add_option("--vram", o.vram, "GPU memory budget, what the gpu_worker may hold on the card: dense + KV + (cuda) its context and scratch first, then experts (12G, 512M, unlimited, dense; default: unlimited with --backend cuda, dense with cpu)");
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
+  st->add_option("--file-cache", o.file_cache,
+                 "of --ram, what the cache of file-resident experts takes when some stay in the file (default: a quarter)");
   st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");
   st->add_flag("--no-census", o.no_census, "the gpu_worker writes no census");
   st->add_option("--vram-adapt-every", o.vram_adapt_every,

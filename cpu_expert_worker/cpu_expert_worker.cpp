@@ -1,7 +1,8 @@
 // moraine-cpu-expert-worker: computes the routed experts it owns (expert_owner() in
 // coordinator/group_layout.h) that the placement plan did not put in VRAM, into the exchange
-// segment's expert_out rows: RAM-tier ones from their arena slots, FILE-tier ones after the
-// io_worker has read them from the model file into this worker's staging slots.
+// segment's expert_out rows: RAM-tier ones from their arena slots, FILE-tier ones from this
+// worker's file-cache slots (expert_cache.h), which the io_worker fills from the model file on a
+// miss or ahead of the layer (file_fetch.h).
 // Two ways in, both always served: the request doorbell (default hand-off: the gpu_worker writes
 // ExpertRequest and rings; this process derives the same ExpertPlan from the published routing)
 // and ZeroMQ ExpertJobList descriptors (the reference path, --handoff zmq on the coordinator).
@@ -16,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -32,6 +35,8 @@
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/process_util.h"
+#include "cpu_expert_worker/expert_cache.h"
+#include "cpu_expert_worker/file_fetch.h"
 #include "cpu_expert_worker/next_layer_guess.h"
 
 namespace {
@@ -39,17 +44,12 @@ namespace {
 using namespace moraine;
 using Clock = std::chrono::steady_clock;
 
-// How long one FILE-tier fetch may take before the worker gives up on it, and one attempt's
-// wait: a restarted io_worker binds the same endpoint, so a timed-out request is re-sent on a
-// fresh socket until the deadline (reads only write this worker's own staging slots).
-constexpr auto kFetchDeadline = std::chrono::seconds(60);
-constexpr auto kFetchAttempt = std::chrono::seconds(10);
-
 class ExpertWorker {
  public:
   ExpertWorker(const std::string& socket_dir, const group::GroupManifest& man, int index, int threads,
-               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool prefetch, const cpu::CpuKernelTuning& tuning)
-      : man_(man), index_(index), prefetch_(prefetch), model_(model::Model::load(man.model_path)),
+               const std::vector<int>& cpus, int spin_us, bool exclusive_cpus, bool prefetch, bool read_ahead,
+               const cpu::CpuKernelTuning& tuning)
+      : man_(man), index_(index), prefetch_(prefetch), read_ahead_(read_ahead), model_(model::Model::load(man.model_path)),
         exchange_(shm::ShmSegment::open(man.exchange_locator)),
         arena_(shm::ShmSegment::open(man.arena_locator)),
         xl_(group::ExchangeLayout::build(model_.hp, man.max_tokens, man.n_cpu_workers, man.long_step_rows)),
@@ -87,7 +87,7 @@ class ExpertWorker {
       guessed_.reserve(static_cast<size_t>(hp.n_expert));
       guess_experts_.reserve(static_cast<size_t>(hp.n_expert));
     }
-    if (prefetch_ && hp.n_layer > 1) {
+    if ((prefetch_ || read_ahead_) && hp.n_layer > 1) {
       // A model the fold does not fit (a layer without a router of n_expert rows) keeps the
       // last-token guess rather than losing the worker.
       try {
@@ -99,9 +99,9 @@ class ExpertWorker {
     scratch_.reserve(man.max_tokens, hp.n_ff_exp);
     rows_.reserve(static_cast<size_t>(max_slots));
     work_.reserve(static_cast<size_t>(hp.n_expert));
-    batch_.reserve(static_cast<size_t>(plan_.staging_slots));
     const group::ModelSizes sizes = group::model_sizes(model_, 0);
     expert_bytes_ = sizes.expert_bytes;
+    if (al_.cache_slots > 0) open_file_cache();
   }
 
   messaging::JobLimits limits() const {
@@ -170,6 +170,17 @@ class ExpertWorker {
     const uint32_t n_tokens = r->n_tokens;
     try {
       run_work(r->layer, xl_.region("hidden").at<const float>(exchange_.data()), seq);
+    } catch (const cpu_worker::FetchError& e) {
+      // The io_worker could not read an expert (a read error, a truncated shard): retrying
+      // cannot help, so the answer carries the error and the gpu_worker fails the step with it.
+      const std::string text = group::cpu_worker_instance(index_) + ": layer " + std::to_string(il) + ": " + e.what();
+      std::cerr << text << "\n";
+      auto* err = xl_.region("worker_errors").at<group::WorkerError>(exchange_.data()) + index_;
+      err->bytes = static_cast<uint32_t>(std::min(text.size(), group::kStepErrorBytes));
+      std::memcpy(err->text, text.data(), err->bytes);
+      std::atomic_ref<uint64_t>(err->seq).store(seq, std::memory_order_release);
+      done->ring(seq);
+      return true;
     } catch (const std::exception& e) {
       // Not answered: the gpu_worker times out and the coordinator re-issues the step; until
       // then the request is retried here (a restarted io_worker may serve it).
@@ -184,6 +195,67 @@ class ExpertWorker {
     return true;
   }
 
+  // Reads ahead into the file cache the FILE-tier experts of layer `next` that this worker will
+  // likely compute: the router guess's (decode), or at a step whose rows route to about every
+  // expert (prefill) all it owns of that layer, hottest first. The reads overlap the GPU's part
+  // and the other workers; run_file_work waits for them before it looks anything up.
+  void read_ahead(int64_t next, const std::vector<int32_t>& candidates, uint64_t step_seq) {
+    ahead_.clear();
+    for (const int32_t e : candidates) {
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_.at(next, e) != group::Tier::kFile ||
+          resident(next, e) || cache_->find(next, e).slot >= 0) {
+        continue;
+      }
+      const int64_t slot = cache_->victim(next, e, true);
+      if (slot < 0) continue;   // every free slot holds a hotter expert
+      if (cache_->holds_expert(slot)) ++cache_evictions_;
+      cache_->begin_fill(slot, next, e);
+      cache_->mark_read_ahead(slot);
+      ahead_.push_back({e, slot});
+    }
+    if (ahead_.empty()) return;
+    try {
+      const uint64_t bytes = fetch_->send(next, ahead_, step_seq);
+      read_ahead_bytes_ += bytes;
+      fetched_bytes_ += bytes;
+      ++fetches_;
+      ++read_ahead_requests_;
+      read_ahead_experts_ += ahead_.size();
+    } catch (const std::exception& e) {
+      std::cerr << "cpu_expert_worker " << index_ << ": read-ahead of layer " << next << ": " << e.what() << "\n";
+      for (const cpu_worker::FileFetch::Item& it : ahead_) cache_->abandon(it.slot);
+      ahead_.clear();
+    }
+  }
+
+  // The read-ahead in flight lands (or is dropped: the layer then reads those experts itself).
+  void finish_read_ahead() {
+    if (ahead_.empty()) return;
+    try {
+      fetch_->wait();
+      for (const cpu_worker::FileFetch::Item& it : ahead_) cache_->end_fill(it.slot);
+    } catch (const std::exception& e) {
+      std::cerr << "cpu_expert_worker " << index_ << ": read-ahead: " << e.what() << "\n";
+      for (const cpu_worker::FileFetch::Item& it : ahead_) cache_->abandon(it.slot);
+    }
+    ahead_.clear();
+  }
+
+  // Candidates for the read-ahead of layer `next` at a step of n_tokens rows: the guess when
+  // one was made, all of the layer's experts by heat when the rows route to about every expert.
+  const std::vector<int32_t>* read_ahead_candidates(int64_t next, uint32_t n_tokens, bool guessed) {
+    if (!cache_ || !read_ahead_ || next == 0) return nullptr;
+    if (guessed) return &guess_experts_;
+    if (int64_t{n_tokens} * model_.hp.n_expert_used < model_.hp.n_expert) return nullptr;
+    by_heat_.clear();
+    for (int64_t e = index_; e < model_.hp.n_expert; e += man_.n_cpu_workers) {
+      if (plan_.at(next, e) == group::Tier::kFile) by_heat_.push_back(static_cast<int32_t>(e));
+    }
+    std::stable_sort(by_heat_.begin(), by_heat_.end(),
+                     [&](int32_t a, int32_t b) { return cache_->heat(next, a) > cache_->heat(next, b); });
+    return &by_heat_;
+  }
+
   // --ffn-prefetch-next-layer: while the GPU runs the rest of layer il and the next layer's
   // mixer (~41 us per layer at 12G), each pool thread pulls into its L2 the rows it would
   // compute of the experts this worker is likely to compute for layer il + 1: layer il + 1's
@@ -196,20 +268,25 @@ class ExpertWorker {
   void prefetch_next_layer(int64_t il, uint32_t n_tokens, const shm::Doorbell* req, uint64_t answered) {
     guessed_.clear();
     guess_layer_ = -1;
-    if (!prefetch_) return;
+    if (!prefetch_ && !(read_ahead_ && cache_)) return;
     const int64_t next = (il + 1) % model_.hp.n_layer;
     prefetch_ptrs_.clear();
-    if (guess_ && next > 0 && n_tokens <= kMaxGuessRows) {
+    const bool guessing = guess_ && next > 0 && n_tokens <= kMaxGuessRows;
+    if (guessing) {
       // The request's rows of `hidden` are read after the answer: the gpu_worker writes the next
       // layer's rows only once it has routed that layer (tens of us later), and a row it had
       // begun to overwrite would only spoil the guess.
       guess_experts_.clear();
       guess_->guess(il, xl_.region("hidden").at<const float>(exchange_.data()), n_tokens, fast_pool_, guess_experts_);
+    }
+    if (const std::vector<int32_t>* ahead = read_ahead_candidates(next, n_tokens, guessing)) read_ahead(next, *ahead, answered);
+    if (!prefetch_) return;
+    if (guessing) {
       guessed_weights_.clear();
       for (const int32_t e : guess_experts_) {
         if (group::expert_owner(e, man_.n_cpu_workers) != index_ || resident(next, e)) continue;
         const group::Tier tier = plan_.at(next, e);
-        if (tier == group::Tier::kFile) continue;   // staged on demand: nothing in RAM to pull yet
+        if (tier == group::Tier::kFile) continue;   // the file cache's: read ahead above, not pulled into L2
         const std::array<model::Matrix, 3> t = in_memory(next, e, tier);
         if (!production_kernel_for(t)) continue;
         guessed_weights_.push_back(expert_weights(next, e, t));
@@ -276,7 +353,22 @@ class ExpertWorker {
     c["experts_ram"] = experts_ram_.load();
     c["experts_file"] = experts_file_.load();
     c["file_fetches"] = fetches_.load();
-    c["file_bytes_fetched"] = fetched_bytes_.load();
+    c["file_bytes_fetched"] = fetched_bytes_.load();   // demand reads and read-ahead
+    // The file cache (expert_cache.h): FILE-tier experts computed from a slot that held them
+    // (hits) or after reading them (misses), hits found refilled under them (stale, computed
+    // again), slots given to another expert, slots it has and slots holding an expert now.
+    c["cache_hits"] = cache_hits_.load();
+    c["cache_misses"] = cache_misses_.load();
+    c["cache_stale"] = cache_stale_.load();
+    c["cache_evictions"] = cache_evictions_.load();
+    c["cache_slots"] = static_cast<uint64_t>(al_.cache_slots);
+    c["cache_filled"] = cache_filled_.load();
+    // --file-read-ahead: requests sent ahead of a layer, the experts and bytes they read, and how
+    // many of those experts their layer then used.
+    c["read_ahead_requests"] = read_ahead_requests_.load();
+    c["read_ahead_experts"] = read_ahead_experts_.load();
+    c["read_ahead_bytes"] = read_ahead_bytes_.load();
+    c["read_ahead_used"] = read_ahead_used_.load();
     // Futex sleeps of the doorbell thread before a request and of the expert threads between
     // job lists: while tokens are generated both should stay near zero (--spin-us).
     c["doorbell_sleeps"] = bell_sleeps_.load();
@@ -309,8 +401,7 @@ class ExpertWorker {
   }
   uint64_t work_bytes(int64_t il) const { return work_.size() * expert_bytes_[static_cast<size_t>(il)]; }
 
-  // RAM-tier experts straight from their arena slots; FILE-tier ones in batches of the staging
-  // slots: one ReadJobList per batch (gate, up, down of each), wait for the io_worker, compute.
+  // RAM-tier experts straight from their arena slots, then FILE-tier ones from the file cache.
   void run_work(int64_t il, const float* hidden, uint64_t step_seq) {
     begin_compute();
     for (const Work& w : work_) {
@@ -326,65 +417,112 @@ class ExpertWorker {
       last_fast_[static_cast<size_t>(il)].assign(fast_weights_.begin(), fast_weights_.end());
       last_experts_[static_cast<size_t>(il)].assign(fast_ids_.begin(), fast_ids_.end());
     }
-    batch_.clear();
+    if (cache_) run_file_work(il, hidden, step_seq);
+  }
+
+  // FILE-tier experts from the file cache. The read-ahead in flight lands first; hits are
+  // computed from their slots and checked against the slot's sequence number afterwards (a
+  // refill in between would have changed the bytes: those are computed again as misses); misses
+  // are read into the coldest slots, as many at a time as there are slots, then computed.
+  void run_file_work(int64_t il, const float* hidden, uint64_t step_seq) {
+    finish_read_ahead();
+    cache_->unpin_all();
+    hits_.clear();
+    misses_.clear();
     for (const Work& w : work_) {
       if (plan_.at(il, w.expert) != group::Tier::kFile) continue;
-      batch_.push_back(&w);
-      if (static_cast<int64_t>(batch_.size()) == plan_.staging_slots) flush_file_batch(il, hidden, step_seq);
-    }
-    if (!batch_.empty()) flush_file_batch(il, hidden, step_seq);
-  }
-
-  void flush_file_batch(int64_t il, const float* hidden, uint64_t step_seq) {
-    envelope_.Clear();
-    envelope_.set_version(messaging::kJobProtocolVersion);
-    envelope_.set_seq(++io_seq_);
-    jobs::ReadJobList& list = *envelope_.mutable_read_jobs();
-    list.set_step_seq(step_seq);
-    list.set_layer(static_cast<uint32_t>(il));
-    uint64_t bytes = 0;
-    for (size_t j = 0; j < batch_.size(); ++j) {
-      const group::ArenaLayout::ExpertSlot slot = al_.staging_slot(model_, il, index_, static_cast<int64_t>(j));
-      for (int part = 0; part < 3; ++part) {
-        const group::FileRange fr = group::expert_file_range(model_, il, batch_[j]->expert, part);
-        jobs::ReadRange* r = list.add_ranges();
-        r->set_file_index(fr.file_index);
-        r->set_file_offset(fr.offset);
-        r->mutable_dest()->set_segment_id(group::kArenaSegmentId);
-        r->mutable_dest()->set_offset(slot.offset[part]);
-        r->mutable_dest()->set_length(fr.bytes);
-        bytes += fr.bytes;
+      cache_->touch(il, w.expert);
+      const cpu_worker::ExpertCache::Found f = cache_->find(il, w.expert);
+      if (f.slot < 0) {
+        misses_.push_back(&w);
+        continue;
       }
+      cache_->pin(f.slot);
+      hits_.push_back({&w, f});
     }
-    fetch();
-    ++fetches_;
-    fetched_bytes_ += bytes;
-    begin_compute();
-    for (size_t j = 0; j < batch_.size(); ++j) {
-      const Work& w = *batch_[j];
-      add_compute(il, bind(il, w.expert, al_.staging_slot(model_, il, index_, static_cast<int64_t>(j))), w, hidden);
-      ++experts_file_;
-    }
-    finish_compute();
-    batch_.clear();
-  }
-
-  void fetch() {
-    const auto until = Clock::now() + kFetchDeadline;
-    std::string error;
-    while (Clock::now() < until) {
-      if (!io_) io_ = std::make_unique<messaging::JobClient>(zmq_, io_endpoint_);
-      error = io_->call(envelope_, io_reply_, kFetchAttempt);
-      if (error.empty()) {
-        if (io_reply_.status() != jobs::JOB_OK) {
-          throw std::runtime_error(std::string(group::kIoWorkerInstance) + " refused layer " +
-                                   std::to_string(envelope_.read_jobs().layer()) + " reads: " + io_reply_.error());
+    if (!hits_.empty()) {
+      begin_compute();
+      for (const Hit& h : hits_) add_compute(il, bind(il, h.work->expert, cache_slot(il, h.found.slot)), *h.work, hidden);
+      finish_compute();
+      for (const Hit& h : hits_) {
+        if (!cache_->still_valid(h.found)) {
+          ++cache_stale_;
+          cache_->drop(h.found.slot);
+          misses_.push_back(h.work);
+          continue;
         }
-        return;
+        ++cache_hits_;
+        ++experts_file_;
+        if (cache_->take_read_ahead(h.found.slot)) ++read_ahead_used_;
       }
-      io_.reset();   // a REQ socket that timed out cannot send again
     }
-    throw std::runtime_error(std::string(group::kIoWorkerInstance) + ": " + error);
+    cache_->unpin_all();
+    for (size_t next = 0; next < misses_.size();) {
+      batch_.clear();
+      fills_.clear();
+      for (; next < misses_.size(); ++next) {
+        const int64_t slot = cache_->victim(il, misses_[next]->expert, false);
+        if (slot < 0) break;   // every slot holds one of this batch
+        if (cache_->holds_expert(slot)) ++cache_evictions_;
+        cache_->begin_fill(slot, il, misses_[next]->expert);
+        fills_.push_back({misses_[next]->expert, slot});
+        batch_.push_back(misses_[next]);
+      }
+      if (fills_.empty()) throw std::logic_error("file cache: no slot free for layer " + std::to_string(il));
+      fetch_now(il, step_seq);
+      begin_compute();
+      for (size_t j = 0; j < batch_.size(); ++j) add_compute(il, bind(il, batch_[j]->expert, cache_slot(il, fills_[j].slot)), *batch_[j], hidden);
+      finish_compute();
+      cache_misses_ += batch_.size();
+      experts_file_ += batch_.size();
+      cache_->unpin_all();
+    }
+    cache_filled_ = static_cast<uint64_t>(cache_->filled());
+  }
+
+  // Reads fills_ and waits for them; on failure the slots hold nothing and the error goes up.
+  void fetch_now(int64_t il, uint64_t step_seq) {
+    try {
+      fetched_bytes_ += fetch_->send(il, fills_, step_seq);
+      ++fetches_;
+      fetch_->wait();
+    } catch (...) {
+      for (const cpu_worker::FileFetch::Item& it : fills_) cache_->abandon(it.slot);
+      throw;
+    }
+    for (const cpu_worker::FileFetch::Item& it : fills_) cache_->end_fill(it.slot);
+  }
+
+  group::ArenaLayout::ExpertSlot cache_slot(int64_t il, int64_t slot) const { return al_.cache_slot(model_, il, index_, slot); }
+
+  // This worker's part of the file cache: heat seeded from the census the placement read (the
+  // manifest names it; none or unreadable: uniform), slots its predecessor left whole adopted.
+  void open_file_cache() {
+    const model::HParams& hp = model_.hp;
+    group::Census seed;
+    const std::string& census = man_.placement_census_path;
+    if (!census.empty() && std::ifstream(census).good()) {
+      try {
+        seed = group::Census::read(census, hp.n_layer, hp.n_expert);
+      } catch (const std::exception& e) {
+        std::cerr << "cpu_expert_worker " << index_ << ": file cache starts without heat: " << e.what() << "\n";
+      }
+    }
+    // Uses halve every 64 tokens' worth of routing (aging: heat follows what the prompt uses now).
+    const auto aging = static_cast<uint64_t>(hp.n_layer * hp.n_expert_used * 64);
+    cache_ = std::make_unique<cpu_worker::ExpertCache>(
+        group::CacheDirectory(arena_.data() + al_.directory_of(index_), al_.cache_slots), hp.n_layer, hp.n_expert, seed, aging);
+    if (const int64_t kept = cache_->adopt(); kept > 0) {
+      std::cerr << "cpu_expert_worker " << index_ << ": file cache kept " << kept << " slots of its predecessor\n";
+    }
+    cache_filled_ = static_cast<uint64_t>(cache_->filled());
+    fetch_ = std::make_unique<cpu_worker::FileFetch>(model_, al_, index_, io_endpoint_);
+    hits_.reserve(static_cast<size_t>(hp.n_expert));
+    misses_.reserve(static_cast<size_t>(hp.n_expert));
+    batch_.reserve(static_cast<size_t>(hp.n_expert));
+    fills_.reserve(static_cast<size_t>(hp.n_expert));
+    ahead_.reserve(static_cast<size_t>(hp.n_expert));
+    by_heat_.reserve(static_cast<size_t>(hp.n_expert));
   }
 
   bool resident(int64_t il, int64_t e) const {
@@ -468,6 +606,7 @@ class ExpertWorker {
   group::GroupManifest man_;
   int index_;
   const bool prefetch_;  // --ffn-prefetch-next-layer
+  const bool read_ahead_;  // --file-read-ahead
   // Guesses a request for layer n_tokens rows at most (decode, short verify windows): a longer
   // one is a prefill step, whose calls are long and whose idle gaps are not the point.
   static constexpr uint32_t kMaxGuessRows = 4;
@@ -501,20 +640,28 @@ class ExpertWorker {
   std::vector<uint64_t> expert_bytes_;   // [layer]
   std::vector<int32_t> rows_;
   std::vector<Work> work_;
-  std::vector<const Work*> batch_;
   std::mutex compute_mu_;
   std::string io_endpoint_;
-  zmq::context_t zmq_{1};
-  std::unique_ptr<messaging::JobClient> io_;
-  jobs::JobEnvelope envelope_;
-  jobs::JobReply io_reply_;
-  uint64_t io_seq_ = 0;
+  // The FILE tier (null when the plan has none): this worker's file cache and its reads.
+  std::unique_ptr<cpu_worker::ExpertCache> cache_;
+  std::unique_ptr<cpu_worker::FileFetch> fetch_;
+  struct Hit {
+    const Work* work;
+    cpu_worker::ExpertCache::Found found;
+  };
+  std::vector<Hit> hits_;
+  std::vector<const Work*> misses_, batch_;
+  std::vector<cpu_worker::FileFetch::Item> fills_;   // batch_'s slots
+  std::vector<cpu_worker::FileFetch::Item> ahead_;   // the read-ahead in flight
+  std::vector<int32_t> by_heat_;
+  std::atomic<uint64_t> cache_hits_{0}, cache_misses_{0}, cache_stale_{0}, cache_evictions_{0}, cache_filled_{0};
+  std::atomic<uint64_t> read_ahead_requests_{0}, read_ahead_experts_{0}, read_ahead_used_{0}, read_ahead_bytes_{0};
   std::atomic<uint64_t> prefetch_guessed_{0}, prefetch_right_{0}, prefetch_needed_{0}, prefetch_runs_{0}, prefetch_cut_{0};
   std::atomic<uint64_t> experts_ram_{0}, experts_file_{0}, fetches_{0}, fetched_bytes_{0}, bell_sleeps_{0};
 };
 
 int run(const std::string& socket_dir, int index, const std::string& cpus, int numa_node, int threads, int spin_us,
-        bool exclusive_cpus, bool prefetch, const cpu::CpuKernelTuning& tuning) {
+        bool exclusive_cpus, bool prefetch, bool read_ahead, const cpu::CpuKernelTuning& tuning) {
   std::vector<int> pinned;
   if (!cpus.empty()) {
     const std::vector<int> list = group::parse_cpu_list(cpus);
@@ -552,7 +699,7 @@ int run(const std::string& socket_dir, int index, const std::string& cpus, int n
     }
   }
   if (threads > 0 && threads < static_cast<int>(pinned.size())) pinned.resize(static_cast<size_t>(threads));
-  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch, tuning);
+  ExpertWorker worker(socket_dir, man, index, threads, pinned, spin_us, exclusive_cpus, prefetch, read_ahead, tuning);
   control.set_stats_hook([&](control::StatsReply& r) { worker.stats(r); });
   zmq::context_t ctx(1);
   messaging::JobServer server(ctx, group::jobs_endpoint(socket_dir, instance), worker.limits());
@@ -622,6 +769,11 @@ int main(int argc, char** argv) {
                "after answering layer L, pull into the expert threads' L2 the experts layer L+1's router guesses this worker "
                "will compute, until the next request rings (default on: the threads are idle then; off leaves the memory "
                "bandwidth of that gap to other work)");
+  bool file_read_ahead = true;
+  app.add_flag("--file-read-ahead,!--no-file-read-ahead", file_read_ahead,
+               "after answering layer L, have the io_worker read into the file cache the FILE-tier experts layer L+1's router "
+               "guesses this worker will compute (at a prefill step: all of that layer's, hottest first), while the GPU "
+               "routes it (default on)");
   moraine::cpu::CpuKernelTuning tuning;
   // Each thread computes its share of every expert, so that a prefetched guess lands in the L2
   // that reads it (docs/perf-log.md, "FfnSliceOptions::per_expert").
@@ -632,7 +784,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch_next_layer, tuning);
+    return run(socket_dir, index, cpus, numa_node, threads, spin_us, exclusive_cpus, prefetch_next_layer, file_read_ahead, tuning);
   } catch (const std::exception& e) {
     std::cerr << "moraine-cpu-expert-worker: " << e.what() << "\n";
     return 1;

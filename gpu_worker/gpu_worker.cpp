@@ -542,6 +542,14 @@ class StepRunner {
                                  " did not answer within " + std::to_string(kExpertDeadline.count()) + " s");
       }
     }
+    // A worker that could not compute its experts said why (group::WorkerError) before it rang.
+    const auto* errors = xl_.region("worker_errors").at<group::WorkerError>(exchange_.data());
+    for (int w = 0; w < man_.n_cpu_workers; ++w) {
+      const group::WorkerError& e = errors[w];
+      if (worker_busy_[w] && std::atomic_ref<uint64_t>(const_cast<uint64_t&>(e.seq)).load(std::memory_order_acquire) == expert_seq_) {
+        throw std::runtime_error(std::string(e.text, std::min<size_t>(e.bytes, group::kStepErrorBytes)));
+      }
+    }
   }
 
   // The reference path: one ExpertJobList per worker, its experts' rows packed as in the plan.

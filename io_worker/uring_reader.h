@@ -26,10 +26,11 @@ class IoError : public std::runtime_error {
 };
 
 struct UringReaderOptions {
-  // Defaults from moraine-io-bench: for job-sized batches depth 16 reads within 6% of depth 64
-  // (or faster) with a quarter of the bounce memory; 1 MiB chunks sit in the flat 512 KiB-4 MiB
-  // range (docs/perf-log.md#io-uring-defaults).
-  unsigned queue_depth = 16;            // reads in flight at most
+  // Depth 32: NVMe drives want 32+ reads in flight to reach their rate (the dev box's virtual disk
+  // read depth 16 within 6% of 64), and a prefill's read-ahead of a whole layer is hundreds of
+  // chunks; 32 MiB of bounce memory. 1 MiB chunks sit in the flat 512 KiB-4 MiB range
+  // (moraine-io-bench, docs/perf-log.md#io-uring-defaults).
+  unsigned queue_depth = 32;            // reads in flight at most
   std::size_t chunk_bytes = 1 << 20;    // largest single read (rounded up to 4 KiB)
   bool direct = true;                   // try O_DIRECT (falls back to buffered per file)
   bool use_uring = true;                // false: synchronous pread (what it falls back to anyway)

@@ -115,11 +115,12 @@ std::string JobClient::call(const moraine::jobs::JobEnvelope& request, moraine::
                             std::chrono::milliseconds timeout) {
   encode_job(request, send_buffer_);
   std::string error = exchange(std::as_bytes(std::span(send_buffer_.data(), send_buffer_.size())), reply, timeout);
-  if (error.empty() && reply.seq() != request.seq()) {
-    error = "reply from " + endpoint_ + " carries seq " + std::to_string(reply.seq()) + ", expected " +
-            std::to_string(request.seq());
-  }
-  return error;
+  return error.empty() ? check_seq(reply, request.seq()) : error;
+}
+
+std::string JobClient::check_seq(const moraine::jobs::JobReply& reply, std::uint64_t seq) const {
+  if (reply.seq() == seq) return {};
+  return "reply from " + endpoint_ + " carries seq " + std::to_string(reply.seq()) + ", expected " + std::to_string(seq);
 }
 
 std::string JobClient::call_raw(std::span<const std::byte> frame, moraine::jobs::JobReply& reply,
@@ -127,22 +128,40 @@ std::string JobClient::call_raw(std::span<const std::byte> frame, moraine::jobs:
   return exchange(frame, reply, timeout);
 }
 
+std::string JobClient::send(const moraine::jobs::JobEnvelope& request, std::chrono::milliseconds timeout) {
+  encode_job(request, send_buffer_);
+  return send_frame(std::as_bytes(std::span(send_buffer_.data(), send_buffer_.size())), timeout);
+}
+
+std::string JobClient::receive(moraine::jobs::JobReply& reply, std::uint64_t seq, std::chrono::milliseconds timeout) {
+  std::string error = receive_reply(reply, timeout, timeout);
+  return error.empty() ? check_seq(reply, seq) : error;
+}
+
 std::string JobClient::exchange(std::span<const std::byte> frame, moraine::jobs::JobReply& reply,
                                 std::chrono::milliseconds timeout) {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + timeout;
+  if (std::string error = send_frame(frame, timeout); !error.empty()) return error;
+  // Rounded up: ZeroMQ timeouts are whole milliseconds, and rounding down returned before the
+  // caller's timeout had passed.
+  return receive_reply(reply, std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()), timeout);
+}
+
+std::string JobClient::send_frame(std::span<const std::byte> frame, std::chrono::milliseconds timeout) {
   socket_.set(zmq::sockopt::sndtimeo, to_ms(timeout));
   if (!socket_.send(zmq::const_buffer(frame.data(), frame.size()), zmq::send_flags::none)) {
     return "could not send a job to " + endpoint_ + " within " + std::to_string(timeout.count()) + " ms";
   }
-  // Rounded up: ZeroMQ timeouts are whole milliseconds, and rounding down returned before the
-  // caller's timeout had passed.
-  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
-  socket_.set(zmq::sockopt::rcvtimeo, to_ms(left));
+  return {};
+}
+
+std::string JobClient::receive_reply(moraine::jobs::JobReply& reply, std::chrono::milliseconds timeout,
+                                     std::chrono::milliseconds shown) {
+  socket_.set(zmq::sockopt::rcvtimeo, to_ms(timeout));
   const auto received = socket_.recv(zmq::mutable_buffer(receive_buffer_.data(), receive_buffer_.size()));
   if (!received) {
-    return "no reply from " + endpoint_ + " within " + std::to_string(timeout.count()) +
-           " ms (peer dead or stuck)";
+    return "no reply from " + endpoint_ + " within " + std::to_string(shown.count()) + " ms (peer dead or stuck)";
   }
   if (received->untruncated_size >= receive_buffer_.size()) {
     return "reply from " + endpoint_ + " of " + std::to_string(received->untruncated_size) +

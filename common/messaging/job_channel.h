@@ -67,6 +67,11 @@ class JobClient {
   // arrived (its status may still be an error), else what went wrong (timeout = peer dead/stuck).
   std::string call(const moraine::jobs::JobEnvelope& request, moraine::jobs::JobReply& reply,
                    std::chrono::milliseconds timeout);
+  // call in two halves, so that the caller can work while the peer serves the request: send()
+  // returns once it is queued, receive() waits up to `timeout` for the reply to request seq
+  // `seq` (the same error strings as call; after a timeout the next send() may go out).
+  std::string send(const moraine::jobs::JobEnvelope& request, std::chrono::milliseconds timeout);
+  std::string receive(moraine::jobs::JobReply& reply, std::uint64_t seq, std::chrono::milliseconds timeout);
   // Sends raw bytes as the request frame (tests and fuzzing: malformed input).
   std::string call_raw(std::span<const std::byte> frame, moraine::jobs::JobReply& reply,
                        std::chrono::milliseconds timeout);
@@ -75,6 +80,10 @@ class JobClient {
  private:
   std::string exchange(std::span<const std::byte> frame, moraine::jobs::JobReply& reply,
                        std::chrono::milliseconds timeout);
+  std::string check_seq(const moraine::jobs::JobReply& reply, std::uint64_t seq) const;   // "" when it answers seq
+  std::string send_frame(std::span<const std::byte> frame, std::chrono::milliseconds timeout);
+  // `shown`: the timeout the error message names (a call's whole one).
+  std::string receive_reply(moraine::jobs::JobReply& reply, std::chrono::milliseconds timeout, std::chrono::milliseconds shown);
 
   zmq::socket_t socket_;
   std::string endpoint_;

@@ -87,7 +87,7 @@ TEST(Placement, RandomBudgetsFollowTheRules) {
     const uint64_t vram_extra = rng() % (all_experts / 2 + 1);
     in.vram_budget = s.dense_bytes + s.kv_bytes + vram_extra;
     const uint64_t max_slot = *std::max_element(s.expert_slot_bytes.begin(), s.expert_slot_bytes.end());
-    const uint64_t worst_staging = static_cast<uint64_t>(in.n_cpu_workers) * static_cast<uint64_t>(s.n_expert_used) * max_slot;
+    const uint64_t worst_staging = PlacementPlan::cache_region_bytes(in.n_cpu_workers, s.n_expert_used, max_slot);
     in.ram_budget = rng() % 5 == 0 ? kUnlimitedBytes : worst_staging + rng() % (all_slots / 2 + 1);
 
     const PlacementPlan p = plan_placement(in);
@@ -98,7 +98,7 @@ TEST(Placement, RandomBudgetsFollowTheRules) {
     // Budgets hold.
     EXPECT_LE(p.vram.bytes, vram_extra);
     if (in.ram_budget != kUnlimitedBytes) {
-      EXPECT_LE(p.ram.bytes + p.staging_bytes(), in.ram_budget);
+      EXPECT_LE(p.ram.bytes + p.cache_region_bytes(), in.ram_budget);
     }
     EXPECT_EQ(p.vram.experts + p.ram.experts + p.file.experts, s.n_layer * s.n_expert);
 
@@ -121,6 +121,7 @@ TEST(Placement, RandomBudgetsFollowTheRules) {
       EXPECT_GE(p.staging_slots, 1);
       EXPECT_LE(p.staging_slots, s.n_expert_used);
       EXPECT_GE(p.staging_slot_bytes, max_slot);
+      EXPECT_GE(p.cache_slots, p.staging_slots);
       for (int64_t il = 0; il < s.n_layer; ++il) {
         std::vector<int64_t> per(static_cast<size_t>(in.n_cpu_workers), 0);
         for (int32_t e : p.experts_in(il, Tier::kFile)) ++per[static_cast<size_t>(e % in.n_cpu_workers)];
@@ -130,12 +131,13 @@ TEST(Placement, RandomBudgetsFollowTheRules) {
       // still fits beside them is left in FILE.
       for (int64_t il = 0; il < s.n_layer; ++il) {
         if (!p.experts_in(il, Tier::kFile).empty()) {
-          EXPECT_GT(p.ram.bytes + p.staging_bytes() + s.expert_slot_bytes[il], in.ram_budget)
+          EXPECT_GT(p.ram.bytes + p.cache_region_bytes() + s.expert_slot_bytes[il], in.ram_budget)
               << "layer " << il << " had room for another RAM expert";
         }
       }
     } else {
       EXPECT_EQ(p.staging_slots, 0);
+      EXPECT_EQ(p.cache_slots, 0);
     }
   }
   EXPECT_GT(three_tiers, 100);
@@ -188,8 +190,11 @@ TEST(Placement, BudgetsTooSmallAreClearErrors) {
   // Exactly dense + KV is enough: no expert in VRAM.
   in.vram_budget = 6'000'000;
   EXPECT_EQ(plan_placement(in).vram.experts, 0);
-  // RAM that cannot hold the staging slots file-resident experts need (2 workers x 2 slots).
-  in.ram_budget = 2 * 2 * 303'104 - 1;
+  // RAM that cannot hold the staging slots file-resident experts need (2 workers x 2 slots, and
+  // their directory entries: a 4 KiB page).
+  const uint64_t staging = 2 * 2 * 303'104 + kArenaAlign;
+  EXPECT_EQ(PlacementPlan::cache_region_bytes(2, 2, 303'104), staging);
+  in.ram_budget = staging - 1;
   try {
     plan_placement(in);
     FAIL() << "a RAM budget below the staging slots was accepted";
@@ -197,13 +202,45 @@ TEST(Placement, BudgetsTooSmallAreClearErrors) {
     const std::string m = e.what();
     EXPECT_NE(m.find("--ram"), std::string::npos) << m;
     EXPECT_NE(m.find("staging"), std::string::npos) << m;
-    EXPECT_NE(m.find(std::to_string(2 * 2 * 303'104)), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(staging)), std::string::npos) << m;
   }
-  // Exactly the staging: every expert in FILE.
-  in.ram_budget = 2 * 2 * 303'104;
+  // Exactly the staging: every expert in FILE, and the file cache is just those slots.
+  in.ram_budget = staging;
   const PlacementPlan p = plan_placement(in);
   EXPECT_EQ(p.file.experts, 16);
   EXPECT_EQ(p.staging_slots, 2);
+  EXPECT_EQ(p.cache_slots, 2);
+}
+
+// When experts stay in the file, the file cache takes its share of --ram before the RAM tier
+// (a quarter by default, or PlacementInput::file_cache_budget), never less than the staging
+// slots; the RAM tier gets the rest, and the plan's table says so.
+TEST(Placement, FileCacheTakesItsShareOfTheRamBudget) {
+  PlacementInput in{small_sizes(), 6'000'000, 12 * 303'104, 2, {}};
+  const uint64_t per_slot = 2 * (303'104 + kCacheSlotHeaderBytes);
+  PlacementPlan p = plan_placement(in);
+  EXPECT_EQ(p.staging_slots, 2);
+  EXPECT_EQ(p.cache_slots, 2) << "the quarter buys one slot a worker, below the staging's two";
+  in.sizes.n_expert = 64;   // 128 experts of 303,104 bytes
+  in.ram_budget = 40 * 303'104;
+  p = plan_placement(in);
+  EXPECT_EQ(p.cache_slots, 4) << "a quarter of 40 slots' bytes, shared by 2 workers, with the directory";
+  EXPECT_GT(p.cache_slots, p.staging_slots);
+  EXPECT_LE(p.ram.bytes + p.cache_region_bytes(), in.ram_budget);
+  EXPECT_GT(p.ram.bytes + p.cache_region_bytes() + 303'104, in.ram_budget) << "the RAM tier left room";
+  EXPECT_NE(p.table().find("file cache: 2 workers x 4 slots"), std::string::npos) << p.table();
+  in.file_cache_budget = 7 * per_slot;
+  p = plan_placement(in);
+  EXPECT_EQ(p.cache_slots, 6) << "seven slots' share less the directory's page";
+  in.file_cache_budget = 0;
+  p = plan_placement(in);
+  EXPECT_EQ(p.cache_slots, p.staging_slots);
+  // Everything fits: no file cache.
+  in.ram_budget = 128 * 303'104;
+  p = plan_placement(in);
+  EXPECT_EQ(p.file.experts, 0);
+  EXPECT_EQ(p.cache_slots, 0);
+  EXPECT_EQ(p.cache_region_bytes(), 0u);
 }
 
 // A CUDA gpu_worker's context and scratch (ModelSizes::device_reserve_bytes) come out of --vram
@@ -349,6 +386,7 @@ TEST(Placement, PlanAndCensusFilesRoundTripAndRefuseOtherModels) {
   const PlacementPlan q = PlacementPlan::read(dir + "/plan.json", in.sizes);
   EXPECT_EQ(q.tiers, p.tiers);
   EXPECT_EQ(q.staging_slots, p.staging_slots);
+  EXPECT_EQ(q.cache_slots, p.cache_slots);
   EXPECT_EQ(q.staging_slot_bytes, p.staging_slot_bytes);
   EXPECT_EQ(q.vram.bytes, p.vram.bytes);
   EXPECT_EQ(q.ram.experts, p.ram.experts);
@@ -412,11 +450,15 @@ TEST(Placement, GoldenModelSizesArenaAndFileRanges) {
     }
   }
   for (int w = 0; w < 2; ++w) {
-    for (int64_t j = 0; j < p.staging_slots; ++j) {
-      const ArenaLayout::ExpertSlot slot = a.staging_slot(m, 0, w, j);
+    for (int64_t j = 0; j < p.cache_slots; ++j) {
+      const ArenaLayout::ExpertSlot slot = a.cache_slot(m, 0, w, j);
       for (int part = 0; part < 3; ++part) spans.push_back({slot.offset[part], slot.bytes[part]});
     }
   }
+  // The file cache's directory: after the slots, worker by worker.
+  ASSERT_GT(p.cache_slots, 0);
+  spans.push_back({a.directory_offset, static_cast<size_t>(2 * p.cache_slots) * kCacheSlotHeaderBytes});
+  EXPECT_EQ(a.directory_of(1), a.directory_offset + static_cast<size_t>(p.cache_slots) * kCacheSlotHeaderBytes);
   std::sort(spans.begin(), spans.end());
   for (size_t i = 0; i < spans.size(); ++i) {
     EXPECT_EQ(spans[i].first % kArenaAlign, 0u) << i;

@@ -66,6 +66,13 @@ struct EngineStats {
   // (session 15 runs B and C, 12G decode: a slowed worker at 41 tok/s showed 3421 expert-thread
   // sleeps, the normal runs at 152-182 tok/s 24-256; docs/perf-log.md#session-15-cpu-sleeps).
   uint64_t doorbell_sleeps = 0, pool_sleeps = 0, spin_cut_short = 0;
+  // The cpu workers' file cache over the last run (cpu_expert_worker/expert_cache.h): FILE-tier
+  // experts computed from a cached slot (hits) or after reading them (misses), the bytes read from
+  // the model file (misses and read-ahead), experts read ahead and of those used; and the tokens
+  // (prompt + generated) of the run, for per-token figures. Zero without a FILE tier.
+  struct FileCache {
+    uint64_t hits = 0, misses = 0, bytes_read = 0, read_ahead = 0, read_ahead_used = 0, tokens = 0;
+  } file_cache;
   // The hand-off chain of the last run, per layer whose experts the cpu workers share (a decode
   // run's steps are all one token): the gpu_worker's wait for the device to publish the layer's
   // routing (what the device does between two hand-offs: fetching and combining the rows, the

@@ -159,6 +159,7 @@ void GroupEngine::reset() {
   }
   counts_at_reset_ = worker_counts();
   speculation_at_reset_ = speculation_counts();
+  tokens_since_reset_ = 0;
 }
 
 std::array<uint64_t, 3> GroupEngine::speculation_counts() const {
@@ -177,7 +178,10 @@ GroupEngine::WorkerCounts GroupEngine::worker_counts() const {
       {kPrefetchGuessed, "prefetch_guessed"}, {kPrefetchGuessedRight, "prefetch_guessed_right"},
       {kPrefetchNeeded, "prefetch_needed"},   {kPrefetchRuns, "prefetch_runs"},
       {kPrefetchCutShort, "prefetch_cut_short"}, {kDoorbellSleeps, "doorbell_sleeps"},
-      {kPoolSleeps, "pool_sleeps"},           {kSpinCutShort, "spin_cut_short"}};
+      {kPoolSleeps, "pool_sleeps"},           {kSpinCutShort, "spin_cut_short"},
+      {kCacheHits, "cache_hits"},             {kCacheMisses, "cache_misses"},
+      {kFileBytes, "file_bytes_fetched"},     {kReadAheadExperts, "read_ahead_experts"},
+      {kReadAheadUsed, "read_ahead_used"}};
   WorkerCounts c{};
   try {
     const control::StatsReply g = stats_of(socket_dir_, group::kGpuWorkerInstance, false);
@@ -216,6 +220,7 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
   req.set_no_prompt_cache(true);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
+  tokens_since_reset_ += prompt.size() + static_cast<uint64_t>(n);
   Generated g;
   generate::GenerateChunk chunk;
   std::string error;
@@ -320,6 +325,7 @@ EngineStats GroupEngine::stats() const {
   s.doorbell_sleeps = d[kDoorbellSleeps];
   s.pool_sleeps = d[kPoolSleeps];
   s.spin_cut_short = d[kSpinCutShort];
+  s.file_cache = {d[kCacheHits], d[kCacheMisses], d[kFileBytes], d[kReadAheadExperts], d[kReadAheadUsed], tokens_since_reset_};
   s.routed_wait = routed_wait;
   s.expert_handoff = expert_handoff;
   s.expert_cpu = expert_cpu;

@@ -74,12 +74,14 @@ class GroupEngine final : public BenchEngine {
     kExpertsVram, kExpertsRam, kExpertsFile, kExpertsTaken,
     kPrefetchGuessed, kPrefetchGuessedRight, kPrefetchNeeded, kPrefetchRuns, kPrefetchCutShort,
     kDoorbellSleeps, kPoolSleeps, kSpinCutShort,
+    kCacheHits, kCacheMisses, kFileBytes, kReadAheadExperts, kReadAheadUsed,
     kWorkerCounts
   };
   using WorkerCounts = std::array<uint64_t, kWorkerCounts>;
   WorkerCounts worker_counts() const;
   GroupEngineOptions o_;
   WorkerCounts counts_at_reset_{};
+  uint64_t tokens_since_reset_ = 0;   // prompt and generated tokens of the runs since reset()
   std::array<uint64_t, 3> speculation_counts() const;   // the coordinator's verify_steps, drafted, accepted
   std::array<uint64_t, 3> speculation_at_reset_{};
   std::unique_ptr<model::Model> model_;

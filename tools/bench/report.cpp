@@ -145,6 +145,9 @@ nlohmann::json report_json(const BenchReport& r) {
                        {"needed", r.stats.prefetch_needed},
                        {"runs", r.stats.prefetch_runs},
                        {"cut_short", r.stats.prefetch_cut_short}};
+  const EngineStats::FileCache& fc = r.stats.file_cache;
+  j["file_cache"] = {{"hits", fc.hits}, {"misses", fc.misses}, {"bytes_read", fc.bytes_read},
+                     {"read_ahead", fc.read_ahead}, {"read_ahead_used", fc.read_ahead_used}, {"tokens", fc.tokens}};
   j["cpu_sleeps"] = {{"doorbell", r.stats.doorbell_sleeps}, {"pool", r.stats.pool_sleeps}, {"spin_cut_short", r.stats.spin_cut_short}};
   auto chain = [](const EngineStats::ChainStage& c) {
     return nlohmann::json{{"p50_us", c.p50_us}, {"p90_us", c.p90_us}, {"samples", c.samples}};
@@ -173,6 +176,17 @@ void print_table(const BenchReport& r, std::ostream& out) {
     out << "cpu prefetch (last run): " << r.stats.prefetch_guessed_right << " of " << r.stats.prefetch_guessed
         << " experts prefetched were asked for; " << r.stats.prefetch_needed << " asked for at those layers; "
         << r.stats.prefetch_cut_short << " of " << r.stats.prefetch_runs << " prefetches cut short by the next request\n";
+  if (const EngineStats::FileCache& fc = r.stats.file_cache; fc.hits + fc.misses > 0) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "file cache (last run): %.1f%% hit (%llu of %llu FILE-tier experts), %.2f MB read from the file per token; "
+                  "read ahead %llu experts, %llu used\n",
+                  100.0 * static_cast<double>(fc.hits) / static_cast<double>(fc.hits + fc.misses),
+                  static_cast<unsigned long long>(fc.hits), static_cast<unsigned long long>(fc.hits + fc.misses),
+                  fc.tokens > 0 ? static_cast<double>(fc.bytes_read) / 1e6 / static_cast<double>(fc.tokens) : 0.0,
+                  static_cast<unsigned long long>(fc.read_ahead), static_cast<unsigned long long>(fc.read_ahead_used));
+    out << line;
+  }
   if (r.stats.doorbell_sleeps + r.stats.pool_sleeps + r.stats.spin_cut_short > 0)
     out << "cpu worker sleeps (last run): doorbell " << r.stats.doorbell_sleeps << ", expert threads " << r.stats.pool_sleeps
         << ", polls cut short (a CPU looked shared) " << r.stats.spin_cut_short << "\n";
