@@ -77,8 +77,9 @@ struct Options {
   int step_spin_us = 0;
   bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
   // Speculation, for requests that ask (GenerateRequest::speculate, greedy only): drafts of at
-  // most this many tokens (0: never draft), looked up from suffixes of up to speculate_ngram.
-  int speculate_draft = 4, speculate_ngram = 3;
+  // most this many tokens (0: never draft) after a recurring context suffix of at least
+  // speculate_min_match tokens (group::SuffixDrafter).
+  int speculate_draft = 5, speculate_min_match = 1;
   // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
   // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
   std::string cache_ram = "8G";
@@ -333,10 +334,11 @@ class Coordinator final : public generate::Coordinator::Service {
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(seq->prompt_tokens()));
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
-    // Speculation (GenerateRequest::speculate): prompt-lookup drafts verified by greedy tokens,
-    // so only where the gpu_worker returns them.
+    // Speculation (GenerateRequest::speculate): suffix drafts verified by greedy tokens, so only
+    // where the gpu_worker returns them.
     const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0;
     group::DraftPolicy policy;
+    group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
     const auto finished = [&](generate::GenerateChunk last) {
       timing.set_generated_tokens(seq->generated());
@@ -397,7 +399,7 @@ class Coordinator final : public generate::Coordinator::Service {
           enter_turn(me);
           turn_steps = 0;
         }
-        decided = next_tokens(*seq, speculate, policy, timing, sample_one);
+        decided = next_tokens(*seq, speculate, policy, drafter, timing, sample_one);
       }
     } catch (const std::exception& e) {
       cache_.clear();   // the gpu_worker's cache is not known: the next request starts from a reset
@@ -517,7 +519,8 @@ class Coordinator final : public generate::Coordinator::Service {
   // accepted: the tokens it settles, in order.
   template <class SampleOne>
   std::vector<int32_t> next_tokens(group::Sequence& seq, bool speculate, group::DraftPolicy& policy,
-                                   generate::GenerateTiming& timing, const SampleOne& sample_one) {
+                                   group::SuffixDrafter& drafter, generate::GenerateTiming& timing,
+                                   const SampleOne& sample_one) {
     const generate::SamplingParams& sp = seq.sampling();
     std::vector<int32_t>& context = seq.context;
     // The tokens not cached yet: the last one, or after a rejected window on a model with
@@ -525,12 +528,15 @@ class Coordinator final : public generate::Coordinator::Service {
     const int64_t pending = static_cast<int64_t>(context.size()) - position_;
     // A window emits up to draft + 1 tokens: no more than are left to generate, and no
     // position past the cache that a one-token step would not have needed.
-    group::LookupOptions lo{o_.speculate_draft, o_.speculate_ngram, 1};
+    group::DraftOptions lo{o_.speculate_draft, o_.speculate_min_match};
     lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(seq.max_new() - seq.generated()) - 1,
                                                        context_positions_ - static_cast<int64_t>(context.size()),
                                                        o_.max_tokens - pending}));
     std::vector<int32_t> draft;
-    if (speculate && lo.max_draft > 0) draft = group::lookup_draft(context, lo);
+    if (speculate && lo.max_draft > 0) {
+      drafter.sync(context);
+      draft = drafter.draft(lo);
+    }
     const auto ts = Clock::now();
     std::vector<int32_t> decided;
     if (!draft.empty() && policy.should_verify()) {
@@ -922,10 +928,11 @@ int main(int argc, char** argv) {
   app.add_option("--step-spin-us", o.step_spin_us, "how long the wait for a step's answer spins before it sleeps")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate-draft", o.speculate_draft,
-                 "tokens a prompt-lookup draft proposes at most, for requests that ask for speculation (0: never draft)")
+                 "tokens a suffix draft proposes at most, for requests that ask for speculation (0: never draft)")
       ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
-  app.add_option("--speculate-ngram", o.speculate_ngram, "longest context suffix a draft is looked up by")
-      ->check(CLI::Range(1, 64));
+  app.add_option("--speculate-min-match", o.speculate_min_match,
+                 "shortest recurring context suffix a draft follows")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--greedy-on-host", o.greedy_on_host,
                "greedy decode copies the logits and takes their argmax here (default: the gpu_worker returns the token)");
   app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")

@@ -1,7 +1,7 @@
-// Speculative decoding's host side (docs/design.md "Speculation"): a drafter that proposes the
-// tokens that followed an earlier occurrence of the context's last n-gram (prompt lookup: code,
-// quoted text and loops repeat), the acceptance rule of a greedy verify window, and the
-// measured-cost policy that decides whether drafting pays on this model and host.
+// Speculative decoding's host side (docs/design.md "Speculation"): a drafter that proposes what
+// followed the longest earlier match of the context's suffix (code, quoted text and loops repeat),
+// the acceptance rule of a greedy verify window, and the measured-cost policy that decides whether
+// drafting pays on this model and host.
 //
 // A verify step runs the last sampled token and the draft d[0..k) as one step of k + 1 rows and
 // returns each row's greedy token g[0..k]. g[i] is what greedy decode would pick after d[i-1]
@@ -15,21 +15,76 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace moraine::group {
 
-struct LookupOptions {
-  int max_draft = 4;   // tokens proposed at most (the verify window is one more)
-  int max_ngram = 3;   // the longest suffix looked up first ...
-  int min_ngram = 1;   // ... down to this length
+struct DraftOptions {
+  int max_draft = 5;   // tokens proposed at most (the verify window is one more)
+  int min_match = 1;   // the shortest suffix match that drafts
 };
 
-// The draft for `context`: for n = max_ngram .. min_ngram, the latest earlier position where the
-// context's last n tokens occur (not the suffix itself), and up to max_draft tokens that followed
-// it there. Empty when no suffix recurs. Throws std::invalid_argument for options out of range
-// (max_draft < 1, min_ngram < 1, max_ngram < min_ngram).
-std::vector<int32_t> lookup_draft(std::span<const int32_t> context, const LookupOptions& o);
+// A suffix automaton over a sequence (a request's prompt and the tokens accepted so far), grown a
+// token at a time, whose states count their occurrences online. The draft: the longest suffix of
+// the sequence that also occurs earlier, then, a token at a time, the continuation that followed
+// the matched string most often (ties: the one seen last), up to max_draft tokens; where the
+// string drafted so far occurs only at the end, from its longest suffix that occurs earlier too.
+// So a loop's next laps, or the usual continuation of a phrase quoted several times, are
+// proposed whole.
+//
+// Occurrence counts are the sizes of the states' end-position sets. Each new token adds its end
+// position to every state on the suffix-link path from the new state to the root; a path that
+// long (n / period states in a periodic text) walked per token would be quadratic, so the counts
+// live in a link-cut tree over the suffix links, where a path update and a query are O(log n)
+// amortised.
+class SuffixDrafter {
+ public:
+  SuffixDrafter();
+  void push(int32_t token);
+  // Feeds context[size() ..]: the context must extend the tokens fed so far (a request's only
+  // grows). Throws std::logic_error when it is shorter.
+  void sync(std::span<const int32_t> context);
+  size_t size() const { return n_; }
+  // The draft after the tokens fed. Empty when no suffix of at least min_match tokens recurs.
+  // Throws std::invalid_argument for max_draft < 1 or min_match < 1.
+  std::vector<int32_t> draft(const DraftOptions& o);
+  // The length of the longest suffix that occurs earlier too (0: none).
+  int64_t match_length() const;
+  // How often `s` occurs in the tokens fed (0 for an empty s).
+  int64_t occurrences(std::span<const int32_t> s);
+
+ private:
+  struct State {
+    int64_t len = 0;      // the longest string of the state
+    int32_t link = -1;    // suffix link
+    std::vector<std::pair<int32_t, int32_t>> next;   // (token, state), sorted by token
+  };
+  // The link-cut tree's node of a state: a splay tree per preferred path of the suffix-link tree,
+  // and per node its occurrence count and last end position with their pending path updates.
+  struct PathNode {
+    int32_t child[2] = {-1, -1}, parent = -1;
+    int64_t count = 0, count_tag = 0, last = -1, last_tag = -1;
+  };
+  int32_t transition(int32_t state, int32_t token) const;
+  void set_transition(int32_t state, int32_t token, int32_t to);
+  int32_t add_state(int64_t len);
+  // The link-cut tree (tree edges: suffix links, rooted at state 0).
+  bool is_path_root(int32_t x) const;
+  void apply(int32_t x, int64_t count_add, int64_t last);
+  void push_down(int32_t x);
+  void rotate(int32_t x);
+  void splay(int32_t x);
+  void access(int32_t x);
+  void cut_from_parent(int32_t x);
+  std::pair<int64_t, int64_t> count_and_last(int32_t x);   // (occurrences, last end position)
+
+  std::vector<State> states_;
+  std::vector<PathNode> path_;
+  std::vector<int32_t> splay_chain_;   // splay's scratch: a node and its splay-tree ancestors
+  int32_t last_ = 0;    // the state of the whole sequence
+  size_t n_ = 0;
+};
 
 // How many of `draft` a verify window accepts: the leading i with draft[i] == greedy[i]
 // (greedy has draft.size() + 1 entries: each row's greedy token).

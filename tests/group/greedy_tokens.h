@@ -33,20 +33,22 @@ inline void expect_worker_greedy_tokens(const GroupOptions& o, const std::vector
   g.stop();
 }
 
-// A prompt whose greedy continuation repeats itself, so that prompt-lookup drafts are accepted
-// and, where the loop breaks, rejected: a unit of one or two tokens eight times. Random tiny
-// models rarely repeat their output otherwise (the golden prompt's 32 greedy tokens hold no draft
-// a lookup would get right). Found by simulating the drafter over the reference's greedy tokens
-// (F32 cache) for prompts (t) x 8 and (t, t + 97) x 8, every 13th t:
+// A prompt whose greedy continuation repeats itself, so that suffix drafts are accepted and,
+// where the loop breaks, rejected: a unit of one or two tokens eight times. Random tiny models
+// rarely repeat their output otherwise (the golden prompt's 32 greedy tokens hold no draft a
+// lookup would get right). Found by simulating the drafter over the reference's greedy tokens
+// (F32 cache) for prompts (t) x 8 and (t, t + 97) x 8, every 13th t (first for prompt lookup,
+// qwen3moe_k256's again for the suffix drafter, which got all of (104, 201)'s first drafts right):
 // - qwen3moe_odd (f32), (754, 851): 206 132 47 143 47 143 ... 47 143 361 687 194 699 47 143 ...,
 //   17 acceptable drafts of 31;
-// - qwen3moe_k256 (kmix weights), (104, 201): 108 226 22 x 7, then 246 86 191 561 502 ..., 16 of 31;
+// - qwen3moe_k256 (kmix weights), (170): 308 63 386 158 473 468 473 468 ... 473 595 276 595 276
+//   595 33 10 ..., the suffix drafter's first 4 drafts (always verified: DraftPolicy) 14 of 20 right;
 // - qwen3next_k256 (kmix weights), (299): 449 86 319 409 449 420 ... 562 3 13 499 240 464 173 562
 //   3 13 499 240, one draft rejected (449 -> 420, the DeltaNet snapshot restored) and 4 accepted.
 // Other models: (1, 2) (the tests that use it there expect no drafts).
 inline std::vector<int32_t> repeating_prompt(const std::string& model) {
   const std::vector<int32_t> unit = model == "qwen3moe_odd"     ? std::vector<int32_t>{754, 851}
-                                    : model == "qwen3moe_k256"  ? std::vector<int32_t>{104, 201}
+                                    : model == "qwen3moe_k256"  ? std::vector<int32_t>{170}
                                     : model == "qwen3next_k256" ? std::vector<int32_t>{299}
                                                                 : std::vector<int32_t>{1, 2};
   std::vector<int32_t> p;

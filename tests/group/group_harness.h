@@ -83,7 +83,7 @@ struct Generation {
 };
 // Greedy (temperature 0); check_logits: SamplingParams::check_logits (the coordinator then reads
 // every sampled row's logits instead of taking the gpu_worker's token); speculate:
-// GenerateRequest::speculate (prompt-lookup drafts verified by the gpu_worker's greedy tokens).
+// GenerateRequest::speculate (suffix drafts verified by the gpu_worker's greedy tokens).
 Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits = false,
                     bool speculate = false);
 

@@ -85,7 +85,7 @@ TEST_P(GroupGreedyTokens, TheGpuWorkerPicksTheReferenceTokens) {
   fs::remove_all(dir);
 }
 
-// Speculative decode: prompt-lookup drafts verified as windows give the reference's greedy tokens
+// Speculative decode: suffix drafts verified as windows give the reference's greedy tokens
 // (the CPU backend's rows are the reference's bits), with drafts accepted and rejected on the
 // way (rejected ones are dropped from the cache: StepHeader::rewind); over both step channels.
 // The prompt's continuation loops (repeating_prompt). A model with DeltaNet layers rewinds to the

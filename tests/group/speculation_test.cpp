@@ -1,8 +1,13 @@
-// The coordinator's speculation pieces on their own (coordinator/speculation.h): prompt-lookup
-// drafts, the verify window's acceptance rule and the measured-cost policy.
+// The coordinator's speculation pieces on their own (coordinator/speculation.h): the suffix
+// drafter (checked against a brute-force search of every prefix of random texts), the verify
+// window's acceptance rule and the measured-cost policy.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+#include <random>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "coordinator/speculation.h"
@@ -12,36 +17,145 @@ namespace {
 
 using V = std::vector<int32_t>;
 
-TEST(LookupDraft, ProposesWhatFollowedTheLatestEarlierOccurrence) {
-  // Suffix "1 2" occurs at 0 (followed by 3 4 5) and at 5 (followed by 9 8): the latest wins.
-  const V ctx{1, 2, 3, 4, 5, 1, 2, 9, 8, 7, 1, 2};
-  EXPECT_EQ(lookup_draft(ctx, {4, 2, 1}), (V{9, 8, 7, 1}));
-  EXPECT_EQ(lookup_draft(ctx, {2, 2, 1}), (V{9, 8}));
+V draft_of(const V& context, DraftOptions o = {}) {
+  SuffixDrafter d;
+  d.sync(context);
+  return d.draft(o);
 }
 
-TEST(LookupDraft, PrefersTheLongestSuffix) {
-  // "5 6" matched by 2 tokens at 0 (-> 7), by the 1-gram "6" latest at 4 (-> 1).
-  const V ctx{5, 6, 7, 0, 6, 1, 2, 5, 6};
-  EXPECT_EQ(lookup_draft(ctx, {1, 2, 1}), (V{7}));
-  EXPECT_EQ(lookup_draft(ctx, {1, 1, 1}), (V{1}));
-  // min_ngram 2: no 1-gram fallback.
-  EXPECT_EQ(lookup_draft(V{4, 6, 1, 2, 5, 6}, {3, 2, 2}), V{});
-  EXPECT_EQ(lookup_draft(V{4, 6, 1, 2, 5, 6}, {3, 2, 1}), (V{1, 2, 5}));
+// The drafter's rule by brute force: the longest suffix that also ends earlier (at least
+// min_match tokens), then each next token by (occurrences of the string so far followed by it,
+// the later end of such an occurrence); a string followed by nothing gives way to its longest
+// suffix (of at least min_match) that is followed by something.
+V brute_force_draft(const V& t, DraftOptions o) {
+  const int64_t n = static_cast<int64_t>(t.size());
+  const auto occurs_at = [&](const V& w, int64_t end) {   // w == t[end - |w| + 1 .. end]
+    const int64_t len = static_cast<int64_t>(w.size());
+    return end + 1 >= len && std::equal(w.begin(), w.end(), t.begin() + (end + 1 - len));
+  };
+  V w;
+  for (int64_t len = n - 1; len >= o.min_match && w.empty(); --len) {
+    const V suffix(t.end() - len, t.end());
+    for (int64_t end = len - 1; end <= n - 2; ++end) {
+      if (occurs_at(suffix, end)) {
+        w = suffix;
+        break;
+      }
+    }
+  }
+  V out;
+  if (w.empty()) return out;
+  while (static_cast<int>(out.size()) < o.max_draft) {
+    std::map<int32_t, std::pair<int64_t, int64_t>> follow;   // token -> (count, last end)
+    for (int64_t end = 0; end <= n - 2; ++end) {
+      if (!occurs_at(w, end)) continue;
+      auto& [count, last] = follow[t[static_cast<size_t>(end + 1)]];
+      ++count;
+      last = end + 1;
+    }
+    if (follow.empty()) {
+      V shorter;
+      for (int64_t len = static_cast<int64_t>(w.size()) - 1; len >= o.min_match && shorter.empty(); --len) {
+        const V suffix(w.end() - len, w.end());
+        for (int64_t end = len - 1; end <= n - 2; ++end) {
+          if (occurs_at(suffix, end)) {
+            shorter = suffix;
+            break;
+          }
+        }
+      }
+      if (shorter.empty()) break;
+      w = shorter;
+      continue;
+    }
+    const auto best = std::max_element(follow.begin(), follow.end(),
+                                       [](const auto& a, const auto& b) { return a.second < b.second; });
+    out.push_back(best->first);
+    w.push_back(best->first);
+  }
+  return out;
 }
 
-TEST(LookupDraft, DraftStopsAtTheContextEndAndNeedsARecurrence) {
-  // A loop: "3 4" last seen just before the suffix; what followed runs into the suffix itself.
-  EXPECT_EQ(lookup_draft(V{3, 4, 3, 4}, {5, 2, 1}), (V{3, 4}));
-  EXPECT_EQ(lookup_draft(V{7, 7}, {4, 3, 1}), (V{7}));
-  EXPECT_EQ(lookup_draft(V{1, 2, 3, 4}, {4, 3, 1}), V{});
-  EXPECT_EQ(lookup_draft(V{1}, {4, 3, 1}), V{});
-  EXPECT_EQ(lookup_draft(V{}, {4, 3, 1}), V{});
+int64_t brute_force_occurrences(const V& t, const V& s) {
+  int64_t c = 0;
+  for (size_t at = 0; at + s.size() <= t.size(); ++at) c += std::equal(s.begin(), s.end(), t.begin() + at) ? 1 : 0;
+  return c;
 }
 
-TEST(LookupDraft, RejectsBadOptions) {
-  EXPECT_THROW(lookup_draft(V{1, 1}, {0, 3, 1}), std::invalid_argument);
-  EXPECT_THROW(lookup_draft(V{1, 1}, {4, 3, 0}), std::invalid_argument);
-  EXPECT_THROW(lookup_draft(V{1, 1}, {4, 1, 2}), std::invalid_argument);
+TEST(SuffixDrafter, ProposesTheNextLapOfRepeatedText) {
+  // "1 2 3" recurs: what followed it, through the suffix itself (a loop's next lap).
+  EXPECT_EQ(draft_of(V{1, 2, 3, 4, 5, 6, 1, 2, 3}), (V{4, 5, 6, 1, 2}));
+  EXPECT_EQ(draft_of(V{1, 2, 3, 4, 5, 6, 1, 2, 3}, {2, 1}), (V{4, 5}));
+  // A lap that runs into the present goes on from the shorter match: the loop again.
+  EXPECT_EQ(draft_of(V{3, 4, 3, 4}), (V{3, 4, 3, 4, 3}));
+  EXPECT_EQ(draft_of(V{7, 7}), (V{7, 7, 7, 7, 7}));
+}
+
+TEST(SuffixDrafter, PicksTheMostFrequentContinuationThenTheLatest) {
+  // "7 1" was followed by 9 twice and by 8 once (last): frequency first. After "7 1 9 7 1" the
+  // continuations 9 and 8 are once each: the later one.
+  const V ctx{7, 1, 9, 7, 1, 9, 7, 1, 8, 7, 1};
+  EXPECT_EQ(draft_of(ctx), (V{9, 7, 1, 8, 7}));
+  // "5 1" -> 2 once and 3 once: the later one, then what followed it up to the end, then "5 1"
+  // again (-> 3, the later).
+  EXPECT_EQ(draft_of(V{5, 1, 2, 5, 1, 3, 5, 1}), (V{3, 5, 1, 3, 5}));
+}
+
+TEST(SuffixDrafter, FollowsTheLongestMatch) {
+  // "5 6" matched whole at 0 (-> 7), although "6" alone is followed by 1 more recently.
+  EXPECT_EQ(draft_of(V{5, 6, 7, 0, 6, 1, 2, 5, 6}, {1, 1}), (V{7}));
+  EXPECT_EQ(draft_of(V{4, 6, 1, 2, 5, 6}, {5, 1}), (V{1, 2, 5, 6, 1}));
+}
+
+TEST(SuffixDrafter, ProposesNothingWithoutAMatch) {
+  EXPECT_EQ(draft_of(V{1, 2, 3, 4}), V{});
+  EXPECT_EQ(draft_of(V{1}), V{});
+  EXPECT_EQ(draft_of(V{}), V{});
+  EXPECT_EQ(draft_of(V{4, 6, 1, 2, 5, 6}, {5, 2}), V{});   // the match "6" is shorter than min_match
+  SuffixDrafter d;
+  d.sync(V{1, 2, 1});
+  EXPECT_EQ(d.match_length(), 1);
+  EXPECT_THROW(d.draft({0, 1}), std::invalid_argument);
+  EXPECT_THROW(d.draft({4, 0}), std::invalid_argument);
+  EXPECT_THROW(d.sync(V{1, 2}), std::logic_error);   // not an extension of what it was fed
+}
+
+TEST(SuffixDrafter, IncrementalDraftsEqualARebuildAndTheBruteForce) {
+  // Small alphabets make long, frequent and tied matches; every prefix is checked.
+  for (const int alphabet : {2, 3, 5, 40}) {
+    std::mt19937 rng(static_cast<uint32_t>(alphabet));
+    std::uniform_int_distribution<int32_t> token(0, alphabet - 1);
+    V text;
+    SuffixDrafter incremental;
+    for (int i = 0; i < 260; ++i) {
+      text.push_back(token(rng));
+      if (i % 50 == 49) text.insert(text.end(), text.end() - 20, text.end());   // a repeat of the last 20
+      incremental.sync(text);
+      const DraftOptions o{5, 1 + i % 3};
+      const V got = incremental.draft(o);
+      ASSERT_EQ(got, draft_of(text, o)) << "alphabet " << alphabet << ", " << text.size() << " tokens";
+      ASSERT_EQ(got, brute_force_draft(text, o)) << "alphabet " << alphabet << ", " << text.size() << " tokens";
+    }
+    for (int k = 0; k < 200; ++k) {   // occurrence counts of substrings and of strings not in it
+      const size_t len = 1 + static_cast<size_t>(k % 6), at = static_cast<size_t>(rng() % (text.size() - len));
+      V s(text.begin() + static_cast<std::ptrdiff_t>(at), text.begin() + static_cast<std::ptrdiff_t>(at + len));
+      if (k % 4 == 0) s.back() = token(rng);
+      ASSERT_EQ(incremental.occurrences(s), brute_force_occurrences(text, s)) << "alphabet " << alphabet;
+    }
+  }
+}
+
+TEST(SuffixDrafter, CountsAPeriodicTextExactly) {
+  // Period 1 and 2: the suffix-link paths are n / period states long, updated per token.
+  for (const int period : {1, 2}) {
+    SuffixDrafter d;
+    const int64_t n = 50000;
+    for (int64_t i = 0; i < n; ++i) d.push(static_cast<int32_t>(i % period));
+    EXPECT_EQ(d.match_length(), n - period);
+    EXPECT_EQ(d.occurrences(V{0}), n / period);
+    EXPECT_EQ(d.occurrences(V(static_cast<size_t>(1000 * period), 0)), period == 1 ? n - 999 : 0);
+    EXPECT_EQ(d.draft({5, 1}), period == 1 ? (V{0, 0, 0, 0, 0}) : (V{0, 1, 0, 1, 0}));
+  }
 }
 
 TEST(AcceptedPrefix, CountsLeadingAgreement) {

@@ -39,7 +39,7 @@ struct BenchOptions {
   // group: every sampled row's logits checked finite by the coordinator (SamplingParams::check_logits),
   // which then reads them; off: greedy tokens come from the gpu_worker without the logits copy.
   bool check_logits = true;
-  // group: greedy requests with prompt-lookup speculation (GenerateRequest::speculate).
+  // group: greedy requests with speculation (suffix drafts) (GenerateRequest::speculate).
   bool speculate = false;
   // group: positions the group plans KV memory for (moraine-supervisor --ctx). 0: what the runs
   // need, the longest prompt + n + 1 (the census warm-up's run), as llama-bench sizes n_ctx to
