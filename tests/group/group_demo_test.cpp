@@ -1,8 +1,7 @@
 // The group exactly as deploy/demo and the README start it: `moraine-supervisor start -m MODEL
 // --cpu-workers 2 --socket-dir DIR` and every other option the supervisor's default (the CPU
 // backend, 512-row steps, `--vram dense`, the census written beside the model), on the demo's
-// model made the demo's way (the golden qwen3moe_k256 converted to BF16, then Q4_K experts and
-// Q8_0 for the rest). Its tokens, for the demo's prompt text through `moraine generate` as a user
+// built-in model (models/moraine-tiny-qwen3next.gguf, trained by tools/train). Its tokens, for the demo's prompt text through `moraine generate` as a user
 // types it, must be the reference executor's greedy tokens on the same file. This configuration
 // crashed the gpu_worker at main 3f23806 (the staging rule read an arena layout only the CUDA
 // backend maps) while every test with the harness's own options passed.
@@ -22,20 +21,13 @@ namespace fs = std::filesystem;
 
 const fs::path kSource = MORAINE_SOURCE_DIR;
 const fs::path kBuild = MORAINE_BUILD_DIR;
-// deploy/demo's default prompt.
-constexpr const char* kDemoPrompt = "The glacier carried the stones down to the valley,";
+// deploy/demo's default prompt and model (tools/train's trained file, committed).
+constexpr const char* kDemoPrompt = "A list is a mutable sequence";
 
-// The demo's default model: deploy/demo's two commands.
+// A copy of the demo's model in `dir`: the group writes its census beside the model.
 std::string make_demo_model(const std::string& dir) {
-  const std::string bf16 = dir + "/moraine-tiny-qwen3moe-bf16.gguf";
-  const std::string model = dir + "/moraine-tiny-qwen3moe-q4_k.gguf";
-  auto [rc, out] = run_command(shell_quote((kBuild / "tools" / "moraine-convert").string()) + " " +
-                               shell_quote((kSource / "tests" / "golden" / "qwen3moe_k256").string()) + " " + shell_quote(bf16) +
-                               " --outtype bf16");
-  if (rc != 0) throw std::runtime_error("moraine-convert:\n" + out);
-  std::tie(rc, out) = run_command(shell_quote((kBuild / "tools" / "moraine-quantize").string()) + " " + shell_quote(bf16) + " " +
-                                  shell_quote(model) + " --map _exps.=q4_k --default q8_0");
-  if (rc != 0) throw std::runtime_error("moraine-quantize:\n" + out);
+  const std::string model = dir + "/moraine-tiny-qwen3next.gguf";
+  fs::copy_file(kSource / "models" / "moraine-tiny-qwen3next.gguf", model, fs::copy_options::overwrite_existing);
   return model;
 }
 
