@@ -20,12 +20,14 @@ HealthWatch::~HealthWatch() {
   if (thread_.joinable()) thread_.join();
 }
 
-void HealthWatch::watch(const std::string& name, const std::string& address, Clock::time_point first_answer_by) {
+void HealthWatch::watch(const std::string& name, const std::string& address, Clock::time_point first_answer_by,
+                        bool serving_now) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry e;
   e.address = address;
   e.since = e.last_answer = Clock::now();
   e.first_answer_by = first_answer_by;
+  e.answered = serving_now;
   e.generation = ++generations_;
   entries_[name] = e;
 }

@@ -23,8 +23,11 @@ class HealthWatch {
   HealthWatch& operator=(const HealthWatch&) = delete;
 
   // Watch `name` at `address` from now on (again after a restart). Until its first answer it has
-  // until `first_answer_by` (its start-up time); after that, the timeout.
-  void watch(const std::string& name, const std::string& address, Clock::time_point first_answer_by);
+  // until `first_answer_by` (its start-up time); after that, the timeout. `serving_now`: the caller
+  // has just seen it serve, which counts as its first answer (else a process frozen before the
+  // watch's first probe would get the start-up time).
+  void watch(const std::string& name, const std::string& address, Clock::time_point first_answer_by,
+             bool serving_now = false);
   void unwatch(const std::string& name);
   struct Silent {
     std::string name;

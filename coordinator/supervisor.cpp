@@ -250,8 +250,8 @@ int start(const Options& o) {
   auto started = [&] { starts.record(0, 0, 0, std::chrono::duration<double, std::micro>(Clock::now() - t0).count()); };
   group::HealthWatch health(std::chrono::milliseconds(static_cast<int64_t>(o.health_interval_s * 1000)),
                             std::chrono::milliseconds(static_cast<int64_t>(o.health_timeout_s * 1000)));
-  auto watch = [&](const Child& c) {
-    health.watch(c.name, group::control_address(o.socket_dir, c.name), Clock::now() + deadline);
+  auto watch = [&](const Child& c, bool serving_now) {
+    health.watch(c.name, group::control_address(o.socket_dir, c.name), Clock::now() + deadline, serving_now);
   };
   // The coordinator first (it makes the shared memory and the manifest), then the workers;
   // the empty string when every process serves.
@@ -261,14 +261,14 @@ int start(const Options& o) {
       return e;
     }
     started();
-    watch(coord);
+    watch(coord, true);
     for (Child* c : workers) c->pid = spawn(*c, log_dir);
     for (Child* c : workers) {
       if (std::string e = group::wait_serving(group::control_address(o.socket_dir, c->name), deadline, c->pid); !e.empty()) {
         return e;
       }
       started();
-      watch(*c);
+      watch(*c, true);
     }
     return {};
   };
@@ -364,7 +364,7 @@ int start(const Options& o) {
       }
       std::cerr << "supervisor: " << c->name << " (pid " << dead << ") died (status " << status << "); restarting\n";
       c->pid = spawn(*c, log_dir);
-      watch(*c);
+      watch(*c, false);   // restarted: it has --ready-timeout to answer first
       started();
     }
     if (rc != 0) break;
