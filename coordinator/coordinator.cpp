@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <unordered_map>
 #include <algorithm>
+#include <filesystem>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -39,6 +40,7 @@
 #include "coordinator/process_util.h"
 #include "coordinator/speculation.h"
 #include "coordinator/conversation_cache.h"
+#include "coordinator/disk_estimate.h"
 #include "coordinator/sequence.h"
 #include "coordinator/turn_queue.h"
 #include "coordinator/step_bell.h"
@@ -57,6 +59,7 @@ struct Options {
   std::string model, socket_dir, handoff = "doorbell", logits_dump;
   std::string vram = "unlimited", ram = "unlimited", census;   // placement (coordinator/placement.h)
   std::string file_cache = "auto";   // PlacementInput::file_cache_budget ("auto": a quarter of --ram)
+  std::string disk_rate = "auto";    // the plan's disk bound: bytes/s, or "auto" (an O_DIRECT probe at start)
   bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
   int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
   int64_t ctx = 0;
@@ -110,8 +113,29 @@ int long_step_rows_for(const Options& o, const model::Model& m) {
   return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
 }
 
+// The plan's disk line (coordinator/disk_estimate.h): the disk rate given, or measured (~0.25 s
+// of O_DIRECT reads) only when some expert is FILE-tier.
+std::string disk_plan_line(const Options& o, const model::Model& m, const group::PlacementPlan& plan,
+                           const group::Census& census) {
+  group::DiskRate rate{std::nullopt, "not measured: no expert is FILE-tier"};
+  if (o.disk_rate != "auto") {
+    const uint64_t r = group::parse_byte_budget(o.disk_rate, "--disk-rate");
+    if (r == 0 || r == group::kUnlimitedBytes) throw std::invalid_argument("--disk-rate '" + o.disk_rate + "': give bytes per second, e.g. 1.5G");
+    rate = {static_cast<double>(r), "given: --disk-rate " + o.disk_rate};
+  } else if (plan.file.experts > 0) {
+    // The largest shard: the experts' bytes are there.
+    const auto& paths = m.file.paths();
+    rate = group::measure_disk_rate(*std::max_element(paths.begin(), paths.end(), [](const std::string& a, const std::string& b) {
+      return std::filesystem::file_size(a) < std::filesystem::file_size(b);
+    }));
+  }
+  const group::DiskEstimate d = group::estimate_disk_reads(plan, group::model_sizes(m, plan.context, plan.kv_type), census);
+  return group::disk_line(d, rate);
+}
+
 // The placement every process of the group follows: planned once, here (`log`: its lines to stderr).
-group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true) {
+// census_out: the popularity the plan was made from (empty: uniform).
+group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true, group::Census* census_out = nullptr) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
   if (o.backend == "cuda") {
@@ -140,6 +164,7 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log 
   } else if (log) {
     std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
   }
+  if (census_out) *census_out = in.census;
   group::PlacementPlan plan = group::plan_placement(in);
   // Long steps stage a layer's whole RAM tier at once (group::long_step_stage_slots), whose slots
   // the reserve must hold; holding them moves experts out of VRAM into RAM, so plan again until
@@ -158,7 +183,7 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log 
       plan = group::plan_placement(in);
     }
   }
-  if (log) std::cerr << "coordinator: " << plan.table();
+  if (log) std::cerr << "coordinator: " << plan.table() << disk_plan_line(o, m, plan, in.census);
   return plan;
 }
 
@@ -868,9 +893,12 @@ int run(const Options& given) {
     resolve_window();
     const model::Model m = model::Model::load(o.model);
     const int long_rows = long_step_rows_for(o, m);
+    group::Census census;
+    const group::PlacementPlan plan = plan_for(o, m, false, &census);   // a budget it refuses: nothing printed
+    const std::string disk = disk_plan_line(o, m, plan, census);
     std::cout << "steps of " << o.max_tokens << " rows";
     if (long_rows > 0) std::cout << ", long steps of " << long_rows << " rows";
-    std::cout << "\n" << plan_for(o, m, false).table();
+    std::cout << "\n" << plan.table() << disk;
     return 0;
   }
   // The control server first: it checks the socket directory before anything reads the model.
@@ -914,6 +942,9 @@ int main(int argc, char** argv) {
   app.add_option("--file-cache", o.file_cache,
                  "of --ram, what the cache of file-resident experts takes when some stay in the file (at least the slots one "
                  "layer needs; default auto: a quarter of --ram)");
+  app.add_option("--disk-rate", o.disk_rate,
+                 "disk read rate for the plan's disk bound, bytes per second (1.5G; K/M/G powers of 1024); default auto: "
+                 "~0.25 s of O_DIRECT reads of the model file at start, when some experts stay in the file");
   app.add_option("--census", o.census,
                  "expert popularity counts (JSON), read for placement and merged into by the gpu_worker "
                  "(default MODEL.census.json)");

@@ -45,6 +45,7 @@ struct Options {
   // cpu_expert_workers compute from.
   std::string vram, ram = "unlimited", census;
   std::string file_cache;   // the coordinator's --file-cache; empty: its default
+  std::string disk_rate;    // the coordinator's --disk-rate; empty: its default (measured)
   bool no_census = false;
   int vram_adapt_every = 8;
   int reserve_cores = -1;   // cores left out of the cpu workers' pins; -1: 1 with --backend cuda, else 0
@@ -177,6 +178,7 @@ int start(const Options& o) {
   }
   if (o.no_census) coord.argv.push_back("--no-census");
   if (!o.file_cache.empty()) coord.argv.insert(coord.argv.end(), {"--file-cache", o.file_cache});
+  if (!o.disk_rate.empty()) coord.argv.insert(coord.argv.end(), {"--disk-rate", o.disk_rate});
   if (o.long_step_rows >= 0) coord.argv.insert(coord.argv.end(), {"--long-step-rows", std::to_string(o.long_step_rows)});
   for (auto [flag, v] : {std::pair{"--parallel", o.parallel}, std::pair{"--turn-tokens", o.turn_tokens}}) {
     if (v <= 0) continue;
@@ -432,6 +434,8 @@ int main(int argc, char** argv) {
   st->add_option("--ram", o.ram, "RAM budget of the expert arena; experts beyond it stay in the file (unlimited)");
   st->add_option("--file-cache", o.file_cache,
                  "of --ram, what the cache of file-resident experts takes when some stay in the file (default: a quarter)");
+  st->add_option("--disk-rate", o.disk_rate,
+                 "disk read rate (bytes/s, e.g. 1.5G) for the plan's disk bound line (default: measured at start by a short O_DIRECT read)");
   st->add_option("--census", o.census, "expert popularity counts (JSON), read for placement and merged into by the gpu_worker (default MODEL.census.json)");
   st->add_flag("--no-census", o.no_census, "the gpu_worker writes no census");
   st->add_option("--vram-adapt-every", o.vram_adapt_every,
