@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <thread>
 
@@ -140,6 +142,41 @@ TEST(GroupFileCache, ARepeatedRequestHitsInTheCache) {
   EXPECT_GT(second.at("cache_hits"), first.at("cache_hits"));
   EXPECT_LT(second.at("cache_misses") - first.at("cache_misses"), first.at("cache_misses"));
   EXPECT_GT(second.at("cache_filled"), 0u);
+  g.stop();
+  fs::remove_all(dir);
+}
+
+// Low-RAM mode with the defaults: --ram half the experts' bytes (this model has 24 experts: a
+// smaller share cannot hold the staging slots) and nothing else (the file cache takes its default share): the group plans RAM tier + cache + staging, prints the plan's
+// disk line, and decodes the reference's tokens.
+TEST(GroupFileCache, LowRamWithTheDefaultsPlansTheCacheAndDecodes) {
+  constexpr int kTokens = 8;
+  const auto [dir, model, prompt, ref] = golden_case("qwen3moe_odd", "f32", "filecache-lowram", kTokens);
+  const model::Model m = model::Model::load(model);
+  const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
+  uint64_t experts = 0;
+  for (int64_t il = 0; il < s.n_layer; ++il) experts += s.expert_slot_bytes[static_cast<size_t>(il)] * static_cast<uint64_t>(s.n_expert);
+  GroupOptions o;
+  o.model = model;
+  o.ram = std::to_string(experts / 2);
+  Group g(o);
+  const group::PlacementPlan plan = group::PlacementPlan::read(group::placement_path(g.socket_dir()), s);
+  EXPECT_GT(plan.ram.experts, 0) << plan.table();
+  EXPECT_GT(plan.file.experts, 2 * plan.ram.experts) << plan.table();
+  EXPECT_GE(plan.cache_slots, plan.staging_slots) << plan.table();
+  EXPECT_GT(plan.staging_slots, 0) << plan.table();
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  EXPECT_GT(cpu_counters(g.socket_dir()).at("cache_misses"), 0u);
+  std::ifstream log(g.socket_dir() + "/" + group::kCoordinatorInstance + ".log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  const size_t at = text.find("disk reads: ");
+  ASSERT_NE(at, std::string::npos) << text;
+  const double share = std::stod(text.substr(at + 12));
+  EXPECT_GT(share, 30.0) << text.substr(at, 300);   // most experts are FILE-tier, few of them kept
+  EXPECT_LT(share, 100.0) << text.substr(at, 300);
+  EXPECT_NE(text.find("tok/s (disk rate", at), std::string::npos) << text.substr(at, 300);
   g.stop();
   fs::remove_all(dir);
 }
