@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -19,12 +22,20 @@ namespace {
 constexpr int64_t kVocab = 1000;
 constexpr double kRamBytesPerToken = 123456789.0;
 
-enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun, WorkerRestart };
+enum class Fault { None, NanInDecode, InfInPrefill, ChangesOnSecondRun, WorkerRestart, ColdRunDiffers };
+
+// The file tier SeededEngine reports with file_tier: 4 layers top-2 of 1 MB experts, so a
+// position computes 8 experts; the first run after start (cold) finds 2 of 8 in the cache per
+// position, later runs 6 of 8, and every miss and one read-ahead a position is read from the file.
+constexpr double kFileExpertBytes = 1e6;
+constexpr uint64_t kColdHitsPerToken = 2, kWarmHitsPerToken = 6, kExpertsPerToken = 8;
 
 class SeededEngine final : public BenchEngine {
  public:
   // staged: stats() reports a placement as a GPU engine's long steps stage it (kStaging).
-  explicit SeededEngine(Fault f, bool staged = false) : fault_(f), staged_(staged), logits_(kVocab) {}
+  explicit SeededEngine(Fault f, bool staged = false, bool file_tier = false)
+      : fault_(f), staged_(staged), file_tier_(file_tier), logits_(kVocab) {}
+  bool has_file_tier() const override { return file_tier_; }
   std::string name() const override { return "test-seeded"; }
   int64_t n_vocab() const override { return kVocab; }
   int n_threads() const override { return 3; }
@@ -43,6 +54,10 @@ class SeededEngine final : public BenchEngine {
     feed(token);
     fill();
     if (fault_ == Fault::NanInDecode && n_past_ == 6) logits_[17] = NAN;
+    if (fault_ == Fault::ColdRunDiffers && runs_ == 1 && n_past_ == 3) {   // the first run only: output index 2
+      const auto top = std::max_element(logits_.begin(), logits_.end()) - logits_.begin();
+      logits_[(top + 1) % kVocab] = logits_[top] + 1.0f;
+    }
     if (fault_ == Fault::ChangesOnSecondRun && runs_ % 2 == 0 && n_past_ == 9) {
       // Every second reset is a counted run (2 per test): move the maximum there only.
       const auto top = std::max_element(logits_.begin(), logits_.end()) - logits_.begin();
@@ -59,6 +74,14 @@ class SeededEngine final : public BenchEngine {
     s.bytes_per_token[static_cast<int>(Tier::Ram)] = kRamBytesPerToken;
     s.hit_rate[static_cast<int>(Tier::Ram)] = 1.0;
     if (staged_) s.staging = kStaging();
+    if (file_tier_) {
+      // The run's positions: the one-token prompt and every decode step but the last's output.
+      const uint64_t tokens = static_cast<uint64_t>(n_past_);
+      const uint64_t hits = (runs_ == 1 ? kColdHitsPerToken : kWarmHitsPerToken) * tokens;
+      const uint64_t misses = kExpertsPerToken * tokens - hits;
+      s.file_cache = {hits, misses, static_cast<uint64_t>(kFileExpertBytes) * (misses + tokens), tokens, tokens / 2, tokens};
+      s.placed_bytes_per_token = {0, 0, kFileExpertBytes * kExpertsPerToken};
+    }
     return s;
   }
 
@@ -85,7 +108,7 @@ class SeededEngine final : public BenchEngine {
     return st;
   }
   Fault fault_;
-  bool staged_ = false;
+  bool staged_ = false, file_tier_ = false;
   std::vector<float> logits_;
   uint64_t history_ = 0;
   int64_t n_past_ = 0;
@@ -99,17 +122,18 @@ struct CliResult {
 
 constexpr double kWeightFlops = 5e8;
 
-CliResult run_cli(Fault f, std::vector<std::string> args, bool staged = false) {
+CliResult run_cli(Fault f, std::vector<std::string> args, bool staged = false, bool file_tier = false,
+                  const std::string& model = std::string(MORAINE_SOURCE_DIR) + "/tests/bench/bench_report_test.cpp") {
   // The disk probe reads -m with O_DIRECT: this source file is a real file under one request.
-  std::vector<std::string> argv_s{"moraine-bench", "-m", std::string(MORAINE_SOURCE_DIR) + "/tests/bench/bench_report_test.cpp",
+  std::vector<std::string> argv_s{"moraine-bench", "-m", model,
                                   "--dram-probe-mib", "64", "--disk-probe-mib", "8", "--gpu-probe-mib", "8"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& s : argv_s) argv.push_back(s.data());
-  const EngineFactory factory = [f, staged](const BenchOptions& o) {
+  const EngineFactory factory = [f, staged, file_tier](const BenchOptions& o) {
     ModelSummary m{o.model, "test-arch", 42, 4, 8, 2};
     m.prefill.weight_flops = kWeightFlops;   // no experts to time: the GEMM probe says n/a on any machine
-    return EngineUnderTest{std::make_unique<SeededEngine>(f, staged), m};
+    return EngineUnderTest{std::make_unique<SeededEngine>(f, staged, file_tier), m};
   };
   std::ostringstream out, err;
   const int status = bench_main(static_cast<int>(argv.size()), argv.data(), factory, out, err);
@@ -146,6 +170,13 @@ TEST(BenchFaults, EngineReportedFaultIsRefused) {
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(r.out.empty()) << r.out;
   EXPECT_NE(r.err.find("tg8 run 1: the engine reports a fault: cpu_expert_worker 1 restarted"), std::string::npos) << r.err;
+}
+
+TEST(BenchFaults, ColdCacheRunWithOtherTokensIsRefused) {
+  const CliResult r = run_cli(Fault::ColdRunDiffers, {"-n", "8", "-p", "4"}, false, true);
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find("tg8 cold-cache run: greedy output differs from the warm runs' at token 2"), std::string::npos) << r.err;
 }
 
 TEST(BenchFaults, BadArgumentsAreRefusedWithTheirName) {
@@ -202,6 +233,8 @@ TEST(BenchReport, JsonParsesAndCarriesEveryField) {
   }
   EXPECT_EQ(j.at("bytes_per_token").at("ram"), kRamBytesPerToken);
   EXPECT_EQ(j.at("hit_rate").at("ram"), 1.0);
+  EXPECT_TRUE(j.at("file_tier").is_null()) << "no FILE tier, no cold/warm figures";
+  for (const char* tier : {"vram", "ram", "file"}) EXPECT_TRUE(j.at("placed_bytes_per_token").contains(tier)) << tier;
   // The file is under one O_DIRECT request: disk says why it has no number.
   EXPECT_TRUE(j.at("bandwidth").at("disk").at("bytes_per_s").is_null());
 
@@ -241,6 +274,55 @@ TEST(BenchReport, PrefillBoundInJsonAndTable) {
   // An engine without staging: n/a with its reason.
   const CliResult u = run_cli(Fault::None, {"-n", "4", "-p", "32"});
   EXPECT_NE(u.out.find("prefill bound: n/a (the engine computes on the CPU"), std::string::npos) << u.out;
+}
+
+// An engine with a FILE tier: one decode run first (cold), then the usual runs (warm); each with
+// the cache's hit rate, the bytes read from the file per position and the disk bound they set at
+// the measured O_DIRECT rate of -m (a 9 MiB file: one 8 MiB request).
+TEST(BenchReport, FileTierColdAndWarmRunsWithTheDiskBound) {
+  const std::string model = (std::filesystem::temp_directory_path() / ("bench-file-tier-" + std::to_string(::getpid()))).string();
+  {
+    std::ofstream f(model, std::ios::binary);
+    const std::vector<char> block(1 << 20, 3);
+    for (int i = 0; i < 9; ++i) f.write(block.data(), static_cast<std::streamsize>(block.size()));
+  }
+  const CliResult r = run_cli(Fault::None, {"-n", "8", "-p", "4", "--json"}, false, true, model);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const nlohmann::json& ft = j.at("file_tier");
+  ASSERT_TRUE(ft.is_object()) << j.dump();
+  const uint64_t tokens = 9;   // the one-token prompt + 8 decode steps
+  for (const auto& [name, hits_per_token] : {std::pair{"cold", kColdHitsPerToken}, std::pair{"warm", kWarmHitsPerToken}}) {
+    const nlohmann::json& run = ft.at(name);
+    EXPECT_EQ(run.at("counted_runs"), 1) << name;
+    EXPECT_GT(run.at("tok_s").get<double>(), 0.0) << name;
+    EXPECT_EQ(run.at("tokens").get<uint64_t>(), tokens) << name;
+    EXPECT_EQ(run.at("hits").get<uint64_t>(), hits_per_token * tokens) << name;
+    EXPECT_EQ(run.at("misses").get<uint64_t>(), (kExpertsPerToken - hits_per_token) * tokens) << name;
+    EXPECT_DOUBLE_EQ(run.at("hit_rate").get<double>(), static_cast<double>(hits_per_token) / kExpertsPerToken) << name;
+    // What the disk read per position: every miss and one read-ahead.
+    const double disk = run.at("disk_bytes_per_token").get<double>();
+    EXPECT_DOUBLE_EQ(disk, kFileExpertBytes * static_cast<double>(kExpertsPerToken - hits_per_token + 1)) << name;
+    EXPECT_DOUBLE_EQ(run.at("placed_bytes_per_token").at("file").get<double>(), kFileExpertBytes * kExpertsPerToken) << name;
+    const nlohmann::json& bw = ft.at("disk_bytes_per_s");
+    if (bw.is_null()) {   // a file system without O_DIRECT: no bound, and why
+      EXPECT_TRUE(run.at("disk_bound_tok_s").is_null()) << name;
+      EXPECT_NE(run.at("why_none").get<std::string>().find("not measured"), std::string::npos) << run.dump();
+      continue;
+    }
+    const double bound = run.at("disk_bound_tok_s").get<double>();
+    EXPECT_NEAR(bound, bw.get<double>() / disk, 1e-9 * bound) << name;
+    EXPECT_NEAR(run.at("share_of_disk_bound").get<double>(), run.at("tok_s").get<double>() / bound, 1e-9) << name;
+  }
+  EXPECT_GE(ft.at("warm").at("hit_rate").get<double>(), ft.at("cold").at("hit_rate").get<double>());
+  EXPECT_EQ(ft.at("warm").at("tok_s"), j.at("decode").at("tok_s"));
+  const CliResult t = run_cli(Fault::None, {"-n", "8", "-p", "4"}, false, true, model);
+  ASSERT_EQ(t.status, 0) << t.err;
+  EXPECT_NE(t.out.find("FILE tier: cold = the first decode run after the engine started"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("| cold  |"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("|     25.0% |"), std::string::npos) << t.out;   // the cold hit rate
+  EXPECT_NE(t.out.find("|     75.0% |"), std::string::npos) << t.out;
+  std::filesystem::remove(model);
 }
 
 TEST(BenchReport, TableNamesTheEngineAndTheTests) {

@@ -70,10 +70,24 @@ BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   r.repeat = o.repeat;
   r.vram_budget = o.vram_budget;
   r.ram_budget = o.ram_budget;
-  // Runs first: a faulty run ends the bench before minutes of probing.
+  // Runs first: a faulty run ends the bench before minutes of probing. With a FILE tier, one
+  // decode run before anything else fills the file cache: the cold-cache figure.
+  std::optional<FileTierRun> cold;
+  if (e.has_file_tier()) {
+    cold = FileTierRun{time_decode_once(e, o.n_gen), {}, {}};
+    cold->stats = e.stats();
+  }
   for (int64_t n : o.prompt_lengths) r.prefill.push_back(time_prefill(e, bench_prompt(n, e.n_vocab()), o.repeat));
   r.decode = time_decode(e, o.n_gen, o.repeat);
   r.stats = e.stats();
+  if (cold) {
+    const auto diff = std::mismatch(cold->decode.output.begin(), cold->decode.output.end(), r.decode.output.begin(), r.decode.output.end());
+    if (diff.first != cold->decode.output.end() || diff.second != r.decode.output.end()) {
+      throw BenchFault("tg" + std::to_string(o.n_gen) + " cold-cache run: greedy output differs from the warm runs' at token " +
+                       std::to_string(diff.first - cold->decode.output.begin()) + " (non-deterministic engine)");
+    }
+    r.file_tier = FileTierRuns{*cold, {r.decode, r.stats, {}}};
+  }
   // The engine (for the group: the processes holding the GPU) goes before the GPU probes: the
   // probes' own CUDA context and buffers beside it added ~0.5 GiB to the device memory that
   // bench/side-by-side measures for the row (H200: the gpu_worker 13.5 GiB, nvidia-smi 14.1).
@@ -90,6 +104,11 @@ BenchReport run_all(const BenchOptions& o, EngineUnderTest& eut) {
   TierBandwidth bw;
   for (int t = 0; t < kTierCount; ++t) bw[t] = r.bandwidth[t].bytes_per_s;
   r.bound = decode_bound(r.stats.bytes_per_token, bw);
+  if (r.file_tier) {
+    for (FileTierRun* run : {&r.file_tier->cold, &r.file_tier->warm}) {
+      run->disk = disk_bound(run->stats.file_cache, run->decode.tok_s, bw[static_cast<int>(Tier::Disk)]);
+    }
+  }
   if (r.bound.tok_s) r.share_of_bound = r.decode.tok_s / *r.bound.tok_s;
   prefill_bounds(r, bw);
   return r;

@@ -37,11 +37,22 @@ struct ExpertStaging {
   bool device_computes = true;
 };
 
+// The tiers an expert is placed in (coordinator/placement.h), for bytes per token by placement.
+inline constexpr int kPlacedCount = 3;
+inline constexpr std::array<const char*, kPlacedCount> kPlacedNames = {"vram", "ram", "file"};
+
 struct EngineStats {
-  // Weight bytes one decode token reads from each tier (expected value over the routing).
+  // Weight bytes one decode token reads from each tier (expected value over the routing). With a
+  // file cache, a FILE-tier expert found in the cache is read from RAM, and disk is what the
+  // run read from the model file per token (measured: the misses' reads and the read-ahead).
   std::array<double, kTierCount> bytes_per_token{};
-  // Share of expert reads served by each tier (sums to 1 over the tiers that serve any).
+  // Share of expert reads served by each tier (sums to 1 over the tiers that serve any): disk
+  // is the FILE-tier experts read on demand (cache misses), their hits count as RAM.
   std::array<double, kTierCount> hit_rate{};
+  // Weight bytes one decode token computes by where the placement put them: VRAM, RAM (the RAM
+  // tier; the dense part where the backend computes), FILE (every FILE-tier expert, hit or miss).
+  // Sums to the model's bytes per token. Zero for engines without a placement.
+  std::array<double, kPlacedCount> placed_bytes_per_token{};
   // Experts computed by each tier over the last run (what hit_rate is the share of); 0 for
   // engines that do not count them.
   std::array<uint64_t, kTierCount> expert_reads{};
@@ -68,8 +79,9 @@ struct EngineStats {
   uint64_t doorbell_sleeps = 0, pool_sleeps = 0, spin_cut_short = 0;
   // The cpu workers' file cache over the last run (cpu_expert_worker/expert_cache.h): FILE-tier
   // experts computed from a cached slot (hits) or after reading them (misses), the bytes read from
-  // the model file (misses and read-ahead), experts read ahead and of those used; and the tokens
-  // (prompt + generated) of the run, for per-token figures. Zero without a FILE tier.
+  // the model file (misses and read-ahead), experts read ahead and of those used; and the
+  // positions of the run (prompt + generated - 1: the last token is never fed back), for
+  // per-token figures. Zero without a FILE tier.
   struct FileCache {
     uint64_t hits = 0, misses = 0, bytes_read = 0, read_ahead = 0, read_ahead_used = 0, tokens = 0;
   } file_cache;
@@ -124,6 +136,9 @@ class BenchEngine {
   // A fault the engine saw since reset() that invalidates the run's timing or output (a worker
   // restart, a retried transfer); empty when none. The in-process reference has none to see.
   virtual std::string detected_fault() const { return {}; }
+  // Whether some experts stay in the model file behind a host cache: the bench then times one
+  // decode run first, while that cache is cold (the engine just started), beside the warm runs.
+  virtual bool has_file_tier() const { return false; }
 };
 
 }  // namespace moraine::bench

@@ -98,38 +98,48 @@ Timing time_prefill(BenchEngine& e, const std::vector<int32_t>& prompt, int runs
   return summarize(static_cast<int64_t>(prompt.size()), seconds);
 }
 
+namespace {
+
+// One greedy decode of n_gen tokens after a one-token prompt from an empty context; `seconds`:
+// the decode steps' time.
+std::vector<int32_t> decode_run(BenchEngine& e, int64_t n_gen, const std::string& where, double& seconds) {
+  const std::vector<int32_t> start = bench_prompt(1, e.n_vocab());
+  e.reset();
+  std::vector<int32_t> output;
+  if (e.self_timed()) {
+    // n_gen + 1 tokens: the prefill gives the first, then n_gen timed decode steps.
+    const BenchEngine::Generated g = e.generate(start, n_gen + 1);
+    check_engine_fault(e, where);
+    if (static_cast<int64_t>(g.ids.size()) != n_gen + 1) {
+      throw BenchFault(where + ": the engine returned " + std::to_string(g.ids.size()) + " tokens, expected " +
+                       std::to_string(n_gen + 1));
+    }
+    seconds = g.decode_s;
+    return g.ids;
+  }
+  int32_t tok = checked_argmax(e.prefill(start), e.n_vocab(), where + " (1-token prompt)");
+  output.push_back(tok);
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < n_gen; ++i) {
+    tok = checked_argmax(e.decode_one(tok), e.n_vocab(), where + " token " + std::to_string(i + 1));
+    output.push_back(tok);
+  }
+  seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  check_engine_fault(e, where);
+  return output;
+}
+
+}  // namespace
+
 Timing time_decode(BenchEngine& e, int64_t n_gen, int runs) {
   check_runs(runs);
   const std::string test = "tg" + std::to_string(n_gen);
-  const std::vector<int32_t> start = bench_prompt(1, e.n_vocab());
   std::vector<double> seconds;
   std::vector<int32_t> first_output;
   for (int r = 0; r < runs; ++r) {
     const std::string where = test + " run " + std::to_string(r + 1);
-    e.reset();
-    std::vector<int32_t> output;
     double s = 0;
-    if (e.self_timed()) {
-      // n_gen + 1 tokens: the prefill gives the first, then n_gen timed decode steps.
-      const BenchEngine::Generated g = e.generate(start, n_gen + 1);
-      check_engine_fault(e, where);
-      if (static_cast<int64_t>(g.ids.size()) != n_gen + 1) {
-        throw BenchFault(where + ": the engine returned " + std::to_string(g.ids.size()) + " tokens, expected " +
-                         std::to_string(n_gen + 1));
-      }
-      output = g.ids;
-      s = g.decode_s;
-    } else {
-      int32_t tok = checked_argmax(e.prefill(start), e.n_vocab(), where + " (1-token prompt)");
-      output.push_back(tok);
-      const auto t0 = Clock::now();
-      for (int64_t i = 0; i < n_gen; ++i) {
-        tok = checked_argmax(e.decode_one(tok), e.n_vocab(), where + " token " + std::to_string(i + 1));
-        output.push_back(tok);
-      }
-      s = std::chrono::duration<double>(Clock::now() - t0).count();
-      check_engine_fault(e, where);
-    }
+    const std::vector<int32_t> output = decode_run(e, n_gen, where, s);
     if (r == 0) {
       first_output = output;
       continue;
@@ -142,7 +152,17 @@ Timing time_decode(BenchEngine& e, int64_t n_gen, int runs) {
     }
     seconds.push_back(s);
   }
-  return summarize(n_gen, seconds);
+  Timing t = summarize(n_gen, seconds);
+  t.output = std::move(first_output);
+  return t;
+}
+
+Timing time_decode_once(BenchEngine& e, int64_t n_gen) {
+  double s = 0;
+  std::vector<int32_t> output = decode_run(e, n_gen, "tg" + std::to_string(n_gen) + " cold-cache run", s);
+  Timing t = summarize(n_gen, {s});
+  t.output = std::move(output);
+  return t;
 }
 
 }  // namespace moraine::bench

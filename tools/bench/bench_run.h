@@ -21,6 +21,7 @@ struct Timing {
   double tok_s = 0;       // mean over the counted runs (every run after the first)
   double stddev = 0;      // over the counted runs
   int counted_runs = 0;
+  std::vector<int32_t> output;   // decode: the greedy ids every run produced (prompt's first token first)
 };
 
 // The fixed prompt: n ids from a 64-bit LCG with a fixed seed, in [0, n_vocab). The same ids
@@ -31,5 +32,8 @@ std::vector<int32_t> bench_prompt(int64_t n, int64_t n_vocab);
 Timing time_prefill(BenchEngine& e, const std::vector<int32_t>& prompt, int runs);
 // `runs` >= 2 greedy decodes of n_gen tokens after a one-token prompt; the first is the warm-up.
 Timing time_decode(BenchEngine& e, int64_t n_gen, int runs);
+// One greedy decode as time_decode's, counted on its own: the first run after the engine
+// started, while its file cache is cold (BenchEngine::has_file_tier).
+Timing time_decode_once(BenchEngine& e, int64_t n_gen);
 
 }  // namespace moraine::bench

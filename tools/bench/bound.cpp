@@ -26,4 +26,22 @@ Bound decode_bound(const std::array<double, kTierCount>& bytes_per_token, const 
   return b;
 }
 
+DiskBound disk_bound(const EngineStats::FileCache& fc, double run_tok_s, const std::optional<double>& disk_bytes_per_s) {
+  DiskBound d;
+  if (fc.tokens == 0) {
+    d.why_none = "the run computed no positions";
+    return d;
+  }
+  d.bytes_per_token = static_cast<double>(fc.bytes_read) / static_cast<double>(fc.tokens);
+  if (d.bytes_per_token <= 0) {
+    d.why_none = "the run read nothing from the model file (every FILE-tier expert it used was in the file cache)";
+  } else if (!disk_bytes_per_s || *disk_bytes_per_s <= 0) {
+    d.why_none = "the disk's O_DIRECT rate was not measured";
+  } else {
+    d.tok_s = *disk_bytes_per_s / d.bytes_per_token;
+    if (run_tok_s > 0) d.share = run_tok_s / *d.tok_s;
+  }
+  return d;
+}
+
 }  // namespace moraine::bench

@@ -21,4 +21,13 @@ struct Bound {
 
 Bound decode_bound(const std::array<double, kTierCount>& bytes_per_token, const TierBandwidth& bandwidth);
 
+// The disk alone as the limit of a run with a FILE tier: the bytes the run read from the model
+// file per position over the measured O_DIRECT rate, and the share of it the run's tok/s reached.
+struct DiskBound {
+  double bytes_per_token = 0;   // file_cache.bytes_read / file_cache.tokens
+  std::optional<double> tok_s, share;
+  std::string why_none;         // set when tok_s is nullopt
+};
+DiskBound disk_bound(const EngineStats::FileCache& fc, double run_tok_s, const std::optional<double>& disk_bytes_per_s);
+
 }  // namespace moraine::bench

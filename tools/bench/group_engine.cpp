@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <stdexcept>
 #include <utility>
@@ -109,6 +110,12 @@ void GroupEngine::start(bool record_census) {
   // Loading a large model can take minutes from a slow disk.
   lo.ready_timeout = std::chrono::minutes(20);
   group_ = std::make_unique<group::LaunchedGroup>(lo);
+  file_tier_ = false;
+  try {
+    if (const ExpertStaging st = staging(); std::find(st.tier.begin(), st.tier.end(), uint8_t{2}) != st.tier.end()) file_tier_ = true;
+  } catch (const std::exception&) {
+    // No plan to read: stats() says why; no cold-cache run.
+  }
 }
 
 void GroupEngine::warm_census(std::span<const int32_t> prompt, int64_t n) {
@@ -220,7 +227,7 @@ BenchEngine::Generated GroupEngine::generate(std::span<const int32_t> prompt, in
   req.set_no_prompt_cache(true);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, req);
-  tokens_since_reset_ += prompt.size() + static_cast<uint64_t>(n);
+  tokens_since_reset_ += prompt.size() + static_cast<uint64_t>(std::max<int64_t>(n, 1)) - 1;
   Generated g;
   generate::GenerateChunk chunk;
   std::string error;
@@ -341,20 +348,36 @@ EngineStats GroupEngine::stats() const {
   }
   // Dense weights live where the backend computes: device memory, or RAM for the CPU backend.
   s.bytes_per_token[static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram)] += bytes_.dense;
+  s.placed_bytes_per_token[on_gpu ? 0 : 1] += bytes_.dense;
   if (total > 0) {
     const int vram_tier = static_cast<int>(on_gpu ? Tier::Vram : Tier::Ram);
+    // FILE-tier experts found in the file cache are read from RAM; the misses were read from
+    // the disk on demand (hits + misses = experts_file: every FILE-tier expert computed).
+    const double hits = static_cast<double>(std::min(d[kCacheHits], d[kExpertsFile]));
     s.hit_rate[vram_tier] += vram / total;
-    s.hit_rate[static_cast<int>(Tier::Ram)] += ram / total;
-    s.hit_rate[static_cast<int>(Tier::Disk)] += file / total;
+    s.hit_rate[static_cast<int>(Tier::Ram)] += (ram + hits) / total;
+    s.hit_rate[static_cast<int>(Tier::Disk)] += (file - hits) / total;
     // The device's copies over the bus: the PCIe tier, read beside the cpu workers' DRAM (the CPU
     // backend computes them from RAM).
     const int taken_tier = static_cast<int>(on_gpu ? Tier::Pcie : Tier::Ram);
     s.hit_rate[taken_tier] += taken / total;
     s.expert_reads[taken_tier] += d[kExpertsTaken];
     s.expert_reads[vram_tier] += d[kExpertsVram];
-    s.expert_reads[static_cast<int>(Tier::Ram)] += d[kExpertsRam];
-    s.expert_reads[static_cast<int>(Tier::Disk)] += d[kExpertsFile];
-    for (int t = 0; t < kTierCount; ++t) s.bytes_per_token[t] += bytes_.experts * s.hit_rate[t];
+    s.expert_reads[static_cast<int>(Tier::Ram)] += d[kExpertsRam] + static_cast<uint64_t>(hits);
+    s.expert_reads[static_cast<int>(Tier::Disk)] += d[kExpertsFile] - static_cast<uint64_t>(hits);
+    for (int t = 0; t < kTierCount; ++t) {
+      if (t != static_cast<int>(Tier::Disk)) s.bytes_per_token[t] += bytes_.experts * s.hit_rate[t];
+    }
+    s.placed_bytes_per_token[0] += bytes_.experts * vram / total;
+    s.placed_bytes_per_token[1] += bytes_.experts * (ram + taken) / total;
+    s.placed_bytes_per_token[2] += bytes_.experts * file / total;
+  }
+  // What the disk delivered: the bytes the cpu workers had read from the model file (demand
+  // misses and read-ahead, used or not) over the run's positions; an estimate from the misses
+  // alone would leave out what the read-ahead read.
+  if (s.file_cache.tokens > 0) {
+    s.bytes_per_token[static_cast<int>(Tier::Disk)] =
+        static_cast<double>(s.file_cache.bytes_read) / static_cast<double>(s.file_cache.tokens);
   }
   return s;
 }

@@ -55,6 +55,7 @@ class GroupEngine final : public BenchEngine {
   Generated generate(std::span<const int32_t> prompt, int64_t n) override;
   EngineStats stats() const override;
   std::string detected_fault() const override;
+  bool has_file_tier() const override { return file_tier_; }
 
   // The census warm-up ("census warm; the second run counts"): generates n tokens after
   // `prompt` so the gpu_worker records which experts the routing used, stops the group (the
@@ -81,7 +82,8 @@ class GroupEngine final : public BenchEngine {
   WorkerCounts worker_counts() const;
   GroupEngineOptions o_;
   WorkerCounts counts_at_reset_{};
-  uint64_t tokens_since_reset_ = 0;   // prompt and generated tokens of the runs since reset()
+  uint64_t tokens_since_reset_ = 0;   // positions computed by the runs since reset() (prompt + n - 1 each)
+  bool file_tier_ = false;            // the placement the group started with has FILE-tier experts
   std::array<uint64_t, 3> speculation_counts() const;   // the coordinator's verify_steps, drafted, accepted
   std::array<uint64_t, 3> speculation_at_reset_{};
   std::unique_ptr<model::Model> model_;

@@ -64,6 +64,7 @@ EngineStats ReferenceEngine::stats() const {
   EngineStats s;
   s.bytes_per_token[static_cast<int>(Tier::Ram)] = bytes_.total();
   s.hit_rate[static_cast<int>(Tier::Ram)] = 1.0;
+  s.placed_bytes_per_token[1] = bytes_.total();   // every weight in RAM
   s.budgets_applied = false;
   return s;
 }

@@ -50,6 +50,57 @@ nlohmann::json staging_json(const ExpertStaging& s) {
           {"popularity", s.popularity_note}};
 }
 
+nlohmann::json placed_json(const EngineStats& s) {
+  nlohmann::json j;
+  for (int t = 0; t < kPlacedCount; ++t) j[kPlacedNames[t]] = s.placed_bytes_per_token[t];
+  return j;
+}
+
+nlohmann::json file_tier_run_json(const FileTierRun& run) {
+  const EngineStats::FileCache& fc = run.stats.file_cache;
+  return {{"tok_s", run.decode.tok_s},
+          {"counted_runs", run.decode.counted_runs},
+          {"hits", fc.hits},
+          {"misses", fc.misses},
+          {"hit_rate", fc.hits + fc.misses > 0 ? nlohmann::json(static_cast<double>(fc.hits) / static_cast<double>(fc.hits + fc.misses))
+                                               : nlohmann::json(nullptr)},
+          {"bytes_read", fc.bytes_read},
+          {"read_ahead", fc.read_ahead},
+          {"read_ahead_used", fc.read_ahead_used},
+          {"tokens", fc.tokens},
+          {"placed_bytes_per_token", placed_json(run.stats)},
+          {"disk_bytes_per_token", run.disk.bytes_per_token},
+          {"disk_bound_tok_s", opt_number(run.disk.tok_s)},
+          {"share_of_disk_bound", opt_number(run.disk.share)},
+          {"why_none", run.disk.why_none}};
+}
+
+// The FILE tier's section of the table: cold and warm, per placement tier the bytes a token
+// computes, the cache's hit rate, what the disk read per token and the bound that sets.
+void print_file_tier(const BenchReport& r, std::ostream& out) {
+  if (!r.file_tier) return;
+  const Measured& disk = r.bandwidth[static_cast<int>(Tier::Disk)];
+  out << "\nFILE tier: cold = the first decode run after the engine started, warm = the counted decode runs (stats of the last);"
+      << " disk rate " << (disk.bytes_per_s ? fmt("%.2f GB/s", *disk.bytes_per_s / 1e9) : std::string("n/a")) << " (" << disk.note
+      << ")\n";
+  out << "| cache |          t/s | VRAM /token |  RAM /token | FILE /token | cache hit | disk read /token | disk bound t/s |  share |\n";
+  out << "| ----- | -----------: | ----------: | ----------: | ----------: | --------: | ---------------: | -------------: | -----: |\n";
+  char line[512];
+  for (const auto& [name, run] : {std::pair{"cold", &r.file_tier->cold}, std::pair{"warm", &r.file_tier->warm}}) {
+    const EngineStats::FileCache& fc = run->stats.file_cache;
+    const std::string hit = fc.hits + fc.misses > 0
+                                ? fmt("%.1f%%", 100.0 * static_cast<double>(fc.hits) / static_cast<double>(fc.hits + fc.misses))
+                                : "n/a";
+    std::snprintf(line, sizeof line, "| %-5s | %12.2f | %11s | %11s | %11s | %9s | %16s | %14s | %6s |\n", name, run->decode.tok_s,
+                  mib(run->stats.placed_bytes_per_token[0]).c_str(), mib(run->stats.placed_bytes_per_token[1]).c_str(),
+                  mib(run->stats.placed_bytes_per_token[2]).c_str(), hit.c_str(), mib(run->disk.bytes_per_token).c_str(),
+                  run->disk.tok_s ? fmt("%.2f", *run->disk.tok_s).c_str() : "n/a",
+                  run->disk.share ? fmt("%.1f%%", 100.0 * *run->disk.share).c_str() : "n/a");
+    out << line;
+    if (!run->disk.tok_s) out << "  " << name << ": no disk bound: " << run->disk.why_none << "\n";
+  }
+}
+
 // The prefill bound's section of the table: per test what a long step copies and computes.
 void print_prefill_bound(const BenchReport& r, std::ostream& out) {
   char line[512];
@@ -148,6 +199,16 @@ nlohmann::json report_json(const BenchReport& r) {
   const EngineStats::FileCache& fc = r.stats.file_cache;
   j["file_cache"] = {{"hits", fc.hits}, {"misses", fc.misses}, {"bytes_read", fc.bytes_read},
                      {"read_ahead", fc.read_ahead}, {"read_ahead_used", fc.read_ahead_used}, {"tokens", fc.tokens}};
+  j["placed_bytes_per_token"] = placed_json(r.stats);
+  if (r.file_tier) {
+    const Measured& disk = r.bandwidth[static_cast<int>(Tier::Disk)];
+    j["file_tier"] = {{"disk_bytes_per_s", opt_number(disk.bytes_per_s)},
+                      {"disk_note", disk.note},
+                      {"cold", file_tier_run_json(r.file_tier->cold)},
+                      {"warm", file_tier_run_json(r.file_tier->warm)}};
+  } else {
+    j["file_tier"] = nullptr;
+  }
   j["cpu_sleeps"] = {{"doorbell", r.stats.doorbell_sleeps}, {"pool", r.stats.pool_sleeps}, {"spin_cut_short", r.stats.spin_cut_short}};
   auto chain = [](const EngineStats::ChainStage& c) {
     return nlohmann::json{{"p50_us", c.p50_us}, {"p90_us", c.p90_us}, {"samples", c.samples}};
@@ -244,6 +305,7 @@ void print_table(const BenchReport& r, std::ostream& out) {
   } else {
     out << "\nbound: n/a (" << r.bound.why_none << ")\n";
   }
+  print_file_tier(r, out);
   print_prefill_bound(r, out);
 }
 

@@ -25,6 +25,17 @@ struct ModelSummary {
   PrefillModel prefill{};   // FLOPs per prompt token and the expert shape (prefill_model)
 };
 
+// One decode figure of an engine with a FILE tier: cold (the first run after the engine started,
+// BenchEngine::has_file_tier) or warm (the counted decode runs, the stats of the last).
+struct FileTierRun {
+  Timing decode;
+  EngineStats stats;
+  DiskBound disk;   // from stats.file_cache and the measured O_DIRECT rate
+};
+struct FileTierRuns {
+  FileTierRun cold, warm;
+};
+
 struct BenchReport {
   std::string engine;
   ModelSummary model;
@@ -45,6 +56,7 @@ struct BenchReport {
   // would see); not used by the bound, which follows the engine's windows.
   GemmRates gemm_step;
   std::vector<PrefillBound> prefill_bound;  // one per prefill timing, same order
+  std::optional<FileTierRuns> file_tier;    // nullopt: the engine has no FILE tier
 };
 
 nlohmann::json report_json(const BenchReport& r);
