@@ -9,7 +9,6 @@
 #include <CLI/CLI.hpp>
 #include <unordered_map>
 #include <algorithm>
-#include <filesystem>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -113,26 +112,6 @@ int long_step_rows_for(const Options& o, const model::Model& m) {
   return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
 }
 
-// The plan's disk line (coordinator/disk_estimate.h): the disk rate given, or measured (~0.25 s
-// of O_DIRECT reads) only when some expert is FILE-tier.
-std::string disk_plan_line(const Options& o, const model::Model& m, const group::PlacementPlan& plan,
-                           const group::Census& census) {
-  group::DiskRate rate{std::nullopt, "not measured: no expert is FILE-tier"};
-  if (o.disk_rate != "auto") {
-    const uint64_t r = group::parse_byte_budget(o.disk_rate, "--disk-rate");
-    if (r == 0 || r == group::kUnlimitedBytes) throw std::invalid_argument("--disk-rate '" + o.disk_rate + "': give bytes per second, e.g. 1.5G");
-    rate = {static_cast<double>(r), "given: --disk-rate " + o.disk_rate};
-  } else if (plan.file.experts > 0) {
-    // The largest shard: the experts' bytes are there.
-    const auto& paths = m.file.paths();
-    rate = group::measure_disk_rate(*std::max_element(paths.begin(), paths.end(), [](const std::string& a, const std::string& b) {
-      return std::filesystem::file_size(a) < std::filesystem::file_size(b);
-    }));
-  }
-  const group::DiskEstimate d = group::estimate_disk_reads(plan, group::model_sizes(m, plan.context, plan.kv_type), census);
-  return group::disk_line(d, rate);
-}
-
 // The placement every process of the group follows: planned once, here (`log`: its lines to stderr).
 // census_out: the popularity the plan was made from (empty: uniform).
 group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true, group::Census* census_out = nullptr) {
@@ -183,7 +162,7 @@ group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log 
       plan = group::plan_placement(in);
     }
   }
-  if (log) std::cerr << "coordinator: " << plan.table() << disk_plan_line(o, m, plan, in.census);
+  if (log) std::cerr << "coordinator: " << plan.table() << group::plan_disk_line(o.disk_rate, m, plan, in.census);
   return plan;
 }
 
@@ -895,7 +874,7 @@ int run(const Options& given) {
     const int long_rows = long_step_rows_for(o, m);
     group::Census census;
     const group::PlacementPlan plan = plan_for(o, m, false, &census);   // a budget it refuses: nothing printed
-    const std::string disk = disk_plan_line(o, m, plan, census);
+    const std::string disk = group::plan_disk_line(o.disk_rate, m, plan, census);
     std::cout << "steps of " << o.max_tokens << " rows";
     if (long_rows > 0) std::cout << ", long steps of " << long_rows << " rows";
     std::cout << "\n" << plan.table() << disk;

@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -120,6 +122,21 @@ std::string disk_line(const DiskEstimate& d, const DiskRate& rate) {
   std::snprintf(line, sizeof line, "; at %.3f GB/s: at most %.2f tok/s (disk rate %s)\n", *rate.bytes_per_s / 1e9,
                 *rate.bytes_per_s / d.disk_bytes, rate.how.c_str());
   return out + line;
+}
+
+std::string plan_disk_line(const std::string& rate_text, const model::Model& m, const PlacementPlan& plan, const Census& census) {
+  DiskRate rate{std::nullopt, "not measured: no expert is FILE-tier"};
+  if (rate_text != "auto") {
+    const std::uint64_t r = parse_byte_budget(rate_text, "--disk-rate");
+    if (r == 0 || r == kUnlimitedBytes) throw std::invalid_argument("--disk-rate '" + rate_text + "': give bytes per second, e.g. 1.5G");
+    rate = {static_cast<double>(r), "given: --disk-rate " + rate_text};
+  } else if (plan.file.experts > 0) {
+    const std::vector<std::string>& paths = m.file.paths();   // the largest shard holds the experts' bytes
+    rate = measure_disk_rate(*std::max_element(paths.begin(), paths.end(), [](const std::string& a, const std::string& b) {
+      return std::filesystem::file_size(a) < std::filesystem::file_size(b);
+    }));
+  }
+  return disk_line(estimate_disk_reads(plan, model_sizes(m, plan.context, plan.kv_type), census), rate);
 }
 
 }  // namespace moraine::group

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "common/model/model.h"
 #include "coordinator/census.h"
 #include "coordinator/placement.h"
 
@@ -39,5 +40,10 @@ DiskRate measure_disk_rate(const std::string& path, double seconds = 0.25);
 // One line for the plan: "  disk reads: P% of routed-expert reads per token from the file
 // (...), B/token; at R: at most T tok/s (how)". No rate: the bound is left out, saying why.
 std::string disk_line(const DiskEstimate& d, const DiskRate& rate);
+
+// The plan's line for model `m` (coordinator --print-plan and its log at start): the rate from
+// `rate_text` ("auto": measured on the largest shard, only when some expert is FILE-tier; else
+// bytes per second, "1.5G"). Throws std::invalid_argument naming --disk-rate for a bad rate.
+std::string plan_disk_line(const std::string& rate_text, const model::Model& m, const PlacementPlan& plan, const Census& census);
 
 }  // namespace moraine::group
