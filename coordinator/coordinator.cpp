@@ -80,6 +80,10 @@ struct Options {
   // most this many tokens (0: never draft) after a recurring context suffix of at least
   // speculate_min_match tokens (group::SuffixDrafter).
   int speculate_draft = 5, speculate_min_match = 1;
+  // ... and where the model has an MTP head (a nextn block) that the backend runs (the CPU one;
+  // StepHeader::mtp), drafts of at most this many tokens from it instead, made by the gpu_worker
+  // after each step (0: suffix drafts only). 3 as the reference engines' MTP drafts.
+  int speculate_mtp = 3;
   // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
   // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
   std::string cache_ram = "8G";
@@ -207,6 +211,12 @@ class Coordinator final : public generate::Coordinator::Service {
         turns_(o.parallel) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
     recurrent_ = std::any_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
+    // The CUDA backend has no MTP head yet (Backend::can_mtp); a gpu_worker without one answers
+    // no drafts (StepReply::mtp_n_drafts -1) and speculation falls back to the suffix drafter.
+    mtp_ = o.speculate_mtp > 0 && !model_.nextn.empty() && o.backend == "cpu";
+    if (o.speculate_mtp > 0 && !model_.nextn.empty() && !mtp_)
+      std::cerr << "coordinator: --backend " << o.backend << " runs no MTP head yet; speculation drafts from the context "
+                << "(the suffix drafter) instead\n";
     context_positions_ = group::planned_context(model_, o.ctx);
     try {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
@@ -247,6 +257,10 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["verify_steps"] = verify_steps_.load();
       (*r.mutable_counters())["drafted_tokens"] = drafted_tokens_.load();
       (*r.mutable_counters())["accepted_draft_tokens"] = accepted_draft_tokens_.load();
+      // --speculate-mtp: drafts taken from the MTP head, and steps whose reply had none (the head
+      // could not follow the sequence, or the backend has none: then suffix drafts).
+      (*r.mutable_counters())["mtp_drafts_used"] = mtp_drafts_used_.load();
+      (*r.mutable_counters())["mtp_no_drafts"] = mtp_no_drafts_.load();
       // The prefix cache (reuse_prefix): requests that reused cached positions, and how many.
       (*r.mutable_counters())["prefix_cache_hits"] = prefix_cache_hits_.load();
       (*r.mutable_counters())["prefix_cached_tokens"] = prefix_cached_tokens_.load();
@@ -336,7 +350,10 @@ class Coordinator final : public generate::Coordinator::Service {
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
     // Speculation (GenerateRequest::speculate): suffix drafts verified by greedy tokens, so only
     // where the gpu_worker returns them.
-    const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0;
+    const bool speculate = req->speculate() && token_only_ && (o_.speculate_draft > 0 || mtp_);
+    me.mtp = speculate && mtp_;
+    mtp_request_ = me.mtp;
+    mtp_draft_at_ = -1;
     group::DraftPolicy policy;
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
@@ -426,6 +443,7 @@ class Coordinator final : public generate::Coordinator::Service {
     uint64_t saved_key = 0;   // its sequence waits saved (pinned) under this key; 0: live or not started
     const std::vector<int32_t>* context = nullptr;
     bool token_only = false, check_on_worker = false;
+    bool mtp = false;   // its steps run the MTP head (StepHeader::mtp)
   };
   // At the start of a turn: the gpu_worker's live sequence becomes this request's. Another running
   // request's live sequence is saved first (pinned; its tokens stay live too, so a new request may
@@ -433,7 +451,9 @@ class Coordinator final : public generate::Coordinator::Service {
   void enter_turn(Running& me) {
     token_only_ = me.token_only;
     check_on_worker_ = me.check_on_worker;
+    mtp_request_ = me.mtp;
     if (live_owner_ == me.id) return;
+    mtp_draft_at_ = -1;   // another sequence's drafts
     if (live_owner_ != 0) {
       Running& other = *running_.at(live_owner_);
       state_ops_.save = conversations_.new_key();
@@ -528,12 +548,18 @@ class Coordinator final : public generate::Coordinator::Service {
     const int64_t pending = static_cast<int64_t>(context.size()) - position_;
     // A window emits up to draft + 1 tokens: no more than are left to generate, and no
     // position past the cache that a one-token step would not have needed.
-    group::DraftOptions lo{o_.speculate_draft, o_.speculate_min_match};
+    group::DraftOptions lo{mtp_request_ ? std::max(o_.speculate_mtp, o_.speculate_draft) : o_.speculate_draft,
+                           o_.speculate_min_match};
     lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(seq.max_new() - seq.generated()) - 1,
                                                        context_positions_ - static_cast<int64_t>(context.size()),
                                                        o_.max_tokens - pending}));
     std::vector<int32_t> draft;
-    if (speculate && lo.max_draft > 0) {
+    if (speculate && lo.max_draft > 0 && mtp_draft_at_ == static_cast<int64_t>(context.size())) {
+      // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft).
+      draft.assign(mtp_draft_.begin(), mtp_draft_.begin() + std::min<int64_t>(lo.max_draft, static_cast<int64_t>(mtp_draft_.size())));
+      ++mtp_drafts_used_;
+    } else if (speculate && lo.max_draft > 0 && o_.speculate_draft > 0) {
+      lo.max_draft = std::min(lo.max_draft, o_.speculate_draft);
       drafter.sync(context);
       draft = drafter.draft(lo);
     }
@@ -707,8 +733,11 @@ class Coordinator final : public generate::Coordinator::Service {
     int32_t token = -1;
     // A long prompt goes in long steps (GroupManifest::long_step_rows), the rest in steps of max_tokens.
     const int64_t step_rows = logit_rows == 1 && long_rows_ > 0 ? long_rows_ : o_.max_tokens;
+    int64_t last_first = 0, last_rows = 0;   // the last step's first position and rows
     for (int64_t at = 0; at < n; at += step_rows) {
       const int64_t m = std::min<int64_t>(step_rows, n - at);
+      last_first = position_;
+      last_rows = m;
       std::copy_n(tokens + at, m, xl_.region("tokens").at<int32_t>(base));
       auto* hdr = xl_.region("step").at<group::StepHeader>(base);
       hdr->step_seq = ++step_seq_;
@@ -720,6 +749,8 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->first_position = static_cast<uint32_t>(position_);
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
+      hdr->mtp = mtp_request_ ? 1 : 0;
+      hdr->mtp_drafts = mtp_request_ && token_only_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
       // The conversation cache's operations go with the first step after reuse_prefix; a failed
       // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
       StateOps ops = std::move(state_ops_);
@@ -784,6 +815,7 @@ class Coordinator final : public generate::Coordinator::Service {
     if (token_only_) {
       // Both step channels leave the reply in the exchange; the last step's is the last row's.
       const group::StepReply& reply = *xl_.region("step_reply").at<const group::StepReply>(base);
+      take_mtp_drafts(reply, last_first, last_rows, logit_rows);
       const std::span<const int32_t> rows(reply.row_tokens, static_cast<size_t>(logit_rows));
       for (const int32_t t : rows)
         if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(t) + " is outside the vocabulary");
@@ -799,6 +831,26 @@ class Coordinator final : public generate::Coordinator::Service {
       logits_dump_.flush();
     }
     return {{logits, static_cast<size_t>(V)}, -1, -1, {}, {}};
+  }
+
+  // The MTP drafts the last step's reply holds (StepHeader::mtp): they follow logit row mtp_row's
+  // greedy token, so draft[0] would sit at context index first + (rows - logit_rows + mtp_row) + 2,
+  // n being the last step's rows (first: its first position).
+  void take_mtp_drafts(const group::StepReply& reply, int64_t first, int64_t n, int64_t logit_rows) {
+    mtp_draft_at_ = -1;
+    if (!mtp_request_) return;
+    if (reply.mtp_n_drafts < 0) {
+      ++mtp_no_drafts_;
+      return;
+    }
+    const int64_t V = model_.hp.n_vocab;
+    if (reply.mtp_n_drafts > o_.speculate_mtp || reply.mtp_row < 0 || reply.mtp_row >= logit_rows)
+      throw std::runtime_error("gpu_worker: " + std::to_string(reply.mtp_n_drafts) + " MTP drafts after logit row " +
+                               std::to_string(reply.mtp_row) + " (asked for " + std::to_string(o_.speculate_mtp) + ")");
+    mtp_draft_.assign(reply.mtp_draft, reply.mtp_draft + reply.mtp_n_drafts);
+    for (const int32_t t : mtp_draft_)
+      if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: MTP draft " + std::to_string(t) + " is outside the vocabulary");
+    mtp_draft_at_ = first + (n - logit_rows + reply.mtp_row) + 2;
   }
 
   // A step's whole round trip, a long prefill chunk included.
@@ -838,6 +890,11 @@ class Coordinator final : public generate::Coordinator::Service {
   // which the next step drops (StepHeader::rewind).
   bool rewind_pending_ = false;
   bool recurrent_ = false;           // the model has recurrent layers: rewinds go to a snapshot
+  bool mtp_ = false;                 // speculation drafts with the model's MTP head (--speculate-mtp)
+  bool mtp_request_ = false;         // ... for the request in its turn: its steps carry StepHeader::mtp
+  std::vector<int32_t> mtp_draft_;   // the last step's MTP drafts, for context index mtp_draft_at_ on
+  int64_t mtp_draft_at_ = -1;
+  std::atomic<uint64_t> mtp_drafts_used_{0}, mtp_no_drafts_{0};
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};
@@ -929,6 +986,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate-draft", o.speculate_draft,
                  "tokens a suffix draft proposes at most, for requests that ask for speculation (0: never draft)")
+      ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
+  app.add_option("--speculate-mtp", o.speculate_mtp,
+                 "tokens the model's MTP head drafts at most, for requests that ask for speculation, where the model has "
+                 "one (a nextn block) and the backend runs it (cpu; else the suffix drafter); 0: suffix drafts only")
       ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
   app.add_option("--speculate-min-match", o.speculate_min_match,
                  "shortest recurring context suffix a draft follows")

@@ -110,11 +110,14 @@ void ReferenceExecutor::mixer_step(int64_t il, float* x, int64_t n, float* h) {
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.ffn_norm.data(), d, eps, h + t * d);
 }
 
-void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, float* logits) {
-  const model::HParams& hp = m_.hp;
-  const int64_t d = hp.n_embd;
-  const float eps = static_cast<float>(hp.rms_eps);
+void ReferenceExecutor::output_norm(const float* x, int64_t rows, float* h) const {
+  const int64_t d = m_.hp.n_embd;
+  const float eps = static_cast<float>(m_.hp.rms_eps);
   for (int64_t t = 0; t < rows; ++t) rms_norm(x + t * d, m_.output_norm.data(), d, eps, h + t * d);
+}
+
+void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, float* logits) {
+  output_norm(x, rows, h);
   matmul(m_.output, h, rows, logits, pool_, order_);
 }
 

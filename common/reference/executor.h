@@ -80,6 +80,8 @@ class ReferenceExecutor {
   // mixer_step calls' rows start at position n_past() + first, not n_past(). Each layer must see
   // its windows in order, so its caches grow as they would over consecutive steps.
   void set_window(int64_t first) { window_first_ = first; }
+  // The final norm alone: h [rows][n_embd], the rows output_logits feeds the lm head (the MTP head's input).
+  void output_norm(const float* x, int64_t rows, float* h) const;
   // Final norm and lm head over `rows` rows of x: logits [rows][n_vocab]; h is rows * n_embd scratch.
   void output_logits(const float* x, int64_t rows, float* h, float* logits);
   ThreadPool& pool() { return pool_; }
