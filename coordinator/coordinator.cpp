@@ -354,6 +354,7 @@ class Coordinator final : public generate::Coordinator::Service {
     me.mtp = speculate && mtp_;
     mtp_request_ = me.mtp;
     mtp_draft_at_ = -1;
+    mtp_ask_ = true;   // the prefill's drafts: the policy verifies its first windows
     group::DraftPolicy policy;
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
@@ -554,10 +555,11 @@ class Coordinator final : public generate::Coordinator::Service {
                                                        context_positions_ - static_cast<int64_t>(context.size()),
                                                        o_.max_tokens - pending}));
     std::vector<int32_t> draft;
+    if (mtp_request_ && !mtp_ask_) policy.declined_unmade();   // the last step made no MTP drafts: the policy declined them
     if (speculate && lo.max_draft > 0 && mtp_draft_at_ == static_cast<int64_t>(context.size())) {
       // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft).
       draft.assign(mtp_draft_.begin(), mtp_draft_.begin() + std::min<int64_t>(lo.max_draft, static_cast<int64_t>(mtp_draft_.size())));
-      ++mtp_drafts_used_;
+      if (!draft.empty()) ++mtp_drafts_used_;
     } else if (speculate && lo.max_draft > 0 && o_.speculate_draft > 0) {
       lo.max_draft = std::min(lo.max_draft, o_.speculate_draft);
       drafter.sync(context);
@@ -565,7 +567,11 @@ class Coordinator final : public generate::Coordinator::Service {
     }
     const auto ts = Clock::now();
     std::vector<int32_t> decided;
-    if (!draft.empty() && policy.should_verify()) {
+    const bool verify_now = !draft.empty() && policy.should_verify();
+    // The MTP head drafts (a draft costs about half a one-token step on the CPU backend) only
+    // where the policy will verify them: measured plain steps then carry no drafting.
+    mtp_ask_ = policy.will_verify();
+    if (verify_now) {
       std::vector<int32_t> window(context.begin() + position_, context.end());
       window.insert(window.end(), draft.begin(), draft.end());
       const int64_t at = position_;
@@ -750,7 +756,7 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
       hdr->mtp = mtp_request_ ? 1 : 0;
-      hdr->mtp_drafts = mtp_request_ && token_only_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
+      hdr->mtp_drafts = mtp_request_ && token_only_ && mtp_ask_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
       // The conversation cache's operations go with the first step after reuse_prefix; a failed
       // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
       StateOps ops = std::move(state_ops_);
@@ -894,6 +900,7 @@ class Coordinator final : public generate::Coordinator::Service {
   bool mtp_request_ = false;         // ... for the request in its turn: its steps carry StepHeader::mtp
   std::vector<int32_t> mtp_draft_;   // the last step's MTP drafts, for context index mtp_draft_at_ on
   int64_t mtp_draft_at_ = -1;
+  bool mtp_ask_ = true;              // the next step asks for drafts (StepHeader::mtp_drafts)
   std::atomic<uint64_t> mtp_drafts_used_{0}, mtp_no_drafts_{0};
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};

@@ -230,6 +230,16 @@ bool DraftPolicy::should_verify() {
   return false;
 }
 
+bool DraftPolicy::will_verify() const {
+  if (n_verify_ < kWarmup) return true;
+  if (n_decode_ < kWarmup) return false;
+  return verify_ < decode_ || skipped_ + 1 >= kRetryEvery;
+}
+
+void DraftPolicy::declined_unmade() {   // should_verify's declining path, without the draft
+  if (n_verify_ >= kWarmup && n_decode_ >= kWarmup && !will_verify()) ++skipped_;
+}
+
 void DraftPolicy::record_decode(double us) { update(decode_, n_decode_, us); }
 
 void DraftPolicy::record_verify(double us, int64_t emitted) {

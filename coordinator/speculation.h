@@ -100,6 +100,11 @@ class DraftPolicy {
   static constexpr int kWarmup = 4;        // samples of each kind before the averages decide
   static constexpr int kRetryEvery = 16;   // skipped drafts between two probes
   bool should_verify();                    // a draft exists: verify it?
+  // What should_verify would answer now, without counting a declined draft: a drafter whose drafts
+  // cost a step's time (the MTP head's) is asked for them only then.
+  bool will_verify() const;
+  // A draft should_verify would have declined and that was therefore never made (counts toward the probe).
+  void declined_unmade();
   void record_decode(double us);           // a one-token step took us
   void record_verify(double us, int64_t emitted);   // a verify step took us for `emitted` tokens
   double decode_us_per_token() const { return decode_; }

@@ -199,5 +199,35 @@ TEST(DraftPolicy, MeasuresBothStepsThenKeepsTheCheaper) {
   EXPECT_THROW(p.record_verify(100, 0), std::invalid_argument);
 }
 
+
+// A drafter asked for drafts only where the policy will verify them (the MTP head): will_verify
+// says so without counting, declined_unmade counts the drafts never made, so the probe still comes.
+TEST(DraftPolicy, WillVerifyPredictsAndUnmadeDraftsReachTheProbe) {
+  DraftPolicy p;
+  for (int i = 0; i < DraftPolicy::kWarmup; ++i) {
+    ASSERT_TRUE(p.will_verify()) << i;
+    ASSERT_TRUE(p.should_verify()) << i;
+    p.record_verify(900, 1);
+  }
+  for (int i = 0; i < DraftPolicy::kWarmup; ++i) {
+    ASSERT_FALSE(p.will_verify()) << i;
+    p.declined_unmade();
+    p.record_decode(300);
+  }
+  // Declined from here on: no drafts asked until the probe, which will_verify announces.
+  int unmade = 0;
+  while (!p.will_verify() && unmade < 100) {
+    EXPECT_FALSE(p.will_verify());   // asking again changes nothing
+    p.declined_unmade();
+    p.record_decode(300);
+    ++unmade;
+  }
+  EXPECT_EQ(unmade, DraftPolicy::kRetryEvery - 1);
+  ASSERT_TRUE(p.should_verify());   // the probe's draft is verified
+  p.record_verify(400, 4);
+  EXPECT_TRUE(p.will_verify());
+  EXPECT_TRUE(p.should_verify());
+}
+
 }  // namespace
 }  // namespace moraine::group
