@@ -353,7 +353,7 @@ class Coordinator final : public generate::Coordinator::Service {
     const bool speculate = req->speculate() && token_only_ && (o_.speculate_draft > 0 || mtp_);
     me.mtp = speculate && mtp_;
     mtp_request_ = me.mtp;
-    mtp_draft_at_ = -1;
+    mtp_drafts_.clear();
     mtp_ask_ = true;   // the prefill's drafts: the policy verifies its first windows
     group::DraftPolicy policy;
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
@@ -454,7 +454,7 @@ class Coordinator final : public generate::Coordinator::Service {
     check_on_worker_ = me.check_on_worker;
     mtp_request_ = me.mtp;
     if (live_owner_ == me.id) return;
-    mtp_draft_at_ = -1;   // another sequence's drafts
+    mtp_drafts_.clear();   // another sequence's drafts
     if (live_owner_ != 0) {
       Running& other = *running_.at(live_owner_);
       state_ops_.save = conversations_.new_key();
@@ -555,10 +555,12 @@ class Coordinator final : public generate::Coordinator::Service {
                                                        context_positions_ - static_cast<int64_t>(context.size()),
                                                        o_.max_tokens - pending}));
     std::vector<int32_t> draft;
-    if (mtp_request_ && !mtp_ask_) policy.declined_unmade();   // the last step made no MTP drafts: the policy declined them
-    if (speculate && lo.max_draft > 0 && mtp_draft_at_ == static_cast<int64_t>(context.size())) {
-      // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft).
-      draft.assign(mtp_draft_.begin(), mtp_draft_.begin() + std::min<int64_t>(lo.max_draft, static_cast<int64_t>(mtp_draft_.size())));
+    // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft),
+    // while it follows the sequence; else the suffix drafter's.
+    const bool from_mtp = speculate && mtp_request_ && mtp_follows_;
+    if (from_mtp && !mtp_ask_) policy.declined_unmade();   // the last step made none: the policy declined them
+    if (from_mtp) {
+      draft = mtp_drafts_.after(static_cast<int64_t>(context.size()), lo.max_draft);
       if (!draft.empty()) ++mtp_drafts_used_;
     } else if (speculate && lo.max_draft > 0 && o_.speculate_draft > 0) {
       lo.max_draft = std::min(lo.max_draft, o_.speculate_draft);
@@ -821,7 +823,9 @@ class Coordinator final : public generate::Coordinator::Service {
     if (token_only_) {
       // Both step channels leave the reply in the exchange; the last step's is the last row's.
       const group::StepReply& reply = *xl_.region("step_reply").at<const group::StepReply>(base);
-      take_mtp_drafts(reply, last_first, last_rows, logit_rows);
+      mtp_follows_ = mtp_request_ && mtp_drafts_.take(reply.mtp_n_drafts, reply.mtp_row, reply.mtp_draft, last_first,
+                                                      last_rows, logit_rows, o_.speculate_mtp, V);
+      if (mtp_request_ && !mtp_follows_) ++mtp_no_drafts_;
       const std::span<const int32_t> rows(reply.row_tokens, static_cast<size_t>(logit_rows));
       for (const int32_t t : rows)
         if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(t) + " is outside the vocabulary");
@@ -837,26 +841,6 @@ class Coordinator final : public generate::Coordinator::Service {
       logits_dump_.flush();
     }
     return {{logits, static_cast<size_t>(V)}, -1, -1, {}, {}};
-  }
-
-  // The MTP drafts the last step's reply holds (StepHeader::mtp): they follow logit row mtp_row's
-  // greedy token, so draft[0] would sit at context index first + (rows - logit_rows + mtp_row) + 2,
-  // n being the last step's rows (first: its first position).
-  void take_mtp_drafts(const group::StepReply& reply, int64_t first, int64_t n, int64_t logit_rows) {
-    mtp_draft_at_ = -1;
-    if (!mtp_request_) return;
-    if (reply.mtp_n_drafts < 0) {
-      ++mtp_no_drafts_;
-      return;
-    }
-    const int64_t V = model_.hp.n_vocab;
-    if (reply.mtp_n_drafts > o_.speculate_mtp || reply.mtp_row < 0 || reply.mtp_row >= logit_rows)
-      throw std::runtime_error("gpu_worker: " + std::to_string(reply.mtp_n_drafts) + " MTP drafts after logit row " +
-                               std::to_string(reply.mtp_row) + " (asked for " + std::to_string(o_.speculate_mtp) + ")");
-    mtp_draft_.assign(reply.mtp_draft, reply.mtp_draft + reply.mtp_n_drafts);
-    for (const int32_t t : mtp_draft_)
-      if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: MTP draft " + std::to_string(t) + " is outside the vocabulary");
-    mtp_draft_at_ = first + (n - logit_rows + reply.mtp_row) + 2;
   }
 
   // A step's whole round trip, a long prefill chunk included.
@@ -898,8 +882,8 @@ class Coordinator final : public generate::Coordinator::Service {
   bool recurrent_ = false;           // the model has recurrent layers: rewinds go to a snapshot
   bool mtp_ = false;                 // speculation drafts with the model's MTP head (--speculate-mtp)
   bool mtp_request_ = false;         // ... for the request in its turn: its steps carry StepHeader::mtp
-  std::vector<int32_t> mtp_draft_;   // the last step's MTP drafts, for context index mtp_draft_at_ on
-  int64_t mtp_draft_at_ = -1;
+  group::MtpDrafts mtp_drafts_;      // the last step's
+  bool mtp_follows_ = false;         // ... which the head made (StepReply::mtp_n_drafts >= 0)
   bool mtp_ask_ = true;              // the next step asks for drafts (StepHeader::mtp_drafts)
   std::atomic<uint64_t> mtp_drafts_used_{0}, mtp_no_drafts_{0};
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)

@@ -6,6 +6,8 @@
 //    rejected; its acceptance printed;
 //  - an attention-only qwen3next with an MTP block (random weights): rejections rewind the caches
 //    to the accepted position; the head follows;
+//  - a speculating request after a plain one whose steps the head did not see: suffix drafts
+//    where the cache was reused without a reset;
 //  - --speculate-mtp 0: the suffix drafter as before, no MTP drafts.
 #include <gtest/gtest.h>
 
@@ -43,9 +45,14 @@ std::vector<int32_t> tokenize(const std::string& model_path, const std::string& 
   return tokenizer::Tokenizer::from_gguf(m.file).encode(text, true, false);
 }
 
-// Speculative generations (with and without check_logits) of `n` tokens from `prompt` in group `o`:
-// both the reference's greedy tokens; returns the counters' change.
-Counters speculate_twice(const GroupOptions& o, const std::vector<int32_t>& prompt, int n) {
+// Speculative generations (with and without check_logits) of `n` tokens from `prompt` in group `o`,
+// then a plain one, then a speculative one again: all the reference's greedy tokens. Returns the
+// counters' change over the first two, and over the last one (after a request whose steps the head
+// did not see: it follows again only from a reset, which a reused prompt prefix skips).
+struct Runs {
+  Counters first, after_plain;
+};
+Runs speculate_twice(const GroupOptions& o, const std::vector<int32_t>& prompt, int n) {
   const ReferenceRun ref = reference_greedy(o.model, prompt, n);
   Group g(o);
   const Counters before = Counters::read(g.socket_dir());
@@ -54,18 +61,23 @@ Counters speculate_twice(const GroupOptions& o, const std::vector<int32_t>& prom
     EXPECT_TRUE(gen.error.empty()) << gen.error;
     EXPECT_EQ(gen.ids, ref.ids) << (check ? "with" : "without") << " check_logits";
   }
+  const Counters c = Counters::read(g.socket_dir()) - before;
   // And plainly: the same tokens without speculation (no MTP head runs).
   const Generation plain = generate(g.socket_dir(), prompt, n);
   EXPECT_TRUE(plain.error.empty()) << plain.error;
   EXPECT_EQ(plain.ids, ref.ids) << "without speculation";
-  const Counters c = Counters::read(g.socket_dir()) - before;
+  const Counters before_last = Counters::read(g.socket_dir());
+  const Generation last = generate(g.socket_dir(), prompt, n, false, /*speculate=*/true);
+  EXPECT_TRUE(last.error.empty()) << last.error;
+  EXPECT_EQ(last.ids, ref.ids) << "speculating after a plain request";
+  const Counters after_plain = Counters::read(g.socket_dir()) - before_last;
   g.stop();
   std::printf("speculation: %llu verify steps, %llu of %llu drafted tokens accepted (%.3f), %llu MTP drafts used, "
               "%llu steps without MTP drafts\n",
               static_cast<unsigned long long>(c.verify), static_cast<unsigned long long>(c.accepted),
               static_cast<unsigned long long>(c.drafted), c.drafted ? double(c.accepted) / double(c.drafted) : 0.0,
               static_cast<unsigned long long>(c.mtp_used), static_cast<unsigned long long>(c.mtp_none));
-  return c;
+  return {c, after_plain};
 }
 
 TEST(GroupMtp, BuiltinModelDraftsGiveTheReferenceTokens) {
@@ -73,12 +85,15 @@ TEST(GroupMtp, BuiltinModelDraftsGiveTheReferenceTokens) {
   ASSERT_GT(prompt.size(), 3u);
   GroupOptions o;
   o.model = kBuiltin;
-  const Counters c = speculate_twice(o, prompt, 48);
+  const auto [c, last] = speculate_twice(o, prompt, 48);
   EXPECT_GT(c.mtp_used, 0u);
   EXPECT_EQ(c.mtp_none, 0u);   // the head followed every step of both requests
   EXPECT_GT(c.verify, 0u);
   EXPECT_GT(c.accepted, 0u);
   EXPECT_GT(c.drafted, c.accepted);   // a rejection: the DeltaNet snapshot restored, the head rewound
+  // A DeltaNet model reuses only a whole cached sequence: the last request started from a reset.
+  EXPECT_GT(last.mtp_used, 0u);
+  EXPECT_EQ(last.mtp_none, 0u);
 }
 
 TEST(GroupMtp, AttentionOnlyModelRewindsToTheAcceptedPosition) {
@@ -94,11 +109,16 @@ TEST(GroupMtp, AttentionOnlyModelRewindsToTheAcceptedPosition) {
   GroupOptions o;
   o.model = path;
   const std::vector<int32_t> prompt = {5, 17, 5, 17, 5, 17, 5, 17};
-  const Counters c = speculate_twice(o, prompt, 24);
+  const auto [c, last] = speculate_twice(o, prompt, 24);
   EXPECT_GT(c.mtp_used, 0u);
-  EXPECT_EQ(c.mtp_none, 0u);
+  EXPECT_EQ(c.mtp_none, 0u);   // the second request rewound the first's cache to its prompt: followed
   EXPECT_GT(c.verify, 0u);
   EXPECT_GT(c.drafted, c.accepted);
+  // The last request rewound the plain one's cache: the head had not seen it, so no MTP drafts
+  // (the suffix drafter's instead), and still the reference's tokens.
+  EXPECT_EQ(last.mtp_used, 0u);
+  EXPECT_GT(last.mtp_none, 0u);
+  EXPECT_GT(last.drafted, 0u);
   fs::remove_all(dir);
 }
 
@@ -107,9 +127,10 @@ TEST(GroupMtp, SpeculateMtpZeroKeepsTheSuffixDrafter) {
   GroupOptions o;
   o.model = kBuiltin;
   o.extra_args = {"--coordinator-arg=--speculate-mtp=0"};
-  const Counters c = speculate_twice(o, prompt, 32);
-  EXPECT_EQ(c.mtp_used, 0u);
-  EXPECT_EQ(c.mtp_none, 0u);
+  const auto [c, last] = speculate_twice(o, prompt, 32);
+  EXPECT_EQ(c.mtp_used + last.mtp_used, 0u);
+  EXPECT_EQ(c.mtp_none + last.mtp_none, 0u);
+  EXPECT_GT(c.drafted, 0u);   // the suffix drafter's
 }
 
 }  // namespace

@@ -229,5 +229,32 @@ TEST(DraftPolicy, WillVerifyPredictsAndUnmadeDraftsReachTheProbe) {
   EXPECT_TRUE(p.should_verify());
 }
 
+
+// Where the MTP head's drafts go: after a one-token step at position 9 they follow context index 10
+// (the step's greedy token), after a verify window of rows [t, d0, d1, d2] from position 20 whose
+// first rejected row is 1 they follow 20 + 1 + 1 + 1 = 23; a reply without drafts, or one the step
+// did not ask for, gives none.
+TEST(MtpDrafts, FollowTheRowDecodeGoesOnFrom) {
+  MtpDrafts d;
+  const int32_t drafts[3] = {4, 5, 6};
+  ASSERT_TRUE(d.take(3, 0, drafts, 9, 1, 1, 3, 100));
+  EXPECT_EQ(d.after(11, 3), (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(d.after(11, 2), (std::vector<int32_t>{4, 5}));
+  EXPECT_TRUE(d.after(10, 3).empty());
+  ASSERT_TRUE(d.take(2, 1, drafts, 20, 4, 4, 3, 100));
+  EXPECT_EQ(d.after(23, 3), (std::vector<int32_t>{4, 5}));
+  EXPECT_TRUE(d.after(25, 3).empty());
+  // Two pending tokens (a DeltaNet rewind fed them again) then 3 drafts: rows 1..4 have logits.
+  ASSERT_TRUE(d.take(1, 3, drafts, 30, 5, 4, 3, 100));
+  EXPECT_EQ(d.after(30 + (5 - 4 + 3) + 2, 3), (std::vector<int32_t>{4}));
+  EXPECT_FALSE(d.take(-1, -1, drafts, 9, 1, 1, 3, 100));
+  EXPECT_TRUE(d.after(11, 3).empty());
+  EXPECT_THROW(d.take(4, 0, drafts, 9, 1, 1, 3, 100), std::runtime_error);   // more than asked
+  EXPECT_THROW(d.take(1, 1, drafts, 9, 1, 1, 3, 100), std::runtime_error);   // row outside the logit rows
+  EXPECT_THROW(d.take(3, 0, drafts, 9, 1, 1, 3, 5), std::runtime_error);     // a token outside the vocabulary
+  d.clear();
+  EXPECT_TRUE(d.after(11, 3).empty());
+}
+
 }  // namespace
 }  // namespace moraine::group
