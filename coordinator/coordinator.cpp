@@ -82,8 +82,11 @@ struct Options {
   int speculate_draft = 5, speculate_min_match = 1;
   // ... and where the model has an MTP head (a nextn block) that the backend runs (the CPU one;
   // StepHeader::mtp), drafts of at most this many tokens from it instead, made by the gpu_worker
-  // after each step (0: suffix drafts only). 3 as the reference engines' MTP drafts.
-  int speculate_mtp = 3;
+  // after each step (0: suffix drafts only). 1: on the built-in model deeper drafts along the MTP
+  // chain are right 14% / 9% of the time (depth 2 / 3, against 40% at depth 1), and each costs ~280 us
+  // beside a 514 us step on the CPU backend (group, --vram unlimited: 1050 tok/s with 1, 950 with 3,
+  // 1350 plain; docs/perf-log.md#session-23-mtp-cpu).
+  int speculate_mtp = 1;
   // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
   // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
   std::string cache_ram = "8G";
@@ -354,6 +357,7 @@ class Coordinator final : public generate::Coordinator::Service {
     me.mtp = speculate && mtp_;
     mtp_request_ = me.mtp;
     mtp_drafts_.clear();
+    mtp_follows_ = false;   // until the prefill's reply says
     mtp_ask_ = true;   // the prefill's drafts: the policy verifies its first windows
     group::DraftPolicy policy;
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
@@ -455,6 +459,7 @@ class Coordinator final : public generate::Coordinator::Service {
     mtp_request_ = me.mtp;
     if (live_owner_ == me.id) return;
     mtp_drafts_.clear();   // another sequence's drafts
+    mtp_follows_ = false;
     if (live_owner_ != 0) {
       Running& other = *running_.at(live_owner_);
       state_ops_.save = conversations_.new_key();

@@ -80,11 +80,15 @@ Runs speculate_twice(const GroupOptions& o, const std::vector<int32_t>& prompt, 
   return {c, after_plain};
 }
 
-TEST(GroupMtp, BuiltinModelDraftsGiveTheReferenceTokens) {
+// --speculate-mtp 1 (the default) and 3 (windows rejected at every depth).
+class GroupMtpDrafts : public ::testing::TestWithParam<int> {};
+
+TEST_P(GroupMtpDrafts, BuiltinModelDraftsGiveTheReferenceTokens) {
   const std::vector<int32_t> prompt = tokenize(kBuiltin, "A list is a mutable sequence");
   ASSERT_GT(prompt.size(), 3u);
   GroupOptions o;
   o.model = kBuiltin;
+  o.extra_args = {"--coordinator-arg=--speculate-mtp=" + std::to_string(GetParam())};
   const auto [c, last] = speculate_twice(o, prompt, 48);
   EXPECT_GT(c.mtp_used, 0u);
   EXPECT_EQ(c.mtp_none, 0u);   // the head followed every step of both requests
@@ -95,6 +99,8 @@ TEST(GroupMtp, BuiltinModelDraftsGiveTheReferenceTokens) {
   EXPECT_GT(last.mtp_used, 0u);
   EXPECT_EQ(last.mtp_none, 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Builtin, GroupMtpDrafts, ::testing::Values(1, 3));
 
 TEST(GroupMtp, AttentionOnlyModelRewindsToTheAcceptedPosition) {
   const std::string dir = testing::temp_path("group-mtp-attn");
