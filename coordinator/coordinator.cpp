@@ -82,6 +82,13 @@ struct Options {
   // most this many tokens (0: never draft) after a recurring context suffix of at least
   // speculate_min_match tokens (group::SuffixDrafter).
   int speculate_draft = 5, speculate_min_match = 1;
+  // ... and where the model has an MTP head (a nextn block) that the backend runs (the CPU one;
+  // StepHeader::mtp), drafts of at most this many tokens from it instead, made by the gpu_worker
+  // after each step (0: suffix drafts only). 1: on the built-in model deeper drafts along the MTP
+  // chain are right 14% / 9% of the time (depth 2 / 3, against 40% at depth 1), and each costs ~280 us
+  // beside a 514 us step on the CPU backend (group, --vram unlimited: 1050 tok/s with 1, 950 with 3,
+  // 1350 plain; docs/perf-log.md#session-23-mtp-cpu).
+  int speculate_mtp = 1;
   // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
   // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
   std::string cache_ram = "8G";
@@ -211,6 +218,12 @@ class Coordinator final : public generate::Coordinator::Service {
         turns_(o.parallel) {
     for (const std::string& r : reclaimed_.removed) std::cerr << "coordinator: reclaimed " << r << "\n";
     recurrent_ = std::any_of(model_.layers.begin(), model_.layers.end(), [](const auto& L) { return L.recurrent; });
+    // The CUDA backend has no MTP head yet (Backend::can_mtp); a gpu_worker without one answers
+    // no drafts (StepReply::mtp_n_drafts -1) and speculation falls back to the suffix drafter.
+    mtp_ = o.speculate_mtp > 0 && !model_.nextn.empty() && o.backend == "cpu";
+    if (o.speculate_mtp > 0 && !model_.nextn.empty() && !mtp_)
+      std::cerr << "coordinator: --backend " << o.backend << " runs no MTP head yet; speculation drafts from the context "
+                << "(the suffix drafter) instead\n";
     context_positions_ = group::planned_context(model_, o.ctx);
     try {
       tok_ = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_gguf(model_.file));
@@ -251,6 +264,10 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["verify_steps"] = verify_steps_.load();
       (*r.mutable_counters())["drafted_tokens"] = drafted_tokens_.load();
       (*r.mutable_counters())["accepted_draft_tokens"] = accepted_draft_tokens_.load();
+      // --speculate-mtp: drafts taken from the MTP head, and steps whose reply had none (the head
+      // could not follow the sequence, or the backend has none: then suffix drafts).
+      (*r.mutable_counters())["mtp_drafts_used"] = mtp_drafts_used_.load();
+      (*r.mutable_counters())["mtp_no_drafts"] = mtp_no_drafts_.load();
       // The prefix cache (reuse_prefix): requests that reused cached positions, and how many.
       (*r.mutable_counters())["prefix_cache_hits"] = prefix_cache_hits_.load();
       (*r.mutable_counters())["prefix_cached_tokens"] = prefix_cached_tokens_.load();
@@ -340,7 +357,12 @@ class Coordinator final : public generate::Coordinator::Service {
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
     // Speculation (GenerateRequest::speculate): suffix drafts verified by greedy tokens, so only
     // where the gpu_worker returns them.
-    const bool speculate = req->speculate() && token_only_ && o_.speculate_draft > 0;
+    const bool speculate = req->speculate() && token_only_ && (o_.speculate_draft > 0 || mtp_);
+    me.mtp = speculate && mtp_;
+    mtp_request_ = me.mtp;
+    mtp_drafts_.clear();
+    mtp_follows_ = false;   // until the prefill's reply says
+    mtp_ask_ = true;   // the prefill's drafts: the policy verifies its first windows
     group::DraftPolicy policy;
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
@@ -430,6 +452,7 @@ class Coordinator final : public generate::Coordinator::Service {
     uint64_t saved_key = 0;   // its sequence waits saved (pinned) under this key; 0: live or not started
     const std::vector<int32_t>* context = nullptr;
     bool token_only = false, check_on_worker = false;
+    bool mtp = false;   // its steps run the MTP head (StepHeader::mtp)
   };
   // At the start of a turn: the gpu_worker's live sequence becomes this request's. Another running
   // request's live sequence is saved first (pinned; its tokens stay live too, so a new request may
@@ -437,7 +460,10 @@ class Coordinator final : public generate::Coordinator::Service {
   void enter_turn(Running& me) {
     token_only_ = me.token_only;
     check_on_worker_ = me.check_on_worker;
+    mtp_request_ = me.mtp;
     if (live_owner_ == me.id) return;
+    mtp_drafts_.clear();   // another sequence's drafts
+    mtp_follows_ = false;
     if (live_owner_ != 0) {
       Running& other = *running_.at(live_owner_);
       state_ops_.save = conversations_.new_key();
@@ -532,18 +558,31 @@ class Coordinator final : public generate::Coordinator::Service {
     const int64_t pending = static_cast<int64_t>(context.size()) - position_;
     // A window emits up to draft + 1 tokens: no more than are left to generate, and no
     // position past the cache that a one-token step would not have needed.
-    group::DraftOptions lo{o_.speculate_draft, o_.speculate_min_match};
+    group::DraftOptions lo{mtp_request_ ? std::max(o_.speculate_mtp, o_.speculate_draft) : o_.speculate_draft,
+                           o_.speculate_min_match};
     lo.max_draft = static_cast<int>(std::min<int64_t>({lo.max_draft, static_cast<int64_t>(seq.max_new() - seq.generated()) - 1,
                                                        context_positions_ - static_cast<int64_t>(context.size()),
                                                        o_.max_tokens - pending}));
     std::vector<int32_t> draft;
-    if (speculate && lo.max_draft > 0) {
+    // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft),
+    // while it follows the sequence; else the suffix drafter's.
+    const bool from_mtp = speculate && mtp_request_ && mtp_follows_;
+    if (from_mtp && !mtp_ask_) policy.declined_unmade();   // the last step made none: the policy declined them
+    if (from_mtp) {
+      draft = mtp_drafts_.after(static_cast<int64_t>(context.size()), lo.max_draft);
+      if (!draft.empty()) ++mtp_drafts_used_;
+    } else if (speculate && lo.max_draft > 0 && o_.speculate_draft > 0) {
+      lo.max_draft = std::min(lo.max_draft, o_.speculate_draft);
       drafter.sync(context);
       draft = drafter.draft(lo);
     }
     const auto ts = Clock::now();
     std::vector<int32_t> decided;
-    if (!draft.empty() && policy.should_verify()) {
+    const bool verify_now = !draft.empty() && policy.should_verify();
+    // The MTP head drafts (a draft costs about half a one-token step on the CPU backend) only
+    // where the policy will verify them: measured plain steps then carry no drafting.
+    mtp_ask_ = policy.will_verify();
+    if (verify_now) {
       std::vector<int32_t> window(context.begin() + position_, context.end());
       window.insert(window.end(), draft.begin(), draft.end());
       const int64_t at = position_;
@@ -711,8 +750,11 @@ class Coordinator final : public generate::Coordinator::Service {
     int32_t token = -1;
     // A long prompt goes in long steps (GroupManifest::long_step_rows), the rest in steps of max_tokens.
     const int64_t step_rows = logit_rows == 1 && long_rows_ > 0 ? long_rows_ : o_.max_tokens;
+    int64_t last_first = 0, last_rows = 0;   // the last step's first position and rows
     for (int64_t at = 0; at < n; at += step_rows) {
       const int64_t m = std::min<int64_t>(step_rows, n - at);
+      last_first = position_;
+      last_rows = m;
       std::copy_n(tokens + at, m, xl_.region("tokens").at<int32_t>(base));
       auto* hdr = xl_.region("step").at<group::StepHeader>(base);
       hdr->step_seq = ++step_seq_;
@@ -724,6 +766,8 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->first_position = static_cast<uint32_t>(position_);
       hdr->greedy_token = token_only_ ? 1 : 0;
       hdr->check_finite = check_on_worker_ ? 1 : 0;
+      hdr->mtp = mtp_request_ ? 1 : 0;
+      hdr->mtp_drafts = mtp_request_ && token_only_ && mtp_ask_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
       // The conversation cache's operations go with the first step after reuse_prefix; a failed
       // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
       StateOps ops = std::move(state_ops_);
@@ -788,6 +832,9 @@ class Coordinator final : public generate::Coordinator::Service {
     if (token_only_) {
       // Both step channels leave the reply in the exchange; the last step's is the last row's.
       const group::StepReply& reply = *xl_.region("step_reply").at<const group::StepReply>(base);
+      mtp_follows_ = mtp_request_ && mtp_drafts_.take(reply.mtp_n_drafts, reply.mtp_row, reply.mtp_draft, last_first,
+                                                      last_rows, logit_rows, o_.speculate_mtp, V);
+      if (mtp_request_ && !mtp_follows_) ++mtp_no_drafts_;
       const std::span<const int32_t> rows(reply.row_tokens, static_cast<size_t>(logit_rows));
       for (const int32_t t : rows)
         if (t < 0 || t >= V) throw std::runtime_error("gpu_worker: greedy token " + std::to_string(t) + " is outside the vocabulary");
@@ -842,6 +889,12 @@ class Coordinator final : public generate::Coordinator::Service {
   // which the next step drops (StepHeader::rewind).
   bool rewind_pending_ = false;
   bool recurrent_ = false;           // the model has recurrent layers: rewinds go to a snapshot
+  bool mtp_ = false;                 // speculation drafts with the model's MTP head (--speculate-mtp)
+  bool mtp_request_ = false;         // ... for the request in its turn: its steps carry StepHeader::mtp
+  group::MtpDrafts mtp_drafts_;      // the last step's
+  bool mtp_follows_ = false;         // ... which the head made (StepReply::mtp_n_drafts >= 0)
+  bool mtp_ask_ = true;              // the next step asks for drafts (StepHeader::mtp_drafts)
+  std::atomic<uint64_t> mtp_drafts_used_{0}, mtp_no_drafts_{0};
   int64_t context_positions_ = 0;    // the KV cache's positions (group::planned_context)
   std::atomic<uint64_t> verify_steps_{0}, drafted_tokens_{0}, accepted_draft_tokens_{0};
   std::atomic<uint64_t> reissued_{0};
@@ -939,6 +992,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate-draft", o.speculate_draft,
                  "tokens a suffix draft proposes at most, for requests that ask for speculation (0: never draft)")
+      ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
+  app.add_option("--speculate-mtp", o.speculate_mtp,
+                 "tokens the model's MTP head drafts at most, for requests that ask for speculation, where the model has "
+                 "one (a nextn block) and the backend runs it (cpu; else the suffix drafter); 0: suffix drafts only")
       ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
   app.add_option("--speculate-min-match", o.speculate_min_match,
                  "shortest recurring context suffix a draft follows")

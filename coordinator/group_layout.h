@@ -93,6 +93,15 @@ struct StepHeader {
   std::uint64_t state_save;
   std::uint32_t state_save_positions;
   std::uint64_t state_load;
+  // MTP speculation (the model's nextn block; Backend::can_mtp). 1: the gpu_worker also runs the
+  // MTP head over this step's rows, extending its own KV cache (every step of a sequence that
+  // drafts with it, prefill included; a step without it leaves the head behind: no drafts until
+  // a reset). With mtp_drafts > 0 (and greedy_token) it then drafts up to that many tokens,
+  // greedily along the MTP chain, after the row decode goes on from: in a verify window
+  // (logit_rows > 1) the first logit row whose greedy token is not the window's next token
+  // (accepted_prefix's rule), else the last row. StepReply::mtp_* has them.
+  std::uint32_t mtp;
+  std::uint32_t mtp_drafts;
 };
 inline constexpr std::size_t kMaxStateDrops = 8;
 
@@ -118,6 +127,12 @@ struct StepReply {
   // state_store_bytes: all the sequences it holds after the step's drops, save and load.
   std::uint64_t state_saved_bytes;
   std::uint64_t state_store_bytes;
+  // StepHeader::mtp_drafts: the drafts, which follow logit row mtp_row's greedy token
+  // (row_tokens[mtp_row]); mtp_n_drafts -1 when none could be made (the backend has no MTP head,
+  // the head fell behind the sequence) or none were asked.
+  std::int32_t mtp_n_drafts;
+  std::int32_t mtp_row;
+  std::int32_t mtp_draft[kMaxTokenRows];
   std::uint32_t error_bytes;    // of `error`, at most kStepErrorBytes
   char error[kStepErrorBytes];
 };

@@ -230,6 +230,35 @@ bool DraftPolicy::should_verify() {
   return false;
 }
 
+bool MtpDrafts::take(int32_t n_drafts, int32_t row, const int32_t* drafts, int64_t first, int64_t n, int64_t logit_rows,
+                     int max_drafts, int64_t n_vocab) {
+  at_ = -1;
+  if (n_drafts < 0) return false;
+  if (n_drafts > max_drafts || row < 0 || row >= logit_rows || logit_rows > n)
+    throw std::runtime_error("gpu_worker: " + std::to_string(n_drafts) + " MTP drafts after logit row " + std::to_string(row) +
+                             " of " + std::to_string(logit_rows) + " (asked for " + std::to_string(max_drafts) + ")");
+  drafts_.assign(drafts, drafts + n_drafts);
+  for (const int32_t t : drafts_)
+    if (t < 0 || t >= n_vocab) throw std::runtime_error("gpu_worker: MTP draft " + std::to_string(t) + " is outside the vocabulary");
+  at_ = first + (n - logit_rows + row) + 2;
+  return true;
+}
+
+std::vector<int32_t> MtpDrafts::after(int64_t size, int64_t most) const {
+  if (size != at_ || most <= 0) return {};
+  return {drafts_.begin(), drafts_.begin() + std::min<int64_t>(most, static_cast<int64_t>(drafts_.size()))};
+}
+
+bool DraftPolicy::will_verify() const {
+  if (n_verify_ < kWarmup) return true;
+  if (n_decode_ < kWarmup) return false;
+  return verify_ < decode_ || skipped_ + 1 >= kRetryEvery;
+}
+
+void DraftPolicy::declined_unmade() {   // should_verify's declining path, without the draft
+  if (n_verify_ >= kWarmup && n_decode_ >= kWarmup && !will_verify()) ++skipped_;
+}
+
 void DraftPolicy::record_decode(double us) { update(decode_, n_decode_, us); }
 
 void DraftPolicy::record_verify(double us, int64_t emitted) {

@@ -86,6 +86,25 @@ class SuffixDrafter {
   size_t n_ = 0;
 };
 
+// The MTP head's drafts from the last step's reply (StepReply::mtp_*, made by the gpu_worker): they
+// follow logit row `row`'s greedy token, so for a step of n rows from position `first` with
+// logit_rows logit rows, draft[0] would sit at context index first + (n - logit_rows + row) + 2.
+class MtpDrafts {
+ public:
+  void clear() { at_ = -1; }
+  // n_drafts -1: the reply has none (the head could not follow): false. std::runtime_error for a
+  // reply that is not one the step asked for (more than max_drafts, a row outside the logit rows,
+  // a token outside the vocabulary).
+  bool take(int32_t n_drafts, int32_t row, const int32_t* drafts, int64_t first, int64_t n, int64_t logit_rows,
+            int max_drafts, int64_t n_vocab);
+  // At most `most` of them when they follow a context of `size` tokens; else none.
+  std::vector<int32_t> after(int64_t size, int64_t most) const;
+
+ private:
+  std::vector<int32_t> drafts_;
+  int64_t at_ = -1;
+};
+
 // How many of `draft` a verify window accepts: the leading i with draft[i] == greedy[i]
 // (greedy has draft.size() + 1 entries: each row's greedy token).
 size_t accepted_prefix(std::span<const int32_t> draft, std::span<const int32_t> greedy);
@@ -100,6 +119,11 @@ class DraftPolicy {
   static constexpr int kWarmup = 4;        // samples of each kind before the averages decide
   static constexpr int kRetryEvery = 16;   // skipped drafts between two probes
   bool should_verify();                    // a draft exists: verify it?
+  // What should_verify would answer now, without counting a declined draft: a drafter whose drafts
+  // cost a step's time (the MTP head's) is asked for them only then.
+  bool will_verify() const;
+  // A draft should_verify would have declined and that was therefore never made (counts toward the probe).
+  void declined_unmade();
   void record_decode(double us);           // a one-token step took us
   void record_verify(double us, int64_t emitted);   // a verify step took us for `emitted` tokens
   double decode_us_per_token() const { return decode_; }

@@ -106,6 +106,23 @@ class Backend {
   virtual void rewind(int64_t n_past) {
     throw std::logic_error("this backend cannot rewind its cache to " + std::to_string(n_past) + " positions");
   }
+  // MTP drafts (StepHeader::mtp): the model's first nextn block, as the reference executor runs it
+  // (executor.h, mtp_forward). mtp_step, after a step's logits() (any path), runs the MTP head over
+  // the step's rows `tokens` [0, n) up to row base_row (the slots whose next token is settled: slot
+  // i takes position i's output-normed hidden and token i+1) and then, with max_drafts > 0, drafts
+  // up to max_drafts tokens greedily after base_row, base_token first (each draft's slot takes the
+  // MTP head's own output row and the draft before it); the drafted slots are dropped again.
+  // Returns the drafts written, or -1 when the head cannot follow the sequence (a step without
+  // mtp_step since the last reset(), a load_state, a rewind past what it kept): then no drafts until
+  // reset(). mtp_skip: a step that ran without mtp_step. rewind() takes the head back with the
+  // trunk. A backend without it (can_mtp false) throws std::logic_error.
+  virtual bool can_mtp() const { return false; }
+  virtual int64_t mtp_step(const int32_t* tokens, int64_t n, int64_t base_row, int32_t base_token, int64_t max_drafts,
+                           int32_t* drafts) {
+    (void)tokens, (void)n, (void)base_row, (void)base_token, (void)max_drafts, (void)drafts;
+    throw std::logic_error("this backend has no MTP head (can_mtp is false)");
+  }
+  virtual void mtp_skip() {}
   // The conversation cache (StepHeader::state_save / state_load, the gpu_worker's state store):
   // the cached sequence (every attention layer's K/V at positions [0, n_past()), every recurrent
   // state) as bytes in host memory (model/sequence_state.h, the backend's own layout), and back:

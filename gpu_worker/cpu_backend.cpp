@@ -13,6 +13,7 @@
 #include "common/reference/moe_parts.h"
 #include "common/sampling/sampler.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/mtp_head.h"
 #ifdef MORAINE_HAVE_CUDA
 #include "gpu_worker/cuda_backend.h"
 #endif
@@ -63,7 +64,10 @@ class CpuBackend final : public Backend {
     }
   }
   ~CpuBackend() override { handoff_abort(); }
-  void reset() override { exec_.reset(); }
+  void reset() override {
+    exec_.reset();
+    mtp_.reset();
+  }
   int64_t n_past() const override { return exec_.n_past(); }
   void embed(const int32_t* tokens, int64_t n) override {
     if (n <= 0 || n > max_step_rows_)
@@ -170,11 +174,27 @@ class CpuBackend final : public Backend {
   }
   bool can_rewind() const override { return true; }
   void snapshot() override { exec_.snapshot(); }
-  void rewind(int64_t n_past) override { exec_.rewind(n_past); }
+  void rewind(int64_t n_past) override {
+    exec_.rewind(n_past);
+    mtp_.rewind(n_past);
+  }
   bool can_save_state() const override { return true; }
   size_t state_bytes() const override { return exec_.state_bytes(); }
   void save_state(std::span<uint8_t> out) override { exec_.save_state(out); }
-  void load_state(std::span<const uint8_t> in) override { exec_.load_state(in); }
+  void load_state(std::span<const uint8_t> in) override {
+    exec_.load_state(in);
+    mtp_.lose();   // the saved bytes hold the trunk's caches only
+  }
+  // Only qwen3next's MTP block is checked against an oracle (tests/reference/mtp_test.cpp).
+  bool can_mtp() const override { return exec_.has_mtp() && std::string(m_.hp.arch_string()) == "qwen3next"; }
+  int64_t mtp_step(const int32_t* tokens, int64_t n, int64_t base_row, int32_t base_token, int64_t max_drafts,
+                   int32_t* drafts) override {
+    if (!can_mtp()) return Backend::mtp_step(tokens, n, base_row, base_token, max_drafts, drafts);
+    if (n != last_n_ || exec_.n_past() < n)
+      throw std::logic_error("CPU backend: mtp_step over " + std::to_string(n) + " rows after a step of " + std::to_string(last_n_));
+    return mtp_.step(x_.data(), tokens, n, exec_.n_past() - n, base_row, base_token, max_drafts, drafts);
+  }
+  void mtp_skip() override { mtp_.lose(); }
 
   // The in-graph hand-off of backend.h, emulated with a thread that plays the device: it runs the
   // step's layers in order and waits on a condition variable where the CUDA graph waits on a flag
@@ -303,6 +323,7 @@ class CpuBackend final : public Backend {
   }
   const model::Model& m_;
   reference::ReferenceExecutor exec_;
+  MtpHead mtp_{exec_};
   float* window_x() { return x_.data() + window_first_ * m_.hp.n_embd; }
   const int64_t max_tokens_, max_step_rows_;
   int64_t step_rows_ = 0, window_first_ = 0;   // embed's rows; set_window's first row

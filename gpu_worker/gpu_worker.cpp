@@ -189,9 +189,14 @@ class StepRunner {
     std::fill_n(reply.row_tokens, group::kMaxTokenRows, -1);
     std::fill_n(reply.row_nonfinite, group::kMaxTokenRows, -1);
     reply.nonfinite = -1;
+    reply.mtp_n_drafts = reply.mtp_row = -1;
+    if (hdr->mtp_drafts > group::kMaxTokenRows || (hdr->mtp_drafts > 0 && (!hdr->mtp || !hdr->greedy_token)))
+      throw std::runtime_error("step header: " + std::to_string(hdr->mtp_drafts) + " MTP drafts (at most " +
+                               std::to_string(group::kMaxTokenRows) + ", with mtp and greedy_token set)");
     backend_->set_token_output(hdr->greedy_token ? reply.row_tokens : nullptr,
                                hdr->check_finite ? reply.row_nonfinite : nullptr);
     const auto last_row = [&] {
+      mtp_after_step(*hdr, tokens_of_step(), reply);
       reply.nonfinite = reply.row_nonfinite[hdr->logit_rows - 1];
       return hdr->greedy_token ? reply.row_tokens[hdr->logit_rows - 1] : -1;
     };
@@ -230,7 +235,7 @@ class StepRunner {
     int32_t* chosen = xl_.region("chosen").at<int32_t>(base);
     float* weights = xl_.region("weights").at<float>(base);
     float* expert_out = xl_.region("expert_out").at<float>(base);
-    const int32_t* tokens = xl_.region("tokens").at<const int32_t>(base);
+    const int32_t* tokens = tokens_of_step();
     float* logits = xl_.region("logits").at<float>(base);
     if (n > man_.max_tokens) {
       run_long_step(seq, n, tokens, logits);
@@ -282,6 +287,28 @@ class StepRunner {
   }
 
  private:
+  const int32_t* tokens_of_step() const { return xl_.region("tokens").at<const int32_t>(exchange_.data()); }
+
+  // StepHeader::mtp, once the step's rows are done: the MTP head follows the sequence and drafts
+  // after the row decode goes on from (a verify window's first rejected draft's row, else the last).
+  // A backend without the head answers no drafts (-1): the coordinator falls back to its suffix drafts.
+  void mtp_after_step(const group::StepHeader& h, const int32_t* tokens, group::StepReply& reply) {
+    if (!h.mtp) {
+      backend_->mtp_skip();
+      return;
+    }
+    if (!backend_->can_mtp()) return;
+    const int64_t n = h.n_tokens, R = h.logit_rows;
+    int64_t a = R - 1;
+    if (h.greedy_token) {
+      a = 0;
+      while (a < R - 1 && reply.row_tokens[a] == tokens[n - R + 1 + a]) ++a;
+    }
+    const int32_t base_token = h.greedy_token ? reply.row_tokens[a] : -1;
+    reply.mtp_n_drafts = static_cast<int32_t>(backend_->mtp_step(tokens, n, n - R + a, base_token, h.mtp_drafts, reply.mtp_draft));
+    reply.mtp_row = static_cast<int32_t>(a);
+  }
+
   // Layer il's experts off the device: the plan of the routing in `chosen`, then the cpu
   // workers that own a chosen expert compute their rows into the exchange's expert_out (the
   // VRAM-tier experts are already running on the device).

@@ -16,16 +16,16 @@ namespace moraine::reference {
 
 void ReferenceExecutor::attention_block(int64_t il, const float* h, int64_t n, float* x) {
   const model::HParams& hp = m_.hp;
-  const model::AttentionWeights& A = m_.layers[il].attn;
-  LayerState& S = state_[il];
-  const int64_t pos0 = n_past_ + window_first_;   // the first row's position (set_window)
+  const model::AttentionWeights& A = block(il).attn;
+  LayerState& S = block_state(il);
+  const int64_t pos0 = block_pos0(il);   // the first row's position (set_window; the MTP block's own)
   const int64_t hd = hp.head_dim;
   const int64_t n_head = hp.n_head;
   const int64_t kv_dim = hp.n_head_kv * hd;
   const int64_t q_rows = A.q.n_rows;  // n_head * hd, doubled when the gate rides along
   const int64_t q_stride = A.q_has_gate ? 2 * hd : hd;
   const float eps = static_cast<float>(hp.rms_eps);
-  const model::AttentionPart& part = m_.layers[il].recipe.mixer.attn;
+  const model::AttentionPart& part = block(il).recipe.mixer.attn;
   const bool yarn = part.rope.scaling == model::RopeScaling::Yarn;
 
   const auto rotate = [&](float* head, int64_t pos) {

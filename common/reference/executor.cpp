@@ -28,17 +28,19 @@ void ReferenceExecutor::reset() {
   n_past_ = 0;
   window_first_ = 0;
   snapshot_pos_ = -1;
+  mtp_state_ = LayerState{};
+  mtp_n_past_ = 0;
 }
 
 int64_t ReferenceExecutor::k_width(int64_t il) const {
-  const model::LayerWeights& L = m_.layers[il];
+  const model::LayerWeights& L = block(il);
   if (L.recurrent) return 0;
   if (L.recipe.mixer.kind == model::MixerKind::Mla) return L.recipe.mixer.mla.kv_lora_rank + L.recipe.mixer.mla.rope_dim;
   return m_.hp.n_head_kv * m_.hp.head_dim;
 }
 
 int64_t ReferenceExecutor::v_width(int64_t il) const {
-  return m_.layers[il].recipe.mixer.kind == model::MixerKind::Mla ? 0 : k_width(il);
+  return block(il).recipe.mixer.kind == model::MixerKind::Mla ? 0 : k_width(il);
 }
 
 bool ReferenceExecutor::has_recurrent() const {
@@ -96,7 +98,7 @@ void ReferenceExecutor::mixer_step(int64_t il, float* x, int64_t n, float* h) {
   const model::HParams& hp = m_.hp;
   const int64_t d = hp.n_embd;
   const float eps = static_cast<float>(hp.rms_eps);
-  const model::LayerWeights& L = m_.layers[il];
+  const model::LayerWeights& L = block(il);
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.attn_norm.data(), d, eps, h + t * d);
   if (L.recurrent) {
     delta_net_block(il, h, n, x);
@@ -108,15 +110,18 @@ void ReferenceExecutor::mixer_step(int64_t il, float* x, int64_t n, float* h) {
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * d, L.ffn_norm.data(), d, eps, h + t * d);
 }
 
-void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, float* logits) {
-  const model::HParams& hp = m_.hp;
-  const int64_t d = hp.n_embd;
-  const float eps = static_cast<float>(hp.rms_eps);
+void ReferenceExecutor::output_norm(const float* x, int64_t rows, float* h) const {
+  const int64_t d = m_.hp.n_embd;
+  const float eps = static_cast<float>(m_.hp.rms_eps);
   for (int64_t t = 0; t < rows; ++t) rms_norm(x + t * d, m_.output_norm.data(), d, eps, h + t * d);
+}
+
+void ReferenceExecutor::output_logits(const float* x, int64_t rows, float* h, float* logits) {
+  output_norm(x, rows, h);
   matmul(m_.output, h, rows, logits, pool_, order_);
 }
 
-std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, bool all_logits) {
+std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, bool all_logits, std::vector<float>* hidden) {
   const model::HParams& hp = m_.hp;
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n == 0) return {};
@@ -135,6 +140,7 @@ std::vector<float> ReferenceExecutor::forward(std::span<const int32_t> tokens, b
   const int64_t rows = n - first;
   std::vector<float> logits(rows * hp.n_vocab);
   output_logits(x.data() + first * d, rows, h.data(), logits.data());
+  if (hidden != nullptr) hidden->assign(h.begin(), h.begin() + rows * d);
   return logits;
 }
 

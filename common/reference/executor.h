@@ -45,7 +45,24 @@ class ReferenceExecutor {
   // Runs `tokens` at positions n_past() .. n_past() + size - 1 and appends them to the caches.
   // Returns logits row-major [rows][n_vocab]: one row per token when all_logits, else only the
   // last token's. Throws std::invalid_argument for a token id outside the vocabulary.
-  std::vector<float> forward(std::span<const int32_t> tokens, bool all_logits);
+  // hidden (nullable): the output-normed rows the lm head read ([rows][n_embd]), what the MTP head takes.
+  std::vector<float> forward(std::span<const int32_t> tokens, bool all_logits, std::vector<float>* hidden = nullptr);
+
+  // The multi-token-prediction head (qwen3next's MTP: the model's first nextn block; mtp.cpp), as
+  // tools/train/model.py runs it. Slot i of its own KV cache sits at RoPE position i and takes the
+  // trunk's output-normed hidden row of position i and token i+1: fc([enorm(embed(t_i+1)) |
+  // hnorm(h_i)]), one full-attention MoE block, shared_head_norm, the lm head: logits of token i+2.
+  // mtp_forward runs slots mtp_n_past() .. + n (n = next_tokens.size(); `hidden` [n][n_embd]) and
+  // appends them to that cache; logits [logit_rows][n_vocab] of the last logit_rows slots, and
+  // hidden_out (nullable) their shared_head_norm rows: what a chained draft feeds back as its hidden
+  // (as vLLM's MTP chain does). std::logic_error without a nextn block; std::invalid_argument for a
+  // token outside the vocabulary or logit_rows outside 0..n.
+  bool has_mtp() const { return !m_.nextn.empty(); }
+  int64_t mtp_n_past() const { return mtp_n_past_; }
+  void mtp_forward(const float* hidden, std::span<const int32_t> next_tokens, int64_t logit_rows, float* logits,
+                   float* hidden_out);
+  // Keeps slots 0 .. n - 1 of the MTP cache (drafts rolled back); std::logic_error past what is cached.
+  void mtp_rewind(int64_t n);
 
   // Layer-step entry points for a process that runs the routed experts elsewhere (gpu_worker's
   // CPU backend): the same arithmetic forward() does, cut where the MoE block leaves the process.
@@ -63,6 +80,8 @@ class ReferenceExecutor {
   // mixer_step calls' rows start at position n_past() + first, not n_past(). Each layer must see
   // its windows in order, so its caches grow as they would over consecutive steps.
   void set_window(int64_t first) { window_first_ = first; }
+  // The final norm alone: h [rows][n_embd], the rows output_logits feeds the lm head (the MTP head's input).
+  void output_norm(const float* x, int64_t rows, float* h) const;
   // Final norm and lm head over `rows` rows of x: logits [rows][n_vocab]; h is rows * n_embd scratch.
   void output_logits(const float* x, int64_t rows, float* h, float* logits);
   ThreadPool& pool() { return pool_; }
@@ -110,6 +129,14 @@ class ReferenceExecutor {
   // The layer's FFN as its recipe says: a dense SwiGLU FFN or the MoE block.
   void ffn_block(int64_t il, const float* h, int64_t n, float* x);        // moe_block.cpp
 
+  // Block il: a trunk layer (il < n_layer) or, il == n_layer, the MTP block with its own cache and
+  // positions (mtp_state_, mtp_n_past_; no windows).
+  const model::LayerWeights& block(int64_t il) const {
+    return il < m_.hp.n_layer ? m_.layers[static_cast<size_t>(il)] : m_.nextn.at(static_cast<size_t>(il - m_.hp.n_layer)).block;
+  }
+  LayerState& block_state(int64_t il) { return il < m_.hp.n_layer ? state_[static_cast<size_t>(il)] : mtp_state_; }
+  int64_t block_pos0(int64_t il) const { return il < m_.hp.n_layer ? n_past_ + window_first_ : mtp_n_past_; }
+
   const model::Model& m_;
   ThreadPool pool_;
   DotOrderSeed order_;
@@ -119,6 +146,8 @@ class ReferenceExecutor {
   std::vector<LayerState> state_;
   int64_t n_past_ = 0;
   int64_t window_first_ = 0;   // set_window: the first row's position is n_past_ + window_first_
+  LayerState mtp_state_;      // the MTP block's KV cache: slots 0 .. mtp_n_past_ - 1
+  int64_t mtp_n_past_ = 0;
   std::vector<LayerState> snapshot_;   // recurrent states at snapshot_pos_ (-1: none since reset)
   int64_t snapshot_pos_ = -1;
 };

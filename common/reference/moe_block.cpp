@@ -17,7 +17,7 @@ namespace moraine::reference {
 
 void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* x) {
   const model::HParams& hp = m_.hp;
-  const model::MoeWeights& W = m_.layers[il].moe;
+  const model::MoeWeights& W = block(il).moe;
   const int64_t d = hp.n_embd;
   const int64_t ne = hp.n_expert;
   const int64_t k = hp.n_expert_used;
@@ -26,7 +26,7 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
   router.reserve(hp, n);
   std::vector<int32_t> chosen(n * k);
   std::vector<float> weight(n * k);
-  const model::FfnPart& part = m_.layers[il].recipe.ffn;
+  const model::FfnPart& part = block(il).recipe.ffn;
   route_layer(hp, part, W, h, n, chosen.data(), weight.data(), router, pool_, order_);
 
   // Per expert: gather its tokens, run it once, scatter into [token][slot].
@@ -64,7 +64,7 @@ void ReferenceExecutor::moe_block(int64_t il, const float* h, int64_t n, float* 
 }
 
 void ReferenceExecutor::dense_ffn_block(int64_t il, const float* h, int64_t n, float* x) {
-  const model::DenseFfnWeights& W = m_.layers[il].dense;
+  const model::DenseFfnWeights& W = block(il).dense;
   std::vector<float> y(n * m_.hp.n_embd);
   ExpertScratch scratch;
   scratch.reserve(n, W.gate.n_rows);
@@ -72,7 +72,7 @@ void ReferenceExecutor::dense_ffn_block(int64_t il, const float* h, int64_t n, f
 }
 
 void ReferenceExecutor::ffn_block(int64_t il, const float* h, int64_t n, float* x) {
-  if (m_.layers[il].recipe.ffn.kind == model::FfnKind::Dense) {
+  if (block(il).recipe.ffn.kind == model::FfnKind::Dense) {
     dense_ffn_block(il, h, n, x);
   } else {
     moe_block(il, h, n, x);

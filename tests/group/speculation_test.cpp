@@ -199,5 +199,62 @@ TEST(DraftPolicy, MeasuresBothStepsThenKeepsTheCheaper) {
   EXPECT_THROW(p.record_verify(100, 0), std::invalid_argument);
 }
 
+
+// A drafter asked for drafts only where the policy will verify them (the MTP head): will_verify
+// says so without counting, declined_unmade counts the drafts never made, so the probe still comes.
+TEST(DraftPolicy, WillVerifyPredictsAndUnmadeDraftsReachTheProbe) {
+  DraftPolicy p;
+  for (int i = 0; i < DraftPolicy::kWarmup; ++i) {
+    ASSERT_TRUE(p.will_verify()) << i;
+    ASSERT_TRUE(p.should_verify()) << i;
+    p.record_verify(900, 1);
+  }
+  for (int i = 0; i < DraftPolicy::kWarmup; ++i) {
+    ASSERT_FALSE(p.will_verify()) << i;
+    p.declined_unmade();
+    p.record_decode(300);
+  }
+  // Declined from here on: no drafts asked until the probe, which will_verify announces.
+  int unmade = 0;
+  while (!p.will_verify() && unmade < 100) {
+    EXPECT_FALSE(p.will_verify());   // asking again changes nothing
+    p.declined_unmade();
+    p.record_decode(300);
+    ++unmade;
+  }
+  EXPECT_EQ(unmade, DraftPolicy::kRetryEvery - 1);
+  ASSERT_TRUE(p.should_verify());   // the probe's draft is verified
+  p.record_verify(400, 4);
+  EXPECT_TRUE(p.will_verify());
+  EXPECT_TRUE(p.should_verify());
+}
+
+
+// Where the MTP head's drafts go: after a one-token step at position 9 they follow context index 10
+// (the step's greedy token), after a verify window of rows [t, d0, d1, d2] from position 20 whose
+// first rejected row is 1 they follow 20 + 1 + 1 + 1 = 23; a reply without drafts, or one the step
+// did not ask for, gives none.
+TEST(MtpDrafts, FollowTheRowDecodeGoesOnFrom) {
+  MtpDrafts d;
+  const int32_t drafts[3] = {4, 5, 6};
+  ASSERT_TRUE(d.take(3, 0, drafts, 9, 1, 1, 3, 100));
+  EXPECT_EQ(d.after(11, 3), (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(d.after(11, 2), (std::vector<int32_t>{4, 5}));
+  EXPECT_TRUE(d.after(10, 3).empty());
+  ASSERT_TRUE(d.take(2, 1, drafts, 20, 4, 4, 3, 100));
+  EXPECT_EQ(d.after(23, 3), (std::vector<int32_t>{4, 5}));
+  EXPECT_TRUE(d.after(25, 3).empty());
+  // Two pending tokens (a DeltaNet rewind fed them again) then 3 drafts: rows 1..4 have logits.
+  ASSERT_TRUE(d.take(1, 3, drafts, 30, 5, 4, 3, 100));
+  EXPECT_EQ(d.after(30 + (5 - 4 + 3) + 2, 3), (std::vector<int32_t>{4}));
+  EXPECT_FALSE(d.take(-1, -1, drafts, 9, 1, 1, 3, 100));
+  EXPECT_TRUE(d.after(11, 3).empty());
+  EXPECT_THROW(d.take(4, 0, drafts, 9, 1, 1, 3, 100), std::runtime_error);   // more than asked
+  EXPECT_THROW(d.take(1, 1, drafts, 9, 1, 1, 3, 100), std::runtime_error);   // row outside the logit rows
+  EXPECT_THROW(d.take(3, 0, drafts, 9, 1, 1, 3, 5), std::runtime_error);     // a token outside the vocabulary
+  d.clear();
+  EXPECT_TRUE(d.after(11, 3).empty());
+}
+
 }  // namespace
 }  // namespace moraine::group

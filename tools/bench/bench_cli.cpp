@@ -147,7 +147,7 @@ int bench_main(int argc, char** argv, const EngineFactory& make_engine, std::ost
                "group: the coordinator checks every sampled row's logits finite (default; off: the gpu_worker returns "
                "the greedy token and the logits stay on the device)");
   app.add_flag("--speculate", o.speculate,
-               "group: decode with suffix drafts from the context verified several tokens a step (same tokens as greedy; the "
+               "group: decode with drafts (the model's MTP head, else suffix drafts from the context) verified several tokens a step (same tokens as greedy; the "
                "report gives drafted and accepted counts)");
   app.add_option("--supervisor-arg", o.supervisor_args,
                  "group: an extra argument for `moraine-supervisor start` (repeat; e.g. --supervisor-arg=--reserve-cores=2)")
