@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real training run, on the GPU machine (torch 2.x with CUDA; transformers for hf_check.py), from
 # the repository root with prepare_data.sh's output carried:
-#   tools/train/run_on_gpu.sh DATA_DIR [MINUTES]      (MINUTES of training, default 8)
+#   tools/train/run_on_gpu.sh DATA_DIR [MINUTES [TRAIN_ARGS...]]   (MINUTES of training, default 8;
+#   TRAIN_ARGS go to train.py, e.g. --max-steps 400 --eval-every 50)
 # DATA_DIR needs tok/{tokenizer.json,tokenizer_config.json,train.bin,heldout.bin} and
 # corpus/{heldout.txt,documents.json}. Leaves under $OUT (at most 8 flat files come back):
 #   loss.tsv, train_log.json (steps, tokens, wall time, held-out loss, expert shares), samples.md
@@ -13,6 +14,7 @@ export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
 data=$(cd "${1:?usage: run_on_gpu.sh DATA_DIR [MINUTES]}" && pwd)
 minutes=${2:-8}
+shift $(( $# < 2 ? $# : 2 ))
 out=${OUT:?run_on_gpu.sh: \$OUT must name the folder that comes back}
 work=$(mktemp -d /tmp/moraine-train.XXXXXX)
 started=$(date +%s)
@@ -22,7 +24,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 cat "$work/gpu.txt"
 python3 "$here/test_model.py" 2>&1 | tee "$work/test_model.log"
 train_status=0
-python3 "$here/train.py" --data "$data/tok" --out "$work/train" --minutes "$minutes" --device cuda 2>&1 \
+python3 "$here/train.py" --data "$data/tok" --out "$work/train" --minutes "$minutes" --device cuda "$@" 2>&1 \
   | tee "$work/train.log" || train_status=$?
 trained=$(date +%s)
 if [ -f "$work/train/checkpoint/model.safetensors" ]; then
