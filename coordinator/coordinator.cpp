@@ -355,10 +355,12 @@ class Coordinator final : public generate::Coordinator::Service {
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(seq->prompt_tokens()));
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
-    // Speculation (GenerateRequest::speculate): suffix drafts verified by greedy tokens, so only
-    // where the gpu_worker returns them.
-    const bool speculate = req->speculate() && token_only_ && (o_.speculate_draft > 0 || mtp_);
-    me.mtp = speculate && mtp_;
+    // Speculation (GenerateRequest::speculate): drafts verified by the gpu_worker's greedy tokens,
+    // or with the logits on the host by speculative sampling (Sequence::speculate), the
+    // distribution sampling gives. The MTP head drafts after a row's greedy token, which only a
+    // greedy request is known to continue from: a sampled one drafts from the context.
+    const bool speculate = req->speculate() && !logits_dump_.is_open() && (o_.speculate_draft > 0 || (mtp_ && token_only_));
+    me.mtp = speculate && mtp_ && token_only_;
     mtp_request_ = me.mtp;
     mtp_drafts_.clear();
     mtp_follows_ = false;   // until the prefill's reply says
@@ -587,13 +589,26 @@ class Coordinator final : public generate::Coordinator::Service {
       window.insert(window.end(), draft.begin(), draft.end());
       const int64_t at = position_;
       const StepOutput v = verify(window, static_cast<int64_t>(draft.size()) + 1, context);
-      const size_t j = group::accepted_prefix(draft, v.row_tokens);
-      if (sp.check_logits()) {   // the rows whose tokens are used
-        for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+      size_t j = 0;
+      if (token_only_) {
+        j = group::accepted_prefix(draft, v.row_tokens);
+        if (sp.check_logits()) {   // the rows whose tokens are used
+          for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+        }
+        decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
+        decided.push_back(v.row_tokens[j]);
+        greedy_worker_tokens_ += decided.size();
+      } else {
+        decided = seq.speculate(v.logits, draft);
+        j = decided.size() - 1;
+        const size_t V = v.logits.size() / (draft.size() + 1);
+        if (sp.check_logits()) {
+          for (size_t r = 0; r <= j; ++r) check_finite(v.logits.subspan(r * V, V), context.size() + r);
+        }
+        // Sequence::speculate accepts a draft only as itself: the first j are the drafts.
+        if (!std::equal(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j), decided.begin()))
+          throw std::logic_error("speculation: accepted tokens that are not the draft's");
       }
-      decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
-      decided.push_back(v.row_tokens[j]);
-      greedy_worker_tokens_ += decided.size();
       rewind_pending_ = j < draft.size();
       // Cached now: the pending tokens and the accepted drafts; with recurrent layers after a
       // rejection, nothing of the window (the snapshot before it comes back).
@@ -690,8 +705,8 @@ class Coordinator final : public generate::Coordinator::Service {
     std::span<const float> logits;
     int32_t token = -1;
     int32_t nonfinite = -1;   // check_on_worker_: StepReply::nonfinite of the last step
-    // A verify window (token_only_, logit_rows > 1): every row's greedy token and first
-    // non-finite logit, in the exchange's StepReply.
+    // A verify window (logit_rows > 1): with token_only_ every row's greedy token and first
+    // non-finite logit, in the exchange's StepReply; else `logits` holds all its rows.
     std::span<const int32_t> row_tokens, row_nonfinite;
   };
 
@@ -733,14 +748,14 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_);
+  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_) or logits;
   // snapshot: StepHeader::snapshot of the (one) step.
   StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset, int64_t logit_rows = 1, bool snapshot = false) {
     std::byte* base = exchange_.data();
     const int64_t V = model_.hp.n_vocab;
     const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
-    if (logit_rows > 1 && (!token_only_ || n > o_.max_tokens || logit_rows > n ||
-                           logit_rows > static_cast<int64_t>(group::kMaxTokenRows)))
+    if (logit_rows > 1 && (n > o_.max_tokens || logit_rows > n ||
+                           (token_only_ && logit_rows > static_cast<int64_t>(group::kMaxTokenRows))))
       throw std::logic_error("coordinator: a verify window of " + std::to_string(n) + " rows with " +
                              std::to_string(logit_rows) + " logit rows is not a step it can issue");
     if (reset) {
@@ -849,7 +864,8 @@ class Coordinator final : public generate::Coordinator::Service {
       logits_dump_.write(reinterpret_cast<const char*>(logits), static_cast<std::streamsize>(V * sizeof(float)));
       logits_dump_.flush();
     }
-    return {{logits, static_cast<size_t>(V)}, -1, -1, {}, {}};
+    // A verify window's rows follow one another ("logits" holds max_tokens rows).
+    return {{logits, static_cast<size_t>(V * logit_rows)}, -1, -1, {}, {}};
   }
 
   // A step's whole round trip, a long prefill chunk included.
