@@ -599,9 +599,9 @@ class Coordinator final : public generate::Coordinator::Service {
         decided.push_back(v.row_tokens[j]);
         greedy_worker_tokens_ += decided.size();
       } else {
-        decided = seq.speculate(v.logits, draft);
+        const size_t V = static_cast<size_t>(model_.hp.n_vocab);
+        decided = seq.speculate(v.logits, V, draft);
         j = decided.size() - 1;
-        const size_t V = v.logits.size() / (draft.size() + 1);
         if (sp.check_logits()) {
           for (size_t r = 0; r <= j; ++r) check_finite(v.logits.subspan(r * V, V), context.size() + r);
         }

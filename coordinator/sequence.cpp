@@ -69,12 +69,12 @@ int32_t Sequence::sample(std::span<const float> logits) {
   return id;
 }
 
-std::vector<int32_t> Sequence::speculate(std::span<const float> rows, std::span<const int32_t> draft) {
-  const size_t n_rows = draft.size() + 1;
-  if (rows.empty() || rows.size() % n_rows != 0)
+std::vector<int32_t> Sequence::speculate(std::span<const float> rows, size_t n_vocab, std::span<const int32_t> draft) {
+  const size_t n_rows = draft.size() + 1, V = n_vocab;
+  if (V == 0 || rows.size() != n_rows * V)
     throw std::invalid_argument("speculation: " + std::to_string(rows.size()) + " logits for a draft of " +
-                                std::to_string(draft.size()) + " (expected " + std::to_string(n_rows) + " whole rows)");
-  const size_t V = rows.size() / n_rows;
+                                std::to_string(draft.size()) + " (expected " + std::to_string(n_rows) + " rows of " +
+                                std::to_string(V) + ")");
   pending_logprobs_.clear();
   if (penalties_.active()) history_.assign(context.begin(), context.end());
   std::vector<int32_t> out;

@@ -30,13 +30,13 @@ class Sequence {
   // records the token's log-probability for accept() when asked for.
   int32_t sample(std::span<const float> logits);
   // A verify window's tokens by speculative sampling (sampling::Sampler::verify): `rows` holds
-  // draft.size() + 1 logits rows, row i the model's after the context and draft[0..i). Row i's
+  // draft.size() + 1 logits rows of n_vocab, row i the model's after the context and draft[0..i). Row i's
   // distribution is the one sample() would draw from at that position (penalties over the context
   // extended by draft[0..i)), so the tokens returned (the accepted drafts, then the first
   // rejection's replacement or the last row's bonus token) are distributed as plain sampling's.
   // Does not append them: accept() does, in order. Throws std::invalid_argument for rows that are
-  // not draft.size() + 1 rows.
-  std::vector<int32_t> speculate(std::span<const float> rows, std::span<const int32_t> draft);
+  // not draft.size() + 1 rows of n_vocab.
+  std::vector<int32_t> speculate(std::span<const float> rows, size_t n_vocab, std::span<const int32_t> draft);
   // Appends a decided token and fills `chunk` with it (id, text, log-probability). Returns true
   // when the sequence ends with it (EOS, a stop string, max_tokens); finish() then says why.
   bool accept(int32_t id, generate::GenerateChunk& chunk);
