@@ -179,5 +179,46 @@ TEST(GroupMtp, SampledRequestSpeculatesFromTheContext) {
   g.stop();
 }
 
+
+// top_k 1 at a temperature: a point mass on each row's argmax (ties: the lower id, as greedy's),
+// sampled on the host from every verified row's logits: the reference's greedy tokens, so the
+// window's rows come back in order and each row's draft is tested against its own row. A random
+// attention-only model, whose greedy output falls into loops that the suffix drafter drafts.
+TEST(GroupMtp, TopKOneSampledSpeculationGivesTheGreedyTokens) {
+  const std::string dir = testing::temp_path("group-spec-sampled");
+  fs::create_directories(dir);
+  const std::string path = dir + "/attn.gguf";
+  testing::SyntheticSpec spec;
+  spec.arch = "qwen3next";
+  spec.n_layer = 2;
+  spec.full_attention_interval = 1;
+  testing::SyntheticModel(spec).write(path);
+  const std::vector<int32_t> prompt = {5, 17, 5, 17, 5, 17, 5, 17};
+  const int n = 64;
+  const ReferenceRun ref = reference_greedy(path, prompt, n, model::KvType::F32, /*ignore_eos=*/true);
+  GroupOptions o;
+  o.model = path;
+  Group g(o);
+  generate::SamplingParams sp;
+  sp.set_temperature(0.8f);
+  sp.set_top_k(1);
+  sp.set_seed(5);
+  sp.set_max_tokens(n);
+  sp.set_ignore_eos(true);
+  const Counters before = Counters::read(g.socket_dir());
+  const Generation gen = generate_sampled(g.socket_dir(), prompt, sp, /*speculate=*/true);
+  const Counters c = Counters::read(g.socket_dir()) - before;
+  EXPECT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  EXPECT_GT(c.verify, 0u);
+  EXPECT_GT(c.accepted, 0u);   // rows past the first were used
+  EXPECT_GT(c.drafted, c.accepted);
+  std::printf("top_k 1 sampled speculation: %llu verify steps, %llu of %llu drafted tokens accepted\n",
+              static_cast<unsigned long long>(c.verify), static_cast<unsigned long long>(c.accepted),
+              static_cast<unsigned long long>(c.drafted));
+  g.stop();
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace moraine::group_test
