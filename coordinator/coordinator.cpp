@@ -78,7 +78,7 @@ struct Options {
   // without a spin, 37-49 us spinning 20 us; spinning through the step (both sides): 510 us.
   int step_spin_us = 0;
   bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
-  // Speculation, for requests that ask (GenerateRequest::speculate, greedy only): drafts of at
+  // Speculation, for requests that ask (GenerateRequest::speculate): drafts of at
   // most this many tokens (0: never draft) after a recurring context suffix of at least
   // speculate_min_match tokens (group::SuffixDrafter).
   int speculate_draft = 5, speculate_min_match = 1;
