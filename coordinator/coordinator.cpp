@@ -368,12 +368,21 @@ class Coordinator final : public generate::Coordinator::Service {
     DraftPolicies policy;   // this request's, one per drafter
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
-    const auto finished = [&](generate::GenerateChunk last) {
+    // unused: the tokens a verify window settled after the one that ended the sequence (an EOS or
+    // a stop string among accepted drafts); their positions are cached too.
+    const auto finished = [&](generate::GenerateChunk last, std::span<const int32_t> unused = {}) {
       timing.set_generated_tokens(seq->generated());
       last.set_finish(seq->finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq->finish());
       *last.mutable_timing() = timing;
       stream.push(std::move(last));
-      cache_.assign(context.begin(), context.begin() + position_);   // what the gpu_worker holds now
+      // What the gpu_worker holds now: position_ can pass the context's end by the unused tokens.
+      std::vector<int32_t> held(context);
+      held.insert(held.end(), unused.begin(), unused.end());
+      if (position_ > static_cast<int64_t>(held.size())) {   // not reached: the next step rewinds if so
+        position_ = static_cast<int64_t>(held.size());
+        rewind_pending_ = true;
+      }
+      cache_.assign(held.begin(), held.begin() + position_);
       leave_turns(me);   // the live sequence is an idle conversation now
       return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
     };
@@ -403,12 +412,12 @@ class Coordinator final : public generate::Coordinator::Service {
       std::vector<int32_t> decided{sample_one(out)};   // tokens the last step settled, in order
       int turn_steps = 0;   // decode steps since this turn began
       for (;;) {
-        for (const int32_t id : decided) {
+        for (size_t i = 0; i < decided.size(); ++i) {
           const auto tsample = Clock::now();
           generate::GenerateChunk chunk;
-          if (seq->accept(id, chunk)) {
+          if (seq->accept(decided[i], chunk)) {
             timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-            return finished(std::move(chunk));
+            return finished(std::move(chunk), std::span<const int32_t>(decided).subspan(i + 1));
           }
           const auto twrite = Clock::now();
           sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
