@@ -217,6 +217,19 @@ TEST(GroupMtp, TopKOneSampledSpeculationGivesTheGreedyTokens) {
               static_cast<unsigned long long>(c.verify), static_cast<unsigned long long>(c.accepted),
               static_cast<unsigned long long>(c.drafted));
   g.stop();
+  // Greedy with the argmax taken on the host (--greedy-on-host): windows verified by
+  // Sequence::speculate's greedy rule, the same tokens.
+  o.extra_args = {"--coordinator-arg=--greedy-on-host"};
+  Group host(o);
+  const Counters before_host = Counters::read(host.socket_dir());
+  const Generation greedy = generate(host.socket_dir(), prompt, n, /*check_logits=*/true, /*speculate=*/true);
+  const Counters ch = Counters::read(host.socket_dir()) - before_host;
+  EXPECT_TRUE(greedy.error.empty()) << greedy.error;
+  EXPECT_EQ(greedy.ids, std::vector<int32_t>(ref.ids.begin(), ref.ids.begin() + static_cast<std::ptrdiff_t>(greedy.ids.size())));
+  EXPECT_EQ(greedy.ids.size(), ref.ids.size());
+  EXPECT_GT(ch.verify, 0u);
+  EXPECT_GT(ch.accepted, 0u);
+  host.stop();
   fs::remove_all(dir);
 }
 
