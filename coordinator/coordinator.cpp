@@ -78,7 +78,7 @@ struct Options {
   // without a spin, 37-49 us spinning 20 us; spinning through the step (both sides): 510 us.
   int step_spin_us = 0;
   bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
-  // Speculation, for requests that ask (GenerateRequest::speculate, greedy only): drafts of at
+  // Speculation, for requests that ask (GenerateRequest::speculate): drafts of at
   // most this many tokens (0: never draft) after a recurring context suffix of at least
   // speculate_min_match tokens (group::SuffixDrafter).
   int speculate_draft = 5, speculate_min_match = 1;
@@ -355,23 +355,34 @@ class Coordinator final : public generate::Coordinator::Service {
     generate::GenerateTiming timing;
     timing.set_prompt_tokens(static_cast<uint32_t>(seq->prompt_tokens()));
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
-    // Speculation (GenerateRequest::speculate): suffix drafts verified by greedy tokens, so only
-    // where the gpu_worker returns them.
-    const bool speculate = req->speculate() && token_only_ && (o_.speculate_draft > 0 || mtp_);
-    me.mtp = speculate && mtp_;
+    // Speculation (GenerateRequest::speculate): drafts verified by the gpu_worker's greedy tokens,
+    // or with the logits on the host by speculative sampling (Sequence::speculate), the
+    // distribution sampling gives. The MTP head drafts after a row's greedy token, which only a
+    // greedy request is known to continue from: a sampled one drafts from the context.
+    const bool speculate = req->speculate() && !logits_dump_.is_open() && (o_.speculate_draft > 0 || (mtp_ && token_only_));
+    me.mtp = speculate && mtp_ && token_only_;
     mtp_request_ = me.mtp;
     mtp_drafts_.clear();
     mtp_follows_ = false;   // until the prefill's reply says
     mtp_ask_ = true;   // the prefill's drafts: the policy verifies its first windows
-    group::DraftPolicy policy;
+    DraftPolicies policy;   // this request's, one per drafter
     group::SuffixDrafter drafter;   // over this request's context, fed as it grows
     std::vector<int32_t>& context = seq->context;
-    const auto finished = [&](generate::GenerateChunk last) {
+    // unused: the tokens a verify window settled after the one that ended the sequence (an EOS or
+    // a stop string among accepted drafts); their positions are cached too.
+    const auto finished = [&](generate::GenerateChunk last, std::span<const int32_t> unused = {}) {
       timing.set_generated_tokens(seq->generated());
       last.set_finish(seq->finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq->finish());
       *last.mutable_timing() = timing;
       stream.push(std::move(last));
-      cache_.assign(context.begin(), context.begin() + position_);   // what the gpu_worker holds now
+      // What the gpu_worker holds now: position_ can pass the context's end by the unused tokens.
+      std::vector<int32_t> held(context);
+      held.insert(held.end(), unused.begin(), unused.end());
+      if (position_ > static_cast<int64_t>(held.size())) {   // not reached: the next step rewinds if so
+        position_ = static_cast<int64_t>(held.size());
+        rewind_pending_ = true;
+      }
+      cache_.assign(held.begin(), held.begin() + position_);
       leave_turns(me);   // the live sequence is an idle conversation now
       return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
     };
@@ -401,12 +412,12 @@ class Coordinator final : public generate::Coordinator::Service {
       std::vector<int32_t> decided{sample_one(out)};   // tokens the last step settled, in order
       int turn_steps = 0;   // decode steps since this turn began
       for (;;) {
-        for (const int32_t id : decided) {
+        for (size_t i = 0; i < decided.size(); ++i) {
           const auto tsample = Clock::now();
           generate::GenerateChunk chunk;
-          if (seq->accept(id, chunk)) {
+          if (seq->accept(decided[i], chunk)) {
             timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-            return finished(std::move(chunk));
+            return finished(std::move(chunk), std::span<const int32_t>(decided).subspan(i + 1));
           }
           const auto twrite = Clock::now();
           sample_.record(1, 0, 0, std::chrono::duration<double, std::micro>(twrite - tsample).count());
@@ -446,6 +457,11 @@ class Coordinator final : public generate::Coordinator::Service {
   }
 
  private:
+  // A request's draft policies: the suffix drafter's and the MTP head's acceptance differ (measured
+  // on the built-in model: 0 of 36 suffix drafts, 19 of 47 MTP ones; group_mtp_test).
+  struct DraftPolicies {
+    group::DraftPolicy suffix, mtp;
+  };
   // A request admitted to take turns (--parallel), and where its sequence is while another's is live.
   struct Running {
     uint64_t id = 0;
@@ -548,7 +564,7 @@ class Coordinator final : public generate::Coordinator::Service {
   // One decode step (or a verified speculation window) after the tokens the sequence has
   // accepted: the tokens it settles, in order.
   template <class SampleOne>
-  std::vector<int32_t> next_tokens(group::Sequence& seq, bool speculate, group::DraftPolicy& policy,
+  std::vector<int32_t> next_tokens(group::Sequence& seq, bool speculate, DraftPolicies& policies,
                                    group::SuffixDrafter& drafter, generate::GenerateTiming& timing,
                                    const SampleOne& sample_one) {
     const generate::SamplingParams& sp = seq.sampling();
@@ -567,12 +583,15 @@ class Coordinator final : public generate::Coordinator::Service {
     // The MTP head's drafts after this context's last token (the last step's StepReply::mtp_draft),
     // while it follows the sequence; else the suffix drafter's.
     const bool from_mtp = speculate && mtp_request_ && mtp_follows_;
+    group::DraftPolicy& policy = from_mtp ? policies.mtp : policies.suffix;
     if (from_mtp && !mtp_ask_) policy.declined_unmade();   // the last step made none: the policy declined them
+    // Each drafter's window length: its measured acceptance against the measured step costs.
     if (from_mtp) {
-      draft = mtp_drafts_.after(static_cast<int64_t>(context.size()), lo.max_draft);
+      const int most = std::min(lo.max_draft, o_.speculate_mtp);
+      draft = mtp_drafts_.after(static_cast<int64_t>(context.size()), most > 0 ? policy.draft_length(most) : 0);
       if (!draft.empty()) ++mtp_drafts_used_;
     } else if (speculate && lo.max_draft > 0 && o_.speculate_draft > 0) {
-      lo.max_draft = std::min(lo.max_draft, o_.speculate_draft);
+      lo.max_draft = policy.draft_length(std::min(lo.max_draft, o_.speculate_draft));
       drafter.sync(context);
       draft = drafter.draft(lo);
     }
@@ -581,25 +600,38 @@ class Coordinator final : public generate::Coordinator::Service {
     const bool verify_now = !draft.empty() && policy.should_verify();
     // The MTP head drafts (a draft costs about half a one-token step on the CPU backend) only
     // where the policy will verify them: measured plain steps then carry no drafting.
-    mtp_ask_ = policy.will_verify();
+    mtp_ask_ = policies.mtp.will_verify();
     if (verify_now) {
       std::vector<int32_t> window(context.begin() + position_, context.end());
       window.insert(window.end(), draft.begin(), draft.end());
       const int64_t at = position_;
       const StepOutput v = verify(window, static_cast<int64_t>(draft.size()) + 1, context);
-      const size_t j = group::accepted_prefix(draft, v.row_tokens);
-      if (sp.check_logits()) {   // the rows whose tokens are used
-        for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+      size_t j = 0;
+      if (token_only_) {
+        j = group::accepted_prefix(draft, v.row_tokens);
+        if (sp.check_logits()) {   // the rows whose tokens are used
+          for (size_t r = 0; r <= j; ++r) report_nonfinite(v.row_nonfinite[r], context.size() + r);
+        }
+        decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
+        decided.push_back(v.row_tokens[j]);
+        greedy_worker_tokens_ += decided.size();
+      } else {
+        const size_t V = static_cast<size_t>(model_.hp.n_vocab);
+        decided = seq.speculate(v.logits, V, draft);
+        j = decided.size() - 1;
+        if (sp.check_logits()) {
+          for (size_t r = 0; r <= j; ++r) check_finite(v.logits.subspan(r * V, V), context.size() + r);
+        }
+        // Sequence::speculate accepts a draft only as itself: the first j are the drafts.
+        if (!std::equal(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j), decided.begin()))
+          throw std::logic_error("speculation: accepted tokens that are not the draft's");
       }
-      decided.assign(draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(j));
-      decided.push_back(v.row_tokens[j]);
-      greedy_worker_tokens_ += decided.size();
       rewind_pending_ = j < draft.size();
       // Cached now: the pending tokens and the accepted drafts; with recurrent layers after a
       // rejection, nothing of the window (the snapshot before it comes back).
       if (rewind_pending_) position_ = recurrent_ ? at : at + pending + static_cast<int64_t>(j);
       const double us = us_since(ts);
-      policy.record_verify(us, static_cast<int64_t>(decided.size()));
+      policy.record_verify(us, static_cast<int64_t>(decided.size()), static_cast<int64_t>(draft.size()));
       decode_.record(decided.size(), 0, 0, us);
       ++verify_steps_;
       drafted_tokens_ += draft.size();
@@ -609,10 +641,15 @@ class Coordinator final : public generate::Coordinator::Service {
       return decided;
     }
     const StepOutput out = feed(context.data() + position_, pending, false, context);
-    const double us = us_since(ts);
-    if (speculate) policy.record_decode(us);
-    decode_.record(1, 0, 0, us);
+    decode_.record(1, 0, 0, us_since(ts));
+    // The policies count the sampling as the step's, as a window's rows' (top-k 40 over 151,936
+    // logits: ~240 us a row on the dev box, the same for a sample and a verified row).
     decided.push_back(sample_one(out));
+    const double us = us_since(ts);
+    if (speculate) {
+      policies.suffix.record_decode(us);
+      policies.mtp.record_decode(us);
+    }
     return decided;
   }
   // A faulty step (a kernel bug, a lost expert output) shows as non-finite logits; a benchmark
@@ -690,8 +727,8 @@ class Coordinator final : public generate::Coordinator::Service {
     std::span<const float> logits;
     int32_t token = -1;
     int32_t nonfinite = -1;   // check_on_worker_: StepReply::nonfinite of the last step
-    // A verify window (token_only_, logit_rows > 1): every row's greedy token and first
-    // non-finite logit, in the exchange's StepReply.
+    // A verify window (logit_rows > 1): with token_only_ every row's greedy token and first
+    // non-finite logit, in the exchange's StepReply; else `logits` holds all its rows.
     std::span<const int32_t> row_tokens, row_nonfinite;
   };
 
@@ -733,14 +770,14 @@ class Coordinator final : public generate::Coordinator::Service {
     }
   }
 
-  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_);
+  // logit_rows > 1 (a verify window): n <= max_tokens, the rows' greedy tokens (token_only_) or logits;
   // snapshot: StepHeader::snapshot of the (one) step.
   StepOutput run_steps(const int32_t* tokens, int64_t n, bool reset, int64_t logit_rows = 1, bool snapshot = false) {
     std::byte* base = exchange_.data();
     const int64_t V = model_.hp.n_vocab;
     const uint32_t row_bytes = static_cast<uint32_t>(model_.hp.n_embd * sizeof(float));
-    if (logit_rows > 1 && (!token_only_ || n > o_.max_tokens || logit_rows > n ||
-                           logit_rows > static_cast<int64_t>(group::kMaxTokenRows)))
+    if (logit_rows > 1 && (n > o_.max_tokens || logit_rows > n ||
+                           (token_only_ && logit_rows > static_cast<int64_t>(group::kMaxTokenRows))))
       throw std::logic_error("coordinator: a verify window of " + std::to_string(n) + " rows with " +
                              std::to_string(logit_rows) + " logit rows is not a step it can issue");
     if (reset) {
@@ -849,7 +886,8 @@ class Coordinator final : public generate::Coordinator::Service {
       logits_dump_.write(reinterpret_cast<const char*>(logits), static_cast<std::streamsize>(V * sizeof(float)));
       logits_dump_.flush();
     }
-    return {{logits, static_cast<size_t>(V)}, -1, -1, {}, {}};
+    // A verify window's rows follow one another ("logits" holds max_tokens rows).
+    return {{logits, static_cast<size_t>(V * logit_rows)}, -1, -1, {}, {}};
   }
 
   // A step's whole round trip, a long prefill chunk included.

@@ -284,7 +284,7 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", ga.seed, "sampling seed");
   gen->add_flag("--ignore-eos", ga.ignore_eos, "generate all -n tokens, past end-of-generation tokens too");
   gen->add_flag("--speculate", ga.speculate,
-                "greedy only: draft tokens (the model's MTP head, else the context's suffix automaton) and verify several per step; same output");
+                "draft tokens (the model's MTP head, else the context's suffix automaton) and verify several per step; greedy: the same output, sampled: the same distribution (not the same tokens for a seed)");
   gen->add_flag("--json", json, "print ids and timings as JSON");
   gen->add_option("--stop", ga.stop, "stop string (repeat): the text ends before the first one")->allow_extra_args(false);
   CLI::App* stats = app.add_subcommand("stats", "per-stage counters of every process");

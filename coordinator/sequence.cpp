@@ -64,30 +64,69 @@ int32_t Sequence::sample(std::span<const float> logits) {
     use = penalised_;
   }
   const int32_t id = sampler_.sample(use);
-  if (sp_.logprobs()) {
-    // The model's own distribution (the raw logits), as OpenAI reports it, not the sampler's cut one.
-    const sampling::LogSoftmax ls(logits);
-    generate::TokenLogprob lp;
-    lp.set_id(static_cast<uint32_t>(id));
-    lp.set_logprob(ls(id));
-    if (tok_) lp.set_text(tokenizer::replace_invalid_utf8(tok_->decode(std::vector<int32_t>{id}, false)));
-    for (const auto& [alt, l] : ls.top(sp_.top_logprobs())) {
-      generate::TopLogprob& t = *lp.add_top();
-      t.set_id(static_cast<uint32_t>(alt));
-      t.set_logprob(l);
-      if (tok_) t.set_text(tokenizer::replace_invalid_utf8(tok_->decode(std::vector<int32_t>{alt}, false)));
-    }
-    pending_logprob_ = std::move(lp);
-  }
+  pending_logprobs_.clear();
+  record_logprob(logits, id);
   return id;
+}
+
+std::vector<int32_t> Sequence::speculate(std::span<const float> rows, size_t n_vocab, std::span<const int32_t> draft) {
+  const size_t n_rows = draft.size() + 1, V = n_vocab;
+  if (V == 0 || rows.size() != n_rows * V)
+    throw std::invalid_argument("speculation: " + std::to_string(rows.size()) + " logits for a draft of " +
+                                std::to_string(draft.size()) + " (expected " + std::to_string(n_rows) + " rows of " +
+                                std::to_string(V) + ")");
+  pending_logprobs_.clear();
+  if (penalties_.active()) history_.assign(context.begin(), context.end());
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < n_rows; ++i) {
+    const std::span<const float> row = rows.subspan(i * V, V);
+    std::span<const float> use = row;
+    if (penalties_.active()) {
+      penalised_.assign(row.begin(), row.end());
+      sampling::apply_penalties(penalised_, history_, penalties_);
+      use = penalised_;
+    }
+    sampling::Sampler::Verdict v;
+    if (i < draft.size()) {
+      v = sampler_.verify(use, draft[i]);
+    } else {
+      v.token = sampler_.sample(use);   // every draft accepted: the bonus token from the last row
+    }
+    record_logprob(row, v.token);
+    out.push_back(v.token);
+    if (!v.accepted) break;
+    if (penalties_.active()) history_.push_back(v.token);
+  }
+  return out;
+}
+
+void Sequence::record_logprob(std::span<const float> logits, int32_t id) {
+  if (!sp_.logprobs()) return;
+  // The model's own distribution (the raw logits), as OpenAI reports it, not the sampler's cut one.
+  const sampling::LogSoftmax ls(logits);
+  generate::TokenLogprob lp;
+  lp.set_id(static_cast<uint32_t>(id));
+  lp.set_logprob(ls(id));
+  if (tok_) lp.set_text(tokenizer::replace_invalid_utf8(tok_->decode(std::vector<int32_t>{id}, false)));
+  for (const auto& [alt, l] : ls.top(sp_.top_logprobs())) {
+    generate::TopLogprob& t = *lp.add_top();
+    t.set_id(static_cast<uint32_t>(alt));
+    t.set_logprob(l);
+    if (tok_) t.set_text(tokenizer::replace_invalid_utf8(tok_->decode(std::vector<int32_t>{alt}, false)));
+  }
+  pending_logprobs_.push_back(std::move(lp));
 }
 
 bool Sequence::accept(int32_t id, generate::GenerateChunk& chunk) {
   context.push_back(id);
   ++generated_;
   chunk.add_token_ids(static_cast<uint32_t>(id));
-  if (pending_logprob_ && pending_logprob_->id() == static_cast<uint32_t>(id)) *chunk.add_logprobs() = *pending_logprob_;
-  pending_logprob_.reset();
+  if (!pending_logprobs_.empty() && pending_logprobs_.front().id() == static_cast<uint32_t>(id)) {
+    *chunk.add_logprobs() = std::move(pending_logprobs_.front());
+    pending_logprobs_.pop_front();
+  } else {
+    pending_logprobs_.clear();   // a token decided elsewhere (the gpu_worker's greedy one)
+  }
   const bool eos = !sp_.ignore_eos() && tok_ && tok_->is_end_of_generation(id);
   const bool length = generated_ >= max_new_;
   std::string text;

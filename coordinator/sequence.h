@@ -3,8 +3,8 @@
 // globals, so that several sequences can be stepped in turn (and later batched).
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <memory>
-#include <optional>
 #include <span>
 #include <vector>
 
@@ -29,6 +29,14 @@ class Sequence {
   // The next token from the last row's logits: penalties over the context, then the sampler;
   // records the token's log-probability for accept() when asked for.
   int32_t sample(std::span<const float> logits);
+  // A verify window's tokens by speculative sampling (sampling::Sampler::verify): `rows` holds
+  // draft.size() + 1 logits rows of n_vocab, row i the model's after the context and draft[0..i). Row i's
+  // distribution is the one sample() would draw from at that position (penalties over the context
+  // extended by draft[0..i)), so the tokens returned (the accepted drafts, then the first
+  // rejection's replacement or the last row's bonus token) are distributed as plain sampling's.
+  // Does not append them: accept() does, in order. Throws std::invalid_argument for rows that are
+  // not draft.size() + 1 rows of n_vocab.
+  std::vector<int32_t> speculate(std::span<const float> rows, size_t n_vocab, std::span<const int32_t> draft);
   // Appends a decided token and fills `chunk` with it (id, text, log-probability). Returns true
   // when the sequence ends with it (EOS, a stop string, max_tokens); finish() then says why.
   bool accept(int32_t id, generate::GenerateChunk& chunk);
@@ -50,7 +58,10 @@ class Sequence {
   std::unique_ptr<tokenizer::StreamingDecoder> dec_;
   StopMatcher stop_;
   std::vector<float> penalised_;   // the logits with penalties applied (when active)
-  std::optional<generate::TokenLogprob> pending_logprob_;   // of the token sample() returned
+  // sample()'s token's log-probability, or speculate()'s tokens', in order.
+  std::deque<generate::TokenLogprob> pending_logprobs_;
+  std::vector<int32_t> history_;   // speculate()'s: the context and the drafts accepted so far
+  void record_logprob(std::span<const float> logits, int32_t id);
   generate::FinishReason finish_ = generate::FINISH_REASON_UNSPECIFIED;
 };
 

@@ -259,10 +259,63 @@ void DraftPolicy::declined_unmade() {   // should_verify's declining path, witho
   if (n_verify_ >= kWarmup && n_decode_ >= kWarmup && !will_verify()) ++skipped_;
 }
 
-void DraftPolicy::record_decode(double us) { update(decode_, n_decode_, us); }
+void DraftPolicy::record_decode(double us) {
+  update(decode_, n_decode_, us);
+  record_rows(1, us);
+}
 
-void DraftPolicy::record_verify(double us, int64_t emitted) {
+void DraftPolicy::record_rows(int64_t rows, double us) {
+  const size_t r = static_cast<size_t>(rows);
+  if (rows_us_.size() <= r) {
+    rows_us_.resize(r + 1, 0.0);
+    rows_n_.resize(r + 1, 0);
+  }
+  update(rows_us_[r], rows_n_[r], us);
+}
+
+double DraftPolicy::step_cost(int64_t rows) const {
+  // Least squares through the sizes measured, each once (a size measured often is not surer of
+  // the line's slope than one measured a few times).
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t r = 1; r < rows_us_.size(); ++r) {
+    if (rows_n_[r] == 0) continue;
+    const double x = static_cast<double>(r), y = rows_us_[r];
+    n += 1, sx += x, sy += y, sxx += x * x, sxy += x * y;
+  }
+  if (n < 2) return -1.0;
+  const double slope = std::max(0.0, (n * sxy - sx * sy) / (n * sxx - sx * sx));
+  const double intercept = (sy - slope * sx) / n;
+  return std::max(1e-3, intercept + slope * static_cast<double>(rows));
+}
+
+int DraftPolicy::draft_length(int most) const {
+  if (most <= 1 || step_cost(1) < 0) return std::max(most, 1);
+  const double a = std::min(acceptance(), 0.99);
+  int best = 1;
+  double best_rate = -1, expected = 1, power = 1;
+  for (int k = 1; k <= most; ++k) {
+    power *= a;
+    expected += power;   // E(k): the window's tokens if each draft holds with probability a
+    const double rate = expected / step_cost(k + 1);
+    if (rate > best_rate * (1 + 1e-9)) {   // ties: the shorter window
+      best_rate = rate;
+      best = k;
+    }
+  }
+  return best;
+}
+
+void DraftPolicy::record_verify(double us, int64_t emitted, int64_t drafted) {
   if (emitted < 1) throw std::invalid_argument("speculation: a verify step emits at least one token");
+  if (drafted >= 0) {
+    if (emitted > drafted + 1)
+      throw std::invalid_argument("speculation: " + std::to_string(emitted) + " tokens from a window of " +
+                                  std::to_string(drafted) + " drafts");
+    const double ok = static_cast<double>(emitted - 1);
+    accepted_ = accepted_ * 7 / 8 + ok;
+    tested_ = tested_ * 7 / 8 + ok + (emitted - 1 < drafted ? 1 : 0);
+    record_rows(drafted + 1, us);
+  }
   const double x = us / static_cast<double>(emitted);
   // A probe that pays while verifying is declined switches it back on at once: the average of
   // windows from before the context changed would take ~10 probes (160 steps) to come down.

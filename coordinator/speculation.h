@@ -125,14 +125,34 @@ class DraftPolicy {
   // A draft should_verify would have declined and that was therefore never made (counts toward the probe).
   void declined_unmade();
   void record_decode(double us);           // a one-token step took us
-  void record_verify(double us, int64_t emitted);   // a verify step took us for `emitted` tokens
+  // A verify step took us for `emitted` tokens; drafted (>= 0): its window held that many drafts,
+  // of which emitted - 1 were accepted (for draft_length).
+  void record_verify(double us, int64_t emitted, int64_t drafted = -1);
   double decode_us_per_token() const { return decode_; }
   double verify_us_per_token() const { return verify_; }
 
+  // How many drafts (1..most) the next window should verify: the k that maximises the expected
+  // tokens per microsecond E(k) / cost(k + 1), where E(k) = 1 + a + ... + a^k for the drafter's
+  // measured acceptance a (accepted drafts over tested ones: a rejection ends a window's tests)
+  // and cost(r) the line fitted through the mean measured time of steps of r rows (one-token
+  // steps are r = 1; the coordinator times its own steps, so the fit is the current placement's:
+  // all in VRAM a window's rows share the step's weight reads, from RAM or disk each row may add
+  // experts). `most` until steps of two sizes are measured. Whether to verify at all (k = 0)
+  // stays should_verify's: the measured time per token of both kinds of step.
+  int draft_length(int most) const;
+  double acceptance() const { return tested_ > 0 ? accepted_ / tested_ : 0.0; }
+  // The fitted cost of a step of `rows` rows (us); negative until two sizes are measured.
+  double step_cost(int64_t rows) const;
+
  private:
   static void update(double& avg, int& n, double x);
+  void record_rows(int64_t rows, double us);
   double decode_ = 0, verify_ = 0;
   int n_decode_ = 0, n_verify_ = 0, skipped_ = 0;
+  // Acceptance counts, decayed by 7/8 a window so that a change of context shows within ~8.
+  double accepted_ = 0, tested_ = 0;
+  std::vector<double> rows_us_;   // [r]: mean time of steps of r rows (update's average)
+  std::vector<int> rows_n_;
 };
 
 }  // namespace moraine::group

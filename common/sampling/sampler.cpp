@@ -208,4 +208,33 @@ int32_t Sampler::sample(std::span<const float> logits) {
   return k.ids.back();   // u landed in the rounding gap above the last cumulative sum
 }
 
+Sampler::Verdict Sampler::verify(std::span<const float> logits, int32_t draft) {
+  if (logits.empty()) throw std::invalid_argument("sampler: empty logits");
+  if (p_.temperature <= 0.0f) {
+    const int32_t best = argmax(logits);
+    return {best, best == draft};
+  }
+  const Kept k = kept(logits, false);
+  double total = 0.0, w_draft = 0.0;
+  for (size_t i = 0; i < k.ids.size(); ++i) {
+    total += k.w[i];
+    if (k.ids[i] == draft) w_draft = k.w[i];
+  }
+  // u < p(draft) with u uniform in [0, 1): a draft the cuts dropped (weight 0) is never accepted.
+  if (uniform01() * total < w_draft) return {draft, true};
+  const double rest = total - w_draft;
+  const double u = uniform01() * rest;
+  double cum = 0.0;
+  int32_t last = -1;
+  for (size_t i = 0; i < k.ids.size(); ++i) {
+    if (k.ids[i] == draft) continue;
+    cum += k.w[i];
+    last = k.ids[i];
+    if (u < cum) return {last, false};
+  }
+  // u landed in the rounding gap above the last sum; no other token at all only when the draft
+  // holds all the mass, which the first draw then always accepts.
+  return {last >= 0 ? last : draft, last < 0};
+}
+
 }  // namespace moraine::sampling

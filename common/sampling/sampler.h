@@ -58,6 +58,19 @@ class Sampler {
 
   int32_t sample(std::span<const float> logits);
 
+  // Speculative sampling's test of one verify row whose draft token is `draft`. The drafters are
+  // deterministic (suffix matches, the MTP head's argmax), so the draft distribution q is a point
+  // mass on `draft` and the standard rule reduces to: accept with probability p(draft), p being
+  // distribution() of these logits; else draw from max(0, p - q) renormalised, i.e. p without
+  // `draft`. The token returned is distributed as p exactly, as sample()'s would be, but from
+  // other random draws (one, or two on a rejection), so a seed's stream differs from plain
+  // sampling's. Greedy: the argmax, accepted when it is the draft, with no random draw.
+  struct Verdict {
+    int32_t token = -1;
+    bool accepted = false;
+  };
+  Verdict verify(std::span<const float> logits, int32_t draft);
+
   const SamplerParams& params() const { return p_; }
 
  private:

@@ -161,12 +161,19 @@ Group::~Group() {
 
 Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits,
                     bool speculate) {
+  generate::SamplingParams sp;
+  sp.set_max_tokens(static_cast<uint32_t>(n));
+  sp.set_check_logits(check_logits);
+  return generate_sampled(socket_dir, prompt, sp, speculate);
+}
+
+Generation generate_sampled(const std::string& socket_dir, const std::vector<int32_t>& prompt,
+                            const generate::SamplingParams& sp, bool speculate) {
   auto stub = generate::Coordinator::NewStub(
       grpc::CreateChannel(group::control_address(socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
   generate::GenerateRequest req;
   for (int32_t id : prompt) req.mutable_token_ids()->add_ids(static_cast<uint32_t>(id));
-  req.mutable_sampling()->set_max_tokens(static_cast<uint32_t>(n));
-  req.mutable_sampling()->set_check_logits(check_logits);
+  *req.mutable_sampling() = sp;
   req.set_speculate(speculate);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(180));

@@ -12,6 +12,7 @@
 
 #include "common/model/kv_type.h"
 #include "coordinator/group_launcher.h"
+#include "proto/generate.pb.h"
 #include "tests/support/shell.h"
 
 namespace moraine::group_test {
@@ -86,6 +87,9 @@ struct Generation {
 // GenerateRequest::speculate (suffix drafts verified by the gpu_worker's greedy tokens).
 Generation generate(const std::string& socket_dir, const std::vector<int32_t>& prompt, int n, bool check_logits = false,
                     bool speculate = false);
+// Any request's sampling (temperature, top-k, seed, max_tokens ...): generate()'s, with `sp`.
+Generation generate_sampled(const std::string& socket_dir, const std::vector<int32_t>& prompt,
+                            const generate::SamplingParams& sp, bool speculate = false);
 
 // Greedy tokens and each sampled row's logits from the in-process reference executor.
 struct ReferenceRun {

@@ -8,7 +8,10 @@
 //    to the accepted position; the head follows;
 //  - a speculating request after a plain one whose steps the head did not see: suffix drafts
 //    where the cache was reused without a reset;
-//  - --speculate-mtp 0: the suffix drafter as before, no MTP drafts.
+//  - --speculate-mtp 0: the suffix drafter as before, no MTP drafts;
+//  - a sampled request (temperature, top-k, top-p, a penalty) with speculation: every verified
+//    row's logits come back and the coordinator samples speculatively (Sequence::speculate); suffix
+//    drafts only (the MTP head drafts greedily after the row's argmax).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -137,6 +140,97 @@ TEST(GroupMtp, SpeculateMtpZeroKeepsTheSuffixDrafter) {
   EXPECT_EQ(c.mtp_used + last.mtp_used, 0u);
   EXPECT_EQ(c.mtp_none + last.mtp_none, 0u);
   EXPECT_GT(c.drafted, 0u);   // the suffix drafter's
+}
+
+TEST(GroupMtp, SampledRequestSpeculatesFromTheContext) {
+  const std::vector<int32_t> prompt =
+      tokenize(kBuiltin, "one two three four, one two three four, one two three four, one two three four");
+  const int64_t V = model::Model::load(kBuiltin).hp.n_vocab;
+  GroupOptions o;
+  o.model = kBuiltin;
+  Group g(o);
+  for (const bool check : {false, true}) {
+    generate::SamplingParams sp;
+    sp.set_temperature(0.7f);
+    sp.set_top_k(40);
+    sp.set_top_p(0.95f);
+    sp.set_repeat_penalty(check ? 1.1f : 1.0f);   // penalties over each row's own context
+    sp.set_seed(11);
+    sp.set_max_tokens(48);
+    sp.set_ignore_eos(true);
+    sp.set_check_logits(check);
+    const Counters before = Counters::read(g.socket_dir());
+    const Generation gen = generate_sampled(g.socket_dir(), prompt, sp, /*speculate=*/true);
+    const Counters c = Counters::read(g.socket_dir()) - before;
+    EXPECT_TRUE(gen.error.empty()) << gen.error;
+    EXPECT_EQ(gen.ids.size(), 48u);
+    for (const int32_t id : gen.ids) EXPECT_TRUE(id >= 0 && id < V) << id;
+    EXPECT_GT(c.verify, 0u);
+    EXPECT_GT(c.drafted, 0u);
+    EXPECT_EQ(c.mtp_used, 0u);   // suffix drafts: the head's follow a greedy token
+    std::printf("sampled speculation%s: %llu verify steps, %llu of %llu drafted tokens accepted\n",
+                check ? " (repeat penalty, check_logits)" : "", static_cast<unsigned long long>(c.verify),
+                static_cast<unsigned long long>(c.accepted), static_cast<unsigned long long>(c.drafted));
+    // And plainly, for comparison: the same request without speculation completes too.
+    const Generation plain = generate_sampled(g.socket_dir(), prompt, sp);
+    EXPECT_TRUE(plain.error.empty()) << plain.error;
+    EXPECT_EQ(plain.ids.size(), 48u);
+  }
+  g.stop();
+}
+
+
+// top_k 1 at a temperature: a point mass on each row's argmax (ties: the lower id, as greedy's),
+// sampled on the host from every verified row's logits: the reference's greedy tokens, so the
+// window's rows come back in order and each row's draft is tested against its own row. A random
+// attention-only model, whose greedy output falls into loops that the suffix drafter drafts.
+TEST(GroupMtp, TopKOneSampledSpeculationGivesTheGreedyTokens) {
+  const std::string dir = testing::temp_path("group-spec-sampled");
+  fs::create_directories(dir);
+  const std::string path = dir + "/attn.gguf";
+  testing::SyntheticSpec spec;
+  spec.arch = "qwen3next";
+  spec.n_layer = 2;
+  spec.full_attention_interval = 1;
+  testing::SyntheticModel(spec).write(path);
+  const std::vector<int32_t> prompt = {5, 17, 5, 17, 5, 17, 5, 17};
+  const int n = 64;
+  const ReferenceRun ref = reference_greedy(path, prompt, n, model::KvType::F32, /*ignore_eos=*/true);
+  GroupOptions o;
+  o.model = path;
+  Group g(o);
+  generate::SamplingParams sp;
+  sp.set_temperature(0.8f);
+  sp.set_top_k(1);
+  sp.set_seed(5);
+  sp.set_max_tokens(n);
+  sp.set_ignore_eos(true);
+  const Counters before = Counters::read(g.socket_dir());
+  const Generation gen = generate_sampled(g.socket_dir(), prompt, sp, /*speculate=*/true);
+  const Counters c = Counters::read(g.socket_dir()) - before;
+  EXPECT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  EXPECT_GT(c.verify, 0u);
+  EXPECT_GT(c.accepted, 0u);   // rows past the first were used
+  EXPECT_GT(c.drafted, c.accepted);
+  std::printf("top_k 1 sampled speculation: %llu verify steps, %llu of %llu drafted tokens accepted\n",
+              static_cast<unsigned long long>(c.verify), static_cast<unsigned long long>(c.accepted),
+              static_cast<unsigned long long>(c.drafted));
+  g.stop();
+  // Greedy with the argmax taken on the host (--greedy-on-host): windows verified by
+  // Sequence::speculate's greedy rule, the same tokens.
+  o.extra_args = {"--coordinator-arg=--greedy-on-host"};
+  Group host(o);
+  const Counters before_host = Counters::read(host.socket_dir());
+  const Generation greedy = generate(host.socket_dir(), prompt, n, /*check_logits=*/true, /*speculate=*/true);
+  const Counters ch = Counters::read(host.socket_dir()) - before_host;
+  EXPECT_TRUE(greedy.error.empty()) << greedy.error;
+  EXPECT_EQ(greedy.ids, std::vector<int32_t>(ref.ids.begin(), ref.ids.begin() + static_cast<std::ptrdiff_t>(greedy.ids.size())));
+  EXPECT_EQ(greedy.ids.size(), ref.ids.size());
+  EXPECT_GT(ch.verify, 0u);
+  EXPECT_GT(ch.accepted, 0u);
+  host.stop();
+  fs::remove_all(dir);
 }
 
 }  // namespace

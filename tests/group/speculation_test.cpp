@@ -200,6 +200,39 @@ TEST(DraftPolicy, MeasuresBothStepsThenKeepsTheCheaper) {
 }
 
 
+// The window length: the k of most expected tokens per microsecond. Windows of 4 drafts that each
+// accept one (a = 1/2: one accepted per two tested), one-token steps of 1000 us, 5-row windows of
+// `window_us`: the line through them prices every size. All in VRAM (rows share the weight
+// reads: 50 us a row) E(k) / cost(k + 1) is 1.5/1050, 1.75/1100, 1.875/1150, 1.9375/1200 for
+// k = 1..4: 3 drafts; where each row brings experts from RAM (900 us a row) 1 draft.
+TEST(DraftPolicy, DraftLengthFromAcceptanceAndTheStepCosts) {
+  const auto policy = [](double window_us, int64_t emitted) {
+    DraftPolicy p;
+    for (int i = 0; i < 6; ++i) {
+      p.record_verify(window_us, emitted, 4);
+      p.record_decode(1000);
+    }
+    return p;
+  };
+  EXPECT_EQ(DraftPolicy().draft_length(5), 5);   // nothing measured: the longest window
+  DraftPolicy only_windows;
+  only_windows.record_verify(1200, 2, 4);
+  EXPECT_EQ(only_windows.draft_length(5), 5);   // one size measured: no line yet
+  EXPECT_LT(only_windows.step_cost(3), 0.0);
+  const DraftPolicy vram = policy(1200, 2);
+  EXPECT_DOUBLE_EQ(vram.acceptance(), 0.5);
+  EXPECT_NEAR(vram.step_cost(3), 1100, 1e-6);
+  EXPECT_EQ(vram.draft_length(5), 3);
+  EXPECT_EQ(vram.draft_length(2), 2);   // capped by what the caller can draft
+  const DraftPolicy ram = policy(1000 + 4 * 900, 2);
+  EXPECT_EQ(ram.draft_length(5), 1);
+  // Every draft accepted: the longest window; none: the cheapest one (should_verify decides k = 0).
+  EXPECT_EQ(policy(1200, 5).draft_length(5), 5);
+  EXPECT_EQ(policy(1200, 1).draft_length(5), 1);
+  DraftPolicy p;
+  EXPECT_THROW(p.record_verify(100, 4, 2), std::invalid_argument);   // more tokens than a window gives
+}
+
 // A drafter asked for drafts only where the policy will verify them (the MTP head): will_verify
 // says so without counting, declined_unmade counts the drafts never made, so the probe still comes.
 TEST(DraftPolicy, WillVerifyPredictsAndUnmadeDraftsReachTheProbe) {
