@@ -768,6 +768,8 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->check_finite = check_on_worker_ ? 1 : 0;
       hdr->mtp = mtp_request_ ? 1 : 0;
       hdr->mtp_drafts = mtp_request_ && token_only_ && mtp_ask_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
+      hdr->slot = 0;        // one sequence, slot 0 (batched steps: StepHeader::segments)
+      hdr->n_segments = 0;
       // The conversation cache's operations go with the first step after reuse_prefix; a failed
       // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
       StateOps ops = std::move(state_ops_);

@@ -18,6 +18,7 @@
 
 #include "common/model/model.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/step_segments.h"
 #include "tests/reference/synthetic_model.h"
 
 namespace moraine::group_test {
@@ -203,6 +204,94 @@ TEST(BackendSlots, BadSegmentsAreRefused) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("sequence slots"), std::string::npos) << e.what();
   }
+}
+
+// The step protocol's batched header (StepHeader::segments) as the gpu_worker applies it
+// (prepare_segments, segment_tokens): per-segment reset / rewind / snapshot, the tokens per
+// segment, and the header refusals, against each sequence alone.
+TEST(BackendSlots, BatchedStepHeaderAsTheGpuWorkerRunsIt) {
+  const model::Model m = model::Model::load(kBuiltin);
+  const int V = static_cast<int>(m.hp.n_vocab);
+  gpu_worker::BackendOptions o;
+  o.max_tokens = 16;
+  o.threads = 1;
+  o.slots = 3;
+  auto b = gpu_worker::make_backend("cpu", m, o);
+  o.slots = 1;
+  std::vector<std::unique_ptr<gpu_worker::Backend>> alone;
+  for (int s = 0; s < 3; ++s) alone.push_back(gpu_worker::make_backend("cpu", m, o));
+  group::StepReply reply{};
+  uint64_t seq = 0;
+  // One batched step as the header says; the rows of segment i are toks(base + i, rows_i).
+  const auto batched = [&](std::vector<group::StepSegment> segs, int base) {
+    group::StepHeader h{};
+    h.step_seq = ++seq;
+    h.greedy_token = 1;
+    h.n_segments = static_cast<uint32_t>(segs.size());
+    std::vector<int32_t> tokens;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      h.segments[i] = segs[i];
+      const auto t = toks(base + static_cast<int>(i), static_cast<int>(segs[i].rows), V);
+      tokens.insert(tokens.end(), t.begin(), t.end());
+      h.n_tokens += segs[i].rows;
+      h.logit_rows += segs[i].logit_rows;
+    }
+    b->set_segments(gpu_worker::prepare_segments(h, *b, o.max_tokens));
+    std::vector<float> logits(static_cast<size_t>(h.logit_rows * V));
+    b->set_token_output(reply.row_tokens);
+    b->step_whole(tokens.data(), h.n_tokens, h.logit_rows, logits.data(), nullptr, 0);
+    b->set_token_output(nullptr);
+    gpu_worker::segment_tokens(h, reply);
+    for (size_t i = 0; i < segs.size(); ++i) {   // the same per-sequence operations and rows alone
+      const group::StepSegment& g = segs[i];
+      gpu_worker::Backend& a = *alone[g.slot];
+      if (g.reset) a.reset();
+      if (g.rewind && !g.reset && g.first_position < a.n_past()) a.rewind(g.first_position);
+      if (g.snapshot) a.snapshot();
+      const auto t = toks(base + static_cast<int>(i), static_cast<int>(g.rows), V);
+      int32_t want[group::kMaxTokenRows];
+      std::vector<float> want_logits(static_cast<size_t>(g.logit_rows * V));
+      a.set_token_output(want);
+      a.step_whole(t.data(), g.rows, g.logit_rows, want_logits.data(), nullptr, 0);
+      a.set_token_output(nullptr);
+      EXPECT_EQ(want[g.logit_rows - 1], reply.segment_token[i]) << "step " << seq << " segment " << i;
+    }
+    for (size_t i = segs.size(); i < group::kMaxSegments; ++i) EXPECT_EQ(-1, reply.segment_token[i]);
+  };
+  batched({{0, 0, 5, 1, 1, 0, 0}, {2, 0, 3, 1, 1, 0, 0}}, 1);
+  batched({{2, 3, 1, 1, 0, 0, 0}, {1, 0, 6, 1, 0, 0, 0}, {0, 5, 1, 1, 0, 0, 0}}, 4);
+  batched({{1, 6, 4, 4, 0, 0, 1}, {0, 6, 1, 1, 0, 0, 0}}, 8);   // a verify window, snapshot first
+  batched({{0, 7, 1, 1, 0, 0, 0}, {1, 6, 2, 2, 0, 1, 0}}, 9);   // ... rejected: back to its snapshot
+  batched({{2, 0, 2, 1, 1, 0, 0}, {1, 8, 1, 1, 0, 0, 0}}, 12);  // slot 2 reset for another sequence
+  // Refusals, naming the segment or the header's fields.
+  const auto refused = [&](group::StepHeader h, const char* what) {
+    h.step_seq = ++seq;
+    try {
+      gpu_worker::prepare_segments(h, *b, o.max_tokens);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  group::StepHeader h{};
+  h.n_segments = 2;
+  h.segments[0] = {0, 8, 1, 1, 0, 0, 0};
+  h.segments[1] = {0, 8, 1, 1, 0, 0, 0};
+  h.n_tokens = 2;
+  h.logit_rows = 2;
+  refused(h, "named twice");
+  h.segments[1] = {1, 9, 1, 1, 0, 0, 0};
+  h.n_tokens = 3;
+  refused(h, "the header says 3");
+  h.n_tokens = 2;
+  h.reset = 1;
+  refused(h, "per segment");
+  h.reset = 0;
+  h.n_segments = 4;
+  refused(h, "4 segments, expected 1..3");
+  h.n_segments = 2;
+  h.segments[1].first_position = 5;
+  refused(h, "starts at position 5 but 9");
 }
 
 }  // namespace
