@@ -215,12 +215,17 @@ class CpuBackend final : public Backend {
       if (rows != want || last_n_ != step_rows_)
         throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step whose segments ask for " +
                                     std::to_string(want));
+      // The rows gathered, then one lm head over all of them: its weights read once for the step
+      // (rows of a matmul are independent, so the logits are those of each segment's own call).
+      logit_x_.resize(static_cast<size_t>(rows * d));
       int64_t end = 0, r = 0;
       for (const Segment& g : segments_) {
         end += g.rows;
-        exec_.output_logits(x_.data() + (end - g.logit_rows) * d, g.logit_rows, norm_.data(), out + r * V);
+        std::copy_n(x_.data() + (end - g.logit_rows) * d, g.logit_rows * d, logit_x_.data() + r * d);
         r += g.logit_rows;
       }
+      if (norm_.size() < logit_x_.size()) norm_.resize(logit_x_.size());
+      exec_.output_logits(logit_x_.data(), rows, norm_.data(), out);
     }
     // Greedy decode's token on the host, from the logits the coordinator would have read: the
     // same bits, the same rule, so the group tests cover the token-only protocol.
@@ -444,6 +449,7 @@ class CpuBackend final : public Backend {
   std::vector<reference::ReferenceExecutor::Sequence> parked_;
   int active_ = 0, selected_ = 0;
   std::vector<Segment> segments_, pending_;
+  std::vector<float> logit_x_;   // the rows a segmented step's logits() gathers
   // The hand-off step's thread and what it shares with the caller (under handoff_mu_: routed_,
   // released_, handoff_plan_, handoff_done_, handoff_abort_; handoff_error_ once the thread ended).
   std::thread handoff_thread_;
