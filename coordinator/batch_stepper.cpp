@@ -1,5 +1,7 @@
 #include "coordinator/batch_stepper.h"
 
+#include "coordinator/group_layout.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -8,7 +10,7 @@ namespace moraine::group {
 
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(20);
-constexpr size_t kMaxRows = 16;   // StepHeader's kMaxSegments
+constexpr size_t kMaxRows = kMaxSegments;   // rows of one batched step: one segment each
 }  // namespace
 
 BatchStepper::BatchStepper(int slots, Issue issue) : issue_(std::move(issue)), free_(static_cast<size_t>(slots), 1) {
