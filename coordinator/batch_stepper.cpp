@@ -123,4 +123,46 @@ uint64_t BatchStepper::rows() const {
   return rows_;
 }
 
+void write_batched_step(std::byte* exchange, const ExchangeLayout& xl, std::uint64_t seq, std::span<BatchStepper::Row* const> rows) {
+  if (rows.empty() || rows.size() > kMaxSegments)
+    throw std::logic_error("batched decode: a step of " + std::to_string(rows.size()) + " rows, expected 1.." +
+                           std::to_string(kMaxSegments));
+  auto* hdr = xl.region("step").at<StepHeader>(exchange);
+  int32_t* tokens = xl.region("tokens").at<int32_t>(exchange);
+  const bool greedy = std::all_of(rows.begin(), rows.end(), [](const BatchStepper::Row* r) { return r->token_only; });
+  hdr->step_seq = seq;
+  hdr->n_tokens = hdr->logit_rows = static_cast<uint32_t>(rows.size());
+  hdr->reset = hdr->rewind = hdr->snapshot = hdr->check_finite = hdr->mtp = hdr->mtp_drafts = 0;
+  hdr->first_position = static_cast<uint32_t>(rows[0]->position);   // what the step bell carries
+  hdr->greedy_token = greedy ? 1 : 0;
+  std::fill_n(hdr->state_drop, kMaxStateDrops, 0);
+  hdr->state_save = hdr->state_load = 0;
+  hdr->state_save_positions = 0;
+  hdr->slot = 0;
+  hdr->n_segments = static_cast<uint32_t>(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    tokens[i] = rows[i]->token;
+    hdr->segments[i] = {static_cast<uint32_t>(rows[i]->slot), static_cast<uint32_t>(rows[i]->position), 1, 1, 0, 0, 0};
+  }
+}
+
+void read_batched_reply(std::byte* exchange, const ExchangeLayout& xl, std::int64_t n_vocab,
+                        std::span<BatchStepper::Row* const> rows) {
+  const auto* hdr = xl.region("step").at<const StepHeader>(exchange);
+  const auto* reply = xl.region("step_reply").at<const StepReply>(exchange);
+  const float* logits = xl.region("logits").at<const float>(exchange);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    BatchStepper::Row& r = *rows[i];
+    r.out_token = -1;
+    if (!hdr->greedy_token) {
+      r.logits.assign(logits + static_cast<int64_t>(i) * n_vocab, logits + static_cast<int64_t>(i + 1) * n_vocab);
+      continue;
+    }
+    r.out_token = reply->segment_token[i];
+    if (r.out_token < 0 || r.out_token >= n_vocab)
+      throw std::runtime_error("gpu_worker: greedy token " + std::to_string(r.out_token) + " of segment " + std::to_string(i) +
+                               " is outside the vocabulary");
+  }
+}
+
 }  // namespace moraine::group

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/group_layout.h"
+
 namespace moraine::group {
 
 class BatchStepper {
@@ -68,5 +70,13 @@ class BatchStepper {
   int exclusive_waiting_ = 0, decoding_ = 0;
   uint64_t steps_ = 0, rows_ = 0;
 };
+
+// The exchange side of a batched decode step (the coordinator's Issue): the step header (one
+// segment of one decode row per request, greedy tokens when every row takes them, else the
+// logits rows) and the tokens; then each row's greedy token (StepReply::segment_token, checked
+// against the vocabulary) or its logits row from the reply.
+void write_batched_step(std::byte* exchange, const ExchangeLayout& xl, std::uint64_t seq, std::span<BatchStepper::Row* const> rows);
+void read_batched_reply(std::byte* exchange, const ExchangeLayout& xl, std::int64_t n_vocab,
+                        std::span<BatchStepper::Row* const> rows);
 
 }  // namespace moraine::group

@@ -550,46 +550,16 @@ class Coordinator final : public generate::Coordinator::Service {
   // One batched decode step (BatchStepper's Issue): a segment of one row per request, greedy
   // tokens when every request takes them, else the logits rows.
   void run_batched(std::span<group::BatchStepper::Row* const> rows) {
-    std::byte* base = exchange_.data();
-    const int64_t V = model_.hp.n_vocab;
-    auto* hdr = xl_.region("step").at<group::StepHeader>(base);
-    int32_t* tokens = xl_.region("tokens").at<int32_t>(base);
-    const bool greedy = std::all_of(rows.begin(), rows.end(), [](const auto* r) { return r->token_only; });
-    if (rows.empty() || rows.size() > group::kMaxSegments || static_cast<int64_t>(rows.size()) > o_.max_tokens)
-      throw std::logic_error("coordinator: a batched step of " + std::to_string(rows.size()) + " rows");
-    hdr->step_seq = ++step_seq_;
-    hdr->n_tokens = hdr->logit_rows = static_cast<uint32_t>(rows.size());
-    hdr->reset = hdr->rewind = hdr->snapshot = hdr->check_finite = hdr->mtp = hdr->mtp_drafts = 0;
-    hdr->first_position = static_cast<uint32_t>(rows[0]->position);
-    hdr->greedy_token = greedy ? 1 : 0;
-    std::fill_n(hdr->state_drop, group::kMaxStateDrops, 0);
-    hdr->state_save = hdr->state_load = 0;
-    hdr->state_save_positions = 0;
-    hdr->slot = 0;
-    hdr->n_segments = static_cast<uint32_t>(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) {
-      tokens[i] = rows[i]->token;
-      hdr->segments[i] = {static_cast<uint32_t>(rows[i]->slot), static_cast<uint32_t>(rows[i]->position), 1, 1, 0, 0, 0};
-    }
-    const group::StepReply* reply = nullptr;
+    if (static_cast<int64_t>(rows.size()) > o_.max_tokens)
+      throw std::logic_error("coordinator: a batched step of " + std::to_string(rows.size()) + " rows, steps of " +
+                             std::to_string(o_.max_tokens));
+    group::write_batched_step(exchange_.data(), xl_, ++step_seq_, rows);
     try {
-      reply = &bells_.call(step_seq_, kStepTimeout, std::chrono::microseconds(o_.step_spin_us));
+      bells_.call(step_seq_, kStepTimeout, std::chrono::microseconds(o_.step_spin_us));
     } catch (const std::exception& e) {
       throw std::runtime_error(std::string("gpu_worker: ") + e.what());
     }
-    const float* logits = xl_.region("logits").at<const float>(base);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      group::BatchStepper::Row& r = *rows[i];
-      r.out_token = -1;
-      if (greedy) {
-        r.out_token = reply->segment_token[i];
-        if (r.out_token < 0 || r.out_token >= V)
-          throw std::runtime_error("gpu_worker: greedy token " + std::to_string(r.out_token) + " of segment " + std::to_string(i) +
-                                   " is outside the vocabulary");
-      } else {
-        r.logits.assign(logits + static_cast<int64_t>(i) * V, logits + static_cast<int64_t>(i + 1) * V);
-      }
-    }
+    group::read_batched_reply(exchange_.data(), xl_, model_.hp.n_vocab, rows);
   }
 
   // A request admitted to take turns (--parallel), and where its sequence is while another's is live.
