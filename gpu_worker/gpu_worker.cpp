@@ -190,6 +190,7 @@ class StepRunner {
     group::StepReply& reply = *xl_.region("step_reply").at<group::StepReply>(base);
     std::fill_n(reply.row_tokens, group::kMaxTokenRows, -1);
     std::fill_n(reply.row_nonfinite, group::kMaxTokenRows, -1);
+    std::fill_n(reply.segment_token, group::kMaxSegments, -1);
     reply.nonfinite = -1;
     reply.mtp_n_drafts = reply.mtp_row = -1;
     if (hdr->mtp_drafts > group::kMaxTokenRows || (hdr->mtp_drafts > 0 && (!hdr->mtp || !hdr->greedy_token)))
