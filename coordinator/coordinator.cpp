@@ -42,6 +42,7 @@
 #include "coordinator/disk_estimate.h"
 #include "coordinator/sequence.h"
 #include "coordinator/turn_queue.h"
+#include "coordinator/batch_stepper.h"
 #include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -95,6 +96,10 @@ struct Options {
   // Requests that take turns on the gpu_worker (coordinator/turn_queue.h), and the tokens a turn
   // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
   int parallel = 1, turn_tokens = 16;
+  // Batched decode (issue 33; coordinator/batch_stepper.h): the --parallel requests each hold a
+  // sequence slot of the gpu_worker, and one step carries a decode row of every decoding one. Off
+  // by default until the CUDA backend has slots.
+  bool batch_decode = false;
   bool print_plan = false;   // print the window and the placement, then exit (no group)
 };
 
@@ -283,6 +288,9 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["requests_running"] = static_cast<uint64_t>(turns_.admitted());
       (*r.mutable_counters())["requests_waiting"] = static_cast<uint64_t>(turns_.waiting());
       (*r.mutable_counters())["turn_switches"] = turn_switches_.load();
+      // --batch-decode: the batched decode steps and the rows they carried.
+      (*r.mutable_counters())["batched_steps"] = stepper_ ? stepper_->steps() : 0;
+      (*r.mutable_counters())["batched_rows"] = stepper_ ? stepper_->rows() : 0;
       (*r.mutable_counters())["context_tokens"] = static_cast<uint64_t>(context_positions_);
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
@@ -311,6 +319,16 @@ class Coordinator final : public generate::Coordinator::Service {
     man.placement_census_path = o.census.empty() ? group::default_census_path(o.model) : o.census;
     man.vram_adapt_every = o.vram_adapt_every;
     man.step_channel = o.step_channel;
+    if (o.batch_decode) {
+      if (o.backend != "cpu" || o.step_channel != "doorbell" || o.parallel > static_cast<int>(group::kMaxSegments))
+        throw std::invalid_argument("--batch-decode: the cpu backend, the doorbell step channel and --parallel 1.." +
+                                    std::to_string(group::kMaxSegments) + " (got --backend " + o.backend + ", --step-channel " +
+                                    o.step_channel + ", --parallel " + std::to_string(o.parallel) + ")");
+      man.slots = o.parallel;
+      stepper_ = std::make_unique<group::BatchStepper>(o.parallel, [this](std::span<group::BatchStepper::Row* const> rows) {
+        run_batched(rows);
+      });
+    }
     plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));
     if (!o.logits_dump.empty()) logits_dump_.open(o.logits_dump, std::ios::binary | std::ios::trunc);
@@ -333,6 +351,7 @@ class Coordinator final : public generate::Coordinator::Service {
     } catch (const std::exception& e) {
       return {grpc::StatusCode::INVALID_ARGUMENT, e.what()};
     }
+    if (stepper_) return generate_batched(ctx, writer, *seq);
     // At most --parallel requests take turns on the gpu_worker (it holds one live sequence; the
     // others wait saved in its store); the rest wait here, and one that gives up leaves the queue.
     Running me;
@@ -462,6 +481,103 @@ class Coordinator final : public generate::Coordinator::Service {
   struct DraftPolicies {
     group::DraftPolicy suffix, mtp;
   };
+  // --batch-decode: the request holds a slot; its prompt goes in steps of its own on the slot
+  // (exclusive: between batched steps, from a reset: no prefix or conversation cache yet), then
+  // each token is a row of a batched step (BatchStepper::decode). No speculation.
+  grpc::Status generate_batched(grpc::ServerContext* ctx, grpc::ServerWriter<generate::GenerateChunk>* writer,
+                                group::Sequence& seq) {
+    const int slot = stepper_->acquire_slot([&] { return ctx->IsCancelled(); });
+    if (slot < 0) return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
+    struct Release {
+      group::BatchStepper& s;
+      int slot;
+      bool decoding = false;
+      ~Release() {
+        if (decoding) s.end_decoding();
+        s.release_slot(slot);
+      }
+    } release{*stepper_, slot};
+    const bool token_only = !seq.needs_logits() && !logits_dump_.is_open() && !o_.greedy_on_host;
+    group::ChunkStreamer stream(writer);
+    generate::GenerateTiming timing;
+    timing.set_prompt_tokens(static_cast<uint32_t>(seq.prompt_tokens()));
+    timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
+    const auto finished = [&](generate::GenerateChunk last) {
+      timing.set_generated_tokens(seq.generated());
+      last.set_finish(seq.finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq.finish());
+      *last.mutable_timing() = timing;
+      stream.push(std::move(last));
+      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    };
+    try {
+      const auto t0 = Clock::now();
+      int32_t next = -1;
+      stepper_->exclusive([&] {
+        token_only_ = token_only;
+        check_on_worker_ = mtp_request_ = false;
+        step_slot_ = slot;
+        struct Slot0 {
+          int& s;
+          ~Slot0() { s = 0; }
+        } slot0{step_slot_};
+        const StepOutput out = run_steps(seq.context.data(), static_cast<int64_t>(seq.context.size()), true);
+        next = out.token >= 0 ? out.token : seq.sample(out.logits);
+      });
+      cache_.clear();   // the slot-0 sequence is not a reusable conversation in this mode
+      position_ = 0;
+      timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));
+      prefill_.record(seq.context.size(), 0, 0, us_since(t0));
+      const auto t1 = Clock::now();
+      stepper_->begin_decoding();
+      release.decoding = true;
+      group::BatchStepper::Row row;
+      row.slot = slot;
+      row.token_only = token_only;
+      for (int64_t position = static_cast<int64_t>(seq.context.size());; ++position) {
+        generate::GenerateChunk chunk;
+        if (seq.accept(next, chunk)) {
+          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
+          return finished(std::move(chunk));
+        }
+        stream.push(std::move(chunk));
+        if (ctx->IsCancelled() || stream.broken()) {
+          ++cancelled_;
+          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
+          return finished({});
+        }
+        row.token = next;
+        row.position = position;
+        const auto ts = Clock::now();
+        stepper_->decode(row);
+        decode_.record(1, 0, 0, us_since(ts));
+        next = row.out_token >= 0 ? row.out_token : seq.sample(row.logits);
+        if (row.out_token >= 0) ++greedy_worker_tokens_;
+      }
+    } catch (const std::exception& e) {
+      generate::GenerateChunk err;
+      err.set_finish(generate::FINISH_ERROR);
+      err.set_error(e.what());
+      stream.push(std::move(err));
+      stream.finish();
+      return {grpc::StatusCode::INTERNAL, e.what()};
+    }
+  }
+
+  // One batched decode step (BatchStepper's Issue): a segment of one row per request, greedy
+  // tokens when every request takes them, else the logits rows.
+  void run_batched(std::span<group::BatchStepper::Row* const> rows) {
+    if (static_cast<int64_t>(rows.size()) > o_.max_tokens)
+      throw std::logic_error("coordinator: a batched step of " + std::to_string(rows.size()) + " rows, steps of " +
+                             std::to_string(o_.max_tokens));
+    group::write_batched_step(exchange_.data(), xl_, ++step_seq_, rows);
+    try {
+      bells_.call(step_seq_, kStepTimeout, std::chrono::microseconds(o_.step_spin_us));
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("gpu_worker: ") + e.what());
+    }
+    group::read_batched_reply(exchange_.data(), xl_, model_.hp.n_vocab, rows);
+  }
+
   // A request admitted to take turns (--parallel), and where its sequence is while another's is live.
   struct Running {
     uint64_t id = 0;
@@ -805,6 +921,8 @@ class Coordinator final : public generate::Coordinator::Service {
       hdr->check_finite = check_on_worker_ ? 1 : 0;
       hdr->mtp = mtp_request_ ? 1 : 0;
       hdr->mtp_drafts = mtp_request_ && token_only_ && mtp_ask_ ? static_cast<uint32_t>(o_.speculate_mtp) : 0;
+      hdr->slot = static_cast<uint32_t>(step_slot_);   // one sequence (batched decode: StepHeader::segments)
+      hdr->n_segments = 0;
       // The conversation cache's operations go with the first step after reuse_prefix; a failed
       // step forgets both keys (whatever the gpu_worker did with them, they are dropped).
       StateOps ops = std::move(state_ops_);
@@ -946,6 +1064,8 @@ class Coordinator final : public generate::Coordinator::Service {
   uint64_t live_owner_ = 0;   // the running request whose sequence the gpu_worker holds (0: none)
   std::atomic<uint64_t> next_request_id_{0}, turn_switches_{0};
   std::ofstream logits_dump_;
+  std::unique_ptr<group::BatchStepper> stepper_;   // --batch-decode
+  int step_slot_ = 0;   // the slot run_steps' steps run on (a batched request's prefill)
 };
 
 int run(const Options& given) {
@@ -1050,6 +1170,9 @@ int main(int argc, char** argv) {
                  "requests that take turns on the gpu_worker at once (each runs --turn-tokens tokens while others "
                  "wait, its sequence saved in the gpu_worker's store meanwhile); more wait to be admitted")
       ->check(CLI::Range(1, 256));
+  app.add_flag("--batch-decode", o.batch_decode,
+               "the --parallel requests decode together: each step carries one row per decoding request, every chosen "
+               "expert read once for all (cpu backend; no speculation or prompt cache for them yet)");
   app.add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--cache-ram", o.cache_ram,

@@ -33,6 +33,7 @@ void GroupManifest::write(const std::string& path) const {
   j["placement_census_path"] = placement_census_path;
   j["vram_adapt_every"] = vram_adapt_every;
   j["step_channel"] = step_channel;
+  j["slots"] = slots;
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -63,6 +64,9 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.placement_census_path = j.value("placement_census_path", std::string());
     m.vram_adapt_every = j.value("vram_adapt_every", 0);
     m.step_channel = j.value("step_channel", std::string("doorbell"));
+    m.slots = j.value("slots", 1);
+    if (m.slots < 1 || m.slots > static_cast<int>(kMaxSegments))
+      throw std::runtime_error("slots " + std::to_string(m.slots) + ": expected 1.." + std::to_string(kMaxSegments));
     if (m.step_channel != "doorbell" && m.step_channel != "zmq")
       throw std::runtime_error("step_channel \"" + m.step_channel + "\": expected doorbell or zmq");
     if (m.n_cpu_workers < 1 || m.max_tokens < 1) throw std::runtime_error("n_cpu_workers and max_tokens must be >= 1");

@@ -43,6 +43,9 @@ struct GroupManifest {
   // How the coordinator hands the gpu_worker a step: "doorbell" (the exchange's step doorbells,
   // coordinator/step_bell.h) or "zmq" (a LayerStep / JobReply round trip per step).
   std::string step_channel = "doorbell";
+  // Sequence slots the gpu_worker's backend keeps (BackendOptions::slots): batched steps
+  // (StepHeader::segments) carry rows of up to this many sequences (coordinator --batch-decode).
+  int slots = 1;
 
   void write(const std::string& path) const;   // atomically (temp file + rename)
   static GroupManifest read(const std::string& path);  // throws std::runtime_error naming the file
@@ -62,6 +65,25 @@ inline constexpr const char* kCoordinatorInstance = "coordinator";
 inline constexpr const char* kGpuWorkerInstance = "gpu_worker-0";
 inline constexpr const char* kIoWorkerInstance = "io_worker-0";
 inline constexpr const char* kSupervisorInstance = "supervisor";
+
+// Rows of one sequence slot in a batched step (StepHeader::segments; gpu_worker/backend.h,
+// Backend::set_segments). Before the step, per segment in order: reset (1: forget the slot's
+// sequence), rewind (1: drop its cached positions from first_position on), snapshot (1: save its
+// recurrent state, a verify segment on a model with DeltaNet layers); then first_position must be
+// what the slot caches. logit_rows: logits and greedy tokens of the segment's last logit_rows rows.
+struct StepSegment {
+  std::uint32_t slot;
+  std::uint32_t first_position;
+  std::uint32_t rows;
+  std::uint32_t logit_rows;
+  std::uint32_t reset;
+  std::uint32_t rewind;
+  std::uint32_t snapshot;
+};
+// Sequences of one batched step: one decode row each fills StepReply::row_tokens (kMaxTokenRows
+// greedy tokens), and 16 rows is the CUDA backend's largest captured decode step, the size a
+// batched decode graph would be built for first.
+inline constexpr std::size_t kMaxSegments = 16;
 
 // Written by the coordinator before it sends a step to the gpu_worker.
 struct StepHeader {
@@ -102,6 +124,16 @@ struct StepHeader {
   // (accepted_prefix's rule), else the last row. StepReply::mtp_* has them.
   std::uint32_t mtp;
   std::uint32_t mtp_drafts;
+  // Sequence slots (GroupManifest::slots). slot: the slot a step of one sequence (n_segments 0)
+  // runs on, and the one the conversation cache's state_* operations act on in any step.
+  // n_segments 1..kMaxSegments: a batched step, its n_tokens rows those of segments[0 ..
+  // n_segments) in order (n_tokens their sum, logit_rows the sum of theirs, at most max_tokens
+  // rows: no long step), and reset / rewind / snapshot / first_position above unused (0; the
+  // segments have their own); no MTP. StepReply::row_tokens then holds the logit rows segment by
+  // segment and StepReply::segment_token each segment's last.
+  std::uint32_t slot;
+  std::uint32_t n_segments;
+  StepSegment segments[kMaxSegments];
 };
 inline constexpr std::size_t kMaxStateDrops = 8;
 
@@ -133,6 +165,9 @@ struct StepReply {
   std::int32_t mtp_n_drafts;
   std::int32_t mtp_row;
   std::int32_t mtp_draft[kMaxTokenRows];
+  // A batched step (StepHeader::n_segments) with greedy_token: each segment's last logit row's
+  // greedy token, segment order (-1 past n_segments).
+  std::int32_t segment_token[kMaxSegments];
   std::uint32_t error_bytes;    // of `error`, at most kStepErrorBytes
   char error[kStepErrorBytes];
 };

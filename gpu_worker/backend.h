@@ -79,6 +79,20 @@ struct BackendOptions {
   // own while layer il computes (Backend::prefetch_staged), into the other half of a stage buffer
   // twice the size; false: each layer's copies run in order before its GEMMs.
   bool stage_prefetch = true;
+  // Sequence slots (issue 33): how many sequences the backend caches at once (each its own KV
+  // cache and recurrent state), so a step can carry rows of several of them (Backend::set_segments).
+  // 1: one cached sequence, as before.
+  int slots = 1;
+};
+
+// Rows of one sequence slot in a step (Backend::set_segments): the step's rows are the segments'
+// in order. first_position must be the slot's n_past (a rewind comes before the step);
+// logit_rows: logits (and greedy tokens) of this segment's last logit_rows rows, 1..rows.
+struct Segment {
+  int32_t slot = 0;
+  int64_t first_position = 0;
+  int64_t rows = 0;
+  int64_t logit_rows = 1;
 };
 
 // A RAM-tier expert a long step's device computes (Backend::stage_experts): its gate / up / down
@@ -94,6 +108,24 @@ inline constexpr int64_t kDefaultContext = 8192;
 class Backend {
  public:
   virtual ~Backend() = default;
+  // Sequence slots (BackendOptions::slots). select_slot: the slot the per-sequence calls act on
+  // (reset, n_past, snapshot, rewind, state_bytes / save_state / load_state, mtp_*) and a step
+  // without set_segments runs on; 0 at the start. set_segments: the next step (its embed, or
+  // step_whole / handoff_begin) carries these segments' rows, in order, n = the sum of their
+  // rows: every mixer runs per segment against its slot's cache, the rest of each layer (router,
+  // experts, shared expert, combine) once over all the rows, and logits(R) with R = the sum of the
+  // segments' logit_rows gives each segment's last logit_rows rows, segment by segment (greedy
+  // tokens likewise). Distinct slots; std::invalid_argument for a bad segment list. A backend
+  // without slots takes one segment of slot 0 at its n_past (the step it runs anyway).
+  virtual int slots() const { return 1; }
+  virtual void select_slot(int slot) {
+    if (slot != 0) throw std::logic_error("this backend has one sequence slot, not slot " + std::to_string(slot));
+  }
+  virtual void set_segments(std::span<const Segment> segments) {
+    if (segments.size() != 1 || segments[0].slot != 0 || segments[0].first_position != n_past())
+      throw std::logic_error("this backend runs steps of one sequence (slot 0 at its cached position), not " +
+                             std::to_string(segments.size()) + " segments");
+  }
   virtual void reset() = 0;   // forget the cached sequence
   virtual int64_t n_past() const = 0;
   // Speculation (StepHeader::rewind): drop the cached positions from n_past on, the draft tokens

@@ -25,7 +25,13 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens),
-        max_step_rows_(std::max(o.max_tokens, o.long_step_rows)) {
+        max_step_rows_(std::max(o.max_tokens, o.long_step_rows)), parked_(static_cast<size_t>(std::max(1, o.slots))) {
+    if (o.slots < 1) throw std::invalid_argument("CPU backend: " + std::to_string(o.slots) + " sequence slots, expected at least 1");
+    for (int s = 1; s < o.slots; ++s) {   // every slot starts as an empty sequence
+      use_slot(s);
+      exec_.reset();
+    }
+    use_slot(0);
     if (o.kv_type != model::KvType::F32)   // the coordinator refuses --kv-type f16 with --backend cpu
       throw std::invalid_argument(std::string("CPU backend: a ") + model::kv_type_name(o.kv_type) +
                                   " KV cache was asked for; it holds an F32 cache");
@@ -64,14 +70,53 @@ class CpuBackend final : public Backend {
     }
   }
   ~CpuBackend() override { handoff_abort(); }
+  int slots() const override { return static_cast<int>(parked_.size()); }
+  void select_slot(int slot) override {
+    if (slot < 0 || slot >= slots())
+      throw std::invalid_argument("CPU backend: slot " + std::to_string(slot) + ", it has " + std::to_string(slots()));
+    selected_ = slot;
+    use_slot(slot);
+  }
+  void set_segments(std::span<const Segment> segments) override {
+    if (segments.empty() || segments.size() > static_cast<size_t>(slots()))
+      throw std::invalid_argument("CPU backend: a step of " + std::to_string(segments.size()) + " segments, it has " +
+                                  std::to_string(slots()) + " slots");
+    std::vector<uint8_t> seen(static_cast<size_t>(slots()), 0);
+    int64_t logit_rows = 0;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const Segment& g = segments[i];
+      const std::string where = "CPU backend: segment " + std::to_string(i) + " (slot " + std::to_string(g.slot) + ")";
+      if (g.slot < 0 || g.slot >= slots() || seen[static_cast<size_t>(g.slot)]++)
+        throw std::invalid_argument(where + ": a slot out of range or named twice");
+      if (g.rows <= 0 || g.logit_rows <= 0 || g.logit_rows > g.rows)
+        throw std::invalid_argument(where + ": " + std::to_string(g.rows) + " rows with " + std::to_string(g.logit_rows) +
+                                    " logit rows");
+      if (g.first_position != slot_n_past(g.slot))
+        throw std::invalid_argument(where + ": first position " + std::to_string(g.first_position) + ", the slot caches " +
+                                    std::to_string(slot_n_past(g.slot)));
+      logit_rows += g.logit_rows;
+    }
+    if (logit_rows > static_cast<int64_t>(group::kMaxTokenRows) && token_out_ != nullptr)
+      throw std::invalid_argument("CPU backend: greedy tokens of " + std::to_string(logit_rows) + " rows, at most " +
+                                  std::to_string(group::kMaxTokenRows));
+    pending_.assign(segments.begin(), segments.end());
+  }
   void reset() override {
+    use_slot(selected_);
     exec_.reset();
     mtp_.reset();
   }
-  int64_t n_past() const override { return exec_.n_past(); }
+  int64_t n_past() const override { return slot_n_past(selected_); }
   void embed(const int32_t* tokens, int64_t n) override {
     if (n <= 0 || n > max_step_rows_)
       throw std::invalid_argument("CPU backend: a step of " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_step_rows_));
+    // The step's segments: set_segments' (their rows must add up to n), else all n rows of the selected slot.
+    segments_ = pending_.empty() ? std::vector<Segment>{{selected_, slot_n_past(selected_), n, 0}} : std::move(pending_);
+    pending_.clear();
+    int64_t sum = 0;
+    for (const Segment& g : segments_) sum += g.rows;
+    if (sum != n)
+      throw std::invalid_argument("CPU backend: a step of " + std::to_string(n) + " rows whose segments hold " + std::to_string(sum));
     exec_.embed(std::span<const int32_t>(tokens, static_cast<size_t>(n)), x_.data());
     step_rows_ = n;
     set_window(0, std::min(n, max_tokens_));
@@ -82,7 +127,6 @@ class CpuBackend final : public Backend {
                                   " in a step of " + std::to_string(step_rows_) + " rows (windows of at most " +
                                   std::to_string(max_tokens_) + ")");
     window_first_ = first;
-    exec_.set_window(first);
   }
   int64_t n_layer() const override { return m_.hp.n_layer; }
   bool layer_on_device(int64_t il) const override { return whole_.at(static_cast<size_t>(il)) || dense(il); }
@@ -91,7 +135,7 @@ class CpuBackend final : public Backend {
     if (!layer_on_device(il)) throw std::logic_error("CPU backend: layer " + std::to_string(il) + " has experts off this device");
     if (dense(il)) {   // no routing: the layer's FFN here, nothing for the census (-1 slots)
       check_rows(n);
-      exec_.mixer_step(il, window_x(), n, h_.data());
+      mixers(il, n);
       reference::dense_ffn(m_.layers[il].dense, h_.data(), n, window_x(), shared_.data(), dense_scratch_, exec_.pool());
       if (chosen_out != nullptr) std::fill_n(chosen_out, n * m_.hp.n_expert_used, -1);
       last_n_ = window_first_ + n;
@@ -106,7 +150,7 @@ class CpuBackend final : public Backend {
   void layer_begin(int64_t il, int64_t n, int32_t* chosen, float* weight, float* h_out) override {
     check_rows(n);
     const int64_t d = m_.hp.n_embd, k = m_.hp.n_expert_used;
-    exec_.mixer_step(il, window_x(), n, h_.data());
+    mixers(il, n);
     reference::route_layer(m_.hp, m_.layers[il].recipe.ffn, m_.layers[il].moe, h_.data(), n, chosen, weight, router_,
                            exec_.pool());
     if (chosen != chosen_.data()) std::copy_n(chosen, n * k, chosen_.data());
@@ -151,15 +195,40 @@ class CpuBackend final : public Backend {
     last_n_ = window_first_ + n;
   }
   void advance(int64_t n) override {
-    exec_.advance(n);
+    if (n != step_rows_)
+      throw std::invalid_argument("CPU backend: advance by " + std::to_string(n) + " rows after a step of " + std::to_string(step_rows_));
+    for (const Segment& g : segments_) {
+      use_slot(g.slot);
+      exec_.advance(g.rows);
+    }
+    use_slot(selected_);   // between steps the selected slot is the executor's own (state_bytes is const)
     window_first_ = 0;
   }
   void logits(int64_t rows, float* out) override {
     if (rows <= 0 || rows > last_n_) throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step of " + std::to_string(last_n_));
-    exec_.output_logits(x_.data() + (last_n_ - rows) * m_.hp.n_embd, rows, norm_.data(), out);
+    const int64_t d = m_.hp.n_embd, V = m_.hp.n_vocab;
+    if (segments_.size() == 1 && segments_[0].logit_rows == 0) {   // a step without set_segments: its last rows
+      exec_.output_logits(x_.data() + (last_n_ - rows) * d, rows, norm_.data(), out);
+    } else {   // each segment's last logit_rows rows, segment by segment
+      int64_t want = 0;
+      for (const Segment& g : segments_) want += g.logit_rows;
+      if (rows != want || last_n_ != step_rows_)
+        throw std::invalid_argument("CPU backend: logits of " + std::to_string(rows) + " rows of a step whose segments ask for " +
+                                    std::to_string(want));
+      // The rows gathered, then one lm head over all of them: its weights read once for the step
+      // (rows of a matmul are independent, so the logits are those of each segment's own call).
+      logit_x_.resize(static_cast<size_t>(rows * d));
+      int64_t end = 0, r = 0;
+      for (const Segment& g : segments_) {
+        end += g.rows;
+        std::copy_n(x_.data() + (end - g.logit_rows) * d, g.logit_rows * d, logit_x_.data() + r * d);
+        r += g.logit_rows;
+      }
+      if (norm_.size() < logit_x_.size()) norm_.resize(logit_x_.size());
+      exec_.output_logits(logit_x_.data(), rows, norm_.data(), out);
+    }
     // Greedy decode's token on the host, from the logits the coordinator would have read: the
     // same bits, the same rule, so the group tests cover the token-only protocol.
-    const int64_t V = m_.hp.n_vocab;
     if (token_out_ != nullptr && rows > static_cast<int64_t>(group::kMaxTokenRows))
       throw std::invalid_argument("CPU backend: greedy tokens of " + std::to_string(rows) + " rows, at most " +
                                   std::to_string(group::kMaxTokenRows));
@@ -173,20 +242,35 @@ class CpuBackend final : public Backend {
     }
   }
   bool can_rewind() const override { return true; }
-  void snapshot() override { exec_.snapshot(); }
+  void snapshot() override {
+    use_slot(selected_);
+    exec_.snapshot();
+  }
   void rewind(int64_t n_past) override {
+    use_slot(selected_);
     exec_.rewind(n_past);
     mtp_.rewind(n_past);
   }
   bool can_save_state() const override { return true; }
-  size_t state_bytes() const override { return exec_.state_bytes(); }
-  void save_state(std::span<uint8_t> out) override { exec_.save_state(out); }
+  size_t state_bytes() const override {
+    if (selected_ != active_) throw std::logic_error("CPU backend: state_bytes of slot " + std::to_string(selected_) +
+                                                     " while slot " + std::to_string(active_) + " is swapped in (save_state swaps it in)");
+    return exec_.state_bytes();
+  }
+  void save_state(std::span<uint8_t> out) override {
+    use_slot(selected_);
+    exec_.save_state(out);
+  }
   void load_state(std::span<const uint8_t> in) override {
+    use_slot(selected_);
     exec_.load_state(in);
     mtp_.lose();   // the saved bytes hold the trunk's caches only
   }
-  // Only qwen3next's MTP block is checked against an oracle (tests/reference/mtp_test.cpp).
-  bool can_mtp() const override { return exec_.has_mtp() && std::string(m_.hp.arch_string()) == "qwen3next"; }
+  // Only qwen3next's MTP block is checked against an oracle (tests/reference/mtp_test.cpp). One
+  // head (its kept hidden rows) follows one sequence: with several slots, no MTP drafts yet.
+  bool can_mtp() const override {
+    return slots() == 1 && exec_.has_mtp() && std::string(m_.hp.arch_string()) == "qwen3next";
+  }
   int64_t mtp_step(const int32_t* tokens, int64_t n, int64_t base_row, int32_t base_token, int64_t max_drafts,
                    int32_t* drafts) override {
     if (!can_mtp()) return Backend::mtp_step(tokens, n, base_row, base_token, max_drafts, drafts);
@@ -316,6 +400,30 @@ class CpuBackend final : public Backend {
     handoff_cv_.notify_all();
   }
 
+  // The sequence of slot s becomes the executor's own (the one in it is parked in its slot).
+  void use_slot(int s) {
+    if (s == active_) return;
+    exec_.swap_sequence(parked_[static_cast<size_t>(active_)]);   // parked_[active_] held the empty leftover
+    exec_.swap_sequence(parked_[static_cast<size_t>(s)]);
+    active_ = s;
+  }
+  int64_t slot_n_past(int s) const { return s == active_ ? exec_.n_past() : parked_[static_cast<size_t>(s)].n_past; }
+  // Layer il's mixer over the window's n rows, segment by segment against each one's slot (a
+  // window may hold parts of several segments, a segment span several windows); h_ gets the
+  // window's MoE input rows.
+  void mixers(int64_t il, int64_t n) {
+    const int64_t d = m_.hp.n_embd;
+    int64_t seg_first = 0;
+    for (const Segment& g : segments_) {
+      const int64_t lo = std::max(seg_first, window_first_), hi = std::min(seg_first + g.rows, window_first_ + n);
+      if (lo < hi) {
+        use_slot(g.slot);
+        exec_.set_window(lo - seg_first);
+        exec_.mixer_step(il, x_.data() + lo * d, hi - lo, h_.data() + (lo - window_first_) * d);
+      }
+      seg_first += g.rows;
+    }
+  }
   bool dense(int64_t il) const { return m_.layers[static_cast<size_t>(il)].recipe.ffn.kind == model::FfnKind::Dense; }
   void check_rows(int64_t n) const {
     if (n <= 0 || n > max_tokens_)
@@ -336,6 +444,12 @@ class CpuBackend final : public Backend {
   std::vector<uint8_t> on_device_;   // [layer * n_expert + expert]
   std::vector<bool> whole_;          // [layer]: every expert on this device
   group::ExpertPlan plan_;
+  // Sequence slots: parked_[s] holds slot s's sequence while another is the executor's own
+  // (active_); segments_: this step's (embed's), pending_: set_segments' for the next step.
+  std::vector<reference::ReferenceExecutor::Sequence> parked_;
+  int active_ = 0, selected_ = 0;
+  std::vector<Segment> segments_, pending_;
+  std::vector<float> logit_x_;   // the rows a segmented step's logits() gathers
   // The hand-off step's thread and what it shares with the caller (under handoff_mu_: routed_,
   // released_, handoff_plan_, handoff_done_, handoff_abort_; handoff_error_ once the thread ended).
   std::thread handoff_thread_;
@@ -361,6 +475,10 @@ std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Mode
     return std::make_unique<CpuBackend>(m, o);
   }
   if (kind == "cuda") {
+    if (o.slots != 1)
+      throw std::runtime_error("--backend cuda: " + std::to_string(o.slots) +
+                               " sequence slots were asked for; the CUDA backend caches one sequence (batched steps "
+                               "run on --backend cpu for now, issue 33)");
 #ifdef MORAINE_HAVE_CUDA
     return make_cuda_backend(m, o);
 #else

@@ -30,6 +30,7 @@
 #include "coordinator/step_bell.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/sequence_store.h"
+#include "gpu_worker/step_segments.h"
 
 namespace {
 
@@ -70,6 +71,7 @@ class StepRunner {
     gpu_worker::BackendOptions o = base;
     o.max_tokens = man.max_tokens;
     o.long_step_rows = man.long_step_rows;
+    o.slots = man.slots;
     o.max_context = std::max<int64_t>(placement_.context, std::max(man.max_tokens, man.long_step_rows));
     // A long step stages a layer's whole RAM tier at once: as many slots as its largest layer's
     // (the coordinator's reserve holds them, coordinator/device_reserve.h).
@@ -188,6 +190,7 @@ class StepRunner {
     group::StepReply& reply = *xl_.region("step_reply").at<group::StepReply>(base);
     std::fill_n(reply.row_tokens, group::kMaxTokenRows, -1);
     std::fill_n(reply.row_nonfinite, group::kMaxTokenRows, -1);
+    std::fill_n(reply.segment_token, group::kMaxSegments, -1);
     reply.nonfinite = -1;
     reply.mtp_n_drafts = reply.mtp_row = -1;
     if (hdr->mtp_drafts > group::kMaxTokenRows || (hdr->mtp_drafts > 0 && (!hdr->mtp || !hdr->greedy_token)))
@@ -195,27 +198,42 @@ class StepRunner {
                                std::to_string(group::kMaxTokenRows) + ", with mtp and greedy_token set)");
     backend_->set_token_output(hdr->greedy_token ? reply.row_tokens : nullptr,
                                hdr->check_finite ? reply.row_nonfinite : nullptr);
+    const bool batched = hdr->n_segments > 0;
+    if (batched && n > man_.max_tokens)
+      throw std::runtime_error("step header: a batched step of " + std::to_string(n) + " rows (at most " +
+                               std::to_string(man_.max_tokens) + ": no long steps)");
     const auto last_row = [&] {
+      if (batched) gpu_worker::segment_tokens(*hdr, reply);
       mtp_after_step(*hdr, tokens_of_step(), reply);
       reply.nonfinite = reply.row_nonfinite[hdr->logit_rows - 1];
       return hdr->greedy_token ? reply.row_tokens[hdr->logit_rows - 1] : -1;
     };
     if (hdr->state_save != 0 && broken_)
       throw std::runtime_error("step " + std::to_string(seq) + " saves a sequence that an earlier step left half-done");
-    store_.apply(seq, *hdr, *backend_, reply);   // the conversation cache (sequence_store.h)
+    if (hdr->slot >= static_cast<uint32_t>(backend_->slots()))
+      throw std::runtime_error("step header: slot " + std::to_string(hdr->slot) + ", the backend has " +
+                               std::to_string(backend_->slots()) + " (GroupManifest::slots)");
+    backend_->select_slot(static_cast<int>(hdr->slot));
+    store_.apply(seq, *hdr, *backend_, reply);   // the conversation cache (sequence_store.h), on hdr->slot
     if (hdr->state_load != 0) broken_ = false;
     if (hdr->reset) {
       backend_->reset();
       broken_ = false;
     }
+    if (batched && std::all_of(hdr->segments, hdr->segments + std::min<size_t>(hdr->n_segments, group::kMaxSegments),
+                               [](const group::StepSegment& g) { return g.reset != 0; }))
+      broken_ = false;   // every slot the failed step touched may be among them: the coordinator resets them all
     if (broken_) throw std::runtime_error("an earlier step failed half-way; the coordinator must reset the sequence");
-    if (hdr->rewind && !hdr->reset && hdr->first_position < backend_->n_past()) {
+    // A batched step's segments carry their own positions, resets, rewinds and snapshots.
+    std::vector<gpu_worker::Segment> segments;
+    if (batched) segments = gpu_worker::prepare_segments(*hdr, *backend_, man_.max_tokens);
+    if (!batched && hdr->rewind && !hdr->reset && hdr->first_position < backend_->n_past()) {
       if (!backend_->can_rewind())
         throw std::runtime_error("step " + std::to_string(seq) + " drops cached positions from " +
                                  std::to_string(hdr->first_position) + " on, but this backend and model cannot");
       backend_->rewind(hdr->first_position);
     }
-    if (hdr->first_position != backend_->n_past()) {
+    if (!batched && hdr->first_position != backend_->n_past()) {
       throw std::runtime_error("step starts at position " + std::to_string(hdr->first_position) + " but " +
                                std::to_string(backend_->n_past()) + " positions are cached");
     }
@@ -230,6 +248,7 @@ class StepRunner {
       ++experts_swapped_in_;
     }
     broken_ = true;   // until the step completes: caches are appended layer by layer
+    if (batched) backend_->set_segments(segments);   // the next embed (step_whole, handoff_begin) takes them
     const int64_t k = m_.hp.n_expert_used, nk = n * k;
     float* hidden = xl_.region("hidden").at<float>(base);
     int32_t* chosen = xl_.region("chosen").at<int32_t>(base);

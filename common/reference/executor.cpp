@@ -1,6 +1,7 @@
 #include "common/reference/executor.h"
 
 #include <stdexcept>
+#include <utility>
 #include <string>
 
 #include "common/formats/quant.h"
@@ -30,6 +31,16 @@ void ReferenceExecutor::reset() {
   snapshot_pos_ = -1;
   mtp_state_ = LayerState{};
   mtp_n_past_ = 0;
+}
+
+void ReferenceExecutor::swap_sequence(Sequence& other) {
+  std::swap(state_, other.state);
+  std::swap(snapshot_, other.snapshot);
+  std::swap(n_past_, other.n_past);
+  std::swap(window_first_, other.window_first);
+  std::swap(snapshot_pos_, other.snapshot_pos);
+  std::swap(mtp_n_past_, other.mtp_n_past);
+  std::swap(mtp_state_, other.mtp_state);
 }
 
 int64_t ReferenceExecutor::k_width(int64_t il) const {

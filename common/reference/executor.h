@@ -104,11 +104,12 @@ class ReferenceExecutor {
   void load_state(std::span<const uint8_t> in);
   bool has_recurrent() const;
   int64_t n_past() const { return n_past_; }
-  const model::Model& model() const { return m_; }
-  int64_t n_vocab() const { return m_.hp.n_vocab; }
-  int n_threads() const { return pool_.size(); }
 
- private:
+  // Several sequences on one executor (the gpu_worker's sequence slots): everything a sequence
+  // caches (every layer's K/V and recurrent state, n_past, its snapshot, the MTP cache), held
+  // apart while another sequence is the executor's own. swap_sequence exchanges the executor's
+  // sequence with `other` (vector swaps, nothing copied), so the weights and thread pool serve
+  // every slot. A default-constructed Sequence is empty: swap it in, then reset().
   struct LayerState {
     // [n_past][n_head_kv * head_dim], post-norm, post-RoPE; half values when kv_type is F16.
     // An MLA layer: k_cache [n_past][kv_lora_rank + rope_dim] = [normed latent | rotated key], no v_cache.
@@ -116,6 +117,17 @@ class ReferenceExecutor {
     std::vector<float> conv_state;        // [conv_kernel - 1][conv_dim], oldest first
     std::vector<float> ssm_state;         // [n_v_heads][head_k_dim][head_v_dim]
   };
+  struct Sequence {
+    std::vector<LayerState> state, snapshot;
+    int64_t n_past = 0, window_first = 0, snapshot_pos = -1, mtp_n_past = 0;
+    LayerState mtp_state;
+  };
+  void swap_sequence(Sequence& other);
+  const model::Model& model() const { return m_; }
+  int64_t n_vocab() const { return m_.hp.n_vocab; }
+  int n_threads() const { return pool_.size(); }
+
+ private:
 
   // Each adds its block's output for n tokens of normalised input h to the residual x.
   void attention_block(int64_t il, const float* h, int64_t n, float* x);  // attention_block.cpp

@@ -1,0 +1,82 @@
+// Batched decode across concurrent requests (coordinator --batch-decode, issue 33): each admitted
+// request holds a sequence slot of the gpu_worker (GroupManifest::slots); its prefill runs as a
+// step of its own (exclusive: between batched steps), and while several requests decode, one
+// step carries one decode row per sequence (StepHeader::segments), so every chosen expert is read
+// once for all of them. The request threads call decode() and block; whichever finds no step in
+// flight issues one for every row waiting then (after at most kGather for the other decoding
+// requests to submit theirs) and hands each its output. The rows' outputs do not depend on which
+// rows share a step (the backend's batched rows equal each sequence alone), so the gathering is
+// about speed only.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "coordinator/group_layout.h"
+
+namespace moraine::group {
+
+class BatchStepper {
+ public:
+  // One decode row of a batched step, and what the step gave it.
+  struct Row {
+    int slot = 0;
+    int32_t token = -1;          // fed at `position`
+    int64_t position = 0;
+    bool token_only = true;      // the request reads the greedy token (else the logits row)
+    int32_t out_token = -1;      // the step's greedy token for this row (-1 without)
+    std::vector<float> logits;   // its logits row when the step returned logits
+    bool done = false;
+    std::string error;           // the step failed: why
+  };
+  // Runs one batched step over rows (in order), filling each row's out_token / logits; throws
+  // on failure (every row of the step then gets the error).
+  using Issue = std::function<void(std::span<Row* const> rows)>;
+  // How long a decode row waits for the other decoding requests' rows before its step goes out:
+  // long beside a request thread's work between two steps (sampling, detokenizing, the stream:
+  // ~20-40 us on the dev box), short beside a step (0.4-3 ms on the CPU backend).
+  static constexpr std::chrono::microseconds kGather{500};
+
+  BatchStepper(int slots, Issue issue);
+  int slots() const { return static_cast<int>(free_.size()); }
+  // A free slot, blocking until one is (admission: at most `slots` requests at once); -1 when
+  // cancelled first (polled every 20 ms).
+  int acquire_slot(const std::function<bool()>& cancelled);
+  void release_slot(int slot);
+  // Runs fn with no batched step in flight and none starting (a prefill step): waiting batched
+  // rows go after it.
+  void exclusive(const std::function<void()>& fn);
+  // The decoding requests: those whose rows a step waits for (at most kGather).
+  void begin_decoding();
+  void end_decoding();
+  // One decode row: blocks until a step carrying it has run; throws std::runtime_error with the
+  // step's error.
+  void decode(Row& row);
+  uint64_t steps() const;       // batched steps issued
+  uint64_t rows() const;        // rows they carried
+
+ private:
+  Issue issue_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> free_;   // [slot]
+  std::vector<Row*> pending_;
+  bool busy_ = false;           // a step (batched or exclusive) is in flight
+  int exclusive_waiting_ = 0, decoding_ = 0;
+  uint64_t steps_ = 0, rows_ = 0;
+};
+
+// The exchange side of a batched decode step (the coordinator's Issue): the step header (one
+// segment of one decode row per request, greedy tokens when every row takes them, else the
+// logits rows) and the tokens; then each row's greedy token (StepReply::segment_token, checked
+// against the vocabulary) or its logits row from the reply.
+void write_batched_step(std::byte* exchange, const ExchangeLayout& xl, std::uint64_t seq, std::span<BatchStepper::Row* const> rows);
+void read_batched_reply(std::byte* exchange, const ExchangeLayout& xl, std::int64_t n_vocab,
+                        std::span<BatchStepper::Row* const> rows);
+
+}  // namespace moraine::group
