@@ -39,6 +39,7 @@
 #include "coordinator/process_util.h"
 #include "coordinator/speculation.h"
 #include "coordinator/conversation_cache.h"
+#include "coordinator/coordinator_options.h"
 #include "coordinator/disk_estimate.h"
 #include "coordinator/sequence.h"
 #include "coordinator/turn_queue.h"
@@ -55,154 +56,11 @@ double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }
 
-struct Options {
-  std::string model, socket_dir, handoff = "doorbell", logits_dump;
-  std::string vram = "unlimited", ram = "unlimited", census;   // placement (coordinator/placement.h)
-  std::string file_cache = "auto";   // PlacementInput::file_cache_budget ("auto": a quarter of --ram)
-  std::string disk_rate = "auto";    // the plan's disk bound: bytes/s, or "auto" (an O_DIRECT probe at start)
-  bool no_census = false;   // the gpu_worker records no census (coordinator/census.h)
-  int vram_adapt_every = 8;  // GroupManifest::vram_adapt_every
-  int64_t ctx = 0;
-  // Rows of a step, or of a long step's window; 0: window_rows_for's choice (512, llama.cpp's
-  // default ubatch, except for CUDA long steps). 64-row steps (the old default) gave the experts
-  // ~4 rows each, and an 8192-token prompt took 128 steps (session 9, H200 kernel trace;
-  // docs/perf-log.md#session-9-what-moved).
-  int cpu_workers = 2, max_tokens = 0, step_retries = 2;
-  // Rows of a long step (GroupManifest::long_step_rows; -1: long_step_rows_for's default).
-  int long_step_rows = -1;
-  std::string backend = "cpu";   // the gpu_worker's: cuda charges its context and scratch to --vram
-  std::string kv_type;           // the KV cache's elements; empty: kv_type_for's default
-  std::string step_channel = "doorbell";   // GroupManifest::step_channel
-  // The step done doorbell's spin before the coordinator sleeps: none, because a step takes longer
-  // (0.1-3 ms) and the coordinator shares its core with the gpu_worker, which the ring has just
-  // woken. Dev box, CPU backend, every expert on it, decode p50 minus layer_chain p50: 20-36 us
-  // without a spin, 37-49 us spinning 20 us; spinning through the step (both sides): 510 us.
-  int step_spin_us = 0;
-  bool greedy_on_host = false;   // greedy decode reads the logits and takes their argmax here
-  // Speculation, for requests that ask (GenerateRequest::speculate): drafts of at
-  // most this many tokens (0: never draft) after a recurring context suffix of at least
-  // speculate_min_match tokens (group::SuffixDrafter).
-  int speculate_draft = 5, speculate_min_match = 1;
-  // ... and where the model has an MTP head (a nextn block) that the backend runs (the CPU one;
-  // StepHeader::mtp), drafts of at most this many tokens from it instead, made by the gpu_worker
-  // after each step (0: suffix drafts only). 1: on the built-in model deeper drafts along the MTP
-  // chain are right 14% / 9% of the time (depth 2 / 3, against 40% at depth 1), and each costs ~280 us
-  // beside a 514 us step on the CPU backend (group, --vram unlimited: 1050 tok/s with 1, 950 with 3,
-  // 1350 plain; docs/perf-log.md#session-23-mtp-cpu).
-  int speculate_mtp = 1;
-  // Conversations the gpu_worker keeps saved in its host memory (coordinator/conversation_cache.h);
-  // llama-server's --cache-ram default is 8 GiB as well. "0": only the live sequence is reused.
-  std::string cache_ram = "8G";
-  // Requests that take turns on the gpu_worker (coordinator/turn_queue.h), and the tokens a turn
-  // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
-  int parallel = 1, turn_tokens = 16;
-  // Batched decode (issue 33; coordinator/batch_stepper.h): the --parallel requests each hold a
-  // sequence slot of the gpu_worker, and one step carries a decode row of every decoding one. Off
-  // by default until the CUDA backend has slots.
-  bool batch_decode = false;
-  bool print_plan = false;   // print the window and the placement, then exit (no group)
-};
-
-// --kv-type, or its default: f16 with the CUDA backend (llama.cpp's default cache type: half the
-// VRAM of F32, which then holds experts), f32 with the CPU backend, whose reference executor
-// holds floats (its cache would be charged at 2 bytes and use 4).
-model::KvType kv_type_for(const Options& o) {
-  if (o.kv_type.empty()) return o.backend == "cuda" ? model::KvType::F16 : model::KvType::F32;
-  const model::KvType t = model::parse_kv_type(o.kv_type, "--kv-type");
-  if (t == model::KvType::F16 && o.backend != "cuda")
-    throw std::invalid_argument("--kv-type f16 needs --backend cuda (the CPU backend holds an F32 cache)");
-  return t;
-}
-
-// --long-step-rows, or its default: 8192 rows with the CUDA backend, which stages the RAM tier's
-// experts over PCIe for long steps (a layer's copies once per 8192 rows instead of once per 512:
-// at the 30B shape, 12G, the copies alone bound 512-row steps to ~2,300 tok/s), none with the CPU
-// backend (nothing to stage); at most the context, and 0 when not above --max-tokens.
-int long_step_rows_for(const Options& o, const model::Model& m) {
-  const int64_t rows = o.long_step_rows >= 0 ? o.long_step_rows : o.backend == "cuda" ? 8192 : 0;
-  const int64_t fit = std::min<int64_t>(rows, group::planned_context(m, o.ctx));
-  return fit > o.max_tokens && o.step_channel == "doorbell" ? static_cast<int>(fit) : 0;
-}
-
-// The placement every process of the group follows: planned once, here (`log`: its lines to stderr).
-// census_out: the popularity the plan was made from (empty: uniform).
-group::PlacementPlan plan_for(const Options& o, const model::Model& m, bool log = true, group::Census* census_out = nullptr) {
-  group::PlacementInput in;
-  in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
-  if (o.backend == "cuda") {
-    in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
-    in.sizes.dense_bytes -= group::cuda_host_resident_bytes(m);
-  }
-  // "dense": exactly the dense weights, KV/state (and a CUDA device's context and scratch), no experts: what a gpu_worker on its CPU
-  // backend gets by default, so that the cpu_expert_workers compute the routed experts.
-  in.vram_budget = o.vram == "dense" ? in.sizes.dense_bytes + in.sizes.kv_bytes + in.sizes.device_reserve_bytes
-                                     : group::parse_byte_budget(o.vram, "--vram");
-  in.ram_budget = group::parse_byte_budget(o.ram, "--ram");
-  if (o.file_cache != "auto") in.file_cache_budget = group::parse_byte_budget(o.file_cache, "--file-cache");
-  in.n_cpu_workers = o.cpu_workers;
-  const std::string census = o.census.empty() ? group::default_census_path(o.model) : o.census;
-  if (std::ifstream(census).good()) {
-    try {
-      in.census = group::Census::read(census, m.hp.n_layer, m.hp.n_expert);
-      if (log) std::cerr << "coordinator: expert popularity from " << census << "\n";
-    } catch (const std::exception& e) {
-      // A census named on the command line is the user's input: refuse it. The default one is
-      // ours (the gpu_worker writes it and replaces a bad one), so a bad one must not stop the
-      // group from starting.
-      if (!o.census.empty()) throw;
-      if (log) std::cerr << "coordinator: ignoring " << e.what() << " (uniform popularity; the gpu_worker will replace it)\n";
-    }
-  } else if (log) {
-    std::cerr << "coordinator: no census at " << census << " yet (uniform popularity)\n";
-  }
-  if (census_out) *census_out = in.census;
-  group::PlacementPlan plan = group::plan_placement(in);
-  // Long steps stage a layer's whole RAM tier at once (group::long_step_stage_slots), whose slots
-  // the reserve must hold; holding them moves experts out of VRAM into RAM, so plan again until
-  // the slots cover the plan's layers (a slot more each round: ~2.7 MB of 9 GB of experts at the
-  // 30B shape, so two or three rounds).
-  if (const int long_rows = long_step_rows_for(o, m); o.backend == "cuda" && long_rows > 0) {
-    int64_t slots = 0;
-    for (int round = 0;; ++round) {
-      const int64_t need = group::long_step_stage_slots(plan);
-      if (need <= slots) break;
-      if (round == 8) throw std::logic_error("coordinator: the long steps' staging slots did not settle (" + std::to_string(need) + ")");
-      slots = need + 1;
-      const uint64_t grown = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
-      if (o.vram == "dense") in.vram_budget += grown - in.sizes.device_reserve_bytes;   // still exactly the dense part
-      in.sizes.device_reserve_bytes = grown;
-      plan = group::plan_placement(in);
-    }
-  }
-  if (log) std::cerr << "coordinator: " << plan.table() << group::plan_disk_line(o.disk_rate, m, plan, in.census);
-  return plan;
-}
-
-// --max-tokens 0: 512 rows, except where long steps stage the RAM tier on the device (CUDA) and
-// a longer window costs no expert its VRAM: the longest of 4096, 2048 and 1024 that leaves the
-// device as many experts as 512 rows do. A window's GEMMs get more rows per expert the longer it
-// is, but its scratch (~0.4 MB a row) takes VRAM the experts would hold, and decode and short
-// prompts read those (30B shape, --vram 12G, one H200 run, windows 512 / 2048 / 4096: pp8192
-// 7,170 / 9,554 / 11,811 tok/s, pp512 2,712 / 2,498 / 2,327, tg 124 / 104 / 109, VRAM hit
-// 0.57 / 0.53 / 0.48; docs/perf-log.md#session-21-windows). --max-tokens 4096 is the long-prompt setting.
-int window_rows_for(const Options& o, const model::Model& m) {
-  Options at = o;
-  at.max_tokens = 512;
-  if (o.backend != "cuda" || long_step_rows_for(at, m) == 0) return 512;
-  const group::PlacementPlan base = plan_for(at, m, false);
-  for (const int rows : {4096, 2048, 1024}) {
-    at.max_tokens = rows;
-    if (long_step_rows_for(at, m) == 0) continue;   // not below the long step's rows
-    group::PlacementPlan p;
-    try {
-      p = plan_for(at, m, false);
-    } catch (const std::invalid_argument&) {
-      continue;   // this window's scratch does not fit --vram beside the dense weights and KV
-    }
-    if (p.vram.experts >= base.vram.experts) return rows;
-  }
-  return 512;
-}
+using Options = group::CoordinatorOptions;
+using group::kv_type_for;
+using group::long_step_rows_for;
+using group::plan_for;
+using group::window_rows_for;
 
 class Coordinator final : public generate::Coordinator::Service {
  public:
@@ -1113,72 +971,7 @@ int run(const Options& given) {
 int main(int argc, char** argv) {
   CLI::App app{"moraine-coordinator: model description, sessions, sampling; drives the group's steps"};
   Options o;
-  app.add_option("-m,--model", o.model, "GGUF model file")->required();
-  app.add_option("--socket-dir", o.socket_dir, "group socket directory")->required();
-  app.add_option("--cpu-workers", o.cpu_workers, "number of cpu_expert_workers (experts interleaved over them)");
-  app.add_option("--max-tokens", o.max_tokens,
-                 "rows of one step (prefill chunk), or of a long step's window; sizes the exchange segment and the device "
-                 "scratch (default 0: 512, or with --backend cuda's long steps up to 4096 as --vram allows)");
-  app.add_option("--long-step-rows", o.long_step_rows,
-                 "rows of a long prefill step, run by the gpu_worker layer by layer over windows of --max-tokens rows "
-                 "(default: 8192 with --backend cuda, none with cpu; 0: none)");
-  app.add_flag("--print-plan", o.print_plan,
-               "print the step rows and the placement these options give (to stdout), then exit without starting");
-  app.add_option("--handoff", o.handoff, "per-layer GPU<->CPU hand-off")->check(CLI::IsMember({"doorbell", "zmq"}));
-  app.add_option("--logits-dump", o.logits_dump, "append each sampled row's float32 logits to FILE (tests)");
-  app.add_option("--step-retries", o.step_retries, "times a failed step is re-issued");
-  app.add_option("--vram", o.vram, "GPU memory for dense weights, KV, the CUDA context and scratch (--backend cuda) and experts (12G, 512M, ..., unlimited; dense: no experts)");
-  app.add_option("--ram", o.ram, "expert arena in RAM: RAM-tier experts + the file cache for file-resident ones (unlimited)");
-  app.add_option("--file-cache", o.file_cache,
-                 "of --ram, what the cache of file-resident experts takes when some stay in the file (at least the slots one "
-                 "layer needs; default auto: a quarter of --ram)");
-  app.add_option("--disk-rate", o.disk_rate,
-                 "disk read rate for the plan's disk bound, bytes per second (1.5G; K/M/G powers of 1024); default auto: "
-                 "~0.25 s of O_DIRECT reads of the model file at start, when some experts stay in the file");
-  app.add_option("--census", o.census,
-                 "expert popularity counts (JSON), read for placement and merged into by the gpu_worker "
-                 "(default MODEL.census.json)");
-  app.add_flag("--no-census", o.no_census, "the gpu_worker writes no census (placement still reads one)");
-  app.add_option("--vram-adapt-every", o.vram_adapt_every,
-                 "steps between the gpu_worker's swaps of popular experts into VRAM (0: keep the placement's set)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--ctx", o.ctx, "context the KV budget is planned for (default min(4096, the model's))");
-  app.add_option("--step-channel", o.step_channel,
-                 "how a step reaches the gpu_worker: doorbell (shared memory) or zmq (a LayerStep round trip)")
-      ->check(CLI::IsMember({"doorbell", "zmq"}));
-  app.add_option("--step-spin-us", o.step_spin_us, "how long the wait for a step's answer spins before it sleeps")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--speculate-draft", o.speculate_draft,
-                 "tokens a suffix draft proposes at most, for requests that ask for speculation (0: never draft)")
-      ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
-  app.add_option("--speculate-mtp", o.speculate_mtp,
-                 "tokens the model's MTP head drafts at most, for requests that ask for speculation, where the model has "
-                 "one (a nextn block) and the backend runs it (cpu; else the suffix drafter); 0: suffix drafts only")
-      ->check(CLI::Range(0, static_cast<int>(group::kMaxTokenRows) - 1));
-  app.add_option("--speculate-min-match", o.speculate_min_match,
-                 "shortest recurring context suffix a draft follows")
-      ->check(CLI::Range(1, 1 << 20));
-  app.add_flag("--greedy-on-host", o.greedy_on_host,
-               "greedy decode copies the logits and takes their argmax here (default: the gpu_worker returns the token)");
-  app.add_option("--backend", o.backend, "the gpu_worker's backend: cuda charges the device's context and scratch to --vram")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--kv-type", o.kv_type,
-                 "KV cache element type, charged to --vram and held by the gpu_worker: f16 (default with --backend "
-                 "cuda) or f32 (default, and the only one, with cpu)")
-      ->check(CLI::IsMember({"f16", "f32"}));
-  app.add_option("--parallel", o.parallel,
-                 "requests that take turns on the gpu_worker at once (each runs --turn-tokens tokens while others "
-                 "wait, its sequence saved in the gpu_worker's store meanwhile); more wait to be admitted")
-      ->check(CLI::Range(1, 256));
-  app.add_flag("--batch-decode", o.batch_decode,
-               "the --parallel requests decode together: each step carries one row per decoding request, every chosen "
-               "expert read once for all (cpu backend; no speculation or prompt cache for them yet)");
-  app.add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one")
-      ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--cache-ram", o.cache_ram,
-                 "host memory the gpu_worker keeps earlier conversations' KV cache and recurrent state in, so that a "
-                 "request continuing any of them prefills only its new tokens (least recently used out; default 8G; "
-                 "0: only the last conversation is reused)");
+  group::add_coordinator_options(app, o);
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);
