@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <system_error>
 
 #include <nlohmann/json.hpp>
+
+#include "common/fileio/atomic_file.h"
 
 namespace moraine::group {
 
@@ -65,23 +68,10 @@ void Census::write(const std::string& path) const {
   j["n_layer"] = counts.size();
   j["n_expert"] = counts.empty() ? 0 : counts[0].size();
   j["counts"] = counts;
-  // Per-process temp name: two writers never share (and truncate) one temp file.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump() << "\n";
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw std::runtime_error("cannot write census " + tmp);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw std::runtime_error("cannot rename census " + tmp + " to " + path + ": " + ec.message());
+  try {
+    fileio::write_file_atomic(path, j.dump() + "\n");
+  } catch (const std::system_error& e) {
+    throw std::runtime_error(std::string("cannot write census: ") + e.what());
   }
 }
 

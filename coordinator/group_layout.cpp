@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fileio/atomic_file.h"
 #include "common/gguf/gguf.h"
 #include "coordinator/step_bell.h"
 
@@ -33,13 +34,7 @@ void GroupManifest::write(const std::string& path) const {
   j["placement_census_path"] = placement_census_path;
   j["vram_adapt_every"] = vram_adapt_every;
   j["step_channel"] = step_channel;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump(1) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-  }
-  fs::rename(tmp, path);
+  fileio::write_file_atomic(path, j.dump(1) + "\n");
 }
 
 GroupManifest GroupManifest::read(const std::string& path) {

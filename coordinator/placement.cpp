@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fileio/atomic_file.h"
+
 #include "common/model/layer_state.h"
 
 namespace moraine::group {
@@ -353,13 +355,7 @@ void PlacementPlan::write(const std::string& path) const {
     layers.push_back(row);
   }
   j["tiers"] = layers;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump(1) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-  }
-  std::filesystem::rename(tmp, path);
+  fileio::write_file_atomic(path, j.dump(1) + "\n");
 }
 
 PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) {

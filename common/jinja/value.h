@@ -43,7 +43,7 @@ class Dict {
   const Value* find_key(const Value& key) const;
   void set_key(const Value& key, Value v);
   Value key_at(size_t i) const;
-  size_t size() const { return items_.size(); }
+  size_t size() const;   // defined below Value: clang (14) needs Value complete to size the pairs
   const std::vector<std::pair<std::string, Value>>& items() const { return items_; }
 
  private:
@@ -142,6 +142,8 @@ class Value {
   std::shared_ptr<Dict> dict_;
   std::shared_ptr<const Function> fn_;
 };
+
+inline size_t Dict::size() const { return items_.size(); }
 
 struct CallArgs {
   std::vector<Value> positional;
