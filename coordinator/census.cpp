@@ -1,4 +1,5 @@
 #include "coordinator/census.h"
+#include "coordinator/json_fields.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -30,7 +31,7 @@ Census Census::read(const std::string& path, std::int64_t n_layer, std::int64_t 
   Census c;
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
-    const auto L = j.at("n_layer").get<std::int64_t>(), E = j.at("n_expert").get<std::int64_t>();
+    const auto L = json_integer<std::int64_t>(j, "n_layer"), E = json_integer<std::int64_t>(j, "n_expert");
     if (L != n_layer || E != n_expert) {
       throw std::runtime_error("it is for " + std::to_string(L) + " layers x " + std::to_string(E) +
                                " experts, the model has " + std::to_string(n_layer) + " x " + std::to_string(n_expert));

@@ -1,10 +1,17 @@
 // What the libFuzzer targets found (tests/fuzz), each replayed as a plain test so that it stays
 // fixed without a clang build: the input that failed and what must happen instead.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "coordinator/census.h"
+#include "coordinator/group_layout.h"
+#include "coordinator/placement.h"
 #include "server/chat_output.h"
 #include "server/openai_api.h"
 
@@ -46,6 +53,56 @@ TEST(FuzzFindings, BodyWithANulByteIsRefused) {
     EXPECT_NE(std::string(e.what()).find("NUL byte at offset 49"), std::string::npos) << e.what();
   }
   EXPECT_THROW((void)parse_request(std::string("{}\0", 3), Endpoint::kCompletions, {"m"}), ApiError);
+}
+
+// The error a reader gives for FILE_TEXT written to a temp file ("" when it reads it).
+template <class Read>
+std::string read_error(const std::string& file_text, Read read) {
+  const std::string path = (std::filesystem::temp_directory_path() / ("fuzz-finding-" + std::to_string(::getpid()) + ".json")).string();
+  { std::ofstream(path) << file_text; }
+  std::string error;
+  try {
+    read(path);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+    EXPECT_NE(error.find(path), std::string::npos) << error;
+  }
+  std::filesystem::remove(path);
+  return error;
+}
+
+// config_fuzz: a float beyond the integer's range ("vram_budget": 1.9e19) was converted with
+// nlohmann's get<uint64_t>() (undefined behaviour, UBSan's float-cast-overflow); an integer
+// too large for an int field wrapped. Each is now an error naming the key.
+TEST(FuzzFindings, PlacementPlanNumbersAreCheckedIntegers) {
+  group::ModelSizes s;
+  s.n_layer = 1;
+  s.n_expert = 2;
+  s.n_expert_used = 1;
+  s.expert_bytes.assign(1, 4096);
+  s.expert_slot_bytes.assign(1, 4096);
+  const auto plan = [](const std::string& vram, const std::string& workers) {
+    return R"({"version": 1, "n_layer": 1, "n_expert": 2, "n_cpu_workers": )" + workers +
+           R"(, "staging_slots": 0, "staging_slot_bytes": 0, "vram_budget": )" + vram +
+           R"(, "ram_budget": 0, "dense_bytes": 0, "kv_bytes": 0, "context": 16, "tiers": ["RR"]})";
+  };
+  const auto read = [&](const std::string& p) { (void)group::PlacementPlan::read(p, s); };
+  EXPECT_EQ(read_error(plan("18446744073709551615", "1"), read), "");
+  EXPECT_NE(read_error(plan("1.9e19", "1"), read).find("vram_budget = 1.9e+19 is not an integer"), std::string::npos);
+  EXPECT_NE(read_error(plan("-1", "1"), read).find("vram_budget = -1 is out of range"), std::string::npos);
+  EXPECT_NE(read_error(plan("0", "4294967297"), read).find("n_cpu_workers = 4294967297 is out of range"), std::string::npos);
+}
+
+TEST(FuzzFindings, ManifestAndCensusNumbersAreCheckedIntegers) {
+  const std::string manifest = R"({"model_path": "m", "group_prefix": "g", "exchange_locator": "e", "arena_locator": "a",
+    "coordinator_pid": 1e30, "coordinator_start_ticks": 1, "n_cpu_workers": 1, "max_tokens": 8, "zmq_handoff": false,
+    "placement_path": "p", "census_path": "c"})";
+  EXPECT_NE(read_error(manifest, [](const std::string& p) { (void)group::GroupManifest::read(p); }).find("coordinator_pid = 1e+30 is not an integer"),
+            std::string::npos);
+  EXPECT_NE(read_error(R"({"n_layer": 1e300, "n_expert": 2, "counts": [[1, 2]]})",
+                       [](const std::string& p) { (void)group::Census::read(p, 1, 2); })
+                .find("n_layer = 1e+300 is not an integer"),
+            std::string::npos);
 }
 
 }  // namespace
