@@ -28,6 +28,11 @@ struct CallArgs;
 // Lists and dicts nest at most this deep (deeper ones are refused when built), so that writing,
 // comparing and freeing them stays within the stack.
 inline constexpr uint32_t kMaxValueDepth = 1000;
+// Strings and the rendered output a template builds hold at most this many bytes, lists this
+// many items (range()'s bound; a Value is 80 bytes): doubling a string with `~` in a loop
+// reached 2.4 GB in a few ms (chat_template_fuzz), a list of 2^28 items would take 21 GB.
+inline constexpr size_t kMaxSequenceSize = size_t{1} << 28;
+inline constexpr size_t kMaxListItems = 1000000;
 class Renderer;
 
 using List = std::vector<Value>;

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/jinja/template.h"
 #include "coordinator/census.h"
 #include "coordinator/group_layout.h"
 #include "coordinator/placement.h"
@@ -103,6 +104,43 @@ TEST(FuzzFindings, ManifestAndCensusNumbersAreCheckedIntegers) {
                        [](const std::string& p) { (void)group::Census::read(p, 1, 2); })
                 .find("n_layer = 1e+300 is not an integer"),
             std::string::npos);
+}
+
+std::string render_error(const std::string& source) {
+  try {
+    (void)jinja::Template(source).render(nlohmann::ordered_json::object());
+  } catch (const jinja::TemplateError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// chat_template_fuzz: a (model file's) template that doubles a string in a loop took 2.4 GB in
+// milliseconds (ASan's limit was 2 GB); repetition and range() were bounded, concatenation and
+// the output were not. Now strings and the output stop at 2^28 bytes, lists at 1,000,000 items
+// (list repetition allowed 2^28, 21 GB of Values), with an error naming the line.
+TEST(FuzzFindings, TemplateStringsAndOutputAreBounded) {
+  EXPECT_NE(render_error("{% set ns = namespace(s='ab') %}\n{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
+                .find("string concatenation of more than 2^28 bytes"),
+            std::string::npos);
+  EXPECT_NE(render_error("{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}")
+                .find("list concatenation of more than 1,000,000 items"),
+            std::string::npos);
+  const std::string out = render_error("{% for i in range(1000000) %}\n{{ 'x' * 1000 }}{% endfor %}");
+  EXPECT_NE(out.find("rendered output of more than 2^28 bytes"), std::string::npos) << out;
+  EXPECT_NE(out.find("line 2"), std::string::npos) << out;
+  EXPECT_NE(render_error("{{ ([1] * 1000001) | length }}").find("list repetition of more than 1,000,000 items"), std::string::npos);
+  EXPECT_EQ(render_error("{% set ns = namespace(s='ab') %}{% for i in range(20) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"), "");
+  EXPECT_EQ(render_error("{{ ([1] * 1000000) | length }}"), "");
+}
+
+// Found reading range() for the bound above: i += step overflowed int64 (undefined behaviour)
+// when the last item was within step of INT64's end.
+TEST(FuzzFindings, RangeNearInt64EndStops) {
+  EXPECT_EQ(jinja::Template("{{ range(1, 9223372036854775807, 9223372036854775807) | list }}").render(nlohmann::ordered_json::object()),
+            "[1]");
+  EXPECT_EQ(jinja::Template("{{ range(-2, -9223372036854775807 - 1, -9223372036854775807) | list }}").render(nlohmann::ordered_json::object()),
+            "[-2]");
 }
 
 }  // namespace
