@@ -1,5 +1,4 @@
 #include "coordinator/census.h"
-#include "coordinator/json_fields.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -16,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fileio/atomic_file.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 

@@ -1,5 +1,4 @@
 #include "coordinator/group_layout.h"
-#include "coordinator/json_fields.h"
 
 #include <filesystem>
 #include <fstream>
@@ -13,6 +12,7 @@
 #include "common/fileio/atomic_file.h"
 #include "common/gguf/gguf.h"
 #include "coordinator/step_bell.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 

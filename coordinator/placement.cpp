@@ -1,5 +1,4 @@
 #include "coordinator/placement.h"
-#include "coordinator/json_fields.h"
 
 #include <algorithm>
 #include <cctype>
@@ -15,8 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fileio/atomic_file.h"
-
 #include "common/model/layer_state.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 
