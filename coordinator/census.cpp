@@ -10,8 +10,12 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <system_error>
 
 #include <nlohmann/json.hpp>
+
+#include "common/fileio/atomic_file.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 
@@ -27,7 +31,7 @@ Census Census::read(const std::string& path, std::int64_t n_layer, std::int64_t 
   Census c;
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
-    const auto L = j.at("n_layer").get<std::int64_t>(), E = j.at("n_expert").get<std::int64_t>();
+    const auto L = json_integer<std::int64_t>(j, "n_layer"), E = json_integer<std::int64_t>(j, "n_expert");
     if (L != n_layer || E != n_expert) {
       throw std::runtime_error("it is for " + std::to_string(L) + " layers x " + std::to_string(E) +
                                " experts, the model has " + std::to_string(n_layer) + " x " + std::to_string(n_expert));
@@ -65,23 +69,10 @@ void Census::write(const std::string& path) const {
   j["n_layer"] = counts.size();
   j["n_expert"] = counts.empty() ? 0 : counts[0].size();
   j["counts"] = counts;
-  // Per-process temp name: two writers never share (and truncate) one temp file.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump() << "\n";
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw std::runtime_error("cannot write census " + tmp);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw std::runtime_error("cannot rename census " + tmp + " to " + path + ": " + ec.message());
+  try {
+    fileio::write_file_atomic(path, j.dump() + "\n");
+  } catch (const std::system_error& e) {
+    throw std::runtime_error(std::string("cannot write census: ") + e.what());
   }
 }
 

@@ -9,8 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fileio/atomic_file.h"
 #include "common/gguf/gguf.h"
 #include "coordinator/step_bell.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 
@@ -34,13 +36,7 @@ void GroupManifest::write(const std::string& path) const {
   j["vram_adapt_every"] = vram_adapt_every;
   j["step_channel"] = step_channel;
   j["slots"] = slots;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump(1) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-  }
-  fs::rename(tmp, path);
+  fileio::write_file_atomic(path, j.dump(1) + "\n");
 }
 
 GroupManifest GroupManifest::read(const std::string& path) {
@@ -53,18 +49,18 @@ GroupManifest GroupManifest::read(const std::string& path) {
     m.group_prefix = j.at("group_prefix").get<std::string>();
     m.exchange_locator = j.at("exchange_locator").get<std::string>();
     m.arena_locator = j.at("arena_locator").get<std::string>();
-    m.coordinator_pid = j.at("coordinator_pid").get<std::uint32_t>();
-    m.coordinator_start_ticks = j.at("coordinator_start_ticks").get<std::uint64_t>();
-    m.n_cpu_workers = j.at("n_cpu_workers").get<int>();
-    m.max_tokens = j.at("max_tokens").get<int>();
-    m.long_step_rows = j.value("long_step_rows", 0);
+    m.coordinator_pid = json_integer<std::uint32_t>(j, "coordinator_pid");
+    m.coordinator_start_ticks = json_integer<std::uint64_t>(j, "coordinator_start_ticks");
+    m.n_cpu_workers = json_integer<int>(j, "n_cpu_workers");
+    m.max_tokens = json_integer<int>(j, "max_tokens");
+    m.long_step_rows = json_integer_or<int>(j, "long_step_rows", 0);
     m.zmq_handoff = j.at("zmq_handoff").get<bool>();
     m.placement_path = j.at("placement_path").get<std::string>();
     m.census_path = j.at("census_path").get<std::string>();
     m.placement_census_path = j.value("placement_census_path", std::string());
-    m.vram_adapt_every = j.value("vram_adapt_every", 0);
+    m.vram_adapt_every = json_integer_or<int>(j, "vram_adapt_every", 0);
     m.step_channel = j.value("step_channel", std::string("doorbell"));
-    m.slots = j.value("slots", 1);
+    m.slots = json_integer_or<int>(j, "slots", 1);
     if (m.slots < 1 || m.slots > static_cast<int>(kMaxSegments))
       throw std::runtime_error("slots " + std::to_string(m.slots) + ": expected 1.." + std::to_string(kMaxSegments));
     if (m.step_channel != "doorbell" && m.step_channel != "zmq")

@@ -13,7 +13,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fileio/atomic_file.h"
 #include "common/model/layer_state.h"
+#include "coordinator/json_fields.h"
 
 namespace moraine::group {
 
@@ -353,13 +355,7 @@ void PlacementPlan::write(const std::string& path) const {
     layers.push_back(row);
   }
   j["tiers"] = layers;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump(1) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-  }
-  std::filesystem::rename(tmp, path);
+  fileio::write_file_atomic(path, j.dump(1) + "\n");
 }
 
 PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) {
@@ -367,25 +363,25 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
   if (!in) throw std::runtime_error("cannot open placement plan " + path);
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
-    if (j.at("version").get<int>() != 1) throw std::runtime_error("unknown version " + j.at("version").dump());
+    if (json_integer<int>(j, "version") != 1) throw std::runtime_error("unknown version " + j.at("version").dump());
     PlacementPlan p;
-    p.n_layer = j.at("n_layer").get<std::int64_t>();
-    p.n_expert = j.at("n_expert").get<std::int64_t>();
+    p.n_layer = json_integer<std::int64_t>(j, "n_layer");
+    p.n_expert = json_integer<std::int64_t>(j, "n_expert");
     if (p.n_layer != s.n_layer || p.n_expert != s.n_expert) {
       throw std::runtime_error("it is for " + std::to_string(p.n_layer) + " layers x " + std::to_string(p.n_expert) +
                                " experts, the model has " + std::to_string(s.n_layer) + " x " + std::to_string(s.n_expert));
     }
-    p.n_cpu_workers = j.at("n_cpu_workers").get<int>();
-    p.staging_slots = j.at("staging_slots").get<std::int64_t>();
-    p.cache_slots = j.value("cache_slots", p.staging_slots);
-    p.staging_slot_bytes = j.at("staging_slot_bytes").get<std::uint64_t>();
-    p.vram_budget = j.at("vram_budget").get<std::uint64_t>();
-    p.ram_budget = j.at("ram_budget").get<std::uint64_t>();
-    p.dense_bytes = j.at("dense_bytes").get<std::uint64_t>();
-    p.kv_bytes = j.at("kv_bytes").get<std::uint64_t>();
+    p.n_cpu_workers = json_integer<int>(j, "n_cpu_workers");
+    p.staging_slots = json_integer<std::int64_t>(j, "staging_slots");
+    p.cache_slots = json_integer_or<std::int64_t>(j, "cache_slots", p.staging_slots);
+    p.staging_slot_bytes = json_integer<std::uint64_t>(j, "staging_slot_bytes");
+    p.vram_budget = json_integer<std::uint64_t>(j, "vram_budget");
+    p.ram_budget = json_integer<std::uint64_t>(j, "ram_budget");
+    p.dense_bytes = json_integer<std::uint64_t>(j, "dense_bytes");
+    p.kv_bytes = json_integer<std::uint64_t>(j, "kv_bytes");
     p.kv_type = model::parse_kv_type(j.value("kv_type", std::string("f32")), "kv_type");
-    p.device_reserve_bytes = j.value("device_reserve_bytes", std::uint64_t{0});
-    p.context = j.at("context").get<std::int64_t>();
+    p.device_reserve_bytes = json_integer_or<std::uint64_t>(j, "device_reserve_bytes", 0);
+    p.context = json_integer<std::int64_t>(j, "context");
     if (p.n_cpu_workers < 1 || p.staging_slots < 0 || p.staging_slots > s.n_expert_used || p.cache_slots < p.staging_slots) {
       throw std::runtime_error("n_cpu_workers, staging_slots or cache_slots out of range");
     }

@@ -25,6 +25,7 @@
 #include <iostream>
 #include <thread>
 
+#include "common/fileio/atomic_file.h"
 #include "common/shm/shm_segment.h"
 #include "coordinator/control_server.h"
 #include "coordinator/group_layout.h"
@@ -153,7 +154,7 @@ int start(const Options& o) {
       throw std::runtime_error("a supervisor (pid " + std::to_string(other) + ") already runs the group in " + o.socket_dir);
     }
   }
-  std::ofstream(pid_file) << getpid() << "\n";
+  fileio::write_file_atomic(pid_file, std::to_string(getpid()) + "\n", 0600);
   group::install_stop_signals();
   std::remove(group::manifest_path(o.socket_dir).c_str());   // a stale one would mislead workers
   // The supervisor answers Health too: SERVING once every process of the group is, so a client

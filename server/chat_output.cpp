@@ -34,7 +34,9 @@ json chat_message_json(const ChatOutputFormat& f, const std::string& text) {
   chat::ToolCallParser p(f.format, f.id_prefix, f.reasoning_open);
   p.feed(text);
   p.finish();
-  return json::parse(p.message().to_json().dump());   // ordered -> the response's json type
+  // ordered -> the response's json type. A model may write bytes that are not UTF-8 (byte
+  // tokens); strict dump() threw on them (http_request_fuzz), the server's own dump replaces them.
+  return json::parse(p.message().to_json().dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }
 
 ChatDeltaBuilder::ChatDeltaBuilder(ChatOutputFormat f) : f_(std::move(f)) {

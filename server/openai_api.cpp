@@ -262,6 +262,10 @@ json ApiError::body() const {
 }
 
 ApiRequest parse_request(const std::string& body, Endpoint endpoint, const std::vector<std::string>& model_ids) {
+  // nlohmann's reader stops at a NUL byte as at the end of input, so "{...}\0junk" parsed;
+  // JSON text never holds a raw NUL (http_request_fuzz).
+  if (const size_t nul = body.find('\0'); nul != std::string::npos)
+    throw ApiError(400, "the request body is not valid JSON (a NUL byte at offset " + std::to_string(nul) + ")", {}, {}, "invalid_json");
   const json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) throw ApiError(400, "the request body is not valid JSON", {}, {}, "invalid_json");
   if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object, not " + std::string(j.type_name()));

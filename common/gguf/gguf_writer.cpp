@@ -1,8 +1,9 @@
 // GgufWriter: serialises metadata and tensor infos, then streams tensor data, each tensor
-// padded with zeros to the alignment, into path.tmp, and renames it into place.
+// padded with zeros to the alignment, through fileio::AtomicFile (temp file, fsync, rename).
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <system_error>
 #include <unordered_set>
 
+#include "common/fileio/atomic_file.h"
 #include "common/gguf/gguf.h"
 #include "common/gguf/gguf_parse.h"
 
@@ -70,65 +72,6 @@ void put_value(ByteBuffer& out, const Value& v, const std::string& key) {
   }
   throw std::invalid_argument("GGUF metadata '" + key + "': unknown value type");
 }
-
-// Owns the temporary file until commit(); destroying it uncommitted removes the file.
-class TempFile {
- public:
-  explicit TempFile(std::string final_path)
-      : final_(std::move(final_path)), tmp_(final_ + ".tmp") {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("cannot create");
-  }
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-  ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-
-  void write(const void* data, uint64_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (n > 0) {
-      // Linux writes at most ~2 GiB per call; larger tensors go in pieces.
-      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
-      const ssize_t w = ::write(fd_, p, chunk);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        fail("cannot write " + std::to_string(n) + " bytes at byte offset " + std::to_string(written_));
-      }
-      p += w;
-      n -= static_cast<uint64_t>(w);
-      written_ += static_cast<uint64_t>(w);
-    }
-  }
-  void write_zeros(uint64_t n) {
-    static constexpr uint8_t kZeros[256] = {};
-    while (n > 0) {
-      const uint64_t k = std::min<uint64_t>(n, sizeof kZeros);
-      write(kZeros, k);
-      n -= k;
-    }
-  }
-  uint64_t written() const { return written_; }
-
-  void commit() {
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail("cannot close");
-    if (::rename(tmp_.c_str(), final_.c_str()) != 0) fail("cannot rename to " + final_);
-    committed_ = true;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::system_error(errno, std::generic_category(), tmp_ + ": " + what);
-  }
-  std::string final_;
-  std::string tmp_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-  bool committed_ = false;
-};
 
 }  // namespace
 
@@ -245,7 +188,7 @@ void GgufWriter::write(const std::string& path) const {
   // data section's padding is written only when there is data.
   if (!tensors_.empty()) head.pad_to(align);
 
-  TempFile out(path);
+  fileio::AtomicFile out(path);
   out.write(head.bytes().data(), head.bytes().size());
   std::vector<uint8_t> staging;
   for (const PendingTensor& t : tensors_) {
@@ -256,7 +199,12 @@ void GgufWriter::write(const std::string& path) const {
       t.fill(staging.data(), t.n_bytes);
       out.write(staging.data(), t.n_bytes);
     }
-    out.write_zeros(((t.n_bytes + align - 1) & ~(align - 1)) - t.n_bytes);
+    static constexpr uint8_t kZeros[256] = {};
+    for (uint64_t pad = ((t.n_bytes + align - 1) & ~(align - 1)) - t.n_bytes; pad > 0;) {
+      const uint64_t k = std::min<uint64_t>(pad, sizeof kZeros);
+      out.write(kZeros, k);
+      pad -= k;
+    }
   }
   out.commit();
 }

@@ -334,8 +334,9 @@ namespace {
 Value repeat(const Value& seq, int64_t n) {
   // Bounded like range(): a template asking for more is refused rather than allowed to exhaust memory.
   const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().size();
-  if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (uint64_t{1} << 28) / unit)
-    throw TemplateError("sequence repetition of more than 2^28 items or bytes");
+  const size_t limit = seq.is_string() ? kMaxSequenceSize : kMaxListItems;
+  if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > limit / unit)
+    throw TemplateError(seq.is_string() ? "string repetition of more than 2^28 bytes" : "list repetition of more than 1,000,000 items");
   if (seq.is_string()) {
     std::string out;
     for (int64_t i = 0; i < n; ++i) out += seq.as_string();
@@ -382,10 +383,22 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   bad_operands(op, a, b);
 }
 
+void check_concat(size_t a, size_t b) {
+  if (a + b > kMaxSequenceSize) throw TemplateError("string concatenation of more than 2^28 bytes");
+}
+void check_list_concat(size_t a, size_t b) {
+  if (a + b > kMaxListItems) throw TemplateError("list concatenation of more than 1,000,000 items");
+}
+
 }  // namespace
 
 Value binary_op(const std::string& op, const Value& a, const Value& b) {
-  if (op == "~") return Value(a.str() + b.str());
+  if (op == "~") {
+    std::string s = a.str();
+    const std::string t = b.str();
+    check_concat(s.size(), t.size());
+    return Value(s += t);
+  }
   if (op == "==") return Value(a == b);
   if (op == "!=") return Value(!(a == b));
   if (op == "in") return Value(contains(b, a));
@@ -398,11 +411,13 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (op == ">=") return Value(!a.less(b));
   if (a.is_number() && b.is_number()) return arithmetic(op, a, b);
   if (op == "+") {
+    if (a.is_string() && b.is_string()) check_concat(a.as_string().size(), b.as_string().size());
     if (a.is_markup() || b.is_markup()) {
       if (a.is_string() && b.is_string()) return Value::markup(html_escape(a) + html_escape(b));
     }
     if (a.is_string() && b.is_string()) return Value(a.as_string() + b.as_string());
     if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple() && !a.is_generator() && !b.is_generator()) {
+      check_list_concat(a.as_list().size(), b.as_list().size());
       List out = a.as_list();
       out.insert(out.end(), b.as_list().begin(), b.as_list().end());
       return Value::list(std::move(out), a.is_tuple());

@@ -506,9 +506,10 @@ void add_globals(Frame& g) {
     if (step == 0) throw TemplateError("range() arg 3 must not be zero");
     List out;
     // Bounded: a template asking for more is refused rather than allowed to exhaust memory.
-    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+    for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
       if (out.size() >= 1000000) throw TemplateError("range(): more than 1,000,000 items");
       out.push_back(Value(i));
+      if (__builtin_add_overflow(i, step, &i)) break;   // past INT64's end: past stop too
     }
     return Value::list(std::move(out));
   });

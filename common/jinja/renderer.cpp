@@ -34,6 +34,7 @@ std::string Renderer::render(const Program& program) {
 Renderer::Flow Renderer::exec(const Body& body, const std::shared_ptr<Frame>& f, std::string& out) {
   for (const NodePtr& n : body) {
     const Flow fl = exec_node(*n, f, out);
+    if (out.size() > kMaxSequenceSize) fail_at(n->line, "rendered output of more than 2^28 bytes");
     if (fl != Flow::Normal) return fl;
   }
   return Flow::Normal;

@@ -28,6 +28,11 @@ struct CallArgs;
 // Lists and dicts nest at most this deep (deeper ones are refused when built), so that writing,
 // comparing and freeing them stays within the stack.
 inline constexpr uint32_t kMaxValueDepth = 1000;
+// Strings and the rendered output a template builds hold at most this many bytes, lists this
+// many items (range()'s bound; a Value is 80 bytes): doubling a string with `~` in a loop
+// reached 2.4 GB in a few ms (chat_template_fuzz), a list of 2^28 items would take 21 GB.
+inline constexpr size_t kMaxSequenceSize = size_t{1} << 28;
+inline constexpr size_t kMaxListItems = 1000000;
 class Renderer;
 
 using List = std::vector<Value>;
@@ -43,7 +48,7 @@ class Dict {
   const Value* find_key(const Value& key) const;
   void set_key(const Value& key, Value v);
   Value key_at(size_t i) const;
-  size_t size() const { return items_.size(); }
+  size_t size() const;   // defined below Value: clang (14) needs Value complete to size the pairs
   const std::vector<std::pair<std::string, Value>>& items() const { return items_; }
 
  private:
@@ -142,6 +147,8 @@ class Value {
   std::shared_ptr<Dict> dict_;
   std::shared_ptr<const Function> fn_;
 };
+
+inline size_t Dict::size() const { return items_.size(); }
 
 struct CallArgs {
   std::vector<Value> positional;

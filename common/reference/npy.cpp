@@ -6,6 +6,8 @@
 #include <regex>
 #include <stdexcept>
 
+#include "common/fileio/atomic_file.h"
+
 namespace moraine::reference {
 
 namespace {
@@ -19,17 +21,16 @@ void write_npy_f32(const std::string& path, const float* data, int64_t rows, int
   const size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
   header.push_back('\n');
-  std::ofstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": cannot open for writing");
+  fileio::AtomicFile f(path);
   f.write(kMagic, 6);
   const char version[2] = {1, 0};
   f.write(version, 2);
   const uint16_t len = static_cast<uint16_t>(header.size());
   const char len_le[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
   f.write(len_le, 2);
-  f.write(header.data(), static_cast<std::streamsize>(header.size()));
-  f.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(rows * cols * 4));
-  if (!f) throw std::runtime_error(path + ": write failed");
+  f.write(header);
+  f.write(data, static_cast<uint64_t>(rows * cols) * 4);
+  f.commit();
 }
 
 NpyF32 read_npy_f32(const std::string& path) {
