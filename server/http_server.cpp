@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <random>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -306,12 +307,18 @@ int HttpServer::bind() {
   return o_.port;
 }
 
-void HttpServer::listen() { http_->listen_after_bind(); }
+void HttpServer::listen() {
+  listen_entered_ = true;
+  if (!stop_requested_) http_->listen_after_bind();
+  listen_returned_ = true;
+}
 
 void HttpServer::drain_and_stop(std::chrono::milliseconds deadline) {
   draining_ = true;
   admission_.drain();
   if (!admission_.wait_idle(deadline)) std::cerr << "moraine serve: requests still running after the drain deadline\n";
+  stop_requested_ = true;
+  while (listen_entered_ && !listen_returned_ && !http_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   http_->stop();
 }
 

@@ -100,6 +100,11 @@ class HttpServer {
   std::unique_ptr<generate::Coordinator::Stub> stub_;
   std::unique_ptr<httplib::Server> http_;
   std::atomic<bool> ready_{false}, draining_{false};
+  // cpp-httplib 0.11's stop() does nothing until listen_after_bind has marked the server running,
+  // so a stop that came first left the listener accepting for good (http_limits_test hung in 2 of
+  // ~7 runs, session 23): drain_and_stop waits for a listen() under way to be running, and a
+  // listen() that starts after a stop returns at once.
+  std::atomic<bool> stop_requested_{false}, listen_entered_{false}, listen_returned_{false};
   Admission admission_;
   Metrics metrics_;
 };

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -81,6 +82,29 @@ std::vector<std::string> listening_addresses(int port) {
     }
   }
   return out;
+}
+
+// A stop that comes before the listener thread listens ends that listener too (cpp-httplib's stop()
+// alone does nothing before listen: the listener then accepted for good, and Running's destructor
+// hung in 2 of ~7 runs of this file).
+TEST(HttpLimits, AStopBeforeListenEndsTheListener) {
+  HttpOptions o;
+  o.model_ids = {"test-model"};
+  o.port = 0;
+  o.socket_dir = "/nonexistent-moraine-socket-dir";
+  HttpServer server(o);
+  server.bind();
+  server.drain_and_stop(std::chrono::milliseconds(10));
+  std::promise<void> done;
+  std::future<void> finished = done.get_future();
+  std::thread listener([&] {
+    server.listen();
+    done.set_value();
+  });
+  const bool ended = finished.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  if (!ended) server.drain_and_stop(std::chrono::milliseconds(10));   // it listens by now: this stop takes
+  listener.join();
+  EXPECT_TRUE(ended) << "listen() after drain_and_stop kept serving";
 }
 
 TEST(HttpLimits, BindsLoopbackUnlessTold) {
