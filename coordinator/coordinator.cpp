@@ -56,6 +56,17 @@ double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }
 
+// A request that failed on the way: an error chunk naming why ends its stream, and the call's
+// status says the same.
+grpc::Status end_with_error(group::ChunkStreamer& stream, const std::string& what) {
+  generate::GenerateChunk err;
+  err.set_finish(generate::FINISH_ERROR);
+  err.set_error(what);
+  stream.push(std::move(err));
+  stream.finish();
+  return {grpc::StatusCode::INTERNAL, what};
+}
+
 using Options = group::CoordinatorOptions;
 using group::kv_type_for;
 using group::long_step_rows_for;
@@ -324,12 +335,7 @@ class Coordinator final : public generate::Coordinator::Service {
       publish_conversations();
       live_owner_ = 0;
       leave_turns(me);
-      generate::GenerateChunk err;
-      err.set_finish(generate::FINISH_ERROR);
-      err.set_error(e.what());
-      stream.push(std::move(err));
-      stream.finish();
-      return {grpc::StatusCode::INTERNAL, e.what()};
+      return end_with_error(stream, e.what());
     }
   }
 
@@ -412,12 +418,7 @@ class Coordinator final : public generate::Coordinator::Service {
         if (row.out_token >= 0) ++greedy_worker_tokens_;
       }
     } catch (const std::exception& e) {
-      generate::GenerateChunk err;
-      err.set_finish(generate::FINISH_ERROR);
-      err.set_error(e.what());
-      stream.push(std::move(err));
-      stream.finish();
-      return {grpc::StatusCode::INTERNAL, e.what()};
+      return end_with_error(stream, e.what());
     }
   }
 
