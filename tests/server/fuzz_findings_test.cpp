@@ -56,6 +56,22 @@ TEST(FuzzFindings, BodyWithANulByteIsRefused) {
   EXPECT_THROW((void)parse_request(std::string("{}\0", 3), Endpoint::kCompletions, {"m"}), ApiError);
 }
 
+// http_request_fuzz (in CI): a float integer field beyond int64 ("max_tokens": 1.66e47) was cast
+// to int64 before its range check (undefined behaviour; x86 gives INT64_MIN, so the refusal named
+// -9223372036854775808). Now the float is checked first and the refusal names it.
+TEST(FuzzFindings, HugeFloatIntegerFieldIsRefusedByItsValue) {
+  const std::string body = R"({"model": "m", "prompt": "x", "max_tokens": 165555555555555555555555555555555555555555555555})";
+  try {
+    (void)parse_request(body, Endpoint::kCompletions, {"m"});
+    FAIL() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("max_tokens"), std::string::npos) << what;
+    EXPECT_NE(what.find("1.6555"), std::string::npos) << what;
+  }
+}
+
 // The error a reader gives for FILE_TEXT written to a temp file ("" when it reads it).
 template <class Read>
 std::string read_error(const std::string& file_text, Read read) {
