@@ -2,7 +2,7 @@
 //   moraine generate [--socket-dir DIR] -p TEXT [--chat [--system TEXT]] | --tokens IDS [-n N]
 //                    [--temp T --top-k K --top-p P --seed S] [--json]
 //   moraine stats [--socket-dir DIR] [--json]
-//   moraine serve -m MODEL [--host H] [--port P] [--parallel N] [--api-key KEY] [--config FILE] [group options]
+//   moraine serve -m MODEL [--host H] [--port P] [--parallel N] [--batch-decode] [--api-key KEY] [--config FILE] [group options]
 //   moraine chat (-m MODEL [group options] | --url http://HOST:PORT) [--system TEXT]
 // stats asks every process found in the socket directory (coordinator, gpu_worker-*,
 // cpu_expert_worker-*) over gRPC and prints one table per process, a row per stage.
@@ -249,6 +249,10 @@ int main(int argc, char** argv) {
                     "requests admitted at once, taking turns on the GPU (1); the group runs as many")
       ->check(CLI::PositiveNumber);
   serve->add_option("--queue", so.http.queue, "requests waiting beyond --parallel before 429 (64)")->check(CLI::NonNegativeNumber);
+  bool batch_decode = false;
+  serve->add_flag("--batch-decode", batch_decode,
+                  "the --parallel requests decode together: one row each per step, every chosen expert read once for all "
+                  "(--backend cpu so far; no speculation or prompt cache for them yet)");
   serve->add_option("--api-key", so.http.api_key, "require Authorization: Bearer KEY on every endpoint but /health");
   serve->add_option("--max-body", so.http.max_body_bytes, "largest request body in bytes (8 MiB); larger: 413")
       ->check(CLI::PositiveNumber);
@@ -295,6 +299,7 @@ int main(int argc, char** argv) {
     if (serve->parsed()) {
       if (app.get_option("--config")->count() > 0) so.group.config = app.get_option("--config")->as<std::string>();
       so.group.parallel = so.http.parallel;   // the coordinator runs as many as the server admits
+      if (batch_decode) so.group.supervisor_args.push_back("--coordinator-arg=--batch-decode");
       return server::run_serve(so);
     }
     if (chat->parsed()) {

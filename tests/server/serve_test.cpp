@@ -99,19 +99,21 @@ void expect_error(const Answer& a, int status, const std::string& param, const s
 constexpr int kParallel = 4;   // the suite's serve --parallel
 
 // Starts `moraine serve` on `model` (the suite's options) and waits for "listening on".
-void start_serve(ServeProcess& s, const std::string& dir, const std::string& model, int ctx = 256) {
+void start_serve(ServeProcess& s, const std::string& dir, const std::string& model, int ctx = 256,
+                 const std::vector<std::string>& extra = {}) {
   s.dir = dir;
   s.model = model;
   s.model_id = fs::path(s.model).stem().string();
   s.socket_dir = s.dir + "/sock";
   s.log = s.dir + "/serve.log";
-  const std::vector<std::string> args = {
+  std::vector<std::string> args = {
       (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
       "--ctx", std::to_string(ctx), "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
       // kParallel running (taking turns on the gpu_worker) + 20 queued: the client's 16
       // concurrent requests fit, the load test's 64 do not.
       "--parallel", std::to_string(kParallel), "--queue", "20",
       "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
+  args.insert(args.end(), extra.begin(), extra.end());
   s.pid = fork();
   if (s.pid == 0) {
     const int fd = ::open(s.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
@@ -548,6 +550,39 @@ TEST(ServeTools, QwenTemplateModelAnswersToolRequests) {
   EXPECT_EQ(st.reasoning, m.value("reasoning_content", "")) << r->body;
   EXPECT_EQ(st.tool_calls.size(), calls.size()) << r->body;
   EXPECT_EQ(st.finish, choice["finish_reason"]) << r->body;
+  kill(s.pid, SIGTERM);
+  int status = 0;
+  waitpid(s.pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// serve --batch-decode: concurrent greedy requests share steps (the coordinator's batched_rows
+// exceed its batched_steps) and each answers what it answers alone.
+TEST(ServeFlags, BatchDecodeGivesEachRequestItsSoloAnswer) {
+  const std::string dir = group_test::temp_dir("serve-batch");
+  const std::string model = group_test::convert_golden("qwen3moe_k256", group_test::golden_quant_args("kmix"), dir);
+  ServeProcess s;
+  start_serve(s, dir, model, 256, {"--batch-decode"});
+  ASSERT_GT(s.port, 0) << "serve --batch-decode did not start; see " << s.log;
+  const auto ask = [&](const std::string& prompt) {
+    httplib::Client c("127.0.0.1", s.port);
+    c.set_read_timeout(120, 0);
+    c.set_default_headers({{"Authorization", "Bearer " + kKey}});
+    const json body = {{"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0}, {"ignore_eos", true}};
+    const Answer a = post("/v1/completions", body.dump(), c);
+    EXPECT_EQ(a.status, 200) << a.body.dump();
+    return a.status == 200 ? a.body["choices"][0]["text"].get<std::string>() : std::string();
+  };
+  const std::vector<std::string> prompts = {"The river", "A list is a mutable sequence", "Once upon a time there"};
+  std::vector<std::string> together(prompts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < prompts.size(); ++i) clients.emplace_back([&, i] { together[i] = ask(prompts[i]); });
+  for (std::thread& t : clients) t.join();
+  const uint64_t steps = group_test::coordinator_counter(s.socket_dir, "batched_steps");
+  const uint64_t rows = group_test::coordinator_counter(s.socket_dir, "batched_rows");
+  std::printf("batched steps %llu, rows %llu\n", static_cast<unsigned long long>(steps), static_cast<unsigned long long>(rows));
+  EXPECT_GT(rows, steps) << "no step carried more than one request's row";
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(ask(prompts[i]), together[i]) << prompts[i];
   kill(s.pid, SIGTERM);
   int status = 0;
   waitpid(s.pid, &status, 0);
