@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // The bytes as ids (some out of range): decode, or a TokenizerError, nothing else.
   std::vector<TokenId> raw(std::min<size_t>(text.size() / 4, 256));
-  std::memcpy(raw.data(), text.data(), raw.size() * sizeof(TokenId));
+  if (!raw.empty()) std::memcpy(raw.data(), text.data(), raw.size() * sizeof(TokenId));   // data() may be null when empty
   for (TokenId& id : raw) id = static_cast<TokenId>(static_cast<uint32_t>(id) % (tok.n_vocab() + 8));
   try {
     const std::string s = tok.decode(raw, data[0] & 1);
