@@ -56,6 +56,20 @@ double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }
 
+// A request's last chunk: why it finished (cancelled where the sequence did not end) and its timing.
+void push_last_chunk(group::ChunkStreamer& stream, generate::GenerateChunk last, const group::Sequence& seq,
+                     generate::GenerateTiming& timing) {
+  timing.set_generated_tokens(seq.generated());
+  last.set_finish(seq.finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq.finish());
+  *last.mutable_timing() = timing;
+  stream.push(std::move(last));
+}
+
+// The call's status once its stream is done: cancelled where the client went away first.
+grpc::Status stream_status(group::ChunkStreamer& stream) {
+  return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+}
+
 // A request that failed on the way: an error chunk naming why ends its stream, and the call's
 // status says the same.
 grpc::Status end_with_error(group::ChunkStreamer& stream, const std::string& what) {
@@ -259,10 +273,7 @@ class Coordinator final : public generate::Coordinator::Service {
     // unused: the tokens a verify window settled after the one that ended the sequence (an EOS or
     // a stop string among accepted drafts); their positions are cached too.
     const auto finished = [&](generate::GenerateChunk last, std::span<const int32_t> unused = {}) {
-      timing.set_generated_tokens(seq->generated());
-      last.set_finish(seq->finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq->finish());
-      *last.mutable_timing() = timing;
-      stream.push(std::move(last));
+      push_last_chunk(stream, std::move(last), *seq, timing);
       // What the gpu_worker holds now: position_ can pass the context's end by the unused tokens.
       std::vector<int32_t> held(context);
       held.insert(held.end(), unused.begin(), unused.end());
@@ -272,7 +283,7 @@ class Coordinator final : public generate::Coordinator::Service {
       }
       cache_.assign(held.begin(), held.begin() + position_);
       leave_turns(me);   // the live sequence is an idle conversation now
-      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      return stream_status(stream);
     };
     try {
       auto t0 = Clock::now();
@@ -367,11 +378,8 @@ class Coordinator final : public generate::Coordinator::Service {
     timing.set_prompt_tokens(static_cast<uint32_t>(seq.prompt_tokens()));
     timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
     const auto finished = [&](generate::GenerateChunk last) {
-      timing.set_generated_tokens(seq.generated());
-      last.set_finish(seq.finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq.finish());
-      *last.mutable_timing() = timing;
-      stream.push(std::move(last));
-      return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      push_last_chunk(stream, std::move(last), seq, timing);
+      return stream_status(stream);
     };
     try {
       const auto t0 = Clock::now();
