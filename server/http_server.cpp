@@ -115,8 +115,14 @@ ApiError error_of(const grpc::Status& st, const std::string& input) {
   switch (st.error_code()) {
     case grpc::StatusCode::INVALID_ARGUMENT: return ApiError(400, st.error_message());
     case grpc::StatusCode::OUT_OF_RANGE: return ApiError(400, st.error_message(), input, {}, "context_length_exceeded");
-    case grpc::StatusCode::UNAVAILABLE:
-      return ApiError(503, "the model group is not reachable or is stopping (" + st.error_message() + ")");
+    case grpc::StatusCode::UNAVAILABLE: {
+      // The front end's one peer is the coordinator: its socket refused or closed means that it
+      // stopped, died or is restarting with the group (the supervisor restarts it).
+      ApiError e(503, "the coordinator is not reachable: it stopped, died or is restarting (" + st.error_message() + "); retry it",
+                 {}, {}, "service_unavailable");
+      e.retry_after_s = 1;
+      return e;
+    }
     case grpc::StatusCode::CANCELLED: return ApiError(499, "the request was cancelled");
     case grpc::StatusCode::DEADLINE_EXCEEDED: return ApiError(503, "the model group did not answer in time");
     default:
@@ -323,8 +329,15 @@ void HttpServer::drain_and_stop(std::chrono::milliseconds deadline) {
 }
 
 void HttpServer::routes() {
-  stub_ = generate::Coordinator::NewStub(grpc::CreateChannel(
-      group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  // Reconnects within 0.1-1 s: gRPC's default backoff (1 s, x1.6, up to 120 s) left the front end
+  // refusing requests for up to 9 s after the supervisor had the coordinator serving again
+  // (serve_fault_test; a restart takes ~0.5 s here), and a local socket costs nothing to retry.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  stub_ = generate::Coordinator::NewStub(grpc::CreateCustomChannel(
+      group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials(), args));
 
   // Before the body is read: a refused request costs no more than its headers.
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
