@@ -774,11 +774,9 @@ class Coordinator final : public generate::Coordinator::Service {
                            (token_only_ && logit_rows > static_cast<int64_t>(group::kMaxTokenRows))))
       throw std::logic_error("coordinator: a verify window of " + std::to_string(n) + " rows with " +
                              std::to_string(logit_rows) + " logit rows is not a step it can issue");
-    if (reset_pending_) {   // enter_turn found the request's save gone
+    if (reset || reset_pending_) {   // reset_pending_: enter_turn found the request's save gone
       reset = true;
       reset_pending_ = false;
-    }
-    if (reset) {
       position_ = 0;
       rewind_pending_ = false;
     }
