@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <thread>
@@ -136,6 +137,7 @@ class ServeFaults : public ::testing::Test {
   }
   void TearDown() override {
     stop_serve(serve_, 30s);
+    for (const GroupProcess& p : processes_naming(dir_ + "/sock")) kill(p.pid, SIGKILL);   // a failed test's leftovers
     if (!HasFailure()) fs::remove_all(dir_);
   }
   void start() {
@@ -354,6 +356,56 @@ TEST_F(ServeFaults, CoordinatorKilledMidStreamIsServedWithinASecondOfItsRestart)
     std::printf("round %d: served %.2f s after the restarted group answered Health\n", round, after);
     EXPECT_LT(after, 1.5) << "the front end did not reconnect to the restarted coordinator";
   }
+}
+
+// Whether every process of the group and its shared memory are gone within `wait`.
+bool all_gone(const std::string& socket_dir, std::chrono::seconds wait) {
+  const auto until = Clock::now() + wait;
+  const std::string prefix = group::group_prefix_for(socket_dir);
+  while (Clock::now() < until) {
+    if (processes_naming(socket_dir).empty() && group_test::shm_files(prefix).empty()) return true;
+    std::this_thread::sleep_for(50ms);
+  }
+  return false;
+}
+
+// serve stopped after its socket directory lost supervisor.pid (a /tmp cleaner): the stop went
+// through `moraine-supervisor stop`, which needs that file; the supervisor was SIGKILLed 60 s
+// later and the coordinator and workers ran on, orphaned.
+TEST_F(ServeFaults, StopWithoutThePidFileLeavesNothing) {
+  start();
+  ASSERT_GT(serve_.port, 0) << read_text(serve_.log);
+  ASSERT_TRUE(fs::remove(serve_.socket_dir + "/supervisor.pid"));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(stop_serve(serve_, 30s), 0);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::printf("serve stopped in %.2f s without supervisor.pid\n", took);
+  EXPECT_LT(took, 20);
+  const std::vector<GroupProcess> left = processes_naming(serve_.socket_dir);
+  EXPECT_TRUE(all_gone(serve_.socket_dir, 10s)) << left.size() << " processes left, the first: " << (left.empty() ? "" : left[0].cmdline);
+}
+
+// The supervisor SIGKILLed: serve sees its group gone and exits; the group's processes get
+// SIGTERM from their parent's death (PR_SET_PDEATHSIG) and go, with the shared memory. Before,
+// they ran on with no supervisor.
+TEST_F(ServeFaults, SupervisorKilledTakesItsGroupAlong) {
+  start();
+  ASSERT_GT(serve_.port, 0) << read_text(serve_.log);
+  pid_t supervisor = 0;
+  std::ifstream(serve_.socket_dir + "/supervisor.pid") >> supervisor;
+  ASSERT_GT(supervisor, 0);
+  ASSERT_EQ(kill(supervisor, SIGKILL), 0);
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 400 && done == 0; ++i) {
+    done = waitpid(serve_.pid, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(done, serve_.pid) << "serve went on without its supervisor";
+  serve_.pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  const std::vector<GroupProcess> left = processes_naming(serve_.socket_dir);
+  EXPECT_TRUE(all_gone(serve_.socket_dir, 20s)) << left.size() << " processes left, the first: " << (left.empty() ? "" : left[0].cmdline);
 }
 
 }  // namespace
