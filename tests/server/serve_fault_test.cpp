@@ -126,6 +126,55 @@ struct KindCounts {
   std::vector<double> recovery_s;
 };
 
+// One in-flight request's outcome, counted: the fault-free text, a 503 naming the kind's process
+// ("cpu_expert_worker-1" is a "cpu_expert_worker"), or a connection of a killed front end; any
+// other is a failure.
+void count_answer(const Event& ev, int i, const Completion& c, const std::string& want, KindCounts& kc,
+                  std::map<std::string, std::string>& messages) {
+  const bool whole = c.status == 200 && c.error_type.empty() && c.finish == "length" && (i == 2 || c.done);
+  if (whole && c.text == want) {
+    ++kc.completed;
+  } else if (whole) {
+    ++kc.wrong;
+    ADD_FAILURE() << "request " << i << " completed with other text than the fault-free run's:\n  got  '" << c.text
+                  << "'\n  want '" << want << "'";
+  } else if (c.status == 503 || (c.status == 200 && c.error_type == "service_unavailable")) {
+    ++kc.failed_503;
+    messages[ev.kind] = c.error_message;
+    const std::string named = ev.kind.substr(0, ev.kind.find('-'));
+    EXPECT_NE(c.error_message.find(named), std::string::npos) << "request " << i << ": a 503 that does not name the " << named
+                                                              << ": " << c.error_message;
+  } else if (c.status == -1 && ev.kind == "serve" && ev.action == Action::kKill) {
+    ++kc.lost_with_front_end;   // its connection was the killed process's
+  } else {
+    ADD_FAILURE() << "request " << i << ": status " << c.status << " (" << c.transport << "), error '" << c.error_type << ": "
+                  << c.error_message << "', finish '" << c.finish << "', done " << c.done << ", text '" << c.text << "'";
+  }
+}
+
+// The counts by kind as a table and one JSON line (`summary` plus "kinds").
+void print_counts(const std::vector<std::string>& kinds, std::map<std::string, KindCounts>& counts,
+                  const std::map<std::string, std::string>& messages, json summary) {
+  std::printf("\n%-20s %5s %5s %5s %9s %6s %6s %6s %9s %9s\n", "kind", "kill", "stop", "left", "completed", "503", "lost",
+              "wrong", "rec p50 s", "rec max s");
+  std::vector<double> all;
+  for (const std::string& k : kinds) {
+    KindCounts& c = counts[k];
+    all.insert(all.end(), c.recovery_s.begin(), c.recovery_s.end());
+    std::printf("%-20s %5d %5d %5d %9d %6d %6d %6d %9.2f %9.2f\n", k.c_str(), c.actions[Action::kKill], c.actions[Action::kFreezeThaw],
+                c.actions[Action::kFreezeLeft], c.completed, c.failed_503, c.lost_with_front_end, c.wrong,
+                percentile(c.recovery_s, 0.5), percentile(c.recovery_s, 1.0));
+    summary["kinds"][k] = {{"sigkill", c.actions[Action::kKill]}, {"sigstop_sigcont", c.actions[Action::kFreezeThaw]},
+                           {"sigstop_left", c.actions[Action::kFreezeLeft]}, {"completed", c.completed},
+                           {"failed_503", c.failed_503}, {"lost_with_front_end", c.lost_with_front_end},
+                           {"recovery_p50_s", percentile(c.recovery_s, 0.5)}, {"recovery_max_s", percentile(c.recovery_s, 1.0)}};
+  }
+  for (const auto& [k, m] : messages) std::printf("a 503 after %s: %s\n", k.c_str(), m.c_str());
+  std::printf("recovery over all %zu events: p50 %.2f s, max %.2f s (bound %.0f s); %.0f s in all\n", all.size(),
+              percentile(all, 0.5), percentile(all, 1.0), kRecoveryBoundS, summary["seconds"].get<double>());
+  std::printf("fault summary: %s\n", summary.dump().c_str());
+}
+
 class ServeFaults : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -274,29 +323,7 @@ TEST_F(ServeFaults, EveryProcessKilledOrFrozenMidStream) {
     EXPECT_TRUE(recovered) << "the group did not serve again within " << kRecoveryBoundS << " s";
     kc.recovery_s.push_back(recovery);
 
-    for (int i = 0; i < kClients; ++i) {
-      const Completion& c = answers[i];
-      const bool whole = c.status == 200 && c.error_type.empty() && c.finish == "length" && (i == 2 || c.done);
-      if (whole && c.text == ref[asked[i]]) {
-        ++kc.completed;
-      } else if (whole) {
-        ++kc.wrong;
-        ADD_FAILURE() << "request " << i << " completed with other text than the fault-free run's:\n  got  '" << c.text
-                      << "'\n  want '" << ref[asked[i]] << "'";
-      } else if (c.status == 503 || (c.status == 200 && c.error_type == "service_unavailable")) {
-        ++kc.failed_503;
-        messages[ev.kind] = c.error_message;
-        // Named: the kind's process (an instance "cpu_expert_worker-1" is "cpu_expert_worker").
-        const std::string named = ev.kind.substr(0, ev.kind.find('-'));
-        EXPECT_NE(c.error_message.find(named), std::string::npos) << "request " << i << ": a 503 that does not name the "
-                                                                  << named << ": " << c.error_message;
-      } else if (c.status == -1 && ev.kind == "serve" && ev.action == Action::kKill) {
-        ++kc.lost_with_front_end;   // its connection was the killed process's
-      } else {
-        ADD_FAILURE() << "request " << i << ": status " << c.status << " (" << c.transport << "), error '" << c.error_type
-                      << ": " << c.error_message << "', finish '" << c.finish << "', done " << c.done << ", text '" << c.text << "'";
-      }
-    }
+    for (int i = 0; i < kClients; ++i) count_answer(ev, i, answers[i], ref[asked[i]], kc, messages);
     expect_nothing_left("after the event");
     std::printf("event %3zu: %-15s %-19s at %3d ms: served again in %.2f s\n", ei, action_name(ev.action), ev.kind.c_str(),
                 ev.delay_ms, recovery);
@@ -304,25 +331,7 @@ TEST_F(ServeFaults, EveryProcessKilledOrFrozenMidStream) {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_all).count();
 
-  std::printf("\n%-20s %5s %5s %5s %9s %6s %6s %6s %9s %9s\n", "kind", "kill", "stop", "left", "completed", "503", "lost",
-              "wrong", "rec p50 s", "rec max s");
-  json summary = {{"seed", seed}, {"rounds", rounds}, {"seconds", total_s}};
-  std::vector<double> all;
-  for (const std::string& k : kinds) {
-    KindCounts& c = counts[k];
-    all.insert(all.end(), c.recovery_s.begin(), c.recovery_s.end());
-    std::printf("%-20s %5d %5d %5d %9d %6d %6d %6d %9.2f %9.2f\n", k.c_str(), c.actions[Action::kKill], c.actions[Action::kFreezeThaw],
-                c.actions[Action::kFreezeLeft], c.completed, c.failed_503, c.lost_with_front_end, c.wrong,
-                percentile(c.recovery_s, 0.5), percentile(c.recovery_s, 1.0));
-    summary["kinds"][k] = {{"sigkill", c.actions[Action::kKill]}, {"sigstop_sigcont", c.actions[Action::kFreezeThaw]},
-                           {"sigstop_left", c.actions[Action::kFreezeLeft]}, {"completed", c.completed},
-                           {"failed_503", c.failed_503}, {"lost_with_front_end", c.lost_with_front_end},
-                           {"recovery_p50_s", percentile(c.recovery_s, 0.5)}, {"recovery_max_s", percentile(c.recovery_s, 1.0)}};
-  }
-  for (const auto& [k, m] : messages) std::printf("a 503 after %s: %s\n", k.c_str(), m.c_str());
-  std::printf("recovery over all %zu events: p50 %.2f s, max %.2f s (bound %.0f s); %.0f s in all\n", all.size(),
-              percentile(all, 0.5), percentile(all, 1.0), kRecoveryBoundS, total_s);
-  std::printf("fault summary: %s\n", summary.dump().c_str());
+  print_counts(kinds, counts, messages, json{{"seed", seed}, {"rounds", rounds}, {"seconds", total_s}});
 
   // Stopped: every process, socket and segment goes.
   EXPECT_EQ(stop_serve(serve_), 0);
