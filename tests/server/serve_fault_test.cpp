@@ -10,7 +10,7 @@
 // and the socket directory and /dev/shm hold what they held before. Counts and recovery times
 // are printed. The schedule (order, action, when) comes from a seed, printed first.
 //   MORAINE_FAULT_SEED=S        the schedule's seed (default 31)
-//   MORAINE_FAULT_ROUNDS=N      events per kind (default 8: 48 events, ~2 min on 2 cores); the
+//   MORAINE_FAULT_ROUNDS=N      events per kind (default 8: 48 events, 99 s on 2 cores); the
 //                               issue's 20 (120 events, 267 s on 2 cores under other load):
 //     MORAINE_FAULT_ROUNDS=20 build/tests/server/serve_fault_test
 #include <signal.h>
