@@ -62,6 +62,11 @@ std::vector<int32_t> ConversationCache::take(uint64_t key) {
   return tokens;
 }
 
+bool ConversationCache::holds(uint64_t key) const {
+  std::lock_guard l(mu_);
+  return std::any_of(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.key == key; });
+}
+
 void ConversationCache::forget(uint64_t key) {
   if (key == 0) return;
   std::lock_guard l(mu_);

@@ -47,6 +47,8 @@ class ConversationCache {
   void unpin(uint64_t key);
   // A load took key's entry out of the store: its tokens (now the live sequence's).
   std::vector<int32_t> take(uint64_t key);
+  // Whether key's entry is here: a save whose step failed (a gpu_worker lost) never became one.
+  bool holds(uint64_t key) const;
   // The key's entry, whether the gpu_worker kept it or not (a failed step): forget it and drop it.
   void forget(uint64_t key);
   void forget_unpinned();   // a failed step: every unpinned entry goes (its key is dropped)

@@ -171,6 +171,7 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["requests_running"] = static_cast<uint64_t>(turns_.admitted());
       (*r.mutable_counters())["requests_waiting"] = static_cast<uint64_t>(turns_.waiting());
       (*r.mutable_counters())["turn_switches"] = turn_switches_.load();
+      (*r.mutable_counters())["lost_saves"] = lost_saves_.load();
       // --batch-decode: the batched decode steps and the rows they carried.
       (*r.mutable_counters())["batched_steps"] = stepper_ ? stepper_->steps() : 0;
       (*r.mutable_counters())["batched_rows"] = stepper_ ? stepper_->rows() : 0;
@@ -473,6 +474,16 @@ class Coordinator final : public generate::Coordinator::Service {
       cache_ = state_ops_.save_tokens;
       ++turn_switches_;
     }
+    if (me.saved_key != 0 && !conversations_.holds(me.saved_key)) {
+      // Its save is gone (the step that carried it failed: a gpu_worker lost): the next step
+      // rebuilds its sequence from a reset (was "conversation cache: no entry", serve_fault_test).
+      cache_.clear();
+      position_ = 0;
+      rewind_pending_ = false;
+      reset_pending_ = true;
+      me.saved_key = 0;
+      ++lost_saves_;
+    }
     if (me.saved_key != 0) {
       state_ops_.load = me.saved_key;
       cache_ = conversations_.take(me.saved_key);
@@ -763,7 +774,9 @@ class Coordinator final : public generate::Coordinator::Service {
                            (token_only_ && logit_rows > static_cast<int64_t>(group::kMaxTokenRows))))
       throw std::logic_error("coordinator: a verify window of " + std::to_string(n) + " rows with " +
                              std::to_string(logit_rows) + " logit rows is not a step it can issue");
-    if (reset) {
+    if (reset || reset_pending_) {   // reset_pending_: enter_turn found the request's save gone
+      reset = true;
+      reset_pending_ = false;
       position_ = 0;
       rewind_pending_ = false;
     }
@@ -911,6 +924,7 @@ class Coordinator final : public generate::Coordinator::Service {
   // The previous verify step rejected drafts: the gpu_worker caches positions past position_,
   // which the next step drops (StepHeader::rewind).
   bool rewind_pending_ = false;
+  bool reset_pending_ = false;   // the next step resets the sequence (a waiting request's save was lost)
   bool recurrent_ = false;           // the model has recurrent layers: rewinds go to a snapshot
   bool mtp_ = false;                 // speculation drafts with the model's MTP head (--speculate-mtp)
   bool mtp_request_ = false;         // ... for the request in its turn: its steps carry StepHeader::mtp
@@ -930,6 +944,7 @@ class Coordinator final : public generate::Coordinator::Service {
   std::unordered_map<uint64_t, Running*> running_;   // admitted requests, touched in a turn only
   uint64_t live_owner_ = 0;   // the running request whose sequence the gpu_worker holds (0: none)
   std::atomic<uint64_t> next_request_id_{0}, turn_switches_{0};
+  std::atomic<uint64_t> lost_saves_{0};   // waiting requests rebuilt from a reset: their save was lost
   std::ofstream logits_dump_;
   std::unique_ptr<group::BatchStepper> stepper_;   // --batch-decode
   int step_slot_ = 0;   // the slot run_steps' steps run on (a batched request's prefill)

@@ -76,10 +76,14 @@ LaunchedGroup::~LaunchedGroup() {
 
 void LaunchedGroup::stop() {
   if (pid_ <= 0) return;
-  const pid_t stopper = spawn(o_, {o_.supervisor, "stop", "--socket-dir", o_.socket_dir});
-  wait_exit(stopper, std::chrono::seconds(60));
+  // SIGTERM to the pid it knows, as `moraine-supervisor stop` sends it to the one in
+  // supervisor.pid: with that file gone (a /tmp cleaner, a removed socket dir) the stop
+  // command failed, the supervisor was SIGKILLed 60 s later and its group left running
+  // (serve_fault_test's StopWithoutThePidFileLeavesNothing).
+  kill(pid_, SIGTERM);
   if (!wait_exit(pid_, std::chrono::seconds(60))) {
-    kill(pid_, SIGKILL);
+    // Its own process group holds its children too (until they are in another, as after a crash).
+    kill(o_.own_process_group ? -pid_ : pid_, SIGKILL);
     wait_exit(pid_, std::chrono::seconds(10));
   }
   pid_ = -1;

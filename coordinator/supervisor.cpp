@@ -11,6 +11,7 @@
 //   moraine-supervisor stop [--socket-dir DIR]
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -93,6 +94,7 @@ std::string find_binary(const Options& o, const std::string& name, const char* s
 }
 
 pid_t spawn(const Child& c, const std::string& log_dir) {
+  const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed for " + c.name);
   if (pid == 0) {
@@ -108,6 +110,10 @@ pid_t spawn(const Child& c, const std::string& log_dir) {
     // Restore default signal handling: the supervisor's handlers do not belong to the child.
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
+    // A supervisor SIGKILLed cannot stop its group: each process gets SIGTERM then (and stops as
+    // on `stop`); before, the whole group ran on, orphaned (ServeFaults.SupervisorKilled...).
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);   // it died before the prctl
     if (!c.cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);

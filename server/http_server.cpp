@@ -115,8 +115,14 @@ ApiError error_of(const grpc::Status& st, const std::string& input) {
   switch (st.error_code()) {
     case grpc::StatusCode::INVALID_ARGUMENT: return ApiError(400, st.error_message());
     case grpc::StatusCode::OUT_OF_RANGE: return ApiError(400, st.error_message(), input, {}, "context_length_exceeded");
-    case grpc::StatusCode::UNAVAILABLE:
-      return ApiError(503, "the model group is not reachable or is stopping (" + st.error_message() + ")");
+    case grpc::StatusCode::UNAVAILABLE: {
+      // The front end's one peer is the coordinator: its socket refused or closed means that it
+      // stopped, died or is restarting with the group (the supervisor restarts it).
+      ApiError e(503, "the coordinator is not reachable: it stopped, died or is restarting (" + st.error_message() + "); retry it",
+                 {}, {}, "service_unavailable");
+      e.retry_after_s = 1;
+      return e;
+    }
     case grpc::StatusCode::CANCELLED: return ApiError(499, "the request was cancelled");
     case grpc::StatusCode::DEADLINE_EXCEEDED: return ApiError(503, "the model group did not answer in time");
     default:
@@ -129,6 +135,7 @@ ApiError error_of(const grpc::Status& st, const std::string& input) {
 
 // One Generate call: the context that cancels it and its stream of chunks.
 struct Call {
+  std::shared_ptr<generate::Coordinator::Stub> stub;   // its channel outlives the call
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReader<generate::GenerateChunk>> reader;
   bool finished = false;
@@ -322,9 +329,29 @@ void HttpServer::drain_and_stop(std::chrono::milliseconds deadline) {
   http_->stop();
 }
 
+std::shared_ptr<generate::Coordinator::Stub> HttpServer::coordinator() {
+  std::lock_guard l(stub_mu_);
+  return stub_;
+}
+
+// A channel of its own (not sharing gRPC's global subchannel), reconnecting within 0.1-1 s: after
+// the coordinator's restart the old channel's connection attempts timed out waiting for the
+// server's SETTINGS for ~8 s, while a new client connected at once (serve_fault_test; a restart
+// takes ~0.3 s here). At most one new channel each 200 ms, whatever the number of failed calls.
+void HttpServer::coordinator_unreachable() {
+  std::lock_guard l(stub_mu_);
+  if (stub_ && Clock::now() - stub_made_ < std::chrono::milliseconds(200)) return;
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  stub_ = generate::Coordinator::NewStub(grpc::CreateCustomChannel(
+      group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials(), args));
+  stub_made_ = Clock::now();
+}
+
 void HttpServer::routes() {
-  stub_ = generate::Coordinator::NewStub(grpc::CreateChannel(
-      group::control_address(o_.socket_dir, group::kCoordinatorInstance), grpc::InsecureChannelCredentials()));
+  coordinator_unreachable();   // the first stub
 
   // Before the body is read: a refused request costs no more than its headers.
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
@@ -471,12 +498,14 @@ void HttpServer::generate(const httplib::Request& req, const std::string& body, 
   if (admitted == Admission::Result::kDraining) return answer_error(ApiError(503, "the server is stopping"));
   x->slot = std::shared_ptr<void>(nullptr, [this](void*) { admission_.leave(); });
   x->call = std::make_shared<Call>();
-  x->call->reader = stub_->Generate(&x->call->ctx, x->api.generate);
+  x->call->stub = coordinator();
+  x->call->reader = x->call->stub->Generate(&x->call->ctx, x->api.generate);
   // The first chunk comes after the prefill: an error before it (the context, a bad field the
   // coordinator found) is still an HTTP status, streaming or not.
   auto first = std::make_shared<generate::GenerateChunk>();
   if (!x->call->reader->Read(first.get())) {
     const grpc::Status st = x->call->finish();
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) coordinator_unreachable();
     return answer_error(st.ok() ? ApiError(503, "the coordinator ended the request without an answer") : error_of(st, x->input));
   }
   x->id = random_id(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
@@ -511,6 +540,7 @@ void HttpServer::answer_whole(Exchange& x, generate::GenerateChunk& chunk, Conne
     }
   }
   const grpc::Status st = x.call->finish();
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) coordinator_unreachable();
   if (!st.ok() || !error.empty()) {
     const ApiError e = error_of(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, error) : st, x.input);
     send_error(res, e);
@@ -554,6 +584,7 @@ bool HttpServer::stream(Exchange& x, generate::GenerateChunk& chunk, httplib::Da
     return false;
   }
   const grpc::Status st = x.call->finish();
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) coordinator_unreachable();
   if (!st.ok() || !error.empty()) {
     event(error_of(st.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, error) : st, x.input).body());
     metrics_.request_done(x.name, 503);

@@ -8,6 +8,7 @@
 // its next step).
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -96,8 +97,13 @@ class HttpServer {
   void refuse_connection(const httplib::Request& req, httplib::Response& res);   // 429: over --max-connections
   void answer_whole(Exchange& x, generate::GenerateChunk& chunk, ConnectionWatch& client, httplib::Response& res);
   bool stream(Exchange& x, generate::GenerateChunk& chunk, httplib::DataSink& sink);
+  // The coordinator's stub, and a fresh one (own channel) after a call found it unreachable.
+  std::shared_ptr<generate::Coordinator::Stub> coordinator();
+  void coordinator_unreachable();
   HttpOptions o_;
-  std::unique_ptr<generate::Coordinator::Stub> stub_;
+  std::mutex stub_mu_;
+  std::shared_ptr<generate::Coordinator::Stub> stub_;
+  std::chrono::steady_clock::time_point stub_made_{};
   std::unique_ptr<httplib::Server> http_;
   std::atomic<bool> ready_{false}, draining_{false};
   // cpp-httplib 0.11's stop() does nothing until listen_after_bind has marked the server running,

@@ -1,19 +1,16 @@
 // `moraine serve` end to end on a small test model (CPU backend): the official openai npm client
 // (openai_client_test.cjs), malformed requests answered with the right status and OpenAI's error
-// JSON, a client that disconnects cancelling its request, a bounded load test (64 clients), and
-// SIGTERM stopping every process and removing the shared memory. One server for the suite.
+// JSON, a client that disconnects cancelling its request, and SIGTERM stopping every process and
+// removing the shared memory. One server for the suite. (Load: serve_load_test; faults of every
+// process: serve_fault_test.)
 #include <httplib.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <map>
-#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -26,6 +23,7 @@
 #include "coordinator/process_util.h"
 #include "proto/control.grpc.pb.h"
 #include "tests/group/group_harness.h"
+#include "tests/server/serve_process.h"
 
 namespace moraine::server_test {
 namespace {
@@ -33,26 +31,13 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using group_test::shell_quote;
+using serve_test::launch_serve;
+using serve_test::ServeProcess;
 const fs::path kBuild = MORAINE_BUILD_DIR;
 const fs::path kSource = MORAINE_SOURCE_DIR;
 const std::string kKey = "test-key-123";
 
-struct ServeProcess {
-  std::string dir, model, socket_dir, log;
-  pid_t pid = -1;
-  int port = 0;
-  std::string model_id;
-  std::vector<int> health_while_loading;   // /health statuses seen before "listening on"
-};
-
 ServeProcess* g_serve = nullptr;
-
-int64_t rss_kib(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
-  return -1;
-}
 
 httplib::Client client() {
   httplib::Client c("127.0.0.1", g_serve->port);
@@ -101,49 +86,14 @@ constexpr int kParallel = 4;   // the suite's serve --parallel
 // Starts `moraine serve` on `model` (the suite's options) and waits for "listening on".
 void start_serve(ServeProcess& s, const std::string& dir, const std::string& model, int ctx = 256,
                  const std::vector<std::string>& extra = {}) {
-  s.dir = dir;
-  s.model = model;
-  s.model_id = fs::path(s.model).stem().string();
-  s.socket_dir = s.dir + "/sock";
-  s.log = s.dir + "/serve.log";
   std::vector<std::string> args = {
-      (kBuild / "coordinator" / "moraine").string(), "serve", "-m", s.model, "--port", "0", "--api-key", kKey,
-      "--ctx", std::to_string(ctx), "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144", "--socket-dir", s.socket_dir,
+      "--api-key", kKey, "--ctx", std::to_string(ctx), "--max-tokens", "64", "--cpu-workers", "2", "--max-body", "262144",
       // kParallel running (taking turns on the gpu_worker) + 20 queued: the client's 16
-      // concurrent requests fit, the load test's 64 do not.
+      // concurrent requests fit.
       "--parallel", std::to_string(kParallel), "--queue", "20",
       "--supervisor-arg=--gpu-threads=1", "--supervisor-arg=--no-census"};
   args.insert(args.end(), extra.begin(), extra.end());
-  s.pid = fork();
-  if (s.pid == 0) {
-    const int fd = ::open(s.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  // Ready when it logs the line a user waits for; before that, /health on the port it loads on.
-  const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
-  const std::regex loading("http://127\\.0\\.0\\.1:([0-9]+)/health answers 503");
-  for (int i = 0; i < 1200 && s.port == 0; ++i) {
-    std::ifstream in(s.log);
-    const std::string text((std::istreambuf_iterator<char>(in)), {});
-    std::smatch m;
-    if (std::regex_search(text, m, listening)) {
-      s.port = std::stoi(m[1]);
-    } else if (std::regex_search(text, m, loading)) {
-      httplib::Client c("127.0.0.1", std::stoi(m[1]));
-      if (const auto h = c.Get("/health")) s.health_while_loading.push_back(h->status);
-    }
-    if (s.port == 0) {
-      int st = 0;
-      if (waitpid(s.pid, &st, WNOHANG) == s.pid) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
+  launch_serve(s, dir, model, args);
 }
 
 class ServeTest : public ::testing::Test {
@@ -384,60 +334,6 @@ TEST_F(ServeTest, AQueuedClientThatLeavesLeavesTheQueue) {
   for (const Answer& a : first) EXPECT_EQ(a.status, 200) << a.body.dump();
   EXPECT_EQ(gone_after, gone_before + 1) << "the queued request was not dropped when its client left";
 }
-
-TEST_F(ServeTest, LoadOf64ClientsHasNoErrorsAndBoundedMemory) {
-  const int64_t rss_before = rss_kib(g_serve->pid);
-  ASSERT_GT(rss_before, 0);
-  std::atomic<bool> stop{false};
-  std::mutex mu;
-  std::map<int, int> statuses;
-  json refusal;
-  std::string retry_after;
-  std::vector<std::thread> clients;
-  for (int i = 0; i < 64; ++i) {
-    clients.emplace_back([&, i] {
-      httplib::Client c = client();
-      for (int k = 0; !stop; ++k) {
-        json j = chat("load " + std::to_string(i) + " " + std::to_string(k), 2);
-        j["stream"] = (k + i) % 2 == 0;
-        const auto r = c.Post("/v1/chat/completions", j.dump(), "application/json");
-        {
-          std::lock_guard l(mu);
-          ++statuses[r ? r->status : -100 - static_cast<int>(r.error())];
-          if (r && r->status == 429 && refusal.is_null()) {
-            refusal = json::parse(r->body, nullptr, false);
-            retry_after = r->get_header_value("Retry-After");
-          }
-        }
-        if (r && r->status == 429) std::this_thread::sleep_for(std::chrono::milliseconds(20));   // a client backs off
-      }
-    });
-  }
-  std::this_thread::sleep_for(std::chrono::seconds(20));
-  stop = true;
-  for (std::thread& t : clients) t.join();
-  const int64_t rss_after = rss_kib(g_serve->pid);
-  int ok = 0;
-  for (const auto& [st, n] : statuses) {
-    std::printf("load: status %d x %d\n", st, n);
-    // A status of -100 - E: no answer, httplib::Error E.
-    EXPECT_TRUE(st == 200 || st == 429) << "status " << st << " x " << n;
-    if (st == 200) ok = n;
-  }
-  EXPECT_GT(ok, 64);
-  // 64 clients against 1 running + 20 queued: some are refused, in OpenAI's shape.
-  EXPECT_GT(statuses[429], 0);
-  if (!refusal.is_null()) {
-    EXPECT_EQ(refusal["error"]["type"], "rate_limit_error") << refusal.dump();
-    EXPECT_NE(refusal["error"]["message"].get<std::string>().find("busy"), std::string::npos) << refusal.dump();
-    EXPECT_EQ(retry_after, "1") << refusal.dump();
-  }
-  std::printf("load: server RSS %lld KiB before, %lld KiB after\n", static_cast<long long>(rss_before),
-              static_cast<long long>(rss_after));
-  EXPECT_LT(rss_after, rss_before + 64 * 1024) << "the server's memory grew by more than 64 MiB under load";
-  EXPECT_EQ(post("/v1/chat/completions", chat("after the load")).status, 200);
-}
-
 
 // A cpu_expert_worker killed while a request decodes: the supervisor restarts it, the
 // coordinator replays the sequence, and the request completes with all its tokens (or, if the
