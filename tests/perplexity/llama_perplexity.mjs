@@ -7,8 +7,7 @@
 // each from an empty cache, positions ctx/2 .. ctx-2 scored against the next token.
 // Run as `node tests/perplexity/llama_perplexity.mjs JOB.json` in .cache/oracle. JOB.json is
 // {"text": PATH, "ctx": N, "files": [GGUF, ...], "pairs": [[model, base], ...]} (indices into
-// files); a file may be {"path": GGUF, "batch": B} to evaluate in batches of B tokens (B = 1:
-// llama.cpp's one-token path, another float order than a whole chunk's batch). F32 KV cache, no flash attention (as the other oracle scripts: the F16 cache alone
+// files). F32 KV cache, no flash attention (as the other oracle scripts: the F16 cache alone
 // moves these models' logits by ~7e-3). Prints JSON {"files": [{n_tokens, n_chunks, count, ppl,
 // ppl_error, max_abs_logit (over the scored rows)}], "pairs": [{ppl, base_ppl, delta_ppl, delta_ppl_error, kl, kl_error, top1,
 // top1_error}]} or {"error": text}.
@@ -44,11 +43,10 @@ function argmax(row) {
 }
 
 // Every scored row's log-probabilities and the token it predicts, for one file.
-async function scoredRows(llama, spec) {
-  const {path, batch} = typeof spec === "string" ? {path: spec, batch: job.ctx} : spec;
+async function scoredRows(llama, path) {
   const model = await llama.loadModel({modelPath: path});
   const ctx = await model.createContext({
-    contextSize: job.ctx, batchSize: batch, threads: 2, flashAttention: false,
+    contextSize: job.ctx, batchSize: job.ctx, threads: 2, flashAttention: false,
     experimentalKvCacheKeyType: "F32", experimentalKvCacheValueType: "F32",
   });
   let tokens = model.tokenize(text, false);
