@@ -40,6 +40,7 @@ struct Options {
   int ctx = 512;      // llama-perplexity's default -c
   int chunks = 0;     // 0: every whole chunk of the text
   int threads = 0;
+  uint64_t dot_order = 0;   // ExecutorOptions::dot_order: 0, the kernels' own float order
 };
 
 // Rows of logits asked of the executor at once: bounds the memory of a chunk's scored half
@@ -60,8 +61,8 @@ std::string read_text(const std::string& path) {
 // the scored rows a batch at a time.
 class ChunkEvaluator {
  public:
-  ChunkEvaluator(const std::string& path, int threads)
-      : model_(moraine::model::Model::load(path)), exec_(model_, {threads}) {}
+  ChunkEvaluator(const std::string& path, const Options& o)
+      : model_(moraine::model::Model::load(path)), exec_(model_, executor_options(o)) {}
   const moraine::model::Model& model() const { return model_; }
   int64_t n_vocab() const { return exec_.n_vocab(); }
 
@@ -73,6 +74,12 @@ class ChunkEvaluator {
   std::vector<float> rows(std::span<const int32_t> tokens) { return exec_.forward(tokens, true); }
 
  private:
+  static moraine::reference::ExecutorOptions executor_options(const Options& o) {
+    moraine::reference::ExecutorOptions e;
+    e.n_threads = o.threads;
+    e.dot_order = o.dot_order;
+    return e;
+  }
   moraine::model::Model model_;
   moraine::reference::ReferenceExecutor exec_;
 };
@@ -124,10 +131,10 @@ void print_mean(const char* label, MeanAndError m, const char* format) {
 }
 
 int run(const Options& o) {
-  ChunkEvaluator model(o.model, o.threads);
+  ChunkEvaluator model(o.model, o);
   std::unique_ptr<ChunkEvaluator> base;
   if (!o.kl_base.empty()) {
-    base = std::make_unique<ChunkEvaluator>(o.kl_base, o.threads);
+    base = std::make_unique<ChunkEvaluator>(o.kl_base, o);
     if (base->n_vocab() != model.n_vocab())
       throw std::runtime_error(o.kl_base + ": a vocabulary of " + std::to_string(base->n_vocab()) + " tokens, " +
                                o.model + " has " + std::to_string(model.n_vocab()));
@@ -193,6 +200,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(4, 1 << 24));
   app.add_option("--chunks", o.chunks, "score at most this many chunks (0 = all)")->check(CLI::NonNegativeNumber);
   app.add_option("-t,--threads", o.threads, "worker threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  // How far another valid float order alone moves the numbers: the scale below which two correct
+  // engines cannot be told apart (docs/perf-log.md, session 24: 0.01-0.1% on the quantized files).
+  app.add_option("--dot-order", o.dot_order,
+                 "float order of every dot (0 = the kernels' own; another seed: another valid order, "
+                 "common/reference/matmul.h)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

@@ -3,23 +3,24 @@
 // Q8_0 the rest) over tests/perplexity/glaciers.txt, against llama.cpp on the same files:
 // tests/perplexity/llama_perplexity.mjs computes the perplexity from node-llama-cpp's full logits
 // (its own chunking, tokenization and arithmetic), and llama.cpp's own llama-perplexity is run
-// where tests/oracle/build-llama-perplexity built it (skipped otherwise).
+// where tests/oracle/build-llama-perplexity built it (deploy/test does; skipped otherwise), on
+// the F32 file and, within either engine's own float-order spread, on the quantized one.
 //
 // How close the numbers must be follows from how close the engines' logits are. On F32 weights
 // they differ in float order only: within kFloatBound of max |logit| (tests/reference/
 // float_order_bound.h; measured here ~4e-6 absolute), so each token's nll = logsumexp - z[t]
 // moves by at most twice that and the perplexity by a factor exp(2 d) at most. Measured
 // (2026-12-03): llama-perplexity prints 5180.7927 +/- 403.40858, this tool 5180.7927 +/-
-// 403.40859. The quantized file is compared only with itself and with F32: its Q8_0 activations
-// cross rounding edges where two float orders differ by an ulp (llama.cpp's logits part from ours
-// by up to 1.25 from the third token of the second chunk on, and the reference alone, under other
-// dot orders, by 0.6% of max |logit| on that chunk: moraine-float-order-gap), so llama.cpp's
-// 5220.4794 and our 5223.8316 differ by such edges, not by the method. A file against itself
+// 403.40859. The quantized file's Q8_0 activations cross rounding edges where two float orders
+// differ by an ulp (the reference alone, under other dot orders, moves by 0.6% of max |logit| on
+// one chunk: moraine-float-order-gap), so against llama.cpp its perplexity must agree within how
+// far either engine moves under another float order of its own (the last case). A file against itself
 // must give a KL of exactly 0 and 100% top-1 agreement; Q4_K against F32 a KL above 0. Bad input
 // must get an error naming it.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +28,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/reference/float_order_bound.h"
@@ -196,24 +198,86 @@ TEST(MorainePerplexity, AFileAgainstItselfHasNoDivergence) {
   EXPECT_EQ(printed(out, "Final estimate: PPL").first.value, printed(f.out_q4k_vs_f32, "Final estimate: PPL").first.value);
 }
 
-// llama.cpp's own tool, where tests/oracle/build-llama-perplexity built it: its default run (an
-// F16 KV cache) rounds the cache, so it runs with an F32 cache and without flash attention as the
-// node oracle does, a chunk per batch.
+// llama.cpp's own tool: MORAINE_LLAMA_PERPLEXITY, or where tests/oracle/build-llama-perplexity
+// puts it (deploy/test builds it; skipped where neither is there).
+fs::path llama_perplexity_bin() {
+  const char* env = std::getenv("MORAINE_LLAMA_PERPLEXITY");
+  return env && *env ? fs::path(env) : kOracle / "llama-perplexity" / "llama-perplexity";
+}
+
+// llama-perplexity's PPL and error on one file. Its default run (an F16 KV cache) rounds the
+// cache, so it runs with an F32 cache and without flash attention as the node oracle does, a
+// chunk per batch. Its logger can drop its last lines at exit (exit status 0, seen 3 times in ~40
+// runs on the dev box): a run without the final line is run again, up to 3 times.
+std::pair<double, double> llama_perplexity(const fs::path& bin, const std::string& model, const std::string& extra) {
+  const std::string cmd = test_support::quoted(bin) + " -m " + test_support::quoted(model) + " -f " + test_support::quoted(kText) +
+                          " -c " + std::to_string(kCtx) + " -b " + std::to_string(kCtx) + " -ctk f32 -ctv f32 -fa off -t 2 " + extra;
+  std::string out;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    int rc = 0;
+    std::tie(rc, out) = run_command(cmd);
+    EXPECT_EQ(rc, 0) << out;
+    if (rc != 0) return {NAN, NAN};
+    std::smatch m;
+    if (std::regex_search(out, m, std::regex(R"(Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+))"))) {
+      // ggml's AMX int8 path computes in another order (0.025 of max |logit| on a Q8_0 oracle
+      // file, session 23): tests/oracle/setup keeps it out; a run that used it compares nothing.
+      EXPECT_EQ(out.find("AMX"), std::string::npos) << "llama-perplexity used AMX:\n" << out;
+      std::printf("llama-perplexity %s%s: PPL = %s +/- %s\n", fs::path(model).filename().c_str(), extra.empty() ? "" : (" " + extra).c_str(),
+                  m[1].str().c_str(), m[2].str().c_str());
+      return {std::stod(m[1]), std::stod(m[2])};
+    }
+  }
+  ADD_FAILURE() << "no final estimate from llama-perplexity in 3 runs:\n" << out;
+  return {NAN, NAN};
+}
+
 TEST(MorainePerplexity, AgreesWithLlamaPerplexity) {
-  const fs::path bin = kOracle / "llama-perplexity" / "llama-perplexity";
+  const fs::path bin = llama_perplexity_bin();
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built (tests/oracle/build-llama-perplexity)";
   const Fixture& f = fixture();
   ASSERT_TRUE(f.error.empty()) << f.error;
-  const auto [rc, out] = run_command(test_support::quoted(bin) + " -m " + test_support::quoted(f.f32) + " -f " + test_support::quoted(kText) + " -c " +
-                                     std::to_string(kCtx) + " -b " + std::to_string(kCtx) +
-                                     " -ctk f32 -ctv f32 -fa off -t 2");
-  ASSERT_EQ(rc, 0) << out;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+))"))) << out;
-  std::printf("llama-perplexity: PPL = %s +/- %s\n", m[1].str().c_str(), m[2].str().c_str());
+  const auto [ppl, error] = llama_perplexity(bin, f.f32, "");
+  ASSERT_FALSE(std::isnan(ppl));
   const json& want = f.oracle["files"][0];
-  expect_within_float_bound(printed(f.out_f32, "Final estimate: PPL"), std::stod(m[1]), std::stod(m[2]),
-                            want["max_abs_logit"], want["count"], "F32 vs llama-perplexity");
+  expect_within_float_bound(printed(f.out_f32, "Final estimate: PPL"), ppl, error, want["max_abs_logit"], want["count"],
+                            "F32 vs llama-perplexity");
+}
+
+// The quantized file: its activations are re-quantized at every matmul, so a one-ulp difference
+// of float order can move a code, and no engine reproduces another's last digit; each engine's
+// own spread says how far float order alone moves it: moraine under other valid orders
+// (--dot-order 1..4) and llama.cpp in its other matmul path (--no-repack: its vec_dot kernels
+// instead of the interleaved weights' GEMM). The gap between the two default runs must be within
+// the larger spread (plus half a unit of the fourth decimal printed): more would be a difference
+// of method, not of order. Measured (2026-12-04, AVX-512 host, no AMX): moraine 5222.6708 (orders
+// 1..3: 5224.0784, 5223.0941, 5224.2075), llama-perplexity 5220.2955, --no-repack 5223.0918. With
+// the AMX variant loaded, llama.cpp's numbers had moved further (README's table before session 24).
+TEST(MorainePerplexity, QuantizedAgreesWithLlamaPerplexityWithinEitherEnginesOwnSpread) {
+  const fs::path bin = llama_perplexity_bin();
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built (tests/oracle/build-llama-perplexity)";
+  const Fixture& f = fixture();
+  ASSERT_TRUE(f.error.empty()) << f.error;
+  const double ours = printed(f.out_q4k_vs_f32, "Final estimate: PPL").first.value;
+  ASSERT_FALSE(std::isnan(ours)) << f.out_q4k_vs_f32;
+  double our_spread = 0;
+  for (int order = 1; order <= 4; ++order) {
+    const auto [rc, out] = run_command(test_support::quoted(kTools / "moraine-perplexity") + " -f " + test_support::quoted(kText) +
+                                       " -c " + std::to_string(kCtx) + " -t 2 -m " + test_support::quoted(f.q4k) +
+                                       " --dot-order " + std::to_string(order) + " 2>/dev/null");
+    ASSERT_EQ(rc, 0) << out;
+    const double v = printed(out, "Final estimate: PPL").first.value;
+    ASSERT_FALSE(std::isnan(v)) << out;
+    std::printf("moraine-perplexity q4k --dot-order %d: PPL = %.4f\n", order, v);
+    our_spread = std::max(our_spread, std::abs(v - ours));
+  }
+  const double theirs = llama_perplexity(bin, f.q4k, "").first;
+  const double theirs_other_path = llama_perplexity(bin, f.q4k, "--no-repack").first;
+  ASSERT_FALSE(std::isnan(theirs) || std::isnan(theirs_other_path));
+  const double their_spread = std::abs(theirs_other_path - theirs);
+  std::printf("Q4_K: moraine %.4f (spread %.4f), llama.cpp %.4f (spread %.4f)\n", ours, our_spread, theirs, their_spread);
+  EXPECT_LE(std::abs(ours - theirs), std::max(our_spread, their_spread) + 5e-5)
+      << "moraine " << ours << " vs llama.cpp " << theirs << ": more apart than either engine under another float order";
 }
 
 TEST(MorainePerplexity, RefusesBadInputNamingIt) {
