@@ -198,6 +198,14 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   }
 
   log_device_memory("weights");
+  if (slots_ > 1) {   // what the placement charged per slot (coordinator --batch-decode), said where it is held
+    uint64_t per_slot = 0;
+    for (const DevLayer& L : layers_)
+      per_slot += (L.k_cache.empty() ? 0 : 2 * L.k_cache[0].bytes()) + (L.k_cache_f16.empty() ? 0 : 2 * L.k_cache_f16[0].bytes()) +
+                  (L.conv_state.empty() ? 0 : L.conv_state[0].bytes() + L.ssm_state[0].bytes());
+    std::cerr << "gpu_worker: " << slots_ << " sequence slots, each its own KV cache and recurrent state: " << (per_slot >> 20)
+              << " MiB a slot, " << ((per_slot * static_cast<uint64_t>(slots_)) >> 20) << " MiB in all\n";
+  }
   // The step scratch (the expert path decides which buffers it has).
   choose_expert_paths();
   scratch_ = cuda_step_scratch(hp, scratch_options());
