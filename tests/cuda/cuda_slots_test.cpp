@@ -233,7 +233,12 @@ class SlotsFixture {
 void run_schedule(const model::Model& m, const Case& c, bool split) {
   const int V = static_cast<int>(m.hp.n_vocab);
   SlotsFixture f(m, c.kv, split);
-  const Drive whole = split ? Drive::kSplit : Drive::kLayers, fast = split ? Drive::kHandoff : Drive::kGraph;
+  // The hand-off step computes the device's experts with moe_fused only (F32 experts: layer by layer).
+  const bool handoff = split && f.batched().handoff_supported(1);
+  const Drive whole = split ? Drive::kSplit : Drive::kLayers;
+  const Drive fast = !split ? Drive::kGraph : handoff ? Drive::kHandoff : Drive::kSplit;
+  std::printf("[ slots ] %s: %s\n", c.name.c_str(),
+              !split ? "graph and layer by layer" : handoff ? "split and hand-off" : "split only (no hand-off for these experts)");
   f.step({{0, toks(1, 7, V)}, {1, toks(2, 3, V)}}, whole);                         // two prefills
   f.step({{0, toks(3, 1, V)}, {1, toks(4, 1, V)}, {2, toks(5, 9, V)}}, fast);        // decode rows and a new prefill
   for (int i = 0; i < 4; ++i)   // decode rows of three slots, the same layout replayed at new positions
@@ -284,12 +289,7 @@ class CudaSlots : public ::testing::TestWithParam<Case> {
 
 TEST_P(CudaSlots, SegmentsEqualEachSlotAlone) { run_schedule(*model_, GetParam(), false); }
 
-TEST_P(CudaSlots, SplitSegmentsEqualEachSlotAlone) {
-  // The hand-off step computes the device's experts with moe_fused only (F32 experts: layer by layer).
-  SlotsFixture probe(*model_, GetParam().kv, true);
-  if (!probe.batched().handoff_supported(1)) GTEST_SKIP() << "no in-graph hand-off for these experts";
-  run_schedule(*model_, GetParam(), true);
-}
+TEST_P(CudaSlots, SplitSegmentsEqualEachSlotAlone) { run_schedule(*model_, GetParam(), true); }
 
 // A step past gemm_prefill_rows: the projections shared by all rows go through cuBLAS, which the
 // decode rows alone do not take (see the header): the gap is measured and printed, the tokens held.
