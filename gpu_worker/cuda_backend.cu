@@ -35,6 +35,12 @@ CudaBackend::~CudaBackend() {
   }
   if (take_done_ != nullptr) cudaEventDestroy(take_done_);
   for (void* p : pinned_) cudaHostUnregister(p);
+  for (cudaStream_t s : segment_streams_) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  for (cudaEvent_t e : join_) cudaEventDestroy(e);
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
   if (routed_ != nullptr) cudaEventDestroy(routed_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }

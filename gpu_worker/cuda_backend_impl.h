@@ -398,6 +398,11 @@ class CudaBackend final : public Backend {
   };
   const std::vector<MixSegment>& mix_segments();
   std::vector<MixSegment> mix_;
+  // BackendOptions::segment_streams: side streams a batched step's attention segments fork onto
+  // (fork_ recorded on stream_, join_[i] after segment i), none when 0 or one slot.
+  std::vector<cudaStream_t> segment_streams_;
+  cudaEvent_t fork_ = nullptr;
+  std::vector<cudaEvent_t> join_;
   // The rows logits() reads: the step's last rows, or (segmented) each segment's last logit_rows
   // rows, gathered into y_ (enqueue_gather_logit_rows) before the head runs over them.
   void enqueue_gather_logit_rows();

@@ -250,8 +250,9 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   };
   // Each segment's rows against its slot's cache, at its position (pos_dev_ word g.word): the
   // kernels a step of only its rows takes, so its bits are those of the sequence run alone.
-  // Returns whether its rows of act_ hold attn_'s q8_0 rows.
-  const auto attend_segment = [&](const MixSegment& g) -> bool {
+  // Returns whether its rows of act_ hold attn_'s q8_0 rows. On stream st, with the split-KV
+  // records at sc (sc_floats of them).
+  const auto attend_segment = [&](const MixSegment& g, cudaStream_t st, float* sc, int64_t sc_floats) -> bool {
     const int64_t rows_n = g.rows, f = g.first;
     const size_t slot = static_cast<size_t>(g.slot);
     const int32_t* pos = pos_dev_.get() + g.word;
@@ -300,11 +301,11 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
     const bool norms = a.q_norm != nullptr && a.k_norm != nullptr;   // the fused kernel normalises (gpt-oss has none)
     if (rows_n == 1 && !tiled && norms && cuda::attention_decode_fused_qk_supported(a, shape)) {
       cuda::attention_decode_fused_qk(a, shape, seg_gate, row_stride, q_stride, out,
-                                      quantize_out ? static_cast<void*>(out_q8) : nullptr, attn_scratch_.get(), scratch,
-                                      stream_);
+                                      quantize_out ? static_cast<void*>(out_q8) : nullptr, sc, sc_floats,
+                                      st);
       return quantize_out;
     }
-    cuda::qk_norm_rope_store(a, stream_);
+    cuda::qk_norm_rope_store(a, st);
     bool quantized = false;
     const float* q = a.q_out;
     // The cache's element type picks the kernels' overload (float or __half caches, same choice).
@@ -317,28 +318,28 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
           const float* gr = seg_gate != nullptr ? seg_gate + r0 * row_stride : nullptr;
           if (quantize_out) {
             cuda::attention_decode_quantized(shape, q + r0 * qd, kc, vc, rows, pos, r0, max_context_, gr, row_stride,
-                                             q_stride, out + r0 * qd, out_q8 + r0 * act_row, attn_scratch_.get(), scratch,
-                                             stream_);
+                                             q_stride, out + r0 * qd, out_q8 + r0 * act_row, sc, sc_floats,
+                                             st);
           } else {
             cuda::attention_decode(shape, q + r0 * qd, kc, vc, rows, pos, r0, max_context_, gr, row_stride, q_stride,
-                                   out + r0 * qd, attn_scratch_.get(), scratch, stream_);
+                                   out + r0 * qd, sc, sc_floats, st);
           }
         }
         quantized = quantize_out;
       } else if (rows_n <= kDecodeRows) {
         cuda::attention_at(shape, q, kc, vc, rows_n, pos, max_context_, seg_gate, row_stride, q_stride, out,
-                           attn_scratch_.get(), scratch, stream_);
+                           sc, sc_floats, st);
       } else if (!tiled) {
-        cuda::attention(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, attn_scratch_.get(), scratch,
-                        stream_);
+        cuda::attention(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, sc, sc_floats,
+                        st);
       } else {
         if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, __half>) {
           if (cuda::attention_prefill_tc_supports(shape, kc, vc)) {  // else the F32 kernel below
-            cuda::attention_prefill_tc(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, stream_);
+            cuda::attention_prefill_tc(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, st);
             return;
           }
         }
-        cuda::attention_prefill(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, stream_);
+        cuda::attention_prefill(shape, q, kc, vc, rows_n, g.pos, seg_gate, row_stride, q_stride, out, st);
       }
     };
     if (kv_f16_) attend(L.k_cache_f16[slot].get(), L.v_cache_f16[slot].get());
@@ -348,7 +349,28 @@ void CudaBackend::attention_block(DevLayer& L, int64_t n) {
   // act_ is read as q8_0 rows only when every segment's kernel wrote its rows there; else the o
   // projection quantizes attn_ itself (the same bytes).
   bool quantized = true;
-  for (const MixSegment& g : mix_segments()) quantized = attend_segment(g) && quantized;
+  const std::vector<MixSegment>& segs = mix_segments();
+  // Decode segments fork onto the side streams (BackendOptions::segment_streams), each with its
+  // own rows of the split-KV records (they are per row: attention_decode_scratch_floats), and join
+  // before the o projection. Same kernels and inputs: the same bits as in order.
+  const int64_t per_row = cuda::attention_decode_scratch_floats(shape, 1, max_context_);
+  bool fork = segmented_ && segs.size() > 1 && !segment_streams_.empty() && cuda::attention_decode_supported(shape) &&
+              n <= cuda::kAttentionDecodeMaxRows && n * per_row <= scratch;
+  for (const MixSegment& g : segs) fork = fork && !(tiled_prefill_rows_ > 0 && g.rows >= tiled_prefill_rows_);
+  if (!fork) {
+    for (const MixSegment& g : segs) quantized = attend_segment(g, stream_, attn_scratch_.get(), scratch) && quantized;
+    project_out(quantized);
+    return;
+  }
+  CUDA_CHECK(cudaEventRecord(fork_, stream_));
+  for (size_t i = 0; i < segs.size(); ++i) {
+    cudaStream_t st = segment_streams_[i % segment_streams_.size()];
+    CUDA_CHECK(cudaStreamWaitEvent(st, fork_, 0));
+    const MixSegment& g = segs[i];
+    quantized = attend_segment(g, st, attn_scratch_.get() + g.first * per_row, scratch - g.first * per_row) && quantized;
+    CUDA_CHECK(cudaEventRecord(join_[i], st));
+  }
+  for (size_t i = 0; i < segs.size(); ++i) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_[i], 0));
   project_out(quantized);
 }
 

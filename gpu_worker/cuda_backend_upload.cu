@@ -181,6 +181,17 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
                              "kernel's " + std::to_string(cuda::kAttentionMaxHeadDim));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
+  if (slots_ > 1 && o.segment_streams > 0) {
+    for (int i = 0; i < std::min(o.segment_streams, slots_); ++i) {
+      segment_streams_.emplace_back();
+      CUDA_CHECK(cudaStreamCreateWithFlags(&segment_streams_.back(), cudaStreamNonBlocking));
+    }
+    CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    for (int i = 0; i < slots_; ++i) {
+      join_.emplace_back();
+      CUDA_CHECK(cudaEventCreateWithFlags(&join_.back(), cudaEventDisableTiming));
+    }
+  }
   log_device_memory("context");
 
   std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));

@@ -95,8 +95,12 @@ enum class Drive { kLayers, kGraph, kSplit, kHandoff };
 
 class SlotsFixture {
  public:
-  SlotsFixture(const model::Model& m, model::KvType kv, bool split) : m_(m), split_(split), even_(even_experts(m)) {
+  // streams: the batched backend's BackendOptions::segment_streams (its attention segments forked
+  // onto side streams, or in order with 0).
+  SlotsFixture(const model::Model& m, model::KvType kv, bool split, int streams = gpu_worker::BackendOptions{}.segment_streams)
+      : m_(m), split_(split), even_(even_experts(m)) {
     gpu_worker::BackendOptions o;
+    o.segment_streams = streams;
     o.max_tokens = kMaxTokens;
     o.max_context = kContext;
     o.kv_type = kv;
@@ -230,9 +234,9 @@ class SlotsFixture {
 
 // The schedule of backend_slots_test's, driven through the graph and layer by layer (every
 // expert on the device) or layer_begin / layer_end and the hand-off (half of them off it).
-void run_schedule(const model::Model& m, const Case& c, bool split) {
+void run_schedule(const model::Model& m, const Case& c, bool split, int streams = gpu_worker::BackendOptions{}.segment_streams) {
   const int V = static_cast<int>(m.hp.n_vocab);
-  SlotsFixture f(m, c.kv, split);
+  SlotsFixture f(m, c.kv, split, streams);
   // The hand-off step computes the device's experts with moe_fused only (F32 experts: layer by layer).
   const bool handoff = split && f.batched().handoff_supported(1);
   const Drive whole = split ? Drive::kSplit : Drive::kLayers;
@@ -291,6 +295,10 @@ TEST_P(CudaSlots, SegmentsEqualEachSlotAlone) { run_schedule(*model_, GetParam()
 
 TEST_P(CudaSlots, SplitSegmentsEqualEachSlotAlone) { run_schedule(*model_, GetParam(), true); }
 
+// The same with the segments' attention in order on the step's stream (segment_streams 0).
+TEST_P(CudaSlots, SegmentsInOrderEqualEachSlotAlone) { run_schedule(*model_, GetParam(), false, 0); }
+TEST_P(CudaSlots, SplitSegmentsInOrderEqualEachSlotAlone) { run_schedule(*model_, GetParam(), true, 0); }
+
 // A step past gemm_prefill_rows: the projections shared by all rows go through cuBLAS, which the
 // decode rows alone do not take (see the header): the gap is measured and printed, the tokens held.
 TEST_P(CudaSlots, TwoDecodeRowsBesideALongPrefill) {
@@ -317,7 +325,7 @@ TEST_P(CudaSlots, ScratchIsTheListedBuffersWithSlots) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Files, CudaSlots, ::testing::ValuesIn(cases()),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& param_info) { return param_info.param.name; });
 
 // Bad segment lists are refused with the CPU backend's messages (backend_slots_test).
 TEST(CudaSlotsRefusals, BadSegmentsAreRefused) {

@@ -136,8 +136,8 @@ TEST_P(CudaBatch, ConcurrentGreedyRequestsGiveTheirSoloTokens) {
 INSTANTIATE_TEST_SUITE_P(Models, CudaBatch,
                          ::testing::Values(Case{"qwen3moe_k256", true}, Case{"qwen3next_k256", true},
                                            Case{"qwen3moe_k256", false}, Case{"qwen3next_k256", false}),
-                         [](const auto& info) {
-                           return std::string(info.param.model) + (info.param.vram_experts ? "_vram" : "_cpu_experts");
+                         [](const auto& param_info) {
+                           return std::string(param_info.param.model) + (param_info.param.vram_experts ? "_vram" : "_cpu_experts");
                          });
 
 }  // namespace
