@@ -86,6 +86,10 @@ void BatchStepper::decode(Row& row) {
       const size_t take = std::min(pending_.size(), kMaxRows);
       std::vector<Row*> rows(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(take));
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(take));
+      // In slot order: the same requests give the same segment layout step after step, which the
+      // CUDA backend replays as one captured graph (keyed by its segments) instead of capturing
+      // one per arrival order.
+      std::sort(rows.begin(), rows.end(), [](const Row* a, const Row* b) { return a->slot < b->slot; });
       busy_ = true;
       l.unlock();
       std::string error;

@@ -204,10 +204,10 @@ class Coordinator final : public generate::Coordinator::Service {
     man.vram_adapt_every = o.vram_adapt_every;
     man.step_channel = o.step_channel;
     if (o.batch_decode) {
-      if (o.backend != "cpu" || o.step_channel != "doorbell" || o.parallel > static_cast<int>(group::kMaxSegments))
-        throw std::invalid_argument("--batch-decode: the cpu backend, the doorbell step channel and --parallel 1.." +
-                                    std::to_string(group::kMaxSegments) + " (got --backend " + o.backend + ", --step-channel " +
-                                    o.step_channel + ", --parallel " + std::to_string(o.parallel) + ")");
+      if (o.step_channel != "doorbell" || o.parallel > static_cast<int>(group::kMaxSegments))
+        throw std::invalid_argument("--batch-decode: the doorbell step channel and --parallel 1.." +
+                                    std::to_string(group::kMaxSegments) + " (got --step-channel " + o.step_channel +
+                                    ", --parallel " + std::to_string(o.parallel) + ")");
       man.slots = o.parallel;
       stepper_ = std::make_unique<group::BatchStepper>(o.parallel, [this](std::span<group::BatchStepper::Row* const> rows) {
         run_batched(rows);

@@ -38,8 +38,13 @@ int long_step_rows_for(const CoordinatorOptions& o, const model::Model& m) {
 group::PlacementPlan plan_for(const CoordinatorOptions& o, const model::Model& m, bool log, group::Census* census_out) {
   group::PlacementInput in;
   in.sizes = group::model_sizes(m, group::planned_context(m, o.ctx), kv_type_for(o));
+  // Batched decode: each of the --parallel sequence slots holds its own KV cache and recurrent
+  // state for the whole context (GroupManifest::slots), charged here like the first.
+  const std::int64_t seq_slots = o.batch_decode ? std::max(o.parallel, 1) : 1;
+  in.sizes.kv_bytes *= static_cast<std::uint64_t>(seq_slots);
+  in.sizes.kv_slots = seq_slots;
   if (o.backend == "cuda") {
-    in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context);
+    in.sizes.device_reserve_bytes = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, 0, 0, seq_slots);
     in.sizes.dense_bytes -= group::cuda_host_resident_bytes(m);
   }
   // "dense": exactly the dense weights, KV/state (and a CUDA device's context and scratch), no experts: what a gpu_worker on its CPU
@@ -77,7 +82,7 @@ group::PlacementPlan plan_for(const CoordinatorOptions& o, const model::Model& m
       if (need <= slots) break;
       if (round == 8) throw std::logic_error("coordinator: the long steps' staging slots did not settle (" + std::to_string(need) + ")");
       slots = need + 1;
-      const uint64_t grown = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots);
+      const uint64_t grown = group::cuda_device_reserve_bytes(m, o.max_tokens, in.sizes.context, long_rows, slots, seq_slots);
       if (o.vram == "dense") in.vram_budget += grown - in.sizes.device_reserve_bytes;   // still exactly the dense part
       in.sizes.device_reserve_bytes = grown;
       plan = group::plan_placement(in);
@@ -173,7 +178,7 @@ void add_coordinator_options(CLI::App& app, CoordinatorOptions& o) {
       ->check(CLI::Range(1, 256));
   app.add_flag("--batch-decode", o.batch_decode,
                "the --parallel requests decode together: each step carries one row per decoding request, every chosen "
-               "expert read once for all (cpu backend; no speculation or prompt cache for them yet)");
+               "expert read once for all (each slot's KV charged to --vram; no speculation or prompt cache for them yet)");
   app.add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--cache-ram", o.cache_ram,

@@ -55,8 +55,8 @@ struct CoordinatorOptions {
   // runs before it yields to a waiting one (a switch saves one sequence and loads the other).
   int parallel = 1, turn_tokens = 16;
   // Batched decode (issue 33; coordinator/batch_stepper.h): the --parallel requests each hold a
-  // sequence slot of the gpu_worker, and one step carries a decode row of every decoding one. Off
-  // by default until the CUDA backend has slots.
+  // sequence slot of the gpu_worker (its KV cache and state charged to --vram per slot), and one
+  // step carries a decode row of every decoding one. Off by default.
   bool batch_decode = false;
   bool print_plan = false;   // print the window and the placement, then exit (no group)
 };

@@ -9,9 +9,11 @@ namespace moraine::group {
 
 gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const model::LayerWeights> layers,
                                                                 std::int64_t max_tokens, std::int64_t context,
-                                                                std::int64_t long_step_rows, std::int64_t stage_slots) {
+                                                                std::int64_t long_step_rows, std::int64_t stage_slots,
+                                                                std::int64_t seq_slots) {
   gpu_worker::CudaStepScratchOptions o;
   o.long_step_rows = long_step_rows;
+  o.slots = std::max<std::int64_t>(seq_slots, 1);
   // Long steps: a layer's whole RAM tier, twice with the default prefetch (BackendOptions::stage_prefetch).
   const gpu_worker::BackendOptions defaults;
   const std::int64_t slots = std::max<std::int64_t>(defaults.stage_experts, long_step_rows > 0 ? stage_slots : 0) *
@@ -63,9 +65,9 @@ std::int64_t long_step_stage_slots(const PlacementPlan& plan) {
 
 std::uint64_t cuda_device_reserve_bytes(const model::HParams& hp, std::span<const model::LayerWeights> layers,
                                         std::int64_t max_tokens, std::int64_t context, std::int64_t long_step_rows,
-                                        std::int64_t stage_slots) {
+                                        std::int64_t stage_slots, std::int64_t seq_slots) {
   const gpu_worker::CudaStepScratch s = gpu_worker::cuda_step_scratch(
-      hp, cuda_reserve_scratch_options(layers, max_tokens, context, long_step_rows, stage_slots));
+      hp, cuda_reserve_scratch_options(layers, max_tokens, context, long_step_rows, stage_slots, seq_slots));
   // The driver backs every cudaMalloc with whole 2 MiB pages: each scratch buffer, the weights
   // arena's own allocations (a layer's expert slabs, the largest tensors; kernels/cuda/device_buffer.h)
   // and the arena's last, partly used 64 MiB chunk.

@@ -25,12 +25,15 @@ inline constexpr std::uint64_t kCudaContextReserve = std::uint64_t{640} << 20;
 // expert paths' buffers are counted (cuda_reserve_scratch_options).
 // Long steps (long_step_rows > 0) stage up to stage_slots experts of a layer at once
 // (long_step_stage_slots of the placement; at least the default BackendOptions::stage_experts).
+// Sequence slots (seq_slots, coordinator --batch-decode) each hold a snapshot of the recurrent
+// states in the scratch (their KV caches are in the placement's kv_bytes).
 std::uint64_t cuda_device_reserve_bytes(const model::HParams& hp, std::span<const model::LayerWeights> layers,
                                         std::int64_t max_tokens, std::int64_t context, std::int64_t long_step_rows = 0,
-                                        std::int64_t stage_slots = 0);
+                                        std::int64_t stage_slots = 0, std::int64_t seq_slots = 1);
 inline std::uint64_t cuda_device_reserve_bytes(const model::Model& m, std::int64_t max_tokens, std::int64_t context,
-                                               std::int64_t long_step_rows = 0, std::int64_t stage_slots = 0) {
-  return cuda_device_reserve_bytes(m.hp, m.layers, max_tokens, context, long_step_rows, stage_slots);
+                                               std::int64_t long_step_rows = 0, std::int64_t stage_slots = 0,
+                                               std::int64_t seq_slots = 1) {
+  return cuda_device_reserve_bytes(m.hp, m.layers, max_tokens, context, long_step_rows, stage_slots, seq_slots);
 }
 
 // The staging slots a long step uses: the most RAM-tier experts of any layer of the placement,
@@ -40,7 +43,8 @@ std::int64_t long_step_stage_slots(const PlacementPlan& plan);
 // The options cuda_device_reserve_bytes lists the scratch with (tests compare it with the backend's).
 gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const model::LayerWeights> layers,
                                                                 std::int64_t max_tokens, std::int64_t context,
-                                                                std::int64_t long_step_rows = 0, std::int64_t stage_slots = 0);
+                                                                std::int64_t long_step_rows = 0, std::int64_t stage_slots = 0,
+                                                                std::int64_t seq_slots = 1);
 
 // Dense bytes a CUDA gpu_worker keeps in pinned host memory rather than on the device: the token
 // embedding table (the embed kernel reads one row per token over PCIe, as llama.cpp keeps

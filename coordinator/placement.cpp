@@ -225,6 +225,7 @@ PlacementPlan plan_placement(const PlacementInput& in) {
   p.ram_budget = in.ram_budget;
   p.dense_bytes = s.dense_bytes;
   p.kv_bytes = s.kv_bytes;
+  p.kv_slots = s.kv_slots;
   p.kv_type = s.kv_type;
   p.device_reserve_bytes = s.device_reserve_bytes;
   p.context = s.context;
@@ -311,9 +312,11 @@ std::string PlacementPlan::table() const {
   o << line;
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s\n", "tier", "experts", "bytes", "budget");
   o << line;
+  const std::string kv = kv_slots > 1 ? format_bytes(kv_bytes) + " for " + std::to_string(kv_slots) + " sequence slots"
+                                      : format_bytes(kv_bytes);
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (dense %s + KV/state %s + context/scratch %s first)\n", "VRAM",
                 std::to_string(vram.experts).c_str(), format_bytes(vram.bytes).c_str(), format_bytes(vram_budget).c_str(),
-                format_bytes(dense_bytes).c_str(), format_bytes(kv_bytes).c_str(), format_bytes(device_reserve_bytes).c_str());
+                format_bytes(dense_bytes).c_str(), kv.c_str(), format_bytes(device_reserve_bytes).c_str());
   o << line;
   std::snprintf(line, sizeof line, "  %-5s %8s %14s  %s (+ file cache %s)\n", "RAM", std::to_string(ram.experts).c_str(),
                 format_bytes(ram.bytes).c_str(), format_bytes(ram_budget).c_str(), format_bytes(cache_region_bytes()).c_str());
@@ -344,6 +347,7 @@ void PlacementPlan::write(const std::string& path) const {
   j["ram_budget"] = ram_budget;
   j["dense_bytes"] = dense_bytes;
   j["kv_bytes"] = kv_bytes;
+  j["kv_slots"] = kv_slots;
   j["kv_type"] = model::kv_type_name(kv_type);
   j["device_reserve_bytes"] = device_reserve_bytes;
   j["context"] = context;
@@ -379,6 +383,7 @@ PlacementPlan PlacementPlan::read(const std::string& path, const ModelSizes& s) 
     p.ram_budget = json_integer<std::uint64_t>(j, "ram_budget");
     p.dense_bytes = json_integer<std::uint64_t>(j, "dense_bytes");
     p.kv_bytes = json_integer<std::uint64_t>(j, "kv_bytes");
+    p.kv_slots = json_integer_or<std::int64_t>(j, "kv_slots", 1);
     p.kv_type = model::parse_kv_type(j.value("kv_type", std::string("f32")), "kv_type");
     p.device_reserve_bytes = json_integer_or<std::uint64_t>(j, "device_reserve_bytes", 0);
     p.context = json_integer<std::int64_t>(j, "context");

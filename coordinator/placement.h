@@ -42,7 +42,10 @@ inline std::uint64_t arena_align(std::uint64_t n) { return (n + kArenaAlign - 1)
 struct ModelSizes {
   std::int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
   std::uint64_t dense_bytes = 0;         // every tensor but the trunk layers' routed experts
-  std::uint64_t kv_bytes = 0;            // KV cache + recurrent state for `context` tokens
+  std::uint64_t kv_bytes = 0;            // KV cache + recurrent state for `context` tokens, of kv_slots sequences
+  // Sequences the gpu_worker caches at once (coordinator --batch-decode: --parallel), each with
+  // its own KV cache and recurrent state, all charged in kv_bytes.
+  std::int64_t kv_slots = 1;
   model::KvType kv_type = model::KvType::F32;   // the KV cache's elements (recurrent state: floats)
   // Device memory the gpu_worker holds beside weights and KV (context, scratch:
   // coordinator/device_reserve.h); charged against a --vram budget. 0: not on a GPU.
@@ -87,6 +90,7 @@ struct PlacementPlan {
   // Inputs, kept for the log and the stats table.
   std::uint64_t vram_budget = kUnlimitedBytes, ram_budget = kUnlimitedBytes;
   std::uint64_t dense_bytes = 0, kv_bytes = 0, device_reserve_bytes = 0;
+  std::int64_t kv_slots = 1;   // ModelSizes::kv_slots: kv_bytes holds this many sequences' KV and state
   std::int64_t context = 0;
   // The KV cache's element type kv_bytes was charged for: the gpu_worker allocates its cache so.
   model::KvType kv_type = model::KvType::F32;

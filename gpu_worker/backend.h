@@ -83,6 +83,10 @@ struct BackendOptions {
   // cache and recurrent state), so a step can carry rows of several of them (Backend::set_segments).
   // 1: one cached sequence, as before.
   int slots = 1;
+  // A batched step's attention, one launch per segment, on up to this many streams at once (CUDA;
+  // segments of decode rows only): the segments' kernels are small (a few heads x splits each) and
+  // in order they added up per layer. 0: in order on the step's stream.
+  int segment_streams = 4;
 };
 
 // Rows of one sequence slot in a step (Backend::set_segments): the step's rows are the segments'

@@ -475,10 +475,9 @@ std::unique_ptr<Backend> make_backend(const std::string& kind, const model::Mode
     return std::make_unique<CpuBackend>(m, o);
   }
   if (kind == "cuda") {
-    if (o.slots != 1)
-      throw std::runtime_error("--backend cuda: " + std::to_string(o.slots) +
-                               " sequence slots were asked for; the CUDA backend caches one sequence (batched steps "
-                               "run on --backend cpu for now, issue 33)");
+    if (o.slots < 1 || o.slots > static_cast<int>(group::kMaxSegments))
+      throw std::runtime_error("--backend cuda: " + std::to_string(o.slots) + " sequence slots were asked for, expected 1.." +
+                               std::to_string(group::kMaxSegments) + " (a batched step's segments)");
 #ifdef MORAINE_HAVE_CUDA
     return make_cuda_backend(m, o);
 #else

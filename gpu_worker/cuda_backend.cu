@@ -35,6 +35,12 @@ CudaBackend::~CudaBackend() {
   }
   if (take_done_ != nullptr) cudaEventDestroy(take_done_);
   for (void* p : pinned_) cudaHostUnregister(p);
+  for (cudaStream_t s : segment_streams_) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  for (cudaEvent_t e : join_) cudaEventDestroy(e);
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
   if (routed_ != nullptr) cudaEventDestroy(routed_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -75,14 +81,6 @@ void CudaBackend::pin_host_memory(void* p, size_t bytes) {
   cudaGetLastError();  // not sticky; copies from pageable memory still work, only slower
   std::cerr << "CUDA backend: cannot pin " << bytes << " bytes of host memory (" << cudaGetErrorString(err)
             << "); host copies will be staged\n";
-}
-
-void CudaBackend::reset() {
-  use_device();
-  zero_states();
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  n_past_ = 0;
-  snapshot_pos_ = -1;
 }
 
 bool CudaBackend::layer_on_device(int64_t il) const {
@@ -139,7 +137,7 @@ void CudaBackend::layer_begin(int64_t il, int64_t n, int32_t* chosen, float* wei
   const bool host_pinned = pinned(chosen, nk * sizeof(int32_t)) && pinned(weight, nk * sizeof(float)) &&
                            (h_out == nullptr || pinned(h_out, n * m_.hp.n_embd * sizeof(float)));
   if (layer_graphs_ok_ && host_pinned && n <= kDecodeRows) {
-    LayerBeginGraphs& g = begin_graphs_[{il, n}];
+    LayerBeginGraphs& g = begin_graphs_[step_key({il, n})];
     if (g.route.exec == nullptr || g.chosen != chosen || g.weight != weight || g.h_out != h_out) {
       g.route.reset();
       g.experts.reset();
@@ -206,11 +204,22 @@ void CudaBackend::logits(int64_t rows, float* out) {
   if (rows <= 0 || rows > step_n_)
     throw std::invalid_argument("CUDA backend logits: " + std::to_string(rows) + " rows of a step of " +
                                 std::to_string(step_n_));
+  // A segmented step: each segment's last logit_rows rows (their sum must be `rows`), gathered
+  // into y_ once, then read as a plain step reads its last rows.
+  const int64_t V = m_.hp.n_vocab, d = m_.hp.n_embd;
+  if (segmented_) {
+    int64_t want = 0;
+    for (const Segment& g : segments_) want += g.logit_rows;
+    if (rows != want || window_first_ + step_n_ != step_rows_)
+      throw std::invalid_argument("CUDA backend: logits of " + std::to_string(rows) + " rows of a step whose segments ask for " +
+                                  std::to_string(want));
+    enqueue_gather_logit_rows();
+  }
   // The head in passes of logits_rows_ rows (a long prefill asking for every row's logits).
-  const int64_t V = m_.hp.n_vocab;
   for (int64_t r0 = 0; r0 < rows; r0 += logits_rows_) {
     const int64_t r = std::min(logits_rows_, rows - r0);
-    enqueue_logits(step_n_ - rows + r0, r);
+    if (segmented_) enqueue_head(y_.get() + r0 * d, r);
+    else enqueue_logits(step_n_ - rows + r0, r);
     if (r0 + r < rows) copy_to_host(out + r0 * V, logits_.get(), static_cast<size_t>(r * V) * sizeof(float));
     else finish_step(r, out + r0 * V);
   }
@@ -300,6 +309,7 @@ CudaStepScratchOptions CudaBackend::scratch_options() const {
   o.long_step_rows = long_step_rows_;
   o.max_context = max_context_;
   o.gemm_prefill_rows = gemm_prefill_rows_;
+  o.slots = slots_;
   for (int64_t il = 0; il < m_.hp.n_layer; ++il) {
     const DevLayer& L = layers_[il];
     if (L.recurrent) {
@@ -423,18 +433,37 @@ void CudaBackend::begin_step(const int32_t* tokens, int64_t n) {
   if (n <= 0 || n > max_step_rows())
     throw std::invalid_argument("CUDA backend step: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_step_rows()));
   const model::HParams& hp = m_.hp;
-  for (int64_t t = 0; t < n; ++t) {
-    if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
-      throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at position " +
-                                  std::to_string(n_past_ + t) + " is outside the vocabulary [0, " +
-                                  std::to_string(hp.n_vocab) + ")");
+  // The step's segments: set_segments' (their rows must add up to n), else all n rows of the
+  // selected slot. Taken even when the step is refused below, as the CPU backend does.
+  segmented_ = !pending_.empty();
+  segments_ = segmented_ ? std::move(pending_) : std::vector<Segment>{{selected_, past_[static_cast<size_t>(selected_)], n, 0}};
+  pending_.clear();
+  segment_first_.clear();
+  int64_t sum = 0;
+  for (const Segment& g : segments_) {
+    segment_first_.push_back(sum);
+    sum += g.rows;
   }
-  if (n_past_ + n > max_context_)
-    throw std::runtime_error("CUDA backend: positions " + std::to_string(n_past_) + ".." +
-                             std::to_string(n_past_ + n - 1) + " do not fit the KV cache of " +
-                             std::to_string(max_context_) + " positions");
+  if (sum != n)
+    throw std::invalid_argument("CUDA backend: a step of " + std::to_string(n) + " rows whose segments hold " + std::to_string(sum));
+  if (segmented_ && n > max_tokens_)
+    throw std::invalid_argument("CUDA backend: a batched step of " + std::to_string(n) + " rows, at most " +
+                                std::to_string(max_tokens_) + " (no long steps)");
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    const int64_t past = segments_[i].first_position;
+    for (int64_t t = segment_first_[i]; t < segment_first_[i] + segments_[i].rows; ++t) {
+      if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
+        throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at position " +
+                                    std::to_string(past + t - segment_first_[i]) + (segmented_ ? " of slot " + std::to_string(segments_[i].slot) : std::string()) +
+                                    " is outside the vocabulary [0, " + std::to_string(hp.n_vocab) + ")");
+    }
+    if (past + segments_[i].rows > max_context_)
+      throw std::runtime_error("CUDA backend: positions " + std::to_string(past) + ".." +
+                               std::to_string(past + segments_[i].rows - 1) + " do not fit the KV cache of " +
+                               std::to_string(max_context_) + " positions");
+    pos_pinned_[i] = static_cast<int32_t>(past);   // enqueue_embed copies a word per segment
+  }
   std::copy_n(tokens, n, tok_pinned_.get());
-  pos_pinned_[0] = static_cast<int32_t>(n_past_);
   step_rows_ = n;
   window_first_ = 0;
   for (StageHalf& h : stage_half_) {   // a step's staged copies are its own (and none still landing)
@@ -486,6 +515,7 @@ void CudaBackend::set_window(int64_t first, int64_t rows) {
                                 " in a step of " + std::to_string(step_rows_) + " rows (windows of " +
                                 std::to_string(max_tokens_) + " from a multiple of it)");
   if (first == window_first_ && rows == step_n_) return;
+  if (segmented_) throw std::logic_error("CUDA backend: a batched step runs in one window (set_segments' rows at most max_tokens)");
   if (experts_queued_layer_ >= 0 || staged_layer_ >= 0)
     throw std::logic_error("CUDA backend: set_window between layer_begin and layer_end");
   window_first_ = first;
@@ -493,7 +523,7 @@ void CudaBackend::set_window(int64_t first, int64_t rows) {
   // The window's first position where RoPE and the KV store read it; one pinned word per window,
   // so an earlier window's copy still queued reads its own.
   int32_t* pos = pos_pinned_.get() + first / max_tokens_;
-  *pos = static_cast<int32_t>(n_past_ + first);
+  *pos = static_cast<int32_t>(segments_.at(0).first_position + first);
   CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 }
 

@@ -22,7 +22,9 @@ namespace moraine::gpu_worker::cuda_impl {
 void CudaBackend::enqueue_embed(int64_t n) {
   const model::HParams& hp = m_.hp;
   const int64_t d = hp.n_embd;
-  CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos_pinned_.get(), sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  // The first position of each segment (a plain step: one), read by RoPE, the KV store and attention.
+  CUDA_CHECK(cudaMemcpyAsync(pos_dev_.get(), pos_pinned_.get(), segments_.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream_));
   if (tok_embd_.size() == 0) {  // a format without a device kernel: the scalar dequantizer
     std::vector<float> rows(static_cast<size_t>(n * d));
     for (int64_t t = 0; t < n; ++t) dequantize_row(m_.tok_embd.type, m_.tok_embd.row(tok_pinned_[t]), rows.data() + t * d, d);
@@ -467,11 +469,9 @@ void CudaBackend::enqueue_dense_ffn(int64_t il, int64_t n) {
   CUDA_CHECK(cudaMemsetAsync(chosen_of(il, n), 0xff, static_cast<size_t>(n * m_.hp.n_expert_used) * sizeof(int32_t), stream_));
 }
 
-void CudaBackend::enqueue_logits(int64_t first, int64_t rows) {
-  const model::HParams& hp = m_.hp;
-  const int64_t d = hp.n_embd;
+void CudaBackend::enqueue_head(const float* x, int64_t rows) {
   if (rows > logits_rows_) throw std::logic_error("CUDA backend: " + std::to_string(rows) + " logits rows at once");
-  norm_h(xw() + first * d, output_norm_.get(), rows, output_);
+  norm_h(x, output_norm_.get(), rows, output_);
   matmul(output_, h_.get(), rows, logits_.get());
 }
 

@@ -17,13 +17,21 @@ void CudaBackend::step_whole(const int32_t* tokens, int64_t n, int64_t logit_row
     throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) + " rows of a step of " +
                                 std::to_string(n));
   begin_step(tokens, n);
-  StepGraph& g = graphs_[{n, logit_rows}];
+  if (segmented_) {   // as logits() checks a segmented step's rows
+    int64_t want = 0;
+    for (const Segment& seg : segments_) want += seg.logit_rows;
+    if (logit_rows != want)
+      throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) +
+                                  " rows of a step whose segments ask for " + std::to_string(want));
+  }
+  StepGraph& g = graphs_[step_key({logit_rows})];
   if (g.exec == nullptr && !capture(g, n, logit_rows)) {
+    if (segmented_) pending_ = segments_;   // the layer-by-layer step's embed takes them again
     Backend::step_whole(tokens, n, logit_rows, logits_out, chosen_out, chosen_stride);
     return;
   }
   CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
-  n_past_ += n;
+  advance_step(n);
   if (chosen_out != nullptr)
     for (int64_t il = 0; il < m_.hp.n_layer; ++il)
       pending_chosen_.push_back({chosen_pinned_.get() + il * n * m_.hp.n_expert_used, chosen_out + il * chosen_stride,

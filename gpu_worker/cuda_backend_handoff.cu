@@ -34,10 +34,17 @@ bool CudaBackend::handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_
   for (const auto& [p, bytes] : ranges)
     if (mapped(p, bytes) == nullptr || alt_pinned_dev_ == nullptr) return false;
   begin_step(tokens, n);
+  if (segmented_) {
+    int64_t want = 0;
+    for (const Segment& seg : segments_) want += seg.logit_rows;
+    if (logit_rows != want)
+      throw std::invalid_argument("CUDA backend: logits of " + std::to_string(logit_rows) +
+                                  " rows of a step whose segments ask for " + std::to_string(want));
+  }
   std::vector<char>& whole = handoff_whole_;   // reused: no allocation per step
   whole.resize(static_cast<size_t>(hp.n_layer));
   for (int64_t il = 0; il < hp.n_layer; ++il) whole[il] = layer_on_device(il) ? 1 : 0;
-  HandoffGraph& g = handoff_graphs_[{n, logit_rows}];
+  HandoffGraph& g = handoff_graphs_[step_key({logit_rows})];
   if (g.step.exec == nullptr || g.whole != whole || g.io.chosen != io.chosen || g.io.weight != io.weight ||
       g.io.h != io.h || g.io.host_rows != io.host_rows) {
     g.step.reset();
@@ -46,6 +53,7 @@ bool CudaBackend::handoff_begin(const int32_t* tokens, int64_t n, int64_t logit_
     if (!capture_into(g.step, [&] { enqueue_handoff_step(n, logit_rows, io, whole); })) {
       handoff_ok_ = false;   // from now on steps hand off layer by layer
       handoff_graphs_.clear();
+      if (segmented_) pending_ = segments_;   // the layer-by-layer step's embed takes them again
       return false;
     }
   }
@@ -138,7 +146,7 @@ void CudaBackend::wait_taken() {
 
 void CudaBackend::handoff_finish(float* logits_out, int32_t* chosen_out, int64_t chosen_stride) {
   use_device();
-  n_past_ += step_n_;
+  advance_step(step_n_);
   if (chosen_out != nullptr)
     for (int64_t il = 0; il < m_.hp.n_layer; ++il)
       pending_chosen_.push_back({chosen_pinned_.get() + il * step_n_ * m_.hp.n_expert_used,

@@ -18,9 +18,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <initializer_list>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,15 +85,17 @@ struct DevLayer {
   // handoff_take_expert may take one of its experts: its arena part layout in take_layouts_ (-1: none)
   int take_layout = -1;
   bool q_has_gate = false;
-  // [max_context][n_head_kv * head_dim]: floats, or halves with an F16 cache (the other pair empty)
-  DeviceBuffer<float> k_cache, v_cache;
-  DeviceBuffer<__half> k_cache_f16, v_cache_f16;
+  // Per sequence slot (BackendOptions::slots): [max_context][n_head_kv * head_dim] floats, or
+  // halves with an F16 cache (the other pair empty).
+  std::vector<DeviceBuffer<float>> k_cache, v_cache;
+  std::vector<DeviceBuffer<__half>> k_cache_f16, v_cache_f16;
   // Gated DeltaNet (qwen3next, qwen35moe): the layer's kernel shape (its head layout), projections
   // (qwen35moe: ssm_beta over ssm_alpha stacked in ba; beta and alpha apart only when their
   // formats differ), small weights, and the recurrent state.
   cuda::DeltaNetShape delta_net_shape;
   DevMatrix qkv, z, ba, beta, alpha, ssm_out;
-  DeviceBuffer<float> conv_w, ssm_a, dt_bias, ssm_norm, conv_state, ssm_state;
+  DeviceBuffer<float> conv_w, ssm_a, dt_bias, ssm_norm;
+  std::vector<DeviceBuffer<float>> conv_state, ssm_state;   // [slot]
 };
 
 // A captured step (step_whole) for one token count, and the host memory its copies touch.
@@ -132,8 +136,14 @@ class CudaBackend final : public Backend {
   void pin_host_memory(void* p, size_t bytes) override;
   uint64_t device_bytes_in_use() const override;
   void log_device_memory(const char* stage) const;
+  // Sequence slots (backend.h; issue 33): each slot its own KV caches, recurrent states, position
+  // and snapshot; a step's segments (set_segments) run the mixer per segment against its slot and
+  // the rest of each layer (router, experts, shared expert, lm head) once over all rows.
+  int slots() const override { return slots_; }
+  void select_slot(int slot) override;
+  void set_segments(std::span<const Segment> segments) override;
   void reset() override;
-  int64_t n_past() const override { return n_past_; }
+  int64_t n_past() const override { return past_[static_cast<size_t>(selected_)]; }
   // Attention caches are written at their positions each step: dropping positions is moving
   // n_past back (the next step overwrites them). DeltaNet layers' states are copied into
   // delta_snapshot_ by snapshot() and back by a rewind to that position (cuda_backend_layers.cu).
@@ -154,7 +164,7 @@ class CudaBackend final : public Backend {
   void experts_planned(int64_t il, int64_t n, const group::ExpertPlan& plan) override;
   void layer_end(int64_t il, int64_t n, const group::ExpertPlan& plan, const float* host_rows) override;
 
-  void advance(int64_t n) override { n_past_ += n; }   // the window stays: logits reads its last rows
+  void advance(int64_t n) override;   // the window stays: logits reads its last rows
   void set_window(int64_t first, int64_t rows) override;
 
   // The step scratch as listed (cuda_step_scratch.h) and the device-buffer bytes its allocation
@@ -306,8 +316,17 @@ class CudaBackend final : public Backend {
   void enqueue_combine(int64_t il, int64_t n, bool with_cpu_rows);
   // The head over `rows` rows of the step starting at row `first` (default: the step's last
   // rows), into logits_ (at most logits_rows_ rows).
-  void enqueue_logits(int64_t rows) { enqueue_logits(step_n_ - rows, rows); }
-  void enqueue_logits(int64_t first, int64_t rows);
+  // A segmented step (set_segments): each segment's last logit_rows rows, gathered first (rows:
+  // their sum).
+  void enqueue_logits(int64_t rows) {
+    if (!segmented_) {
+      enqueue_logits(step_n_ - rows, rows);
+      return;
+    }
+    enqueue_gather_logit_rows();
+    enqueue_head(y_.get(), rows);
+  }
+  void enqueue_logits(int64_t first, int64_t rows) { enqueue_head(xw() + first * m_.hp.n_embd, rows); }
 
   // ---- layers ----
 
@@ -317,7 +336,8 @@ class CudaBackend final : public Backend {
   void upload_delta_net(const model::DeltaNetWeights& W, const model::DeltaNetPart& part, DevLayer& D);
   void delta_net_gate_rows(const DevLayer& L, int64_t n);
   void zero_states();
-  void copy_states(bool save);   // the recurrent states to (save) or from delta_snapshot_
+  void zero_slot_states(int slot);
+  void copy_states(bool save);   // the selected slot's recurrent states to (save) or from its delta_snapshot_ part
   void delta_net_block(DevLayer& L, int64_t n);
   cuda::AttentionShape attention_shape() const;
   void attention_block(DevLayer& L, int64_t n);
@@ -349,10 +369,46 @@ class CudaBackend final : public Backend {
   std::vector<cuda::ExpertRows> gemm_groups_;
   // step_n_: rows of the step, or of its window (set_window: rows window_first_ .. of the
   // step_rows_ that embed took); xw() is the window's residual.
-  int64_t n_past_ = 0, step_n_ = 0, step_rows_ = 0, window_first_ = 0;
+  int64_t step_n_ = 0, step_rows_ = 0, window_first_ = 0;
   int64_t max_step_rows() const { return std::max(max_tokens_, long_step_rows_); }
   float* xw() const { return x_.get() + window_first_ * m_.hp.n_embd; }
-  int64_t snapshot_pos_ = -1;   // the position of delta_snapshot_'s states (-1: none since reset)
+  // Sequence slots: past_[s] positions cached, snapshot_pos_[s] the position of slot s's part of
+  // delta_snapshot_ (-1: none since its reset); selected_: select_slot's.
+  const int slots_;
+  std::vector<int64_t> past_, snapshot_pos_;
+  int selected_ = 0;
+  // This step's segments (begin_step: set_segments' pending_, else one of the selected slot with
+  // logit_rows 0, a plain step), each segment's first row in the step, and whether it came from
+  // set_segments (then logits are per segment).
+  std::vector<Segment> segments_, pending_;
+  std::vector<int64_t> segment_first_;
+  bool segmented_ = false;
+  // The key of a captured graph of this step (its rows, logit rows and segments: a graph bakes in
+  // each slot's caches), with `lead` values first.
+  std::vector<int64_t> step_key(std::initializer_list<int64_t> lead) const;
+  void check_segments(std::span<const Segment> segments) const;
+  void advance_step(int64_t n);
+  // The mixer's segments of the current window: rows [first, first + rows) of it on slot `slot`,
+  // position word `word` of pos_dev_, host position `pos` of its first row.
+  struct MixSegment {
+    int slot;
+    int64_t first, rows;
+    int word;
+    int64_t pos;
+  };
+  const std::vector<MixSegment>& mix_segments();
+  std::vector<MixSegment> mix_;
+  // BackendOptions::segment_streams: side streams a batched step's attention segments fork onto
+  // (fork_ recorded on stream_, join_[i] after segment i), none when 0 or one slot.
+  std::vector<cudaStream_t> segment_streams_;
+  cudaEvent_t fork_ = nullptr;
+  std::vector<cudaEvent_t> join_;
+  // The rows logits() reads: the step's last rows, or (segmented) each segment's last logit_rows
+  // rows, gathered into y_ (enqueue_gather_logit_rows) before the head runs over them.
+  void enqueue_gather_logit_rows();
+  void enqueue_head(const float* x, int64_t rows);
+  // Slot s's recurrent states: its part of delta_snapshot_ (floats from delta_snapshot_.get()).
+  size_t snapshot_floats_per_slot() const { return delta_snapshot_.size() / static_cast<size_t>(slots_); }
   cudaStream_t stream_ = nullptr;
   cudaEvent_t routed_ = nullptr;   // layer_begin: routing and h copied to the host
   cudaStream_t copy_stream_ = nullptr;   // expert copies of the adaptive VRAM tier
@@ -468,11 +524,11 @@ class CudaBackend final : public Backend {
     half.prefetched = false;
   }
   std::vector<const uint8_t*> stage_bases_;   // enqueue_staged_experts' slot per GEMM group
-  std::map<std::pair<int64_t, int64_t>, HandoffGraph> handoff_graphs_;
+  std::map<std::vector<int64_t>, HandoffGraph> handoff_graphs_;   // step_key({})
   std::vector<std::pair<const char*, size_t>> pinned_ranges_;
   std::vector<char*> pinned_dev_;   // [range]: its device address (nullptr: not mapped)
-  std::map<std::pair<int64_t, int64_t>, LayerBeginGraphs> begin_graphs_;   // (layer, rows)
-  std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;   // (rows, logit rows) -> captured step
+  std::map<std::vector<int64_t>, LayerBeginGraphs> begin_graphs_;   // step_key({layer, window rows})
+  std::map<std::vector<int64_t>, StepGraph> graphs_;   // step_key({logit rows}) -> captured step
 };
 
 }  // namespace moraine::gpu_worker::cuda_impl

@@ -149,8 +149,12 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
       stage_slots_(o.all_experts ? 0 : std::max(0, o.stage_experts)),
       long_step_rows_(std::max(0, o.long_step_rows)),
       max_context_(o.max_context > 0 ? o.max_context : std::max<int64_t>(kDefaultContext, o.max_tokens)),
-      kv_f16_(o.kv_type == model::KvType::F16) {
+      kv_f16_(o.kv_type == model::KvType::F16), slots_(o.slots),
+      past_(static_cast<size_t>(std::max(1, o.slots)), 0), snapshot_pos_(static_cast<size_t>(std::max(1, o.slots)), -1) {
   const model::HParams& hp = m.hp;
+  if (o.slots < 1 || o.slots > static_cast<int>(group::kMaxSegments))
+    throw std::invalid_argument("CUDA backend: " + std::to_string(o.slots) + " sequence slots, expected 1.." +
+                                std::to_string(group::kMaxSegments));
   stage_halves_ = o.stage_prefetch && long_step_rows_ > 0 ? 2 : 1;
   model::check_supported(m, cuda_backend_support());   // a part the kernels lack: refused, never run wrongly
   std::string why;
@@ -177,6 +181,17 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
                              "kernel's " + std::to_string(cuda::kAttentionMaxHeadDim));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&routed_, cudaEventDisableTiming));
+  if (slots_ > 1 && o.segment_streams > 0) {
+    for (int i = 0; i < std::min(o.segment_streams, slots_); ++i) {
+      segment_streams_.emplace_back();
+      CUDA_CHECK(cudaStreamCreateWithFlags(&segment_streams_.back(), cudaStreamNonBlocking));
+    }
+    CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    for (int i = 0; i < slots_; ++i) {
+      join_.emplace_back();
+      CUDA_CHECK(cudaEventCreateWithFlags(&join_.back(), cudaEventDisableTiming));
+    }
+  }
   log_device_memory("context");
 
   std::vector<int32_t> all(static_cast<size_t>(hp.n_expert));
@@ -194,6 +209,14 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   }
 
   log_device_memory("weights");
+  if (slots_ > 1) {   // what the placement charged per slot (coordinator --batch-decode), said where it is held
+    uint64_t per_slot = 0;
+    for (const DevLayer& L : layers_)
+      per_slot += (L.k_cache.empty() ? 0 : 2 * L.k_cache[0].bytes()) + (L.k_cache_f16.empty() ? 0 : 2 * L.k_cache_f16[0].bytes()) +
+                  (L.conv_state.empty() ? 0 : L.conv_state[0].bytes() + L.ssm_state[0].bytes());
+    std::cerr << "gpu_worker: " << slots_ << " sequence slots, each its own KV cache and recurrent state: " << (per_slot >> 20)
+              << " MiB a slot, " << ((per_slot * static_cast<uint64_t>(slots_)) >> 20) << " MiB in all\n";
+  }
   // The step scratch (the expert path decides which buffers it has).
   choose_expert_paths();
   scratch_ = cuda_step_scratch(hp, scratch_options());
@@ -205,7 +228,8 @@ CudaBackend::CudaBackend(const model::Model& m, const BackendOptions& o)
   const size_t T = static_cast<size_t>(max_tokens_), step_rows = static_cast<size_t>(max_step_rows());
   const size_t slots = T * static_cast<size_t>(hp.n_expert_used);
   tok_pinned_ = PinnedBuffer<int32_t>(step_rows);
-  pos_pinned_ = PinnedBuffer<int32_t>((step_rows + T - 1) / T);   // a word per window of a long step
+  // A word per window of a long step, or per segment of a batched step (they do not mix).
+  pos_pinned_ = PinnedBuffer<int32_t>(std::max((step_rows + T - 1) / T, static_cast<size_t>(slots_)));
   alt_pinned_ = PinnedBuffer<int32_t>(slots);
   idx_pinned_ = PinnedBuffer<int32_t>(4 * slots);   // token, slab, slot, expert per row
   chosen_pinned_ = PinnedBuffer<int32_t>(static_cast<size_t>(hp.n_layer) * step_rows * static_cast<size_t>(hp.n_expert_used));
@@ -288,13 +312,17 @@ void CudaBackend::upload_layer(int64_t il, const std::vector<int32_t>& ids, std:
   D.q_rows = L.attn.q.n_rows;
   D.o = upload_matrix(weights_arena_, L.attn.o);
   D.q_has_gate = L.attn.q_has_gate;
+  // Each sequence slot's own cache of max_context_ positions: the placement charged the KV bytes
+  // once per slot (coordinator --batch-decode: plan_for's kv_slots).
   const size_t cache_elems = static_cast<size_t>(max_context_ * kv_dim);
-  if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
-    D.k_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
-    D.v_cache_f16 = DeviceBuffer<__half>(cache_elems, weights_arena_);
-  } else {
-    D.k_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
-    D.v_cache = DeviceBuffer<float>(cache_elems, weights_arena_);
+  for (int slot = 0; slot < slots_; ++slot) {
+    if (kv_f16_) {   // every attention kernel reads a half cache (attention.h, attention_decode.h, ...)
+      D.k_cache_f16.emplace_back(cache_elems, weights_arena_);
+      D.v_cache_f16.emplace_back(cache_elems, weights_arena_);
+    } else {
+      D.k_cache.emplace_back(cache_elems, weights_arena_);
+      D.v_cache.emplace_back(cache_elems, weights_arena_);
+    }
   }
 }
 
@@ -373,8 +401,10 @@ void CudaBackend::upload_delta_net(const model::DeltaNetWeights& W, const model:
   D.ssm_a = upload_vector(weights_arena_, W.a);
   D.dt_bias = upload_vector(weights_arena_, W.dt_bias);
   D.ssm_norm = upload_vector(weights_arena_, W.norm);
-  D.conv_state = DeviceBuffer<float>(static_cast<size_t>(std::max<int64_t>(s.conv_state_floats(), 1)), weights_arena_);
-  D.ssm_state = DeviceBuffer<float>(static_cast<size_t>(s.ssm_state_floats()), weights_arena_);
+  for (int slot = 0; slot < slots_; ++slot) {   // each sequence slot's states
+    D.conv_state.emplace_back(static_cast<size_t>(std::max<int64_t>(s.conv_state_floats(), 1)), weights_arena_);
+    D.ssm_state.emplace_back(static_cast<size_t>(s.ssm_state_floats()), weights_arena_);
+  }
 }
 
 }  // namespace moraine::gpu_worker::cuda_impl

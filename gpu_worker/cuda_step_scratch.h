@@ -46,6 +46,8 @@ struct CudaStepScratchOptions {
   // the largest arena slot (0: none); listed only with the PrefillGemm, which runs them.
   uint64_t stage_expert_bytes = 0;
   int64_t dense_ff = 0;             // the widest dense FFN layer's hidden width (glm4moe's leading layers; 0: none)
+  // Sequence slots (BackendOptions::slots): a position word and a recurrent-state snapshot each.
+  int64_t slots = 1;
 };
 
 // The workspace of expanded weights the backend gives its PrefillGemm: PrefillGemmLimits'
@@ -185,7 +187,8 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
   s.add("chosen", static_cast<uint64_t>(hp.n_layer) * S * i32);   // every layer's routing
   s.add("weight", S * f);
   s.add("token_ids", step_rows * i32);
-  s.add("pos", i32);
+  const uint64_t slots = static_cast<uint64_t>(std::max<int64_t>(o.slots, 1));
+  s.add("pos", slots * i32);   // a batched step's first position of each segment
   s.add("dev_slots", S * d * f);   // the device's expert rows
   s.add("cpu_rows", S * d * f);    // the cpu workers' expert rows
   s.add("alt_row", S * i32);
@@ -209,9 +212,9 @@ inline CudaStepScratch cuda_step_scratch(const model::HParams& hp, const CudaSte
     s.add("delta_core", T * static_cast<uint64_t>(ds.value_dim()) * f);
     s.add("delta_ws", static_cast<uint64_t>(cuda::delta_net_mix_workspace_floats(ds, o.max_tokens)) * f);
     // Backend::snapshot: every recurrent layer's conv and ssm state, taken before a verify step
-    // (80B shape: 36 layers, ~76 MB).
+    // (80B shape: 36 layers, ~76 MB), for each sequence slot.
     s.add("delta_snapshot",
-          static_cast<uint64_t>(o.recurrent_layers * (ds.conv_state_floats() + ds.ssm_state_floats())) * f);
+          slots * static_cast<uint64_t>(o.recurrent_layers * (ds.conv_state_floats() + ds.ssm_state_floats())) * f);
   }
   s.add("handoff_seq", sizeof(uint64_t));
   s.add("handoff_error", i32);

@@ -820,6 +820,11 @@ int main(int argc, char** argv) {
                  "rest at the same time; 1: all, since the device was the faster side at the 30B shape)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
+  app.add_option("--segment-streams", base.segment_streams,
+                 "cuda, batched steps (coordinator --batch-decode): the segments' attention on up to this many streams "
+                 "at once (0: in order)")
+      ->check(CLI::Range(0, 16))
+      ->capture_default_str();
   app.add_flag("--prefill-stage-prefetch,!--no-prefill-stage-prefetch", base.stage_prefetch,
                "cuda, long steps: copy layer L+1's RAM-tier experts in on their own stream while layer L computes "
                "(a stage buffer twice the size); off: each layer's copies before its GEMMs")

@@ -197,10 +197,12 @@ TEST(BackendSlots, BadSegmentsAreRefused) {
   const int32_t t[4] = {1, 2, 3, 4};
   EXPECT_THROW(b->embed(t, 4), std::invalid_argument);   // the segments hold 3 rows
   EXPECT_THROW(b->select_slot(2), std::invalid_argument);
-  // The CUDA backend has no slots yet: refused before anything is allocated, naming them.
+  // More slots than a step has segments: refused by either backend kind before anything is
+  // allocated, naming them (tests/cuda/cuda_slots_test.cpp runs the CUDA backend's slots).
+  o.slots = static_cast<int>(group::kMaxSegments) + 1;
   try {
     gpu_worker::make_backend("cuda", m, o);
-    ADD_FAILURE() << "a CUDA backend with 2 slots was made";
+    ADD_FAILURE() << "a CUDA backend with " << o.slots << " slots was made";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("sequence slots"), std::string::npos) << e.what();
   }

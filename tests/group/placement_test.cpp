@@ -353,6 +353,55 @@ TEST(Placement, KvF16ChargesTwoBytesPerCachedElement) {
   fs::remove_all(dir);
 }
 
+// --batch-decode (issue 33): each of the --parallel sequence slots holds its own KV cache and
+// recurrent state for the whole context, so the plan charges kv_bytes once per slot, says so, and
+// keeps fewer experts in a budget that held them all beside one slot's; the CUDA reserve grows by
+// the slots' recurrent-state snapshots. The coordinator binary with --print-plan.
+TEST(Placement, BatchDecodeChargesKvPerSlot) {
+  const std::string dir = group_test::temp_dir("placement-slots");
+  const std::string model = group_test::synth_model("qwen3next-tiny", "kmix", dir);
+  const model::Model m = model::Model::load(model);
+  const auto plan = [&](const std::string& args) {
+    const auto [rc, out] = test_support::run_command(std::string(MORAINE_BUILD_DIR) +
+                                                     "/coordinator/moraine-coordinator --print-plan --backend cuda "
+                                                     "--max-tokens 64 --long-step-rows 0 -m " +
+                                                     test_support::quoted(model) + " --socket-dir " +
+                                                     test_support::quoted(dir + "/sock") + " " + args);
+    EXPECT_EQ(rc, 0) << args << "\n" << out;
+    return out;
+  };
+  const auto vram_experts = [](const std::string& out) {
+    const size_t at = out.find("\n  VRAM ");
+    return at == std::string::npos ? int64_t{-1} : std::stoll(out.substr(at + 8));
+  };
+  const int64_t ctx = planned_context(m, 0);
+  const uint64_t kv = model_sizes(m, ctx, model::KvType::F16).kv_bytes;
+  ASSERT_GT(kv, 0u);
+  const std::string one = plan("--vram unlimited"), four = plan("--vram unlimited --batch-decode --parallel 4");
+  EXPECT_NE(one.find("KV/state " + format_bytes(kv) + " +"), std::string::npos) << one;
+  EXPECT_NE(four.find("KV/state " + format_bytes(4 * kv) + " for 4 sequence slots"), std::string::npos) << four;
+  // The reserve's snapshot of the recurrent states and position word, one per slot (the listed
+  // scratch: this tiny model's snapshot is below the 2 MiB page the total rounds to).
+  const auto listed = [&](int64_t slots, const char* name) {
+    return gpu_worker::cuda_step_scratch(m.hp, cuda_reserve_scratch_options(m.layers, 64, ctx, 0, 0, slots)).bytes(name);
+  };
+  EXPECT_GT(listed(1, "delta_snapshot"), 0u);
+  EXPECT_EQ(listed(4, "delta_snapshot"), 4 * listed(1, "delta_snapshot"));
+  EXPECT_EQ(listed(4, "pos"), 4 * listed(1, "pos"));
+  // A budget of every expert beside one slot's KV holds fewer beside four slots'.
+  const int64_t all = m.hp.n_layer * m.hp.n_expert;
+  uint64_t experts = 0;
+  const ModelSizes sizes = model_sizes(m, ctx, model::KvType::F16);
+  for (uint64_t b : sizes.expert_bytes) experts += b * static_cast<uint64_t>(m.hp.n_expert);
+  const uint64_t budget = sizes.dense_bytes - cuda_host_resident_bytes(m) + kv + cuda_device_reserve_bytes(m, 64, ctx) + experts +
+                          (uint64_t{4} << 20);   // the reserve's rounding
+  const std::string vram = "--vram " + std::to_string(budget);
+  EXPECT_EQ(vram_experts(plan(vram)), all);
+  const int64_t batched = vram_experts(plan(vram + " --batch-decode --parallel 4"));
+  EXPECT_LT(batched, all);
+  fs::remove_all(dir);
+}
+
 TEST(Placement, ByteBudgetsParse) {
   EXPECT_EQ(parse_byte_budget("12G", "--vram"), 12ull << 30);
   EXPECT_EQ(parse_byte_budget("512M", "--ram"), 512ull << 20);
