@@ -58,6 +58,10 @@ struct CoordinatorOptions {
   // sequence slot of the gpu_worker (its KV cache and state charged to --vram per slot), and one
   // step carries a decode row of every decoding one. Off by default.
   bool batch_decode = false;
+  // ... and a new request's prompt goes in chunks of at most this many rows per batched step,
+  // beside the decoding requests' rows (0: its prefill is a step of its own, between batched
+  // steps). DEFAULT_WHY
+  int prefill_chunk = 32;
   bool print_plan = false;   // print the window and the placement, then exit (no group)
 };
 
