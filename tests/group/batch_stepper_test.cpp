@@ -1,11 +1,12 @@
 // The coordinator's batched decode scheduler (coordinator/batch_stepper.h) with a fake step: rows of
 // concurrently decoding requests share steps and each gets its own output; a prefill (exclusive)
-// never overlaps a step; a failed step fails each of its rows with the step's error; slots bound
+// never overlaps a step; prompt chunks go beside decode rows within their budget; a failed step fails each of its rows with the step's error; slots bound
 // admission, a cancelled wait gives up, and a released slot is taken again.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -56,6 +57,81 @@ TEST(BatchStepper, ConcurrentRowsShareStepsAndGetTheirOwnOutputs) {
   EXPECT_EQ(s.rows(), static_cast<uint64_t>(kThreads * kSteps));
   EXPECT_LT(s.steps(), static_cast<uint64_t>(kThreads * kSteps)) << "no step carried more than one row";
   for (size_t n : sizes) EXPECT_LE(n, static_cast<size_t>(kThreads));
+}
+
+// Prompts in chunks (chunk_rows 8): a 30-token prompt goes in order, from a reset, in chunks that
+// together stay within the budget beside a decoding request's rows, which keep coming meanwhile
+// (the stream does not wait for the whole prompt); two prompts share the budget first come first;
+// the last chunk's output is the prefill's.
+TEST(BatchStepper, PromptChunksGoBesideDecodeRows) {
+  std::mutex mu;
+  std::vector<std::vector<int32_t>> fed(3);   // [slot] the prompt tokens each slot got, in order
+  std::vector<int> resets(3, 0);
+  int over_budget = 0, decode_beside_chunks = 0, bad_position = 0;
+  group::BatchStepper s(3, [&](std::span<Row* const> rows) {
+    std::lock_guard<std::mutex> l(mu);
+    int64_t chunk = 0;
+    bool decode = false;
+    for (Row* r : rows) {
+      if (r->chunk.empty()) {
+        decode = true;
+        r->out_token = out_of(r->slot, r->position, r->token);
+        continue;
+      }
+      auto& f = fed[static_cast<size_t>(r->slot)];
+      if (r->position != static_cast<int64_t>(f.size()) || r->reset != f.empty()) ++bad_position;
+      resets[static_cast<size_t>(r->slot)] += r->reset;
+      f.insert(f.end(), r->chunk.begin(), r->chunk.end());
+      chunk += r->n_rows();
+      r->out_token = out_of(r->slot, r->position + r->n_rows() - 1, r->chunk.back());
+    }
+    if (chunk > 8) ++over_budget;
+    if (decode && chunk > 0) ++decode_beside_chunks;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }, 8);
+  const int a = s.acquire_slot(nullptr);
+  std::atomic<bool> prompts_done{false}, started{false};
+  std::atomic<int> wrong{0}, decoded_during{0};
+  std::thread decoder([&] {
+    s.begin_decoding();
+    Row row;
+    row.slot = a;
+    for (int i = 0; !prompts_done.load() || i < 5; ++i) {
+      row.position = i;
+      row.token = i;
+      s.decode(row);
+      if (row.out_token != out_of(a, i, i)) ++wrong;
+      if (!prompts_done.load()) ++decoded_during;
+      started = true;
+    }
+    s.end_decoding();
+  });
+  std::vector<int32_t> p1(30), p2(11);
+  for (size_t i = 0; i < p1.size(); ++i) p1[i] = static_cast<int32_t>(100 + i);
+  for (size_t i = 0; i < p2.size(); ++i) p2[i] = static_cast<int32_t>(200 + i);
+  const int b = s.acquire_slot(nullptr), c = s.acquire_slot(nullptr);
+  while (!started.load()) std::this_thread::yield();   // the stream runs before the prompts come
+  Row out1, out2;
+  std::thread second([&] { s.prefill(c, p2, true, out2); });
+  s.prefill(b, p1, true, out1);
+  second.join();
+  prompts_done = true;
+  decoder.join();
+  EXPECT_EQ(fed[static_cast<size_t>(b)], p1);
+  EXPECT_EQ(fed[static_cast<size_t>(c)], p2);
+  EXPECT_EQ(resets[static_cast<size_t>(b)], 1);
+  EXPECT_EQ(resets[static_cast<size_t>(c)], 1);
+  EXPECT_EQ(out1.out_token, out_of(b, 29, p1.back()));
+  EXPECT_EQ(out2.out_token, out_of(c, 10, p2.back()));
+  EXPECT_EQ(over_budget, 0);
+  EXPECT_EQ(bad_position, 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(decode_beside_chunks, 0);
+  EXPECT_GE(decoded_during.load(), 3) << "the stream waited for the prompts";   // 41 rows: at least 6 steps
+  EXPECT_EQ(s.chunk_rows(), p1.size() + p2.size());
+  EXPECT_GT(s.mixed_steps(), 0u);
+  Row bad;
+  EXPECT_THROW(group::BatchStepper(1, [](std::span<Row* const>) {}).prefill(0, p1, true, bad), std::logic_error);
 }
 
 TEST(BatchStepper, AFailedStepFailsItsRows) {
