@@ -22,15 +22,34 @@ BatchStepper::BatchStepper(int slots, Issue issue, int64_t chunk_rows)
 
 int BatchStepper::acquire_slot(const std::function<bool()>& cancelled) {
   std::unique_lock<std::mutex> l(mu_);
+  const auto free_slot = std::find(free_.begin(), free_.end(), 1);
+  if (queue_.empty() && free_slot != free_.end()) {
+    *free_slot = 0;
+    return static_cast<int>(free_slot - free_.begin());
+  }
+  if (queue_limit_ >= 0 && static_cast<int>(queue_.size()) >= queue_limit_) return kQueueFull;
+  const uint64_t me = ++next_ticket_;
+  queue_.push_back(me);
   for (;;) {
     const auto it = std::find(free_.begin(), free_.end(), 1);
-    if (it != free_.end()) {
+    if (queue_.front() == me && it != free_.end()) {
       *it = 0;
+      queue_.erase(queue_.begin());
+      cv_.notify_all();   // the next in line may take another free slot
       return static_cast<int>(it - free_.begin());
     }
-    if (cancelled && cancelled()) return -1;
+    if (cancelled && cancelled()) {
+      queue_.erase(std::find(queue_.begin(), queue_.end(), me));
+      cv_.notify_all();   // the one behind may be first now
+      return kCancelled;
+    }
     cv_.wait_for(l, kPoll);
   }
+}
+
+int BatchStepper::waiting() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return static_cast<int>(queue_.size());
 }
 
 void BatchStepper::release_slot(int slot) {

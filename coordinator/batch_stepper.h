@@ -50,9 +50,15 @@ class BatchStepper {
   // (0: prefills run exclusive()).
   BatchStepper(int slots, Issue issue, int64_t chunk_rows = 0);
   int slots() const { return static_cast<int>(free_.size()); }
-  // A free slot, blocking until one is (admission: at most `slots` requests at once); -1 when
-  // cancelled first (polled every 20 ms).
+  // A free slot, blocking until one is (admission: at most `slots` requests at once, each slot
+  // the KV cache and state of one sequence, charged to --vram); the waiting requests take the
+  // slots in arrival order (FIFO). kCancelled when cancelled first (polled every 20 ms);
+  // kQueueFull at once when queue_limit requests already wait.
+  static constexpr int kCancelled = -1, kQueueFull = -2;
   int acquire_slot(const std::function<bool()>& cancelled);
+  void set_queue_limit(int limit) { queue_limit_ = limit; }   // before any request; < 0: none
+  int queue_limit() const { return queue_limit_; }
+  int waiting() const;                                         // requests waiting for a slot
   void release_slot(int slot);
   // Runs fn with no batched step in flight and none starting (a prefill step): waiting batched
   // rows go after it.
@@ -96,6 +102,9 @@ class BatchStepper {
   std::vector<uint8_t> free_;   // [slot]
   std::vector<Row*> pending_;
   std::vector<Job*> jobs_;      // arrival order
+  std::vector<uint64_t> queue_; // tickets of the requests waiting for a slot, arrival order
+  uint64_t next_ticket_ = 0;
+  int queue_limit_ = -1;
   std::chrono::steady_clock::time_point work_since_{};
   bool busy_ = false;           // a step (batched or exclusive) is in flight
   int exclusive_waiting_ = 0, decoding_ = 0;

@@ -34,6 +34,10 @@ grpc::Status generate_batched(BatchedRequestEnv& env, grpc::ServerContext* ctx,
                               grpc::ServerWriter<generate::GenerateChunk>* writer, Sequence& seq, bool token_only) {
   BatchStepper& stepper = env.stepper;
   const int slot = stepper.acquire_slot([&] { return ctx->IsCancelled(); });
+  if (slot == BatchStepper::kQueueFull)
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+            "the coordinator is busy: " + std::to_string(stepper.slots()) + " requests decoding and " +
+                std::to_string(stepper.queue_limit()) + " waiting for a sequence slot (--parallel, --batch-queue); retry later"};
   if (slot < 0) return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
   struct Release {
     BatchStepper& s;

@@ -156,6 +156,7 @@ class Coordinator final : public generate::Coordinator::Service {
       (*r.mutable_counters())["batched_rows"] = stepper_ ? stepper_->rows() : 0;
       (*r.mutable_counters())["batched_prompt_rows"] = stepper_ ? stepper_->chunk_rows() : 0;
       (*r.mutable_counters())["batched_mixed_steps"] = stepper_ ? stepper_->mixed_steps() : 0;
+      (*r.mutable_counters())["batched_waiting"] = stepper_ ? static_cast<uint64_t>(stepper_->waiting()) : 0;
       (*r.mutable_counters())["context_tokens"] = static_cast<uint64_t>(context_positions_);
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
@@ -196,6 +197,7 @@ class Coordinator final : public generate::Coordinator::Service {
                                     std::to_string(o.max_tokens) + " rows");
       stepper_ = std::make_unique<group::BatchStepper>(
           o.parallel, [this](std::span<group::BatchStepper::Row* const> rows) { run_batched(rows); }, o.prefill_chunk);
+      stepper_->set_queue_limit(o.batch_queue);
     }
     plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));

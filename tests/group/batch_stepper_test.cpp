@@ -1,7 +1,8 @@
 // The coordinator's batched decode scheduler (coordinator/batch_stepper.h) with a fake step: rows of
 // concurrently decoding requests share steps and each gets its own output; a prefill (exclusive)
 // never overlaps a step; prompt chunks go beside decode rows within their budget; a failed step fails each of its rows with the step's error; slots bound
-// admission, a cancelled wait gives up, and a released slot is taken again.
+// admission, a cancelled wait gives up, and a released slot is taken again; waiters are served in
+// arrival order within a queue limit.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -159,6 +160,37 @@ TEST(BatchStepper, SlotsBoundAdmission) {
   EXPECT_EQ(s.acquire_slot(nullptr), b);
   releaser.join();
   EXPECT_THROW(group::BatchStepper(17, [](std::span<Row* const>) {}), std::invalid_argument);
+}
+
+// More requests than slots: the waiting ones take the slots in arrival order (staggered arrivals,
+// each released slot to the longest waiting), one that gives up leaves the line without taking a
+// slot, and beyond queue_limit a request is refused at once.
+TEST(BatchStepper, WaitersTakeSlotsInArrivalOrderWithinTheQueueLimit) {
+  group::BatchStepper s(2, [](std::span<Row* const>) {});
+  s.set_queue_limit(3);
+  const int a = s.acquire_slot(nullptr), b = s.acquire_slot(nullptr);
+  std::mutex mu;
+  std::vector<int> order;
+  std::atomic<bool> give_up{false};
+  std::vector<std::thread> ts;
+  for (int w = 0; w < 3; ++w) {
+    ts.emplace_back([&, w] {
+      const int slot = s.acquire_slot([&] { return w == 1 && give_up.load(); });
+      std::lock_guard<std::mutex> l(mu);
+      order.push_back(slot < 0 ? -10 - w : w);
+      if (slot >= 0) s.release_slot(slot);
+    });
+    while (s.waiting() < w + 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));   // staggered: w waits behind w-1
+  }
+  EXPECT_EQ(s.acquire_slot(nullptr), group::BatchStepper::kQueueFull) << "a fourth waiter beyond a limit of 3";
+  give_up = true;   // waiter 1 leaves the line
+  while (s.waiting() > 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  s.release_slot(b);   // waiter 0 (first), then as each releases, waiter 2
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(order, (std::vector<int>{-11, 0, 2}));
+  EXPECT_EQ(s.waiting(), 0);
+  s.release_slot(a);
+  EXPECT_GE(s.acquire_slot(nullptr), 0);
 }
 
 }  // namespace

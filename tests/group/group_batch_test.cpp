@@ -34,6 +34,7 @@ struct Request {
   int cancel_after = 0;       // > 0: the client cancels after this many chunks
   std::vector<double>* arrivals = nullptr;      // each chunk's arrival (ms since the call)
   std::function<void(int chunks)> on_chunk;     // after each chunk read
+  int deadline_ms = 180000;                     // the client gives up after this long
 };
 
 Generation run(const std::string& socket_dir, const Request& r) {
@@ -48,7 +49,7 @@ Generation run(const std::string& socket_dir, const Request& r) {
     req.mutable_sampling()->set_seed(11);
   }
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(180));
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(r.deadline_ms));
   auto reader = stub->Generate(&ctx, req);
   Generation g;
   generate::GenerateChunk chunk;
@@ -215,6 +216,59 @@ TEST_P(Batch, PromptChunksKeepARunningStreamGoing) {
   EXPECT_EQ(chunked.prompt_rows, static_cast<uint64_t>(kLongPrompt) + base.size()) << "both prompts' rows in batched steps";
   EXPECT_GT(chunked.mixed_steps, 0u) << "no step carried a prompt chunk beside the stream's row";
   EXPECT_LT(chunked.longest_ms, whole.longest_ms);
+}
+
+// More requests than slots (--parallel 2, --batch-queue 3), arriving 10 ms apart while the first
+// two decode 150 and 90 tokens: three wait, one of them gives up (its deadline) while waiting, a sixth is
+// refused at once (RESOURCE_EXHAUSTED, naming the flags); the two left waiting take the slots in
+// arrival order (the earlier one's first token first) and every served request gets its solo tokens.
+TEST_P(Batch, RequestsBeyondTheSlotsWaitInArrivalOrder) {
+  const std::string name = GetParam();
+  const std::string dir = temp_dir("batch-queue-" + name);
+  GroupOptions o;
+  o.model = convert_golden(name, golden_quant_args("kmix"), dir);
+  const std::vector<int32_t> base = golden_prompt(name);
+  std::vector<Request> rs(6);
+  for (size_t r = 0; r < rs.size(); ++r) {
+    for (size_t i = 0; i < base.size(); ++i) rs[r].prompt.push_back(5 + (base[i] * (static_cast<int>(r) + 2) + static_cast<int>(r)) % 90);
+    rs[r].n = r == 0 ? 150 : r == 1 ? 90 : 12;   // the second slot frees well before the first
+  }
+  std::vector<Generation> solo;
+  {
+    Group g(o);
+    for (const Request& r : rs) solo.push_back(run(g.socket_dir(), r));
+    g.stop();
+  }
+  o.extra_args = {"--parallel", "2", "--coordinator-arg=--batch-decode", "--coordinator-arg=--batch-queue=3"};
+  Group g(o);
+  std::vector<std::vector<double>> arrivals(rs.size());
+  std::vector<Request> sent = rs;
+  for (size_t i = 0; i < sent.size(); ++i) sent[i].arrivals = &arrivals[i];
+  sent[3].deadline_ms = 40;   // arrives at 30 ms, gives up at 70 ms while the first two still decode
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<double> started(rs.size());
+  std::vector<Generation> got(rs.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < sent.size(); ++i)
+    clients.emplace_back([&, i] {
+      std::this_thread::sleep_for(10ms * static_cast<int>(i));
+      started[i] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      got[i] = run(g.socket_dir(), sent[i]);
+    });
+  for (auto& t : clients) t.join();
+  for (size_t i : {0u, 1u, 2u, 4u}) solo_check(got[i], solo[i], "request " + std::to_string(i));
+  EXPECT_EQ(got[3].status_code, grpc::StatusCode::DEADLINE_EXCEEDED) << got[3].error;
+  EXPECT_TRUE(got[3].ids.empty()) << "the request that gave up while waiting got tokens";
+  EXPECT_EQ(got[5].status_code, grpc::StatusCode::RESOURCE_EXHAUSTED) << got[5].error;
+  EXPECT_NE(got[5].error.find("--batch-queue"), std::string::npos) << got[5].error;
+  ASSERT_FALSE(arrivals[2].empty());
+  ASSERT_FALSE(arrivals[4].empty());
+  const double first2 = started[2] + arrivals[2][0], first4 = started[4] + arrivals[4][0];
+  std::printf("%s: the waiting requests' first tokens at %.1f ms (arrived 20 ms) and %.1f ms (arrived 40 ms)\n", name.c_str(),
+              first2, first4);
+  EXPECT_LT(first2, first4) << "the later arrival was served first";
+  EXPECT_EQ(coordinator_counter(g.socket_dir(), "batched_waiting"), 0u);
+  g.stop();
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Batch, ::testing::Values("qwen3moe_k256", "qwen3next_k256"),
