@@ -44,6 +44,7 @@
 #include "coordinator/sequence.h"
 #include "coordinator/turn_queue.h"
 #include "coordinator/batch_stepper.h"
+#include "coordinator/batched_request.h"
 #include "coordinator/step_bell.h"
 #include "proto/generate.grpc.pb.h"
 
@@ -56,30 +57,9 @@ double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }
 
-// A request's last chunk: why it finished (cancelled where the sequence did not end) and its timing.
-void push_last_chunk(group::ChunkStreamer& stream, generate::GenerateChunk last, const group::Sequence& seq,
-                     generate::GenerateTiming& timing) {
-  timing.set_generated_tokens(seq.generated());
-  last.set_finish(seq.finish() == generate::FINISH_REASON_UNSPECIFIED ? generate::FINISH_CANCELLED : seq.finish());
-  *last.mutable_timing() = timing;
-  stream.push(std::move(last));
-}
-
-// The call's status once its stream is done: cancelled where the client went away first.
-grpc::Status stream_status(group::ChunkStreamer& stream) {
-  return stream.finish() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-}
-
-// A request that failed on the way: an error chunk naming why ends its stream, and the call's
-// status says the same.
-grpc::Status end_with_error(group::ChunkStreamer& stream, const std::string& what) {
-  generate::GenerateChunk err;
-  err.set_finish(generate::FINISH_ERROR);
-  err.set_error(what);
-  stream.push(std::move(err));
-  stream.finish();
-  return {grpc::StatusCode::INTERNAL, what};
-}
+using group::end_with_error;
+using group::push_last_chunk;
+using group::stream_status;
 
 using Options = group::CoordinatorOptions;
 using group::kv_type_for;
@@ -175,6 +155,9 @@ class Coordinator final : public generate::Coordinator::Service {
       // --batch-decode: the batched decode steps and the rows they carried.
       (*r.mutable_counters())["batched_steps"] = stepper_ ? stepper_->steps() : 0;
       (*r.mutable_counters())["batched_rows"] = stepper_ ? stepper_->rows() : 0;
+      (*r.mutable_counters())["batched_prompt_rows"] = stepper_ ? stepper_->chunk_rows() : 0;
+      (*r.mutable_counters())["batched_mixed_steps"] = stepper_ ? stepper_->mixed_steps() : 0;
+      (*r.mutable_counters())["batched_waiting"] = stepper_ ? static_cast<uint64_t>(stepper_->waiting()) : 0;
       (*r.mutable_counters())["context_tokens"] = static_cast<uint64_t>(context_positions_);
       // The placement, for `moraine stats` to print as a table.
       auto& c = *r.mutable_counters();
@@ -209,9 +192,13 @@ class Coordinator final : public generate::Coordinator::Service {
                                     std::to_string(group::kMaxSegments) + " (got --step-channel " + o.step_channel +
                                     ", --parallel " + std::to_string(o.parallel) + ")");
       man.slots = o.parallel;
-      stepper_ = std::make_unique<group::BatchStepper>(o.parallel, [this](std::span<group::BatchStepper::Row* const> rows) {
-        run_batched(rows);
-      });
+      if (o.prefill_chunk < 0 || o.parallel + o.prefill_chunk > o.max_tokens)
+        throw std::invalid_argument("--prefill-chunk " + std::to_string(o.prefill_chunk) + ": with --parallel " +
+                                    std::to_string(o.parallel) + " decode rows a batched step must fit --max-tokens " +
+                                    std::to_string(o.max_tokens) + " rows");
+      stepper_ = std::make_unique<group::BatchStepper>(
+          o.parallel, [this](std::span<group::BatchStepper::Row* const> rows) { run_batched(rows); }, o.prefill_chunk);
+      stepper_->set_queue_limit(o.batch_queue);
     }
     plan_.write(man.placement_path);
     man.write(group::manifest_path(o.socket_dir));
@@ -357,85 +344,37 @@ class Coordinator final : public generate::Coordinator::Service {
   struct DraftPolicies {
     group::DraftPolicy suffix, mtp;
   };
-  // --batch-decode: the request holds a slot; its prompt goes in steps of its own on the slot
-  // (exclusive: between batched steps, from a reset: no prefix or conversation cache yet), then
-  // each token is a row of a batched step (BatchStepper::decode). No speculation.
+  // --batch-decode (coordinator/batched_request.h): with --prefill-chunk 0 the prompt runs here, as
+  // steps of its own on the slot from a reset (between batched steps).
   grpc::Status generate_batched(grpc::ServerContext* ctx, grpc::ServerWriter<generate::GenerateChunk>* writer,
                                 group::Sequence& seq) {
-    const int slot = stepper_->acquire_slot([&] { return ctx->IsCancelled(); });
-    if (slot < 0) return {grpc::StatusCode::CANCELLED, "the client went away while queued"};
-    struct Release {
-      group::BatchStepper& s;
-      int slot;
-      bool decoding = false;
-      ~Release() {
-        if (decoding) s.end_decoding();
-        s.release_slot(slot);
-      }
-    } release{*stepper_, slot};
     const bool token_only = !seq.needs_logits() && !logits_dump_.is_open() && !o_.greedy_on_host;
-    group::ChunkStreamer stream(writer);
-    generate::GenerateTiming timing;
-    timing.set_prompt_tokens(static_cast<uint32_t>(seq.prompt_tokens()));
-    timing.set_context_tokens(static_cast<uint32_t>(context_positions_));
-    const auto finished = [&](generate::GenerateChunk last) {
-      push_last_chunk(stream, std::move(last), seq, timing);
-      return stream_status(stream);
-    };
-    try {
-      const auto t0 = Clock::now();
-      int32_t next = -1;
-      stepper_->exclusive([&] {
-        token_only_ = token_only;
-        check_on_worker_ = mtp_request_ = false;
-        step_slot_ = slot;
-        struct Slot0 {
-          int& s;
-          ~Slot0() { s = 0; }
-        } slot0{step_slot_};
-        const StepOutput out = run_steps(seq.context.data(), static_cast<int64_t>(seq.context.size()), true);
-        next = out.token >= 0 ? out.token : seq.sample(out.logits);
-      });
+    group::BatchedRequestEnv env{*stepper_, o_.prefill_chunk > 0, {}, context_positions_, prefill_, decode_, cancelled_,
+                                 greedy_worker_tokens_};
+    env.exclusive_prefill = [this](int slot, const group::Sequence& s, bool only, std::vector<float>& logits) {
+      token_only_ = only;
+      check_on_worker_ = mtp_request_ = false;
+      step_slot_ = slot;
+      struct Slot0 {
+        int& s;
+        ~Slot0() { s = 0; }
+      } slot0{step_slot_};
+      const StepOutput out = run_steps(s.context.data(), static_cast<int64_t>(s.context.size()), true);
       cache_.clear();   // the slot-0 sequence is not a reusable conversation in this mode
       position_ = 0;
-      timing.set_prefill_us(static_cast<uint64_t>(us_since(t0)));
-      prefill_.record(seq.context.size(), 0, 0, us_since(t0));
-      const auto t1 = Clock::now();
-      stepper_->begin_decoding();
-      release.decoding = true;
-      group::BatchStepper::Row row;
-      row.slot = slot;
-      row.token_only = token_only;
-      for (int64_t position = static_cast<int64_t>(seq.context.size());; ++position) {
-        generate::GenerateChunk chunk;
-        if (seq.accept(next, chunk)) {
-          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-          return finished(std::move(chunk));
-        }
-        stream.push(std::move(chunk));
-        if (ctx->IsCancelled() || stream.broken()) {
-          ++cancelled_;
-          timing.set_decode_us(static_cast<uint64_t>(us_since(t1)));
-          return finished({});
-        }
-        row.token = next;
-        row.position = position;
-        const auto ts = Clock::now();
-        stepper_->decode(row);
-        decode_.record(1, 0, 0, us_since(ts));
-        next = row.out_token >= 0 ? row.out_token : seq.sample(row.logits);
-        if (row.out_token >= 0) ++greedy_worker_tokens_;
-      }
-    } catch (const std::exception& e) {
-      return end_with_error(stream, e.what());
-    }
+      if (out.token < 0) logits.assign(out.logits.begin(), out.logits.end());
+      return out.token;
+    };
+    return group::generate_batched(env, ctx, writer, seq, token_only);
   }
 
-  // One batched decode step (BatchStepper's Issue): a segment of one row per request, greedy
+  // One batched step (BatchStepper's Issue): a segment per decode row or prompt chunk, greedy
   // tokens when every request takes them, else the logits rows.
   void run_batched(std::span<group::BatchStepper::Row* const> rows) {
-    if (static_cast<int64_t>(rows.size()) > o_.max_tokens)
-      throw std::logic_error("coordinator: a batched step of " + std::to_string(rows.size()) + " rows, steps of " +
+    int64_t n = 0;
+    for (const group::BatchStepper::Row* r : rows) n += r->n_rows();
+    if (n > o_.max_tokens)
+      throw std::logic_error("coordinator: a batched step of " + std::to_string(n) + " rows, steps of " +
                              std::to_string(o_.max_tokens));
     group::write_batched_step(exchange_.data(), xl_, ++step_seq_, rows);
     try {

@@ -179,6 +179,14 @@ void add_coordinator_options(CLI::App& app, CoordinatorOptions& o) {
   app.add_flag("--batch-decode", o.batch_decode,
                "the --parallel requests decode together: each step carries one row per decoding request, every chosen "
                "expert read once for all (each slot's KV charged to --vram; no speculation or prompt cache for them yet)");
+  app.add_option("--prefill-chunk", o.prefill_chunk,
+                 "--batch-decode: prompt rows per batched step, beside the decoding requests' rows, so that they keep "
+                 "streaming while a new request prefills (0: a new prompt runs as steps of its own between them)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--batch-queue", o.batch_queue,
+                 "--batch-decode: requests that wait for a sequence slot beyond --parallel, taking them in arrival "
+                 "order; more are refused at once (RESOURCE_EXHAUSTED)")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--turn-tokens", o.turn_tokens, "tokens a request's turn runs before it yields to a waiting one")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--cache-ram", o.cache_ram,

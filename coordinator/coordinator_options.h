@@ -58,6 +58,14 @@ struct CoordinatorOptions {
   // sequence slot of the gpu_worker (its KV cache and state charged to --vram per slot), and one
   // step carries a decode row of every decoding one. Off by default.
   bool batch_decode = false;
+  // ... and a new request's prompt goes in chunks of at most this many rows per batched step,
+  // beside the decoding requests' rows (0: its prefill is a step of its own, between batched
+  // steps).
+  // 32: a stream's longest gap beside a 320-token prompt 15-21 ms (whole: 60-149), its first token 83-96 ms (whole: 58-145, 8 rows: 117-253; CPU, group_batch_test MORAINE_CHUNK_SWEEP=1).
+  int prefill_chunk = 32;
+  // ... and the requests beyond the --parallel slots that wait for one, in arrival order; more
+  // are refused (RESOURCE_EXHAUSTED). 64: serve's --queue default.
+  int batch_queue = 64;
   bool print_plan = false;   // print the window and the placement, then exit (no group)
 };
 
