@@ -82,6 +82,14 @@ struct BackendOptions {
   // against 3,747 with everything in RAM (bench/RESULTS.md, "The 80B shape"); at prefill the
   // read-ahead has read the layer's FILE experts anyway, so only the bus copy is added.
   bool stage_file = true;
+  // CPU backend: stage as the CUDA backend does (stage_supported for any layer with routed
+  // experts), computing staged experts with the reference kernel from copies made when they are
+  // staged, so that the gpu_worker's staging protocol (the FILE tier's fill, check and redo)
+  // runs in CI without a GPU. Off: the CPU backend stages nothing, as before.
+  bool cpu_stage = false;
+  // Fault injection (gpu_worker --fault-tear-file-copies): this many of each window's FILE-tier
+  // copies are reported torn (gpu_worker/file_stage.h), so the recovery path runs in tests.
+  int fault_tear_file_copies = 0;
   // Long steps (long_step_rows): layer il+1's RAM-tier experts are copied in on a stream of their
   // own while layer il computes (Backend::prefetch_staged), into the other half of a stage buffer
   // twice the size; false: each layer's copies run in order before its GEMMs.

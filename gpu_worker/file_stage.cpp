@@ -30,10 +30,13 @@ FileStager::Hit FileStager::find(std::int32_t e) const {
   return h.token != 0 ? h : Hit{};
 }
 
-std::vector<std::int32_t> FileStager::torn() {
+std::vector<std::int32_t> FileStager::torn(std::int64_t force_first) {
   std::vector<std::int32_t> out;
-  for (const Hit& h : pending_)
-    if (!dirs_[static_cast<size_t>(h.worker)].still_valid(h.slot, h.token)) out.push_back(h.expert);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const Hit& h = pending_[i];
+    if (static_cast<std::int64_t>(i) < force_first || !dirs_[static_cast<size_t>(h.worker)].still_valid(h.slot, h.token))
+      out.push_back(h.expert);
+  }
   pending_.clear();
   return out;
 }

@@ -36,10 +36,12 @@ class FileStager {
 
   // Copies of these slots were queued; torn() after they landed: the experts whose slot was
   // refilled (or begun to be) since their token, in the order added. Clears the list.
+  // force_first: the first that many are reported torn whatever their slot says (fault
+  // injection, gpu_worker --fault-tear-file-copies: the recovery path runs on demand).
   void add_pending(const Hit& h) { pending_.push_back(h); }
   bool has_pending() const { return !pending_.empty(); }
   void clear_pending() { pending_.clear(); }   // a layer left half-done (a failed step)
-  std::vector<std::int32_t> torn();
+  std::vector<std::int32_t> torn(std::int64_t force_first = 0);
 
  private:
   std::vector<group::CacheDirectory> dirs_;

@@ -104,6 +104,7 @@ class StepRunner {
       stage_ = stage;
       stage_min_rows_ = o.stage_min_rows;
       stage_share_ = o.stage_share;
+      tear_file_copies_ = o.fault_tear_file_copies;
       stage_rows_.reserve(static_cast<size_t>(m.hp.n_expert));
       // The FILE tier's cache slots, for long steps' staging of what they hold (file_stage.h).
       if (stage && o.stage_file && al_->cache_slots > 0 && placement_.file.experts > 0 && m.hp.n_expert <= group::kMaxMarkedExperts) {
@@ -595,7 +596,7 @@ class StepRunner {
   void check_file_copies(int64_t il, int64_t n) {
     if (!stager_.has_pending()) return;
     backend_->await_staged_copies();
-    const std::vector<int32_t> torn = stager_.torn();
+    const std::vector<int32_t> torn = stager_.torn(tear_file_copies_);
     if (torn.empty()) return;
     std::fill(std::begin(marked_), std::end(marked_), 0);
     std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
@@ -811,6 +812,7 @@ class StepRunner {
   gpu_worker::FileStager stager_;          // empty: long steps stage no FILE-tier expert
   std::vector<int32_t> file_candidates_;   // stage_file_experts' experts of the layer
   uint64_t marked_[8] = {};                // ExpertRequest::marked of the next ring
+  int64_t tear_file_copies_ = 0;           // --fault-tear-file-copies
   std::atomic<uint64_t> experts_staged_file_{0}, file_stage_uncached_{0}, file_stage_torn_{0}, file_fill_requests_{0};
   std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
@@ -943,6 +945,15 @@ int main(int argc, char** argv) {
                "cuda, long steps: also compute on the device the FILE tier's experts that the file cache holds, copied from "
                "their cache slots (a layer's are read into the cache first; a slot refilled during its copy goes back to "
                "its cpu worker); off: the cpu workers compute every FILE-tier expert")
+      ->capture_default_str();
+  app.add_option("--fault-tear-file-copies", base.fault_tear_file_copies,
+                 "fault injection (tests): at every check of a window's FILE-tier copies, report this many as torn "
+                 "(their slots refilled under the copy), so the device drops them and their cpu workers recompute them")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--cpu-backend-stages", base.cpu_stage,
+               "cpu backend: stage long steps' experts as the cuda backend does, computed from copies taken when staged "
+               "(the staging protocol without a GPU; tests)")
       ->capture_default_str();
   app.add_flag("--prefill-stage-prefetch,!--no-prefill-stage-prefetch", base.stage_prefetch,
                "cuda, long steps: copy layer L+1's RAM-tier experts in on their own stream while layer L computes "

@@ -112,6 +112,20 @@ TEST(FileStager, CopiesOfRefilledSlotsAreTorn) {
   EXPECT_EQ(st.torn(), (std::vector<int32_t>{0}));
 }
 
+// Fault injection: the first force_first copies are torn whatever their slots say, the rest by them.
+TEST(FileStager, ForcedTearsComeFirst) {
+  Dirs d(1);
+  FileStager st(d.dirs, kExperts);
+  for (int32_t e = 0; e < 3; ++e) d.fill(0, e, 0, e);
+  st.index_layer(0);
+  for (int32_t e : {2, 0, 1}) st.add_pending(st.find(e));
+  ASSERT_TRUE(d.dirs[0].begin_fill(1, 0, 5));   // expert 1's slot refilled
+  EXPECT_EQ(st.torn(1), (std::vector<int32_t>{2, 1}));
+  st.index_layer(0);
+  st.add_pending(st.find(0));
+  EXPECT_EQ(st.torn(4), (std::vector<int32_t>{0})) << "more forced than pending";
+}
+
 TEST(FileStager, ClearPendingForgetsALayerLeftHalfDone) {
   Dirs d(1);
   FileStager st(d.dirs, kExperts);
