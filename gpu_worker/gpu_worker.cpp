@@ -149,9 +149,7 @@ class StepRunner {
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
   uint64_t experts_taken() const { return experts_taken_.load(); }
   uint64_t experts_staged() const { return experts_staged_.load(); }
-  // Long steps' FILE-tier experts (stage_file_experts): staged from the file cache, not in it
-  // when staged (the cpu workers computed them), found refilled after the copy (recomputed by
-  // their worker), and the fill rounds that asked the workers to read a layer's into the cache.
+  // Long steps' FILE-tier experts (stage_file_experts): staged, not cached (the workers'), torn, fill rounds.
   uint64_t experts_staged_file() const { return experts_staged_file_.load(); }
   uint64_t file_stage_uncached() const { return file_stage_uncached_.load(); }
   uint64_t file_stage_torn() const { return file_stage_torn_.load(); }
@@ -575,8 +573,7 @@ class StepRunner {
     }
   }
 
-  // The owners of file_candidates_ read them into their file cache (ExpertRequest kFillRequest)
-  // and answer; a read error fails the step as a compute request's would.
+  // The owners of file_candidates_ read them into their cache (kFillRequest); a read error fails the step.
   void fill_file_cache(int64_t il, int64_t n) {
     std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
     for (const int32_t e : file_candidates_) {
