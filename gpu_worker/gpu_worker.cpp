@@ -150,10 +150,11 @@ class StepRunner {
   uint64_t experts_taken() const { return experts_taken_.load(); }
   uint64_t experts_staged() const { return experts_staged_.load(); }
   // Long steps' FILE-tier experts (stage_file_experts): staged, not cached (the workers'), torn, fill rounds.
-  uint64_t experts_staged_file() const { return experts_staged_file_.load(); }
-  uint64_t file_stage_uncached() const { return file_stage_uncached_.load(); }
-  uint64_t file_stage_torn() const { return file_stage_torn_.load(); }
-  uint64_t file_fill_requests() const { return file_fill_requests_.load(); }
+  void file_stage_counters(control::StatsReply& r) const {
+    auto& c = *r.mutable_counters();
+    c["experts_device_staged_file"] = experts_staged_file_.load(), c["file_stage_uncached"] = file_stage_uncached_.load();
+    c["file_stage_torn"] = file_stage_torn_.load(), c["file_fill_requests"] = file_fill_requests_.load();
+  }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
   const gpu_worker::SequenceStore& sequence_store() const { return store_; }
   // The most seen after a step, or now if more (Stats reads it after a run's last step).
@@ -373,6 +374,7 @@ class StepRunner {
     std::fill(std::begin(marked_), std::end(marked_), 0);
     staged_.clear();
     stager_.clear_pending();
+    file_uncached_now_ = false;
     stage_from_rows_ = 0;
     if (!may_take) {
       stage_from_rows_ = stage_ram_experts(il, std::max(n, step_rows));
@@ -383,6 +385,8 @@ class StepRunner {
     // device's plan-dependent experts (a long step's GEMM over its resident and staged experts)
     // start now, beside the workers, instead of at layer_end after them.
     if (!may_take) backend_->experts_planned(il, n, plan_);
+    // Workers reading FILE experts the device left may evict the slots just copied: settle those first.
+    if (file_uncached_now_) settle_file_copies(il);
     if (man_.zmq_handoff) {
       handoff_zmq(step_seq, il, n);
     } else if (mark_busy_workers(il, chosen, nk)) {
@@ -530,25 +534,21 @@ class StepRunner {
   // order a step with all of them in RAM stages them in (the same GEMM rows, the same bits).
   void submit_staged(int64_t il) {
     if (staged_.empty()) return;
-    std::sort(staged_.begin(), staged_.end(), [](const gpu_worker::StagedExpert& a, const gpu_worker::StagedExpert& b) {
-      return a.expert < b.expert;
-    });
+    std::sort(staged_.begin(), staged_.end(), [](const auto& a, const auto& b) { return a.expert < b.expert; });
     backend_->stage_experts(il, staged_);
   }
 
-  // A long step's layer il (file_stage.h): its FILE-tier experts with rows in this window that
-  // the cpu workers' file cache holds whole are staged from their slots, beside the RAM-tier
-  // ones, and marked in the request so that their owners skip them; the others stay with the
-  // workers. At the layer's first window the owners are first asked to read the layer's
-  // experts into their cache (fill_file_cache): the read-ahead after the previous layer has
-  // usually read them already (a prefill step's rows route to nearly every expert), so this
-  // mostly waits for the reads in flight, and it keeps the read-ahead going for the next layer
-  // even where the device takes every expert a worker has (the workers read ahead after each
-  // answer only). Later windows reuse the device's checked copies (Backend::stage_held).
+  // A long step's layer il (file_stage.h): its FILE experts with rows that the file cache holds
+  // whole are staged from their slots and marked (their owners skip them); the rest stay with the
+  // workers. At the first window the owners read the layer into their cache first (fill_file_cache):
+  // mostly a wait for the read-ahead already in flight (a prefill routes to nearly every expert),
+  // and the answer restarts the read-ahead of the next layer even where the device takes all a
+  // worker has (workers read ahead after an answer only). Later windows reuse checked copies.
   void stage_file_experts(int64_t il, int64_t n, int64_t step_rows, bool first) {
     if (stager_.empty() || step_rows < stage_min_rows_ || !backend_->stage_supported(il, step_rows)) return;
     const int64_t E = m_.hp.n_expert;
     file_candidates_.clear();
+    file_uncached_now_ = false;
     for (int64_t e = 0; e < E; ++e)
       if (plan_.count(e) > 0 && !resident_[il * E + e] && placement_.at(il, e) == group::Tier::kFile)
         file_candidates_.push_back(static_cast<int32_t>(e));
@@ -558,14 +558,14 @@ class StepRunner {
     const model::MoeWeights& W = m_.layers[static_cast<size_t>(il)].moe;
     for (const int32_t e : file_candidates_) {
       if (backend_->stage_held(il, e)) {
-        // Copied and checked at an earlier window: stage_experts copies nothing (the model's own
-        // rows name the shape; they are read only if the backend ever copies it again).
+        // Checked at an earlier window: no copy (the model's rows, read only if copied again).
         staged_.push_back({e, {W.gate.expert(e), W.up.expert(e), W.down.expert(e)}});
       } else if (const gpu_worker::FileStager::Hit h = stager_.find(e); h.slot >= 0) {
         staged_.push_back({e, group::ArenaLayout::bind(m_, il, e, al_->cache_slot(m_, il, h.worker, h.slot), arena_->data())});
         stager_.add_pending(h);
       } else {
         ++file_stage_uncached_;
+        file_uncached_now_ = true;
         continue;
       }
       mark(e);
@@ -586,25 +586,31 @@ class StepRunner {
     ++file_fill_requests_;
   }
 
-  // After the workers answered: once the device's copies from file-cache slots have landed, a
-  // slot refilled since its lookup may have been copied torn. Those experts leave the device
-  // (Backend::unstage_expert: layer_end takes host rows for them) and their owners compute them
-  // now (kRedoRequest, from the file: the slot holds another expert).
+  // After the workers answered: copies whose slot was refilled since the lookup may be torn; those
+  // experts leave the device (layer_end takes host rows) and their owners compute them (kRedoRequest).
   void check_file_copies(int64_t il, int64_t n) {
-    if (!stager_.has_pending()) return;
-    backend_->await_staged_copies();
-    const std::vector<int32_t> torn = stager_.torn(tear_file_copies_);
+    const std::vector<int32_t> torn = settle_file_copies(il);
     if (torn.empty()) return;
     std::fill(std::begin(marked_), std::end(marked_), 0);
     std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
     for (const int32_t e : torn) {
-      backend_->unstage_expert(il, e);
       mark(e);
       worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
-      ++file_stage_torn_;
     }
     ring_workers(il, n, group::kRedoRequest);
     wait_workers(il);
+  }
+  // The pending copies once landed: the torn leave the device and the marks (owners compute them next).
+  std::vector<int32_t> settle_file_copies(int64_t il) {
+    if (!stager_.has_pending()) return {};
+    backend_->await_staged_copies();
+    std::vector<int32_t> torn = stager_.torn(tear_file_copies_);
+    for (const int32_t e : torn) {
+      backend_->unstage_expert(il, e);
+      marked_[e / 64] &= ~(uint64_t{1} << (e % 64));
+      ++file_stage_torn_;
+    }
+    return torn;
   }
   void mark(int64_t e) { marked_[e / 64] |= uint64_t{1} << (e % 64); }
   bool marked(int64_t e) const { return e < group::kMaxMarkedExperts && ((marked_[e / 64] >> (e % 64)) & 1) != 0; }
@@ -810,6 +816,7 @@ class StepRunner {
   std::vector<int32_t> file_candidates_;   // stage_file_experts' experts of the layer
   uint64_t marked_[8] = {};                // ExpertRequest::marked of the next ring
   int64_t tear_file_copies_ = 0;           // --fault-tear-file-copies
+  bool file_uncached_now_ = false;         // this window leaves FILE experts to the workers' own reads
   std::atomic<uint64_t> experts_staged_file_{0}, file_stage_uncached_{0}, file_stage_torn_{0}, file_fill_requests_{0};
   std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
@@ -843,10 +850,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     // Experts the device computed from the RAM tier instead of a cpu worker (--device-takes-from).
     (*r.mutable_counters())["experts_device_taken"] = runner.experts_taken();
     (*r.mutable_counters())["experts_device_staged"] = runner.experts_staged();
-    (*r.mutable_counters())["experts_device_staged_file"] = runner.experts_staged_file();
-    (*r.mutable_counters())["file_stage_uncached"] = runner.file_stage_uncached();
-    (*r.mutable_counters())["file_stage_torn"] = runner.file_stage_torn();
-    (*r.mutable_counters())["file_fill_requests"] = runner.file_fill_requests();
+    runner.file_stage_counters(r);
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
     (*r.mutable_counters())["conversation_cache_bytes"] = runner.sequence_store().bytes();
     (*r.mutable_counters())["conversation_cache_sequences"] = runner.sequence_store().size();

@@ -264,6 +264,9 @@ std::vector<Case> cases() {
   v.push_back({"qwen3next_k256", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   v.push_back({"qwen3moe_k256", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64", "--fault-tear-file-copies=1"},
                model::KvType::F16, 72});
+  // ... a cache short of a layer's FILE experts (the workers read the rest: the device's copies
+  // are settled before they do).
+  v.push_back({"synth:qwen35moe-tiny", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   // Issue 26's formats on the device (matvec_formats_legacy.cuh): "hub" (Q4_1 / Q5_1 experts against
   // Q8_1, IQ4_XS down, Q5_0 / IQ4_NL attention) and "hub_tq" (Q4_0, TQ1_0, TQ2_0 experts), with the
   // experts in VRAM, taken over by the device and staged for a long prompt.
