@@ -71,8 +71,9 @@ group::PlacementPlan plan_for(const CoordinatorOptions& o, const model::Model& m
   }
   if (census_out) *census_out = in.census;
   group::PlacementPlan plan = group::plan_placement(in);
-  // Long steps stage a layer's whole RAM tier at once (group::long_step_stage_slots), whose slots
-  // the reserve must hold; holding them moves experts out of VRAM into RAM, so plan again until
+  // Long steps stage a layer's whole RAM tier and its cached FILE tier at once
+  // (group::long_step_stage_slots), whose slots the reserve must hold; holding them moves experts
+  // out of VRAM into RAM, so plan again until
   // the slots cover the plan's layers (a slot more each round: ~2.7 MB of 9 GB of experts at the
   // 30B shape, so two or three rounds).
   if (const int long_rows = long_step_rows_for(o, m); o.backend == "cuda" && long_rows > 0) {

@@ -59,7 +59,8 @@ gpu_worker::CudaStepScratchOptions cuda_reserve_scratch_options(std::span<const 
 std::int64_t long_step_stage_slots(const PlacementPlan& plan) {
   std::int64_t most = 0;
   for (std::int64_t il = 0; il < plan.n_layer; ++il)
-    most = std::max<std::int64_t>(most, static_cast<std::int64_t>(plan.experts_in(il, Tier::kRam).size()));
+    most = std::max<std::int64_t>(most, static_cast<std::int64_t>(plan.experts_in(il, Tier::kRam).size() +
+                                                                  plan.experts_in(il, Tier::kFile).size()));
   return most;
 }
 

@@ -36,8 +36,10 @@ inline std::uint64_t cuda_device_reserve_bytes(const model::Model& m, std::int64
   return cuda_device_reserve_bytes(m.hp, m.layers, max_tokens, context, long_step_rows, stage_slots, seq_slots);
 }
 
-// The staging slots a long step uses: the most RAM-tier experts of any layer of the placement,
-// so a layer's whole RAM tier is on the device at once for all of a long step's windows.
+// The staging slots a long step uses: the most RAM-tier and FILE-tier experts of any layer of the
+// placement, so a layer's whole RAM tier and what the file cache holds of its FILE tier are on
+// the device at once for all of a long step's windows (gpu_worker --prefill-stage-file: a slot
+// short, the layer's staged experts are copied again for every window).
 std::int64_t long_step_stage_slots(const PlacementPlan& plan);
 
 // The options cuda_device_reserve_bytes lists the scratch with (tests compare it with the backend's).

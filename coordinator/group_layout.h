@@ -185,7 +185,23 @@ struct ExpertRequest {
   // the step itself (a long step's Backend::stage_experts); the workers compute the other
   // RAM-tier ones and their FILE-tier ones. 0: none staged.
   std::uint32_t device_stages_from_rows;
+  // FILE-tier experts of this layer named by the gpu_worker (bit e of `marked`: expert e), read
+  // per `mode` (ExpertRequestMode): the ones the device computes from the file cache this time
+  // (the workers skip them), the ones to read into the cache before it looks (kFill), or the ones
+  // whose cache slot was refilled under the device's copy (kRedo: only those, computed here).
+  std::uint32_t mode;
+  std::uint64_t marked[8];
 };
+inline constexpr std::int64_t kMaxMarkedExperts = 8 * 64;   // ExpertRequest::marked's bits
+
+enum ExpertRequestMode : std::uint32_t {
+  kComputeRequest = 0,   // compute the plan's experts of this worker, but the marked FILE-tier ones
+  kFillRequest = 1,      // compute nothing: the marked FILE-tier experts of this worker into its file cache
+  kRedoRequest = 2,      // compute only the marked experts of this worker (their rows of the plan)
+};
+inline bool expert_marked(const ExpertRequest& r, std::int64_t e) {
+  return e >= 0 && e < kMaxMarkedExperts && ((r.marked[e / 64] >> (e % 64)) & 1) != 0;
+}
 
 // Written by a cpu worker that cannot compute request `seq` (its FILE-tier reads failed: a read
 // error, a truncated shard) before it rings its done doorbell with that seq: the gpu_worker then

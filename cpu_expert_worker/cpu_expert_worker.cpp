@@ -154,12 +154,39 @@ class ExpertWorker {
     work_.clear();
     rows_.clear();
     const int32_t device_expert = r->device_expert;
+    const uint32_t mode = r->mode;
+    if (mode == group::kFillRequest) {
+      // A long step's layer whose FILE-tier experts the device stages from the file cache: read
+      // the marked ones of this worker into it, compute nothing (the gpu_worker then looks).
+      const uint32_t n_fill = r->n_tokens;
+      try {
+        fill_marked(il, *r, seq);
+      } catch (const cpu_worker::FetchError& e) {
+        report_fetch_error(il, e, seq);
+        done->ring(seq);
+        return true;
+      } catch (const std::exception& e) {
+        std::cerr << "cpu_expert_worker " << index_ << ": filling layer " << il << ": " << e.what() << "\n";
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        return true;
+      }
+      done->ring(seq);
+      last_answer_ = Clock::now();
+      prefetch_next_layer(il, n_fill, req, seq);
+      return true;
+    }
     for (int64_t e = 0; e < model_.hp.n_expert; ++e) {
-      // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while running),
-      // and so is the one it took over for this request (ExpertRequest::device_expert), and every
-      // RAM-tier one with enough rows when it stages them (a long step: ExpertRequest::device_stages_from_rows).
-      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0 || resident(r->layer, e) ||
-          e == device_expert || group::device_stages(r->device_stages_from_rows, plan_.at(il, e), plan_exp_.count(e))) {
+      if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_exp_.count(e) == 0) continue;
+      // A redo names the experts whose cache slot was refilled under the device's copy: only those.
+      if (mode == group::kRedoRequest) {
+        if (!group::expert_marked(*r, e)) continue;
+      } else if (resident(r->layer, e) || e == device_expert ||
+                 group::device_stages(r->device_stages_from_rows, plan_.at(il, e), plan_exp_.count(e)) ||
+                 (plan_.at(il, e) == group::Tier::kFile && group::expert_marked(*r, e))) {
+        // Experts on the device now are the gpu_worker's (its VRAM tier, which adapts while
+        // running), and so is the one it took over for this request (ExpertRequest::device_expert),
+        // every RAM-tier one with enough rows when it stages them (a long step:
+        // ExpertRequest::device_stages_from_rows) and the marked FILE-tier ones it stages from the cache.
         continue;
       }
       const int32_t m = plan_exp_.count(e);
@@ -173,12 +200,7 @@ class ExpertWorker {
     } catch (const cpu_worker::FetchError& e) {
       // The io_worker could not read an expert (a read error, a truncated shard): retrying
       // cannot help, so the answer carries the error and the gpu_worker fails the step with it.
-      const std::string text = group::cpu_worker_instance(index_) + ": layer " + std::to_string(il) + ": " + e.what();
-      std::cerr << text << "\n";
-      auto* err = xl_.region("worker_errors").at<group::WorkerError>(exchange_.data()) + index_;
-      err->bytes = static_cast<uint32_t>(std::min(text.size(), group::kStepErrorBytes));
-      std::memcpy(err->text, text.data(), err->bytes);
-      std::atomic_ref<uint64_t>(err->seq).store(seq, std::memory_order_release);
+      report_fetch_error(il, e, seq);
       done->ring(seq);
       return true;
     } catch (const std::exception& e) {
@@ -195,11 +217,62 @@ class ExpertWorker {
     return true;
   }
 
+  void report_fetch_error(int64_t il, const cpu_worker::FetchError& e, uint64_t seq) {
+    const std::string text = group::cpu_worker_instance(index_) + ": layer " + std::to_string(il) + ": " + e.what();
+    std::cerr << text << "\n";
+    auto* err = xl_.region("worker_errors").at<group::WorkerError>(exchange_.data()) + index_;
+    err->bytes = static_cast<uint32_t>(std::min(text.size(), group::kStepErrorBytes));
+    std::memcpy(err->text, text.data(), err->bytes);
+    std::atomic_ref<uint64_t>(err->seq).store(seq, std::memory_order_release);
+  }
+
+  // ExpertRequest kFillRequest: the read-ahead in flight lands, then this worker's marked
+  // FILE-tier experts that its cache lacks are read into the coldest slots (those that do not
+  // fit stay in the file: the workers compute them). Every marked one counts as a use, and the
+  // layer's cached ones stay pinned until the next request, so that the read-ahead this answer
+  // starts for the next layer does not evict them while the device copies them.
+  void fill_marked(int64_t il, const group::ExpertRequest& r, uint64_t step_seq) {
+    ++fill_requests_;
+    if (!cache_) return;
+    finish_read_ahead();
+    cache_->unpin_all();
+    fills_.clear();
+    misses_fill_.clear();
+    for (int64_t e = index_; e < model_.hp.n_expert; e += man_.n_cpu_workers) {
+      if (!group::expert_marked(r, e) || plan_.at(il, e) != group::Tier::kFile || resident(il, e)) continue;
+      cache_->touch(il, e);
+      ++fill_device_experts_;
+      const cpu_worker::ExpertCache::Found f = cache_->find(il, e);
+      if (f.slot >= 0) {
+        cache_->pin(f.slot);
+        if (cache_->take_read_ahead(f.slot)) ++read_ahead_used_;
+      } else {
+        misses_fill_.push_back(static_cast<int32_t>(e));
+      }
+    }
+    for (const int32_t e : misses_fill_) {
+      const int64_t slot = cache_->victim(il, e, false);
+      if (slot < 0) break;   // every other slot holds one of this layer's
+      if (cache_->holds_expert(slot)) ++cache_evictions_;
+      cache_->begin_fill(slot, il, e);
+      fills_.push_back({e, slot});
+    }
+    if (!fills_.empty()) {
+      fetch_now(il, step_seq);
+      fill_reads_ += fills_.size();
+    }
+    cache_filled_ = static_cast<uint64_t>(cache_->filled());
+  }
+
   // Reads ahead into the file cache the FILE-tier experts of layer `next` that this worker will
   // likely compute: the router guess's (decode), or at a step whose rows route to about every
   // expert (prefill) all it owns of that layer, hottest first. The reads overlap the GPU's part
   // and the other workers; run_file_work waits for them before it looks anything up.
   void read_ahead(int64_t next, const std::vector<int32_t>& candidates, uint64_t step_seq) {
+    if (!ahead_.empty()) {   // still in flight (run_file_work leaves another layer's): one request at a time
+      if (ahead_layer_ == next) return;
+      finish_read_ahead();
+    }
     ahead_.clear();
     for (const int32_t e : candidates) {
       if (group::expert_owner(e, man_.n_cpu_workers) != index_ || plan_.at(next, e) != group::Tier::kFile ||
@@ -214,6 +287,7 @@ class ExpertWorker {
       ahead_.push_back({e, slot});
     }
     if (ahead_.empty()) return;
+    ahead_layer_ = next;
     try {
       const uint64_t bytes = fetch_->send(next, ahead_, step_seq);
       read_ahead_bytes_ += bytes;
@@ -369,6 +443,11 @@ class ExpertWorker {
     c["read_ahead_experts"] = read_ahead_experts_.load();
     c["read_ahead_bytes"] = read_ahead_bytes_.load();
     c["read_ahead_used"] = read_ahead_used_.load();
+    // Long steps whose device stages FILE-tier experts from the cache (gpu_worker/file_stage.h):
+    // the fill requests served, the experts they named (the device's), and those they read.
+    c["fill_requests"] = fill_requests_.load();
+    c["fill_device_experts"] = fill_device_experts_.load();
+    c["fill_reads"] = fill_reads_.load();
     // Futex sleeps of the doorbell thread before a request and of the expert threads between
     // job lists: while tokens are generated both should stay near zero (--spin-us).
     c["doorbell_sleeps"] = bell_sleeps_.load();
@@ -425,6 +504,12 @@ class ExpertWorker {
   // refill in between would have changed the bytes: those are computed again as misses); misses
   // are read into the coldest slots, as many at a time as there are slots, then computed.
   void run_file_work(int64_t il, const float* hidden, uint64_t step_seq) {
+    // A read-ahead of another layer (the next one, started after a long step's fill request)
+    // stays in flight when this request has no FILE-tier expert: it needs no read of its own.
+    const bool file_work = std::any_of(work_.begin(), work_.end(), [&](const Work& w) {
+      return plan_.at(il, w.expert) == group::Tier::kFile;
+    });
+    if (!file_work && ahead_layer_ != il) return;
     finish_read_ahead();
     cache_->unpin_all();
     hits_.clear();
@@ -519,6 +604,7 @@ class ExpertWorker {
     fetch_ = std::make_unique<cpu_worker::FileFetch>(model_, al_, index_, io_endpoint_);
     hits_.reserve(static_cast<size_t>(hp.n_expert));
     misses_.reserve(static_cast<size_t>(hp.n_expert));
+    misses_fill_.reserve(static_cast<size_t>(hp.n_expert));
     batch_.reserve(static_cast<size_t>(hp.n_expert));
     fills_.reserve(static_cast<size_t>(hp.n_expert));
     ahead_.reserve(static_cast<size_t>(hp.n_expert));
@@ -653,6 +739,9 @@ class ExpertWorker {
   std::vector<const Work*> misses_, batch_;
   std::vector<cpu_worker::FileFetch::Item> fills_;   // batch_'s slots
   std::vector<cpu_worker::FileFetch::Item> ahead_;   // the read-ahead in flight
+  int64_t ahead_layer_ = -1;                          // ... of this layer
+  std::vector<int32_t> misses_fill_;                  // fill_marked's experts not cached
+  std::atomic<uint64_t> fill_requests_{0}, fill_device_experts_{0}, fill_reads_{0};
   std::vector<int32_t> by_heat_;
   std::atomic<uint64_t> cache_hits_{0}, cache_misses_{0}, cache_stale_{0}, cache_evictions_{0}, cache_filled_{0};
   std::atomic<uint64_t> read_ahead_requests_{0}, read_ahead_experts_{0}, read_ahead_used_{0}, read_ahead_bytes_{0};

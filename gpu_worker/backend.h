@@ -75,6 +75,21 @@ struct BackendOptions {
   // Backend::experts_planned). 1: all of them, since the workers' share sets the time where the
   // device is faster (30B pp512 at 12G: 2668 tok/s all staged, 1887 at 0.75; docs/perf-log.md).
   double stage_share = 1.0;
+  // ... and the FILE-tier experts of such a step that the cpu workers' file cache holds (the
+  // gpu_worker's choice, gpu_worker/file_stage.h): copied from their cache slots as the RAM-tier
+  // ones are, checked against the slot's seqlock once landed. Why: the 80B shape at --vram 12G
+  // --ram 32G prefilled 486 tok/s with the workers computing every FILE expert for every row,
+  // against 3,747 with everything in RAM (bench/RESULTS.md, "The 80B shape"); at prefill the
+  // read-ahead has read the layer's FILE experts anyway, so only the bus copy is added.
+  bool stage_file = true;
+  // CPU backend: stage as the CUDA backend does (stage_supported for any layer with routed
+  // experts), computing staged experts with the reference kernel from copies made when they are
+  // staged, so that the gpu_worker's staging protocol (the FILE tier's fill, check and redo)
+  // runs in CI without a GPU. Off: the CPU backend stages nothing, as before.
+  bool cpu_stage = false;
+  // Fault injection (gpu_worker --fault-tear-file-copies): this many of each window's FILE-tier
+  // copies are reported torn (gpu_worker/file_stage.h), so the recovery path runs in tests.
+  int fault_tear_file_copies = 0;
   // Long steps (long_step_rows): layer il+1's RAM-tier experts are copied in on a stream of their
   // own while layer il computes (Backend::prefetch_staged), into the other half of a stage buffer
   // twice the size; false: each layer's copies run in order before its GEMMs.
@@ -329,6 +344,20 @@ class Backend {
   virtual void prefetch_staged(int64_t il, std::span<const StagedExpert> experts) { (void)il, (void)experts; }
   virtual void stage_experts(int64_t il, std::span<const StagedExpert> experts) {
     (void)il, (void)experts;
+    throw std::logic_error("this backend computes no off-device experts (stage_supported is false)");
+  }
+  // Staging from memory that another process may overwrite (the FILE tier's file-cache slots,
+  // read under their seqlock, gpu_worker/file_stage.h): stage_held says whether expert e's copy
+  // from an earlier window of this step is still on the device for layer il (a stage_experts of
+  // it then copies nothing again); await_staged_copies returns once every copy the staged
+  // experts queued so far has landed (their source bytes may change after it); unstage_expert,
+  // between experts_planned / stage_experts and layer_end, drops the device's rows of staged
+  // expert e (its copy was found torn): layer_end takes e's rows from host_rows as for an expert
+  // not on the device, and the copy is not kept for later windows.
+  virtual bool stage_held(int64_t il, int32_t e) const { return (void)il, (void)e, false; }
+  virtual void await_staged_copies() {}
+  virtual void unstage_expert(int64_t il, int32_t e) {
+    (void)il, (void)e;
     throw std::logic_error("this backend computes no off-device experts (stage_supported is false)");
   }
 

@@ -25,7 +25,8 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   CpuBackend(const model::Model& m, const BackendOptions& o) : m_(m), exec_(m, {o.threads}), max_tokens_(o.max_tokens),
-        max_step_rows_(std::max(o.max_tokens, o.long_step_rows)), parked_(static_cast<size_t>(std::max(1, o.slots))) {
+        max_step_rows_(std::max(o.max_tokens, o.long_step_rows)), stage_on_(o.cpu_stage && o.stage_experts > 0),
+        parked_(static_cast<size_t>(std::max(1, o.slots))) {
     if (o.slots < 1) throw std::invalid_argument("CPU backend: " + std::to_string(o.slots) + " sequence slots, expected at least 1");
     for (int s = 1; s < o.slots; ++s) {   // every slot starts as an empty sequence
       use_slot(s);
@@ -55,6 +56,12 @@ class CpuBackend final : public Backend {
     gathered_.resize(static_cast<size_t>(T * d));
     routed_scratch_.reserve(T, m.hp.n_ff_exp);
     on_device_.assign(static_cast<size_t>(m.hp.n_layer * m.hp.n_expert), o.all_experts ? 1 : 0);
+    if (stage_on_) {
+      copies_.resize(static_cast<size_t>(m.hp.n_expert));
+      copy_parts_.resize(static_cast<size_t>(m.hp.n_expert));
+      staged_.assign(static_cast<size_t>(m.hp.n_expert), 0);
+      held_.assign(static_cast<size_t>(m.hp.n_expert), 0);
+    }
     whole_.assign(static_cast<size_t>(m.hp.n_layer), o.all_experts);
     if (!o.all_experts) {
       if (static_cast<int64_t>(o.device_experts.size()) != m.hp.n_layer)
@@ -119,6 +126,8 @@ class CpuBackend final : public Backend {
       throw std::invalid_argument("CPU backend: a step of " + std::to_string(n) + " rows whose segments hold " + std::to_string(sum));
     exec_.embed(std::span<const int32_t>(tokens, static_cast<size_t>(n)), x_.data());
     step_rows_ = n;
+    held_layer_ = -1;   // copies are kept for one step's windows of a layer, as the CUDA backend's
+    clear_staged();
     set_window(0, std::min(n, max_tokens_));
   }
   void set_window(int64_t first, int64_t rows) override {
@@ -164,7 +173,8 @@ class CpuBackend final : public Backend {
     // This device's experts, into the same packed rows the cpu workers use.
     // The taken expert (handoff_take_expert) from the host memory it was given, as the CUDA
     // backend computes it from its copy of those bytes.
-    const auto own_expert = [&](int64_t e) { return on_device_[il * n_expert + e] || e == taken_e_; };
+    const auto is_staged = [&](int64_t e) { return staged_layer_ == il && staged_[static_cast<size_t>(e)] != 0; };
+    const auto own_expert = [&](int64_t e) { return on_device_[il * n_expert + e] || e == taken_e_ || is_staged(e); };
     for (int64_t e = 0; e < n_expert; ++e) {
       const int32_t rows = plan.count(e);
       if (rows == 0 || !own_expert(e)) continue;
@@ -173,7 +183,9 @@ class CpuBackend final : public Backend {
         std::copy_n(h_.data() + t * d, d, gathered_.data() + j * d);
       }
       const std::array<model::Matrix, 3> parts =
-          e == taken_e_ ? taken_parts_ : std::array<model::Matrix, 3>{W.gate.expert(e), W.up.expert(e), W.down.expert(e)};
+          e == taken_e_ ? taken_parts_
+          : is_staged(e) ? copy_parts_[static_cast<size_t>(e)]
+                         : std::array<model::Matrix, 3>{W.gate.expert(e), W.up.expert(e), W.down.expert(e)};
       reference::routed_expert(parts, W, e, m_.layers[il].recipe.ffn.experts, gathered_.data(), rows,
                                own_rows_.data() + int64_t{plan.start[e]} * d, routed_scratch_, exec_.pool());
     }
@@ -193,6 +205,52 @@ class CpuBackend final : public Backend {
     }
     reference::moe_combine(m_.hp, W, h_.data(), n, weight_.data(), slot_rows_.data(), shared, window_x());
     last_n_ = window_first_ + n;
+    if (staged_layer_ == il) clear_staged();
+  }
+
+  // BackendOptions::cpu_stage: long steps' staged experts from copies taken here (the CUDA
+  // backend's device copies), kept for the step's later windows of the layer (stage_held).
+  bool stage_supported(int64_t il, int64_t n) const override {
+    return stage_on_ && n >= 1 && il >= 0 && il < m_.hp.n_layer && !dense(il) && m_.layers[static_cast<size_t>(il)].moe.down;
+  }
+  bool stages_experts() const override { return stage_on_; }
+  void stage_experts(int64_t il, std::span<const StagedExpert> experts) override {
+    if (!stage_supported(il, step_rows_))
+      throw std::logic_error("CPU backend: stage_experts for layer " + std::to_string(il) + " where stage_supported says no");
+    if (staged_layer_ >= 0 && staged_layer_ != il)
+      throw std::logic_error("CPU backend: layer " + std::to_string(staged_layer_) + "'s staged experts were not computed");
+    if (held_layer_ != il) {
+      std::fill(held_.begin(), held_.end(), 0);
+      held_layer_ = il;
+    }
+    const model::MoeWeights& W = m_.layers[static_cast<size_t>(il)].moe;
+    for (const StagedExpert& x : experts) {
+      const int32_t e = x.expert;
+      if (e < 0 || e >= m_.hp.n_expert || on_device_[il * m_.hp.n_expert + e] || staged_[static_cast<size_t>(e)])
+        throw std::logic_error("CPU backend: layer " + std::to_string(il) + " expert " + std::to_string(e) +
+                               " is on the device, outside the layer or staged twice");
+      const model::ExpertTensor* want[3] = {&W.gate, &W.up, &W.down};
+      for (size_t w = 0; w < 3; ++w)
+        if (x.parts[w].data == nullptr || x.parts[w].type != want[w]->all.type || x.parts[w].n_rows != want[w]->rows_per_expert ||
+            x.parts[w].row_bytes != want[w]->all.row_bytes)
+          throw std::invalid_argument("CPU backend: staged expert " + std::to_string(e) + " of layer " + std::to_string(il) +
+                                      ": part " + std::to_string(w) + " is not the layer's expert shape");
+      if (!held_[static_cast<size_t>(e)]) copy_expert(e, x.parts);
+      held_[static_cast<size_t>(e)] = 1;
+      staged_[static_cast<size_t>(e)] = 1;
+      staged_list_.push_back(e);
+    }
+    staged_layer_ = il;
+  }
+  bool stage_held(int64_t il, int32_t e) const override {
+    return stage_on_ && held_layer_ == il && e >= 0 && e < m_.hp.n_expert && held_[static_cast<size_t>(e)] != 0;
+  }
+  void unstage_expert(int64_t il, int32_t e) override {
+    if (staged_layer_ != il || e < 0 || e >= m_.hp.n_expert || !staged_[static_cast<size_t>(e)])
+      throw std::logic_error("CPU backend: unstage_expert of layer " + std::to_string(il) + " expert " + std::to_string(e) +
+                             ", which is not staged now");
+    staged_[static_cast<size_t>(e)] = 0;
+    held_[static_cast<size_t>(e)] = 0;
   }
   void advance(int64_t n) override {
     if (n != step_rows_)
@@ -425,6 +483,27 @@ class CpuBackend final : public Backend {
     }
   }
   bool dense(int64_t il) const { return m_.layers[static_cast<size_t>(il)].recipe.ffn.kind == model::FfnKind::Dense; }
+  // The bytes of a staged expert's parts, taken now (the source may be refilled after this).
+  void copy_expert(int32_t e, const std::array<model::Matrix, 3>& parts) {
+    std::vector<uint8_t>& c = copies_[static_cast<size_t>(e)];
+    size_t bytes = 0;
+    for (const model::Matrix& p : parts) bytes += static_cast<size_t>(p.n_rows) * p.row_bytes;
+    c.resize(bytes);
+    size_t at = 0;
+    std::array<model::Matrix, 3>& out = copy_parts_[static_cast<size_t>(e)];
+    for (size_t w = 0; w < 3; ++w) {
+      const size_t one = static_cast<size_t>(parts[w].n_rows) * parts[w].row_bytes;
+      std::copy_n(parts[w].data, one, c.data() + at);
+      out[w] = parts[w];
+      out[w].data = c.data() + at;
+      at += one;
+    }
+  }
+  void clear_staged() {
+    for (const int32_t e : staged_list_) staged_[static_cast<size_t>(e)] = 0;
+    staged_list_.clear();
+    staged_layer_ = -1;
+  }
   void check_rows(int64_t n) const {
     if (n <= 0 || n > max_tokens_)
       throw std::invalid_argument("CPU backend: " + std::to_string(n) + " rows, expected 1.." + std::to_string(max_tokens_));
@@ -442,6 +521,14 @@ class CpuBackend final : public Backend {
   std::vector<int32_t> chosen_;
   std::vector<const float*> slot_rows_;
   std::vector<uint8_t> on_device_;   // [layer * n_expert + expert]
+  // BackendOptions::cpu_stage: the staged experts of layer staged_layer_ (staged_[e], their ids),
+  // and the copies taken of layer held_layer_'s (held_[e]: copies_[e] holds them this step).
+  const bool stage_on_;
+  int64_t staged_layer_ = -1, held_layer_ = -1;
+  std::vector<uint8_t> staged_, held_;
+  std::vector<int32_t> staged_list_;
+  std::vector<std::vector<uint8_t>> copies_;
+  std::vector<std::array<model::Matrix, 3>> copy_parts_;
   std::vector<bool> whole_;          // [layer]: every expert on this device
   group::ExpertPlan plan_;
   // Sequence slots: parked_[s] holds slot s's sequence while another is the executor's own

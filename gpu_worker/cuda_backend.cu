@@ -34,6 +34,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamDestroy(take_stream_);
   }
   if (take_done_ != nullptr) cudaEventDestroy(take_done_);
+  if (stage_copied_ != nullptr) cudaEventDestroy(stage_copied_);
   for (void* p : pinned_) cudaHostUnregister(p);
   for (cudaStream_t s : segment_streams_) {
     cudaStreamSynchronize(s);
@@ -357,6 +358,7 @@ void CudaBackend::setup_experts() {
       CUDA_CHECK(cudaEventCreateWithFlags(&h.free, cudaEventDisableTiming));
     }
     if (stage_halves_ == 2) CUDA_CHECK(cudaStreamCreateWithFlags(&stage_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&stage_copied_, cudaEventDisableTiming));
   }
   if (scratch_.has("take_expert")) {
     take_expert_ = DeviceBuffer<uint8_t>(scratch_.count<uint8_t>("take_expert"));

@@ -328,6 +328,7 @@ void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& pl
       g.push_back({nullptr, r, count});
       r += count;
     }
+    record_stage_copied();
     run_round(first_row, r);
     CUDA_CHECK(cudaEventRecord(half.free, stream_));
     return;
@@ -350,6 +351,7 @@ void CudaBackend::enqueue_staged_experts(int64_t il, const group::ExpertPlan& pl
       g.push_back({nullptr, r, count});
       r += count;
     }
+    if (last == staged_list_.size()) record_stage_copied();
     run_round(round_first, r);   // the next round's copies wait behind its GEMMs on the stream
   }
   CUDA_CHECK(cudaEventRecord(first_half.free, stream_));
@@ -415,6 +417,36 @@ void CudaBackend::stage_experts(int64_t il, std::span<const StagedExpert> expert
     staged_list_.push_back(x);
   }
   staged_layer_ = il;
+}
+
+void CudaBackend::record_stage_copied() {
+  CUDA_CHECK(cudaEventRecord(stage_copied_, stream_));
+  stage_copied_pending_ = true;
+}
+
+bool CudaBackend::stage_held(int64_t il, int32_t e) const {
+  if (stage_.size() == 0 || il < 0 || il >= m_.hp.n_layer || e < 0 || e >= m_.hp.n_expert) return false;
+  const StageHalf& half = stage_half_of(il);
+  return half.layer == il && half.slot[static_cast<size_t>(e)] >= 0;
+}
+
+void CudaBackend::await_staged_copies() {
+  if (!stage_copied_pending_) return;
+  use_device();
+  CUDA_CHECK(cudaEventSynchronize(stage_copied_));
+  stage_copied_pending_ = false;
+}
+
+void CudaBackend::unstage_expert(int64_t il, int32_t e) {
+  check_layer(il);
+  if (staged_layer_ != il || e < 0 || e >= m_.hp.n_expert || !staged_[static_cast<size_t>(e)])
+    throw std::logic_error("CUDA backend: unstage_expert of layer " + std::to_string(il) + " expert " + std::to_string(e) +
+                           ", which is not staged now");
+  // Its GEMM may have run on the torn copy: layer_end's fill_alt_rows now gives its slots the
+  // host's rows, and the half forgets the copy so that no later window reuses it.
+  staged_[static_cast<size_t>(e)] = 0;
+  StageHalf& half = stage_half_of(il);
+  if (half.layer == il) half.slot[static_cast<size_t>(e)] = -1;
 }
 
 void CudaBackend::check_staged(int64_t il, const StagedExpert& x) const {

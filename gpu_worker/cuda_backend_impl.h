@@ -197,6 +197,9 @@ class CudaBackend final : public Backend {
   bool stages_experts() const override { return true; }
   void stage_experts(int64_t il, std::span<const StagedExpert> experts) override;
   void prefetch_staged(int64_t il, std::span<const StagedExpert> experts) override;
+  bool stage_held(int64_t il, int32_t e) const override;
+  void await_staged_copies() override;
+  void unstage_expert(int64_t il, int32_t e) override;
 
  private:
   static constexpr std::chrono::seconds kHandoffTimeout{60};
@@ -304,6 +307,7 @@ class CudaBackend final : public Backend {
   // ArenaLayout::part_offsets), on stream_.
   void copy_staged(const StagedExpert& x, uint8_t* to, const std::array<size_t, 3>& off, cudaStream_t stream);
   void check_staged(int64_t il, const StagedExpert& x) const;
+  void record_stage_copied();
   // The per-expert path's activation and down bias (SwiGLU; gpt-oss's biases and clamped SwiGLU).
   static bool oss_experts(const DevLayer& L) {
     return L.gate_bias.size() != 0 || L.up_bias.size() != 0 || L.down_bias.size() != 0 || L.clamped;
@@ -509,6 +513,13 @@ class CudaBackend final : public Backend {
     cudaEvent_t ready = nullptr, free = nullptr;
   };
   std::array<StageHalf, 2> stage_half_;
+  // Recorded on stream_ after enqueue_staged_experts' last copy (await_staged_copies waits on it).
+  cudaEvent_t stage_copied_ = nullptr;
+  bool stage_copied_pending_ = false;
+  StageHalf& stage_half_of(int64_t il) { return stage_half_[stage_halves_ == 2 ? static_cast<size_t>(il % 2) : 0]; }
+  const StageHalf& stage_half_of(int64_t il) const {
+    return stage_half_[stage_halves_ == 2 ? static_cast<size_t>(il % 2) : 0];
+  }
   int stage_halves_ = 1;
   cudaStream_t stage_stream_ = nullptr;
   uint8_t* stage_half_base(int h) const { return stage_.get() + static_cast<size_t>(h) * stage_slots_ * stage_slot_bytes_; }

@@ -29,6 +29,7 @@
 #include "coordinator/process_util.h"
 #include "coordinator/step_bell.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/file_stage.h"
 #include "gpu_worker/sequence_store.h"
 #include "gpu_worker/step_segments.h"
 
@@ -73,7 +74,7 @@ class StepRunner {
     o.long_step_rows = man.long_step_rows;
     o.slots = man.slots;
     o.max_context = std::max<int64_t>(placement_.context, std::max(man.max_tokens, man.long_step_rows));
-    // A long step stages a layer's whole RAM tier at once: as many slots as its largest layer's
+    // A long step stages a layer's whole RAM tier (and FILE tier) at once: as many slots as its largest layer's
     // (the coordinator's reserve holds them, coordinator/device_reserve.h).
     if (man.long_step_rows > 0 && o.stage_experts > 0)
       o.stage_experts = static_cast<int>(std::max<int64_t>(o.stage_experts, group::long_step_stage_slots(placement_)));
@@ -103,12 +104,21 @@ class StepRunner {
       stage_ = stage;
       stage_min_rows_ = o.stage_min_rows;
       stage_share_ = o.stage_share;
+      tear_file_copies_ = o.fault_tear_file_copies;
       stage_rows_.reserve(static_cast<size_t>(m.hp.n_expert));
+      // The FILE tier's cache slots, for long steps' staging of what they hold (file_stage.h).
+      if (stage && o.stage_file && al_->cache_slots > 0 && placement_.file.experts > 0 && m.hp.n_expert <= group::kMaxMarkedExperts) {
+        std::vector<group::CacheDirectory> dirs;
+        for (int w = 0; w < man.n_cpu_workers; ++w) dirs.emplace_back(arena_->data() + al_->directory_of(w), al_->cache_slots);
+        stager_ = gpu_worker::FileStager(std::move(dirs), m.hp.n_expert);
+        file_candidates_.reserve(static_cast<size_t>(m.hp.n_expert));
+      }
       std::cerr << "gpu_worker: the RAM tier (" << (arena_->data_bytes() >> 20) << " MiB) mapped for the device in "
                 << static_cast<int64_t>(us_since(t0) / 1000) << " ms; "
                 << (take_from_ > 0 ? "it takes one expert of a layer where a cpu worker has at least " + std::to_string(take_from_) + "; "
                                    : std::string())
-                << (stage_ ? "long steps compute the RAM tier's experts on the device" : "") << "\n";
+                << (stage_ ? "long steps compute the RAM tier's experts on the device" : "")
+                << (!stager_.empty() ? ", and the FILE tier's that the file cache holds" : "") << "\n";
     }
     resident_ = xl_.region("resident").at<uint8_t>(exchange_.data());
     for (int64_t il = 0; il < m.hp.n_layer; ++il)
@@ -139,6 +149,12 @@ class StepRunner {
   uint64_t experts_swapped_in() const { return experts_swapped_in_.load(); }
   uint64_t experts_taken() const { return experts_taken_.load(); }
   uint64_t experts_staged() const { return experts_staged_.load(); }
+  // Long steps' FILE-tier experts (stage_file_experts): staged, not cached (the workers'), torn, fill rounds.
+  void file_stage_counters(control::StatsReply& r) const {
+    auto& c = *r.mutable_counters();
+    c["experts_device_staged_file"] = experts_staged_file_.load(), c["file_stage_uncached"] = file_stage_uncached_.load();
+    c["file_stage_torn"] = file_stage_torn_.load(), c["file_fill_requests"] = file_fill_requests_.load();
+  }
   uint64_t handoff_steps() const { return handoff_steps_.load(); }
   const gpu_worker::SequenceStore& sequence_store() const { return store_; }
   // The most seen after a step, or now if more (Stats reads it after a run's last step).
@@ -348,17 +364,29 @@ class StepRunner {
   }
 
   // step_rows: the rows of the whole step when this is a window of a long step (staging is decided on them).
+  // first_window: the layer's first window of the step (a step of one window: always).
   void hand_layer_to_workers(uint64_t step_seq, int64_t il, int64_t n, const int32_t* chosen, bool may_take = false,
-                             int64_t step_rows = 0) {
+                             int64_t step_rows = 0, bool first_window = true) {
     const int64_t nk = n * m_.hp.n_expert_used;
     plan_.build(chosen, nk, m_.hp.n_expert);
     const auto th = Clock::now();
     device_expert_ = may_take ? expert_to_take(il) : -1;
-    stage_from_rows_ = may_take ? 0 : stage_ram_experts(il, std::max(n, step_rows));
+    std::fill(std::begin(marked_), std::end(marked_), 0);
+    staged_.clear();
+    stager_.clear_pending();
+    file_uncached_now_ = false;
+    stage_from_rows_ = 0;
+    if (!may_take) {
+      stage_from_rows_ = stage_ram_experts(il, std::max(n, step_rows));
+      stage_file_experts(il, n, std::max(n, step_rows), first_window);
+      submit_staged(il);
+    }
     // Outside the in-graph hand-off (may_take) the step goes through layer_begin / layer_end: the
     // device's plan-dependent experts (a long step's GEMM over its resident and staged experts)
     // start now, beside the workers, instead of at layer_end after them.
     if (!may_take) backend_->experts_planned(il, n, plan_);
+    // Workers reading FILE experts the device left may evict the slots just copied: settle those first.
+    if (file_uncached_now_) settle_file_copies(il);
     if (man_.zmq_handoff) {
       handoff_zmq(step_seq, il, n);
     } else if (mark_busy_workers(il, chosen, nk)) {
@@ -368,6 +396,7 @@ class StepRunner {
     } else {
       take_expert(il);
     }
+    if (!man_.zmq_handoff) check_file_copies(il, n);
     handoff_stage_.record(static_cast<uint64_t>(n), static_cast<uint64_t>(nk), 0, us_since(th));
   }
 
@@ -398,7 +427,7 @@ class StepRunner {
         }
         backend_->layer_begin(il, rows, chosen, weights, hidden);
         std::copy_n(chosen, rows * k, layer_chosen + first * k);
-        hand_layer_to_workers(seq, il, rows, chosen, false, n);
+        hand_layer_to_workers(seq, il, rows, chosen, false, n, first == 0);
         backend_->layer_end(il, rows, plan_, expert_out);
       }
     }
@@ -467,7 +496,7 @@ class StepRunner {
     for (int64_t i = 0; i < nk; ++i) {
       const int32_t e = chosen[i];
       if (e < 0 || e >= m_.hp.n_expert || resident_[il * m_.hp.n_expert + e] || e == device_expert_ ||
-          staged_here(il, e))
+          staged_here(il, e) || marked(e))
         continue;
       worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
       any = true;
@@ -480,9 +509,9 @@ class StepRunner {
   // most rows first, BackendOptions::stage_share of them (ties at the last one's row count go
   // too); the cpu workers compute the others meanwhile and skip the staged ones
   // (ExpertRequest::device_stages_from_rows: the same rule on the same routing). FILE-tier
-  // experts stay with the workers. Returns the row count from which experts were staged (0: none).
+  // experts: stage_file_experts. Returns the row count from which experts were staged (0: none);
+  // the list goes to the backend in submit_staged.
   int32_t stage_ram_experts(int64_t il, int64_t n) {
-    staged_.clear();
     if (!stage_ || stage_share_ <= 0 || n < stage_min_rows_ || !backend_->stage_supported(il, n)) return 0;
     const int64_t E = m_.hp.n_expert;
     stage_rows_.clear();
@@ -497,10 +526,94 @@ class StepRunner {
       if (!staged_rule(il, e, from_rows)) continue;
       staged_.push_back({static_cast<int32_t>(e), group::ArenaLayout::bind(m_, il, e, al_->ram_slot(il, e), arena_->data())});
     }
-    backend_->stage_experts(il, staged_);
     experts_staged_ += staged_.size();
     return from_rows;
   }
+
+  // The staged RAM-tier and FILE-tier experts to the backend in one list, by expert id: the
+  // order a step with all of them in RAM stages them in (the same GEMM rows, the same bits).
+  void submit_staged(int64_t il) {
+    if (staged_.empty()) return;
+    std::sort(staged_.begin(), staged_.end(), [](const auto& a, const auto& b) { return a.expert < b.expert; });
+    backend_->stage_experts(il, staged_);
+  }
+
+  // A long step's layer il (file_stage.h): its FILE experts with rows that the file cache holds
+  // whole are staged from their slots and marked (their owners skip them); the rest stay with the
+  // workers. At the first window the owners read the layer into their cache first (fill_file_cache):
+  // mostly a wait for the read-ahead already in flight (a prefill routes to nearly every expert),
+  // and the answer restarts the read-ahead of the next layer even where the device takes all a
+  // worker has (workers read ahead after an answer only). Later windows reuse checked copies.
+  void stage_file_experts(int64_t il, int64_t n, int64_t step_rows, bool first) {
+    if (stager_.empty() || step_rows < stage_min_rows_ || !backend_->stage_supported(il, step_rows)) return;
+    const int64_t E = m_.hp.n_expert;
+    file_candidates_.clear();
+    file_uncached_now_ = false;
+    for (int64_t e = 0; e < E; ++e)
+      if (plan_.count(e) > 0 && !resident_[il * E + e] && placement_.at(il, e) == group::Tier::kFile)
+        file_candidates_.push_back(static_cast<int32_t>(e));
+    if (file_candidates_.empty()) return;
+    if (first) fill_file_cache(il, n);
+    stager_.index_layer(static_cast<int32_t>(il));
+    const model::MoeWeights& W = m_.layers[static_cast<size_t>(il)].moe;
+    for (const int32_t e : file_candidates_) {
+      if (backend_->stage_held(il, e)) {
+        // Checked at an earlier window: no copy (the model's rows, read only if copied again).
+        staged_.push_back({e, {W.gate.expert(e), W.up.expert(e), W.down.expert(e)}});
+      } else if (const gpu_worker::FileStager::Hit h = stager_.find(e); h.slot >= 0) {
+        staged_.push_back({e, group::ArenaLayout::bind(m_, il, e, al_->cache_slot(m_, il, h.worker, h.slot), arena_->data())});
+        stager_.add_pending(h);
+      } else {
+        ++file_stage_uncached_;
+        file_uncached_now_ = true;
+        continue;
+      }
+      mark(e);
+      ++experts_staged_file_;
+    }
+  }
+
+  // The owners of file_candidates_ read them into their cache (kFillRequest); a read error fails the step.
+  void fill_file_cache(int64_t il, int64_t n) {
+    std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
+    for (const int32_t e : file_candidates_) {
+      mark(e);
+      worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
+    }
+    ring_workers(il, n, group::kFillRequest);
+    wait_workers(il);
+    std::fill(std::begin(marked_), std::end(marked_), 0);
+    ++file_fill_requests_;
+  }
+
+  // After the workers answered: copies whose slot was refilled since the lookup may be torn; those
+  // experts leave the device (layer_end takes host rows) and their owners compute them (kRedoRequest).
+  void check_file_copies(int64_t il, int64_t n) {
+    const std::vector<int32_t> torn = settle_file_copies(il);
+    if (torn.empty()) return;
+    std::fill(std::begin(marked_), std::end(marked_), 0);
+    std::fill(worker_busy_.begin(), worker_busy_.end(), 0);
+    for (const int32_t e : torn) {
+      mark(e);
+      worker_busy_[static_cast<size_t>(group::expert_owner(e, man_.n_cpu_workers))] = 1;
+    }
+    ring_workers(il, n, group::kRedoRequest);
+    wait_workers(il);
+  }
+  // The pending copies once landed: the torn leave the device and the marks (owners compute them next).
+  std::vector<int32_t> settle_file_copies(int64_t il) {
+    if (!stager_.has_pending()) return {};
+    backend_->await_staged_copies();
+    std::vector<int32_t> torn = stager_.torn(tear_file_copies_);
+    for (const int32_t e : torn) {
+      backend_->unstage_expert(il, e);
+      marked_[e / 64] &= ~(uint64_t{1} << (e % 64));
+      ++file_stage_torn_;
+    }
+    return torn;
+  }
+  void mark(int64_t e) { marked_[e / 64] |= uint64_t{1} << (e % 64); }
+  bool marked(int64_t e) const { return e < group::kMaxMarkedExperts && ((marked_[e / 64] >> (e % 64)) & 1) != 0; }
   // Whether the step's expert e of layer il is staged at from_rows: group::device_stages, the rule
   // the cpu workers skip by, for an expert not on the device now (those they skip anyway).
   bool staged_rule(int64_t il, int64_t e, int32_t from_rows) const {
@@ -569,13 +682,15 @@ class StepRunner {
     experts_vram_ += hits;
   }
 
-  void ring_workers(int64_t il, int64_t n) {
+  void ring_workers(int64_t il, int64_t n, group::ExpertRequestMode mode = group::kComputeRequest) {
     auto* req = xl_.region("expert_req").at<group::ExpertRequest>(exchange_.data());
     req->seq = ++expert_seq_;
     req->layer = static_cast<uint32_t>(il);
     req->n_tokens = static_cast<uint32_t>(n);
     req->device_expert = device_expert_;
     req->device_stages_from_rows = static_cast<uint32_t>(stage_from_rows_);
+    req->mode = mode;
+    std::copy(std::begin(marked_), std::end(marked_), req->marked);
     for (int w = 0; w < man_.n_cpu_workers; ++w)
       if (worker_busy_[w]) bell(group::ExchangeLayout::request_bell(w))->ring(expert_seq_);
   }
@@ -697,6 +812,12 @@ class StepRunner {
   std::vector<int32_t> worker_ram_expert_;
   std::atomic<uint64_t> experts_taken_{0};
   std::atomic<uint64_t> experts_staged_{0};
+  gpu_worker::FileStager stager_;          // empty: long steps stage no FILE-tier expert
+  std::vector<int32_t> file_candidates_;   // stage_file_experts' experts of the layer
+  uint64_t marked_[8] = {};                // ExpertRequest::marked of the next ring
+  int64_t tear_file_copies_ = 0;           // --fault-tear-file-copies
+  bool file_uncached_now_ = false;         // this window leaves FILE experts to the workers' own reads
+  std::atomic<uint64_t> experts_staged_file_{0}, file_stage_uncached_{0}, file_stage_torn_{0}, file_fill_requests_{0};
   std::atomic<uint64_t> handoff_steps_{0};   // steps with cpu workers launched whole (handoff_begin)
   std::atomic<uint64_t> device_used_peak_{0};   // device memory in use after a step, the most seen
   Clock::time_point device_used_sampled_{};     // when it was last read
@@ -729,6 +850,7 @@ int run(const std::string& socket_dir, const std::string& backend_kind, const gp
     // Experts the device computed from the RAM tier instead of a cpu worker (--device-takes-from).
     (*r.mutable_counters())["experts_device_taken"] = runner.experts_taken();
     (*r.mutable_counters())["experts_device_staged"] = runner.experts_staged();
+    runner.file_stage_counters(r);
     (*r.mutable_counters())["handoff_steps"] = runner.handoff_steps();
     (*r.mutable_counters())["conversation_cache_bytes"] = runner.sequence_store().bytes();
     (*r.mutable_counters())["conversation_cache_sequences"] = runner.sequence_store().size();
@@ -824,6 +946,20 @@ int main(int argc, char** argv) {
                  "cuda, batched steps (coordinator --batch-decode): the segments' attention on up to this many streams "
                  "at once (0: in order)")
       ->check(CLI::Range(0, 16))
+      ->capture_default_str();
+  app.add_flag("--prefill-stage-file,!--no-prefill-stage-file", base.stage_file,
+               "cuda, long steps: also compute on the device the FILE tier's experts that the file cache holds, copied from "
+               "their cache slots (a layer's are read into the cache first; a slot refilled during its copy goes back to "
+               "its cpu worker); off: the cpu workers compute every FILE-tier expert")
+      ->capture_default_str();
+  app.add_option("--fault-tear-file-copies", base.fault_tear_file_copies,
+                 "fault injection (tests): at every check of a window's FILE-tier copies, report this many as torn "
+                 "(their slots refilled under the copy), so the device drops them and their cpu workers recompute them")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--cpu-backend-stages", base.cpu_stage,
+               "cpu backend: stage long steps' experts as the cuda backend does, computed from copies taken when staged "
+               "(the staging protocol without a GPU; tests)")
       ->capture_default_str();
   app.add_flag("--prefill-stage-prefetch,!--no-prefill-stage-prefetch", base.stage_prefetch,
                "cuda, long steps: copy layer L+1's RAM-tier experts in on their own stream while layer L computes "

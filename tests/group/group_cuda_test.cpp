@@ -34,7 +34,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-enum class Experts { kCpu, kVram, kHalf };   // where the routed experts are placed
+// Where the routed experts are placed; kFile: none in VRAM, a quarter in RAM, the rest in the
+// FILE tier with a file cache of the staging slots (--file-cache 0).
+enum class Experts { kCpu, kVram, kHalf, kFile };
 
 struct Case {
   std::string model;
@@ -45,7 +47,10 @@ struct Case {
   int prompt_tokens = 0;   // > 0: the golden prompt repeated to this many tokens (a step of the group's 64 rows first)
   std::string name() const {
     return model + "_" + weights +
-           (experts == Experts::kVram ? "_vram_experts" : experts == Experts::kHalf ? "_half_vram" : "_cpu_experts") +
+           (experts == Experts::kVram   ? "_vram_experts"
+            : experts == Experts::kHalf ? "_half_vram"
+            : experts == Experts::kFile ? "_file_tier"
+                                        : "_cpu_experts") +
            args_suffix() + (kv == model::KvType::F32 ? "_f32kv" : "") + (prompt_tokens > 0 ? "_long_prompt" : "");
   }
   std::string args_suffix() const {
@@ -54,6 +59,7 @@ struct Case {
       out += a.starts_with("--device-takes-from")          ? "_device_takes"
              : a.starts_with("--prefill-stage-min-rows")   ? "_stages"
              : a.starts_with("--prefill-stage-share")      ? "_share"
+             : a.starts_with("--fault-tear-file-copies")   ? "_torn"
                                                            : "_args";
     return out;
   }
@@ -123,6 +129,15 @@ std::string half_the_experts(const std::string& path, model::KvType kv = model::
   return std::to_string(estimate);
 }
 
+// Experts::kFile's --ram for 2 cpu workers: the staging slots' cache, a quarter of the experts in RAM.
+std::string file_tier_ram(const std::string& path) {
+  const model::Model m = model::Model::load(path);
+  const group::ModelSizes s = group::model_sizes(m, group::planned_context(m, 0));
+  const uint64_t slot = *std::max_element(s.expert_slot_bytes.begin(), s.expert_slot_bytes.end());
+  return std::to_string(group::PlacementPlan::cache_region_bytes(2, s.n_expert_used, slot) +
+                        static_cast<uint64_t>(s.n_layer * s.n_expert / 4) * slot + slot / 2);
+}
+
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
 
 class GroupCudaBackend : public ::testing::TestWithParam<Case> {};
@@ -142,6 +157,10 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   o.logits_dump = dir + "/logits.f32";
   if (c.experts == Experts::kVram) o.vram = "1099511627776";  // 1 TiB: every expert fits
   if (c.experts == Experts::kHalf) o.vram = half_the_experts(model, c.kv);
+  if (c.experts == Experts::kFile) {
+    o.ram = file_tier_ram(model);
+    o.extra_args.insert(o.extra_args.end(), {"--file-cache", "0"});
+  }
   for (const std::string& a : c.gpu_worker_args) o.extra_args.push_back("--gpu-worker-arg=" + a);
   if (c.kv == model::KvType::F32) o.extra_args.push_back("--kv-type=f32");
   Group g(o);
@@ -150,6 +169,11 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
         group::PlacementPlan::read(group::placement_path(g.socket_dir()), group::model_sizes(model::Model::load(model), 0));
     EXPECT_GT(plan.vram.experts, 0);
     EXPECT_GT(plan.ram.experts, 0);
+  }
+  if (c.experts == Experts::kFile) {
+    const group::PlacementPlan plan =
+        group::PlacementPlan::read(group::placement_path(g.socket_dir()), group::model_sizes(model::Model::load(model), 0));
+    EXPECT_GT(plan.file.experts, 0) << plan.table();
   }
   const Generation gen = generate(g.socket_dir(), prompt, kTokens);
   ASSERT_TRUE(gen.error.empty()) << gen.error;
@@ -194,6 +218,15 @@ TEST_P(GroupCudaBackend, GreedyTokensAndLogitsMatchTheReference) {
   if (c.args_suffix().find("_stages") != std::string::npos) {   // the long step's RAM-tier experts ran on the device
     EXPECT_GT(gpu_worker_counter(g.socket_dir(), "experts_device_staged"), 0u);
   }
+  if (c.experts == Experts::kFile && c.args_suffix().find("_stages") != std::string::npos) {   // ... and its FILE-tier ones
+    EXPECT_GT(gpu_worker_counter(g.socket_dir(), "experts_device_staged_file"), 0u);
+    const uint64_t torn = gpu_worker_counter(g.socket_dir(), "file_stage_torn");
+    if (c.args_suffix().find("_torn") != std::string::npos) {
+      EXPECT_GT(torn, 0u) << "the injected tears were not checked";
+    } else {
+      EXPECT_EQ(torn, 0u);
+    }
+  }
   g.stop();
   fs::remove_all(dir);
 }
@@ -225,6 +258,15 @@ std::vector<Case> cases() {
   // the same layer call.
   v.push_back({"qwen3moe_k256", "kmix", Experts::kHalf, {"--prefill-stage-min-rows=64", "--prefill-stage-share=0.5"},
                model::KvType::F16, 72});
+  // ... with a FILE tier: its experts staged from the cpu workers' file cache (gpu_worker/file_stage.h),
+  // and with one copy per window reported torn, recomputed by its cpu worker (--fault-tear-file-copies).
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  v.push_back({"qwen3next_k256", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
+  v.push_back({"qwen3moe_k256", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64", "--fault-tear-file-copies=1"},
+               model::KvType::F16, 72});
+  // ... a cache short of a layer's FILE experts (the workers read the rest: the device's copies
+  // are settled before they do).
+  v.push_back({"synth:qwen35moe-tiny", "kmix", Experts::kFile, {"--prefill-stage-min-rows=64"}, model::KvType::F16, 72});
   // Issue 26's formats on the device (matvec_formats_legacy.cuh): "hub" (Q4_1 / Q5_1 experts against
   // Q8_1, IQ4_XS down, Q5_0 / IQ4_NL attention) and "hub_tq" (Q4_0, TQ1_0, TQ2_0 experts), with the
   // experts in VRAM, taken over by the device and staged for a long prompt.

@@ -229,6 +229,74 @@ INSTANTIATE_TEST_SUITE_P(Golden, GroupFileCacheSmall,
                                            SmallCase{"qwen3next_odd", "f32", "zmq"}),
                          [](const ::testing::TestParamInfo<SmallCase>& i) { return i.param.name(); });
 
+// Long steps staging the cached FILE tier on the "device" (gpu_worker/file_stage.h) through the
+// CPU backend's emulation of the CUDA staging path (--cpu-backend-stages: staged experts computed
+// with the reference kernel from copies taken when staged, as the workers compute F32 experts): a
+// 72-token prompt's 64-row step has the owners fill the cache with each layer's FILE experts
+// (kFillRequest), stages them from their slots, and the tokens and logits stay the reference's bit
+// for bit. With --fault-tear-file-copies=1 one copy per window is reported torn: it leaves the
+// device and its owner recomputes it (kRedoRequest), still bit for bit.
+struct StageCase {
+  std::string model;
+  int tear = 0;
+  bool small = false;   // the staging slots' cache (file_budgets' second kind): the workers read what it lacks
+  std::string name() const { return param_name(model) + (small ? "_small" : "") + (tear > 0 ? "_torn" : ""); }
+};
+void PrintTo(const StageCase& c, std::ostream* os) { *os << c.name(); }
+
+class GroupFileCacheStage : public ::testing::TestWithParam<StageCase> {};
+
+TEST_P(GroupFileCacheStage, StagedFromTheCacheMatchesTheReference) {
+  const StageCase& c = GetParam();
+  constexpr int kTokens = 6;
+  const auto [dir, model, golden, unused] = golden_case(c.model, "f32", "filecache-stage", 1);
+  std::vector<int32_t> prompt;
+  while (prompt.size() < 72) prompt.push_back(golden[prompt.size() % golden.size()]);
+  const ReferenceRun ref = reference_greedy(model, prompt, kTokens);
+  const Budgets b = file_budgets(model, 2, !c.small);
+  ASSERT_GT(b.plan.file.experts, 0) << b.plan.table();
+  GroupOptions o = file_cache_group(model, b, "doorbell");
+  o.logits_dump = dir + "/logits.f32";
+  o.extra_args.insert(o.extra_args.end(), {"--gpu-worker-arg=--cpu-backend-stages", "--gpu-worker-arg=--prefill-stage-min-rows=64",
+                                           "--gpu-worker-arg=--fault-tear-file-copies=" + std::to_string(c.tear)});
+  Group g(o);
+  const Generation gen = generate(g.socket_dir(), prompt, kTokens);
+  ASSERT_TRUE(gen.error.empty()) << gen.error;
+  EXPECT_EQ(gen.ids, ref.ids);
+  const std::vector<float> got = read_logits_dump(o.logits_dump, ref.logits.size());
+  const size_t diff = first_bit_difference(got, ref.logits);
+  EXPECT_EQ(diff, got.size()) << "logit " << diff;
+  const std::string gpu = group::kGpuWorkerInstance;
+  const uint64_t staged_file = instance_counter(g.socket_dir(), gpu, "experts_device_staged_file");
+  const uint64_t torn = instance_counter(g.socket_dir(), gpu, "file_stage_torn");
+  EXPECT_GT(staged_file, 0u) << "no FILE-tier expert was staged from the cache";
+  EXPECT_GT(instance_counter(g.socket_dir(), gpu, "file_fill_requests"), 0u);
+  const uint64_t uncached = instance_counter(g.socket_dir(), gpu, "file_stage_uncached");
+  if (!c.small) {
+    EXPECT_EQ(uncached, 0u) << "the cache holds a layer's FILE experts";
+  }
+  const auto n = cpu_counters(g.socket_dir());
+  std::printf("[ %s ] %llu FILE experts staged from the cache, %llu torn, %llu not cached; the workers computed %llu FILE experts\n",
+              c.name().c_str(), static_cast<unsigned long long>(staged_file), static_cast<unsigned long long>(torn),
+              static_cast<unsigned long long>(uncached), static_cast<unsigned long long>(n.at("experts_file")));
+  EXPECT_GT(n.at("fill_requests"), 0u);
+  EXPECT_GT(n.at("fill_device_experts"), 0u);
+  if (c.tear > 0) {
+    EXPECT_GT(torn, 0u);
+    EXPECT_LT(torn, staged_file);
+  } else {
+    EXPECT_EQ(torn, 0u) << "a slot the fill pinned was refilled under a copy";
+  }
+  g.stop();
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GroupFileCacheStage,
+                         ::testing::Values(StageCase{"qwen3moe_odd"}, StageCase{"qwen3moe_odd", 1}, StageCase{"qwen3next_odd", 1},
+                                           StageCase{"qwen3moe_odd", 0, true}, StageCase{"qwen3moe_odd", 1, true},
+                                           StageCase{"synth:qwen35moe-tiny", 0, true}, StageCase{"synth:qwen35moe-tiny", 1, true}),
+                         [](const ::testing::TestParamInfo<StageCase>& i) { return param_name(i.param.name()); });
+
 // io_worker-0 killed in the middle of a read: a first generation connects the workers to it,
 // then it is stopped (SIGSTOP), so the next read a cpu worker sends lands in its socket unread;
 // once the worker has sent it, the process is killed. The request is lost with it: the worker's
